@@ -1,0 +1,24 @@
+# `make test` and `make demo` do all the set-up: they create .venv when it is missing and
+# install qkv (editable) with its test extras under constraints.txt.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.qkv-installed
+
+.PHONY: test demo install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/qkv seeds
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -1,0 +1,14 @@
+"""qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through."""
+from .dispatch import backend_names
+from .functional import scaled_dot_product_attention
+from .ops import BackendUnsupportedError
+from .trace import AttentionTrace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionTrace",
+    "BackendUnsupportedError",
+    "backend_names",
+    "scaled_dot_product_attention",
+]

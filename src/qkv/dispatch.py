@@ -1,0 +1,104 @@
+"""The one dispatcher: a registry of backends and the choice among them.
+
+``backend="auto"`` takes the backend of lowest ``priority`` (the fastest) whose
+``supports(call)`` is None. A backend named by the caller that cannot take the call raises
+``BackendUnsupportedError`` with its reason; nothing falls back silently.
+
+Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops import AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TorchBackend
+from .ops.reference import attention_scores
+from .trace import AttentionTrace, probs_from_lse
+
+__all__ = ["register_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> None:
+    """Add a backend to the registry under ``backend.name``."""
+    if backend.name == "auto":
+        raise ValueError("'auto' is the dispatcher's own choice; name the backend otherwise")
+    if backend.name in _REGISTRY and not replace:
+        raise ValueError(f"a backend named {backend.name!r} is already registered")
+    _REGISTRY[backend.name] = backend
+
+
+def backend_names() -> list[str]:
+    """Registered backends, fastest first (the order ``auto`` tries them in)."""
+    return [b.name for b in sorted(_REGISTRY.values(), key=lambda b: b.priority)]
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; ValueError listing the names otherwise."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(
+            f"unknown backend {name!r}; choose 'auto' or one of {', '.join(backend_names())}"
+        )
+    return _REGISTRY[name]
+
+
+def check_backends(call: AttentionCall) -> dict[str, str | None]:
+    """Each backend's answer to ``supports(call)``, fastest first: None means it can."""
+    return {name: _REGISTRY[name].supports(call) for name in backend_names()}
+
+
+def select(call: AttentionCall, backend: str = "auto") -> Backend:
+    """The backend that will run ``call``."""
+    if backend == "auto":
+        answers = check_backends(call)
+        for name, reason in answers.items():
+            if reason is None:
+                return _REGISTRY[name]
+        reasons = "; ".join(f"{n}: {r}" for n, r in answers.items())
+        raise BackendUnsupportedError(f"no backend can take this call ({reasons})")
+    chosen = get_backend(backend)
+    reason = chosen.supports(call)
+    if reason is not None:
+        able = [n for n, r in check_backends(call).items() if r is None]
+        raise BackendUnsupportedError(
+            f"backend {backend!r} cannot take this call: {reason}. "
+            f"Backends that can: {', '.join(able) or 'none'}; or pass backend='auto'"
+        )
+    return chosen
+
+
+def run(call: AttentionCall, backend: str = "auto"):
+    """Run ``call``; return the output, or ``(output, AttentionTrace)`` if it asks for one.
+
+    Shape:
+        output ``(*batch, T, Dv)``.
+    """
+    chosen = select(call, backend)
+    result = chosen.run(call)
+    if not call.return_trace:
+        return result.out
+    if result.probs is not None:
+        trace = AttentionTrace(result.scores, result.probs, result.lse, chosen.name)
+    else:
+        trace = _trace_from_lse(call, result.lse, chosen.name)
+    return result.out, trace
+
+
+def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
+    """Weights recomputed as ``exp(scores - lse)`` for a backend that gives no weights.
+
+    When the backend gave no log-sum-exp either, it is taken from the scores themselves.
+    Half-precision inputs get a float32 trace (the kernels' log-sum-exp is float32).
+    """
+    scores = attention_scores(call)  # (*batch, T, S)
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()
+    empty = torch.isneginf(scores).all(dim=-1)  # (*batch, T): rows with no key
+    if lse is None:
+        lse = torch.logsumexp(scores, dim=-1)  # (*batch, T)
+    lse = lse.to(scores.dtype).masked_fill(empty, float("-inf"))  # a kernel may give 0 there
+    return AttentionTrace(scores, probs_from_lse(scores, lse), lse, backend)
+
+
+register_backend(TorchBackend())
+register_backend(ReferenceBackend())

@@ -1,0 +1,45 @@
+"""Masks: one contract for every backend.
+
+A boolean mask means True = may attend. A float mask is added to the scores. Both broadcast
+to the scores' shape ``(*batch, T, S)`` as in PyTorch.
+
+Shape alphabet: T query length, S key length.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["causal_bool", "merge_causal"]
+
+
+def causal_bool(T: int, S: int, *, device: torch.device | str | None = None) -> Tensor:
+    """Top-left aligned causal mask: query ``i`` may attend to key ``j`` iff ``j <= i``.
+
+    This is the alignment of ``torch.nn.functional.scaled_dot_product_attention``. For
+    ``T != S`` (x = may attend)::
+
+        T=2, S=4      T=4, S=2
+        x . . .       x .
+        x x . .       x x
+                      x x
+                      x x
+
+    Shape:
+        ``(T, S)``, bool.
+    """
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril()  # (T, S)
+
+
+def merge_causal(attn_mask: Tensor, T: int, S: int) -> Tensor:
+    """Combine ``attn_mask`` with the top-left causal mask: a key must pass both.
+
+    A bool mask is AND-ed with the causal mask; a float mask gets ``-inf`` above the diagonal.
+
+    Shape:
+        attn_mask broadcastable to ``(*batch, T, S)`` -> broadcast of it with ``(T, S)``.
+    """
+    causal = causal_bool(T, S, device=attn_mask.device)  # (T, S)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & causal
+    return attn_mask.masked_fill(~causal, float("-inf"))

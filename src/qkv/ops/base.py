@@ -1,0 +1,48 @@
+"""What a backend is: a name, a priority, ``supports(call) -> None | reason`` and ``run(call)``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from .call import AttentionCall
+
+__all__ = ["Backend", "BackendResult", "BackendUnsupportedError"]
+
+
+@dataclass(frozen=True)
+class BackendResult:
+    """What a backend computed. Only ``out`` is required.
+
+    A backend that keeps the log-sum-exp returns ``lse``; one that builds the full matrices
+    (the reference) also returns ``scores`` and ``probs``. The dispatcher fills in whatever a
+    requested trace still lacks.
+
+    Shape:
+        out ``(*batch, T, Dv)``; lse ``(*batch, T)``; scores, probs ``(*batch, T, S)``.
+    """
+
+    out: Tensor
+    lse: Tensor | None = None
+    scores: Tensor | None = None
+    probs: Tensor | None = None
+
+
+class Backend(Protocol):
+    """An attention implementation behind the dispatcher.
+
+    ``priority``: lower runs first under ``backend="auto"`` (the faster backend).
+    ``supports(call)``: None when the backend can take the call, else why not, in words.
+    """
+
+    name: str
+    priority: int
+
+    def supports(self, call: AttentionCall) -> str | None: ...
+
+    def run(self, call: AttentionCall) -> BackendResult: ...
+
+
+class BackendUnsupportedError(ValueError):
+    """A backend named by the caller cannot take the call; the message says why."""

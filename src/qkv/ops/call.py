@@ -1,0 +1,279 @@
+"""AttentionCall: one validated attention call, the thing every backend is asked about.
+
+All input checking of the functional API happens here, at the public boundary, so that a bad
+input raises a ValueError/TypeError naming the shapes or dtypes and the fix, never a raw
+internal traceback, and backends can trust what they receive.
+
+Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
+D head dim of query/key, Dv head dim of value. ``*batch`` is every dim before the last two.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+from torch import Tensor
+
+from ..masks import merge_causal
+
+__all__ = ["AttentionCall"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated call of ``scaled_dot_product_attention``.
+
+    ``scale`` is resolved (``1/sqrt(D)`` when the caller gave None). ``attn_mask`` is the
+    caller's mask; ``mask()`` gives it merged with the causal mask when both were asked for.
+
+    Shape:
+        query ``(*qbatch, T, D)``, key ``(*kbatch, S, D)``, value ``(*kbatch, S, Dv)``;
+        ``batch`` is the broadcast of the three leading shapes (after GQA expansion), and the
+        output is ``(*batch, T, Dv)``.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    attn_mask: Tensor | None
+    dropout_p: float
+    is_causal: bool
+    scale: float
+    enable_gqa: bool
+    return_trace: bool
+    batch: tuple[int, ...]
+
+    @classmethod
+    def build(
+        cls,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        return_trace: bool = False,
+    ) -> "AttentionCall":
+        """Validate the arguments of ``scaled_dot_product_attention`` and resolve defaults."""
+        _check_tensors(query, key, value)
+        batch = _check_shapes(query, key, value, bool(enable_gqa))
+        T, S = query.shape[-2], key.shape[-2]
+        attn_mask = _check_mask(attn_mask, query, batch + (T, S))
+        return cls(
+            query=query,
+            key=key,
+            value=value,
+            attn_mask=attn_mask,
+            dropout_p=_check_dropout(dropout_p),
+            is_causal=_check_flag("is_causal", is_causal),
+            scale=_check_scale(scale, query.shape[-1]),
+            enable_gqa=_check_flag("enable_gqa", enable_gqa),
+            return_trace=_check_flag("return_trace", return_trace),
+            batch=batch,
+        )
+
+    # Derived facts backends ask about.
+    @property
+    def T(self) -> int:
+        return self.query.shape[-2]
+
+    @property
+    def S(self) -> int:
+        return self.key.shape[-2]
+
+    @property
+    def D(self) -> int:
+        return self.query.shape[-1]
+
+    @property
+    def Dv(self) -> int:
+        return self.value.shape[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.query.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def mask_kind(self) -> str:
+        """``"none"``, ``"bool"`` or ``"float"``."""
+        if self.attn_mask is None:
+            return "none"
+        return "bool" if self.attn_mask.dtype == torch.bool else "float"
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.batch + (self.T, self.Dv)
+
+    def mask(self) -> Tensor | None:
+        """The mask to apply: ``attn_mask`` merged with the causal mask when both are set.
+
+        With ``is_causal`` alone this returns None (backends use their causal fast path).
+        """
+        if self.attn_mask is not None and self.is_causal:
+            return merge_causal(self.attn_mask, self.T, self.S)
+        return self.attn_mask
+
+    def kv_heads_expanded(self) -> tuple[Tensor, Tensor]:
+        """key and value with each of the G heads repeated H // G times (GQA), as torch does."""
+        if not self.enable_gqa:
+            return self.key, self.value
+        groups = self.query.shape[-3] // self.key.shape[-3]
+        return (
+            self.key.repeat_interleave(groups, dim=-3),  # (*batch, H, S, D)
+            self.value.repeat_interleave(groups, dim=-3),  # (*batch, H, S, Dv)
+        )
+
+
+def _check_tensors(query: Tensor, key: Tensor, value: Tensor) -> None:
+    named = {"query": query, "key": key, "value": value}
+    for name, t in named.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dims (..., L, E), got shape {tuple(t.shape)}; "
+                f"for a single vector use {name}.unsqueeze(0)"
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; attention needs floating point "
+                f"(float16, bfloat16, float32 or float64): use {name}.float()"
+            )
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(
+            f"query, key and value must share a dtype, got query {query.dtype}, key {key.dtype}, "
+            f"value {value.dtype}; cast them with .to({query.dtype})"
+        )
+    if not query.device == key.device == value.device:
+        raise ValueError(
+            f"query, key and value must be on one device, got query on {query.device}, key on "
+            f"{key.device}, value on {value.device}; move them with .to({str(query.device)!r})"
+        )
+
+
+def _check_shapes(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> tuple[int, ...]:
+    """Check head dims, lengths, heads and batch; return the broadcast batch shape."""
+    q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if q[-1] != k[-1]:
+        raise ValueError(
+            f"head-dim mismatch: query {q} has D={q[-1]} but key {k} has D={k[-1]}; query and "
+            f"key need the same last dim (value's may differ)"
+        )
+    if k[-2] != v[-2]:
+        raise ValueError(
+            f"length mismatch: key {k} has S={k[-2]} positions but value {v} has {v[-2]}; key "
+            f"and value need the same second-to-last dim"
+        )
+    qlead, klead, vlead = q[:-2], k[:-2], v[:-2]
+    if enable_gqa:
+        klead, vlead = _gqa_leads(q, k, v)
+    try:
+        return tuple(torch.broadcast_shapes(qlead, klead, vlead))
+    except RuntimeError:
+        pass
+    if not enable_gqa and len(q) >= 3 and len(k) >= 3 and q[-3] != k[-3] and k[-3] != 1:
+        hint = (
+            f"; to share each key/value head across {q[-3] // k[-3]} query heads pass "
+            f"enable_gqa=True"
+            if q[-3] % k[-3] == 0
+            else ""
+        )
+        raise ValueError(
+            f"head mismatch: query {q} has H={q[-3]} heads but key {k} has {k[-3]}{hint}; "
+            f"otherwise give key and value {q[-3]} heads (or 1, to broadcast)"
+        )
+    raise ValueError(
+        f"batch mismatch: the leading dims of query {qlead}, key {k[:-2]} and value {v[:-2]} "
+        f"do not broadcast together; each leading dim must be equal or 1"
+    )
+
+
+def _gqa_leads(q: tuple, k: tuple, v: tuple) -> tuple[tuple, tuple]:
+    """Leading dims of key and value as seen after repeating their heads to match query's."""
+    if min(len(q), len(k), len(v)) < 3:
+        raise ValueError(
+            f"enable_gqa=True needs a heads dim (-3) on query, key and value, got shapes {q}, "
+            f"{k}, {v}; use (H, T, D) / (G, S, D) or more dims"
+        )
+    H, G, Gv = q[-3], k[-3], v[-3]
+    if G != Gv:
+        raise ValueError(f"key has G={G} heads but value has {Gv}; they must be equal for GQA")
+    if G == 0 or H % G != 0:
+        raise ValueError(
+            f"got H={H} query heads and G={G} key/value heads; H must be a multiple of G "
+            f"for enable_gqa=True"
+        )
+    return k[:-3] + (H,), v[:-3] + (H,)
+
+
+def _check_mask(attn_mask: Tensor | None, query: Tensor, scores_shape: tuple) -> Tensor | None:
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"attn_mask has dtype {attn_mask.dtype}; use a bool mask (True = may attend), "
+            f"e.g. attn_mask.bool(), or a float mask added to the scores"
+        )
+    if attn_mask.device != query.device:
+        raise ValueError(
+            f"attn_mask is on {attn_mask.device} but query is on {query.device}; move it with "
+            f".to({str(query.device)!r})"
+        )
+    shape = tuple(attn_mask.shape)
+    try:
+        fits = tuple(torch.broadcast_shapes(shape, scores_shape)) == scores_shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"attn_mask of shape {shape} does not broadcast to the scores' shape "
+            f"(*batch, T, S) = {scores_shape}; each of its dims must equal the scores' dim "
+            f"or be 1, with the last two (T, S) = {scores_shape[-2:]}"
+        )
+    # torch takes a float32 mask with any query dtype, and one of the query's own dtype;
+    # any other float mask is cast to the query's dtype (documented in the functional API).
+    if attn_mask.is_floating_point() and attn_mask.dtype not in (torch.float32, query.dtype):
+        attn_mask = attn_mask.to(query.dtype)
+    return attn_mask
+
+
+def _check_dropout(dropout_p: float) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(
+            f"dropout_p must be in [0, 1), got {dropout_p}; 0 disables dropout, and 1 would "
+            f"drop every weight"
+        )
+    return float(dropout_p)
+
+
+def _check_scale(scale: float | None, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D) if D > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(
+            f"scale must be finite, got {scale}; pass None for the default 1/sqrt(D) = "
+            f"{1.0 / math.sqrt(max(D, 1)):.6g}"
+        )
+    return float(scale)
+
+
+def _check_flag(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value

@@ -1,0 +1,100 @@
+"""Torch backend: ``torch.nn.functional.scaled_dot_product_attention`` under qkv's contract.
+
+Supports: everything the dispatcher accepts (torch picks its flash/efficient/math kernel).
+What it adds on top of torch:
+  * ``attn_mask`` together with ``is_causal=True`` (torch refuses the pair): the masks are
+    merged into one, a key must pass both.
+  * Query rows that may attend to nothing give exactly 0 with 0 gradients whatever kernel
+    torch picks: such rows are handed to torch as "attend everywhere" and zeroed after.
+  * The log-sum-exp for traces: on CPU, torch's flash kernel returns it with the output
+    (``aten._scaled_dot_product_flash_attention_for_cpu``) when the call fits that kernel
+    (4-D, equal batch and heads, D == Dv, no dropout); otherwise the dispatcher derives it.
+
+Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .base import BackendResult
+from .call import AttentionCall
+
+__all__ = ["TorchBackend"]
+
+_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+class TorchBackend:
+    """PyTorch's own SDPA kernels."""
+
+    name = "torch"
+    priority = 10
+
+    def supports(self, call: AttentionCall) -> str | None:
+        return None
+
+    def run(self, call: AttentionCall) -> BackendResult:
+        mask = call.mask()
+        is_causal = call.is_causal and mask is None  # merged into mask otherwise
+        mask, row_ok = _guard_empty_rows(mask)
+        if call.return_trace and _fits_flash_cpu(call, mask):
+            out, lse = _flash_cpu(
+                call.query, call.key, call.value, is_causal=is_causal,
+                attn_mask=None if mask is None else _as_additive(mask, call.dtype),
+                scale=call.scale,
+            )  # (B, H, T, Dv), (B, H, T)
+        else:
+            out = F.scaled_dot_product_attention(
+                call.query, call.key, call.value, attn_mask=mask, dropout_p=call.dropout_p,
+                is_causal=is_causal, scale=call.scale, enable_gqa=call.enable_gqa,
+            )  # (*batch, T, Dv)
+            lse = None
+        if row_ok is not None:
+            out = out.masked_fill(~row_ok.unsqueeze(-1), 0.0)  # rows with no key -> exactly 0
+        return BackendResult(out=out, lse=lse)
+
+
+def _guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Let rows that may attend to nothing attend everywhere; say which rows are real.
+
+    Torch's kernels disagree on such rows across versions and devices (NaN, 0, or a uniform
+    average). Giving them a harmless full row and zeroing their output afterwards makes the
+    result exactly 0 and, since the zeroed output passes no gradient, the gradients 0 too.
+
+    Returns (mask to hand to torch, row_ok or None when every row has a key).
+    Shape:
+        mask ``(..., T, S)`` -> same, and row_ok ``(..., T)``.
+    """
+    if mask is None:
+        return None, None
+    allowed = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    row_ok = allowed.any(dim=-1)  # (..., T)
+    if row_ok.device.type == "cpu" and bool(row_ok.all()):
+        return mask, None  # nothing to guard; on CPU the check costs no device sync
+    fill = ~row_ok.unsqueeze(-1)  # (..., T, 1)
+    guarded = mask | fill if mask.dtype == torch.bool else mask.masked_fill(fill, 0.0)
+    return guarded, row_ok
+
+
+def _fits_flash_cpu(call: AttentionCall, mask: Tensor | None) -> bool:
+    """Can torch's CPU flash kernel, which returns the log-sum-exp, take this call exactly?"""
+    q, k, v = call.query, call.key, call.value
+    return (
+        _flash_cpu is not None
+        and call.device.type == "cpu"
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.shape[:2] == k.shape[:2] == v.shape[:2]
+        and call.D == call.Dv
+        and call.dropout_p == 0.0
+        and (mask is None or mask.dtype in (torch.bool, call.dtype))
+        and not (mask is not None and mask.requires_grad)
+    )
+
+
+def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask (True = may attend) as the float mask torch's flash kernel wants."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))

@@ -1,0 +1,47 @@
+"""AttentionTrace: the intermediates of one attention call, returned (never stored on self).
+
+Shape alphabet: B batch, H query heads, T query length, S key length. ``*batch`` stands for
+whatever leading dims the call had (``()``, ``(H,)``, ``(B, H)``, ``(B, X, H)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["AttentionTrace", "probs_from_lse"]
+
+
+@dataclass(frozen=True)
+class AttentionTrace:
+    """What attention computed on the way to its output.
+
+    Attributes:
+        scores: Scaled scores after masking, before softmax; masked entries are ``-inf``.
+        probs: Attention weights (before dropout); each row sums to 1, or is all 0 for a
+            query row that may attend to nothing.
+        lse: Log-sum-exp of each row of ``scores``; ``-inf`` for a fully masked row.
+        backend: Name of the backend that computed the output.
+
+    Shape:
+        scores, probs: ``(*batch, T, S)``; lse: ``(*batch, T)``.
+    """
+
+    scores: Tensor
+    probs: Tensor
+    lse: Tensor
+    backend: str
+
+
+def probs_from_lse(scores: Tensor, lse: Tensor) -> Tensor:
+    """Attention weights ``exp(scores - lse)``, 0 on rows whose ``lse`` is ``-inf``.
+
+    This is how a fast backend that keeps only the log-sum-exp gives its weights back.
+
+    Shape:
+        scores ``(*batch, T, S)``, lse ``(*batch, T)`` -> ``(*batch, T, S)``.
+    """
+    lse = lse.to(scores.dtype).unsqueeze(-1)  # (*batch, T, 1)
+    empty = torch.isneginf(lse)  # (*batch, T, 1): rows that may attend to nothing
+    return torch.exp(scores - torch.where(empty, 0.0, lse)).masked_fill(empty, 0.0)
