@@ -1,0 +1,28 @@
+"""``qkv`` entry point: argument parsing and dispatch to subcommands."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import seeds
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``qkv`` command line; return its exit code."""
+    parser = argparse.ArgumentParser(
+        prog="qkv", description="Self-attention and multi-head attention: exact, fast, see-through."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    seeds.add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:  # bad input: one line, no traceback
+        print(f"qkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
