@@ -1,0 +1,109 @@
+"""Agreement with torch.nn.functional.scaled_dot_product_attention, float64, to 1e-12."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qkv
+
+from conftest import BACKENDS, make_mask, rand
+
+SIZES = [1, 2, 17, 97, 113]
+MASKS = ["none", "bool-TS", "bool-keypad", "float-BHTS", "causal"]
+GRID = [
+    pytest.param(T, S, D, m, id=f"B2-T{T}-S{S}-H3-D{D}-{m}")
+    for T, S, D, m in itertools.product(SIZES, SIZES, [8, 59, 64], MASKS)
+]
+
+
+def _assert_all_backends_match(q, k, v, **kw):
+    want = F.scaled_dot_product_attention(q, k, v, **kw)
+    for backend in BACKENDS:
+        got = qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=backend)
+
+
+@pytest.mark.parametrize("T,S,D,mask", GRID)
+def test_grid_float64(T, S, D, mask):
+    B, H = 2, 3
+    q, k, v = rand(B, H, T, D), rand(B, H, S, D), rand(B, H, S, D)
+    attn_mask = make_mask(mask, B, H, T, S)
+    _assert_all_backends_match(q, k, v, attn_mask=attn_mask, is_causal=mask == "causal")
+
+
+@pytest.mark.parametrize("T,S", [(1, 17), (17, 1), (97, 113), (113, 97)], ids=lambda x: str(x))
+@pytest.mark.parametrize("H,G", [(4, 4), (4, 2), (6, 1), (8, 2)], ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_float64(T, S, H, G, causal):
+    q, k, v = rand(2, H, T, 59), rand(2, G, S, 59), rand(2, G, S, 16)
+    mask = torch.rand(T, S) < 0.8
+    _assert_all_backends_match(q, k, v, is_causal=causal, enable_gqa=True)
+    _assert_all_backends_match(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+SHAPES = {
+    "2D": ((17, 8), (13, 8), (13, 5)),
+    "3D": ((3, 17, 8), (3, 13, 8), (3, 13, 5)),
+    "5D": ((2, 3, 4, 17, 8), (2, 3, 4, 13, 8), (2, 3, 4, 13, 5)),
+    "bcast-batch": ((2, 4, 17, 8), (1, 4, 13, 8), (1, 4, 13, 5)),
+    "bcast-heads": ((2, 4, 17, 8), (2, 1, 13, 8), (2, 1, 13, 5)),
+    "2D-q-4D-kv": ((17, 8), (2, 4, 13, 8), (2, 4, 13, 5)),
+    "4D-q-2D-kv": ((2, 4, 17, 8), (13, 8), (13, 5)),
+    "kv-lead-differ": ((2, 4, 17, 8), (1, 4, 13, 8), (2, 4, 13, 5)),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_leading_dims_as_torch(name, causal):
+    qs, ks, vs = SHAPES[name]
+    q, k, v = rand(*qs), rand(*ks), rand(*vs)
+    _assert_all_backends_match(q, k, v, is_causal=causal)
+    _assert_all_backends_match(q, k, v, attn_mask=torch.rand(17, 13) < 0.8)
+
+
+@pytest.mark.parametrize("shapes", [
+    ((6, 17, 8), (2, 13, 8), (2, 13, 8)),
+    ((2, 3, 8, 17, 8), (2, 3, 4, 13, 8), (2, 3, 4, 13, 8)),
+], ids=["3D", "5D"])
+def test_gqa_other_ranks(shapes):
+    q, k, v = (rand(*s) for s in shapes)
+    _assert_all_backends_match(q, k, v, enable_gqa=True)
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.1, -0.5, 3.0])
+def test_scale(scale):
+    q, k, v = rand(2, 3, 17, 8), rand(2, 3, 13, 8), rand(2, 3, 13, 8)
+    _assert_all_backends_match(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("mask_dims", [(17, 13), (1, 13), (17, 1), (3, 1, 13), (2, 1, 17, 13)])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mask_broadcast_shapes(mask_dims, kind):
+    q, k, v = rand(2, 3, 17, 8), rand(2, 3, 13, 8), rand(2, 3, 13, 8)
+    mask = torch.rand(*mask_dims) < 0.8
+    if kind == "float":
+        mask = torch.randn(*mask_dims, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    _assert_all_backends_match(q, k, v, attn_mask=mask)
+
+
+def test_float32_mask_with_bfloat16_inputs_as_torch():
+    """torch takes a float32 mask for half inputs; so do we, with torch's result."""
+    q, k, v = (rand(2, 3, 17, 8, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(17, 17)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    for backend in ["torch", "auto"]:
+        got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=bias, backend=backend)
+        assert torch.equal(got, want)
+
+
+def test_empty_keys_and_queries():
+    q, k, v = rand(2, 3, 5, 8), rand(2, 3, 0, 8), rand(2, 3, 0, 4)
+    for backend in BACKENDS:
+        out = qkv.scaled_dot_product_attention(q, k, v, backend=backend)
+        assert out.shape == (2, 3, 5, 4) and bool((out == 0).all())
+        out = qkv.scaled_dot_product_attention(q[:, :, :0], v[:, :, :0].new_zeros(2, 3, 4, 8),
+                                               rand(2, 3, 4, 4), backend=backend)
+        assert out.shape == (2, 3, 0, 4)
