@@ -1,0 +1,68 @@
+"""Dependencies run one way (STYLE.md 17): masks/trace -> ops -> dispatch -> functional -> nn
+-> models -> cli; viz reads traces only."""
+import ast
+from pathlib import Path
+
+import qkv
+
+SRC = Path(qkv.__file__).parent
+LAYER = {"masks": 0, "trace": 0, "testing": 0, "examples": 0, "ops": 1, "dispatch": 2,
+         "functional": 3, "nn": 4, "models": 5, "tasks": 5, "viz": 5, "cli": 6}
+VIZ_MAY_IMPORT = {"trace", "viz"}
+
+
+def _top(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _qkv_imports(path: Path) -> set[str]:
+    """Top-level qkv modules that ``path`` imports."""
+    tree = ast.parse(path.read_text())
+    pkg = path.relative_to(SRC).parts[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                parts = (node.module or "").split(".")
+                if parts[0] == "qkv" and len(parts) > 1:
+                    found.add(parts[1])
+                elif parts[0] == "qkv":
+                    found.update(a.name for a in node.names)
+                continue
+            base = list(pkg[: len(pkg) - (node.level - 1)])
+            target = base + (node.module.split(".") if node.module else [])
+            found.update([target[0]] if target else [a.name for a in node.names])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names
+                         if a.name.startswith("qkv."))
+    return found
+
+
+def test_imports_point_down():
+    wrong = []
+    for path in SRC.rglob("*.py"):
+        top = _top(path)
+        if top == "__init__":
+            continue
+        assert top in LAYER, f"{path}: give the new module {top!r} a layer in this test"
+        for dep in _qkv_imports(path) - {top}:
+            if top == "viz" and dep not in VIZ_MAY_IMPORT:
+                wrong.append(f"{path.relative_to(SRC)} imports {dep} (viz reads traces only)")
+            elif LAYER.get(dep, 99) > LAYER[top]:
+                wrong.append(f"{path.relative_to(SRC)} imports {dep}, a layer above it")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_import_scanner_sees_relative_imports():
+    assert _qkv_imports(SRC / "dispatch.py") == {"ops", "trace"}
+    assert _qkv_imports(SRC / "ops" / "reference.py") == {"masks", "ops"}
+
+
+def test_import_qkv_needs_only_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, qkv; print([m for m in ('matplotlib', 'triton') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
