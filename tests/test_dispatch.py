@@ -32,7 +32,8 @@ def f32only():
     backend = Float32Only()
     dispatch.register_backend(backend)
     yield backend
-    del dispatch._REGISTRY[backend.name]
+    assert dispatch.unregister_backend(backend.name) is backend
+    assert "f32only" not in qkv.backend_names()
 
 
 def _qkv(dtype=torch.float32):

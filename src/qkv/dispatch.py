@@ -14,9 +14,10 @@ from .ops import AttentionCall, Backend, BackendUnsupportedError, ReferenceBacke
 from .ops.reference import attention_scores
 from .trace import AttentionTrace, probs_from_lse
 
-__all__ = ["register_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
+__all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
 
 _REGISTRY: dict[str, Backend] = {}
+_ORDER: list[Backend] = []  # fastest first; rebuilt on registration (auto walks it every call)
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
@@ -26,11 +27,20 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
     _REGISTRY[backend.name] = backend
+    _ORDER[:] = sorted(_REGISTRY.values(), key=lambda b: b.priority)
+
+
+def unregister_backend(name: str) -> Backend:
+    """Remove the backend registered as ``name`` and return it."""
+    backend = get_backend(name)
+    del _REGISTRY[name]
+    _ORDER.remove(backend)
+    return backend
 
 
 def backend_names() -> list[str]:
     """Registered backends, fastest first (the order ``auto`` tries them in)."""
-    return [b.name for b in sorted(_REGISTRY.values(), key=lambda b: b.priority)]
+    return [b.name for b in _ORDER]
 
 
 def get_backend(name: str) -> Backend:
@@ -50,11 +60,10 @@ def check_backends(call: AttentionCall) -> dict[str, str | None]:
 def select(call: AttentionCall, backend: str = "auto") -> Backend:
     """The backend that will run ``call``."""
     if backend == "auto":
-        answers = check_backends(call)
-        for name, reason in answers.items():
-            if reason is None:
-                return _REGISTRY[name]
-        reasons = "; ".join(f"{n}: {r}" for n, r in answers.items())
+        for candidate in _ORDER:
+            if candidate.supports(call) is None:
+                return candidate
+        reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
         raise BackendUnsupportedError(f"no backend can take this call ({reasons})")
     chosen = get_backend(backend)
     reason = chosen.supports(call)

@@ -58,7 +58,8 @@ class TorchBackend:
                 scale=call.scale, enable_gqa=call.enable_gqa,
             )  # (*batch, T, Dv)
             lse = None
-        out = out.to(call.dtype)
+        if out.dtype != call.dtype:
+            out = out.to(call.dtype)
         if row_ok is not None:
             out = out.masked_fill(~row_ok.unsqueeze(-1), 0.0)  # rows with no key -> exactly 0
         return BackendResult(out=out, lse=lse)
