@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["causal_bool", "merge_causal"]
+__all__ = ["apply_mask", "causal_bool", "merge_causal", "merge_key_mask"]
 
 
 def causal_bool(T: int, S: int, *, device: torch.device | str | None = None) -> Tensor:
@@ -42,4 +42,34 @@ def merge_causal(attn_mask: Tensor, T: int, S: int) -> Tensor:
     causal = causal_bool(T, S, device=attn_mask.device)  # (T, S)
     if attn_mask.dtype == torch.bool:
         return attn_mask & causal
-    return attn_mask.masked_fill(~causal, float("-inf"))
+    return torch.where(causal, attn_mask, float("-inf"))
+
+
+def apply_mask(scores: Tensor, mask: Tensor | None) -> Tensor:
+    """Scores with ``mask`` applied: ``-inf`` where a bool mask is False, a float mask added.
+
+    Shape:
+        scores ``(*batch, T, S)``, mask broadcastable to it -> ``(*batch, T, S)``.
+    """
+    if mask is None:
+        return scores
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask  # a float32 mask on half scores gives float32 scores, as in torch
+
+
+def merge_key_mask(attn_mask: Tensor | None, key_mask: Tensor | None) -> Tensor | None:
+    """Fold a ``key_mask`` (True = a real key) into ``attn_mask``: a key must pass both.
+
+    Shape:
+        attn_mask broadcastable to ``(B, H, T, S)``; key_mask ``(B, S)`` -> a mask
+        broadcastable to ``(B, H, T, S)``.
+    """
+    if key_mask is None:
+        return attn_mask
+    keys = key_mask[:, None, None, :]  # (B, 1, 1, S)
+    if attn_mask is None:
+        return keys
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keys
+    return torch.where(keys, attn_mask, float("-inf"))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionTrace", "probs_from_lse"]
+__all__ = ["AttentionTrace", "MultiHeadTrace", "probs_from_lse"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,26 @@ class AttentionTrace:
     probs: Tensor
     lse: Tensor
     backend: str
+
+
+@dataclass(frozen=True)
+class MultiHeadTrace(AttentionTrace):
+    """An AttentionTrace of a multi-head module, with the projections and per-head outputs.
+
+    Attributes:
+        q, k, v: The projected queries, keys and values, split into heads (GQA: G heads).
+        heads: Each head's output before the heads are concatenated and mixed by W^O.
+
+    Shape:
+        scores, probs ``(B, H, T, S)``; lse ``(B, H, T)``; q ``(B, H, T, D)``;
+        k ``(B, G, S, D)``; v ``(B, G, S, Dv)``; heads ``(B, H, T, Dv)``.
+        (Unbatched module calls drop the B dim.)
+    """
+
+    q: Tensor | None = None
+    k: Tensor | None = None
+    v: Tensor | None = None
+    heads: Tensor | None = None
 
 
 def probs_from_lse(scores: Tensor, lse: Tensor) -> Tensor:

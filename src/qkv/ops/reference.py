@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import causal_bool
+from ..masks import apply_mask, causal_bool
 from .base import BackendResult
 from .call import AttentionCall
 
@@ -50,11 +50,7 @@ def attention_scores(call: AttentionCall) -> Tensor:
     mask = call.mask()
     if mask is None and call.is_causal:
         mask = causal_bool(call.T, call.S, device=call.device)  # (T, S)
-    if mask is None:
-        return scores
-    if mask.dtype == torch.bool:
-        return scores.masked_fill(~mask, float("-inf"))
-    return scores + mask  # a float32 mask on half scores gives float32 scores, as in torch
+    return apply_mask(scores, mask)
 
 
 def masked_softmax(scores: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,88 @@
+"""Input checks shared by the attention modules: (B, T, C) tensors, key_mask, batching.
+
+Shape alphabet: B batch, T query length, S key length, C channels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import merge_key_mask
+
+
+@dataclass(frozen=True)
+class ModuleInputs:
+    """query/key/value made batched, with the masks merged into one (True = may attend).
+
+    Shape:
+        query ``(B, T, Cq)``; key ``(B, S, Ck)``; value ``(B, S, Cv)``; mask broadcastable to
+        ``(B, H, T, S)`` or None.
+    """
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    mask: Tensor | None
+    unbatched: bool
+
+
+def module_inputs(
+    query: Tensor,
+    key: Tensor | None,
+    value: Tensor | None,
+    attn_mask: Tensor | None,
+    key_mask: Tensor | None,
+    dims: tuple[int, int, int | None],
+) -> ModuleInputs:
+    """Check module inputs against the expected channel counts ``dims = (Cq, Ck, Cv)``
+    (None: any).
+
+    ``key`` defaults to ``query`` and ``value`` to ``key`` (self-attention). Unbatched inputs
+    ``(T, C)`` get a batch dim of 1, and ``key_mask (S,)`` with them.
+    """
+    key = query if key is None else key
+    value = key if value is None else value
+    for name, t, c in zip(("query", "key", "value"), (query, key, value), dims):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (2, 3) or c not in (None, t.shape[-1]):
+            want = "C" if c is None else c
+            raise ValueError(
+                f"{name} must be (B, L, {want}) or unbatched (L, {want}), got shape "
+                f"{tuple(t.shape)}"
+            )
+    if not query.dim() == key.dim() == value.dim():
+        raise ValueError(
+            f"query, key and value must all be batched (3 dims) or all unbatched (2 dims), got "
+            f"{query.dim()}, {key.dim()} and {value.dim()} dims"
+        )
+    unbatched = query.dim() == 2
+    if unbatched:  # add B = 1, keeping "key is query" so self-attention stays fused
+        q1 = query.unsqueeze(0)
+        k1 = q1 if key is query else key.unsqueeze(0)
+        value = k1 if value is key else q1 if value is query else value.unsqueeze(0)
+        query, key = q1, k1
+        key_mask = key_mask.unsqueeze(0) if isinstance(key_mask, Tensor) else key_mask
+    B, S = query.shape[0], key.shape[1]
+    if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+            f"{tuple(value.shape)} must share the batch size, and key and value the length S"
+        )
+    _check_key_mask(key_mask, B, S)
+    return ModuleInputs(query, key, value, merge_key_mask(attn_mask, key_mask), unbatched)
+
+
+def _check_key_mask(key_mask: Tensor | None, B: int, S: int) -> None:
+    if key_mask is None:
+        return
+    if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
+        got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
+        raise TypeError(
+            f"key_mask must be a bool tensor with True marking a real key, got {got}; "
+            f"torch's key_padding_mask has the opposite polarity: pass ~key_padding_mask"
+        )
+    if tuple(key_mask.shape) != (B, S):
+        raise ValueError(f"key_mask must have shape (B, S) = {(B, S)}, got {tuple(key_mask.shape)}")

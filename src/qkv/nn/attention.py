@@ -1,0 +1,295 @@
+"""Self-attention and multi-head attention modules, in the seeds' terms.
+
+Modules take ``(B, T, C)`` (or unbatched ``(T, C)``) and convert to the kernels' ``(B, H, T, D)``
+at their boundary only. Masks follow qkv's contract: bool True = may attend; ``key_mask``
+``(B, S)`` True marks a real key.
+
+Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
+D head dim, C model dim (embed_dim).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..functional import scaled_dot_product_attention
+from ..trace import MultiHeadTrace
+from ._inputs import module_inputs
+
+__all__ = ["SelfAttention", "MultiHeadAttention"]
+
+
+class SelfAttention(nn.Module):
+    """Single-head self-attention exactly as the seeds write it: ``Q = X W_Q``, ``K = X W_K``,
+    ``V = X W_V``, ``Z = softmax(Q K^T * scale) V``.
+
+    Args:
+        d_model: Input channels C.
+        d_k: Query/key dim.
+        d_v: Value dim (defaults to ``d_k``; the seeds allow it to differ).
+        scale: Factor on the scores; None means ``1 / sqrt(d_k)`` (seed 004's example uses 1).
+
+    Shape:
+        x ``(B, T, C)`` or ``(T, C)`` -> ``(B, T, d_v)`` or ``(T, d_v)``.
+    """
+
+    def __init__(self, d_model: int, d_k: int, d_v: int | None = None, *,
+                 scale: float | None = None, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        d_v = d_k if d_v is None else d_v
+        self.W_Q = nn.Parameter(torch.empty(d_model, d_k, **kw))
+        self.W_K = nn.Parameter(torch.empty(d_model, d_k, **kw))
+        self.W_V = nn.Parameter(torch.empty(d_model, d_v, **kw))
+        self.scale = scale
+        for w in (self.W_Q, self.W_K, self.W_V):
+            nn.init.xavier_uniform_(w)
+
+    @classmethod
+    def from_weights(cls, w_q: Tensor, w_k: Tensor, w_v: Tensor,
+                     scale: float | None = None) -> "SelfAttention":
+        """The module with the given weights, in the seeds' convention ``Q = X @ W_Q``.
+
+        Shape:
+            w_q, w_k ``(C, d_k)``; w_v ``(C, d_v)``.
+        """
+        w_q, w_k, w_v = (torch.as_tensor(w) for w in (w_q, w_k, w_v))
+        if w_q.dim() != 2 or w_q.shape != w_k.shape or w_v.dim() != 2 or w_v.shape[0] != w_q.shape[0]:
+            raise ValueError(
+                f"need w_q and w_k of one shape (C, d_k) and w_v (C, d_v), got "
+                f"{tuple(w_q.shape)}, {tuple(w_k.shape)}, {tuple(w_v.shape)}"
+            )
+        dtype = w_q.dtype if w_q.is_floating_point() else torch.get_default_dtype()
+        m = cls(w_q.shape[0], w_q.shape[1], w_v.shape[1], scale=scale, dtype=dtype)
+        with torch.no_grad():
+            for p, w in ((m.W_Q, w_q), (m.W_K, w_k), (m.W_V, w_v)):
+                p.copy_(w)
+        return m
+
+    def forward(self, x: Tensor, *, attn_mask: Tensor | None = None,
+                key_mask: Tensor | None = None, is_causal: bool = False,
+                return_trace: bool = False):
+        """Attend each position of ``x`` to every (allowed) position of ``x``.
+
+        Returns the output, or ``(output, trace)`` with ``trace.q/k/v`` ``(B, T, d)`` and
+        ``trace.probs`` ``(B, T, T)`` (no head dim) when ``return_trace``.
+        """
+        C = self.W_Q.shape[0]
+        inp = module_inputs(x, None, None, attn_mask, key_mask, (C, C, C))
+        if inp.mask is not None and inp.mask.dim() == 4:  # key_mask gave (B, 1, 1, S)
+            mask = inp.mask.squeeze(1)  # (B, 1, S)
+        else:
+            mask = inp.mask
+        q, k, v = inp.query @ self.W_Q, inp.query @ self.W_K, inp.query @ self.W_V  # (B, T, d)
+        res = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                           scale=self.scale, return_trace=return_trace)
+        out, trace = res if return_trace else (res, None)  # (B, T, d_v)
+        if not return_trace:
+            return out[0] if inp.unbatched else out
+        parts = [out, trace.scores, trace.probs, trace.lse, q, k, v]
+        if inp.unbatched:
+            parts = [p[0] for p in parts]  # drop the batch dim of 1
+        out, scores, probs, lse, q, k, v = parts
+        return out, MultiHeadTrace(scores, probs, lse, trace.backend, q=q, k=k, v=v, heads=out)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention: project, split into heads, attend, concat, mix with W^O.
+
+    ``MultiHead(Q, K, V) = Concat(head_1, ..., head_H) W^O`` with
+    ``head_i = Attention(Q W_Q^i, K W_K^i, V W_V^i)``; head ``i`` takes the ``i``-th
+    contiguous chunk of ``head_dim = embed_dim / num_heads`` channels (seed 000's split).
+
+    Parameters follow torch.nn.MultiheadAttention's layout (so :meth:`from_torch` is exact):
+    ``in_proj_weight`` ``(C + 2*G*D, C)`` when key and value have ``embed_dim`` channels
+    (one fused projection for self-attention), else ``q_proj_weight``, ``k_proj_weight``,
+    ``v_proj_weight``; ``in_proj_bias``; ``out_proj``. Read them in the seeds' terms through
+    ``W_Q``, ``W_K``, ``W_V`` (``(C_in, heads * D)``, used as ``X @ W``) and ``W_O``.
+
+    Args:
+        embed_dim: Model dim C; queries have C channels and so does the output.
+        num_heads: Query heads H; C must be a multiple of H.
+        kdim, vdim: Channels of key and value inputs (default C).
+        bias: Biases on the projections.
+        dropout: Dropout on the attention weights, in training mode only.
+        num_kv_heads: Key/value heads G (GQA; 1 is MQA); H must be a multiple of G.
+        backend: Attention backend for the functional call (``"auto"``).
+
+    Shape:
+        query ``(B, T, C)``; key ``(B, S, kdim)``; value ``(B, S, vdim)`` -> ``(B, T, C)``
+        (or all unbatched, without B). attn_mask broadcastable to ``(B, H, T, S)``;
+        key_mask ``(B, S)``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
+                 vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
+                 num_kv_heads: int | None = None, backend: str = "auto",
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        G = num_heads if num_kv_heads is None else num_kv_heads
+        _check_config(embed_dim, num_heads, G, dropout)
+        kw = dict(device=device, dtype=dtype)
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, G
+        self.head_dim = embed_dim // num_heads
+        self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
+        self.dropout, self.backend = dropout, backend
+        kv = G * self.head_dim
+        self.fused = self.kdim == self.vdim == embed_dim
+        if self.fused:
+            self.in_proj_weight = nn.Parameter(torch.empty(embed_dim + 2 * kv, embed_dim, **kw))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **kw))
+            self.k_proj_weight = nn.Parameter(torch.empty(kv, self.kdim, **kw))
+            self.v_proj_weight = nn.Parameter(torch.empty(kv, self.vdim, **kw))
+        self.in_proj_bias = nn.Parameter(torch.empty(embed_dim + 2 * kv, **kw)) if bias else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections and zero biases, as torch.nn.MultiheadAttention."""
+        for w in (self.in_proj_weight, self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+            if w is not None:
+                nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+        if self.out_proj.bias is not None:
+            nn.init.zeros_(self.out_proj.bias)
+
+    # The seeds' view of the parameters: X @ W.
+    @property
+    def W_Q(self) -> Tensor:
+        """``(C, H * D)``: ``Q = query @ W_Q``; head ``i`` is columns ``i*D:(i+1)*D``."""
+        return self._proj_weights()[0].T
+
+    @property
+    def W_K(self) -> Tensor:
+        """``(kdim, G * D)``."""
+        return self._proj_weights()[1].T
+
+    @property
+    def W_V(self) -> Tensor:
+        """``(vdim, G * D)``."""
+        return self._proj_weights()[2].T
+
+    @property
+    def W_O(self) -> Tensor:
+        """``(H * D, C)``: ``output = Concat(heads) @ W_O (+ bias)``."""
+        return self.out_proj.weight.T
+
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
+                *, attn_mask: Tensor | None = None, key_mask: Tensor | None = None,
+                is_causal: bool = False, return_trace: bool = False):
+        """Attend ``query`` to ``key``/``value`` (self-attention when they are omitted).
+
+        Returns the output, or ``(output, MultiHeadTrace)`` with per-head weights
+        ``(B, H, T, S)`` and per-head outputs before W^O ``(B, H, T, D)``.
+        """
+        inp = module_inputs(query, key, value, attn_mask, key_mask,
+                            (self.embed_dim, self.kdim, self.vdim))
+        q, k, v = self._project(inp.query, inp.key, inp.value)  # (B, H, T, D), (B, G, S, D) x2
+        res = scaled_dot_product_attention(
+            q, k, v, attn_mask=inp.mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
+            backend=self.backend, return_trace=return_trace,
+        )
+        heads, trace = res if return_trace else (res, None)  # (B, H, T, D)
+        B, H, T, D = heads.shape
+        out = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
+        if inp.unbatched:
+            out = out[0]  # (T, C)
+        if not return_trace:
+            return out
+        parts = [trace.scores, trace.probs, trace.lse, q, k, v, heads]
+        if inp.unbatched:
+            parts = [p[0] for p in parts]
+        scores, probs, lse, q, k, v, heads = parts
+        return out, MultiHeadTrace(scores, probs, lse, trace.backend, q=q, k=k, v=v, heads=heads)
+
+    def _proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        if self.fused:
+            kv = self.num_kv_heads * self.head_dim
+            return tuple(self.in_proj_weight.split([self.embed_dim, kv, kv]))
+        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor):
+        """Project and split into heads: one fused matmul for self-attention."""
+        B, T, S = query.shape[0], query.shape[1], key.shape[1]
+        H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
+        sizes = [H * D, G * D, G * D]
+        biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
+        if self.fused and query is key is value:
+            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).split(sizes, -1)
+        else:
+            w_q, w_k, w_v = self._proj_weights()
+            q, k, v = (F.linear(x, w, b) for x, w, b in
+                       zip((query, key, value), (w_q, w_k, w_v), biases))  # (B, L, heads * D)
+        return (
+            q.reshape(B, T, H, D).transpose(1, 2),  # (B, H, T, D)
+            k.reshape(B, S, G, D).transpose(1, 2),  # (B, G, S, D)
+            v.reshape(B, S, G, D).transpose(1, 2),  # (B, G, S, D)
+        )
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """The same attention as a ``torch.nn.MultiheadAttention``, with copied parameters.
+
+        qkv modules always take ``(B, T, C)``: for a torch module with ``batch_first=False``
+        feed ``x.transpose(0, 1)``. torch's ``key_padding_mask`` (True = padding) becomes
+        ``key_mask=~key_padding_mask``; its bool ``attn_mask`` (True = hidden) becomes
+        ``~attn_mask``, and a 3-D ``(B*H, T, S)`` one is reshaped to ``(B, H, T, S)``.
+        ``add_bias_kv`` and ``add_zero_attn`` are refused with a ValueError.
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch needs a torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError(
+                "qkv.MultiHeadAttention does not take add_bias_kv=True or add_zero_attn=True "
+                "(an extra learned or zero key/value position that every query sees); build "
+                "the torch module without them, or append that position to key/value yourself"
+            )
+        ref = m.out_proj.weight
+        new = cls(m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim,
+                  bias=m.in_proj_bias is not None, dropout=m.dropout,
+                  device=ref.device, dtype=ref.dtype)
+        new.load_state_dict(m.state_dict())
+        return new.train(m.training)
+
+    def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
+        """A ``torch.nn.MultiheadAttention`` computing the same; refused for GQA (torch has none)."""
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(
+                f"torch.nn.MultiheadAttention has no grouped key/value heads (this module has "
+                f"num_kv_heads={self.num_kv_heads} for num_heads={self.num_heads}); it cannot "
+                f"be converted"
+            )
+        ref = self.out_proj.weight
+        m = nn.MultiheadAttention(self.embed_dim, self.num_heads, dropout=self.dropout,
+                                  bias=self.in_proj_bias is not None, kdim=self.kdim,
+                                  vdim=self.vdim, batch_first=batch_first,
+                                  device=ref.device, dtype=ref.dtype)
+        m.load_state_dict(self.state_dict())
+        return m.train(self.training)
+
+
+def _check_config(embed_dim: int, num_heads: int, G: int, dropout: float) -> None:
+    for name, n in (("embed_dim", embed_dim), ("num_heads", num_heads), ("num_kv_heads", G)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if embed_dim % num_heads:
+        raise ValueError(
+            f"embed_dim={embed_dim} is not a multiple of num_heads={num_heads}; each head takes "
+            f"embed_dim / num_heads channels: try num_heads in "
+            f"{[h for h in range(1, min(embed_dim, 64) + 1) if embed_dim % h == 0]}"
+        )
+    if num_heads % G:
+        raise ValueError(
+            f"got num_heads={num_heads} and num_kv_heads={G}; num_heads must be a multiple of "
+            f"num_kv_heads"
+        )
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
