@@ -1,0 +1,258 @@
+"""Modules: SelfAttention in the seeds' terms, MultiHeadAttention equal to torch's module,
+GQA equal to repeated K/V heads, traces consistent with outputs, AdditiveAttention."""
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import qkv
+from qkv.examples import EXAMPLES
+
+
+def _copy_grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+# --- SelfAttention -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_self_attention_from_weights_gives_seed_numbers(name):
+    ex = EXAMPLES[name]
+    t = ex.tensors()
+    sa = qkv.SelfAttention.from_weights(t["w_q"], t["w_k"], t["w_v"], scale=ex.scale)
+    out, trace = sa(t["x"], return_trace=True)
+    torch.testing.assert_close(out, torch.tensor(ex.expected["outputs"], dtype=torch.float64),
+                               rtol=0, atol=5e-7)
+    torch.testing.assert_close(trace.q, t["x"] @ t["w_q"])
+    assert trace.probs.shape == (3, 3) if name.startswith("seed004") else (2, 2)
+
+
+def test_self_attention_dv_differs_and_batched():
+    sa = qkv.SelfAttention(6, 4, 5, dtype=torch.float64)
+    x = torch.randn(2, 7, 6, dtype=torch.float64)
+    out = sa(x)
+    assert out.shape == (2, 7, 5)
+    want = torch.softmax((x @ sa.W_Q) @ (x @ sa.W_K).transpose(1, 2) / 2.0, -1) @ (x @ sa.W_V)
+    torch.testing.assert_close(out, want)
+    keep = torch.tensor([[True] * 7, [True] * 3 + [False] * 4])
+    out_masked = sa(x, key_mask=keep)
+    q1, k1, v1 = x[1] @ sa.W_Q, x[1, :3] @ sa.W_K, x[1, :3] @ sa.W_V  # batch 1 sees 3 keys
+    torch.testing.assert_close(out_masked[1], torch.softmax(q1 @ k1.T / 2.0, -1) @ v1)
+
+
+def test_self_attention_from_weights_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"w_q and w_k of one shape \(C, d_k\)"):
+        qkv.SelfAttention.from_weights(torch.ones(4, 3), torch.ones(4, 2), torch.ones(4, 3))
+
+
+# --- MultiHeadAttention vs torch.nn.MultiheadAttention --------------------------------------
+
+GRID = [
+    pytest.param(*c, id="-".join(map(str, c)))
+    for c in itertools.product(
+        ["self", "cross"],             # self-attention (fused projection) or S != T
+        ["bias", "nobias"],
+        ["kvdim", "samedim"],          # kdim/vdim differ from embed_dim
+        ["batch_first", "seq_first"],
+        ["nomask", "attn_mask", "key_mask", "both"],
+    )
+    if not (c[0] == "self" and c[2] == "kvdim")
+]
+
+
+def _torch_mha(bias, kvdim, batch_first):
+    kw = dict(kdim=12, vdim=10) if kvdim == "kvdim" else {}
+    return nn.MultiheadAttention(16, 4, bias=bias == "bias", batch_first=batch_first == "batch_first",
+                                 dtype=torch.float64, **kw)
+
+
+@pytest.mark.parametrize("mode,bias,kvdim,layout,masks", GRID)
+def test_from_torch_same_outputs_and_gradients(mode, bias, kvdim, layout, masks):
+    tm = _torch_mha(bias, kvdim, layout)
+    if bias == "bias":  # torch initialises biases to 0: make them count
+        with torch.no_grad():
+            tm.in_proj_bias.normal_()
+            tm.out_proj.bias.normal_()
+    ours = qkv.MultiHeadAttention.from_torch(tm)
+    B, T = 3, 7
+    S = T if mode == "self" else 9
+    q = torch.randn(B, T, 16, dtype=torch.float64)
+    k = q if mode == "self" else torch.randn(B, S, tm.kdim, dtype=torch.float64)
+    v = q if mode == "self" else torch.randn(B, S, tm.vdim, dtype=torch.float64)
+    hidden = torch.rand(T, S) < 0.3  # torch: True = hidden
+    hidden[:, 0] = False
+    padding = torch.arange(S) >= torch.tensor([S, S - 2, 1])[:, None]  # torch: True = padding
+    tkw, okw = {}, {}
+    if masks in ("attn_mask", "both"):
+        tkw["attn_mask"], okw["attn_mask"] = hidden, ~hidden
+    if masks in ("key_mask", "both"):
+        tkw["key_padding_mask"], okw["key_mask"] = padding, ~padding
+    tin = [t.transpose(0, 1) if layout == "seq_first" else t for t in (q, k, v)]
+    want, _ = tm(*tin, need_weights=False, **tkw)
+    want = want.transpose(0, 1) if layout == "seq_first" else want
+    got = ours(q, k if mode == "cross" else None, v if mode == "cross" else None, **okw)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    cot = torch.randn_like(got)
+    want.backward(cot)
+    got.backward(cot)
+    theirs = _copy_grads(tm)
+    for name, g in _copy_grads(ours).items():
+        torch.testing.assert_close(g, theirs[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_from_torch_attention_weights_match_torch_average():
+    tm = nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64)
+    ours = qkv.MultiHeadAttention.from_torch(tm)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    _, w_avg = tm(x, x, x, need_weights=True, average_attn_weights=True)
+    _, w_heads = tm(x, x, x, need_weights=True, average_attn_weights=False)
+    _, trace = ours(x, return_trace=True)
+    torch.testing.assert_close(trace.probs, w_heads)
+    torch.testing.assert_close(trace.probs.mean(1), w_avg)
+
+
+def test_fully_padded_row_gives_zero_where_torch_gives_nan():
+    tm = nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    ours = qkv.MultiHeadAttention.from_torch(tm)
+    x = torch.randn(2, 4, 8, dtype=torch.float64, requires_grad=True)
+    padding = torch.tensor([[False] * 4, [True] * 4])  # batch 1: every key is padding
+    theirs, _ = tm(x, x, x, key_padding_mask=padding)
+    assert theirs[1].isnan().all()
+    out = ours(x, key_mask=~padding)
+    torch.testing.assert_close(out[0], theirs[0])
+    torch.testing.assert_close(out[1], tm.out_proj.bias.expand(4, 8))  # 0 heads, then + bias
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all() and bool((x.grad[1] == 0).all())
+
+
+def test_to_torch_round_trip():
+    ours = qkv.MultiHeadAttention(16, 4, kdim=12, vdim=10, dtype=torch.float64)
+    q = torch.randn(2, 5, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 6, 12, dtype=torch.float64), torch.randn(2, 6, 10, dtype=torch.float64)
+    tm = ours.to_torch()
+    torch.testing.assert_close(tm(q, k, v, need_weights=False)[0], ours(q, k, v), rtol=0, atol=1e-12)
+    back = qkv.MultiHeadAttention.from_torch(tm)
+    torch.testing.assert_close(back(q, k, v), ours(q, k, v), rtol=0, atol=0)
+
+
+def test_from_torch_refuses_bias_kv_and_zero_attn():
+    for kw in (dict(add_bias_kv=True), dict(add_zero_attn=True)):
+        with pytest.raises(ValueError, match="does not take add_bias_kv=True or add_zero_attn"):
+            qkv.MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, **kw))
+    with pytest.raises(TypeError, match="needs a torch.nn.MultiheadAttention"):
+        qkv.MultiHeadAttention.from_torch(nn.Linear(2, 2))
+
+
+def test_to_torch_refuses_gqa():
+    with pytest.raises(ValueError, match="no grouped key/value heads"):
+        qkv.MultiHeadAttention(16, 4, num_kv_heads=2).to_torch()
+
+
+# --- GQA, traces, masks, config errors -------------------------------------------------------
+
+@pytest.mark.parametrize("G", [1, 2, 4])
+def test_gqa_equals_repeated_kv_heads(G):
+    gqa = qkv.MultiHeadAttention(16, 4, num_kv_heads=G, dtype=torch.float64)
+    full = qkv.MultiHeadAttention(16, 4, dtype=torch.float64)
+    D, rep = 4, 4 // G
+    with torch.no_grad():  # full's K/V heads: each of gqa's G heads repeated H/G times
+        gqa.in_proj_bias.normal_()
+        w_q, w_k, w_v = gqa.in_proj_weight.split([16, G * D, G * D])
+        b_q, b_k, b_v = gqa.in_proj_bias.split([16, G * D, G * D])
+        expand = lambda w: w.reshape(G, D, *w.shape[1:]).repeat_interleave(rep, 0).reshape(16, *w.shape[1:])  # noqa: E731
+        full.in_proj_weight.copy_(torch.cat([w_q, expand(w_k), expand(w_v)]))
+        full.in_proj_bias.copy_(torch.cat([b_q, expand(b_k), expand(b_v)]))
+        full.out_proj.load_state_dict(gqa.out_proj.state_dict())
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    torch.testing.assert_close(gqa(x, is_causal=True), full(x, is_causal=True), rtol=0, atol=1e-12)
+    assert gqa.W_K.shape == (16, G * D)
+
+
+def test_trace_consistent_with_output():
+    mha = qkv.MultiHeadAttention(16, 4, num_kv_heads=2, dtype=torch.float64)
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    out, tr = mha(x, key_mask=keep, return_trace=True)
+    assert tr.probs.shape == (2, 4, 6, 6) and tr.heads.shape == (2, 4, 6, 4)
+    assert tr.k.shape == (2, 2, 6, 4)
+    v = tr.v.repeat_interleave(2, 1)  # (B, H, S, D)
+    torch.testing.assert_close(tr.probs @ v, tr.heads)
+    concat = tr.heads.transpose(1, 2).reshape(2, 6, 16)  # (B, T, H*D)
+    torch.testing.assert_close(concat @ mha.W_O + mha.out_proj.bias, out)
+    torch.testing.assert_close(x @ mha.W_Q + mha.in_proj_bias[:16],
+                               tr.q.transpose(1, 2).reshape(2, 6, 16))
+    assert bool((tr.probs[1, ..., 4:] == 0).all())
+
+
+def test_unbatched_input():
+    mha = qkv.MultiHeadAttention(8, 2, dtype=torch.float64)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    out, tr = mha(x, return_trace=True)
+    assert out.shape == (5, 8) and tr.probs.shape == (2, 5, 5)
+    torch.testing.assert_close(out, mha(x[None])[0])
+
+
+def test_dropout_only_in_training():
+    mha = qkv.MultiHeadAttention(8, 2, dropout=0.5, dtype=torch.float64)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    mha.eval()
+    torch.testing.assert_close(mha(x), mha(x))
+    mha.train()
+    assert (mha(x) - mha(x)).abs().max() > 0
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(embed_dim=10, num_heads=3), r"embed_dim=10 is not a multiple of num_heads=3.*\[1, 2, 5, 10\]"),
+    (dict(embed_dim=16, num_heads=4, num_kv_heads=3), r"num_heads must be a multiple of num_kv_heads"),
+    (dict(embed_dim=16, num_heads=0), r"num_heads must be a positive int, got 0"),
+    (dict(embed_dim=16, num_heads=4, dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
+])
+def test_config_errors(kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        qkv.MultiHeadAttention(**kw)
+
+
+def test_forward_errors():
+    mha = qkv.MultiHeadAttention(8, 2)
+    with pytest.raises(ValueError, match=r"query must be \(B, L, 8\) or unbatched \(L, 8\), got shape \(2, 5, 7\)"):
+        mha(torch.randn(2, 5, 7))
+    with pytest.raises(TypeError, match=r"key_mask must be a bool tensor.*pass ~key_padding_mask"):
+        mha(torch.randn(2, 5, 8), key_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match=r"key_mask must have shape \(B, S\) = \(2, 5\), got \(2, 4\)"):
+        mha(torch.randn(2, 5, 8), key_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"must share the batch size"):
+        mha(torch.randn(2, 5, 8), torch.randn(3, 5, 8))
+
+
+# --- AdditiveAttention ------------------------------------------------------------------------
+
+def test_additive_matches_formula_and_masks():
+    add = qkv.AdditiveAttention(6, 5, key_dim=4, dtype=torch.float64)
+    q = torch.randn(2, 3, 6, dtype=torch.float64)
+    k = torch.randn(2, 4, 4, dtype=torch.float64)
+    v = torch.randn(2, 4, 7, dtype=torch.float64)
+    out, tr = add(q, k, v, return_trace=True)
+    Wq, Wk, w = add.W_q.weight, add.W_k.weight, add.v.weight[0]
+    scores = torch.stack([torch.stack([torch.stack([
+        w @ torch.tanh(Wq @ q[b, i] + Wk @ k[b, j]) for j in range(4)]) for i in range(3)])
+        for b in range(2)])  # (B, T, S), one score at a time
+    torch.testing.assert_close(tr.scores, scores)
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
+    keep = torch.tensor([[True, True, False, False], [False] * 4])
+    out, tr = add(q, k, v, key_mask=keep, return_trace=True)
+    torch.testing.assert_close(out[0], torch.softmax(scores[0, :, :2], -1) @ v[0, :2])
+    assert bool((out[1] == 0).all()) and not out.isnan().any()
+
+
+def test_additive_causal_and_gradients_of_empty_rows():
+    add = qkv.AdditiveAttention(4, 8, dtype=torch.float64)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    keep = torch.ones(5, 5, dtype=torch.bool)
+    keep[2, :3] = False  # with causal, row 2 has nothing left
+    out, tr = add(x, attn_mask=keep, is_causal=True, return_trace=True)
+    assert bool((tr.probs.triu(1) == 0).all())
+    assert bool((out[2] == 0).all())
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert torch.autograd.gradcheck(lambda x: add(x, is_causal=True), (x,))
