@@ -87,9 +87,11 @@ def run(call: AttentionCall, backend: str = "auto"):
     if not call.return_trace:
         return result.out
     if result.probs is not None:
-        trace = AttentionTrace(result.scores, result.probs, result.lse, chosen.name)
+        parts = (result.scores.detach(), result.probs.detach(), result.lse.detach())
+        trace = AttentionTrace(*parts, chosen.name)
     else:
-        trace = _trace_from_lse(call, result.lse, chosen.name)
+        with torch.no_grad():
+            trace = _trace_from_lse(call, result.lse, chosen.name)
     return result.out, trace
 
 
@@ -102,11 +104,13 @@ def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
     scores = attention_scores(call)  # (*batch, T, S)
     if scores.dtype in (torch.float16, torch.bfloat16):
         scores = scores.float()
-    empty = torch.isneginf(scores).all(dim=-1)  # (*batch, T): rows with no key
     if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)  # (*batch, T)
-    lse = lse.to(scores.dtype).masked_fill(empty, float("-inf"))  # a kernel may give 0 there
-    return AttentionTrace(scores, probs_from_lse(scores, lse), lse, backend)
+        lse = torch.logsumexp(scores, dim=-1)  # (*batch, T); -inf for a row with no key
+    probs = probs_from_lse(scores, lse)  # (*batch, T, S)
+    # A kernel may report lse 0 for a row with no key (torch's CPU flash does); its weights
+    # are all 0 either way, and the trace says -inf.
+    lse = lse.to(scores.dtype).masked_fill(probs.sum(dim=-1) == 0, float("-inf"))
+    return AttentionTrace(scores, probs, lse, backend)
 
 
 register_backend(TorchBackend())

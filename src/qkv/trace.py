@@ -15,7 +15,10 @@ __all__ = ["AttentionTrace", "MultiHeadTrace", "probs_from_lse"]
 
 @dataclass(frozen=True)
 class AttentionTrace:
-    """What attention computed on the way to its output.
+    """What attention computed on the way to its output, for inspection.
+
+    The tensors are detached (no gradient flows through them): computing them beside a fast
+    kernel must not make training slower or hold memory for a backward nobody asked for.
 
     Attributes:
         scores: Scaled scores after masking, before softmax; masked entries are ``-inf``.
@@ -63,5 +66,5 @@ def probs_from_lse(scores: Tensor, lse: Tensor) -> Tensor:
         scores ``(*batch, T, S)``, lse ``(*batch, T)`` -> ``(*batch, T, S)``.
     """
     lse = lse.to(scores.dtype).unsqueeze(-1)  # (*batch, T, 1)
-    empty = torch.isneginf(lse)  # (*batch, T, 1): rows that may attend to nothing
-    return torch.exp(scores - torch.where(empty, 0.0, lse)).masked_fill(empty, 0.0)
+    lse = torch.where(torch.isneginf(lse), 0.0, lse)  # a row with no key: exp(-inf - 0) = 0
+    return torch.sub(scores, lse).exp_()  # (*batch, T, S); one allocation

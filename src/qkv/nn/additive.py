@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..masks import apply_mask, causal_bool, merge_causal
+from ..masks import apply_mask_, causal_bool, merge_causal
 from ..ops.reference import masked_softmax
 from ..trace import AttentionTrace
 from ._inputs import module_inputs
@@ -60,7 +60,7 @@ class AdditiveAttention(nn.Module):
             causal = causal_bool(T, S, device=inp.query.device)  # (T, S)
             mask = causal if mask is None else merge_causal(mask, T, S)
         hidden = self.W_q(inp.query).unsqueeze(2) + self.W_k(inp.key).unsqueeze(1)  # (B, T, S, h)
-        scores = apply_mask(self.v(torch.tanh(hidden)).squeeze(-1), mask)  # (B, T, S)
+        scores = apply_mask_(self.v(torch.tanh(hidden)).squeeze(-1), mask)  # (B, T, S)
         probs, lse = masked_softmax(scores)  # (B, T, S), (B, T)
         out = probs.to(inp.value.dtype) @ inp.value  # (B, T, Cv)
         if inp.unbatched:

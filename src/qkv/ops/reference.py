@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import apply_mask, causal_bool
+from ..masks import apply_mask_, causal_bool
 from .base import BackendResult
 from .call import AttentionCall
 
@@ -46,11 +46,11 @@ def attention_scores(call: AttentionCall) -> Tensor:
         ``(*batch, T, S)``.
     """
     key, _ = call.kv_heads_expanded()
-    scores = (call.query @ key.transpose(-2, -1)) * call.scale  # (*batch, T, S)
+    scores = (call.query @ key.transpose(-2, -1)).mul_(call.scale)  # (*batch, T, S)
     mask = call.mask()
     if mask is None and call.is_causal:
         mask = causal_bool(call.T, call.S, device=call.device)  # (T, S)
-    return apply_mask(scores, mask)
+    return apply_mask_(scores, mask)
 
 
 def masked_softmax(scores: Tensor) -> tuple[Tensor, Tensor]:
