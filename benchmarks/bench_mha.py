@@ -1,7 +1,8 @@
 """qkv.MultiHeadAttention vs torch.nn.MultiheadAttention on CPU: time and peak memory.
 
-Same config on both sides (E=512, 8 heads, B=1, self-attention, training mode, dropout 0):
-forward and forward+backward, fp32 and bf16, T from 256 to 4096, with and without attention
+Same config on both sides (E=512, 8 heads, B=1, self-attention, dropout 0): forward as
+inference (eval mode, no_grad: torch may take its fused native fast path) and
+forward+backward in training mode, fp32 and bf16, T from 256 to 4096, with and without attention
 weights requested (torch: need_weights=True, average_attn_weights=False, i.e. per head as
 qkv's trace; without: need_weights=False; qkv: return_trace=True / False).
 
@@ -40,6 +41,7 @@ def worker(impl: str, T: int, dtype: str, weights: bool, mode: str, min_run_time
     torch.manual_seed(0)
     dt = getattr(torch, DTYPES[dtype])
     tm = nn.MultiheadAttention(E, HEADS, batch_first=True, dtype=dt)
+    tm.train(mode == "fwdbwd")  # forward alone is measured as inference: eval + no_grad
     module = tm if impl == "torch" else qkv.MultiHeadAttention.from_torch(tm)
     x = torch.randn(B, T, E, dtype=dt, requires_grad=mode == "fwdbwd")
 

@@ -98,7 +98,8 @@ def run(call: AttentionCall, backend: str = "auto"):
 def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
     """Weights recomputed as ``exp(scores - lse)`` for a backend that gives no weights.
 
-    When the backend gave no log-sum-exp either, it is taken from the scores themselves.
+    When the backend gave no log-sum-exp either, it is taken from the scores themselves. A
+    backend's lse must be -inf on rows with no key (weights of such rows come out 0).
     Half-precision inputs get a float32 trace (the kernels' log-sum-exp is float32).
     """
     scores = attention_scores(call)  # (*batch, T, S)
@@ -106,11 +107,8 @@ def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
         scores = scores.float()
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)  # (*batch, T); -inf for a row with no key
-    probs = probs_from_lse(scores, lse)  # (*batch, T, S)
-    # A kernel may report lse 0 for a row with no key (torch's CPU flash does); its weights
-    # are all 0 either way, and the trace says -inf.
-    lse = lse.to(scores.dtype).masked_fill(probs.sum(dim=-1) == 0, float("-inf"))
-    return AttentionTrace(scores, probs, lse, backend)
+    lse = lse.to(scores.dtype)
+    return AttentionTrace(scores, probs_from_lse(scores, lse), lse, backend)
 
 
 register_backend(TorchBackend())

@@ -46,7 +46,8 @@ def attention_scores(call: AttentionCall) -> Tensor:
         ``(*batch, T, S)``.
     """
     key, _ = call.kv_heads_expanded()
-    scores = (call.query @ key.transpose(-2, -1)).mul_(call.scale)  # (*batch, T, S)
+    # Scale the (T, D) queries rather than the (T, S) scores: the same math, T*D work not T*S.
+    scores = (call.query * call.scale) @ key.transpose(-2, -1)  # (*batch, T, S)
     mask = call.mask()
     if mask is None and call.is_causal:
         mask = causal_bool(call.T, call.S, device=call.device)  # (T, S)

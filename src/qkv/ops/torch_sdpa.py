@@ -62,6 +62,8 @@ class TorchBackend:
             out = out.to(call.dtype)
         if row_ok is not None:
             out = out.masked_fill(~row_ok.unsqueeze(-1), 0.0)  # rows with no key -> exactly 0
+            if lse is not None:  # the kernel saw the guard's full row there
+                lse = lse.masked_fill(~row_ok, float("-inf"))
         return BackendResult(out=out, lse=lse)
 
 
