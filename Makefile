@@ -18,7 +18,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
-	$(VENV)/bin/qkv seeds
+	mkdir -p out/demo
+	$(VENV)/bin/qkv explain --example seed004 --plot out/demo/attention_seed004.png
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

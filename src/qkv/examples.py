@@ -18,8 +18,8 @@ class SeedExample:
     """Inputs, weights and the exact expected numbers of one worked example.
 
     Shape:
-        x ``(T, C)``; w_q, w_k ``(C, D)``; w_v ``(C, Dv)``; expected scores/probs ``(T, T)``;
-        expected outputs ``(T, Dv)``.
+        x ``(T, C)``; w_q, w_k ``(C, D)``; w_v ``(C, Dv)``; expected and tutorial scores/probs
+        ``(T, T)``; expected and tutorial outputs ``(T, Dv)``.
     """
 
     name: str
@@ -31,6 +31,7 @@ class SeedExample:
     scale: float | None  # None: 1/sqrt(d_k)
     expected: dict = field(default_factory=dict)  # "scores", "probs", "outputs" as lists
     note: str = ""
+    tutorial: dict = field(default_factory=dict)  # what the seed prints, rounded; same keys
 
     def tensors(self, dtype: torch.dtype = torch.float64) -> dict[str, Tensor]:
         """x, w_q, w_k, w_v as tensors of ``dtype``."""
@@ -59,6 +60,7 @@ SEED000 = SeedExample(
         "the seed rounds b_1 to (0.33, 0.67) and prints the input of q^2 as (1, 1) by mistake "
         "(a_2 W_Q = (1, 1))"
     ),
+    tutorial={"outputs": [[0.33, 0.67], [0.5, 0.5]]},
 )
 
 SEED004 = SeedExample(
@@ -86,6 +88,10 @@ SEED004 = SeedExample(
         "the seed rounds the softmax to [[0,.5,.5],[0,1,0],[0,.9,.1]] and so prints outputs "
         "[[2,7,1.5],[2,8,0],[2,7.8,0.3]]"
     ),
+    tutorial={
+        "probs": [[0.0, 0.5, 0.5], [0.0, 1.0, 0.0], [0.0, 0.9, 0.1]],
+        "outputs": [[2.0, 7.0, 1.5], [2.0, 8.0, 0.0], [2.0, 7.8, 0.3]],
+    },
 )
 
 SEED004_SCALED = SeedExample(

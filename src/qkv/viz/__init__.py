@@ -1,0 +1,8 @@
+"""Pictures of attention: heatmaps of the weights in a trace.
+
+viz reads traces only (STYLE.md 17) and imports matplotlib lazily, inside the functions that
+draw, so ``import qkv.viz`` works without it (install ``qkv[viz]`` to plot).
+"""
+from .heatmap import heatmap_axes, heatmap_figure, plot_attention
+
+__all__ = ["heatmap_axes", "heatmap_figure", "plot_attention"]
