@@ -12,7 +12,7 @@ import torch
 
 from .ops import AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TorchBackend
 from .ops.reference import attention_scores
-from .trace import AttentionTrace, probs_from_lse
+from .trace import AttentionTrace, probs_from_lse_
 
 __all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
 
@@ -98,17 +98,22 @@ def run(call: AttentionCall, backend: str = "auto"):
 def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
     """Weights recomputed as ``exp(scores - lse)`` for a backend that gives no weights.
 
-    When the backend gave no log-sum-exp either, it is taken from the scores themselves. A
-    backend's lse must be -inf on rows with no key (weights of such rows come out 0).
-    Half-precision inputs get a float32 trace (the kernels' log-sum-exp is float32).
+    Builds one ``(*batch, T, S)`` buffer, in the inputs' dtype: the scores are computed into it
+    and turned into the weights in place; ``trace.scores`` recomputes them when first read.
+    When the backend gave no log-sum-exp, it is taken from the scores (in at least float32).
+    A backend's lse must be -inf on rows with no key.
     """
-    scores = attention_scores(call)  # (*batch, T, S)
-    if scores.dtype in (torch.float16, torch.bfloat16):
-        scores = scores.float()
+    probs = attention_scores(call)  # (*batch, T, S), scores for now
     if lse is None:
-        lse = torch.logsumexp(scores, dim=-1)  # (*batch, T); -inf for a row with no key
-    lse = lse.to(scores.dtype)
-    return AttentionTrace(scores, probs_from_lse(scores, lse), lse, backend)
+        wide = probs if probs.dtype == torch.float64 else probs.float()
+        lse = torch.logsumexp(wide, dim=-1)  # (*batch, T); -inf for a row with no key
+    probs = probs_from_lse_(probs, lse)  # (*batch, T, S)
+
+    def scores():
+        with torch.no_grad():
+            return attention_scores(call)
+
+    return AttentionTrace(scores, probs, lse, backend)
 
 
 register_backend(TorchBackend())

@@ -67,5 +67,5 @@ class AdditiveAttention(nn.Module):
             out, scores, probs, lse = out[0], scores[0], probs[0], lse[0]
         if not return_trace:
             return out
-        return out, AttentionTrace(scores, probs, lse, backend="additive")
+        return out, AttentionTrace(scores.detach(), probs.detach(), lse.detach(), "additive")
 

@@ -85,13 +85,11 @@ class SelfAttention(nn.Module):
         res = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                            scale=self.scale, return_trace=return_trace)
         out, trace = res if return_trace else (res, None)  # (B, T, d_v)
+        index = 0 if inp.unbatched else None  # drop the batch dim of 1
         if not return_trace:
             return out[0] if inp.unbatched else out
-        parts = [out, trace.scores, trace.probs, trace.lse, q, k, v]
-        if inp.unbatched:
-            parts = [p[0] for p in parts]  # drop the batch dim of 1
-        out, scores, probs, lse, q, k, v = parts
-        return out, MultiHeadTrace(scores, probs, lse, trace.backend, q=q, k=k, v=v, heads=out)
+        trace = MultiHeadTrace(trace, q=q, k=k, v=v, heads=out, index=index)
+        return (out[0] if inp.unbatched else out), trace
 
 
 class MultiHeadAttention(nn.Module):
@@ -204,11 +202,8 @@ class MultiHeadAttention(nn.Module):
             out = out[0]  # (T, C)
         if not return_trace:
             return out
-        parts = [trace.scores, trace.probs, trace.lse, q, k, v, heads]
-        if inp.unbatched:
-            parts = [p[0] for p in parts]
-        scores, probs, lse, q, k, v, heads = parts
-        return out, MultiHeadTrace(scores, probs, lse, trace.backend, q=q, k=k, v=v, heads=heads)
+        index = 0 if inp.unbatched else None  # drop the batch dim of 1
+        return out, MultiHeadTrace(trace, q=q, k=k, v=v, heads=heads, index=index)
 
     def _proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         if self.fused:
