@@ -88,4 +88,11 @@ def probs_from_lse_(scores: Tensor, lse: Tensor) -> Tensor:
     """
     lse = lse.unsqueeze(-1)  # (*batch, T, 1)
     lse = torch.where(torch.isneginf(lse), 0.0, lse)  # a row with no key: exp(-inf - 0) = 0
-    return scores.sub_(lse).exp_()
+    if lse.dtype == scores.dtype:
+        return scores.sub_(lse).exp_()
+    # Half scores with a float32 lse: an in-place mixed-dtype sub_ runs ~30x slower on CPU
+    # (579 ms vs 20 ms for 8 x 4096^2 bf16), and rounding lse to half would scale whole rows
+    # by up to e^0.02. Subtract it as two half-precision parts: high, then the remainder.
+    high = lse.to(scores.dtype)
+    low = (lse - high.to(lse.dtype)).to(scores.dtype)
+    return scores.sub_(high).sub_(low).exp_()
