@@ -27,6 +27,16 @@ class ModuleInputs:
     mask: Tensor | None
     unbatched: bool
 
+    def single_head_mask(self) -> Tensor | None:
+        """The mask for a module without heads: a key_mask's (B, 1, 1, S) becomes (B, 1, S).
+
+        Shape:
+            broadcastable to ``(B, T, S)``.
+        """
+        if self.mask is not None and self.mask.dim() == 4:
+            return self.mask.squeeze(1)  # (B, 1|T, S)
+        return self.mask
+
 
 def module_inputs(
     query: Tensor,

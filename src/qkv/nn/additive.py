@@ -54,7 +54,7 @@ class AdditiveAttention(nn.Module):
         """
         inp = module_inputs(query, key, value, attn_mask, key_mask,
                             (self.query_dim, self.key_dim, None))
-        mask = inp.mask.squeeze(1) if inp.mask is not None and inp.mask.dim() == 4 else inp.mask
+        mask = inp.single_head_mask()  # (B, T, S)-broadcastable
         T, S = inp.query.shape[1], inp.key.shape[1]
         if is_causal:
             causal = causal_bool(T, S, device=inp.query.device)  # (T, S)

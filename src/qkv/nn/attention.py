@@ -77,19 +77,16 @@ class SelfAttention(nn.Module):
         """
         C = self.W_Q.shape[0]
         inp = module_inputs(x, None, None, attn_mask, key_mask, (C, C, C))
-        if inp.mask is not None and inp.mask.dim() == 4:  # key_mask gave (B, 1, 1, S)
-            mask = inp.mask.squeeze(1)  # (B, 1, S)
-        else:
-            mask = inp.mask
         q, k, v = inp.query @ self.W_Q, inp.query @ self.W_K, inp.query @ self.W_V  # (B, T, d)
-        res = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                           scale=self.scale, return_trace=return_trace)
+        res = scaled_dot_product_attention(q, k, v, attn_mask=inp.single_head_mask(),
+                                           is_causal=is_causal, scale=self.scale,
+                                           return_trace=return_trace)
         out, trace = res if return_trace else (res, None)  # (B, T, d_v)
-        index = 0 if inp.unbatched else None  # drop the batch dim of 1
+        final = out[0] if inp.unbatched else out  # drop the batch dim of 1
         if not return_trace:
-            return out[0] if inp.unbatched else out
-        trace = MultiHeadTrace(trace, q=q, k=k, v=v, heads=out, index=index)
-        return (out[0] if inp.unbatched else out), trace
+            return final
+        index = 0 if inp.unbatched else None
+        return final, MultiHeadTrace(trace, q=q, k=k, v=v, heads=out, index=index)
 
 
 class MultiHeadAttention(nn.Module):
