@@ -26,6 +26,8 @@ def scaled_dot_product_attention(
     *,
     backend: str = "auto",
     return_trace: bool = False,
+    mask_mod=None,
+    score_mod=None,
 ) -> Tensor | tuple[Tensor, AttentionTrace]:
     """``softmax(query @ key^T * scale + mask) @ value``, exact on every edge case.
 
@@ -46,10 +48,15 @@ def scaled_dot_product_attention(
                         x x
                         x x
 
+    * **Structured masks and score changes** (FlexAttention's vocabulary, see ``qkv.masks``):
+      ``mask_mod(b, h, q_idx, kv_idx) -> bool`` and ``score_mod(score, b, h, q_idx, kv_idx)``.
+      They combine with ``attn_mask`` and ``is_causal`` (a key must pass all). The ``tiled``
+      backend runs them in O(T + S) extra memory, skipping blocks the mask leaves empty;
+      ``auto`` sends such calls there.
     * **Traces.** ``return_trace=True`` also returns an :class:`AttentionTrace` with the
       scores, weights (before dropout) and log-sum-exp, from any backend.
     * **Backends.** ``backend="auto"`` picks the fastest that supports the call; naming one
-      (``"torch"``, ``"reference"``) that cannot take it raises with the reason.
+      (``"torch"``, ``"tiled"``, ``"reference"``) that cannot take it raises with the reason.
     * **Checked input.** Bad shapes, dtypes, devices, masks, ``scale`` or ``dropout_p``
       raise ValueError/TypeError naming the numbers and the fix. ``dropout_p`` must be in
       [0, 1) and ``scale`` finite.
@@ -70,6 +77,10 @@ def scaled_dot_product_attention(
         enable_gqa: Share each of G key/value heads across H / G query heads (dim -3).
         backend: ``"auto"`` or a registered backend name.
         return_trace: Also return the AttentionTrace.
+        mask_mod: A structured mask, e.g. ``qkv.masks.sliding_window(256)`` (True = may
+            attend), or a plain function of the same signature.
+        score_mod: A change of the scaled scores before softmax, e.g.
+            ``qkv.masks.alibi(slopes)``, ``qkv.masks.softcap(30.0)``, or a plain function.
 
     Returns:
         The output, or ``(output, trace)`` when ``return_trace`` is True.
@@ -85,6 +96,7 @@ def scaled_dot_product_attention(
         tensor([[0.2689, 0.7311]])
     """
     call = AttentionCall.build(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace,
+        mask_mod, score_mod,
     )
     return dispatch.run(call, backend)

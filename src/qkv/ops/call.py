@@ -17,7 +17,8 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-from ..masks import merge_causal
+from ..masks import (MaskMod, ScoreMod, _Window, as_mask_mod, as_score_mod, evaluate_mask,
+                     index_grid, merge_causal)
 
 __all__ = ["AttentionCall"]
 
@@ -30,6 +31,8 @@ class AttentionCall:
 
     ``scale`` is resolved (``1/sqrt(D)`` when the caller gave None). ``attn_mask`` is the
     caller's mask; ``mask()`` gives it merged with the causal mask when both were asked for.
+    ``mask_mod``/``score_mod`` are bound to the call's sizes (see ``qkv.masks``); a
+    ``mask_mod`` that is exactly the top-left causal mask becomes ``is_causal=True``.
 
     Shape:
         query ``(*qbatch, T, D)``, key ``(*kbatch, S, D)``, value ``(*kbatch, S, Dv)``;
@@ -47,6 +50,8 @@ class AttentionCall:
     enable_gqa: bool
     return_trace: bool
     batch: tuple[int, ...]
+    mask_mod: MaskMod | None = None
+    score_mod: ScoreMod | None = None
 
     @classmethod
     def build(
@@ -60,23 +65,31 @@ class AttentionCall:
         scale: float | None = None,
         enable_gqa: bool = False,
         return_trace: bool = False,
+        mask_mod=None,
+        score_mod=None,
     ) -> "AttentionCall":
         """Validate the arguments of ``scaled_dot_product_attention`` and resolve defaults."""
         _check_tensors(query, key, value)
         batch = _check_shapes(query, key, value, bool(enable_gqa))
         T, S = query.shape[-2], key.shape[-2]
         attn_mask = _check_mask(attn_mask, query, batch + (T, S))
+        is_causal = _check_flag("is_causal", is_causal)
+        mask_mod, score_mod = _check_mods(mask_mod, score_mod, batch, T, S)
+        if _is_top_left_causal(mask_mod):  # the same mask; torch's causal kernels can take it
+            mask_mod, is_causal = None, True
         return cls(
             query=query,
             key=key,
             value=value,
             attn_mask=attn_mask,
             dropout_p=_check_dropout(dropout_p),
-            is_causal=_check_flag("is_causal", is_causal),
+            is_causal=is_causal,
             scale=_check_scale(scale, query.shape[-1]),
             enable_gqa=_check_flag("enable_gqa", enable_gqa),
             return_trace=_check_flag("return_trace", return_trace),
             batch=batch,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
         )
 
     # Derived facts backends ask about.
@@ -115,14 +128,42 @@ class AttentionCall:
     def out_shape(self) -> tuple[int, ...]:
         return self.batch + (self.T, self.Dv)
 
+    @property
+    def BH(self) -> tuple[int, int]:
+        """(B, H) as mask_mod/score_mod see them: ``()`` -> (1, 1), ``(H,)`` -> (1, H)."""
+        return ((1, 1) + self.batch)[-2:]
+
     def mask(self) -> Tensor | None:
-        """The mask to apply: ``attn_mask`` merged with the causal mask when both are set.
+        """The dense mask to apply: ``attn_mask`` merged with the causal mask when both are
+        set, and with ``mask_mod`` evaluated densely (O(T * S): for the plain backends).
 
         With ``is_causal`` alone this returns None (backends use their causal fast path).
+
+        Shape:
+            broadcastable to ``(*batch, T, S)``.
         """
-        if self.attn_mask is not None and self.is_causal:
-            return merge_causal(self.attn_mask, self.T, self.S)
-        return self.attn_mask
+        mask = self.attn_mask
+        if self.mask_mod is not None:
+            structured = self.dense_mask_mod()  # (*batch or 1s, T, S)
+            if self.is_causal:
+                structured = merge_causal(structured, self.T, self.S)
+            if mask is None:
+                return structured
+            return mask & structured if mask.dtype == torch.bool else mask.masked_fill(~structured, float("-inf"))
+        if mask is not None and self.is_causal:
+            return merge_causal(mask, self.T, self.S)
+        return mask
+
+    def dense_mask_mod(self) -> Tensor:
+        """``mask_mod`` evaluated at every (b, h, q, kv), in the call's batch layout.
+
+        Shape:
+            ``(*batch, T, S)`` with 1 where the mask does not depend on a dim, bool.
+        """
+        B, H = self.BH
+        dense = evaluate_mask(self.mask_mod, *index_grid(B, H, self.T, self.S, device=self.device))
+        dense = dense.reshape((1,) * (4 - dense.dim()) + tuple(dense.shape))  # (B?, H?, T, S)
+        return dense.reshape(dense.shape[4 - len(self.batch) - 2:]) if len(self.batch) < 2 else dense
 
     def kv_heads_expanded(self) -> tuple[Tensor, Tensor]:
         """key and value with each of the G heads repeated H // G times (GQA), as torch does."""
@@ -133,6 +174,28 @@ class AttentionCall:
             self.key.repeat_interleave(groups, dim=-3),  # (*batch, H, S, D)
             self.value.repeat_interleave(groups, dim=-3),  # (*batch, H, S, Dv)
         )
+
+
+def _check_mods(mask_mod, score_mod, batch: tuple, T: int, S: int):
+    """Wrap and bind mask_mod/score_mod; they see (B, H) indices, so at most 4-D inputs."""
+    if mask_mod is None and score_mod is None:
+        return None, None
+    if len(batch) > 2:
+        raise ValueError(
+            f"mask_mod/score_mod index (b, h, q_idx, kv_idx), so inputs must have at most 4 dims "
+            f"(B, H, T, D); got leading dims {batch}: reshape to (B * X, H, T, D)"
+        )
+    B, H = ((1, 1) + batch)[-2:]
+    if mask_mod is not None:
+        mask_mod = as_mask_mod(mask_mod).bind(B, H, T, S)
+    if score_mod is not None:
+        score_mod = as_score_mod(score_mod).bind(B, H, T, S)
+    return mask_mod, score_mod
+
+
+def _is_top_left_causal(mask_mod) -> bool:
+    return (isinstance(mask_mod, _Window) and mask_mod.name == "causal"
+            and mask_mod.offset == 0)
 
 
 def _check_tensors(query: Tensor, key: Tensor, value: Tensor) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import apply_mask_, causal_bool
+from ..masks import apply_mask_, causal_bool, evaluate_score, index_grid
 from .base import BackendResult
 from .call import AttentionCall
 
@@ -48,10 +48,20 @@ def attention_scores(call: AttentionCall) -> Tensor:
     key, _ = call.kv_heads_expanded()
     # Scale the (T, D) queries rather than the (T, S) scores: the same math, T*D work not T*S.
     scores = (call.query * call.scale) @ key.transpose(-2, -1)  # (*batch, T, S)
+    if call.score_mod is not None:
+        scores = _modified_scores(call, scores)  # (*batch, T, S)
     mask = call.mask()
     if mask is None and call.is_causal:
         mask = causal_bool(call.T, call.S, device=call.device)  # (T, S)
     return apply_mask_(scores, mask)
+
+
+def _modified_scores(call: AttentionCall, scores: Tensor) -> Tensor:
+    """``score_mod`` applied to the full scores, seen as (B, H, T, S)."""
+    B, H = call.BH
+    scores4 = scores.expand(call.batch + scores.shape[-2:]).reshape(B, H, call.T, call.S)
+    out = evaluate_score(call.score_mod, scores4, *index_grid(B, H, call.T, call.S, device=call.device))
+    return out.reshape(call.batch + (call.T, call.S))  # (*batch, T, S)
 
 
 def masked_softmax(scores: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,7 @@
 """Torch backend: ``torch.nn.functional.scaled_dot_product_attention`` under qkv's contract.
 
-Supports: everything the dispatcher accepts (torch picks its flash/efficient/math kernel).
+Supports: every dense-mask call (torch picks its flash/efficient/math kernel); not
+``mask_mod``/``score_mod``, which it could take only as dense (T, S) tensors.
 What it adds on top of torch:
   * ``attn_mask`` together with ``is_causal=True`` (torch refuses the pair): the masks are
     merged into one, a key must pass both.
@@ -37,6 +38,13 @@ class TorchBackend:
     priority = 10
 
     def supports(self, call: AttentionCall) -> str | None:
+        if call.score_mod is not None:
+            return "torch's SDPA has no score_mod (the tiled and reference backends do)"
+        if call.mask_mod is not None:
+            return (
+                "torch's SDPA takes a structured mask only as a dense (T, S) tensor; pass "
+                "attn_mask=qkv.masks.to_dense(mask_mod, B, H, T, S) to run it there anyway"
+            )
         return None
 
     def run(self, call: AttentionCall) -> BackendResult:
