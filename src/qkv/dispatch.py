@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops import AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TorchBackend
+from .ops import (AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TiledBackend,
+                  TorchBackend)
 from .ops.reference import attention_scores
 from .trace import AttentionTrace, probs_from_lse_
 
@@ -117,4 +118,5 @@ def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
 
 
 register_backend(TorchBackend())
+register_backend(TiledBackend())
 register_backend(ReferenceBackend())

@@ -797,6 +797,8 @@ def block_states(mask_mod: MaskMod, grid: Grid) -> Tensor:
     """
     full, empty = mask_mod.blocks(grid)
     full, empty = torch.broadcast_tensors(full, empty)
+    lead = full.shape[:-2] if full.dim() > 2 else ()
+    full, empty = (t.expand(*lead, grid.nq, grid.nk) for t in (full, empty))
     state = torch.full(full.shape, PARTIAL, dtype=torch.int8, device=full.device)
     state.masked_fill_(full, FULL).masked_fill_(empty, EMPTY)
     return state.reshape((1,) * (4 - state.dim()) + tuple(state.shape))

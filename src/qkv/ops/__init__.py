@@ -2,6 +2,7 @@
 from .base import Backend, BackendResult, BackendUnsupportedError
 from .call import AttentionCall
 from .reference import ReferenceBackend
+from .tiled import TiledBackend
 from .torch_sdpa import TorchBackend
 
 __all__ = [
@@ -10,5 +11,6 @@ __all__ = [
     "BackendResult",
     "BackendUnsupportedError",
     "ReferenceBackend",
+    "TiledBackend",
     "TorchBackend",
 ]

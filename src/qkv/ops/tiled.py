@@ -1,0 +1,403 @@
+"""Tiled backend: FlashAttention's algorithm in PyTorch ops, for structured masks.
+
+Supports: CPU and CUDA; float64/32, bfloat16, float16; ``mask_mod``/``score_mod`` (see
+``qkv.masks``), dense bool or float ``attn_mask``, ``is_causal``, GQA, broadcast leading dims,
+forward and backward. Not supported: dropout (use ``torch`` or ``reference``), a float
+``attn_mask`` that requires grad.
+
+The algorithm (Dao et al. 2022, FlashAttention; Rabe & Staats 2021): queries are cut into tiles
+of ``bq`` rows and keys into blocks of ``bk``. Before any arithmetic, the mask classifies every
+(tile, block) pair as empty, partial or full from index bounds alone (``MaskMod.blocks``):
+empty pairs are never computed, full ones need no mask. Each query tile visits the key blocks
+it needs in chunks of consecutive blocks; each chunk gives an output normalised over its keys
+and the log-sum-exp of its scores, and chunks merge by their log-sum-exps (the online
+softmax). Only the output and the log-sum-exp are kept: extra memory is O(T + S) plus one
+chunk's scores. Backward recomputes each chunk's weights from the saved log-sum-exp.
+
+Two inner kernels compute a chunk:
+  * ``flash``: torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
+    and its backward), which returns the chunk's log-sum-exp. Its backward takes the *global*
+    output and log-sum-exp, which is exactly the per-chunk decomposition FlashAttention's
+    backward needs. Used on CPU when D == Dv and the score_mod is absent or additive.
+  * ``matmul``: matmul, softmax and matmul in PyTorch ops; any device, any score_mod (its
+    gradient by autograd on the chunk), and gradients for tensors a score_mod reads.
+Half precision computes scores in its own dtype (as the kernels do) and the softmax, the
+merge and all gradient accumulation in float32; float16 on CPU runs in float32 (torch's
+float16 CPU kernel is slow and inexact, see ``torch_sdpa.py``).
+
+Shape alphabet: B batch, H query heads, T query length, S key length, D head dim, Dv value
+head dim; a tile has ``tq`` queries and a chunk ``kc`` keys.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..masks import (EMPTY, FULL, Grid, MaskMod, ScoreMod, and_masks, block_states, causal,
+                     evaluate_mask, evaluate_score, index_grid)
+from .base import BackendResult
+from .call import AttentionCall
+from .reference import ReferenceBackend
+
+__all__ = ["TiledBackend", "tiled_attention"]
+
+_flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+BLOCK_Q = 128  # query rows per tile
+BLOCK_K = 128  # keys per block (the unit of skipping)
+CHUNK_ELEMENTS = 1 << 22  # B*H*tq*kc scores per chunk: 16 MiB in float32
+
+
+class TiledBackend:
+    """Blockwise exact attention with block skipping for structured masks."""
+
+    name = "tiled"
+    priority = 20  # after torch (plain/causal calls), before reference
+
+    def supports(self, call: AttentionCall) -> str | None:
+        if call.dropout_p > 0:
+            return "tiled has no dropout (use torch or reference, or dropout_p=0.0)"
+        if call.attn_mask is not None and call.attn_mask.requires_grad:
+            return "tiled gives no gradient to a float attn_mask (reference does)"
+        return None
+
+    def run(self, call: AttentionCall) -> BackendResult:
+        if call.T == 0 or call.S == 0:  # nothing to tile; the reference's shapes are right
+            return ReferenceBackend().run(call)
+        out, lse = tiled_attention(call)
+        return BackendResult(out=out, lse=lse)
+
+
+@dataclass
+class _Plan:
+    """Everything a pass needs besides q, k, v: sizes, masks and which chunks to visit.
+
+    ``rows[i]`` lists the chunks of query tile ``i`` as ``(k0, k1, masked)``: keys
+    ``[k0, k1)``, and whether the mask must be applied (False when every block is full).
+    """
+
+    B: int
+    H: int
+    T: int
+    S: int
+    scale: float
+    bq: int
+    mask_mod: MaskMod | None
+    bias: Tensor | None  # a dense float attn_mask, (B?, H?, T, S)
+    score_mod: ScoreMod | None
+    inner: str
+    rows: list[list[tuple[int, int, bool]]]
+
+    def chunk_mask(self, t0: int, t1: int, k0: int, k1: int, masked: bool, dtype) -> Tensor | None:
+        """The chunk's additive float mask for the flash kernel (-inf = may not attend).
+
+        Shape:
+            ``(B?, H?, tq, kc)`` or None.
+        """
+        add = None
+        if self.bias is not None:
+            add = self.bias[..., t0:t1, k0:k1].to(dtype)
+        if self.score_mod is not None:  # additive: its bias is score_mod(0)
+            b, h, q, kv = index_grid(self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
+                                     device=self.device)
+            bias = self.score_mod(torch.zeros((), dtype=dtype, device=self.device), b, h, q, kv)
+            add = bias if add is None else add + bias
+        if masked:
+            allowed = self.allowed(t0, t1, k0, k1)
+            if add is None:
+                return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
+                    ~allowed, float("-inf"))
+            add = add.masked_fill(~allowed, float("-inf"))
+        return add
+
+    def allowed(self, t0: int, t1: int, k0: int, k1: int) -> Tensor:
+        """``mask_mod`` on the chunk. Shape: ``(B?, H?, tq, kc)``, bool."""
+        b, h, q, kv = index_grid(self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
+                                 device=self.device)
+        return evaluate_mask(self.mask_mod, b, h, q, kv)
+
+    device: torch.device = torch.device("cpu")
+
+
+def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: int = BLOCK_Q,
+                    block_k: int = BLOCK_K) -> tuple[Tensor, Tensor]:
+    """Run ``call`` tiled; return the output and the log-sum-exp (``-inf`` on rows with no key).
+
+    ``inner`` forces ``"flash"`` or ``"matmul"`` (tests compare the two); None picks.
+
+    Shape:
+        -> out ``(*batch, T, Dv)``, lse ``(*batch, T)`` float32 (float64 for float64 inputs).
+    """
+    q, k, v, B, H = _as_4d(call)  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    mask = call.attn_mask
+    bias = _mask_4d(mask.detach(), call.batch) if mask is not None and mask.is_floating_point() else None
+    work = torch.float32 if call.dtype == torch.float16 and call.device.type == "cpu" else None
+    if work is not None:
+        q, k, v = q.to(work), k.to(work), v.to(work)
+    plan = _plan(call, B, H, bias, inner, block_q, block_k, q.dtype)
+    grads = plan.score_mod.tensors() if plan.score_mod is not None else ()
+    grads = tuple(t for t in grads if t.requires_grad)
+    out, lse = _TiledAttention.apply(plan, q, k, v, *grads)  # (B, H, T, Dv), (B, H, T)
+    out = out.to(call.dtype).reshape(call.out_shape)
+    return out, lse.reshape(call.batch + (call.T,))
+
+
+def _as_4d(call: AttentionCall):
+    """q, k, v (GQA heads repeated, leading dims broadcast) as ``(B, H, L, E)``, and B, H."""
+    batch = call.batch
+    B, H = (math.prod(batch[:-1]), batch[-1]) if batch else (1, 1)
+    key, value = call.kv_heads_expanded()
+
+    def four(t: Tensor) -> Tensor:
+        return t.expand(batch + t.shape[-2:]).reshape(B, H, *t.shape[-2:])
+
+    return four(call.query), four(key), four(value), B, H
+
+
+def _mask_4d(mask: Tensor, batch: tuple) -> Tensor:
+    """A mask broadcastable to ``(*batch, T, S)`` as ``(B?, H?, T, S)`` (1 where it broadcasts)."""
+    mask = mask.reshape((1,) * (len(batch) + 2 - mask.dim()) + tuple(mask.shape))
+    if len(batch) < 2:
+        return mask.reshape((1,) * (2 - len(batch)) + tuple(mask.shape))
+    if len(batch) > 2:  # fold the leading dims into B, as the inputs are
+        return mask.expand(batch + mask.shape[-2:]).reshape(-1, *mask.shape[-3:])
+    return mask
+
+
+def _plan(call: AttentionCall, B: int, H: int, bias: Tensor | None, inner: str | None,
+          bq: int, bk: int, dtype: torch.dtype) -> _Plan:
+    """Combine the masks into one mask_mod, classify its blocks and list each tile's chunks."""
+    mods = [m for m in (call.mask_mod, causal() if call.is_causal else None) if m is not None]
+    mask = call.attn_mask
+    if mask is not None and mask.dtype == torch.bool:
+        mods.append(_DenseMask(_mask_4d(mask, call.batch)))
+    mask_mod = None if not mods else (mods[0] if len(mods) == 1 else and_masks(*mods))
+    if mask_mod is not None:
+        mask_mod = mask_mod.bind(B, H, call.T, call.S)
+    grid = Grid(B, H, call.T, call.S, bq, bk, call.device)
+    if mask_mod is None:
+        states = torch.full((1, 1, grid.nq, grid.nk), FULL, dtype=torch.int8)
+    else:
+        states = block_states(mask_mod, grid).cpu()  # (B?, H?, nq, nk)
+    best = _pick_inner(call, dtype)
+    if inner not in (None, "flash", "matmul") or (inner == "flash" and best != "flash"):
+        raise ValueError(f"inner must be None, 'matmul' or (when it can take the call) 'flash', got {inner!r}")
+    inner = inner or best
+    kc_blocks = max(1, CHUNK_ELEMENTS // (B * H * bq * bk))
+    return _Plan(B, H, call.T, call.S, call.scale, bq, mask_mod, bias, call.score_mod, inner,
+                 _chunks(states, bk, call.S, kc_blocks), call.device)
+
+
+def _pick_inner(call: AttentionCall, dtype: torch.dtype) -> str:
+    mod = call.score_mod
+    flash_ok = (
+        _flash_fwd is not None and call.device.type == "cpu" and call.D == call.Dv
+        and dtype in (torch.float32, torch.bfloat16, torch.float64)
+        and (mod is None or (mod.additive and not any(t.requires_grad for t in mod.tensors())))
+    )
+    return "flash" if flash_ok else "matmul"
+
+
+def _chunks(states: Tensor, bk: int, S: int, kc_blocks: int) -> list[list[tuple[int, int, bool]]]:
+    """Per query tile, runs of consecutive non-empty key blocks cut into chunks of at most
+    ``kc_blocks`` blocks, each flagged masked unless all of its blocks are full everywhere."""
+    flat = states.flatten(0, 1)  # (B?*H?, nq, nk)
+    needed = (flat != EMPTY).any(0).tolist()  # (nq, nk): computed for some (b, h)
+    full = (flat == FULL).all(0).tolist()  # (nq, nk): needs no mask for any (b, h)
+    rows = []
+    for need_i, full_i in zip(needed, full):
+        chunks, j, nk = [], 0, len(need_i)
+        while j < nk:
+            if not need_i[j]:
+                j += 1
+                continue
+            j1 = j
+            while j1 < nk and need_i[j1] and j1 - j < kc_blocks:
+                j1 += 1
+            chunks.append((j * bk, min(j1 * bk, S), not all(full_i[j:j1])))
+            j = j1
+        rows.append(chunks)
+    return rows
+
+
+class _DenseMask(MaskMod):
+    """A dense bool attn_mask seen as a mask_mod, so that its empty blocks are skipped too."""
+
+    def __init__(self, mask: Tensor) -> None:
+        self.mask = mask  # (B?, H?, T, S)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        m = self.mask
+        bi = b if m.shape[0] > 1 else torch.zeros_like(b)
+        hi = h if m.shape[1] > 1 else torch.zeros_like(h)
+        return m[bi, hi, q_idx, kv_idx]
+
+    def __repr__(self):
+        return f"attn_mask{tuple(self.mask.shape)}"
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Forward keeps out and lse; backward recomputes each chunk's weights from lse."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, q: Tensor, k: Tensor, v: Tensor, *grad_tensors: Tensor):
+        out, lse = _forward(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse, *grad_tensors)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, _dlse: Tensor):
+        q, k, v, out, lse, *grad_tensors = ctx.saved_tensors
+        dq, dk, dv, dts = _backward(ctx.plan, q, k, v, out, lse, dout, grad_tensors)
+        return (None, dq, dk, dv, *dts)
+
+
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """All query tiles; each merges its chunks by log-sum-exp (the online softmax)."""
+    B, H, T, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_zeros(B, H, T, Dv)  # rows with no key stay exactly 0
+    lse = q.new_full((B, H, T), float("-inf"), dtype=acc)
+    chunk_fn = _flash_chunk if plan.inner == "flash" else _matmul_chunk
+    for i, chunks in enumerate(plan.rows):
+        t0, t1 = i * plan.bq, min((i + 1) * plan.bq, T)
+        o_i = l_i = None
+        for k0, k1, masked in chunks:
+            o_c, l_c = chunk_fn(plan, q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1],
+                                (t0, t1, k0, k1, masked))  # (B, H, tq, Dv), (B, H, tq)
+            o_i, l_i = (o_c, l_c) if o_i is None else _merge(o_i, l_i, o_c, l_c)
+        if o_i is not None:
+            out[:, :, t0:t1] = o_i
+            lse[:, :, t0:t1] = l_i
+    return out, lse
+
+
+def _merge(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two softmax-normalised partial outputs by their log-sum-exps.
+
+    ``o = (e^l_a o_a + e^l_b o_b) / (e^l_a + e^l_b)``; a part with ``l = -inf`` weighs 0.
+    Shape:
+        o ``(B, H, tq, Dv)``, l ``(B, H, tq)``.
+    """
+    l = torch.logaddexp(l_a, l_b)  # (B, H, tq)
+    safe = torch.where(torch.isneginf(l), 0.0, l)
+    w_a = torch.exp(l_a - safe).unsqueeze(-1)  # (B, H, tq, 1)
+    w_b = torch.exp(l_b - safe).unsqueeze(-1)
+    return o_a.to(w_a.dtype) * w_a + o_b.to(w_b.dtype) * w_b, l
+
+
+def _flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
+    """One chunk through torch's CPU flash kernel; rows with no key in the chunk get lse -inf."""
+    t0, t1, k0, k1, masked = where
+    mask = plan.chunk_mask(t0, t1, k0, k1, masked, q.dtype)  # (B?, H?, tq, kc) or None
+    o, lse = _flash_fwd(q, k, v, attn_mask=mask, scale=plan.scale)  # (B, H, tq, Dv), (B, H, tq)
+    if masked or plan.bias is not None:
+        dead = torch.isneginf(mask).all(-1)  # (B?, H?, tq): the kernel reports lse 0 there
+        lse = lse.masked_fill(dead, float("-inf"))
+    return o, lse
+
+
+def _matmul_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
+    """One chunk as matmul, softmax, matmul; softmax statistics in float32 or wider."""
+    scores = _chunk_scores(plan, q, k, where)  # (B, H, tq, kc), float32+ and masked
+    row_max = scores.amax(-1, keepdim=True)  # (B, H, tq, 1)
+    row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
+    p = scores.sub_(row_max).exp_()  # (B, H, tq, kc)
+    total = p.sum(-1, keepdim=True)  # (B, H, tq, 1); 0 on rows with no key
+    o = (p.to(v.dtype) @ v).to(p.dtype) / torch.where(total == 0, 1.0, total)  # (B, H, tq, Dv)
+    lse = (row_max + total.log()).squeeze(-1)  # (B, H, tq); log 0 = -inf
+    return o, lse
+
+
+def _chunk_scores(plan: _Plan, q: Tensor, k: Tensor, where: tuple, raw: Tensor | None = None):
+    """Scaled, score-modified and masked scores of a chunk in the accumulation dtype.
+
+    ``raw`` (the scaled scores) may be passed in, e.g. as a leaf to differentiate score_mod.
+    Shape:
+        ``(B, H, tq, kc)``.
+    """
+    t0, t1, k0, k1, masked = where
+    if raw is None:
+        raw = _raw_scores(plan, q, k)
+    scores = raw
+    if plan.score_mod is not None:
+        b, h, qi, ki = index_grid(plan.B, plan.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
+                                  device=q.device)
+        scores = evaluate_score(plan.score_mod, scores, b, h, qi, ki)
+    if plan.bias is not None:
+        scores = scores + plan.bias[..., t0:t1, k0:k1]
+    if masked:
+        scores = scores.masked_fill(~plan.allowed(t0, t1, k0, k1), float("-inf"))
+    return scores
+
+
+def _raw_scores(plan: _Plan, q: Tensor, k: Tensor) -> Tensor:
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return ((q * plan.scale) @ k.transpose(-2, -1)).to(acc)  # (B, H, tq, kc)
+
+
+def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors):
+    """FlashAttention's backward, chunk by chunk, from the saved log-sum-exp."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dts = [torch.zeros_like(t, dtype=acc) for t in grad_tensors]
+    lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)  # rows with no key: p = e^-inf = 0
+    dout = dout.to(q.dtype)
+    for i, chunks in enumerate(plan.rows):
+        t0, t1 = i * plan.bq, min((i + 1) * plan.bq, q.shape[2])
+        rows = slice(t0, t1)
+        for k0, k1, masked in chunks:
+            where, cols = (t0, t1, k0, k1, masked), slice(k0, k1)
+            args = (q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
+                    lse_safe[:, :, rows], dout[:, :, rows])
+            if plan.inner == "flash":
+                g = _flash_chunk_backward(plan, *args, where)
+            else:
+                g = _matmul_chunk_backward(plan, *args, where, grad_tensors)
+            dq[:, :, rows] += g[0]
+            dk[:, :, cols] += g[1]
+            dv[:, :, cols] += g[2]
+            for acc_t, g_t in zip(dts, g[3:]):
+                acc_t += g_t
+    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+            [d.to(t.dtype) for d, t in zip(dts, grad_tensors)])
+
+
+def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
+    t0, t1, k0, k1, masked = where
+    mask = plan.chunk_mask(t0, t1, k0, k1, masked, q.dtype)
+    dq, dk, dv = _flash_bwd(dout, q, k, v, out, lse.float() if q.dtype != torch.float64 else lse,
+                            0.0, False, attn_mask=mask, scale=plan.scale)
+    return dq, dk, dv
+
+
+def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_tensors):
+    """dV = P^T dO; dS = P * (dO V^T - rowsum(dO * O)); dQ = dS K * scale; dK = dS^T Q * scale,
+    with dS pulled back through score_mod by autograd when there is one."""
+    acc = lse.dtype
+    with torch.enable_grad():
+        raw = _raw_scores(plan, q.detach(), k.detach())  # (B, H, tq, kc)
+        if plan.score_mod is not None:
+            raw.requires_grad_(True)
+        scores = _chunk_scores(plan, q, k, where, raw=raw)
+        p = torch.exp(scores.detach() - lse.unsqueeze(-1))  # (B, H, tq, kc)
+        do = dout.to(acc)
+        dv = p.transpose(-2, -1) @ do  # (B, H, kc, Dv)
+        delta = (do * out.to(acc)).sum(-1, keepdim=True)  # (B, H, tq, 1)
+        ds = p * (do @ v.to(acc).transpose(-2, -1) - delta)  # (B, H, tq, kc)
+        dts = []
+        if plan.score_mod is not None:
+            inputs = (raw,) + tuple(grad_tensors)
+            ds, *dts = torch.autograd.grad(scores, inputs, ds, allow_unused=True)
+            dts = [torch.zeros_like(t) if g is None else g for g, t in zip(dts, grad_tensors)]
+    dq = (ds @ k.to(acc)) * plan.scale  # (B, H, tq, D)
+    dk = (ds.transpose(-2, -1) @ q.to(acc)) * plan.scale  # (B, H, kc, D)
+    return (dq, dk, dv, *dts)
