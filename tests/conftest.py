@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-BACKENDS = ["reference", "torch", "auto"]
+BACKENDS = ["reference", "torch", "tiled", "auto"]
+DROPOUT_BACKENDS = [b for b in BACKENDS if b != "tiled"]  # tiled refuses dropout (test_tiled.py)
 
 
 @pytest.fixture(autouse=True)

@@ -41,7 +41,7 @@ def _qkv(dtype=torch.float32):
 
 
 def test_backend_names_fastest_first():
-    assert qkv.backend_names() == ["torch", "reference"]
+    assert qkv.backend_names() == ["torch", "tiled", "reference"]
 
 
 def test_auto_takes_fastest_that_supports(f32only):
@@ -54,7 +54,7 @@ def test_auto_takes_fastest_that_supports(f32only):
 def test_named_backend_refuses_with_reason(f32only):
     with pytest.raises(BackendUnsupportedError,
                        match=r"backend 'f32only' cannot take this call: needs float32 inputs, got "
-                       r"torch.float64\. Backends that can: torch, reference; or pass "
+                       r"torch.float64\. Backends that can: torch, tiled, reference; or pass "
                        r"backend='auto'"):
         qkv.scaled_dot_product_attention(*_qkv(torch.float64), backend="f32only")
     assert issubclass(BackendUnsupportedError, ValueError)
@@ -63,7 +63,8 @@ def test_named_backend_refuses_with_reason(f32only):
 def test_check_backends_reports_every_answer(f32only):
     call = AttentionCall.build(*_qkv(torch.float64))
     assert dispatch.check_backends(call) == {
-        "f32only": "needs float32 inputs, got torch.float64", "torch": None, "reference": None}
+        "f32only": "needs float32 inputs, got torch.float64", "torch": None, "tiled": None,
+        "reference": None}
 
 
 def test_register_rejects_duplicates_and_auto():

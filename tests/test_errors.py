@@ -62,7 +62,7 @@ BAD = {
     "causal-not-bool": (TypeError, r"is_causal must be True or False, got 'yes'",
                         dict(is_causal="yes")),
     "unknown-backend": (ValueError, r"unknown backend 'flash'; choose 'auto' or one of torch, "
-                        r"reference", dict(backend="flash")),
+                        r"tiled, reference", dict(backend="flash")),
 }
 
 

@@ -8,11 +8,13 @@ Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as i
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .ops import (AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TiledBackend,
                   TorchBackend)
-from .ops.reference import attention_scores
+from .ops.reference import attention_scores, attention_scores_at
 from .trace import AttentionTrace, probs_from_lse_
 
 __all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
@@ -97,24 +99,55 @@ def run(call: AttentionCall, backend: str = "auto"):
 
 
 def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
-    """Weights recomputed as ``exp(scores - lse)`` for a backend that gives no weights.
+    """The trace of a backend that gives no weights: ``exp(scores - lse)``, recomputed.
 
-    Builds one ``(*batch, T, S)`` buffer, in the inputs' dtype: the scores are computed into it
-    and turned into the weights in place; ``trace.scores`` recomputes them when first read.
-    When the backend gave no log-sum-exp, it is taken from the scores (in at least float32).
+    With the backend's log-sum-exp the trace is lazy: the weights are computed when first
+    read, in one ``(*batch, T, S)`` buffer in the inputs' dtype, and ``trace.select`` computes
+    only the rows asked for. Reading after the inputs were modified in place raises. Without
+    it, the lse comes from the scores (in at least float32) and the weights are computed now.
     A backend's lse must be -inf on rows with no key.
     """
-    probs = attention_scores(call)  # (*batch, T, S), scores for now
+    call = dataclasses.replace(call, query=call.query.detach(), key=call.key.detach(),
+                               value=call.value.detach())
     if lse is None:
+        probs = attention_scores(call)  # (*batch, T, S), scores for now
         wide = probs if probs.dtype == torch.float64 else probs.float()
         lse = torch.logsumexp(wide, dim=-1)  # (*batch, T); -inf for a row with no key
-    probs = probs_from_lse_(probs, lse)  # (*batch, T, S)
+        return AttentionTrace(_recompute(call, lambda: attention_scores(call)), probs_from_lse_(probs, lse), lse,
+                              backend)
+    lse = lse.detach()
 
-    def scores():
+    def probs() -> Tensor:
+        return probs_from_lse_(attention_scores(call), lse)  # (*batch, T, S)
+
+    def subset(b, h, rows):
+        scores = attention_scores_at(call, b, h, rows)  # (nb, nh, nr, S)
+        picked = lse.reshape(call.BH + (call.T,))[b][:, h][:, :, rows]  # (nb, nh, nr)
+        return scores, probs_from_lse_(scores.clone(), picked)
+
+    return AttentionTrace(_recompute(call, lambda: attention_scores(call)), _recompute(call, probs), lse,
+                          backend, subset=_recompute(call, subset))
+
+
+def _recompute(call: AttentionCall, fn):
+    """``fn`` run without grad, refusing when the call's inputs changed in place since."""
+    versions = _versions(call)
+
+    def run(*args):
+        if _versions(call) != versions:
+            raise RuntimeError(
+                "the inputs of this attention call were modified in place after it ran, so its "
+                "weights can no longer be recomputed; read trace.probs (or trace.select(...)) "
+                "before changing them, or pass copies"
+            )
         with torch.no_grad():
-            return attention_scores(call)
+            return fn(*args)
+    return run
 
-    return AttentionTrace(scores, probs, lse, backend)
+
+def _versions(call: AttentionCall) -> tuple[int, ...]:
+    tensors = (call.query, call.key, call.value, call.attn_mask)
+    return tuple(t._version for t in tensors if t is not None)
 
 
 register_backend(TorchBackend())

@@ -19,9 +19,10 @@ class AttentionTrace:
     The tensors are detached (no gradient flows through them): computing them beside a fast
     kernel must not make training slower or hold memory for a backward nobody asked for.
 
-    ``scores`` may be given as a function that computes them: a fast backend builds only
-    ``probs`` (one ``(T, S)`` buffer, not two) and the scores are recomputed from the call's
-    inputs the first time they are read.
+    A fast backend keeps only the log-sum-exp. Its trace computes the weights
+    ``exp(scores - lse)`` when ``probs`` is first read (one ``(*batch, T, S)`` buffer) and
+    the scores when ``scores`` is first read. To look at a long sequence without that buffer,
+    :meth:`select` recomputes only the batch elements, heads and query rows asked for.
 
     Attributes:
         scores: Scaled scores after masking, before softmax; masked entries are ``-inf``.
@@ -34,10 +35,13 @@ class AttentionTrace:
         scores, probs: ``(*batch, T, S)``; lse: ``(*batch, T)``.
     """
 
-    def __init__(self, scores: Tensor | Callable[[], Tensor], probs: Tensor, lse: Tensor,
-                 backend: str) -> None:
-        self._scores = scores
-        self.probs, self.lse, self.backend = probs, lse, backend
+    def __init__(self, scores: Tensor | Callable[[], Tensor], probs: Tensor | Callable[[], Tensor],
+                 lse: Tensor, backend: str, *,
+                 subset: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> None:
+        """``scores``/``probs`` may be functions computing them on first read; ``subset(b, h,
+        rows)`` returns ``(scores, probs)`` of those indices, shape ``(nb, nh, nr, S)``."""
+        self._scores, self._probs, self._subset = scores, probs, subset
+        self.lse, self.backend = lse, backend
 
     @property
     def scores(self) -> Tensor:
@@ -45,13 +49,72 @@ class AttentionTrace:
             self._scores = self._scores()
         return self._scores
 
+    @property
+    def probs(self) -> Tensor:
+        if callable(self._probs):
+            self._probs = self._probs()
+        return self._probs
+
     def _lazy_scores(self, fn: Callable[[Tensor], Tensor]) -> Tensor | Callable[[], Tensor]:
         """``fn(self.scores)``, deferred while the scores are."""
         return (lambda: fn(self.scores)) if callable(self._scores) else fn(self._scores)
 
+    def select(self, *, batch=None, heads=None, rows=None) -> "AttentionTrace":
+        """The trace of some batch elements, heads and query rows only.
+
+        On a fast backend's trace this computes just those weights, from the log-sum-exp:
+        ``trace.select(heads=[0], rows=range(4000, 4010))`` of a T=64k call costs
+        10 x S, not T x S. Each index may be None (all), an int, a slice, a range, a list or
+        an integer tensor; selected dims keep their place (an int keeps a dim of size 1).
+
+        Shape:
+            ``(B, H, T, S)`` -> ``(nb, nh, nr, S)``; a trace of ``(H, T, S)`` takes no
+            ``batch`` and one of ``(T, S)`` only ``rows``.
+        """
+        lead = self.lse.shape[:-1]
+        if len(lead) > 2:
+            raise ValueError(f"select works on traces of (B, H, T, S) or fewer dims, got lse {tuple(self.lse.shape)}")
+        if len(lead) < 2 and batch is not None or len(lead) < 1 and heads is not None:
+            raise ValueError(f"this trace has dims (*{tuple(lead)}, T, S): it has no "
+                             f"{'batch' if batch is not None else 'heads'} dim to select")
+        shape4 = (1,) * (2 - len(lead)) + tuple(self.lse.shape)  # (B, H, T)
+        b, h, r = (_index(name, i, n) for name, i, n in
+                   zip(("batch", "heads", "rows"), (batch, heads, rows), shape4))
+        if self._subset is not None and (callable(self._probs) or callable(self._scores)):
+            scores, probs = self._subset(b, h, r)  # (nb, nh, nr, S)
+        else:
+            def pick(t: Tensor) -> Tensor:
+                t = t.reshape(shape4 + t.shape[-1:])
+                return t[b][:, h][:, :, r]  # (nb, nh, nr, S)
+            scores, probs = pick(self.scores), pick(self.probs)
+        lse = self.lse.reshape(shape4)[b][:, h][:, :, r]  # (nb, nh, nr)
+        drop = 2 - len(lead)
+        return AttentionTrace(scores.flatten(0, drop) if drop else scores,
+                              probs.flatten(0, drop) if drop else probs,
+                              lse.flatten(0, drop) if drop else lse, self.backend)
+
     def __repr__(self) -> str:
-        shape = tuple(self.probs.shape)
+        shape = tuple(self.lse.shape) + (("S",) if callable(self._probs) else ())
+        if not callable(self._probs):
+            shape = tuple(self._probs.shape)
         return f"{type(self).__name__}(probs{shape}, lse{tuple(self.lse.shape)}, backend={self.backend!r})"
+
+
+def _index(name: str, index, n: int) -> Tensor:
+    """An index along a dim of size ``n`` as a 1-D int64 tensor, checked against ``n``."""
+    if index is None:
+        return torch.arange(n)
+    if isinstance(index, slice):
+        return torch.arange(n)[index]
+    if isinstance(index, int) and not isinstance(index, bool):
+        index = [index]
+    t = torch.as_tensor(list(index) if isinstance(index, range) else index)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
+        raise ValueError(f"select: {name} must be ints, a slice or a range, got {index!r}")
+    t = t.reshape(-1).long().cpu()
+    if t.numel() and (int(t.min()) < -n or int(t.max()) >= n):
+        raise ValueError(f"select: {name} index out of range for size {n}: {index!r}")
+    return t % max(n, 1)
 
 
 class MultiHeadTrace(AttentionTrace):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import explain, seeds
+from . import bench, explain, seeds
 
 __all__ = ["main"]
 
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     seeds.add_parser(sub)
     explain.add_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

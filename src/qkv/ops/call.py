@@ -130,8 +130,37 @@ class AttentionCall:
 
     @property
     def BH(self) -> tuple[int, int]:
-        """(B, H) as mask_mod/score_mod see them: ``()`` -> (1, 1), ``(H,)`` -> (1, H)."""
-        return ((1, 1) + self.batch)[-2:]
+        """The batch as ``(B, H)``: ``()`` -> (1, 1), ``(H,)`` -> (1, H), ``(B, X, H)`` ->
+        (B * X, H). mask_mod/score_mod see these indices (they need at most 4-D inputs)."""
+        if not self.batch:
+            return 1, 1
+        return math.prod(self.batch[:-1]), self.batch[-1]
+
+    def as_4d(self) -> tuple[Tensor, Tensor, Tensor]:
+        """query, key, value as ``(B, H, L, E)``: GQA heads repeated, leading dims broadcast
+        and folded into B (views where possible).
+
+        Shape:
+            ``(B, H, T, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)`` with ``(B, H) = self.BH``.
+        """
+        B, H = self.BH
+        key, value = self.kv_heads_expanded()
+
+        def four(t: Tensor) -> Tensor:
+            return t.expand(self.batch + t.shape[-2:]).reshape(B, H, *t.shape[-2:])
+
+        return four(self.query), four(key), four(value)
+
+    def mask_4d(self, mask: Tensor) -> Tensor:
+        """A mask broadcastable to ``(*batch, T, S)`` as ``(B?, H?, T?, S?)``, 1 where it
+        broadcasts (leading dims beyond two are folded into B, as in ``as_4d``)."""
+        batch = self.batch
+        mask = mask.reshape((1,) * (len(batch) + 2 - mask.dim()) + tuple(mask.shape))
+        if len(batch) < 2:
+            return mask.reshape((1,) * (2 - len(batch)) + tuple(mask.shape))
+        if len(batch) > 2:
+            return mask.expand(batch + mask.shape[-2:]).reshape(-1, *mask.shape[-3:])
+        return mask
 
     def mask(self) -> Tensor | None:
         """The dense mask to apply: ``attn_mask`` merged with the causal mask when both are

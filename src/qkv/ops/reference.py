@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..masks import apply_mask_, causal_bool, evaluate_score, index_grid
+from ..masks import apply_mask_, causal_bool, evaluate_mask, evaluate_score, index_grid
 from .base import BackendResult
 from .call import AttentionCall
 
-__all__ = ["ReferenceBackend", "attention_scores", "masked_softmax"]
+__all__ = ["ReferenceBackend", "attention_scores", "attention_scores_at", "masked_softmax"]
 
 
 class ReferenceBackend:
@@ -54,6 +54,43 @@ def attention_scores(call: AttentionCall) -> Tensor:
     if mask is None and call.is_causal:
         mask = causal_bool(call.T, call.S, device=call.device)  # (T, S)
     return apply_mask_(scores, mask)
+
+
+def attention_scores_at(call: AttentionCall, b: Tensor, h: Tensor, rows: Tensor) -> Tensor:
+    """The scores of some batch elements, heads and query rows only, seeing the call as
+    ``(B, H, T, S)``: what a trace of a long sequence recomputes instead of all of them.
+
+    Shape:
+        b ``(nb,)``, h ``(nh,)``, rows ``(nr,)`` int64 -> ``(nb, nh, nr, S)``.
+    """
+    query, key, _ = call.as_4d()  # (B, H, T, D), (B, H, S, D)
+    dev = call.device
+    b, h, rows = b.to(dev), h.to(dev), rows.to(dev)
+    q = query[b][:, h][:, :, rows]  # (nb, nh, nr, D)
+    scores = (q * call.scale) @ key[b][:, h].transpose(-2, -1)  # (nb, nh, nr, S)
+    idx = (b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), rows.view(1, 1, -1, 1),
+           torch.arange(call.S, device=dev).view(1, 1, 1, -1))
+    if call.score_mod is not None:
+        scores = evaluate_score(call.score_mod, scores, *idx)
+    if call.attn_mask is not None:
+        mask = _take(call.mask_4d(call.attn_mask), b, h, rows)  # (nb?, nh?, nr?, S?)
+        scores = apply_mask_(scores, mask)
+    if call.is_causal:
+        scores = apply_mask_(scores, idx[3] <= idx[2])  # (1, 1, nr, S)
+    if call.mask_mod is not None:
+        scores = apply_mask_(scores, evaluate_mask(call.mask_mod, *idx))
+    return scores
+
+
+def _take(t: Tensor, b: Tensor, h: Tensor, rows: Tensor) -> Tensor:
+    """Index the first three dims of a 4-D tensor, leaving dims of size 1 to broadcast."""
+    if t.shape[0] > 1:
+        t = t[b]
+    if t.shape[1] > 1:
+        t = t[:, h]
+    if t.shape[2] > 1:
+        t = t[:, :, rows]
+    return t
 
 
 def _modified_scores(call: AttentionCall, scores: Tensor) -> Tensor:

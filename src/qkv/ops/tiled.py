@@ -2,8 +2,8 @@
 
 Supports: CPU and CUDA; float64/32, bfloat16, float16; ``mask_mod``/``score_mod`` (see
 ``qkv.masks``), dense bool or float ``attn_mask``, ``is_causal``, GQA, broadcast leading dims,
-forward and backward. Not supported: dropout (use ``torch`` or ``reference``), a float
-``attn_mask`` that requires grad.
+forward and backward (a float ``attn_mask`` that requires grad gets its gradient, through the
+``matmul`` inner kernel). Not supported: dropout (use ``torch`` or ``reference``).
 
 The algorithm (Dao et al. 2022, FlashAttention; Rabe & Staats 2021): queries are cut into tiles
 of ``bq`` rows and keys into blocks of ``bk``. Before any arithmetic, the mask classifies every
@@ -30,7 +30,6 @@ head dim; a tile has ``tq`` queries and a chunk ``kc`` keys.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +47,7 @@ _flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 BLOCK_Q = 128  # query rows per tile
-BLOCK_K = 128  # keys per block (the unit of skipping)
+BLOCK_K = 64  # keys per block (the unit of skipping)
 CHUNK_ELEMENTS = 1 << 22  # B*H*tq*kc scores per chunk: 16 MiB in float32
 
 
@@ -61,8 +60,6 @@ class TiledBackend:
     def supports(self, call: AttentionCall) -> str | None:
         if call.dropout_p > 0:
             return "tiled has no dropout (use torch or reference, or dropout_p=0.0)"
-        if call.attn_mask is not None and call.attn_mask.requires_grad:
-            return "tiled gives no gradient to a float attn_mask (reference does)"
         return None
 
     def run(self, call: AttentionCall) -> BackendResult:
@@ -100,7 +97,7 @@ class _Plan:
         """
         add = None
         if self.bias is not None:
-            add = self.bias[..., t0:t1, k0:k1].to(dtype)
+            add = _tile(self.bias, t0, t1, k0, k1).to(dtype)
         if self.score_mod is not None:  # additive: its bias is score_mod(0)
             b, h, q, kv = index_grid(self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
                                      device=self.device)
@@ -132,40 +129,21 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     Shape:
         -> out ``(*batch, T, Dv)``, lse ``(*batch, T)`` float32 (float64 for float64 inputs).
     """
-    q, k, v, B, H = _as_4d(call)  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    B, H = call.BH
     mask = call.attn_mask
-    bias = _mask_4d(mask.detach(), call.batch) if mask is not None and mask.is_floating_point() else None
+    bias = call.mask_4d(mask) if mask is not None and mask.is_floating_point() else None
     work = torch.float32 if call.dtype == torch.float16 and call.device.type == "cpu" else None
     if work is not None:
         q, k, v = q.to(work), k.to(work), v.to(work)
-    plan = _plan(call, B, H, bias, inner, block_q, block_k, q.dtype)
+    if bias is not None and bias.requires_grad:
+        inner = _refuse_flash(inner, "a float attn_mask that requires grad")
+    plan = _plan(call, B, H, None, inner, block_q, block_k, q.dtype)
     grads = plan.score_mod.tensors() if plan.score_mod is not None else ()
     grads = tuple(t for t in grads if t.requires_grad)
-    out, lse = _TiledAttention.apply(plan, q, k, v, *grads)  # (B, H, T, Dv), (B, H, T)
+    out, lse = _TiledAttention.apply(plan, q, k, v, bias, *grads)  # (B, H, T, Dv), (B, H, T)
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
-
-
-def _as_4d(call: AttentionCall):
-    """q, k, v (GQA heads repeated, leading dims broadcast) as ``(B, H, L, E)``, and B, H."""
-    batch = call.batch
-    B, H = (math.prod(batch[:-1]), batch[-1]) if batch else (1, 1)
-    key, value = call.kv_heads_expanded()
-
-    def four(t: Tensor) -> Tensor:
-        return t.expand(batch + t.shape[-2:]).reshape(B, H, *t.shape[-2:])
-
-    return four(call.query), four(key), four(value), B, H
-
-
-def _mask_4d(mask: Tensor, batch: tuple) -> Tensor:
-    """A mask broadcastable to ``(*batch, T, S)`` as ``(B?, H?, T, S)`` (1 where it broadcasts)."""
-    mask = mask.reshape((1,) * (len(batch) + 2 - mask.dim()) + tuple(mask.shape))
-    if len(batch) < 2:
-        return mask.reshape((1,) * (2 - len(batch)) + tuple(mask.shape))
-    if len(batch) > 2:  # fold the leading dims into B, as the inputs are
-        return mask.expand(batch + mask.shape[-2:]).reshape(-1, *mask.shape[-3:])
-    return mask
 
 
 def _plan(call: AttentionCall, B: int, H: int, bias: Tensor | None, inner: str | None,
@@ -174,7 +152,7 @@ def _plan(call: AttentionCall, B: int, H: int, bias: Tensor | None, inner: str |
     mods = [m for m in (call.mask_mod, causal() if call.is_causal else None) if m is not None]
     mask = call.attn_mask
     if mask is not None and mask.dtype == torch.bool:
-        mods.append(_DenseMask(_mask_4d(mask, call.batch)))
+        mods.append(_DenseMask(call.mask_4d(mask)))
     mask_mod = None if not mods else (mods[0] if len(mods) == 1 else and_masks(*mods))
     if mask_mod is not None:
         mask_mod = mask_mod.bind(B, H, call.T, call.S)
@@ -190,6 +168,19 @@ def _plan(call: AttentionCall, B: int, H: int, bias: Tensor | None, inner: str |
     kc_blocks = max(1, CHUNK_ELEMENTS // (B * H * bq * bk))
     return _Plan(B, H, call.T, call.S, call.scale, bq, mask_mod, bias, call.score_mod, inner,
                  _chunks(states, bk, call.S, kc_blocks), call.device)
+
+
+def _refuse_flash(inner: str | None, why: str) -> str:
+    if inner == "flash":
+        raise ValueError(f"inner='flash' cannot take {why}; use 'matmul'")
+    return "matmul"
+
+
+def _tile(t: Tensor, t0: int, t1: int, k0: int, k1: int) -> Tensor:
+    """Rows [t0, t1) and columns [k0, k1) of a (B?, H?, T?, S?) tensor; size-1 dims broadcast."""
+    rows = slice(t0, t1) if t.shape[-2] > 1 else slice(None)
+    cols = slice(k0, k1) if t.shape[-1] > 1 else slice(None)
+    return t[..., rows, cols]
 
 
 def _pick_inner(call: AttentionCall, dtype: torch.dtype) -> str:
@@ -231,10 +222,9 @@ class _DenseMask(MaskMod):
         self.mask = mask  # (B?, H?, T, S)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        m = self.mask
-        bi = b if m.shape[0] > 1 else torch.zeros_like(b)
-        hi = h if m.shape[1] > 1 else torch.zeros_like(h)
-        return m[bi, hi, q_idx, kv_idx]
+        idx = [i if n > 1 else torch.zeros_like(i) for i, n in
+               zip((b, h, q_idx, kv_idx), self.mask.shape)]  # size-1 dims broadcast
+        return self.mask[idx[0], idx[1], idx[2], idx[3]]
 
     def __repr__(self):
         return f"attn_mask{tuple(self.mask.shape)}"
@@ -244,9 +234,11 @@ class _TiledAttention(torch.autograd.Function):
     """Forward keeps out and lse; backward recomputes each chunk's weights from lse."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, q: Tensor, k: Tensor, v: Tensor, *grad_tensors: Tensor):
+    def forward(ctx, plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
+                *grad_tensors: Tensor):
+        plan.bias = None if bias is None else bias.detach()
         out, lse = _forward(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)
-        ctx.plan = plan
+        ctx.plan, ctx.bias_grad = plan, bias is not None and bias.requires_grad
         ctx.save_for_backward(q, k, v, out, lse, *grad_tensors)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -254,8 +246,9 @@ class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor):
         q, k, v, out, lse, *grad_tensors = ctx.saved_tensors
-        dq, dk, dv, dts = _backward(ctx.plan, q, k, v, out, lse, dout, grad_tensors)
-        return (None, dq, dk, dv, *dts)
+        dq, dk, dv, dbias, dts = _backward(ctx.plan, q, k, v, out, lse, dout, grad_tensors,
+                                           ctx.bias_grad)
+        return (None, dq, dk, dv, dbias, *dts)
 
 
 def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -331,7 +324,7 @@ def _chunk_scores(plan: _Plan, q: Tensor, k: Tensor, where: tuple, raw: Tensor |
                                   device=q.device)
         scores = evaluate_score(plan.score_mod, scores, b, h, qi, ki)
     if plan.bias is not None:
-        scores = scores + plan.bias[..., t0:t1, k0:k1]
+        scores = scores + _tile(plan.bias, t0, t1, k0, k1)
     if masked:
         scores = scores.masked_fill(~plan.allowed(t0, t1, k0, k1), float("-inf"))
     return scores
@@ -342,13 +335,14 @@ def _raw_scores(plan: _Plan, q: Tensor, k: Tensor) -> Tensor:
     return ((q * plan.scale) @ k.transpose(-2, -1)).to(acc)  # (B, H, tq, kc)
 
 
-def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors):
+def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: bool):
     """FlashAttention's backward, chunk by chunk, from the saved log-sum-exp."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     dts = [torch.zeros_like(t, dtype=acc) for t in grad_tensors]
+    dbias = torch.zeros_like(plan.bias, dtype=acc) if bias_grad else None
     lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)  # rows with no key: p = e^-inf = 0
     dout = dout.to(q.dtype)
     for i, chunks in enumerate(plan.rows):
@@ -361,13 +355,14 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors):
             if plan.inner == "flash":
                 g = _flash_chunk_backward(plan, *args, where)
             else:
-                g = _matmul_chunk_backward(plan, *args, where, grad_tensors)
+                g = _matmul_chunk_backward(plan, *args, where, grad_tensors, dbias)
             dq[:, :, rows] += g[0]
             dk[:, :, cols] += g[1]
             dv[:, :, cols] += g[2]
             for acc_t, g_t in zip(dts, g[3:]):
                 acc_t += g_t
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+            None if dbias is None else dbias.to(plan.bias.dtype),
             [d.to(t.dtype) for d, t in zip(dts, grad_tensors)])
 
 
@@ -379,7 +374,7 @@ def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
     return dq, dk, dv
 
 
-def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_tensors):
+def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_tensors, dbias):
     """dV = P^T dO; dS = P * (dO V^T - rowsum(dO * O)); dQ = dS K * scale; dK = dS^T Q * scale,
     with dS pulled back through score_mod by autograd when there is one."""
     acc = lse.dtype
@@ -398,6 +393,9 @@ def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_ten
             inputs = (raw,) + tuple(grad_tensors)
             ds, *dts = torch.autograd.grad(scores, inputs, ds, allow_unused=True)
             dts = [torch.zeros_like(t) if g is None else g for g, t in zip(dts, grad_tensors)]
+    if dbias is not None:  # the bias was added to the scores: its gradient is dS, summed
+        tile = _tile(dbias, *where[:4])  # over the dims it broadcast along
+        tile += ds.sum([d for d in range(4) if tile.shape[d] == 1], keepdim=True)
     dq = (ds @ k.to(acc)) * plan.scale  # (B, H, tq, D)
     dk = (ds.transpose(-2, -1) @ q.to(acc)) * plan.scale  # (B, H, kc, D)
     return (dq, dk, dv, *dts)
