@@ -270,7 +270,7 @@ class _Window(MaskMod):
             ok = ok & (kv_idx >= pos - self.left)
         if self.right is not None:
             ok = ok & (kv_idx <= pos + self.right)
-        return ok.expand(torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape))
+        return ok  # (1, 1, T, S): dims the mask does not depend on stay 1
 
     def blocks(self, grid):
         off = self._off()
@@ -351,8 +351,7 @@ class _KeysBefore(MaskMod):
         if isinstance(n, Tensor):
             n = n.to(kv_idx.device)
             n = n[b] if n.numel() > 1 else n.view(1, 1, 1, 1)  # (B, 1, 1, 1)
-        ok = kv_idx < n
-        return ok.expand(torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, ok.shape))
+        return kv_idx < n  # (B?, 1, 1, S)
 
     def blocks(self, grid):
         n = self._n(grid.kv_lo)
@@ -389,7 +388,7 @@ def prefix_lm(prefix: int | Tensor) -> MaskMod:
     """Prefix-LM: every query sees the first ``prefix`` keys (bidirectional prefix), and the
     rest causally (top-left). ``prefix`` may be an int or one length per batch element ``(B,)``.
     """
-    mod = or_masks(causal(), _KeysBefore(_as_lengths("prefix_lm", prefix), "keys_before"))
+    mod = or_masks(causal(), _KeysBefore(_as_lengths("prefix_lm", prefix), "prefix_lm"))
     mod.name = f"prefix_lm({prefix if isinstance(prefix, int) else 'tensor'})"
     return mod
 
@@ -411,10 +410,9 @@ class _Document(MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         qi, ki = self.q_ids.to(q_idx.device), self.kv_ids.to(q_idx.device)
-        bq = b if qi.shape[0] > 1 else torch.zeros_like(b)
-        bk = b if ki.shape[0] > 1 else torch.zeros_like(b)
-        ok = qi[bq, q_idx] == ki[bk, kv_idx]  # (B?, 1, T, S)
-        return ok.expand(torch.broadcast_shapes(ok.shape, h.shape))
+        bq = b if qi.shape[0] > 1 else b[:1] * 0  # shared ids: batch dim 1
+        bk = b if ki.shape[0] > 1 else b[:1] * 0
+        return qi[bq, q_idx] == ki[bk, kv_idx]  # (B?, 1, T, S)
 
     @staticmethod
     def _block_range(ids: Tensor, size: int) -> tuple[Tensor, Tensor]:
@@ -566,10 +564,12 @@ def _classify_by_evaluation(mask_mod, grid: Grid) -> tuple[Tensor, Tensor]:
     for i in range(grid.nq):
         q0 = i * grid.bq
         q = torch.arange(q0, min(q0 + grid.bq, grid.T), device=grid.device).view(1, 1, -1, 1)
-        allowed = evaluate_mask(mask_mod, b, h, q, kv)  # (B?, H?, bq, S)
+        allowed = evaluate_mask(mask_mod, b, h, q, kv)  # (B?, H?, bq?, S?)
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
         lead = allowed.shape[:-2]
+        allowed = allowed.expand(*lead, q.shape[2], grid.S)  # (B?, H?, bq, S)
         if pad:  # pad keys: a pad column counts as allowed for "full", not for "any"
-            allowed = torch.nn.functional.pad(allowed.expand(*lead, q.shape[2], grid.S), (0, pad))
+            allowed = torch.nn.functional.pad(allowed, (0, pad))
         tiles = allowed.reshape(*lead, allowed.shape[-2], grid.nk, grid.bk)  # (B?, H?, bq, nk, bk)
         any_ = tiles.any(-1).any(-2)  # (B?, H?, nk)
         if pad:
@@ -599,9 +599,10 @@ class _Alibi(ScoreMod):
         return self
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        slopes = self.slopes.to(score.device)
+        dtype = torch.promote_types(score.dtype, self.slopes.dtype)  # float64 stays exact
+        slopes = self.slopes.to(score.device, dtype)
         slope = slopes[h] if slopes.shape[0] > 1 else slopes.view(1, 1, 1, 1)  # (1, H, 1, 1)
-        bias = (kv_idx - q_idx).to(slopes.dtype) * slope  # (1, H, T, S)
+        bias = (kv_idx - q_idx).to(dtype) * slope  # (1, H, T, S)
         return score + bias.to(score.dtype)
 
     def tensors(self):
@@ -673,14 +674,28 @@ class _ScoreFunction(ScoreMod):
         return self.fn(score, b, h, q_idx, kv_idx)
 
     def tensors(self):
-        """Tensors the function captures (closure cells and defaults), for their gradients."""
-        cells = [c.cell_contents for c in (getattr(self.fn, "__closure__", None) or ())
-                 if _cell_filled(c)]
-        cells += list(getattr(self.fn, "__defaults__", None) or ())
-        return tuple(t for t in cells if isinstance(t, Tensor))
+        """Tensors the function captures (closure cells and defaults, also those of the
+        functions and score mods it captures), for their gradients."""
+        return _captured_tensors(self.fn)
 
     def __repr__(self):
         return getattr(self.fn, "__name__", repr(self.fn))
+
+
+def _captured_tensors(fn, depth: int = 4) -> tuple[Tensor, ...]:
+    """Tensors reachable from ``fn``'s closure and defaults, through nested functions."""
+    if isinstance(fn, ScoreMod) and not isinstance(fn, _ScoreFunction):
+        return fn.tensors()
+    if depth == 0 or not callable(fn):
+        return ()
+    fn = getattr(fn, "fn", fn)
+    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_filled(c)]
+    cells += list(getattr(fn, "__defaults__", None) or ())
+    found: list[Tensor] = []
+    for obj in cells:
+        found += [obj] if isinstance(obj, Tensor) else list(_captured_tensors(obj, depth - 1))
+    unique = {id(t): t for t in found}
+    return tuple(unique.values())
 
 
 def _cell_filled(cell) -> bool:

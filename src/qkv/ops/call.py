@@ -159,7 +159,7 @@ class AttentionCall:
         if len(batch) < 2:
             return mask.reshape((1,) * (2 - len(batch)) + tuple(mask.shape))
         if len(batch) > 2:
-            return mask.expand(batch + mask.shape[-2:]).reshape(-1, *mask.shape[-3:])
+            return mask.expand(batch + mask.shape[-2:]).reshape(-1, batch[-1], *mask.shape[-2:])
         return mask
 
     def mask(self) -> Tensor | None:

@@ -48,6 +48,7 @@ _flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 BLOCK_Q = 128  # query rows per tile
 BLOCK_K = 64  # keys per block (the unit of skipping)
+MIN_FULL_RUN = 8  # full blocks worth a chunk of their own (no mask) rather than riding along
 CHUNK_ELEMENTS = 1 << 22  # B*H*tq*kc scores per chunk: 16 MiB in float32
 
 
@@ -97,7 +98,8 @@ class _Plan:
         """
         add = None
         if self.bias is not None:
-            add = _tile(self.bias, t0, t1, k0, k1).to(dtype)
+            # the flash kernel reads a mask with leading dims as if it were contiguous
+            add = _tile(self.bias, t0, t1, k0, k1).to(dtype).contiguous()
         if self.score_mod is not None:  # additive: its bias is score_mod(0)
             b, h, q, kv = index_grid(self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
                                      device=self.device)
@@ -194,23 +196,37 @@ def _pick_inner(call: AttentionCall, dtype: torch.dtype) -> str:
 
 
 def _chunks(states: Tensor, bk: int, S: int, kc_blocks: int) -> list[list[tuple[int, int, bool]]]:
-    """Per query tile, runs of consecutive non-empty key blocks cut into chunks of at most
-    ``kc_blocks`` blocks, each flagged masked unless all of its blocks are full everywhere."""
+    """Per query tile, the chunks of keys to visit: ``(k0, k1, masked)``.
+
+    Empty blocks are left out. A run of full blocks long enough to pay for a second kernel
+    call (``MIN_FULL_RUN`` blocks) becomes its own chunk without a mask; shorter ones ride
+    along in the masked chunk beside them. No chunk exceeds ``kc_blocks`` blocks.
+    """
     flat = states.flatten(0, 1)  # (B?*H?, nq, nk)
     needed = (flat != EMPTY).any(0).tolist()  # (nq, nk): computed for some (b, h)
     full = (flat == FULL).all(0).tolist()  # (nq, nk): needs no mask for any (b, h)
     rows = []
     for need_i, full_i in zip(needed, full):
-        chunks, j, nk = [], 0, len(need_i)
-        while j < nk:
-            if not need_i[j]:
-                j += 1
+        segments = []  # [j0, j1, masked], consecutive needed blocks of one kind
+        for j, (need, is_full) in enumerate(zip(need_i, full_i)):
+            if not need:
                 continue
-            j1 = j
-            while j1 < nk and need_i[j1] and j1 - j < kc_blocks:
-                j1 += 1
-            chunks.append((j * bk, min(j1 * bk, S), not all(full_i[j:j1])))
-            j = j1
+            if segments and segments[-1][1] == j and segments[-1][2] == (not is_full):
+                segments[-1][1] = j + 1
+            else:
+                segments.append([j, j + 1, not is_full])
+        merged = []  # short full runs become masked, then same-kind neighbours join
+        for j0, j1, masked in segments:
+            masked = masked or j1 - j0 < MIN_FULL_RUN
+            if merged and merged[-1][1] == j0 and merged[-1][2] == masked:
+                merged[-1][1] = j1
+            else:
+                merged.append([j0, j1, masked])
+        chunks = []
+        for j0, j1, masked in merged:
+            for c0 in range(j0, j1, kc_blocks):
+                c1 = min(j1, c0 + kc_blocks)
+                chunks.append((c0 * bk, min(c1 * bk, S), masked and not all(full_i[c0:c1])))
         rows.append(chunks)
     return rows
 
@@ -222,7 +238,7 @@ class _DenseMask(MaskMod):
         self.mask = mask  # (B?, H?, T, S)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        idx = [i if n > 1 else torch.zeros_like(i) for i, n in
+        idx = [i if n > 1 else i.new_zeros((1,) * i.dim()) for i, n in
                zip((b, h, q_idx, kv_idx), self.mask.shape)]  # size-1 dims broadcast
         return self.mask[idx[0], idx[1], idx[2], idx[3]]
 

@@ -1,0 +1,256 @@
+"""The tiled backend against its slow twin, the reference backend, by the tolerance policy.
+
+Awkward sizes (1, 17, 97, 113, 1025 and the tile boundaries 2047/2048/2049), every mask_mod and
+score_mod, both inner kernels (``flash``: torch's CPU kernel per chunk; ``matmul``: plain ops),
+gradients, fully masked rows and blocks, non-contiguous inputs, GQA, block skipping, dispatch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv import masks as M
+from qkv.ops.call import AttentionCall
+from qkv.ops.tiled import MIN_FULL_RUN, _plan, tiled_attention
+from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance
+
+
+def _ids(B: int, T: int, seed: int = 0) -> torch.Tensor:
+    """Packed documents: sorted ids, runs of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, max(1, T // 40), (B, T), generator=g).sort(-1).values
+
+
+def _mods(B, H, T, S):
+    """(name, mask_mod, score_mod, is_causal) cases valid for these sizes."""
+    cases = [
+        ("none", None, None, False),
+        ("causal", None, None, True),
+        ("bottom-right", M.causal("bottom_right"), None, False),
+        ("window", M.sliding_window(40, 7), None, False),
+        ("keylen", M.key_lengths(torch.tensor([max(0, S // 3), S])[-B:]), None, False),
+        ("prefix-alibi", M.prefix_lm(min(5, S)), M.alibi(H), False),
+        ("window-softcap", M.sliding_window(30), M.softcap(2.0), True),
+    ]
+    if T == S:
+        cases.append(("document", M.document(_ids(B, T)), None, False))
+    return cases
+
+
+def _run(q, k, v, backend, **kw):
+    return qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+
+
+SIZES = [(1, 1), (17, 17), (97, 113), (113, 97), (1025, 1025), (17, 1025), (2047, 2047),
+         (2048, 2048), (2049, 2049)]
+
+
+@pytest.mark.parametrize("T,S", SIZES, ids=[f"T{t}-S{s}" for t, s in SIZES])
+def test_tiled_matches_reference_float64(T, S):
+    B, H, D = (2, 2, 16) if T * S < 1 << 20 else (1, 2, 8)
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S))
+    for name, mm, sm, causal in _mods(B, H, T, S):
+        kw = dict(mask_mod=mm, score_mod=sm, is_causal=causal)
+        out = _run(q, k, v, "tiled", **kw)
+        ref = _run(q, k, v, "reference", **kw)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12, msg=f"{name}")
+
+
+@pytest.mark.parametrize("inner", ["flash", "matmul"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("T,S", [(97, 113), (1025, 1025), (2049, 2049)],
+                         ids=["T97-S113", "T1025", "T2049"])
+def test_tiled_tolerance_policy(T, S, dtype, inner):
+    """Outputs within 2x and gradients within 3x the error of plain math in the same dtype."""
+    B, H, D = 1, 2, 32
+    golden_in = [torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S)]
+    for name, mm, sm, causal in _mods(B, H, T, S):
+        if inner == "flash" and sm is not None and not sm.additive:
+            continue
+        kw = dict(mask_mod=mm, score_mod=sm, is_causal=causal)
+        outs, grads = {}, {}
+        for which, dt in (("golden", torch.float64), ("baseline", dtype), ("tiled", dtype)):
+            ins = [t.to(dt).requires_grad_() for t in golden_in]
+            if which == "tiled":
+                call = AttentionCall.build(*ins, is_causal=causal, mask_mod=mm, score_mod=sm)
+                out = tiled_attention(call, inner=inner)[0]
+            else:
+                out = _run(*ins, "reference", **kw)
+            dout = torch.ones_like(out) / out.shape[-2]
+            grads[which] = torch.autograd.grad(out, ins, dout)
+            outs[which] = out.detach()
+        assert_tolerance(outs["tiled"], outs["golden"], outs["baseline"], factor=OUTPUT_FACTOR,
+                         name=f"{name} out")
+        for i, g in enumerate("qkv"):
+            assert_tolerance(grads["tiled"][i], grads["golden"][i], grads["baseline"][i],
+                             factor=GRAD_FACTOR, name=f"{name} d{g}")
+
+
+@pytest.mark.parametrize("inner", ["flash", "matmul"])
+def test_flash_and_matmul_inner_kernels_agree_with_gradients(inner):
+    """The fast inner kernel and its readable twin give the reference's values and gradients."""
+    B, H, T, S, D = 2, 3, 300, 260, 16
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64, requires_grad=True) for n in (T, S, S))
+    for name, mm, sm, causal in _mods(B, H, T, S):
+        if inner == "flash" and sm is not None and not sm.additive:
+            continue
+        call = AttentionCall.build(q, k, v, is_causal=causal, mask_mod=mm, score_mod=sm)
+        out = tiled_attention(call, inner=inner, block_q=64, block_k=32)[0]
+        ref = _run(q, k, v, "reference", is_causal=causal, mask_mod=mm, score_mod=sm)
+        g = torch.randn_like(ref)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
+
+
+def test_gradcheck_tiled_with_score_mod_tensors_and_float_mask():
+    """Gradients reach q, k, v, a float attn_mask and the tensors a score_mod reads."""
+    T, S = 9, 11
+    q = torch.randn(1, 2, T, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, S, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, S, 3, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, 1, T, S, dtype=torch.float64, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
+    table = torch.randn(2, T + S, dtype=torch.float64, requires_grad=True)
+
+    def rel(score, b, h, qi, ki):  # a learned relative-position bias read from a captured table
+        return score + table[h, ki - qi + T]
+
+    def f(q, k, v, bias, slopes, table):
+        call = AttentionCall.build(q, k, v, bias, mask_mod=M.sliding_window(4, 2),
+                                   score_mod=lambda s, b, h, qi, ki: rel(M.alibi(slopes)(s, b, h, qi, ki), b, h, qi, ki))
+        return tiled_attention(call, block_q=4, block_k=3)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, bias, slopes, table))
+
+
+def test_fully_masked_rows_and_blocks_give_zero_and_zero_grads():
+    """Rows with no key (whole key blocks skipped, or every key of a visited chunk masked)."""
+    B, H, T, S, D = 2, 2, 300, 200, 8
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        q, k, v = (torch.randn(B, H, n, D, dtype=dtype, requires_grad=True) for n in (T, S, S))
+        # batch 0 has no key at all; queries past 150 see only keys past S (none)
+        mm = M.and_masks(M.key_lengths(torch.tensor([0, S])), M.sliding_window(T, 0))
+        mm = M.or_masks(mm, lambda b, h, qi, ki: (qi > 1000) & (ki >= 0))
+        shifted = M.and_masks(M.key_lengths(torch.tensor([0, S])),
+                              lambda b, h, qi, ki: qi < 150)
+        for mod in (mm, shifted):
+            out = _run(q, k, v, "tiled", mask_mod=mod)
+            assert not out.isnan().any()
+            assert out[0].abs().max() == 0
+            (out.float() * torch.randn(out.shape)).sum().backward()
+            for t in (q, k, v):
+                assert not t.grad.isnan().any()
+            assert q.grad[0].abs().max() == 0 and k.grad[0].abs().max() == 0
+            assert v.grad[0].abs().max() == 0
+            if mod is shifted:
+                assert out[1, :, 150:].abs().max() == 0 and q.grad[1, :, 150:].abs().max() == 0
+            for t in (q, k, v):
+                t.grad = None
+
+
+def test_non_contiguous_inputs_and_gqa():
+    B, T, S, H, G, D = 2, 130, 150, 4, 2, 16
+    q = torch.randn(B, T, H, D, dtype=torch.float64).transpose(1, 2)  # (B, H, T, D) view
+    k = torch.randn(B, S, G, D, dtype=torch.float64).transpose(1, 2)
+    v = torch.randn(B, G, D, S, dtype=torch.float64).transpose(-1, -2)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    for mm in (None, M.sliding_window(20, 20), M.document(_ids(B, T), _ids(B, S, seed=1))):
+        kw = dict(mask_mod=mm, enable_gqa=True)
+        torch.testing.assert_close(_run(q, k, v, "tiled", **kw), _run(q, k, v, "reference", **kw),
+                                   rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "keypad-bool", "float-with-causal"])
+def test_dense_masks_and_leading_dims(kind):
+    """Dense attn_mask on tiled: broadcast shapes, 3-D and 5-D inputs, combined with is_causal."""
+    T, S = 140, 131
+    q = torch.randn(2, 3, 2, T, 8, dtype=torch.float64)
+    k = torch.randn(2, 1, 2, S, 8, dtype=torch.float64)
+    v = torch.randn(2, 1, 2, S, 8, dtype=torch.float64)
+    mask = {"bool": torch.rand(T, S) < 0.3,
+            "float": torch.randn(3, 1, T, S, dtype=torch.float64),
+            "keypad-bool": torch.arange(S).view(1, 1, 1, 1, S) < torch.tensor([3, 70]).view(2, 1, 1, 1, 1),
+            "float-with-causal": torch.randn(1, T, 1, dtype=torch.float64)}[kind]
+    kw = dict(attn_mask=mask, is_causal=kind == "float-with-causal")
+    torch.testing.assert_close(_run(q, k, v, "tiled", **kw), _run(q, k, v, "reference", **kw),
+                               rtol=0, atol=1e-12)
+    q3, k3, v3 = q[0, 0], k[0, 0], v[0, 0]  # (H, T, D)
+    kw3 = dict(attn_mask=torch.rand(T, S) < 0.5)
+    torch.testing.assert_close(_run(q3, k3, v3, "tiled", **kw3), _run(q3, k3, v3, "reference", **kw3),
+                               rtol=0, atol=1e-12)
+
+
+def _visited(call: AttentionCall, bq=128, bk=64):
+    plan = _plan(call, *call.BH, None, None, bq, bk, call.dtype)
+    keys = sum(k1 - k0 for row in plan.rows for k0, k1, _ in row)
+    masked = sum(k1 - k0 for row in plan.rows for k0, k1, m in row if m)
+    return plan, keys, masked
+
+
+def test_empty_blocks_are_skipped_and_full_blocks_unmasked():
+    T = 4096
+    q = k = v = torch.randn(1, 1, T, 8)
+    _, keys, _ = _visited(AttentionCall.build(q, k, v, mask_mod=M.sliding_window(100)))
+    assert keys <= T * (100 + 128 + 64) // 128 * 1  # per tile: window + tile + one block
+    assert keys < T * T * 0.05
+    _, keys, masked = _visited(AttentionCall.build(q, k, v, is_causal=True))
+    assert keys == sum(min(T, (i + 1) * 128) for i in range(T // 128))  # the lower triangle
+    # only the diagonal blocks carry a mask, with full runs shorter than MIN_FULL_RUN blocks
+    short = sum(min(2 * i, MIN_FULL_RUN - 1) * 64 for i in range(T // 128) if 2 * i < MIN_FULL_RUN)
+    assert masked == (T // 128) * 128 + short
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([1024, 512, 2048, 512]))[None]
+    _, keys, _ = _visited(AttentionCall.build(q, k, v, mask_mod=M.document(ids)))
+    pairs = 128 * keys  # each tile is 128 queries; documents align to tiles here
+    assert pairs == 1024 * 1024 + 512 * 512 + 2048 * 2048 + 512 * 512
+    # a dense bool mask is classified too: an empty half of the keys is never visited
+    dense = torch.arange(T) < T // 2
+    _, keys, masked = _visited(AttentionCall.build(q, k, v, dense.view(1, T)))
+    assert 128 * keys == T * T // 2 and masked == 0
+
+
+def test_auto_routes_structured_masks_to_tiled_and_plain_calls_to_torch():
+    q, k, v = (torch.randn(1, 2, 50, 8) for _ in range(3))
+    _, trace = _run(q, k, v, "auto", mask_mod=M.sliding_window(5), return_trace=True)
+    assert trace.backend == "tiled"
+    _, trace = _run(q, k, v, "auto", score_mod=M.softcap(5.0), return_trace=True)
+    assert trace.backend == "tiled"
+    for kw in ({}, {"is_causal": True}, {"mask_mod": M.causal()},
+               {"mask_mod": M.causal("bottom_right")}):  # T == S: the same as top-left
+        _, trace = _run(q, k, v, "auto", return_trace=True, **kw)
+        assert trace.backend == "torch", kw
+    with pytest.raises(qkv.BackendUnsupportedError, match="tiled has no dropout"):
+        _run(q, k, v, "tiled", dropout_p=0.1)
+    with pytest.raises(qkv.BackendUnsupportedError, match=r"to_dense\(mask_mod"):
+        _run(q, k, v, "torch", mask_mod=M.sliding_window(5))
+    out, trace = _run(q, k, v, "auto", mask_mod=M.sliding_window(5), dropout_p=0.2,
+                      return_trace=True)
+    assert trace.backend == "reference"  # the only one that takes both
+
+
+def test_trace_select_recomputes_only_the_rows_asked_for():
+    B, H, T, S = 2, 3, 300, 280
+    q, k, v = (torch.randn(B, H, n, 16, dtype=torch.float64) for n in (T, S, S))
+    kw = dict(mask_mod=M.sliding_window(50), score_mod=M.alibi(H), attn_mask=torch.rand(B, 1, T, S) < 0.9)
+    _, fast = _run(q, k, v, "tiled", return_trace=True, **kw)
+    _, ref = _run(q, k, v, "reference", return_trace=True, **kw)
+    part = fast.select(batch=1, heads=[0, 2], rows=range(100, 110))
+    assert part.probs.shape == (1, 2, 10, S)
+    torch.testing.assert_close(part.probs, ref.probs[1:2, [0, 2], 100:110], rtol=0, atol=1e-12)
+    torch.testing.assert_close(part.scores, ref.scores[1:2, [0, 2], 100:110], rtol=0, atol=1e-12)
+    torch.testing.assert_close(part.lse, ref.lse[1:2, [0, 2], 100:110], rtol=0, atol=1e-12)
+    assert callable(fast._probs)  # the full (B, H, T, S) weights were never built
+    torch.testing.assert_close(fast.probs, ref.probs, rtol=0, atol=1e-12)
+    eager = ref.select(heads=slice(0, 2), rows=[-1])
+    torch.testing.assert_close(eager.probs, ref.probs[:, 0:2, -1:])
+    with pytest.raises(ValueError, match="rows index out of range"):
+        fast.select(rows=[T])
+
+
+def test_lazy_trace_refuses_after_inputs_change_in_place():
+    q, k, v = (torch.randn(1, 1, 20, 8) for _ in range(3))
+    _, trace = _run(q, k, v, "tiled", mask_mod=M.sliding_window(3), return_trace=True)
+    q.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        trace.probs
