@@ -64,7 +64,9 @@ def worker(impl: str, T: int, dtype: str, weights: bool, mode: str, min_run_time
     before = _rss_kib()
     step()  # warm-up; also sets the memory high-water mark
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    t = benchmark.Timer("step()", globals={"step": step}).blocked_autorange(
+    # Timer defaults to num_threads=1: time with the threads the process really uses
+    timer = benchmark.Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
+    t = timer.blocked_autorange(
         min_run_time=min_run_time)
     return dict(time_s=t.median, peak_extra_mib=(peak - before) / 1024)
 

@@ -25,7 +25,9 @@ B, H, D = 1, 8, 64
 
 def _time(fn, min_run_time: float) -> float:
     """Median seconds per call."""
-    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(
+    # Timer defaults to num_threads=1: time with the threads the process really uses
+    timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(
         min_run_time=min_run_time).median
 
 

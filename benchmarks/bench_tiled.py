@@ -51,12 +51,13 @@ class Target:
         return f"{s.case} T={s.T} {s.dtype} {mode}: {s.impl} {what}"
 
 
-# The targets. Faster than the dense peer means a time ratio below 1; auto on plain and
-# causal calls must cost no more than the noise of this machine over calling torch (5%).
+# The targets: window forward >= 10x faster than the dense peer (ratio <= 0.1),
+# window forward+backward >= 5x (<= 0.2), document >= 5x (<= 0.2); auto on plain and causal
+# calls within 1.05x of calling torch directly.
 TARGETS = (
-    Target(Spec("window", 16384, "fp32", "fwd", "tiled"), PEER, max_ratio=1.0),
-    Target(Spec("window", 16384, "fp32", "fwdbwd", "tiled"), PEER, max_ratio=1.0),
-    Target(Spec("document", 16384, "fp32", "fwd", "tiled"), PEER, max_ratio=1.0),
+    Target(Spec("window", 16384, "fp32", "fwd", "tiled"), PEER, max_ratio=0.1),
+    Target(Spec("window", 16384, "fp32", "fwdbwd", "tiled"), PEER, max_ratio=0.2),
+    Target(Spec("document", 16384, "fp32", "fwd", "tiled"), PEER, max_ratio=0.2),
     *(Target(Spec(case, T, "fp32", "fwd", "auto"), PEER, max_ratio=1.05)
       for case in ("none", "causal") for T in (1024, 4096)),
     Target(Spec("window", 65536, "fp32", "fwdbwd", "tiled"), max_peak_gib=24.0),

@@ -254,3 +254,18 @@ def test_lazy_trace_refuses_after_inputs_change_in_place():
     q.mul_(2)
     with pytest.raises(RuntimeError, match="modified in place"):
         trace.probs
+
+
+def test_multihead_module_takes_mask_mod_and_score_mod():
+    """The module passes structured masks through: equal to their dense twins, on tiled."""
+    mha = qkv.MultiHeadAttention(32, 4, dtype=torch.float64)
+    x = torch.randn(2, 70, 32, dtype=torch.float64)
+    keep = torch.arange(70) < torch.tensor([[70], [50]])  # (B, S): True = a real key
+    y, trace = mha(x, key_mask=keep, mask_mod=M.sliding_window(8, 8), score_mod=M.alibi(4),
+                   return_trace=True)
+    assert trace.backend == "tiled"
+    dense = M.to_dense(M.sliding_window(8, 8), 2, 4, 70, 70)
+    bias = M.alibi(4)(torch.zeros(()), *M.index_grid(2, 4, 70, 70)).double()
+    mha.backend = "reference"
+    twin = mha(x, key_mask=keep, attn_mask=bias.masked_fill(~dense, float("-inf")))
+    torch.testing.assert_close(y, twin, rtol=0, atol=1e-12)

@@ -178,8 +178,12 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                 *, attn_mask: Tensor | None = None, key_mask: Tensor | None = None,
-                is_causal: bool = False, return_trace: bool = False):
+                is_causal: bool = False, return_trace: bool = False, mask_mod=None,
+                score_mod=None):
         """Attend ``query`` to ``key``/``value`` (self-attention when they are omitted).
+
+        ``mask_mod``/``score_mod`` (``qkv.masks``, e.g. ``sliding_window(256)``) combine with
+        the other masks and send the call to the tiled backend under ``backend="auto"``.
 
         Returns the output, or ``(output, MultiHeadTrace)`` with per-head weights
         ``(B, H, T, S)`` and per-head outputs before W^O ``(B, H, T, D)``.
@@ -190,7 +194,8 @@ class MultiHeadAttention(nn.Module):
         res = scaled_dot_product_attention(
             q, k, v, attn_mask=inp.mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
-            backend=self.backend, return_trace=return_trace,
+            backend=self.backend, return_trace=return_trace, mask_mod=mask_mod,
+            score_mod=score_mod,
         )
         heads, trace = res if return_trace else (res, None)  # (B, H, T, D)
         B, H, T, D = heads.shape

@@ -89,6 +89,7 @@ class _Plan:
     score_mod: ScoreMod | None
     inner: str
     rows: list[list[tuple[int, int, bool]]]
+    device: torch.device
 
     def chunk_mask(self, t0: int, t1: int, k0: int, k1: int, masked: bool, dtype) -> Tensor | None:
         """The chunk's additive float mask for the flash kernel (-inf = may not attend).
@@ -118,8 +119,6 @@ class _Plan:
         b, h, q, kv = index_grid(self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
                                  device=self.device)
         return evaluate_mask(self.mask_mod, b, h, q, kv)
-
-    device: torch.device = torch.device("cpu")
 
 
 def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: int = BLOCK_Q,
@@ -304,12 +303,17 @@ def _merge(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, 
 def _flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
     """One chunk through torch's CPU flash kernel; rows with no key in the chunk get lse -inf."""
     t0, t1, k0, k1, masked = where
-    mask = plan.chunk_mask(t0, t1, k0, k1, masked, q.dtype)  # (B?, H?, tq, kc) or None
+    mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))  # (B?, H?, tq, kc) or None
     o, lse = _flash_fwd(q, k, v, attn_mask=mask, scale=plan.scale)  # (B, H, tq, Dv), (B, H, tq)
     if masked or plan.bias is not None:
         dead = torch.isneginf(mask).all(-1)  # (B?, H?, tq): the kernel reports lse 0 there
         lse = lse.masked_fill(dead, float("-inf"))
     return o, lse
+
+
+def _mask_dtype(q: Tensor) -> torch.dtype:
+    """float32 masks for half inputs: a bias such as ALiBi's keeps its precision."""
+    return torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
 
 
 def _matmul_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
@@ -384,7 +388,7 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: boo
 
 def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
     t0, t1, k0, k1, masked = where
-    mask = plan.chunk_mask(t0, t1, k0, k1, masked, q.dtype)
+    mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))
     dq, dk, dv = _flash_bwd(dout, q, k, v, out, lse.float() if q.dtype != torch.float64 else lse,
                             0.0, False, attn_mask=mask, scale=plan.scale)
     return dq, dk, dv
