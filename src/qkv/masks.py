@@ -3,6 +3,11 @@
 A boolean mask means True = may attend. A float mask is added to the scores. Both broadcast
 to the scores' shape ``(*batch, T, S)`` as in PyTorch.
 
+Structured masks (``mask_mod``) and score changes (``score_mod``) in FlexAttention's
+vocabulary are in the second half of this file: ``causal``, ``sliding_window``, ``prefix_lm``,
+``document``, ``key_lengths``, ``and_masks``/``or_masks``, ``alibi``, ``softcap``, with
+``to_dense`` (the dense twin of a mask) and ``block_summary`` (what a tiled backend skips).
+
 Shape alphabet: T query length, S key length.
 """
 from __future__ import annotations
