@@ -183,7 +183,7 @@ def test_dense_masks_and_leading_dims(kind):
 
 
 def _visited(call: AttentionCall, bq=128, bk=64):
-    plan = _plan(call, *call.BH, None, None, bq, bk, call.dtype)
+    plan = _plan(call, *call.BH, None, bq, bk, call.dtype)
     keys = sum(k1 - k0 for row in plan.rows for k0, k1, _ in row)
     masked = sum(k1 - k0 for row in plan.rows for k0, k1, m in row if m)
     return plan, keys, masked

@@ -85,7 +85,7 @@ class _Plan:
     scale: float
     bq: int
     mask_mod: MaskMod | None
-    bias: Tensor | None  # a dense float attn_mask, (B?, H?, T, S)
+    bias: Tensor | None  # a dense float attn_mask, (B?, H?, T, S); set by the Function
     score_mod: ScoreMod | None
     inner: str
     rows: list[list[tuple[int, int, bool]]]
@@ -139,7 +139,7 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
         q, k, v = q.to(work), k.to(work), v.to(work)
     if bias is not None and bias.requires_grad:
         inner = _refuse_flash(inner, "a float attn_mask that requires grad")
-    plan = _plan(call, B, H, None, inner, block_q, block_k, q.dtype)
+    plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)
     grads = plan.score_mod.tensors() if plan.score_mod is not None else ()
     grads = tuple(t for t in grads if t.requires_grad)
     out, lse = _TiledAttention.apply(plan, q, k, v, bias, *grads)  # (B, H, T, Dv), (B, H, T)
@@ -147,8 +147,8 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     return out, lse.reshape(call.batch + (call.T,))
 
 
-def _plan(call: AttentionCall, B: int, H: int, bias: Tensor | None, inner: str | None,
-          bq: int, bk: int, dtype: torch.dtype) -> _Plan:
+def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int,
+          dtype: torch.dtype) -> _Plan:
     """Combine the masks into one mask_mod, classify its blocks and list each tile's chunks."""
     mods = [m for m in (call.mask_mod, causal() if call.is_causal else None) if m is not None]
     mask = call.attn_mask
@@ -167,7 +167,7 @@ def _plan(call: AttentionCall, B: int, H: int, bias: Tensor | None, inner: str |
         raise ValueError(f"inner must be None, 'matmul' or (when it can take the call) 'flash', got {inner!r}")
     inner = inner or best
     kc_blocks = max(1, CHUNK_ELEMENTS // (B * H * bq * bk))
-    return _Plan(B, H, call.T, call.S, call.scale, bq, mask_mod, bias, call.score_mod, inner,
+    return _Plan(B, H, call.T, call.S, call.scale, bq, mask_mod, None, call.score_mod, inner,
                  _chunks(states, bk, call.S, kc_blocks), call.device)
 
 
