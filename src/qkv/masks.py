@@ -508,14 +508,17 @@ class _Function(MaskMod):
 
 def as_mask_mod(mask_mod) -> MaskMod:
     """A MaskMod for ``mask_mod`` (wrapping a plain function); TypeError if not callable."""
-    if isinstance(mask_mod, MaskMod):
-        return mask_mod
-    if not callable(mask_mod):
-        raise TypeError(
-            f"mask_mod must be a function (b, h, q_idx, kv_idx) -> bool tensor or a "
-            f"qkv.masks mask, got {type(mask_mod).__name__}"
-        )
-    return _Function(mask_mod)
+    return _wrap("mask_mod", mask_mod, MaskMod, _Function,
+                 "(b, h, q_idx, kv_idx) -> bool tensor or a qkv.masks mask")
+
+
+def _wrap(name: str, obj, kind: type, wrapper: type, signature: str):
+    """``obj`` if it already is a ``kind``, else a callable wrapped in ``wrapper``."""
+    if isinstance(obj, kind):
+        return obj
+    if not callable(obj):
+        raise TypeError(f"{name} must be a function {signature}, got {type(obj).__name__}")
+    return wrapper(obj)
 
 
 def and_masks(*mask_mods) -> MaskMod:
@@ -713,14 +716,8 @@ def _cell_filled(cell) -> bool:
 
 def as_score_mod(score_mod) -> ScoreMod:
     """A ScoreMod for ``score_mod`` (wrapping a plain function); TypeError if not callable."""
-    if isinstance(score_mod, ScoreMod):
-        return score_mod
-    if not callable(score_mod):
-        raise TypeError(
-            f"score_mod must be a function (score, b, h, q_idx, kv_idx) -> score or a qkv.masks "
-            f"score mod, got {type(score_mod).__name__}"
-        )
-    return _ScoreFunction(score_mod)
+    return _wrap("score_mod", score_mod, ScoreMod, _ScoreFunction,
+                 "(score, b, h, q_idx, kv_idx) -> score or a qkv.masks score mod")
 
 
 def evaluate_score(score_mod, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor,
