@@ -1,8 +1,9 @@
 """qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through."""
 from .dispatch import backend_names
-from .functional import scaled_dot_product_attention
+from .functional import linear_attention, scaled_dot_product_attention
 from .nn import AdditiveAttention, MultiHeadAttention, SelfAttention
 from .ops import BackendUnsupportedError
+from .ops.linear import Favor, FeatureMap, LinearAttentionState
 from .trace import AttentionTrace, MultiHeadTrace
 
 __version__ = "0.1.0"
@@ -14,6 +15,10 @@ __all__ = [
     "MultiHeadTrace",
     "SelfAttention",
     "BackendUnsupportedError",
+    "Favor",
+    "FeatureMap",
+    "LinearAttentionState",
     "backend_names",
+    "linear_attention",
     "scaled_dot_product_attention",
 ]

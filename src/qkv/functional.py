@@ -5,13 +5,15 @@ D head dim of query/key, Dv head dim of value.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from . import dispatch
 from .ops import AttentionCall
+from .ops import linear as _linear
 from .trace import AttentionTrace
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "linear_attention"]
 
 
 def scaled_dot_product_attention(
@@ -100,3 +102,91 @@ def scaled_dot_product_attention(
         mask_mod, score_mod,
     )
     return dispatch.run(call, backend)
+
+
+def linear_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    feature_map="elu",
+    is_causal: bool = False,
+    key_mask: Tensor | None = None,
+    eps: float = 1e-6,
+    return_trace: bool = False,
+) -> Tensor | tuple[Tensor, AttentionTrace]:
+    """Linear attention (Katharopoulos et al. 2020, "Transformers are RNNs").
+
+    The softmax kernel ``exp(q . k)`` is replaced by ``phi(q) . phi(k)``, so the sums over keys
+    can be taken once::
+
+        out_i = phi(q_i) (sum_j phi(k_j) v_j^T) / (phi(q_i) . sum_j phi(k_j) + eps)
+
+    Non-causal, that is ``phi(Q) (phi(K)^T V)``: O(T + S) time and memory instead of O(T S).
+    Causal (``j <= i``; needs T == S), the running sums are computed chunk-wise (matmuls
+    inside a chunk of 64 positions, a carried ``M x Dv`` state between chunks): O(T) memory,
+    matmul speed. :class:`qkv.LinearAttentionState` continues a causal sequence one token at
+    a time in O(1) per token.
+
+    This is a different function from softmax attention (except as FAVOR+'s estimate), not an
+    approximation of it by default; with ``feature_map=qkv.Favor(D, M)`` it estimates
+    ``softmax(q k^T / sqrt(D))`` without bias, better as M grows.
+
+    * **Feature maps**: ``"elu"`` (``elu(x) + 1``, the paper's), ``"relu"``, ``"favor"`` (alias
+      ``"performer"``: FAVOR+ with M = D ln D features, seed 0), a :class:`qkv.Favor` for other
+      settings, or any function ``(..., L, D) -> (..., L, M)`` of nonnegative features.
+    * **Padding**: ``key_mask`` False keys contribute nothing to either sum (LRA's reference
+      linear attention ignores its padding mask; this one does not), whatever their values.
+    * A query with nothing to attend (all keys padded, or all-zero features) outputs exactly 0.
+    * float16/bfloat16 inputs are computed in float32 (the running sums need it) and the output
+      is returned in the input dtype.
+
+    Args:
+        query: Queries.
+        key: Keys.
+        value: Values.
+        feature_map: See above.
+        is_causal: Position i sees keys j <= i.
+        key_mask: Bool, True marks a real key.
+        eps: Added to the normaliser; >= 0.
+        return_trace: Also return an :class:`AttentionTrace` from the quadratic form:
+            ``scores = log(phi(q_i) . phi(k_j))``, ``lse = log(sum_j exp(scores) + eps)``,
+            ``probs = exp(scores - lse)`` (so ``out = probs @ value``). It costs (T, S) memory.
+
+    Returns:
+        The output, or ``(output, trace)`` when ``return_trace``.
+
+    Shape:
+        query ``(*batch, H, T, D)``; key ``(*batch, G, S, D)``; value ``(*batch, G, S, Dv)``
+        -> ``(*batch, H, T, Dv)``, with H a multiple of G (grouped heads share keys and
+        values); ``(T, D)`` and ``(H, T, D)`` inputs too. key_mask ``(*batch, S)``.
+
+    Example:
+        >>> q = k = v = torch.randn(2, 8, 4096, 64)
+        >>> out = qkv.linear_attention(q, k, v, is_causal=True)        # (2, 8, 4096, 64)
+        >>> out = qkv.linear_attention(q, k, v, feature_map=qkv.Favor(64, 256, seed=1))
+    """
+    inp = _linear.prepare(query, key, value, key_mask, is_causal=bool(is_causal))
+    eps = _linear.check_eps(eps)
+    phi = _linear.resolve_feature_map(feature_map, query.shape[-1])
+    if isinstance(phi, _linear.FeatureMap):
+        phi.begin_call()  # FAVOR+ redraws here, once for queries and keys
+    if is_causal:
+        out, _ = _linear.linear_attention_chunked(phi, inp.q, inp.k, inp.v, inp.key_mask, eps)
+    else:
+        out = _linear.linear_attention_global(phi, inp.q, inp.k, inp.v, inp.key_mask, eps)
+    if not return_trace:
+        return inp.restore(out)
+    with torch.no_grad():
+        _, scores, lse = _linear.linear_attention_quadratic(
+            phi(inp.q), phi(inp.k), inp.v, is_causal=bool(is_causal), key_mask=inp.key_mask,
+            eps=eps)
+    lead = inp.out_shape[:-1]  # (*batch, T)
+    scores = scores.reshape(lead + (scores.shape[-1],))
+    trace = AttentionTrace(scores, _probs(scores, lse.reshape(lead)), lse.reshape(lead), "linear")
+    return inp.restore(out), trace
+
+
+def _probs(scores: Tensor, lse: Tensor) -> Tensor:
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - safe.unsqueeze(-1))
