@@ -1,7 +1,8 @@
 """qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through."""
 from .dispatch import backend_names
 from .functional import linear_attention, scaled_dot_product_attention
-from .nn import AdditiveAttention, MultiHeadAttention, SelfAttention
+from .nn import (AdditiveAttention, KVCache, LinearMultiHeadAttention, LocalMultiHeadAttention,
+                 MultiHeadAttention, SelfAttention)
 from .ops import BackendUnsupportedError
 from .ops.linear import Favor, FeatureMap, LinearAttentionState
 from .trace import AttentionTrace, MultiHeadTrace
@@ -17,7 +18,10 @@ __all__ = [
     "BackendUnsupportedError",
     "Favor",
     "FeatureMap",
+    "KVCache",
     "LinearAttentionState",
+    "LinearMultiHeadAttention",
+    "LocalMultiHeadAttention",
     "backend_names",
     "linear_attention",
     "scaled_dot_product_attention",

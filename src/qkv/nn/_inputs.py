@@ -18,7 +18,7 @@ class ModuleInputs:
 
     Shape:
         query ``(B, T, Cq)``; key ``(B, S, Ck)``; value ``(B, S, Cv)``; mask broadcastable to
-        ``(B, H, T, S)`` or None.
+        ``(B, H, T, S)`` or None; key_mask ``(B, S)`` or None (also inside ``mask``).
     """
 
     query: Tensor
@@ -26,6 +26,7 @@ class ModuleInputs:
     value: Tensor
     mask: Tensor | None
     unbatched: bool
+    key_mask: Tensor | None = None
 
     def single_head_mask(self) -> Tensor | None:
         """The mask for a module without heads: a key_mask's (B, 1, 1, S) becomes (B, 1, S).
@@ -82,7 +83,8 @@ def module_inputs(
             f"{tuple(value.shape)} must share the batch size, and key and value the length S"
         )
     _check_key_mask(key_mask, B, S)
-    return ModuleInputs(query, key, value, merge_key_mask(attn_mask, key_mask), unbatched)
+    return ModuleInputs(query, key, value, merge_key_mask(attn_mask, key_mask), unbatched,
+                        key_mask)
 
 
 def _check_key_mask(key_mask: Tensor | None, B: int, S: int) -> None:

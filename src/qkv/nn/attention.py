@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import masks
 from ..functional import scaled_dot_product_attention
 from ..trace import MultiHeadTrace
-from ._inputs import module_inputs
+from ._inputs import ModuleInputs, module_inputs
+from .cache import KVCache
 
 __all__ = ["SelfAttention", "MultiHeadAttention"]
 
@@ -179,25 +181,29 @@ class MultiHeadAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                 *, attn_mask: Tensor | None = None, key_mask: Tensor | None = None,
                 is_causal: bool = False, return_trace: bool = False, mask_mod=None,
-                score_mod=None):
+                score_mod=None, cache: KVCache | None = None):
         """Attend ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
         ``mask_mod``/``score_mod`` (``qkv.masks``, e.g. ``sliding_window(256)``) combine with
         the other masks and send the call to the tiled backend under ``backend="auto"``.
 
+        Decoding: with ``cache`` (from :meth:`new_cache`), ``query`` holds the next T positions
+        of a sequence (self-attention only); their keys and values are appended to the cache
+        and each new position attends to every cached position and to the new ones up to
+        itself (causal, bottom-right aligned), whatever ``is_causal`` says. ``key_mask``
+        ``(B, T)`` then marks the new positions that are real tokens.
+
         Returns the output, or ``(output, MultiHeadTrace)`` with per-head weights
         ``(B, H, T, S)`` and per-head outputs before W^O ``(B, H, T, D)``.
         """
+        if cache is not None:
+            _check_decoding(query, key, value, attn_mask)
         inp = module_inputs(query, key, value, attn_mask, key_mask,
                             (self.embed_dim, self.kdim, self.vdim))
         q, k, v = self._project(inp.query, inp.key, inp.value)  # (B, H, T, D), (B, G, S, D) x2
-        res = scaled_dot_product_attention(
-            q, k, v, attn_mask=inp.mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
-            backend=self.backend, return_trace=return_trace, mask_mod=mask_mod,
-            score_mod=score_mod,
-        )
-        heads, trace = res if return_trace else (res, None)  # (B, H, T, D)
+        heads, trace, k, v = self._attend(q, k, v, inp, is_causal=is_causal,
+                                          return_trace=return_trace, mask_mod=mask_mod,
+                                          score_mod=score_mod, cache=cache)  # (B, H, T, D)
         B, H, T, D = heads.shape
         out = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
         if inp.unbatched:
@@ -206,6 +212,35 @@ class MultiHeadAttention(nn.Module):
             return out
         index = 0 if inp.unbatched else None  # drop the batch dim of 1
         return out, MultiHeadTrace(trace, q=q, k=k, v=v, heads=heads, index=index)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, inp: ModuleInputs, *, is_causal: bool,
+                return_trace: bool, mask_mod, score_mod, cache: KVCache | None):
+        """Attention of the projected heads: ``(heads, trace or None, keys, values)``, where
+        keys/values are the ones attended to (the whole cache when decoding).
+
+        Shape:
+            q ``(B, H, T, D)``; k, v ``(B, G, S, D)`` -> heads ``(B, H, T, D)``.
+        """
+        mask = inp.mask
+        if cache is not None:
+            k, v, key_mask = cache.append(k, v, inp.key_mask)  # (B, G, P, D): all positions so far
+            mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, P)
+            mask_mod, is_causal = _decoding_mask(mask_mod, q.shape[-2], k.shape[-2]), False
+        res = scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
+            backend=self.backend, return_trace=return_trace, mask_mod=mask_mod,
+            score_mod=score_mod,
+        )
+        heads, trace = res if return_trace else (res, None)
+        return heads, trace, k, v
+
+    def new_cache(self, batch_size: int, capacity: int, *, device=None, dtype=None) -> KVCache:
+        """An empty :class:`KVCache` for decoding up to ``capacity`` positions with this module
+        (device and dtype default to the parameters')."""
+        ref = self.out_proj.weight
+        return KVCache(batch_size, self.num_kv_heads, self.head_dim, capacity,
+                       device=device or ref.device, dtype=dtype or ref.dtype)
 
     def _proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         if self.fused:
@@ -290,3 +325,23 @@ def _check_config(embed_dim: int, num_heads: int, G: int, dropout: float) -> Non
         )
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
+def _check_decoding(query: Tensor, key: Tensor | None, value: Tensor | None,
+                    attn_mask: Tensor | None) -> None:
+    """A cache decodes self-attention: refuse separate keys/values and dense masks."""
+    if (key is not None and key is not query) or (value is not None and value is not query):
+        raise ValueError("a cache decodes self-attention: pass only the new positions as "
+                         "query (key and value come from them and from the cache)")
+    if attn_mask is not None:
+        raise ValueError("attn_mask cannot be combined with a cache (its key length would "
+                         "change every step); use key_mask for padding of the new positions, "
+                         "or a mask_mod with bottom_right alignment")
+
+
+def _decoding_mask(mask_mod, T: int, S: int):
+    """New positions see the cache and the new positions up to themselves (bottom-right causal)."""
+    if T == 1:  # one new position sees everything stored: no mask at all
+        return mask_mod
+    causal = masks.causal(align="bottom_right")
+    return causal if mask_mod is None else masks.and_masks(mask_mod, causal)
