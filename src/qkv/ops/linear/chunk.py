@@ -29,6 +29,7 @@ M features, Dv value dim, n chunks in a block, L chunk length.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -236,8 +237,8 @@ def _normalize(num: Tensor, den: Tensor, eps: float, log_units: Tensor | None) -
     tiny = torch.finfo(den.dtype).tiny
     if log_units is None:
         return num / (den + max(eps, tiny)).unsqueeze(-1)
-    log_eps = torch.log(torch.tensor(max(eps, tiny), dtype=den.dtype, device=den.device))
-    return num / (den + (log_eps - log_units).exp().clamp_min(tiny)).unsqueeze(-1)
+    eps_units = (math.log(max(eps, tiny)) - log_units).exp().clamp_min(tiny)
+    return num / (den + eps_units).unsqueeze(-1)
 
 
 def _masked(phi_k: Tensor, v: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:
