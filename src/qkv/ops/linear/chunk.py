@@ -79,10 +79,9 @@ def linear_attention_global(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
     """
     M = phi(k[:1, :1]).values.shape[-1]
     state = LinearState.zeros(k.shape[0], M, v.shape[-1], device=v.device, dtype=v.dtype)
-    for s in range(0, k.shape[1], block):
-        state = _accumulate(state, phi(k[:, s:s + block]), v[:, s:s + block],
-                            _part(key_mask, s, block))
-    outs = [_readout(phi(q[:, s:s + block]), state, eps) for s in range(0, q.shape[1], block)]
+    for kb, vb, mb in zip(*_blocks(block, k, v, key_mask)):
+        state = _accumulate(state, phi(kb), vb, mb)
+    outs = [_readout(phi(qb), state, eps) for qb in q.split(block, 1)]
     return _join(outs, q, v)
 
 
@@ -106,10 +105,8 @@ def linear_attention_chunked(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
         M = phi(k[:1, :1]).values.shape[-1]
         state = LinearState.zeros(q.shape[0], M, v.shape[-1], device=v.device, dtype=v.dtype)
     outs = []
-    for s in range(0, q.shape[1], block):
-        fq, fk = phi(q[:, s:s + block]), phi(k[:, s:s + block])
-        out, state = _causal_block(fq, fk, v[:, s:s + block], _part(key_mask, s, block), eps,
-                                   state, chunk_size)
+    for qb, kb, vb, mb in zip(*_blocks(block, q, k, v, key_mask)):
+        out, state = _causal_block(phi(qb), phi(kb), vb, mb, eps, state, chunk_size)
         outs.append(out)
     return _join(outs, q, v), state
 
@@ -249,8 +246,16 @@ def _masked(phi_k: Tensor, v: Tensor, keep: Tensor | None) -> tuple[Tensor, Tens
     return torch.where(keep, phi_k, zero), torch.where(keep, v, zero)
 
 
-def _part(key_mask: Tensor | None, s: int, block: int) -> Tensor | None:
-    return None if key_mask is None else key_mask[:, s:s + block]
+def _blocks(block: int, *tensors: Tensor | None) -> list[list]:
+    """Each tensor cut into blocks of positions (dim 1); None stays None for every block.
+
+    ``split`` rather than slicing in a loop: autograd then joins the blocks' gradients with one
+    ``cat``, where each slice's backward would write a zero-filled full-length gradient.
+    """
+    if tensors[0].shape[1] == 0:  # split gives one empty block; there is none
+        return [[] for _ in tensors]
+    n = len(tensors[0].split(block, 1))
+    return [[None] * n if t is None else list(t.split(block, 1)) for t in tensors]
 
 
 def _join(outs: list[Tensor], q: Tensor, v: Tensor) -> Tensor:
