@@ -143,20 +143,28 @@ def _causal_block(fq: Features, fk: Features, v: Tensor, key_mask: Tensor | None
     intra = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~causal, 0)  # (N, n, L, L)
     d_kv = phi_k.transpose(-1, -2) @ vv  # (N, n, M, Dv): each chunk's contribution
     d_z = phi_k.sum(-2)  # (N, n, M)
-    carry, keep = _carry_weights(m, n, v)  # (N|1, n, n), (N|1, n)
-    kv_in = (carry @ d_kv.flatten(2)).view(N, n, M, Dv) + keep[..., None, None] * state.kv.unsqueeze(1)
-    z_in = carry @ d_z + keep[..., None] * state.z.unsqueeze(1)  # (N, n, M)
-    num = intra @ vv + phi_q @ kv_in  # (N, n, L, Dv)
-    den = intra.sum(-1) + (phi_q @ z_in.unsqueeze(-1)).squeeze(-1)  # (N, n, L)
+    carry, keep = _carry_weights(m, n, v)  # (N|1, n, n), (N|1, n) or None
+    kv_in = (carry @ d_kv.flatten(2)).view(N, n, M, Dv)  # from earlier chunks of this block
+    z_in = carry @ d_z  # (N, n, M)
+    # From the incoming state: one matmul for the whole block, then each chunk's rescaling,
+    # rather than an (N, n, M, Dv) copy of the state per chunk.
+    flat_q = phi_q.view(N, n * L, M)
+    num_state = (flat_q @ state.kv).view(N, n, L, Dv)
+    den_state = (flat_q @ state.z.unsqueeze(-1)).view(N, n, L)
+    if keep is not None:
+        num_state, den_state = num_state * keep[..., None, None], den_state * keep[..., None]
+    num = intra @ vv + phi_q @ kv_in + num_state  # (N, n, L, Dv)
+    den = intra.sum(-1) + (phi_q @ z_in.unsqueeze(-1)).squeeze(-1) + den_state  # (N, n, L)
     units = None
     if m is not None or b is not None:
         units = 0 if b is None else b.view(N, n, L)
         units = units + (0 if m is None else _finite(m[:, 1:]).unsqueeze(-1))
     out = _normalize(num, den, eps, units).view(N, n * L, Dv)[:, :P]  # (N, P, Dv)
-    last_in = (kv_in[:, -1], z_in[:, -1])
-    last = LinearState(last_in[0] + d_kv[:, -1], last_in[1] + d_z[:, -1],
-                       state.m if m is None else m[:, -1])
-    return out, last
+    kv, z = kv_in[:, -1] + d_kv[:, -1], z_in[:, -1] + d_z[:, -1]  # in the last chunk's units
+    if keep is None:
+        return out, LinearState(kv + state.kv, z + state.z, state.m)
+    r = keep[:, -1]  # the incoming state's rescaling into those units
+    return out, LinearState(kv + r[:, None, None] * state.kv, z + r[:, None] * state.z, m[:, -1])
 
 
 def _carry_weights(m: Tensor | None, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
@@ -168,11 +176,11 @@ def _carry_weights(m: Tensor | None, n: int, like: Tensor) -> tuple[Tensor, Tens
 
     Shape:
         m ``(N, 1 + n)`` -> carry ``(N, n, n)`` (strictly lower triangular), keep ``(N, n)``;
-        ``(1, n, n)``, ``(1, n)`` when m is None.
+        ``(1, n, n)`` and None (all 1) when m is None.
     """
     strict = torch.ones(n, n, dtype=torch.bool, device=like.device).tril(-1)
     if m is None:
-        return strict.to(like.dtype).unsqueeze(0), torch.ones(1, n, dtype=like.dtype, device=like.device)
+        return strict.to(like.dtype).unsqueeze(0), None
     finite = torch.isfinite(m)
     ms = _finite(m)
     zero = torch.zeros((), dtype=like.dtype, device=like.device)
