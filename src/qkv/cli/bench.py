@@ -19,13 +19,30 @@ was built (so a dense mask counts; q, k, v do not). Time = median of ``torch.uti
 implementation: ``4*B*H*T*S*D`` forward over the pairs the mask allows (halved when causal), 3.5x
 that for forward+backward (STYLE.md 15), so GFLOP/s compares useful work.
 
-Shape alphabet: B batch, H heads, T query length, S key length (= T here), D head dim.
+Linear attention (``--impls linear performer torch``; cases none and causal only, others are
+skipped with the reason recorded):
+
+* ``linear``: ``qkv.linear_attention`` with the elu feature map (``is_causal=True`` for causal);
+* ``performer``: the same with ``feature_map=qkv.Favor(D, seed=0)`` (M = D ln D features);
+* ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` called natively, no mask
+  (``is_causal=True`` for causal): SDPA's best call, a flash kernel with O(T) memory -- the
+  peer the linear ratios are taken against. Like torch-dense it is skipped beyond
+  ``DENSE_MAX_T`` unless ``--all`` (its time grows as T^2: tens of seconds a call at 64k).
+
+Linear records count the linear form's own FLOPs (:func:`linear_attention_flops`), so their
+GFLOP/s says how well that kernel uses the CPU; it does not compare with the exact rows'
+GFLOP/s (another function, far less work): compare time. A run with any linear impl writes
+``linear.json``/``linear.png`` instead of ``tiled.json``/``tiled.png``.
+
+Shape alphabet: B batch, H heads, T query length, S key length (= T here), D head dim,
+M features, Dv value dim.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import random
@@ -43,16 +60,19 @@ from torch import Tensor
 
 from .. import masks
 from ..dispatch import backend_names, select
-from ..functional import scaled_dot_product_attention
+from ..functional import linear_attention, scaled_dot_product_attention
 from ..ops import AttentionCall
+from ..ops.linear import BLOCK, CHUNK_SIZE, Favor
+from ..ops.linear.feature_maps import default_num_features
 
 __all__ = [
     "add_parser", "run_bench_cli", "BenchConfig", "Spec", "bench_config", "grid",
     "attention_flops", "mask_density", "document_lengths", "document_ids", "skip_reason",
     "mask_mod_for", "spec_flops", "dense_bytes", "available_bytes", "measure",
     "run_measurement", "worker_main", "run_specs", "add_ratios", "markdown_table",
-    "environment", "write_json_atomic",
-    "CASES", "IMPLS", "DTYPES", "MODES", "PEER",
+    "environment", "write_json_atomic", "linear_attention_flops", "num_features", "run_name",
+    "load_previous", "crossovers", "crossover_marks", "Crossover", "ratio_of", "make_out_dir",
+    "CASES", "IMPLS", "DTYPES", "MODES", "PEER", "LINEAR_IMPLS", "ALL_IMPLS", "PEERS",
 ]
 
 B, H, D = 1, 8, 64
@@ -61,6 +81,10 @@ IMPLS = ("tiled", "auto", "torch-dense", "reference")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODES = ("fwd", "fwdbwd")
 PEER = "torch-dense"
+LINEAR_IMPLS = ("linear", "performer", "torch")  # opt-in: not among the default --impls
+ALL_IMPLS = IMPLS + LINEAR_IMPLS
+LINEAR_CASES = ("none", "causal")  # the only cases linear attention and native SDPA take
+PEERS = {"tiled": PEER, "auto": PEER, "linear": "torch", "performer": "torch"}  # impl -> peer
 DEFAULT_LENGTHS = (1024, 2048, 4096)
 MAX_T = 65536
 WINDOW = 256  # sliding_window(256): the last 256 keys and the query's own
@@ -116,9 +140,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="time the tiled backend against torch's SDPA with dense masks",
         description="Time and peak memory of qkv's tiled backend, auto, torch's SDPA with the "
         "mask passed densely, and the reference backend, on no mask, causal, a 256-key "
-        "sliding window and packed documents. Each measurement runs in a fresh process; a "
-        "progress line per measurement goes to stderr, a Markdown table to stdout; --out DIR "
-        "writes DIR/tiled.json (after every measurement) and DIR/tiled.png.",
+        "sliding window and packed documents; with --impls linear performer torch, linear "
+        "attention against torch's native SDPA on no mask and causal. Each measurement runs "
+        "in a fresh process; a progress line per measurement goes to stderr, a Markdown table "
+        "to stdout; --out DIR writes DIR/tiled.json (after every measurement) and "
+        "DIR/tiled.png, or DIR/linear.json and DIR/linear.png when a linear impl is asked for.",
     )
     p.add_argument("--cases", nargs="+", default=list(CASES), metavar="CASE",
                    help=f"cases to run (default: all of {', '.join(CASES)})")
@@ -129,7 +155,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE",
                    help="fwd (no_grad) and/or fwdbwd (default: both)")
     p.add_argument("--impls", nargs="+", default=list(IMPLS), metavar="IMPL",
-                   help=f"implementations (default: all of {', '.join(IMPLS)})")
+                   help=f"implementations (default: {', '.join(IMPLS)}); also "
+                   f"{', '.join(LINEAR_IMPLS)}: linear attention (elu), FAVOR+ and torch's "
+                   "native SDPA, the linear ones' peer (cases none and causal only)")
     p.add_argument("--min-run-time", default="0.5", metavar="SECONDS",
                    help="timing budget of each measurement (default 0.5)")
     p.add_argument("--timeout", default="600", metavar="SECONDS",
@@ -137,10 +165,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", default=None, metavar="N",
                    help="torch threads per measurement (default: torch's own)")
     p.add_argument("--all", action="store_true", dest="run_all",
-                   help=f"also run torch-dense beyond T={DENSE_MAX_T} and reference beyond "
-                   f"T={REFERENCE_MAX_T} (memory permitting)")
+                   help=f"also run torch-dense and torch beyond T={DENSE_MAX_T} and reference "
+                   f"beyond T={REFERENCE_MAX_T} (memory permitting; torch, O(T) memory, takes "
+                   "tens of seconds a call at T=65536)")
     p.add_argument("--out", default=None, metavar="DIR",
-                   help="write DIR/tiled.json and DIR/tiled.png")
+                   help="write DIR/tiled.json and DIR/tiled.png (linear.json, linear.png with "
+                   "a linear impl)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the measured records of the JSON in --out from an earlier run of "
+                   "the same machine and torch, and measure only the rest")
     p.set_defaults(func=run_bench_cli)
 
 
@@ -152,15 +185,15 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         threads=args.threads, run_all=args.run_all,
     )
     out = Path(args.out) if args.out else None
+    if args.resume and out is None:
+        raise ValueError("--resume continues the run whose JSON is in --out DIR; give --out")
     if out is not None:  # fail now, not after the first measurement
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"--out {out}: cannot make the directory ({e.strerror or e})"
-                             ) from None
-    json_path = out / "tiled.json" if out else None
+        make_out_dir(out)
+    name = run_name(config.impls)
+    json_path = out / f"{name}.json" if out else None
+    previous = load_previous(json_path, environment(config)) if args.resume else None
     try:
-        records = run_specs(grid(config), config, json_path)
+        records = run_specs(grid(config), config, json_path, previous=previous)
     except KeyboardInterrupt:
         print(f"\nqkv bench: interrupted{f'; what was measured is in {json_path}' if out else ''}",
               file=sys.stderr)
@@ -168,15 +201,31 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     print(markdown_table(records))
     if out:
         print(f"\nwrote {json_path}")
-        _plot(records, out / "tiled.png")
+        _plot(records, out / f"{name}.png")
     return 0
+
+
+def make_out_dir(out: Path) -> None:
+    """Make ``--out`` now (ValueError saying why not), rather than after the first
+    measurement."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot make the directory ({e.strerror or e})"
+                         ) from None
+
+
+def run_name(impls: Iterable[str]) -> str:
+    """``"linear"`` when a linear impl (or its peer ``torch``) is measured, else ``"tiled"``:
+    the base name of the run's JSON and PNG."""
+    return "linear" if set(impls) & set(LINEAR_IMPLS) else "tiled"
 
 
 def _plot(records: list[dict], path: Path) -> None:
     from ..viz.benchplot import plot_bench  # matplotlib is optional: import only when plotting
 
     try:
-        print(f"wrote {plot_bench(records, path)}")
+        print(f"wrote {plot_bench(records, path, marks=crossover_marks(records))}")
     except ImportError:  # the measurements are in the JSON already: say so, do not fail
         print("no plot: matplotlib is not installed (pip install 'qkv[viz]')", file=sys.stderr)
     except OSError as e:
@@ -196,7 +245,7 @@ def bench_config(*, cases: Iterable[str] = CASES, lengths: Iterable[int | str] =
         cases=_choose("case", cases, CASES),
         lengths=tuple(dict.fromkeys(_length(t) for t in lengths)),
         dtypes=_choose("dtype", dtypes, tuple(DTYPES)), modes=_choose("mode", modes, MODES),
-        impls=_choose("impl", impls, IMPLS),
+        impls=_choose("impl", impls, ALL_IMPLS),
         min_run_time=_positive("--min-run-time", min_run_time, float),
         timeout=_positive("--timeout", timeout, float),
         threads=None if threads is None else _positive("--threads", threads, int),
@@ -226,12 +275,13 @@ def _length(t: int | str) -> int:
 
 
 def _positive(name: str, value: float | str, kind: type) -> float | int:
+    what = f"{'an' if kind is int else 'a'} {kind.__name__} > 0"
     try:
         x = kind(value)
     except ValueError:
-        raise ValueError(f"{name}: expected a {kind.__name__} > 0, got {value!r}") from None
+        raise ValueError(f"{name}: expected {what}, got {value!r}") from None
     if not x > 0:
-        raise ValueError(f"{name}: expected a {kind.__name__} > 0, got {value!r}")
+        raise ValueError(f"{name}: expected {what}, got {value!r}")
     return x
 
 
@@ -299,8 +349,66 @@ def attention_flops(B: int, H: int, T: int, S: int, D: int, *, density: float = 
     return fwd * (1.0 + BACKWARD_FACTOR) if backward else fwd
 
 
+def linear_attention_flops(B: int, H: int, T: int, S: int, D: int, *, M: int,
+                           Dv: int | None = None, causal: bool = False, favor: bool = False,
+                           backward: bool = False, chunk_size: int = CHUNK_SIZE,
+                           block: int = BLOCK) -> float:
+    """FLOPs of ``qkv.linear_attention`` as its kernels compute it: the matmuls, 2 per
+    multiply-add, at the sizes they are issued.
+
+    Left out, as the exact count leaves out the softmax: elementwise work (the feature map's
+    elu or exp, masking, the normaliser's sums and division).
+
+    * Non-causal (``phi(Q) (phi(K)^T V)``): ``phi(K)^T V`` is ``2*S*M*Dv``; the readout
+      ``phi(Q) kv`` and ``phi(Q) z`` are ``2*T*M*Dv + 2*T*M``. About ``4*T*M*Dv`` for T = S.
+    * Causal, chunk-wise (T = S; ``ops/linear/chunk.py``): per block of P <= ``block``
+      positions in n chunks of L = ``chunk_size`` (padded to n*L): the intra-chunk
+      ``(L, L)`` scores and their product with V, computed in full and masked after
+      (``2*n*L*L*(M + Dv)``); each chunk's ``phi(K)^T V`` (``2*n*L*M*Dv``); the ``(n, n)``
+      carry matrix times the chunks' sums (``2*n*n*(M*Dv + M)``); the readout against the
+      incoming state (``2*n*L*(M*Dv + M)``).
+      About ``2*T*(L*(M + Dv) + 2*M*Dv)`` plus the carry: 2.1x the non-causal count at
+      L = M = Dv = 64 -- the price of matmul speed.
+    * FAVOR+ (``favor``): plus the random projections of queries and keys, ``2*(T + S)*D*M``.
+    * Backward: 2x the forward (autograd gives each matmul two of its size), so
+      forward+backward is 3x -- not the exact count's 3.5x, which includes FlashAttention's
+      recomputation.
+
+    The count measures the kernel's own arithmetic: GFLOP/s from it says how well linear
+    attention uses the CPU, and is not comparable with exact attention's GFLOP/s (a different
+    function doing far less work). Compare the two by time.
+    """
+    Dv = D if Dv is None else Dv
+    if not causal:
+        fwd = 2.0 * S * M * Dv + 2.0 * T * (M * Dv + M)
+    else:
+        block = max(chunk_size, block // chunk_size * chunk_size)  # as the kernel rounds it
+        fwd = 0.0
+        for start in range(0, T, block):
+            P = min(block, T - start)
+            L = max(1, min(chunk_size, P))
+            n = -(-P // L)
+            fwd += (2.0 * n * L * L * (M + Dv) + 2.0 * n * L * M * Dv
+                    + 2.0 * n * n * (M * Dv + M) + 2.0 * n * L * (M * Dv + M))
+    if favor:
+        fwd += 2.0 * (T + S) * D * M
+    return B * H * fwd * (3.0 if backward else 1.0)
+
+
+def num_features(impl: str, D: int = D) -> int | None:
+    """M of a linear impl's feature map (D for elu, D ln D for FAVOR+), None for the others."""
+    return {"linear": D, "performer": default_num_features(D)}.get(impl)
+
+
 def spec_flops(spec: Spec) -> float:
-    """FLOPs of one measurement (the same for every implementation of it)."""
+    """FLOPs of one measurement: exact attention's count (the same for every exact
+    implementation of it), or for linear and performer the linear form's own
+    (:func:`linear_attention_flops`)."""
+    M = num_features(spec.impl)
+    if M is not None:
+        return linear_attention_flops(B, H, spec.T, spec.T, D, M=M, causal=spec.case == "causal",
+                                      favor=spec.impl == "performer",
+                                      backward=spec.mode == "fwdbwd")
     return attention_flops(B, H, spec.T, spec.T, D, density=mask_density(spec.case, spec.T),
                            backward=spec.mode == "fwdbwd")
 
@@ -327,9 +435,11 @@ def dense_bytes(spec: Spec, backend: str | None) -> int:
 
 def skip_reason(spec: Spec, backend: str | None, *, run_all: bool,
                 available: int | None) -> str | None:
-    """Why ``spec`` is not worth running with ``backend`` (the qkv backend that runs it,
-    ``"torch-dense"`` for the peer), or None to run it."""
-    limit = {PEER: DENSE_MAX_T, "reference": REFERENCE_MAX_T}.get(backend)
+    """Why ``spec`` is not worth running with ``backend`` (the qkv backend that runs it, the
+    impl's name for torch-dense, torch, linear and performer), or None to run it."""
+    if backend in LINEAR_IMPLS and spec.case not in LINEAR_CASES:
+        return _case_reason(backend, spec.case)
+    limit = {PEER: DENSE_MAX_T, "torch": DENSE_MAX_T, "reference": REFERENCE_MAX_T}.get(backend)
     need = dense_bytes(spec, backend)
     if available is not None and need > MEMORY_SHARE * available:
         return (f"would need ~{need / 2**30:.1f} GiB (dense T x S buffers), "
@@ -340,6 +450,14 @@ def skip_reason(spec: Spec, backend: str | None, *, run_all: bool,
         return (f"T={spec.T} > {limit}: {backend} computes all T*S pairs ({dense / 1e9:,.0f} "
                 f"GFLOP a call){memory}; pass --all to run it")
     return None
+
+
+def _case_reason(impl: str, case: str) -> str:
+    if impl == "torch":
+        return (f"torch is SDPA's native call with no mask or is_causal only; the {case} mask "
+                f"densely is torch-dense")
+    return (f"{impl} takes no {case} mask (linear attention has a kernel form for "
+            f"{' and '.join(LINEAR_CASES)} only)")
 
 
 def available_bytes() -> int | None:
@@ -469,7 +587,7 @@ def _warm_small(spec: Spec, grad: bool, T: int = 64) -> None:
 def _backend_of(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> str:
     """The qkv backend that runs ``spec`` ("torch-dense" for the peer); for auto, the
     dispatcher's choice for this very call."""
-    if spec.impl in (PEER, "tiled", "reference"):
+    if spec.impl in (PEER, "tiled", "reference", *LINEAR_IMPLS):
         return spec.impl
     call = AttentionCall.build(q, k, v, **_qkv_kwargs(spec.case, spec.T))
     return select(call, "auto").name
@@ -486,8 +604,13 @@ def _qkv_kwargs(case: str, T: int) -> dict:
 
 def _attend(spec: Spec) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """``attend(q, k, v) -> out`` for the implementation; masks are built here, once."""
-    if spec.impl == PEER:
+    if spec.impl in (PEER, "torch"):  # torch only gets none and causal: no dense mask
         return _torch_dense(spec.case, spec.T)
+    if spec.impl in ("linear", "performer"):
+        causal = spec.case == "causal"
+        feature_map = Favor(D, seed=0) if spec.impl == "performer" else "elu"
+        return lambda q, k, v: linear_attention(q, k, v, feature_map=feature_map,
+                                                is_causal=causal)
     kwargs = dict(_qkv_kwargs(spec.case, spec.T), backend=spec.impl)
     return lambda q, k, v: scaled_dot_product_attention(q, k, v, **kwargs)
 
@@ -534,16 +657,25 @@ def _reset_peak_and_rss_kib() -> int:
 
 
 def run_specs(specs: list[Spec], config: BenchConfig, json_path: Path | None = None,
-              *, log: TextIO | None = None) -> list[dict]:
+              *, log: TextIO | None = None, previous: list[dict] | None = None) -> list[dict]:
     """Measure every spec (skipping the hopeless), a progress line each on ``log`` (stderr);
-    rewrite ``json_path`` after each measurement, so an interrupted run keeps what it has."""
+    rewrite ``json_path`` after each measurement, so an interrupted run keeps what it has.
+
+    Args:
+        previous: Records of an earlier run (:func:`load_previous`); a spec measured there
+            ("ok") is taken from it, marked ``resumed``, and not measured again.
+    """
     log = log or sys.stderr
+    done = {_spec_key(r): r for r in previous or () if r.get("status") == "ok"}
     records: list[dict] = []
     env = environment(config)
-    print(f"qkv bench: {len(specs)} measurements, each in a fresh process "
-          f"(timeout {config.timeout:g} s)", file=log, flush=True)
+    kept = sum(_spec_key(asdict(s)) in done for s in specs)
+    print(f"qkv bench: {len(specs)} measurements"
+          + (f" ({kept} kept from the earlier run)" if kept else "")
+          + f", each in a fresh process (timeout {config.timeout:g} s)", file=log, flush=True)
     for i, spec in enumerate(specs, 1):
-        records.append(_record(spec, config))
+        old = done.get(_spec_key(asdict(spec)))
+        records.append(_resumed(old) if old else _record(spec, config))
         add_ratios(records)
         print(f"[{i:>{len(str(len(specs)))}}/{len(specs)}] {_progress(records[-1])}",
               file=log, flush=True)
@@ -552,11 +684,24 @@ def run_specs(specs: list[Spec], config: BenchConfig, json_path: Path | None = N
     return records
 
 
+def _spec_key(r: dict) -> tuple:
+    return r["case"], r["T"], r["dtype"], r["mode"], r["impl"]
+
+
+def _resumed(old: dict) -> dict:
+    """An earlier run's record, without its ratios (recomputed against this run's peers)."""
+    rec = {k: v for k, v in old.items() if "ratio_vs_" not in k}
+    rec["resumed"] = True
+    return rec
+
+
 def _record(spec: Spec, config: BenchConfig) -> dict:
     """One record: the spec, its FLOPs, and the measurement or why it was not made."""
     flops = spec_flops(spec)
     base = dict(asdict(spec), S=spec.T, B=B, H=H, D=D, density=mask_density(spec.case, spec.T),
                 flops=flops)
+    if num_features(spec.impl) is not None:
+        base["features"] = num_features(spec.impl)
     reason = _skip_before_start(spec, config)
     result = dict(status="skipped", reason=reason) if reason else measure(spec, config)
     rec = dict(base, status="", reason="", time_s=None, peak_extra_mib=None, gflop_per_s=None)
@@ -575,15 +720,27 @@ def _skip_before_start(spec: Spec, config: BenchConfig) -> str | None:
 
 
 def add_ratios(records: list[dict]) -> None:
-    """Set ``ratio_vs_torch_dense`` (time) and ``peak_ratio_vs_torch_dense`` on the tiled and
-    auto records whose torch-dense peer (same case, T, dtype, mode) was measured."""
-    peers = {_key(r): r for r in records if r["impl"] == PEER and r["status"] == "ok"}
+    """Set ``ratio_vs_<peer>`` (time) and ``peak_ratio_vs_<peer>`` on the records whose peer
+    (:data:`PEERS`: torch-dense for tiled and auto, torch for linear and performer; same
+    case, T, dtype, mode) was measured: ``ratio_vs_torch_dense``, ``ratio_vs_torch``."""
+    ok = {(r["impl"], *_key(r)): r for r in records if r["status"] == "ok"}
     for r in records:
-        peer = peers.get(_key(r))
-        if r["impl"] in ("tiled", "auto") and r["status"] == "ok" and peer:
-            r["ratio_vs_torch_dense"] = r["time_s"] / peer["time_s"]
-            r["peak_ratio_vs_torch_dense"] = (r["peak_extra_mib"] / peer["peak_extra_mib"]
-                                              if peer["peak_extra_mib"] > 0 else None)
+        peer = ok.get((PEERS.get(r["impl"]), *_key(r)))
+        if r["status"] == "ok" and peer:
+            tag = _tag(peer["impl"])
+            r[f"ratio_vs_{tag}"] = r["time_s"] / peer["time_s"]
+            r[f"peak_ratio_vs_{tag}"] = (r["peak_extra_mib"] / peer["peak_extra_mib"]
+                                         if peer["peak_extra_mib"] > 0 else None)
+
+
+def _tag(impl: str) -> str:
+    return impl.replace("-", "_")
+
+
+def ratio_of(r: dict) -> float | None:
+    """The record's time ratio against its peer (:data:`PEERS`), if it has one."""
+    peer = PEERS.get(r["impl"])
+    return r.get(f"ratio_vs_{_tag(peer)}") if peer else None
 
 
 def _key(r: dict) -> tuple:
@@ -594,11 +751,12 @@ def _progress(r: dict) -> str:
     head = f"{r['case']:<8} T={r['T']:<5} {r['dtype']} {r['mode']:<6} {r['impl']:<11}"
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r['reason']}"
-    ratio = r.get("ratio_vs_torch_dense")
+    ratio = ratio_of(r)
     via = f" (via {r['backend']})" if r["impl"] == "auto" else ""
     return (f"{head} {_ms(r['time_s'])} ms  {r['peak_extra_mib']:9.1f} MiB  "
-            f"{r['gflop_per_s']:7.1f} GFLOP/s" + (f"  x{ratio:.3f} vs {PEER}" if ratio else "")
-            + via)
+            f"{r['gflop_per_s']:7.1f} GFLOP/s"
+            + (f"  x{ratio:.3f} vs {PEERS[r['impl']]}" if ratio else "") + via
+            + (" (earlier run)" if r.get("resumed") else ""))
 
 
 def _ms(seconds: float) -> str:
@@ -608,12 +766,15 @@ def _ms(seconds: float) -> str:
 
 def markdown_table(records: list[dict]) -> str:
     """The records as a Markdown table (for benchmarks/RESULTS.md), then why any were not
-    measured, grouped by reason."""
-    lines = ["| T | case | dtype | mode | impl | ms | MiB | GFLOP/s | vs torch-dense |",
+    measured, grouped by reason. The ratio column is against each impl's peer
+    (:data:`PEERS`), named in its header."""
+    peers = list(dict.fromkeys(PEERS[r["impl"]] for r in records if r["impl"] in PEERS))
+    header = f"vs {peers[0]}" if len(peers) == 1 else "vs peer" if peers else f"vs {PEER}"
+    lines = [f"| T | case | dtype | mode | impl | ms | MiB | GFLOP/s | {header} |",
              "|---:|:---|:---:|:---:|:---|---:|---:|---:|---:|"]
     for r in records:
         if r["status"] == "ok":
-            ratio = r.get("ratio_vs_torch_dense")
+            ratio = ratio_of(r)
             cells = [_ms(r["time_s"]).strip(), f"{r['peak_extra_mib']:.1f}",
                      f"{r['gflop_per_s']:.1f}", f"{ratio:.3f}" if ratio else ""]
         else:
@@ -621,6 +782,12 @@ def markdown_table(records: list[dict]) -> str:
         mode = "fwd+bwd" if r["mode"] == "fwdbwd" else r["mode"]
         lines.append("| " + " | ".join([str(r["T"]), r["case"], r["dtype"], mode, r["impl"],
                                         *cells]) + " |")
+    if len(peers) > 1:
+        lines += ["", "Peers: " + "; ".join(
+            f"{', '.join(i for i in PEERS if PEERS[i] == p)} vs {p}" for p in peers) + "."]
+    if any(num_features(r["impl"]) for r in records):
+        lines += ["", "GFLOP/s of linear and performer count the linear form's own work "
+                  "(not comparable with exact attention's): compare time."]
     notes = {}
     for r in records:
         if r["status"] != "ok":
@@ -631,21 +798,147 @@ def markdown_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- where linear attention overtakes its peer ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where ``impl`` becomes faster than ``peer`` for one case, dtype and mode.
+
+    Attributes:
+        T: The smallest measured length from which ``impl`` is faster at every measured
+            length (None: not faster at the longest one measured).
+        below: The measured length just before ``T``, where the peer was as fast or faster
+            (None when ``impl`` is faster at every measured length).
+        estimate: The length where the time ratio crosses 1, interpolated linearly in
+            log(ratio) vs log(T) between ``below`` and ``T`` (None without both).
+        lengths: The lengths where both were measured.
+    """
+
+    case: str
+    dtype: str
+    mode: str
+    impl: str
+    peer: str
+    T: int | None
+    below: int | None
+    estimate: float | None
+    lengths: tuple[int, ...]
+
+    def __str__(self) -> str:
+        mode = "forward+backward" if self.mode == "fwdbwd" else "forward"
+        head = f"{self.case}, {self.dtype} {mode}: {self.impl}"
+        if not self.lengths:
+            return f"{head}: not measured against {self.peer} at any T"
+        if self.T is None:
+            return (f"{head} is not faster than {self.peer} at T={self.lengths[-1]}, the "
+                    f"longest measured: no crossover up to it")
+        if self.below is None:
+            return (f"{head} is faster than {self.peer} at every measured T, from "
+                    f"T={self.T} (the shortest measured) on")
+        return (f"{head} is faster than {self.peer} from T={self.T} on ({self.peer} as fast "
+                f"or faster at T={self.below}; ratio 1 at T ~ {self.estimate:,.0f})")
+
+
+def crossovers(records: Iterable[dict], impl: str = "linear", peer: str = "torch"
+               ) -> list[Crossover]:
+    """Where ``impl`` overtakes ``peer``, per (case, dtype, mode) where ``records`` have
+    ``impl``.
+
+    Only lengths where both were measured ("ok") count; the crossover is the smallest of
+    them from which ``impl`` is faster at every longer one (a noisy win at a short T below
+    a loss does not count).
+    """
+    times: dict[tuple, dict[str, dict[int, float]]] = {}
+    present = set()  # the groups where impl was asked for at all
+    for r in records:
+        if r["impl"] in (impl, peer):
+            group = times.setdefault((r["case"], r["dtype"], r["mode"]), {impl: {}, peer: {}})
+            if r["status"] == "ok":
+                group[r["impl"]][r["T"]] = r["time_s"]
+            if r["impl"] == impl:
+                present.add((r["case"], r["dtype"], r["mode"]))
+    out = []
+    for (case, dtype, mode), group in times.items():
+        if (case, dtype, mode) not in present:
+            continue
+        lengths = sorted(group[impl].keys() & group[peer].keys())
+        ratio = {T: group[impl][T] / group[peer][T] for T in lengths}
+        i = len(lengths)
+        while i > 0 and ratio[lengths[i - 1]] < 1:
+            i -= 1
+        T = lengths[i] if i < len(lengths) else None
+        below = lengths[i - 1] if T is not None and i > 0 else None
+        estimate = None
+        if T is not None and below is not None:
+            lo, hi = math.log(ratio[below]), math.log(ratio[T])  # lo >= 0 > hi
+            x0, x1 = math.log(below), math.log(T)
+            estimate = math.exp(x0 + (x1 - x0) * lo / (lo - hi))
+        out.append(Crossover(case, dtype, mode, impl, peer, T, below, estimate, tuple(lengths)))
+    return out
+
+
+def crossover_marks(records: Iterable[dict]) -> dict[str, list[tuple[float, str]]]:
+    """Vertical marks for the plot, per case: where linear (and performer) overtake torch."""
+    records = list(records)
+    marks: dict[str, list[tuple[float, str]]] = {}
+    for impl in ("linear", "performer"):
+        for c in crossovers(records, impl, "torch"):
+            if c.T is not None and c.below is not None:
+                mode = "fwd+bwd" if c.mode == "fwdbwd" else c.mode
+                marks.setdefault(c.case, []).append(
+                    (c.estimate, f"{impl} {c.dtype} {mode} ~{c.estimate:,.0f}"))
+    return marks
+
+
 # ---- the run's environment and the JSON ----------------------------------------------------
 
 
 def environment(config: BenchConfig) -> dict:
     """Device, versions, CPU, threads and the fixed shapes of a run, for its JSON."""
+    linear = run_name(config.impls) == "linear"
+    flops = "4*B*H*T*S*D*density forward; x3.5 forward+backward"
+    extra = {}
+    if linear:
+        flops += ("; linear, performer: the linear form's matmuls "
+                  "(qkv.cli.bench.linear_attention_flops), x3 forward+backward")
+        extra = dict(linear_feature_map="elu", linear_features=num_features("linear"),
+                     performer_features=num_features("performer"), performer_seed=0,
+                     chunk_size=CHUNK_SIZE, block=BLOCK,
+                     peers={i: p for i, p in PEERS.items() if i in config.impls})
     return dict(
-        benchmark="tiled", device="cpu", cpu=_cpu_model(), dtypes=list(config.dtypes),
-        threads=config.threads or torch.get_num_threads(), torch=torch.__version__,
-        qkv=_qkv_version(), python=platform.python_version(), platform=platform.platform(),
+        benchmark=run_name(config.impls), device="cpu", cpu=_cpu_model(),
+        dtypes=list(config.dtypes), threads=config.threads or torch.get_num_threads(),
+        torch=torch.__version__, qkv=_qkv_version(), python=platform.python_version(),
+        platform=platform.platform(),
         config=dict(B=B, H=H, D=D, window=WINDOW, document_lengths=[DOC_MIN, DOC_MAX],
                     document_seed=DOC_SEED, min_run_time=config.min_run_time,
-                    timeout_s=config.timeout, run_all=config.run_all,
-                    flops="4*B*H*T*S*D*density forward; x3.5 forward+backward"),
+                    timeout_s=config.timeout, run_all=config.run_all, flops=flops, **extra),
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
+
+
+RESUME_MUST_MATCH = ("benchmark", "device", "cpu", "threads", "torch")
+
+
+def load_previous(path: Path, env: dict) -> list[dict]:
+    """The records of the JSON at ``path`` from an earlier (perhaps interrupted) run, for
+    ``--resume``; [] when there is none. ValueError when it was taken on another machine,
+    thread count or torch (:data:`RESUME_MUST_MATCH`): its times would not compare."""
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+        records = data["records"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume: {path} is not a benchmark JSON ({_one_line(e)}); move it "
+                         f"away or drop --resume") from None
+    for field in RESUME_MUST_MATCH:
+        if data.get(field) != env.get(field):
+            raise ValueError(f"--resume: {path} was measured with {field}="
+                             f"{data.get(field)!r}, this run has {env.get(field)!r}; its "
+                             f"times would not compare: give another --out or drop --resume")
+    return records
 
 
 def _qkv_version() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, explain, seeds
+from . import bench, bench_decode, explain, seeds
 
 __all__ = ["main"]
 
@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds.add_parser(sub)
     explain.add_parser(sub)
     bench.add_parser(sub)
+    bench_decode.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

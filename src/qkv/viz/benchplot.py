@@ -7,7 +7,7 @@ caller's pyplot state is left alone).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["plot_bench"]
@@ -15,7 +15,8 @@ __all__ = ["plot_bench"]
 # One colour per implementation, one line style per (dtype, mode): 16 lines stay readable
 # with two small legends instead of one of 16 entries.
 _COLOURS = {"tiled": "tab:blue", "auto": "tab:green", "torch-dense": "tab:orange",
-            "reference": "tab:gray"}
+            "reference": "tab:gray", "linear": "tab:purple", "performer": "tab:brown",
+            "torch": "tab:red"}
 _STYLES = {("fp32", "fwd"): "-", ("fp32", "fwdbwd"): "--", ("bf16", "fwd"): ":",
            ("bf16", "fwdbwd"): "-."}
 _MARKERS = {"fp32": "o", "bf16": "s"}
@@ -23,7 +24,8 @@ _PANELS = (("time_s", 1e3, "time per call (ms)", "time"),
            ("peak_extra_mib", 1.0, "peak extra memory (MiB)", "peak memory"))
 
 
-def plot_bench(records: Sequence[dict], path: str | Path, *, dpi: int = 120) -> Path:
+def plot_bench(records: Sequence[dict], path: str | Path, *, dpi: int = 120,
+               marks: Mapping[str, Sequence[tuple[float, str]]] | None = None) -> Path:
     """Write a PNG: per case a row of two log-log panels, time vs T and peak memory vs T,
     one line per implementation, dtype and mode. Records not "ok" are left out.
 
@@ -31,6 +33,8 @@ def plot_bench(records: Sequence[dict], path: str | Path, *, dpi: int = 120) -> 
         records: Benchmark records as ``qkv bench`` writes them.
         path: Where to write the PNG (its folder is created).
         dpi: Resolution.
+        marks: Per case, lengths to mark on its time panel with a labelled vertical line
+            (``qkv bench`` marks where linear attention overtakes torch's SDPA).
 
     Returns:
         The path written.
@@ -46,6 +50,7 @@ def plot_bench(records: Sequence[dict], path: str | Path, *, dpi: int = 120) -> 
     for row, case in zip(axes, cases):
         for ax, panel in zip(row, _PANELS):
             _draw_panel(ax, [r for r in ok if r["case"] == case], case, *panel)
+        _mark(row[0], (marks or {}).get(case, ()))
     _legends(fig, ok)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,6 +81,17 @@ def _draw_panel(ax, records: list[dict], case: str, field: str, factor: float, y
         ax.grid(True, which="both", alpha=0.3)
     else:
         ax.text(0.5, 0.5, "nothing measured", ha="center", va="center", transform=ax.transAxes)
+
+
+def _mark(ax, marks: Sequence[tuple[float, str]]) -> None:
+    """Dashed vertical lines at the marked lengths, labelled in the panel's own legend."""
+    for i, (T, label) in enumerate(marks):
+        ax.axvline(T, color=("black", "dimgray", "darkgray")[i % 3],
+                   linestyle=(":", "--", "-.")[i % 3], linewidth=1.0,
+                   label=f"crossover: {label}")
+    if marks:
+        ax.legend(handles=[h for h in ax.get_lines() if h.get_label().startswith("crossover")],
+                  fontsize="x-small", loc="upper left", frameon=False)
 
 
 def _legends(fig, records: list[dict]) -> None:
