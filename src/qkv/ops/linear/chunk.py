@@ -135,8 +135,8 @@ def _causal_block(fq: Features, fk: Features, v: Tensor, key_mask: Tensor | None
     if fk.log_scale is not None:
         a = _seen(fk.log_scale, key_mask).view(N, n, L)
         m = torch.cummax(torch.cat([state.m.unsqueeze(1), a.amax(-1)], 1), 1).values  # (N, 1 + n)
-        scale = (fk.log_scale.view(N, n, L) - _finite(m[:, 1:]).unsqueeze(-1)).exp()  # (N, n, L)
-        phi_k = phi_k * scale.unsqueeze(-1)  # (N, n, L, M): chunk c in units exp(-m_c)
+        scale = _key_scale(fk.log_scale, key_mask).view(N, n, L) - _finite(m[:, 1:]).unsqueeze(-1)
+        phi_k = phi_k * scale.exp().unsqueeze(-1)  # (N, n, L, M): chunk c in units exp(-m_c)
     phi_k, vv = _masked(phi_k, v.view(N, n, L, Dv),
                         None if key_mask is None else key_mask.view(N, n, L, 1))
     causal = torch.ones(L, L, dtype=torch.bool, device=v.device).tril()
@@ -201,7 +201,7 @@ def _accumulate(state: LinearState, fk: Features, v: Tensor, key_mask: Tensor | 
         m_new = torch.maximum(m, _seen(fk.log_scale, key_mask).amax(-1))  # (N,)
         r = torch.where(torch.isfinite(m_new), (m - _finite(m_new)).exp(), torch.zeros_like(m))
         kv, z, m = kv * r[:, None, None], z * r[:, None], m_new
-        phi_k = phi_k * (fk.log_scale - _finite(m).unsqueeze(-1)).exp().unsqueeze(-1)
+        phi_k = phi_k * (_key_scale(fk.log_scale, key_mask) - _finite(m).unsqueeze(-1)).exp().unsqueeze(-1)
     phi_k, v = _masked(phi_k, v, None if key_mask is None else key_mask.unsqueeze(-1))
     return LinearState(kv + phi_k.transpose(-1, -2) @ v, z + phi_k.sum(-2), m)
 
@@ -232,18 +232,31 @@ def _seen(log_scale: Tensor, key_mask: Tensor | None) -> Tensor:
     return a if key_mask is None else a.masked_fill(~key_mask, float("-inf"))
 
 
+def _key_scale(log_scale: Tensor, key_mask: Tensor | None) -> Tensor:
+    """The keys' log-scales with -inf for padding keys, before any ``exp``: a padding key may
+    be larger than the units (which count real keys only), and ``exp`` of it would be inf, whose
+    gradient through the later ``where`` is NaN."""
+    if key_mask is None:
+        return log_scale
+    return torch.where(key_mask, log_scale, torch.full((), float("-inf"), dtype=log_scale.dtype,
+                                                        device=log_scale.device))
+
+
 def _finite(m: Tensor) -> Tensor:
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
 def _normalize(num: Tensor, den: Tensor, eps: float, log_units: Tensor | None) -> Tensor:
-    """``num / (den + eps)`` with eps in the units of num and den (``exp(-log_units)``); a row
-    with nothing to attend (den = 0) gives exactly 0, never 0/0."""
-    tiny = torch.finfo(den.dtype).tiny
-    if log_units is None:
-        return num / (den + max(eps, tiny)).unsqueeze(-1)
-    eps_units = (math.log(max(eps, tiny)) - log_units).exp().clamp_min(tiny)
-    return num / (den + eps_units).unsqueeze(-1)
+    """``num / (den + eps)`` with eps in the units of num and den (``exp(-log_units)``). A row
+    with nothing to attend (den + eps = 0, so num = 0 too) gives exactly 0 with zero
+    gradients, never 0/0; eps = 0 divides by den exactly, however small."""
+    total = den
+    if eps and log_units is None:
+        total = den + eps
+    elif eps:
+        total = den + (math.log(eps) - log_units).exp()  # inf (-> output 0) when eps dominates
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    return num / total.unsqueeze(-1)
 
 
 def _masked(phi_k: Tensor, v: Tensor, keep: Tensor | None) -> tuple[Tensor, Tensor]:

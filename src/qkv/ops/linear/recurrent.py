@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .chunk import LinearState, _finite, _normalize, _query_units, linear_attention_chunked
+from .chunk import LinearState, _finite, _key_scale, _normalize, _query_units, linear_attention_chunked
 from .feature_maps import resolve_feature_map
 from .inputs import check_eps, prepare
 
@@ -146,7 +146,8 @@ def _step(fq, fk, v: Tensor, key_mask: Tensor | None, eps: float,
         m_new = torch.maximum(m, seen)
         r = torch.where(torch.isfinite(m_new), (m - _finite(m_new)).exp(), torch.zeros_like(m))
         kv, z, m = kv * r[:, None, None], z * r[:, None], m_new
-        phi_k = phi_k * (a - _finite(m)).exp().unsqueeze(-1)
+        phi_k = phi_k * (_key_scale(a, None if key_mask is None else key_mask[:, 0])
+                         - _finite(m)).exp().unsqueeze(-1)
     if key_mask is not None:
         keep = key_mask[:, :1]  # (N, 1)
         phi_k = torch.where(keep, phi_k, torch.zeros((), dtype=phi_k.dtype, device=phi_k.device))
