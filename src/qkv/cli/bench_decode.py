@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -46,7 +48,7 @@ from .bench import (_choose, _cpu_model, _one_line, _positive, _qkv_version,
                     load_previous, make_out_dir, num_features, write_json_atomic)
 
 __all__ = ["add_parser", "run_decode_cli", "DecodeConfig", "decode_config", "run_decode",
-           "measure_decode", "decode_ratios", "decode_markdown", "decode_environment",
+           "measure_decode", "measure_in_child", "decode_ratios", "decode_markdown", "decode_environment",
            "DECODE_IMPLS", "DEFAULT_POSITIONS", "GROWTH_TARGET"]
 
 B, H, D = 1, 8, 64
@@ -229,6 +231,24 @@ def measure_decode(impl: str, P: int, config: DecodeConfig) -> dict:
     return rec
 
 
+def measure_in_child(impl: str, P: int, config: DecodeConfig) -> dict:
+    """:func:`measure_decode` in a fresh Python process, so that no measurement runs on the heap
+    an earlier one left behind (a 16k prefill's freed buffers moved the per-token time of a
+    later decoder by up to 1.35x when all ran in one process)."""
+    code = ("import json, sys; from qkv.cli.bench_decode import DecodeConfig, measure_decode; "
+            "import torch; c = DecodeConfig(**json.loads(sys.argv[1])); "
+            "c.threads and torch.set_num_threads(c.threads); "
+            "print(json.dumps(measure_decode(sys.argv[2], int(sys.argv[3]), c)))")
+    args = json.dumps(dict(asdict(config), threads=config.threads or torch.get_num_threads()))
+    proc = subprocess.run([sys.executable, "-c", code, args, impl, str(P)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return dict(impl=impl, position=P, status="error", reason=f"child exited "
+                    f"{proc.returncode}: {tail}", us_per_token=None)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # ---- many, the ratios, the JSON, the table ---------------------------------------------------
 
 
@@ -249,7 +269,7 @@ def run_decode(config: DecodeConfig, json_path: Path | None = None, *,
     result = dict(env, records=records, ratios=decode_ratios(records))
     for i, (impl, P) in enumerate(jobs, 1):
         old = done.get((impl, P))
-        records.append(dict(old, resumed=True) if old else measure_decode(impl, P, config))
+        records.append(dict(old, resumed=True) if old else measure_in_child(impl, P, config))
         result["ratios"] = decode_ratios(records)
         print(f"[{i:>{len(str(len(jobs)))}}/{len(jobs)}] {_progress(records[-1])}", file=log,
               flush=True)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -81,8 +81,7 @@ def linear_attention_global(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
     state = LinearState.zeros(k.shape[0], M, v.shape[-1], device=v.device, dtype=v.dtype)
     for kb, vb, mb in zip(*_blocks(block, k, v, key_mask)):
         state = _accumulate(state, phi(kb), vb, mb)
-    outs = [_readout(phi(qb), state, eps) for qb in q.split(block, 1)]
-    return _join(outs, q, v)
+    return _join((_readout(phi(qb), state, eps) for qb in q.split(block, 1)), q, v)
 
 
 def linear_attention_chunked(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
@@ -104,11 +103,13 @@ def linear_attention_chunked(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
     if state is None:
         M = phi(k[:1, :1]).values.shape[-1]
         state = LinearState.zeros(q.shape[0], M, v.shape[-1], device=v.device, dtype=v.dtype)
-    outs = []
-    for qb, kb, vb, mb in zip(*_blocks(block, q, k, v, key_mask)):
-        out, state = _causal_block(phi(qb), phi(kb), vb, mb, eps, state, chunk_size)
-        outs.append(out)
-    return _join(outs, q, v), state
+    def outputs():
+        nonlocal state
+        for qb, kb, vb, mb in zip(*_blocks(block, q, k, v, key_mask)):
+            out, state = _causal_block(phi(qb), phi(kb), vb, mb, eps, state, chunk_size)
+            yield out
+
+    return _join(outputs(), q, v), state
 
 
 def _causal_block(fq: Features, fk: Features, v: Tensor, key_mask: Tensor | None, eps: float,
@@ -279,11 +280,22 @@ def _blocks(block: int, *tensors: Tensor | None) -> list[list]:
     return [[None] * n if t is None else list(t.split(block, 1)) for t in tensors]
 
 
-def _join(outs: list[Tensor], q: Tensor, v: Tensor) -> Tensor:
-    """The blocks' outputs as one ``(N, T, Dv)`` (empty when T = 0)."""
-    if not outs:
-        return v.new_zeros(q.shape[0], 0, v.shape[-1])
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+def _join(outs: Iterable[Tensor], q: Tensor, v: Tensor) -> Tensor:
+    """The blocks' outputs, in order, as one ``(N, T, Dv)``.
+
+    Without autograd each block is written into the output as it is made, so the peak is the
+    output plus one block; with it, the blocks are kept for the backward and joined by cat.
+    """
+    N, T, Dv = q.shape[0], q.shape[1], v.shape[-1]
+    if torch.is_grad_enabled():
+        outs = list(outs)
+        if any(o.requires_grad for o in outs):
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    out, s = v.new_empty(N, T, Dv), 0
+    for o in outs:
+        out[:, s:s + o.shape[1]] = o
+        s += o.shape[1]
+    return out
 
 
 def _pad(t: Tensor, pad: int) -> Tensor:

@@ -39,6 +39,8 @@ class LinearAttentionState:
     Attributes:
         position: Tokens seen so far.
         kv, z: The running sums (in units ``exp(-m)`` for FAVOR+), None before the first token.
+            Without autograd, ``step`` updates them in place (clone them to keep a snapshot;
+            ``copy.deepcopy`` copies a whole state).
 
     Shape:
         step: query, key ``(*batch, H, D)``, value ``(*batch, G, Dv)`` -> ``(*batch, H, Dv)``;
@@ -140,20 +142,29 @@ def _step(fq, fk, v: Tensor, key_mask: Tensor | None, eps: float,
     phi_q, b = _query_units(fq)  # (N, 1, M)
     phi_k, vt = fk.values[:, 0], v[:, 0]  # (N, M), (N, Dv)
     kv, z, m = state.kv, state.z, state.m
+    # Without autograd, update the state's buffers in place: no (N, M, Dv) allocation a token.
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (phi_k, vt, kv, z)))
     if fk.log_scale is not None:  # keep the state in units of the largest key so far
         a = fk.log_scale[:, 0]  # (N,)
         seen = a.detach() if key_mask is None else a.detach().masked_fill(~key_mask[:, 0], float("-inf"))
         m_new = torch.maximum(m, seen)
         r = torch.where(torch.isfinite(m_new), (m - _finite(m_new)).exp(), torch.zeros_like(m))
-        kv, z, m = kv * r[:, None, None], z * r[:, None], m_new
+        if inplace:
+            kv.mul_(r[:, None, None]), z.mul_(r[:, None])
+        else:
+            kv, z = kv * r[:, None, None], z * r[:, None]
+        m = m_new
         phi_k = phi_k * (_key_scale(a, None if key_mask is None else key_mask[:, 0])
                          - _finite(m)).exp().unsqueeze(-1)
     if key_mask is not None:
         keep = key_mask[:, :1]  # (N, 1)
         phi_k = torch.where(keep, phi_k, torch.zeros((), dtype=phi_k.dtype, device=phi_k.device))
         vt = torch.where(keep, vt, torch.zeros((), dtype=vt.dtype, device=vt.device))
-    kv = torch.baddbmm(kv, phi_k.unsqueeze(-1), vt.unsqueeze(-2))  # (N, M, Dv)
-    z = z + phi_k  # (N, M)
+    if inplace:
+        kv.baddbmm_(phi_k.unsqueeze(-1), vt.unsqueeze(-2)), z.add_(phi_k)
+    else:
+        kv = torch.baddbmm(kv, phi_k.unsqueeze(-1), vt.unsqueeze(-2))  # (N, M, Dv)
+        z = z + phi_k  # (N, M)
     num = phi_q @ kv  # (N, 1, Dv)
     den = (phi_q @ z.unsqueeze(-1)).squeeze(-1)  # (N, 1)
     units = None
