@@ -1,5 +1,5 @@
 """Dependencies run one way (STYLE.md 17): masks/trace -> ops -> dispatch -> functional -> nn
--> models -> cli; viz reads traces only."""
+-> models/tasks -> training -> cli; viz reads traces only."""
 import ast
 from pathlib import Path
 
@@ -7,7 +7,8 @@ import qkv
 
 SRC = Path(qkv.__file__).parent
 LAYER = {"masks": 0, "trace": 0, "testing": 0, "examples": 0, "ops": 1, "dispatch": 2,
-         "functional": 3, "nn": 4, "models": 5, "tasks": 5, "viz": 5, "cli": 6}
+         "functional": 3, "nn": 4, "models": 5, "tasks": 5, "viz": 5, "training": 6,
+         "cli": 7}
 VIZ_MAY_IMPORT = {"trace", "viz"}
 
 

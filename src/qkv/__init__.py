@@ -1,10 +1,12 @@
 """qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through."""
+from . import models
 from .dispatch import backend_names
 from .functional import linear_attention, scaled_dot_product_attention
 from .nn import (AdditiveAttention, KVCache, LinearMultiHeadAttention, LocalMultiHeadAttention,
                  MultiHeadAttention, SelfAttention)
 from .ops import BackendUnsupportedError
 from .ops.linear import Favor, FeatureMap, LinearAttentionState
+from .models import (DecoderLM, EncoderClassifier, Seq2SeqTransformer, ViT, attention_kinds)
 from .trace import AttentionTrace, MultiHeadTrace
 
 __version__ = "0.1.0"
@@ -15,7 +17,12 @@ __all__ = [
     "MultiHeadAttention",
     "MultiHeadTrace",
     "SelfAttention",
+    "Seq2SeqTransformer",
+    "ViT",
+    "attention_kinds",
     "BackendUnsupportedError",
+    "DecoderLM",
+    "EncoderClassifier",
     "Favor",
     "FeatureMap",
     "KVCache",
@@ -24,5 +31,6 @@ __all__ = [
     "LocalMultiHeadAttention",
     "backend_names",
     "linear_attention",
+    "models",
     "scaled_dot_product_attention",
 ]
