@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, bench_decode, explain, seeds
+from . import bench, bench_decode, explain, seeds, train
 
 __all__ = ["main"]
 
@@ -19,10 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_parser(sub)
     bench.add_parser(sub)
     bench_decode.add_parser(sub)
+    train.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError) as e:  # bad input: one line, no traceback
+    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as e:  # bad input: one line
         print(f"qkv {args.command}: error: {e}", file=sys.stderr)
         return 2
 

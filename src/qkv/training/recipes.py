@@ -1,0 +1,192 @@
+"""Recipes: a task of ``qkv.tasks`` tied to a model of ``qkv.models``, for :func:`train`.
+
+* ``reverse``, ``copy``, ``sort``: :class:`qkv.Seq2SeqTransformer`, teacher-forced; evaluated
+  by greedy decoding, exact match of whole sequences; picture: the last layer's
+  cross-attention of a test example (``reverse`` shows the anti-diagonal).
+* ``listops``: :class:`qkv.EncoderClassifier` (CLS pooling, as LRA); test accuracy.
+* ``digits``: :class:`qkv.ViT` on the 8x8 digits (patches of 2x2); test accuracy.
+
+The attention kind of every model is a recipe option (``attention="exact" | "linear" |
+"performer" | "local"``); the models do not change.
+
+Shape alphabet: B batch, S source length, T target length, L sequence length, V vocabulary.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import tasks
+from ..models import EncoderClassifier, Seq2SeqTransformer, ViT
+
+__all__ = ["make_recipe", "RECIPES", "Seq2SeqRecipe", "ClassifierRecipe", "ViTRecipe"]
+
+EVAL_BATCH = 256
+
+
+class _Recipe:
+    """Shared parts: model options, the attention kind, description for checkpoints."""
+
+    name = "recipe"
+
+    def __init__(self, task: str, *, attention: str = "exact",
+                 attention_options: dict | None = None, model: dict | None = None,
+                 data: dict | None = None, cache_dir: str | None = None) -> None:
+        self.task, self.attention = task, attention
+        self.attention_options = dict(attention_options or {})
+        self.model_options = {**self.MODEL, **(model or {})}
+        self.data_options = dict(data or {})
+        self.cache_dir, self.name = cache_dir, task
+        self.train_data = self._load("train")
+        self.test_data = self._load("test")
+
+    def _load(self, split: str):
+        opts = dict(self.data_options)
+        size = opts.pop(f"{split}_size", None)
+        return tasks.load(self.task, split=split, size=size, cache_dir=self.cache_dir, **opts)
+
+    def describe(self) -> dict:
+        return dict(task=self.task, attention=self.attention,
+                    attention_options=self.attention_options, model=self.model_options,
+                    data=self.data_options)
+
+    def train_size(self) -> int:
+        return len(self.train_data)
+
+    def _kind(self) -> dict[str, Any]:
+        return dict(attention=self.attention, attention_options=self.attention_options or None)
+
+
+class Seq2SeqRecipe(_Recipe):
+    """``reverse`` / ``copy`` / ``sort`` with an encoder-decoder Transformer."""
+
+    MODEL = dict(embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.0)
+
+    def build_model(self) -> nn.Module:
+        m = self.model_options
+        T = self.train_data.tgt.shape[1]
+        return Seq2SeqTransformer(len(self.train_data.vocab), m["embed_dim"], m["num_heads"],
+                                  m["num_layers"], ffn_dim=m["ffn_dim"], dropout=m["dropout"],
+                                  max_len=max(T, self.train_data.src.shape[1]), **self._kind())
+
+    def batch(self, indices: Tensor, device) -> dict[str, Tensor]:
+        d = self.train_data
+        return {k: getattr(d, k)[indices].to(device) for k in ("src", "src_mask", "tgt", "tgt_mask")}
+
+    def loss(self, model, batch):
+        logits = model(batch["src"], batch["tgt"][:, :-1], src_key_mask=batch["src_mask"],
+                       tgt_key_mask=batch["tgt_mask"][:, :-1])  # (B, T-1, V)
+        labels, real = batch["tgt"][:, 1:], batch["tgt_mask"][:, 1:]  # (B, T-1)
+        loss = F.cross_entropy(logits[real], labels[real])
+        acc = (logits.argmax(-1)[real] == labels[real]).float().mean()
+        return loss, dict(acc=acc), int(real.sum())
+
+    def predict(self, model, src: Tensor, src_mask: Tensor, T: int) -> Tensor:
+        """Greedy decoding. Shape: ``(B, S)`` -> ``(B, T)`` (bos, tokens, eos, padding)."""
+        v = self.train_data.vocab
+        return model.generate(src, T - 1, bos=v.bos, eos=v.eos, pad=v.pad,
+                              src_key_mask=src_mask)  # (B, T)
+
+    def evaluate(self, model, device) -> dict[str, float]:
+        d, hits = self.test_data, 0
+        for s in range(0, len(d), EVAL_BATCH):
+            src, mask, tgt = (t[s:s + EVAL_BATCH].to(device) for t in (d.src, d.src_mask, d.tgt))
+            hits += int((self.predict(model, src, mask, tgt.shape[1]) == tgt).all(-1).sum())
+        return dict(exact_match=hits / len(d), test_examples=len(d))
+
+    def pictures(self, model, out_dir: Path, device) -> list[str]:
+        from ..viz.heatmap import plot_attention  # matplotlib is optional
+        d, v = self.test_data, self.test_data.vocab
+        S, T = int(d.src_mask[0].sum()), int(d.tgt_mask[0].sum())
+        src, tgt = d.src[:1, :S].to(device), d.tgt[:1, :T - 1].to(device)
+        _, maps = model(src, tgt, return_attention=True)
+        probs = maps.cross[-1].probs[0]  # (H, T-1, S): the last layer's cross-attention
+        path = plot_attention(probs, Path(out_dir) / "cross_attention.png",
+                              query_labels=[v.tokens[i] for i in d.tgt[0, :T - 1]],
+                              key_labels=[v.tokens[i] for i in d.src[0, :S]],
+                              titles=[f"cross-attention, last layer, head {h + 1}"
+                                      for h in range(probs.shape[0])])
+        return [str(path)]
+
+
+class ClassifierRecipe(_Recipe):
+    """``listops`` with an encoder classifier (CLS pooling, as LRA)."""
+
+    MODEL = dict(embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.1)
+
+    def build_model(self) -> nn.Module:
+        m, d = self.model_options, self.train_data
+        return EncoderClassifier(len(d.vocab), d.num_classes, m["embed_dim"], m["num_heads"],
+                                 m["num_layers"], pooling="cls", ffn_dim=m["ffn_dim"],
+                                 dropout=m["dropout"], max_len=d.tokens.shape[1], **self._kind())
+
+    def batch(self, indices: Tensor, device) -> dict[str, Tensor]:
+        d = self.train_data
+        return {k: getattr(d, k)[indices].to(device) for k in ("tokens", "mask", "labels")}
+
+    def loss(self, model, batch):
+        logits = model(batch["tokens"], key_mask=batch["mask"])  # (B, classes)
+        loss = F.cross_entropy(logits, batch["labels"])
+        acc = (logits.argmax(-1) == batch["labels"]).float().mean()
+        return loss, dict(acc=acc), int(batch["mask"].sum())
+
+    def evaluate(self, model, device) -> dict[str, float]:
+        d, hits = self.test_data, 0
+        for s in range(0, len(d), EVAL_BATCH):
+            x, m, y = (t[s:s + EVAL_BATCH].to(device) for t in (d.tokens, d.mask, d.labels))
+            hits += int((model(x, key_mask=m).argmax(-1) == y).sum())
+        return dict(accuracy=hits / len(d), test_examples=len(d))
+
+    def pictures(self, model, out_dir: Path, device) -> list[str]:
+        return []  # (L, L) maps of 100-2000 tokens say little at a glance; see qkv explain
+
+
+class ViTRecipe(_Recipe):
+    """``digits`` with a ViT on 2x2 patches."""
+
+    MODEL = dict(embed_dim=64, num_heads=4, num_layers=3, ffn_dim=128, dropout=0.1,
+                 patch_size=2)
+
+    def build_model(self) -> nn.Module:
+        m, d = self.model_options, self.train_data
+        return ViT(d.images.shape[-1], m["patch_size"], d.num_classes, m["embed_dim"],
+                   m["num_heads"], m["num_layers"], in_channels=d.images.shape[1],
+                   ffn_dim=m["ffn_dim"], dropout=m["dropout"], **self._kind())
+
+    def batch(self, indices: Tensor, device) -> dict[str, Tensor]:
+        d = self.train_data
+        return dict(images=d.images[indices].to(device), labels=d.labels[indices].to(device))
+
+    def loss(self, model, batch):
+        logits = model(batch["images"])  # (B, classes)
+        loss = F.cross_entropy(logits, batch["labels"])
+        acc = (logits.argmax(-1) == batch["labels"]).float().mean()
+        return loss, dict(acc=acc), batch["images"].shape[0]
+
+    def evaluate(self, model, device) -> dict[str, float]:
+        d = self.test_data
+        pred = torch.cat([model(d.images[s:s + EVAL_BATCH].to(device)).argmax(-1).cpu()
+                          for s in range(0, len(d), EVAL_BATCH)])
+        return dict(accuracy=float((pred == d.labels).float().mean()), test_examples=len(d))
+
+    def pictures(self, model, out_dir: Path, device) -> list[str]:
+        from ..viz.heatmap import plot_attention
+        _, maps = model(self.test_data.images[:1].to(device), return_attention=True)
+        probs = maps.encoder[-1].probs[0]  # (H, 1 + P, 1 + P): CLS and the patches
+        return [str(plot_attention(probs, Path(out_dir) / "attention_last_layer.png",
+                                   annotate_max=0))]
+
+
+RECIPES = {"reverse": Seq2SeqRecipe, "copy": Seq2SeqRecipe, "sort": Seq2SeqRecipe,
+           "listops": ClassifierRecipe, "digits": ViTRecipe}
+
+
+def make_recipe(task: str, **kwargs) -> _Recipe:
+    """The recipe of ``task`` (one of :data:`RECIPES`)."""
+    if task not in RECIPES:
+        raise ValueError(f"unknown task {task!r}; qkv train knows {sorted(RECIPES)}")
+    return RECIPES[task](task, **kwargs)
