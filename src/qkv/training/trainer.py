@@ -234,7 +234,7 @@ def train(recipe: Recipe, config: TrainConfig, out_dir: str | Path, *, resume: b
     n = recipe.train_size()
     interrupted = False
     with _StopFlag() as stop, Progress(config.steps, start=step, desc=recipe.name,
-                                       every=0.1 if progress else float("inf")) as bar:
+                                       every=5.0 if progress else float("inf")) as bar:
         t0, tokens = time.perf_counter(), 0
         while step < config.steps:
             batch = recipe.batch(batch_indices(n, config.batch_size, config.seed, step), device)
