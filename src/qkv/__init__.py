@@ -1,5 +1,5 @@
 """qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through."""
-from . import models
+from . import models, tasks
 from .dispatch import backend_names
 from .functional import linear_attention, scaled_dot_product_attention
 from .nn import (AdditiveAttention, KVCache, LinearMultiHeadAttention, LocalMultiHeadAttention,
@@ -32,5 +32,6 @@ __all__ = [
     "backend_names",
     "linear_attention",
     "models",
+    "tasks",
     "scaled_dot_product_attention",
 ]
