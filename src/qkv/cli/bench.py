@@ -264,14 +264,18 @@ def _choose(what: str, given: Iterable[str], allowed: tuple[str, ...]) -> tuple[
 
 
 def _length(t: int | str) -> int:
+    return bounded_int("--lengths", "T", t, MAX_T, "lengths like 1024 4096")
+
+
+def bounded_int(flag: str, name: str, value: int | str, most: int, example: str) -> int:
+    """``value`` as an int in ``[1, most]``, or a ValueError naming ``flag`` and an example."""
     try:
-        T = int(t)
+        n = int(value)
     except ValueError:
-        raise ValueError(f"--lengths: {t!r} is not an integer; give lengths like 1024 4096"
-                         ) from None
-    if not 1 <= T <= MAX_T:
-        raise ValueError(f"--lengths: T={T} is out of range; give 1 <= T <= {MAX_T}")
-    return T
+        raise ValueError(f"{flag}: {value!r} is not an integer; give {example}") from None
+    if not 1 <= n <= most:
+        raise ValueError(f"{flag}: {name}={n} is out of range; give 1 <= {name} <= {most}")
+    return n
 
 
 def _positive(name: str, value: float | str, kind: type) -> float | int:

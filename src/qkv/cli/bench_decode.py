@@ -44,7 +44,7 @@ import torch
 
 from ..nn.cache import KVCache
 from ..ops.linear import Favor, LinearAttentionState
-from .bench import (_choose, _cpu_model, _one_line, _positive, _qkv_version,
+from .bench import (_choose, bounded_int, _cpu_model, _one_line, _positive, _qkv_version,
                     load_previous, make_out_dir, num_features, write_json_atomic)
 
 __all__ = ["add_parser", "run_decode_cli", "DecodeConfig", "decode_config", "run_decode",
@@ -146,14 +146,7 @@ def decode_config(*, positions: Iterable[int | str] = DEFAULT_POSITIONS,
 
 
 def _position(p: int | str) -> int:
-    try:
-        P = int(p)
-    except ValueError:
-        raise ValueError(f"--positions: {p!r} is not an integer; give positions like 1024 16384"
-                         ) from None
-    if not 1 <= P <= MAX_POSITION:
-        raise ValueError(f"--positions: P={P} is out of range; give 1 <= P <= {MAX_POSITION}")
-    return P
+    return bounded_int("--positions", "P", p, MAX_POSITION, "positions like 1024 16384")
 
 
 # ---- one measurement ------------------------------------------------------------------------
