@@ -34,3 +34,66 @@ def test_short_reverse_run_writes_metrics_checkpoint_and_picture(tmp_path, capsy
 def test_bad_options(tmp_path, capsys, extra, message):
     assert main(["train", "reverse", "--out", str(tmp_path / "x"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def _args(*argv):
+    import argparse
+
+    from qkv.cli import train as train_cli
+    parser = argparse.ArgumentParser()
+    train_cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["train", *argv])
+
+
+def test_lra_preset_is_lras_released_listops_config():
+    from qkv.cli.train import plan
+    recipe, config = plan(_args("listops", "--preset", "lra", "--out", "x"))
+    assert recipe["task"] == "listops" and recipe["data"] == {"variant": "full"}
+    assert recipe["model"] == dict(embed_dim=512, num_heads=8, num_layers=4, ffn_dim=1024,
+                                   dropout=0.1)
+    assert (config.steps, config.batch_size, config.lr) == (5000, 32, 0.05)
+    assert (config.warmup_steps, config.schedule, config.weight_decay) == (1000, "rsqrt", 0.1)
+    # options given on the command line win over the preset; the preset is not changed
+    recipe, config = plan(_args("listops", "--preset", "lra", "--steps", "7", "--attention",
+                                "local", "--window", "16", "--variant", "cpu", "--out", "x"))
+    assert config.steps == 7 and config.lr == 0.05 and recipe["data"] == {"variant": "cpu"}
+    assert recipe["attention"] == "local" and recipe["attention_options"] == {"window": 16}
+    assert plan(_args("listops", "--preset", "lra", "--out", "x"))[0]["data"] == {
+        "variant": "full"}
+
+
+def test_ctrl_c_on_the_command_leaves_a_checkpoint_that_resumes_to_the_same_result(tmp_path):
+    """SIGINT to a running ``qkv train``: exit 130 with a checkpoint; ``--resume`` then ends
+    with the uninterrupted run's final loss, to the bit."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    common = ["reverse", "--steps", "60", "--batch-size", "8", "--checkpoint-every", "5",
+              "--cache-dir", str(tmp_path / "cache")]
+    cut = tmp_path / "cut"
+    code = "import sys; from qkv.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "train", *common, "--quiet",
+                             "--out", str(cut)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (cut / "checkpoint.pt").exists():  # training has started: the handler is set
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert "--resume" in err and out == ""
+    step = torch.load(cut / "checkpoint.pt", weights_only=False)["step"]
+    assert 5 <= step < 60
+    assert main(["train", *common, "--quiet", "--out", str(cut), "--resume"]) == 0
+    full = tmp_path / "full"
+    assert main(["train", *common, "--quiet", "--out", str(full)]) == 0
+    resumed = json.loads((cut / "metrics.json").read_text())
+    straight = json.loads((full / "metrics.json").read_text())
+    assert resumed["step"] == straight["step"] == 60
+    assert resumed["final_loss"] == straight["final_loss"]
+    assert resumed["evaluation"] == straight["evaluation"]

@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileExistsError, FileNotFoundError) as e:  # bad input: one line
         print(f"qkv {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # outside a training loop (which stops cleanly by itself)
+        print(f"qkv {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from ..models import attention_kinds
 from ..training import TrainConfig, train
 from ..training.recipes import RECIPES, make_recipe
 
-__all__ = ["add_parser", "run_train_cli", "PRESETS", "DEFAULTS"]
+__all__ = ["add_parser", "plan", "run_train_cli", "PRESETS", "DEFAULTS"]
 
 # Per task: quick CPU settings (the defaults).
 DEFAULTS = {
@@ -74,8 +74,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_train_cli)
 
 
-def run_train_cli(args: argparse.Namespace) -> int:
-    """``qkv train``: build the recipe and config, train, print the evaluation."""
+def plan(args: argparse.Namespace) -> tuple[dict, TrainConfig]:
+    """What ``qkv train`` would run: :func:`make_recipe`'s keyword arguments (task included)
+    and the :class:`TrainConfig`, from the task's defaults, then ``--preset``, then the
+    options given. Nothing is loaded or trained."""
     preset = PRESETS[args.preset] if args.preset else None
     if preset and preset["task"] != args.task:
         raise ValueError(f"--preset {args.preset} is for {preset['task']}, not {args.task}")
@@ -90,10 +92,17 @@ def run_train_cli(args: argparse.Namespace) -> int:
         if args.task != "listops":
             raise ValueError("--variant is a ListOps option")
         data["variant"] = args.variant
-    recipe = make_recipe(args.task, attention=args.attention,
-                         attention_options=_attention_options(args),
-                         model=preset["model"] if preset else None, data=data,
-                         cache_dir=args.cache_dir)
+    recipe = dict(task=args.task, attention=args.attention,
+                  attention_options=_attention_options(args),
+                  model=dict(preset["model"]) if preset else None, data=data,
+                  cache_dir=args.cache_dir)
+    return recipe, config
+
+
+def run_train_cli(args: argparse.Namespace) -> int:
+    """``qkv train``: build the recipe and config, train, print the evaluation."""
+    recipe_kwargs, config = plan(args)
+    recipe = make_recipe(**recipe_kwargs)
     result = train(recipe, config, Path(args.out), resume=args.resume, progress=not args.quiet)
     if result.interrupted:
         print(f"qkv train: interrupted at step {result.step}; checkpoint in "

@@ -45,8 +45,8 @@ class _Recipe:
         self.test_data = self._load("test")
 
     def _load(self, split: str):
-        opts = dict(self.data_options)
-        size = opts.pop(f"{split}_size", None)
+        opts = dict(self.data_options)  # train_size / test_size: take the first N examples
+        size = {k: opts.pop(f"{k}_size", None) for k in ("train", "test")}[split]
         return tasks.load(self.task, split=split, size=size, cache_dir=self.cache_dir, **opts)
 
     def describe(self) -> dict:
@@ -142,7 +142,19 @@ class ClassifierRecipe(_Recipe):
         return dict(accuracy=hits / len(d), test_examples=len(d))
 
     def pictures(self, model, out_dir: Path, device) -> list[str]:
-        return []  # (L, L) maps of 100-2000 tokens say little at a glance; see qkv explain
+        """The last layer's attention on the shortest test example (CLS first), per head."""
+        from ..viz.heatmap import plot_attention
+        d = self.test_data
+        i = int(d.mask.sum(-1).argmin())
+        L = int(d.mask[i].sum())
+        _, maps = model(d.tokens[i:i + 1, :L].to(device), return_attention=True)
+        probs = maps.encoder[-1].probs[0]  # (H, 1 + L, 1 + L): CLS and the tokens
+        labels = ["CLS"] + [d.vocab.tokens[t] for t in d.tokens[i, :L]]
+        path = plot_attention(probs, Path(out_dir) / "attention_last_layer.png",
+                              query_labels=labels, key_labels=labels, annotate_max=0,
+                              titles=[f"last layer, head {h + 1} (label {int(d.labels[i])})"
+                                      for h in range(probs.shape[0])])
+        return [str(path)]
 
 
 class ViTRecipe(_Recipe):
