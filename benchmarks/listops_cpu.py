@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from qkv.cli.bench import write_json_atomic
 
 KINDS = ("exact", "linear", "performer", "local")
 # LRA paper, Table 1 (full 500-2000 lengths, the released 4-layer config): test accuracy, %
@@ -48,7 +48,7 @@ def run_kind(kind: str, out: Path, qkv: str) -> dict:
                        stdout=subprocess.DEVNULL)
         wall = dict(wall_s=round(time.perf_counter() - t0, 1), resumed=resume,
                     command=" ".join(cmd))
-        _write_atomic(wall_file, wall)
+        write_json_atomic(wall_file, wall)
     metrics = json.loads(metrics_file.read_text())
     return dict(kind=kind, **json.loads(wall_file.read_text()),
                 accuracy=metrics["evaluation"]["accuracy"],
@@ -103,14 +103,6 @@ def markdown(report: dict) -> str:
                                  f"{100 * report['majority']:.1f}%."])
 
 
-def _write_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
@@ -126,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     qkv = str(Path(sys.executable).with_name("qkv"))
     results = [run_kind(k, a.out, qkv) for k in a.kinds]
     report = dict(majority=majority_share(), results=results)
-    _write_atomic(json_path, report)
+    write_json_atomic(json_path, report)
     plot(results, report["majority"], a.results / "listops_cpu.png")
     print(markdown(report))
     return 0
