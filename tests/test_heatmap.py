@@ -106,3 +106,13 @@ def test_viz_imports_matplotlib_lazily_and_never_pyplot(tmp_path):
                               check=True, env={"PATH": "/usr/bin:/bin", "MPLBACKEND": ""})
     assert env_free.stdout.split() == ["False", "False"]
     assert (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_long_maps_keep_a_bounded_panel_size():
+    """A 600-token map gets the 12-inch panel of a 100-token one, not one 72 inches wide."""
+    sizes = {}
+    for n in (100, 600):
+        fig = heatmap_figure(torch.softmax(torch.randn(2, n, n), -1), annotate_max=0)
+        sizes[n] = tuple(fig.get_size_inches())
+    assert sizes[600] == sizes[100]
+    assert sizes[600][0] < 2 * 13.0 + 1.2 + 1e-6  # two panels of at most 12 + 1 inches

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # matplotlib is optional: imported only where a figure is dra
 
 __all__ = ["heatmap_axes", "heatmap_figure", "plot_attention"]
 
+_MAX_PANEL = 12.0  # inches: a 2,000-token map stays a picture, not a poster
 _MAX_COLS = 4  # panels per row before wrapping
 
 
@@ -137,7 +138,8 @@ def _panels(H: int, T: int, S: int) -> tuple[Figure, list[Axes]]:
         raise ImportError("plotting attention needs matplotlib: pip install 'qkv[viz]'") from e
     cols = min(H, _MAX_COLS)
     rows = math.ceil(H / cols)
-    cell = 0.55 if max(T, S) <= 12 else max(0.12, 6.0 / max(T, S))  # inches per cell
+    n = max(T, S)  # inches per cell: panels grow with the map up to 12 inches a side
+    cell = 0.55 if n <= 12 else min(max(0.12, 6.0 / n), _MAX_PANEL / n)
     width, height = max(2.4, cell * S + 1.0), max(2.2, cell * T + 1.0)
     fig = Figure(figsize=(cols * width + 1.2, rows * height), layout="constrained")
     FigureCanvasAgg(fig)  # headless canvas; savefig writes PNG through Agg
