@@ -198,6 +198,11 @@ class MaskMod:
         resolves what depends on them (the bottom-right alignment). Returns a MaskMod."""
         return self
 
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors this mask reads (lengths, document ids, a dense mask...): a trace
+        recomputed later checks that none of them changed in place since the call."""
+        return ()
+
     def blocks(self, grid: Grid) -> tuple[Tensor, Tensor]:
         """Which blocks are full (every pair may attend) and which are empty (none may).
 
@@ -358,6 +363,9 @@ class _KeysBefore(MaskMod):
             n = n[b] if n.numel() > 1 else n.view(1, 1, 1, 1)  # (B, 1, 1, 1)
         return kv_idx < n  # (B?, 1, 1, S)
 
+    def tensors(self):
+        return (self.n,) if isinstance(self.n, Tensor) else ()
+
     def blocks(self, grid):
         n = self._n(grid.kv_lo)
         return grid.kv_hi < n, grid.kv_lo >= n  # (B or 1, 1, 1, nk)
@@ -419,6 +427,9 @@ class _Document(MaskMod):
         bk = b if ki.shape[0] > 1 else b[:1] * 0
         return qi[bq, q_idx] == ki[bk, kv_idx]  # (B?, 1, T, S)
 
+    def tensors(self):
+        return (self.q_ids,) if self.kv_ids is self.q_ids else (self.q_ids, self.kv_ids)
+
     @staticmethod
     def _block_range(ids: Tensor, size: int) -> tuple[Tensor, Tensor]:
         """Min and max id of each block (the last block padded with its own last id)."""
@@ -477,6 +488,9 @@ class _Combined(MaskMod):
             out = (out & p) if self.op == "and" else (out | p)
         return out
 
+    def tensors(self):
+        return _unique(t for m in self.mods for t in m.tensors())
+
     def blocks(self, grid):
         fulls, empties = zip(*(m.blocks(grid) for m in self.mods))
         full, empty = fulls[0], empties[0]
@@ -501,6 +515,9 @@ class _Function(MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.fn(b, h, q_idx, kv_idx)
+
+    def tensors(self):
+        return _captured_tensors(self.fn)
 
     def __repr__(self):
         return getattr(self.fn, "__name__", repr(self.fn))
@@ -702,8 +719,12 @@ def _captured_tensors(fn, depth: int = 4) -> tuple[Tensor, ...]:
     found: list[Tensor] = []
     for obj in cells:
         found += [obj] if isinstance(obj, Tensor) else list(_captured_tensors(obj, depth - 1))
-    unique = {id(t): t for t in found}
-    return tuple(unique.values())
+    return _unique(found)
+
+
+def _unique(tensors) -> tuple[Tensor, ...]:
+    """Tensors without repeats (by identity), in first-seen order."""
+    return tuple({id(t): t for t in tensors}.values())
 
 
 def _cell_filled(cell) -> bool:
