@@ -146,8 +146,14 @@ def _recompute(call: AttentionCall, fn):
 
 
 def _versions(call: AttentionCall) -> tuple[int, ...]:
+    """Version counters of the call's inputs, to notice changes in place.
+
+    Inference tensors (made under ``torch.inference_mode()``) have no counter, so they are
+    skipped: outside inference mode they cannot be changed in place at all; a change inside
+    it goes unnoticed (torch keeps no record of it to check).
+    """
     tensors = (call.query, call.key, call.value, call.attn_mask)
-    return tuple(t._version for t in tensors if t is not None)
+    return tuple(t._version for t in tensors if t is not None and not t.is_inference())
 
 
 register_backend(TorchBackend())
