@@ -136,7 +136,8 @@ def _recompute(call: AttentionCall, fn):
     def run(*args):
         if _versions(call) != versions:
             raise RuntimeError(
-                "the inputs of this attention call were modified in place after it ran, so its "
+                "the inputs of this attention call (query, key, value, attn_mask or a tensor "
+                "its mask_mod/score_mod reads) were modified in place after it ran, so its "
                 "weights can no longer be recomputed; read trace.probs (or trace.select(...)) "
                 "before changing them, or pass copies"
             )
@@ -146,13 +147,18 @@ def _recompute(call: AttentionCall, fn):
 
 
 def _versions(call: AttentionCall) -> tuple[int, ...]:
-    """Version counters of the call's inputs, to notice changes in place.
+    """Version counters of the call's inputs, to notice changes in place: query, key,
+    value, attn_mask, and the tensors its mask_mod and score_mod read (ALiBi slopes, lengths,
+    document ids, tensors a plain function captured).
 
     Inference tensors (made under ``torch.inference_mode()``) have no counter, so they are
     skipped: outside inference mode they cannot be changed in place at all; a change inside
     it goes unnoticed (torch keeps no record of it to check).
     """
-    tensors = (call.query, call.key, call.value, call.attn_mask)
+    tensors = [call.query, call.key, call.value, call.attn_mask]
+    for mod in (call.mask_mod, call.score_mod):
+        if mod is not None:
+            tensors.extend(mod.tensors())
     return tuple(t._version for t in tensors if t is not None and not t.is_inference())
 
 
