@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import Tensor
 
 from .ops import (AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TiledBackend,
                   TorchBackend)
-from .ops.reference import attention_scores, attention_scores_at
+from .ops.reference import attention_scores_at
 from .trace import AttentionTrace, probs_from_lse_
 
 __all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
@@ -101,32 +102,78 @@ def run(call: AttentionCall, backend: str = "auto"):
 def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
     """The trace of a backend that gives no weights: ``exp(scores - lse)``, recomputed.
 
-    With the backend's log-sum-exp the trace is lazy: the weights are computed when first
-    read, in one ``(*batch, T, S)`` buffer in the inputs' dtype, and ``trace.select`` computes
-    only the rows asked for. Reading after the inputs were modified in place raises. Without
-    it, the lse comes from the scores (in at least float32) and the weights are computed now.
-    A backend's lse must be -inf on rows with no key.
+    Lazy: nothing ``(T, S)``-sized exists until it is read. ``trace.scores``/``trace.probs``
+    are then computed a block of query rows at a time into one ``(*batch, T, S)`` buffer,
+    and ``trace.select`` computes only the rows asked for. Without the backend's lse, it is
+    computed now, block by block, from the scores.
+
+    Scores of float16/bfloat16 inputs are recomputed in float32, and the weights formed
+    there before rounding to the inputs' dtype: the backend's lse comes from float32 scores,
+    and half scores (bfloat16 keeps 8 bits: +-0.125 at a score of 40) minus it would scale
+    whole rows by up to e^0.125. Reading after the inputs were modified in place raises.
     """
     call = dataclasses.replace(call, query=call.query.detach(), key=call.key.detach(),
                                value=call.value.detach())
-    if lse is None:
-        probs = attention_scores(call)  # (*batch, T, S), scores for now
-        wide = probs if probs.dtype == torch.float64 else probs.float()
-        lse = torch.logsumexp(wide, dim=-1)  # (*batch, T); -inf for a row with no key
-        return AttentionTrace(_recompute(call, lambda: attention_scores(call)), probs_from_lse_(probs, lse), lse,
-                              backend)
-    lse = lse.detach()
+    lse = _lse_by_blocks(call) if lse is None else lse.detach()  # (*batch, T)
+    lse4 = lse.reshape(call.BH + (call.T,))  # (B, H, T)
 
-    def probs() -> Tensor:
-        return probs_from_lse_(attention_scores(call), lse)  # (*batch, T, S)
+    def probs_at(wide: AttentionCall, b, h, rows) -> Tensor:
+        scores = attention_scores_at(wide, b, h, rows)  # (nb, nh, nr, S)
+        return probs_from_lse_(scores, lse4[b][:, h][:, :, rows])
 
     def subset(b, h, rows):
-        scores = attention_scores_at(call, b, h, rows)  # (nb, nh, nr, S)
-        picked = lse.reshape(call.BH + (call.T,))[b][:, h][:, :, rows]  # (nb, nh, nr)
-        return scores, probs_from_lse_(scores.clone(), picked)
+        scores = attention_scores_at(_widened(call), b, h, rows)  # (nb, nh, nr, S)
+        probs = probs_from_lse_(scores.clone(), lse4[b][:, h][:, :, rows])
+        return scores.to(call.dtype), probs.to(call.dtype)
 
-    return AttentionTrace(_recompute(call, lambda: attention_scores(call)), _recompute(call, probs), lse,
+    return AttentionTrace(_recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
+                          _recompute(call, lambda: _by_row_blocks(call, probs_at)), lse,
                           backend, subset=_recompute(call, subset))
+
+
+def _widened(call: AttentionCall) -> AttentionCall:
+    """The call with float16/bfloat16 queries and keys in float32, for a trace's scores."""
+    if call.dtype not in (torch.float16, torch.bfloat16):
+        return call
+    return dataclasses.replace(call, query=call.query.float(), key=call.key.float())
+
+
+def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
+                   tail: tuple[int, ...] | None = None) -> Tensor:
+    """``fn(wide_call, b, h, rows)`` for every query row, a block of rows at a time, in one
+    buffer of ``dtype`` (default the inputs'): the float32 scores of a half call never exist
+    at full size, only a block of them.
+
+    Shape:
+        fn gives ``(B, H, nr, *tail)`` (tail default ``(S,)``) -> ``(*batch, T, *tail)``.
+    """
+    wide = _widened(call)
+    B, H = call.BH
+    tail = (call.S,) if tail is None else tail
+    out = torch.empty((B, H, call.T) + tail, dtype=dtype or call.dtype, device=call.device)
+    b, h = torch.arange(B), torch.arange(H)
+    step = max(_BLOCK_ROWS_MIN, _BLOCK_ELEMENTS // max(B * H * call.S, 1))
+    for start in range(0, call.T, step):
+        rows = torch.arange(start, min(start + step, call.T))
+        out[:, :, start:start + len(rows)] = fn(wide, b, h, rows)  # (B, H, nr, *tail)
+    return out.reshape(call.batch + (call.T,) + tail)
+
+
+# A block of trace rows holds about 2^24 scores (64 MiB in float32), and at least 16 rows, so
+# that the per-block indexing of keys stays small beside the block's matmul.
+_BLOCK_ELEMENTS, _BLOCK_ROWS_MIN = 2 ** 24, 16
+
+
+def _lse_by_blocks(call: AttentionCall) -> Tensor:
+    """Log-sum-exp of each row of the scores (in at least float32), block by block.
+
+    Shape:
+        ``(*batch, T)``; ``-inf`` for a row with no key.
+    """
+    def lse_at(wide: AttentionCall, b, h, rows) -> Tensor:
+        return torch.logsumexp(attention_scores_at(wide, b, h, rows), dim=-1)  # (B, H, nr)
+
+    return _by_row_blocks(call, lse_at, torch.promote_types(call.dtype, torch.float32), ())
 
 
 def _recompute(call: AttentionCall, fn):

@@ -24,6 +24,10 @@ class AttentionTrace:
     the scores when ``scores`` is first read. To look at a long sequence without that buffer,
     :meth:`select` recomputes only the batch elements, heads and query rows asked for.
 
+    Dtypes: ``scores`` and ``probs`` have the inputs' dtype. For float16/bfloat16 inputs a
+    fast backend's trace computes them in float32 and rounds once at the end, so its rows sum
+    to 1 as closely as that rounding allows; ``lse`` is float32 there.
+
     Attributes:
         scores: Scaled scores after masking, before softmax; masked entries are ``-inf``.
         probs: Attention weights (before dropout); each row sums to 1, or is all 0 for a
