@@ -59,9 +59,10 @@ class AttentionTrace:
             self._probs = self._probs()
         return self._probs
 
-    def _lazy_scores(self, fn: Callable[[Tensor], Tensor]) -> Tensor | Callable[[], Tensor]:
-        """``fn(self.scores)``, deferred while the scores are."""
-        return (lambda: fn(self.scores)) if callable(self._scores) else fn(self._scores)
+    def _deferred(self, name: str, fn: Callable[[Tensor], Tensor]) -> Tensor | Callable[[], Tensor]:
+        """``fn(self.<name>)``, deferred while ``name`` (scores or probs) is."""
+        value = getattr(self, "_" + name)
+        return (lambda: fn(getattr(self, name))) if callable(value) else fn(value)
 
     def select(self, *, batch=None, heads=None, rows=None) -> "AttentionTrace":
         """The trace of some batch elements, heads and query rows only.
@@ -136,11 +137,31 @@ class MultiHeadTrace(AttentionTrace):
 
     def __init__(self, trace: AttentionTrace, *, q: Tensor, k: Tensor, v: Tensor,
                  heads: Tensor, index: int | None = None) -> None:
-        """Extend ``trace``; with ``index``, keep only that batch element of everything."""
+        """Extend ``trace``; with ``index``, keep only that batch element of everything.
+
+        As lazy as ``trace``: nothing is computed here, and :meth:`select` still computes only
+        the rows asked for.
+        """
         pick = (lambda t: t) if index is None else (lambda t: t[index])
-        super().__init__(trace._lazy_scores(pick), pick(trace.probs), pick(trace.lse),
-                         trace.backend)
+        super().__init__(trace._deferred("scores", pick), trace._deferred("probs", pick),
+                         pick(trace.lse), trace.backend,
+                         subset=_subset_of_element(trace, index))
         self.q, self.k, self.v, self.heads = (pick(t).detach() for t in (q, k, v, heads))
+
+
+def _subset_of_element(trace: AttentionTrace, index: int | None):
+    """``trace``'s ``subset(b, h, rows)`` seen from its batch element ``index``.
+
+    ``index`` drops the first dim of ``trace``: its batch dim, or, for a 3-D trace (a
+    single-head module's ``(B, T, S)``), the dim that ``select`` calls heads. That dim has
+    size 1 after the pick, so its indices are all 0; they become ``index``.
+    """
+    subset = trace._subset
+    if subset is None or index is None:
+        return subset
+    if trace.lse.dim() == 3:  # (B, H, T): index picks b
+        return lambda b, h, rows: subset(torch.full_like(b, index), h, rows)
+    return lambda b, h, rows: subset(b, torch.full_like(h, index), rows)  # (B, T): picks "h"
 
 
 def probs_from_lse_(scores: Tensor, lse: Tensor) -> Tensor:
