@@ -69,8 +69,9 @@ class AttentionTrace:
 
         On a fast backend's trace this computes just those weights, from the log-sum-exp:
         ``trace.select(heads=[0], rows=range(4000, 4010))`` of a T=64k call costs
-        10 x S, not T x S. Each index may be None (all), an int, a slice, a range, a list or
-        an integer tensor; selected dims keep their place (an int keeps a dim of size 1).
+        10 x S, not T x S. Each index may be None (all), an int, a slice, a range, an iterable
+        of ints (list, tuple, generator) or an integer tensor, taken in its order (a set,
+        having none, is refused); selected dims keep their place (an int keeps a dim of size 1).
 
         Shape:
             ``(B, H, T, S)`` -> ``(nb, nh, nr, S)``; a trace of ``(H, T, S)`` takes no
@@ -106,16 +107,33 @@ class AttentionTrace:
 
 
 def _index(name: str, index, n: int) -> Tensor:
-    """An index along a dim of size ``n`` as a 1-D int64 tensor, checked against ``n``."""
+    """An index along a dim of size ``n`` as a 1-D int64 tensor, checked against ``n``.
+
+    Taken in the order given: None (all), an int, a slice or range (reversed ones too), an
+    iterable of ints (list, tuple, generator) or an integer tensor. A str or a set is refused:
+    the one is not indices, the other has no order for the rows to come back in.
+    """
     if index is None:
         return torch.arange(n)
+    want = (f"select: {name} must be an int, a slice, a range, an iterable of ints (list, "
+            f"tuple, generator) or an integer tensor")
+    if isinstance(index, (set, frozenset)):
+        raise TypeError(f"{want}; got a set, which has no order for the selection to come "
+                        f"back in: pass sorted({index!r})")
+    if isinstance(index, (str, bytes, dict)):
+        raise TypeError(f"{want}, got {type(index).__name__} {index!r}")
     if isinstance(index, slice):
-        return torch.arange(n)[index]
+        index = range(n)[index]  # torch slices take no negative step; a range does
     if isinstance(index, int) and not isinstance(index, bool):
         index = [index]
-    t = torch.as_tensor(list(index) if isinstance(index, range) else index)
-    if t.dtype.is_floating_point or t.dtype == torch.bool or t.dim() > 1:
-        raise ValueError(f"select: {name} must be ints, a slice or a range, got {index!r}")
+    if not isinstance(index, Tensor):
+        index = list(index) if hasattr(index, "__iter__") else index
+    try:
+        t = torch.as_tensor(index, dtype=torch.long if isinstance(index, list) and not index else None)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{want}, got {index!r}") from None
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() > 1:
+        raise ValueError(f"{want}, got {index!r}")
     t = t.reshape(-1).long().cpu()
     if t.numel() and (int(t.min()) < -n or int(t.max()) >= n):
         raise ValueError(f"select: {name} index out of range for size {n}: {index!r}")
