@@ -99,6 +99,14 @@ class AttentionTrace:
                               probs.flatten(0, drop) if drop else probs,
                               lse.flatten(0, drop) if drop else lse, self.backend)
 
+    def __getstate__(self) -> dict:
+        """What pickling (``torch.save``, ``copy.deepcopy``) keeps: scores and weights are
+        computed now, since the functions that would compute them later hold the call's
+        inputs and cannot be pickled. Load with ``torch.load(path, weights_only=False)``."""
+        state = dict(self.__dict__)
+        state.update(_scores=self.scores, _probs=self.probs, _subset=None)
+        return state
+
     def __repr__(self) -> str:
         shape = tuple(self.lse.shape) + (("S",) if callable(self._probs) else ())
         if not callable(self._probs):
