@@ -188,3 +188,17 @@ def test_efficient_module_argument_errors():
             lin(x, **kw)
     with pytest.raises(ValueError, match="left must be an int >= 0"):
         qkv.LocalMultiHeadAttention(16, 2, window=-1)
+
+
+@pytest.mark.parametrize("kind", ["linear", "performer", "local"])
+def test_efficient_modules_name_a_wrong_input_dtype(kind):
+    """Issue 12, item 16a: qkv's message with the fix, not torch's raw matmul error."""
+    m = KINDS[kind](16, 2)
+    with pytest.raises(TypeError, match=r"query has dtype torch.int64 but the module's weights "
+                                        r"are torch.float32: .*embed token ids first"):
+        m(torch.randint(0, 10, (1, 3)))
+    x = torch.randn(1, 3, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"query has dtype torch.float64 .* module.to\(torch.float64\)"):
+        m(x)
+    torch.testing.assert_close(m.to(torch.float64)(x), m.float()(x.float()).double(), rtol=1e-5,
+                               atol=1e-6)

@@ -225,6 +225,61 @@ def test_forward_errors():
         mha(torch.randn(2, 5, 8), torch.randn(3, 5, 8))
 
 
+DTYPE_MODULES = {
+    "SelfAttention": lambda: qkv.SelfAttention(8, 4),
+    "MultiHeadAttention": lambda: qkv.MultiHeadAttention(8, 2),
+    "AdditiveAttention": lambda: qkv.AdditiveAttention(8, 5),
+}
+
+
+@pytest.mark.parametrize("name", list(DTYPE_MODULES))
+def test_wrong_input_dtype_named_with_the_fix(name):
+    """Token ids or float64 data into float32 weights: qkv's message, not torch's "mat1 and
+    mat2 must have the same dtype" (issue 12, item 16a)."""
+    module = DTYPE_MODULES[name]()
+    tokens = torch.randint(0, 100, (2, 5))  # (B, T): ids not yet embedded
+    with pytest.raises(TypeError, match=r"query has dtype torch.int64 but the module's weights "
+                                        r"are torch.float32: .*embed token ids first"):
+        module(tokens)
+    with pytest.raises(TypeError, match=r"query has dtype torch.int64.*nn.Embedding"):
+        module(torch.zeros(2, 5, 8, dtype=torch.long))
+    x64 = torch.randn(2, 5, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"query has dtype torch.float64 but the module's weights "
+                                        r"are torch.float32: cast the input with "
+                                        r"query.to\(torch.float32\), or the module with "
+                                        r"module.to\(torch.float64\)"):
+        module(x64)
+    torch.testing.assert_close(module.to(torch.float64)(x64), module.float()(x64.float()).double(),
+                               rtol=1e-5, atol=1e-6)  # either fix works
+
+
+@pytest.mark.parametrize("kvdim", [8, 6], ids=["fused", "kdim-vdim"])
+def test_wrong_key_dtype_named(kvdim):
+    mha = qkv.MultiHeadAttention(8, 2, kdim=kvdim, vdim=kvdim)
+    x, kv = torch.randn(2, 5, 8), torch.randn(2, 4, kvdim)
+    with pytest.raises(TypeError, match=r"^key has dtype torch.float16 but the module's weights are torch.float32"):
+        mha(x, kv.half(), kv)
+    with pytest.raises(TypeError, match=r"^value has dtype torch.float64"):
+        mha(x, kv, kv.double())
+
+
+def test_autocast_input_dtypes_are_left_to_autocast():
+    """Under torch.autocast the projections cast input and weights themselves: no refusal,
+    and the result is as close to float32's as a bfloat16 copy of the module is."""
+    mha = qkv.MultiHeadAttention(16, 2)
+    x = torch.randn(2, 5, 16)
+    exact = mha(x)
+    low = qkv.MultiHeadAttention(16, 2, dtype=torch.bfloat16)
+    low.load_state_dict(mha.state_dict())
+    low_err = (low(x.bfloat16()).float() - exact).abs().max()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        amp = mha(x)
+        mixed = mha(x.bfloat16())  # bfloat16 input, float32 weights: autocast's business
+    assert amp.dtype == mixed.dtype == torch.bfloat16
+    assert (amp.float() - exact).abs().max() <= 2 * low_err
+    assert (mixed.float() - exact).abs().max() <= 2 * low_err
+
+
 # --- AdditiveAttention ------------------------------------------------------------------------
 
 def test_additive_matches_formula_and_masks():

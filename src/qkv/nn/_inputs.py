@@ -46,18 +46,20 @@ def module_inputs(
     attn_mask: Tensor | None,
     key_mask: Tensor | None,
     dims: tuple[int, int, int | None],
+    dtypes: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None] = (None, None, None),
 ) -> ModuleInputs:
-    """Check module inputs against the expected channel counts ``dims = (Cq, Ck, Cv)``
-    (None: any).
+    """Check module inputs against the expected channel counts ``dims = (Cq, Ck, Cv)`` and
+    the dtypes of the weights that project them, ``dtypes`` (None: any).
 
     ``key`` defaults to ``query`` and ``value`` to ``key`` (self-attention). Unbatched inputs
     ``(T, C)`` get a batch dim of 1, and ``key_mask (S,)`` with them.
     """
     key = query if key is None else key
     value = key if value is None else value
-    for name, t, c in zip(("query", "key", "value"), (query, key, value), dims):
+    for name, t, c, dtype in zip(("query", "key", "value"), (query, key, value), dims, dtypes):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check_dtype(name, t, dtype)  # before the shape: token ids (B, T) would look unbatched
         if t.dim() not in (2, 3) or c not in (None, t.shape[-1]):
             want = "C" if c is None else c
             raise ValueError(
@@ -98,3 +100,32 @@ def _check_key_mask(key_mask: Tensor | None, B: int, S: int) -> None:
         )
     if tuple(key_mask.shape) != (B, S):
         raise ValueError(f"key_mask must have shape (B, S) = {(B, S)}, got {tuple(key_mask.shape)}")
+
+
+def _check_dtype(name: str, t: Tensor, dtype: torch.dtype | None) -> None:
+    """The input of a projection must have its weights' dtype: torch's own error ("mat1 and
+    mat2 must have the same dtype") names neither the input nor the fix."""
+    if dtype is None or t.dtype == dtype:
+        return
+    if not t.is_floating_point():
+        raise TypeError(
+            f"{name} has dtype {t.dtype} but the module's weights are {dtype}: attention "
+            f"modules take features (B, L, C), not token ids; embed token ids first (e.g. "
+            f"nn.Embedding(vocab_size, C)), or cast other data with {name}.to({dtype})"
+        )
+    if _autocast_matches(t, dtype):
+        return
+    raise TypeError(
+        f"{name} has dtype {t.dtype} but the module's weights are {dtype}: cast the input with "
+        f"{name}.to({dtype}), or the module with module.to({t.dtype})"
+    )
+
+
+def _autocast_matches(t: Tensor, dtype: torch.dtype) -> bool:
+    """Under torch.autocast the projections cast input and weights to one dtype themselves
+    (every floating dtype but float64, which autocast leaves alone)."""
+    try:
+        enabled = torch.is_autocast_enabled(t.device.type)
+    except RuntimeError:  # a device type autocast does not know
+        return False
+    return enabled and torch.float64 not in (t.dtype, dtype)

@@ -53,7 +53,8 @@ class AdditiveAttention(nn.Module):
         Returns the output, or ``(output, AttentionTrace)`` with ``(B, T, S)`` scores/probs.
         """
         inp = module_inputs(query, key, value, attn_mask, key_mask,
-                            (self.query_dim, self.key_dim, None))
+                            (self.query_dim, self.key_dim, None),
+                            (self.W_q.weight.dtype, self.W_k.weight.dtype, None))
         mask = inp.single_head_mask()  # (B, T, S)-broadcastable
         T, S = inp.query.shape[1], inp.key.shape[1]
         if is_causal:

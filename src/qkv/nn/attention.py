@@ -78,7 +78,8 @@ class SelfAttention(nn.Module):
         ``trace.probs`` ``(B, T, T)`` (no head dim) when ``return_trace``.
         """
         C = self.W_Q.shape[0]
-        inp = module_inputs(x, None, None, attn_mask, key_mask, (C, C, C))
+        dtypes = (self.W_Q.dtype, self.W_K.dtype, self.W_V.dtype)
+        inp = module_inputs(x, None, None, attn_mask, key_mask, (C, C, C), dtypes)
         q, k, v = inp.query @ self.W_Q, inp.query @ self.W_K, inp.query @ self.W_V  # (B, T, d)
         res = scaled_dot_product_attention(q, k, v, attn_mask=inp.single_head_mask(),
                                            is_causal=is_causal, scale=self.scale,
@@ -199,7 +200,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             _check_decoding(query, key, value, attn_mask)
         inp = module_inputs(query, key, value, attn_mask, key_mask,
-                            (self.embed_dim, self.kdim, self.vdim))
+                            (self.embed_dim, self.kdim, self.vdim),
+                            tuple(w.dtype for w in self._proj_weights()))
         q, k, v = self._project(inp.query, inp.key, inp.value)  # (B, H, T, D), (B, G, S, D) x2
         heads, trace, k, v = self._attend(q, k, v, inp, is_causal=is_causal,
                                           return_trace=return_trace, mask_mod=mask_mod,
