@@ -138,6 +138,11 @@ def _widened(call: AttentionCall) -> AttentionCall:
     return dataclasses.replace(call, query=call.query.float(), key=call.key.float())
 
 
+# A block of trace rows holds about 2^24 scores (64 MiB in float32), and at least 16 rows, so
+# that the per-block indexing of keys stays small beside the block's matmul.
+_BLOCK_ELEMENTS, _BLOCK_ROWS_MIN = 2 ** 24, 16
+
+
 def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
                    tail: tuple[int, ...] | None = None) -> Tensor:
     """``fn(wide_call, b, h, rows)`` for every query row, a block of rows at a time, in one
@@ -157,11 +162,6 @@ def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
         rows = torch.arange(start, min(start + step, call.T))
         out[:, :, start:start + len(rows)] = fn(wide, b, h, rows)  # (B, H, nr, *tail)
     return out.reshape(call.batch + (call.T,) + tail)
-
-
-# A block of trace rows holds about 2^24 scores (64 MiB in float32), and at least 16 rows, so
-# that the per-block indexing of keys stays small beside the block's matmul.
-_BLOCK_ELEMENTS, _BLOCK_ROWS_MIN = 2 ** 24, 16
 
 
 def _lse_by_blocks(call: AttentionCall) -> Tensor:
