@@ -97,3 +97,21 @@ def test_ctrl_c_on_the_command_leaves_a_checkpoint_that_resumes_to_the_same_resu
     assert resumed["step"] == straight["step"] == 60
     assert resumed["final_loss"] == straight["final_loss"]
     assert resumed["evaluation"] == straight["evaluation"]
+
+
+def test_without_matplotlib_the_results_are_written_and_one_warning_line_says_why(
+        tmp_path, capsys, monkeypatch):
+    import sys
+    for name in [m for m in sys.modules if m.startswith("matplotlib.")] + ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib...` raises ImportError
+    out = tmp_path / "run"
+    assert main(["train", "reverse", "--steps", "3", "--batch-size", "8", "--quiet",
+                 "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    printed, err = capsys.readouterr()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["step"] == json.loads(printed)["steps"] == 3
+    assert 0.0 <= metrics["evaluation"]["exact_match"] <= 1.0
+    assert metrics["pictures"] == json.loads(printed)["pictures"] == []
+    assert err == (f"reverse: warning: no pictures (plotting attention needs matplotlib: pip "
+                   f"install 'qkv[viz]'); the results are in {out / 'metrics.json'}\n")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.json"]

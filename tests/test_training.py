@@ -3,6 +3,7 @@ checkpoint, checkpoints are written atomically, and runs are refused rather than
 import json
 import os
 import signal
+import stat
 
 import pytest
 import torch
@@ -134,3 +135,36 @@ def test_learning_rate_schedules():
 def test_config_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**bad)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o027, 0o640), (0o002, 0o664)],
+                         ids=["umask-027", "umask-002"])
+def test_checkpoint_and_metrics_get_the_umasks_permissions(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        train(Toy(), CONFIG, tmp_path / "run", progress=False)
+    finally:
+        os.umask(old)
+    for name in (CHECKPOINT, METRICS):
+        assert stat.S_IMODE((tmp_path / "run" / name).stat().st_mode) == mode, name
+
+
+class BrokenPicture(Toy):
+    def pictures(self, model, out_dir, device):
+        raise RuntimeError("the picture failed")
+
+
+def test_the_results_are_written_before_the_pictures(tmp_path):
+    with pytest.raises(RuntimeError, match="the picture failed"):
+        train(BrokenPicture(), CONFIG, tmp_path, progress=False)
+    metrics = json.loads((tmp_path / METRICS).read_text())
+    assert metrics["step"] == 12 and metrics["pictures"] == []
+    assert 0.5 < metrics["evaluation"]["acc"] <= 1.0
+
+
+def test_train_leaves_torch_settings_as_it_found_them(tmp_path):
+    torch.manual_seed(99)
+    rng, threads = torch.get_rng_state(), torch.get_num_threads()
+    train(Toy(), CONFIG, tmp_path, progress=False)  # seeds torch with CONFIG.seed = 7
+    assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
+    assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32

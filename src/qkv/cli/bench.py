@@ -51,9 +51,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import ContextManager, TextIO
 
 import torch
 from torch import Tensor
@@ -64,6 +65,7 @@ from ..functional import linear_attention, scaled_dot_product_attention
 from ..ops import AttentionCall
 from ..ops.linear import BLOCK, CHUNK_SIZE, Favor
 from ..ops.linear.feature_maps import default_num_features
+from ..training import preserve_torch_state, run_directory
 
 __all__ = [
     "add_parser", "run_bench_cli", "BenchConfig", "Spec", "bench_config", "grid",
@@ -71,7 +73,7 @@ __all__ = [
     "mask_mod_for", "spec_flops", "dense_bytes", "available_bytes", "measure",
     "run_measurement", "worker_main", "run_specs", "add_ratios", "markdown_table",
     "environment", "write_json_atomic", "linear_attention_flops", "num_features", "run_name",
-    "load_previous", "crossovers", "crossover_marks", "Crossover", "ratio_of", "make_out_dir",
+    "load_previous", "crossovers", "crossover_marks", "Crossover", "ratio_of", "out_folder",
     "CASES", "IMPLS", "DTYPES", "MODES", "PEER", "LINEAR_IMPLS", "ALL_IMPLS", "PEERS",
 ]
 
@@ -187,13 +189,12 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if args.resume and out is None:
         raise ValueError("--resume continues the run whose JSON is in --out DIR; give --out")
-    if out is not None:  # fail now, not after the first measurement
-        make_out_dir(out)
     name = run_name(config.impls)
     json_path = out / f"{name}.json" if out else None
-    previous = load_previous(json_path, environment(config)) if args.resume else None
     try:
-        records = run_specs(grid(config), config, json_path, previous=previous)
+        with out_folder(out):
+            previous = load_previous(json_path, environment(config)) if args.resume else None
+            records = run_specs(grid(config), config, json_path, previous=previous)
     except KeyboardInterrupt:
         print(f"\nqkv bench: interrupted{f'; what was measured is in {json_path}' if out else ''}",
               file=sys.stderr)
@@ -205,14 +206,11 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def make_out_dir(out: Path) -> None:
-    """Make ``--out`` now (ValueError saying why not), rather than after the first
-    measurement."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot make the directory ({e.strerror or e})"
-                         ) from None
+def out_folder(out: Path | None) -> ContextManager:
+    """``with out_folder(out):`` makes ``--out`` and checks it can be written to now, not
+    after the first measurement (ValueError saying why not), and removes it again if the run
+    fails or is interrupted before writing in it. Does nothing when ``out`` is None."""
+    return run_directory(out) if out is not None else nullcontext()
 
 
 def run_name(impls: Iterable[str]) -> str:
@@ -539,9 +537,11 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}"
 
 
+@preserve_torch_state()
 def run_measurement(spec: Spec, min_run_time: float, threads: int | None = None,
                     run_all: bool = False) -> dict:
-    """Measure ``spec`` in this process (see :func:`measure` for a fresh one)."""
+    """Measure ``spec`` in this process (see :func:`measure` for a fresh one). Torch's threads
+    and random state are put back afterwards."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)

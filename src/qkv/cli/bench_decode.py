@@ -44,8 +44,9 @@ import torch
 
 from ..nn.cache import KVCache
 from ..ops.linear import Favor, LinearAttentionState
+from ..training import preserve_torch_state
 from .bench import (_choose, bounded_int, _cpu_model, _one_line, _positive, _qkv_version,
-                    load_previous, make_out_dir, num_features, write_json_atomic)
+                    load_previous, num_features, out_folder, write_json_atomic)
 
 __all__ = ["add_parser", "run_decode_cli", "DecodeConfig", "decode_config", "run_decode",
            "measure_decode", "measure_in_child", "decode_ratios", "decode_markdown", "decode_environment",
@@ -115,12 +116,12 @@ def run_decode_cli(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if args.resume and out is None:
         raise ValueError("--resume continues the run whose JSON is in --out DIR; give --out")
-    if out is not None:
-        make_out_dir(out)
     json_path = out / "decode.json" if out else None
-    previous = load_previous(json_path, decode_environment(config)) if args.resume else None
     try:
-        result = run_decode(config, json_path, previous=previous)
+        with out_folder(out):
+            previous = (load_previous(json_path, decode_environment(config)) if args.resume
+                        else None)
+            result = run_decode(config, json_path, previous=previous)
     except KeyboardInterrupt:
         print(f"\nqkv bench-decode: interrupted"
               f"{f'; what was measured is in {json_path}' if out else ''}", file=sys.stderr)
@@ -201,8 +202,10 @@ def _time_blocks(step: Callable[[], None], rewind: Callable[[], None], n: int,
     return times
 
 
+@preserve_torch_state()
 def measure_decode(impl: str, P: int, config: DecodeConfig) -> dict:
-    """One record: per-token time of ``impl`` at position ``P`` (or why it failed)."""
+    """One record: per-token time of ``impl`` at position ``P`` (or why it failed). Torch's
+    random state (the decoder is seeded) is put back afterwards."""
     n = config.tokens_per_block
     rec = dict(impl=impl, position=P, B=B, H=H, D=D, dtype="fp32",
                features=num_features(_FEATURE_MAPS.get(impl, "")),
@@ -251,12 +254,11 @@ def run_decode(config: DecodeConfig, json_path: Path | None = None, *,
     ``json_path`` after each. Returns the JSON's content: the environment, ``records`` and
     ``ratios`` (:func:`decode_ratios`). ``previous``: records of an earlier run to keep."""
     log = log or sys.stderr
-    if config.threads:
-        torch.set_num_threads(config.threads)
     done = {(r["impl"], r["position"]): r for r in previous or () if r.get("status") == "ok"}
     env = decode_environment(config)
     jobs = [(impl, P) for P in config.positions for impl in config.impls]
-    print(f"qkv bench-decode: {len(jobs)} measurements, {torch.get_num_threads()} threads",
+    # The threads are the children's (measure_in_child): this process keeps its own.
+    print(f"qkv bench-decode: {len(jobs)} measurements, {env['threads']} threads",
           file=log, flush=True)
     records: list[dict] = []
     result = dict(env, records=records, ratios=decode_ratios(records))

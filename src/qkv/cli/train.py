@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ..models import attention_kinds
-from ..training import TrainConfig, train
+from ..training import TrainConfig, run_directory, train
 from ..training.recipes import RECIPES, make_recipe
 
 __all__ = ["add_parser", "plan", "run_train_cli", "PRESETS", "DEFAULTS"]
@@ -77,7 +76,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def plan(args: argparse.Namespace) -> tuple[dict, TrainConfig]:
     """What ``qkv train`` would run: :func:`make_recipe`'s keyword arguments (task included)
     and the :class:`TrainConfig`, from the task's defaults, then ``--preset``, then the
-    options given. Nothing is loaded or trained."""
+    options given. Nothing is loaded or trained.
+
+    Raises:
+        ValueError: An option that does not fit the task, or a ``--device`` this machine does
+            not have (checked by :class:`TrainConfig`).
+    """
     preset = PRESETS[args.preset] if args.preset else None
     if preset and preset["task"] != args.task:
         raise ValueError(f"--preset {args.preset} is for {preset['task']}, not {args.task}")
@@ -100,10 +104,16 @@ def plan(args: argparse.Namespace) -> tuple[dict, TrainConfig]:
 
 
 def run_train_cli(args: argparse.Namespace) -> int:
-    """``qkv train``: build the recipe and config, train, print the evaluation."""
+    """``qkv train``: build the recipe and config, train, print the evaluation.
+
+    Everything that can be checked without data is checked before any is generated (the LRA
+    preset generates 105 MB): the options and the device (by :func:`plan`), then ``--out``,
+    made and written to once. A run that fails before writing there removes the folder again.
+    """
     recipe_kwargs, config = plan(args)
-    recipe = make_recipe(**recipe_kwargs)
-    result = train(recipe, config, Path(args.out), resume=args.resume, progress=not args.quiet)
+    with run_directory(args.out) as out:
+        recipe = make_recipe(**recipe_kwargs)
+        result = train(recipe, config, out, resume=args.resume, progress=not args.quiet)
     if result.interrupted:
         print(f"qkv train: interrupted at step {result.step}; checkpoint in "
               f"{result.checkpoint}; continue with the same command and --resume",

@@ -1,8 +1,12 @@
 """Training: the loop behind ``qkv train`` (seeded, checkpointed, resumable to the bit) and the
-recipes that tie a task to a model."""
+recipes that tie a task to a model; the helpers every command shares (the output folder,
+atomic writes, torch's global settings restored)."""
+from .files import run_directory, write_atomic
 from .progress import Progress
+from .torch_state import TorchState, preserve_torch_state
 from .trainer import (CHECKPOINT, METRICS, SCHEDULES, Recipe, TrainConfig, TrainResult,
-                      batch_indices, save_atomic, train)
+                      available_devices, batch_indices, check_device, save_atomic, train)
 
-__all__ = ["CHECKPOINT", "METRICS", "Progress", "Recipe", "SCHEDULES", "TrainConfig",
-           "TrainResult", "batch_indices", "save_atomic", "train"]
+__all__ = ["CHECKPOINT", "METRICS", "Progress", "Recipe", "SCHEDULES", "TorchState",
+           "TrainConfig", "TrainResult", "available_devices", "batch_indices", "check_device",
+           "preserve_torch_state", "run_directory", "save_atomic", "train", "write_atomic"]

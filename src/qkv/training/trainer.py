@@ -16,11 +16,11 @@ the loss and its metrics, the evaluation, the pictures); this module owns everyt
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
-import os
 import signal
-import tempfile
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,10 +30,12 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor, nn
 
+from .files import run_directory, write_atomic
 from .progress import Progress
+from .torch_state import preserve_torch_state
 
 __all__ = ["TrainConfig", "Recipe", "TrainResult", "train", "batch_indices", "save_atomic",
-           "CHECKPOINT", "METRICS", "SCHEDULES"]
+           "check_device", "available_devices", "CHECKPOINT", "METRICS", "SCHEDULES"]
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.json"
@@ -55,7 +57,8 @@ class TrainConfig:
             or ``"cosine"`` (to 0 at ``steps``).
         grad_clip: Clip the gradient norm to this (None: no clipping).
         seed: Seeds the model's initialisation, the batch order and dropout.
-        device: ``"cpu"``, ``"cuda"``, ...
+        device: ``"cpu"``, ``"cuda"``, ...; checked here, so a machine without it fails
+            before any data is generated (:func:`check_device`).
         checkpoint_every: Steps between checkpoints (and one at the end).
     """
 
@@ -83,6 +86,7 @@ class TrainConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
+        check_device(self.device)
 
     def lr_factor(self, step: int) -> float:
         """The learning rate of step ``step`` (0-based) over ``lr``."""
@@ -95,6 +99,44 @@ class TrainConfig:
             span = max(self.steps - self.warmup_steps, 1)
             return 0.5 * (1 + math.cos(math.pi * min(s - self.warmup_steps, span) / span))
         return 1.0
+
+
+# Device types a user may mean, for "did you mean" (torch.device's own list is much longer).
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+def available_devices() -> list[str]:
+    """The devices this machine and this torch build can train on, e.g.
+    ``["cpu", "cuda", "cuda:0"]``."""
+    found = ["cpu"]
+    for kind in ("cuda", "xpu"):
+        module = getattr(torch, kind, None)
+        if module is not None and module.is_available():
+            found += [kind] + [f"{kind}:{i}" for i in range(module.device_count())]
+    if torch.backends.mps.is_available():
+        found.append("mps")
+    return found
+
+
+def check_device(name: str) -> torch.device:
+    """``torch.device(name)``, once it is known that this machine has it.
+
+    Raises:
+        ValueError: ``name`` is not a device string (a typo such as ``"cdua"``), or this
+            machine or torch build has no such device; the message lists the ones it has.
+    """
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        near = difflib.get_close_matches(str(name).lower(), _DEVICE_TYPES, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(f"device {name!r} is not a torch device{hint}; this machine has: "
+                         f"{', '.join(available_devices())}") from None
+    if device.type != "cpu" and str(device) not in available_devices():
+        raise ValueError(f"device {name!r} is not available on this machine (torch "
+                         f"{torch.__version__}); it has: {', '.join(available_devices())}; "
+                         f"pick one of these")
+    return device
 
 
 class Recipe(Protocol):
@@ -147,25 +189,13 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> Tensor:
 
 
 def save_atomic(obj, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename over it."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """``torch.save`` to a temporary file beside ``path``, then rename over it (the file gets
+    the umask's permissions, like any other)."""
+    write_atomic(path, lambda f: torch.save(obj, f))
 
 
 def _write_json_atomic(data: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: f.write(json.dumps(data, indent=2).encode()))
 
 
 class _StopFlag:
@@ -193,10 +223,14 @@ def train(recipe: Recipe, config: TrainConfig, out_dir: str | Path, *, resume: b
           progress: bool = True, on_step: Callable[[int], None] | None = None) -> TrainResult:
     """Train ``recipe``'s model under ``config``, writing checkpoints and metrics to ``out_dir``.
 
+    Torch's global settings (threads, default dtype, grad mode, the random number generators
+    that seed the model and dropout) are as they were when this returns.
+
     Args:
         recipe: The task and model.
         config: Steps, batch size, optimizer, seed, device, checkpointing.
-        out_dir: Created if missing. Holds ``checkpoint.pt``, ``metrics.json`` and pictures.
+        out_dir: Created if missing (and removed again if the run fails before writing in
+            it). Holds ``checkpoint.pt``, ``metrics.json`` and pictures.
         resume: Continue from ``out_dir``'s checkpoint (which must come from the same recipe
             and config). Without it, an existing checkpoint is refused rather than overwritten.
         progress: Show the progress bar on stderr.
@@ -205,96 +239,176 @@ def train(recipe: Recipe, config: TrainConfig, out_dir: str | Path, *, resume: b
     Returns:
         A :class:`TrainResult`; ``interrupted`` when Ctrl-C stopped the run (its checkpoint
         is written; call again with ``resume=True``).
+
+    Raises:
+        ValueError: ``out_dir`` cannot be written to, or its checkpoint is unreadable or is
+            another run's.
+        FileExistsError: A checkpoint exists and ``resume`` is False.
+        FileNotFoundError: ``resume`` is True and there is no checkpoint.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out / CHECKPOINT
-    device = torch.device(config.device)
+    with preserve_torch_state(), run_directory(out_dir) as out:
+        run = _start(recipe, config, out / CHECKPOINT, resume)
+        interrupted = _loop(run, recipe, config, progress, on_step)
+        result = TrainResult(step=run.step, history=run.history, interrupted=interrupted,
+                             final_loss=run.history[-1]["loss"] if run.history else None,
+                             checkpoint=str(run.path))
+        if not interrupted:
+            _finish(run, recipe, result, out)
+        return result
+
+
+@dataclass
+class _Run:
+    """A run in progress: the model, its optimizer and where it stands."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    device: torch.device
+    ident: dict
+    path: Path
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def save(self) -> None:
+        save_atomic(dict(self.ident, step=self.step, history=self.history,
+                         model=self.model.state_dict(), optimizer=self.opt.state_dict(),
+                         scheduler=self.sched.state_dict(), rng=torch.get_rng_state()),
+                    self.path)
+
+
+def _start(recipe: Recipe, config: TrainConfig, ckpt_path: Path, resume: bool) -> _Run:
+    """The model built under the seed, its optimizer, and the checkpoint's state if resuming."""
+    if ckpt_path.exists() and not resume:
+        raise FileExistsError(f"{ckpt_path} exists ({_what_is(ckpt_path)}); pass resume=True "
+                              f"(--resume) to continue it, or choose another output directory")
+    if resume and not ckpt_path.exists():
+        raise FileNotFoundError(f"nothing to resume: {ckpt_path} does not exist")
+    device = check_device(config.device)
     torch.manual_seed(config.seed)
     model = recipe.build_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, config.lr_factor)
-    ident = dict(format=FORMAT, recipe=recipe.describe(), config=asdict(config))
-    step, history = 0, []
-    if ckpt_path.exists():
-        if not resume:
-            raise FileExistsError(f"{ckpt_path} exists (a run of {_steps_in(ckpt_path)} steps); "
-                                  f"pass resume=True (--resume) to continue it, or choose "
-                                  f"another output directory")
-        step, history = _load(ckpt_path, ident, model, opt, sched)
-    elif resume:
-        raise FileNotFoundError(f"nothing to resume: {ckpt_path} does not exist")
+    run = _Run(model, opt, sched, device, dict(format=FORMAT, recipe=recipe.describe(),
+                                               config=asdict(config)), ckpt_path)
+    if resume:
+        run.step, run.history = _load(ckpt_path, run)
+    return run
 
-    def save() -> None:
-        save_atomic(dict(ident, step=step, history=history, model=model.state_dict(),
-                         optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                         rng=torch.get_rng_state()), ckpt_path)
 
-    model.train()
+def _loop(run: _Run, recipe: Recipe, config: TrainConfig, progress: bool,
+          on_step: Callable[[int], None] | None) -> bool:
+    """Train to ``config.steps``, checkpointing; True when Ctrl-C stopped it."""
+    run.model.train()
     n = recipe.train_size()
-    interrupted = False
-    with _StopFlag() as stop, Progress(config.steps, start=step, desc=recipe.name,
+    with _StopFlag() as stop, Progress(config.steps, start=run.step, desc=recipe.name,
                                        every=5.0 if progress else float("inf")) as bar:
         t0, tokens = time.perf_counter(), 0
-        while step < config.steps:
-            batch = recipe.batch(batch_indices(n, config.batch_size, config.seed, step), device)
-            loss, metrics, ntok = recipe.loss(model, batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            opt.step()
-            sched.step()
-            step += 1
-            tokens += ntok
-            numbers = {k: _number(v) for k, v in metrics.items()}
-            history.append(dict(step=step, loss=_number(loss), lr=opt.param_groups[0]["lr"],
-                                **numbers))
+        while run.step < config.steps:
+            tokens += _step(run, recipe, config, n)
             if progress:
                 rate = tokens / max(time.perf_counter() - t0, 1e-9)
-                bar.update(step, loss=history[-1]["loss"], **numbers, **{"tok/s": f"{rate:,.0f}"})
+                shown = {k: v for k, v in run.history[-1].items() if k not in ("step", "lr")}
+                bar.update(run.step, **shown, **{"tok/s": f"{rate:,.0f}"})
             if on_step is not None:
-                on_step(step)
-            if step % config.checkpoint_every == 0 or step == config.steps or stop.set:
-                save()
+                on_step(run.step)
+            if run.step % config.checkpoint_every == 0 or run.step == config.steps or stop.set:
+                run.save()
             if stop.set:
-                interrupted = True
-                break
-    result = TrainResult(step=step, final_loss=history[-1]["loss"] if history else None,
-                         history=history, interrupted=interrupted, checkpoint=str(ckpt_path))
-    if interrupted:
-        return result
-    model.eval()
+                return True
+    return False
+
+
+def _step(run: _Run, recipe: Recipe, config: TrainConfig, n: int) -> int:
+    """One optimizer step; appends to the history and returns the batch's tokens."""
+    batch = recipe.batch(batch_indices(n, config.batch_size, config.seed, run.step), run.device)
+    loss, metrics, ntok = recipe.loss(run.model, batch)
+    run.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), config.grad_clip)
+    run.opt.step()
+    run.sched.step()
+    run.step += 1
+    run.history.append(dict(step=run.step, loss=_number(loss), lr=run.opt.param_groups[0]["lr"],
+                            **{k: _number(v) for k, v in metrics.items()}))
+    return ntok
+
+
+def _finish(run: _Run, recipe: Recipe, result: TrainResult, out: Path) -> None:
+    """Evaluate, write ``metrics.json``, then draw the pictures. The results are written
+    first: a picture that cannot be drawn (matplotlib missing) must not lose them."""
+    run.model.eval()
     with torch.no_grad():
-        result.evaluation = recipe.evaluate(model, device)
-        result.pictures = recipe.pictures(model, out, device)
-    _write_json_atomic(dict(ident, step=step, final_loss=result.final_loss,
+        result.evaluation = recipe.evaluate(run.model, run.device)
+    _write_metrics(run, result, out)
+    with torch.no_grad():
+        result.pictures = _pictures(recipe, run.model, out, run.device)
+    if result.pictures:
+        _write_metrics(run, result, out)
+
+
+def _write_metrics(run: _Run, result: TrainResult, out: Path) -> None:
+    _write_json_atomic(dict(run.ident, step=run.step, final_loss=result.final_loss,
                             evaluation=result.evaluation, pictures=result.pictures,
-                            history=history), out / METRICS)
-    return result
+                            history=run.history), out / METRICS)
 
 
-def _load(path: Path, ident: dict, model: nn.Module, opt, sched) -> tuple[int, list[dict]]:
+def _pictures(recipe: Recipe, model: nn.Module, out: Path, device: torch.device) -> list[str]:
+    """The recipe's pictures; none, and one warning line on stderr, when an optional library
+    they need (matplotlib) is missing."""
+    try:
+        return recipe.pictures(model, out, device)
+    except ImportError as e:
+        print(f"{recipe.name}: warning: no pictures ({e}); the results are in {out / METRICS}",
+              file=sys.stderr)
+        return []
+
+
+def _load(path: Path, run: _Run) -> tuple[int, list[dict]]:
     """Restore a checkpoint into the run, after checking it is this run's."""
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    ck = _read_checkpoint(path)
     for key in ("format", "recipe", "config"):
-        if ck.get(key) != ident[key]:
+        if ck.get(key) != run.ident[key]:
             raise ValueError(f"{path} was written by a different run ({key} differs: "
-                             f"{ck.get(key)!r} vs {ident[key]!r}); resume with the same task, "
-                             f"options and config, or choose another output directory")
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["optimizer"])
-    sched.load_state_dict(ck["scheduler"])
+                             f"{ck.get(key)!r} vs {run.ident[key]!r}); resume with the same "
+                             f"task, options and config, or choose another output directory")
+    run.model.load_state_dict(ck["model"])
+    run.opt.load_state_dict(ck["optimizer"])
+    run.sched.load_state_dict(ck["scheduler"])
     torch.set_rng_state(ck["rng"])
     return ck["step"], ck["history"]
+
+
+_CHECKPOINT_KEYS = ("format", "recipe", "config", "step", "history", "model", "optimizer",
+                    "scheduler", "rng")
+
+
+def _read_checkpoint(path: Path) -> dict:
+    """The checkpoint at ``path``; ValueError when it is empty, truncated or not one of ours
+    (a crash of the machine mid-write, a copy cut short, another program's file)."""
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+        why = "" if isinstance(ck, dict) else f"it holds a {type(ck).__name__}, not a dict"
+    except Exception as e:  # noqa: BLE001  (torch raises EOFError, RuntimeError, UnpicklingError...)
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    if not why and not set(_CHECKPOINT_KEYS) <= ck.keys():
+        why = f"it lacks {sorted(set(_CHECKPOINT_KEYS) - ck.keys())}"
+    if why:
+        size = path.stat().st_size
+        raise ValueError(f"{path} ({size} bytes) is not a readable qkv checkpoint ({why}); "
+                         f"move it away (or delete it) to start the run again, or choose "
+                         f"another output directory")
+    return ck
 
 
 def _number(v) -> float:
     return float(v.detach()) if isinstance(v, Tensor) else float(v)
 
 
-def _steps_in(path: Path) -> str:
+def _what_is(path: Path) -> str:
+    """What an existing checkpoint holds, for the message that refuses to overwrite it."""
     try:
-        return str(torch.load(path, map_location="cpu", weights_only=False)["step"])
-    except Exception:  # an unreadable file: say so rather than fail here
-        return "unknown"
+        return f"a run of {_read_checkpoint(path)['step']} steps"
+    except ValueError:
+        return "not a readable checkpoint: move it away to start again"
