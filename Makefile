@@ -14,8 +14,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# The suite runs in a random order (pytest-randomly, in the test extras), so a test that leans on
+# another's leftovers fails here rather than on someone's fresh clone. The seed is printed
+# first; `make test SEED=<seed>` replays that order.
+ifeq ($(origin SEED), undefined)
+SEED := $(shell $(PYTHON) -c 'import random; print(random.randrange(2**32))')
+endif
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	@echo "Using --randomly-seed=$(SEED) (make test SEED=$(SEED) replays this order)"
+	$(PY) -m pytest -q -p randomly --randomly-seed=$(SEED)
 
 # The explain walkthrough, then about a minute of training `reverse` on CPU: it prints the
 # exact-match accuracy and saves the cross-attention map (an anti-diagonal).
