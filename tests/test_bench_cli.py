@@ -269,3 +269,23 @@ def test_tiny_linear_run_writes_linear_json_with_ratios_against_torch(tmp_path, 
     assert (lin["features"], perf["features"]) == (64, 266)
     assert (tmp_path / "linear.png").exists() and not (tmp_path / "tiled.json").exists()
     assert "| vs torch |" in out
+
+
+@pytest.mark.parametrize("command", ["bench", "bench-decode"])
+def test_out_under_a_file_is_one_line_and_an_interrupted_run_leaves_no_folder(
+        tmp_path, capsys, monkeypatch, command):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    assert main([command, "--out", str(notes / "run")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"qkv {command}: error: cannot use {notes / 'run'} as the "
+                                 f"output folder: {notes} is a file, not a folder; choose "
+                                 f"another output folder\n")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C before the first measurement was written
+    monkeypatch.setattr("qkv.cli.bench.run_specs", interrupted)
+    monkeypatch.setattr("qkv.cli.bench_decode.run_decode", interrupted)
+    assert main([command, "--out", str(tmp_path / "new" / "run")]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [notes]

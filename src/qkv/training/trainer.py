@@ -12,7 +12,11 @@ the loss and its metrics, the evaluation, the pictures); this module owns everyt
   the previous checkpoint intact.
 * **Ctrl-C** finishes the current step, writes a checkpoint and stops (a second Ctrl-C stops at
   once); ``resume=True`` continues from it.
-* A progress bar with loss, accuracy and tokens/s; ``metrics.json`` (atomic) at the end.
+* A progress bar with loss, accuracy and tokens/s; ``metrics.json`` (atomic) at the end,
+  written before the pictures are drawn (without matplotlib: no pictures, one warning line).
+* **No trace left**: torch's global settings (threads, RNG, grad mode, default dtype) are
+  restored when :func:`train` returns; an output folder it made for a run that fails before
+  writing in it is removed again; its files get the umask's permissions like any other.
 """
 from __future__ import annotations
 
