@@ -168,3 +168,17 @@ def test_train_leaves_torch_settings_as_it_found_them(tmp_path):
     train(Toy(), CONFIG, tmp_path, progress=False)  # seeds torch with CONFIG.seed = 7
     assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
     assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
+
+
+def test_file_mode_without_proc(monkeypatch):
+    from qkv.training import files
+
+    def no_proc(*args, **kwargs):
+        raise FileNotFoundError("/proc/self/status")  # macOS, BSD: the umask is set and reset
+    monkeypatch.setattr(files, "open", no_proc, raising=False)
+    old = os.umask(0o027)
+    try:
+        assert files.file_mode() == 0o640
+        assert os.umask(0o027) == 0o027  # put back as it was
+    finally:
+        os.umask(old)

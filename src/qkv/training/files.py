@@ -24,9 +24,23 @@ __all__ = ["run_directory", "write_atomic", "file_mode"]
 
 def file_mode() -> int:
     """The mode ``open()`` gives a new file under this process's umask: ``0o666 & ~umask``."""
-    umask = os.umask(0)  # the only portable way to read it is to set it...
-    os.umask(umask)  # ...and put it straight back
-    return 0o666 & ~umask
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read from /proc where Linux shows it; elsewhere by setting it and
+    putting it straight back (the only portable way, though a file another thread creates in
+    between would get umask 0)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
