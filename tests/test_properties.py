@@ -30,11 +30,13 @@ import math
 import os
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 import qkv
 from reference64 import attention64
@@ -45,7 +47,9 @@ _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                       HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=36, derandomize=True, database=None, **_COMMON)
-settings.register_profile("long", max_examples=5000, derandomize=False, **_COMMON)
+settings.register_profile(  # failures saved under the (git-ignored) .pytest_cache, replayed first
+    "long", max_examples=5000, derandomize=False, **_COMMON,
+    database=DirectoryBasedExampleDatabase(Path(__file__).parents[1] / ".pytest_cache" / "hypothesis"))
 PROFILE = settings.get_profile(os.environ.get("QKV_HYPOTHESIS_PROFILE", "ci"))
 LONG = PROFILE.max_examples > 100
 
