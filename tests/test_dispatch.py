@@ -82,8 +82,8 @@ def test_trace_uses_kernel_lse_when_it_fits(monkeypatch):
     """A 4-D CPU call takes out and lse from torch's flash kernel in one run, with no second
     SDPA call; a GQA call falls back to SDPA plus the scores' log-sum-exp."""
     seen = []
-    real = torch_sdpa._flash_cpu
-    monkeypatch.setattr(torch_sdpa, "_flash_cpu", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    real = torch_sdpa.flash_forward
+    monkeypatch.setattr(torch_sdpa, "flash_forward", lambda *a, **kw: seen.append(1) or real(*a, **kw))
     q, k, v = _qkv()
     _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True)
     assert seen == [1]

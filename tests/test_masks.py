@@ -163,12 +163,13 @@ def _lambda_h(T, S):
     def striped(b, h, q_idx, kv_idx):
         return (q_idx + kv_idx + h) % 3 != 0
     twin = loops((1, H), T, S, lambda b, h, i, j: (i + j + h) % 3 != 0)
-    return striped, twin, {(1, H, T, S)}, True  # blocks found by evaluation: exact
+    # a plain function runs per element (FlexAttention's semantics): its mask has every dim
+    return striped, twin, {(B, H, T, S)}, True  # blocks found by evaluation: exact
 
 
 def _lambda_b(T, S):
     twin = loops((B, 1), T, S, lambda b, h, i, j: j <= i + 2 * b)
-    return (lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 2 * b), twin, {(B, 1, T, S)}, True
+    return (lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 2 * b), twin, {(B, H, T, S)}, True
 
 
 MASKS = {
@@ -486,8 +487,8 @@ ERRORS = {
     "mask-returns-float": (TypeError, r"returned torch.float32; it must return a bool tensor "
                            r"\(True = may attend\)",
                            lambda: _sdpa_small(mask_mod=lambda b, h, q, kv: (q >= kv).float())),
-    "mask-returns-5d": (ValueError, r"returned shape \(1, 1, 1, 5, 6\) for indices of shape "
-                        r"\(2, 4, 5, 6\)",
+    "mask-returns-5d": (ValueError, r"returned shape \(1,\) for a single \(b, h, q_idx, kv_idx\); "
+                        r"mask_mod and score_mod are evaluated per element",
                         lambda: _sdpa_small(mask_mod=lambda b, h, q, kv: (q >= kv)[None])),
     "mask-not-callable": (TypeError, r"mask_mod must be a function \(b, h, q_idx, kv_idx\) -> bool "
                           r"tensor or a qkv.masks mask, got Tensor",

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from . import dispatch
-from .ops import AttentionCall
+from .ops import AttentionCall, nonfinite
 from .ops import linear as _linear
 from .trace import AttentionTrace
 
@@ -37,9 +37,12 @@ def scaled_dot_product_attention(
     same result here. On top of torch:
 
     * **One mask contract.** A bool ``attn_mask`` means True = may attend; a float mask is
-      added to the scores (a float mask that is neither float32 nor the query's dtype is cast
-      to the query's dtype). A query row that may attend to nothing outputs exactly 0, its
-      gradients are 0, and nothing is NaN, on every backend and dtype, with dropout too.
+      added to the scores (cast to the query's dtype, except a float32 mask with float16 or
+      bfloat16 queries, which keeps its precision). torch's ``causal_upper_left`` /
+      ``causal_lower_right`` objects are taken with their meaning. A query row that may
+      attend to nothing outputs exactly 0, its gradients are 0, and nothing is NaN, on every
+      backend and dtype, with dropout too. A key a row may not attend to has no effect on
+      that row, whatever its values (NaN or inf included).
     * **attn_mask with is_causal=True** is allowed (torch raises): the two are combined, a key
       must pass both. ``is_causal`` is aligned top-left, as in torch: query ``i`` sees keys
       ``j <= i``. For ``T != S`` (x = may attend)::
@@ -97,11 +100,44 @@ def scaled_dot_product_attention(
         >>> qkv.scaled_dot_product_attention(q, k, v)  # [[1, e]] / (1 + e)
         tensor([[0.2689, 0.7311]])
     """
-    call = AttentionCall.build(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace,
-        mask_mod, score_mod,
-    )
-    return dispatch.run(call, backend)
+    amp = _autocast_dtype(query)
+    if amp is None:
+        call = AttentionCall.build(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace,
+            mask_mod, score_mod,
+        )
+        call, bad = nonfinite.clean(call)  # keys/values with NaN or inf: see ops/nonfinite.py
+        result = dispatch.run(call, backend)
+        if bad is None:
+            return result
+        if return_trace:
+            return nonfinite.poison(result[0], call, bad), result[1]
+        return nonfinite.poison(result, call, bad)
+    # Under torch.autocast, attention runs in the autocast dtype as torch's SDPA does, on
+    # every backend alike, and the backends' own matmuls are not autocast again.
+    query, key, value = (_amp_cast(t, amp) for t in (query, key, value))
+    with torch.autocast(query.device.type, enabled=False):
+        return scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            backend=backend, return_trace=return_trace, mask_mod=mask_mod, score_mod=score_mod)
+
+
+def _autocast_dtype(query) -> torch.dtype | None:
+    """The dtype torch.autocast runs SDPA in on the query's device, or None when it is off."""
+    device_type = getattr(getattr(query, "device", None), "type", None)
+    try:
+        if device_type is None or not torch.is_autocast_enabled(device_type):
+            return None
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _amp_cast(t, dtype: torch.dtype):
+    """Cast as autocast does: floating tensors except float64 (which autocast leaves alone)."""
+    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+        return t.to(dtype)
+    return t
 
 
 def linear_attention(

@@ -12,7 +12,9 @@ Shape alphabet: T query length, S key length.
 """
 from __future__ import annotations
 
+import functools
 import math
+import types
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ __all__ = [
     "MaskMod", "ScoreMod", "causal", "sliding_window", "prefix_lm", "document", "key_lengths",
     "and_masks", "or_masks", "alibi", "alibi_slopes", "softcap", "to_dense", "block_summary",
     "BlockSummary", "as_mask_mod", "as_score_mod", "evaluate_mask", "evaluate_score", "index_grid",
+    "per_element", "score_mod_gradient_inputs",
     # dense masks
     "apply_mask_", "causal_bool", "merge_causal", "merge_key_mask",
 ]
@@ -508,13 +511,14 @@ class _Combined(MaskMod):
 
 
 class _Function(MaskMod):
-    """A plain function used as a mask_mod; its blocks are found by evaluation."""
+    """A plain function used as a mask_mod, evaluated per element (FlexAttention's semantics);
+    its blocks are found by evaluation."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return self.fn(b, h, q_idx, kv_idx)
+        return per_element(self.fn, None, b, h, q_idx, kv_idx)
 
     def tensors(self):
         return _captured_tensors(self.fn)
@@ -692,34 +696,159 @@ def softcap(cap: float) -> ScoreMod:
 
 
 class _ScoreFunction(ScoreMod):
+    """A plain function used as a score_mod, evaluated per element (FlexAttention's semantics)."""
+
     def __init__(self, fn) -> None:
         self.fn = fn
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        return self.fn(score, b, h, q_idx, kv_idx)
+        return per_element(self.fn, score, b, h, q_idx, kv_idx)
 
     def tensors(self):
-        """Tensors the function captures (closure cells and defaults, also those of the
-        functions and score mods it captures), for their gradients."""
+        """Tensors the function can read: closure cells, defaults, the globals it names, the
+        parameters and buffers of a module it is bound to, a partial's arguments, and what
+        containers and the functions and score mods it captures hold."""
         return _captured_tensors(self.fn)
 
     def __repr__(self):
         return getattr(self.fn, "__name__", repr(self.fn))
 
 
-def _captured_tensors(fn, depth: int = 4) -> tuple[Tensor, ...]:
-    """Tensors reachable from ``fn``'s closure and defaults, through nested functions."""
-    if isinstance(fn, ScoreMod) and not isinstance(fn, _ScoreFunction):
-        return fn.tensors()
-    if depth == 0 or not callable(fn):
+def per_element(fn, score: Tensor | None, b: Tensor, h: Tensor, q_idx: Tensor,
+                kv_idx: Tensor) -> Tensor:
+    """``fn`` evaluated at every (b, h, q_idx, kv_idx) as if on scalars, as FlexAttention does.
+
+    A plain function sees 0-d index tensors (and a 0-d score), so ``bias[b][q_idx]`` or
+    ``ids[b, q_idx] == ids[b, kv_idx]`` mean what they say. It runs as one vectorised call
+    (``torch.vmap``), one vmap level per index dim when each index varies along its own dim
+    only (the index grids qkv builds), else over the flattened broadcast of the indices.
+
+    Shape:
+        b, h, q_idx, kv_idx broadcastable to ``(B, H, T, S)``; score that shape or
+        broadcastable to it -> ``(B, H, T, S)``.
+    """
+    idx = (b, h, q_idx, kv_idx)
+    args = idx if score is None else (score,) + idx
+    shape = torch.broadcast_shapes(*(t.shape for t in args))
+    if len(shape) == 4 and all(_varies_only_along(t, d) for d, t in enumerate(idx)):
+        vecs = [t.reshape(-1) for t in idx]  # (B,), (H,), (T,), (S,) or size 1
+        f = fn
+        for d in (3, 2, 1, 0):  # innermost vmap maps over kv_idx
+            dims = tuple(0 if i == d else None for i in range(4))
+            f = torch.vmap(f, in_dims=dims if score is None else (0,) + dims)
+        if score is None:
+            out = f(*vecs)
+        else:
+            out = f(score.expand(tuple(v.numel() for v in vecs)), *vecs)
+        _check_per_element(fn, out, 4)
+        return out.expand(shape) if out.shape != shape else out
+    flat = [t.expand(shape).reshape(-1) for t in args]  # (N,) each
+    out = torch.vmap(fn)(*flat)
+    _check_per_element(fn, out, 1)
+    return out.reshape(shape)
+
+
+def _check_per_element(fn, out, mapped: int) -> None:
+    """A function evaluated per element must give one value per element."""
+    if isinstance(out, Tensor) and out.dim() > mapped:
+        raise ValueError(
+            f"{getattr(fn, '__name__', repr(fn))} returned shape {tuple(out.shape[mapped:])} for a "
+            f"single (b, h, q_idx, kv_idx); mask_mod and score_mod are evaluated per element "
+            f"(as in FlexAttention) and must return one value, e.g. `return q_idx >= kv_idx`"
+        )
+
+
+def _varies_only_along(t: Tensor, dim: int) -> bool:
+    return t.dim() == 4 and all(n == 1 for i, n in enumerate(t.shape) if i != dim)
+
+
+def score_mod_gradient_inputs(score_mod: ScoreMod, *, dtype: torch.dtype,
+                              device: torch.device) -> tuple[Tensor, ...]:
+    """The tensors requiring grad that ``score_mod`` reads, for a backend that computes their
+    gradients itself; ValueError when it reads one that cannot be found.
+
+    The tensors come from :meth:`ScoreMod.tensors`. To be sure none is missed, the score_mod
+    is run once on a 1 x 1 x 1 x 1 probe and its autograd graph walked: every leaf tensor
+    requiring grad that the score depends on must be one of them, or lie behind one.
+    """
+    found = tuple(t for t in score_mod.tensors() if t.requires_grad)
+    if not torch.is_grad_enabled():
+        return found
+    probe = torch.zeros((1, 1, 1, 1), dtype=dtype, device=device, requires_grad=True)
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.long, device=device)
+    out = evaluate_score(score_mod, probe, zero, zero, zero, zero)
+    stops = {id(t.grad_fn) for t in found if t.grad_fn is not None}
+    known = {id(t) for t in found if t.grad_fn is None}
+    missed = _leaves_needing_grad(out.grad_fn, stops, known | {id(probe)})
+    if missed:
+        shapes = ", ".join(f"{tuple(t.shape)}" for t in missed)
+        raise ValueError(
+            f"score_mod {score_mod!r} reads tensors that require grad ({shapes}) where qkv "
+            f"cannot find them to give them their gradient (it looks in closures, defaults, "
+            f"globals, bound modules, functools.partial arguments and containers). Capture the "
+            f"tensor in the function's closure or defaults, or use backend='reference'"
+        )
+    return found
+
+
+def _leaves_needing_grad(node, stops: set[int], known: set[int]) -> list[Tensor]:
+    """Leaf tensors requiring grad behind autograd ``node``, not behind a node in ``stops``
+    and not in ``known`` (ids)."""
+    missed, seen, todo = [], set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or id(n) in seen or id(n) in stops:
+            continue
+        seen.add(id(n))
+        var = getattr(n, "variable", None)  # AccumulateGrad: a leaf tensor
+        if var is not None and id(var) not in known:
+            missed.append(var)
+        todo.extend(nxt for nxt, _ in n.next_functions)
+    return missed
+
+
+def _captured_tensors(obj, depth: int = 4) -> tuple[Tensor, ...]:
+    """Tensors reachable from a function: see :meth:`_ScoreFunction.tensors`."""
+    if isinstance(obj, Tensor):
+        return (obj,)
+    if isinstance(obj, (ScoreMod, MaskMod)) and not isinstance(obj, (_ScoreFunction, _Function)):
+        return obj.tensors()
+    if depth == 0 or isinstance(obj, (type, types.ModuleType, str, bytes)):
         return ()
-    fn = getattr(fn, "fn", fn)
-    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_filled(c)]
-    cells += list(getattr(fn, "__defaults__", None) or ())
     found: list[Tensor] = []
-    for obj in cells:
-        found += [obj] if isinstance(obj, Tensor) else list(_captured_tensors(obj, depth - 1))
+    for child in _children(getattr(obj, "fn", obj) if isinstance(obj, (_ScoreFunction, _Function)) else obj):
+        found += _captured_tensors(child, depth - 1)
     return _unique(found)
+
+
+def _children(obj) -> list:
+    """What a function or object holds that may be or lead to a tensor."""
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.parameters()) + list(obj.buffers())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj)
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, types.MethodType):
+        return [obj.__func__, obj.__self__]
+    if isinstance(obj, types.FunctionType):
+        cells = [c.cell_contents for c in obj.__closure__ or () if _cell_filled(c)]
+        named = [obj.__globals__[n] for n in _names(obj.__code__) if n in obj.__globals__]
+        return cells + named + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+    if hasattr(obj, "__dict__"):  # another object: its attributes
+        return list(vars(obj).values())
+    return []
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """Global names a code object (and the functions and lambdas defined in it) reads."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += _names(const)
+    return names
 
 
 def _unique(tensors) -> tuple[Tensor, ...]:

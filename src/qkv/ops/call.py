@@ -16,9 +16,10 @@ from numbers import Real
 
 import torch
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from ..masks import (MaskMod, ScoreMod, _Window, as_mask_mod, as_score_mod, evaluate_mask,
-                     index_grid, merge_causal)
+from ..masks import (MaskMod, ScoreMod, _Window, and_masks, as_mask_mod, as_score_mod, causal,
+                     evaluate_mask, index_grid, merge_causal)
 
 __all__ = ["AttentionCall"]
 
@@ -72,8 +73,10 @@ class AttentionCall:
         _check_tensors(query, key, value)
         batch = _check_shapes(query, key, value, bool(enable_gqa))
         T, S = query.shape[-2], key.shape[-2]
-        attn_mask = _check_mask(attn_mask, query, batch + (T, S))
         is_causal = _check_flag("is_causal", is_causal)
+        if isinstance(attn_mask, CausalBias):  # torch's causal mask objects: their meaning
+            attn_mask, is_causal, mask_mod = _from_causal_bias(attn_mask, T, S, is_causal, mask_mod)
+        attn_mask = _check_mask(attn_mask, query, batch + (T, S))
         mask_mod, score_mod = _check_mods(mask_mod, score_mod, batch, T, S)
         if _is_top_left_causal(mask_mod):  # the same mask; torch's causal kernels can take it
             mask_mod, is_causal = None, True
@@ -324,6 +327,20 @@ def _gqa_leads(q: tuple, k: tuple, v: tuple) -> tuple[tuple, tuple]:
     return k[:-3] + (H,), v[:-3] + (H,)
 
 
+def _from_causal_bias(bias: CausalBias, T: int, S: int, is_causal: bool, mask_mod):
+    """torch's ``causal_upper_left``/``causal_lower_right`` as ``(attn_mask, is_causal,
+    mask_mod)``: upper-left is ``is_causal``, lower-right the bottom-right causal mask_mod."""
+    if (bias.seq_len_q, bias.seq_len_kv) != (T, S):
+        raise ValueError(
+            f"attn_mask is a torch CausalBias for (T, S) = ({bias.seq_len_q}, {bias.seq_len_kv}) "
+            f"but the call has (T, S) = ({T}, {S}); build it with the call's lengths"
+        )
+    if bias.variant == CausalVariant.UPPER_LEFT:
+        return None, True, mask_mod
+    bottom_right = causal(align="bottom_right")
+    return None, is_causal, bottom_right if mask_mod is None else and_masks(mask_mod, bottom_right)
+
+
 def _check_mask(attn_mask: Tensor | None, query: Tensor, scores_shape: tuple) -> Tensor | None:
     if attn_mask is None:
         return None
@@ -346,10 +363,15 @@ def _check_mask(attn_mask: Tensor | None, query: Tensor, scores_shape: tuple) ->
             f"(*batch, T, S) = {scores_shape}; each of its dims must equal the scores' dim "
             f"or be 1, with the last two (T, S) = {scores_shape[-2:]}"
         )
-    # torch takes a float32 mask with any query dtype, and one of the query's own dtype;
-    # any other float mask is cast to the query's dtype (documented in the functional API).
-    if attn_mask.is_floating_point() and attn_mask.dtype not in (torch.float32, query.dtype):
-        attn_mask = attn_mask.to(query.dtype)
+    if attn_mask.dim() < 2:  # torch broadcasts masks of rank 0 and 1: (T?, S?) from here on
+        attn_mask = attn_mask.reshape((1,) * (2 - attn_mask.dim()) + shape)
+    # A float mask is cast to the query's dtype, except a float32 mask with half queries
+    # (kept for its precision, as torch does). torch adds a float32 mask to float64 scores
+    # wrongly (off by ~1.5), so that pair is cast too (documented in the functional API).
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
+        if not (half and attn_mask.dtype == torch.float32):
+            attn_mask = attn_mask.to(query.dtype)
     return attn_mask
 
 

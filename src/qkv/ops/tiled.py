@@ -36,15 +36,13 @@ import torch
 from torch import Tensor
 
 from ..masks import (EMPTY, FULL, Grid, MaskMod, ScoreMod, and_masks, block_states, causal,
-                     evaluate_mask, evaluate_score, index_grid)
+                     evaluate_mask, evaluate_score, index_grid, score_mod_gradient_inputs)
+from ._aten import flash_backward, flash_cpu_available, flash_forward
 from .base import BackendResult
 from .call import AttentionCall
 from .reference import ReferenceBackend
 
 __all__ = ["TiledBackend", "tiled_attention"]
-
-_flash_fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_flash_bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 BLOCK_Q = 128  # query rows per tile
 BLOCK_K = 64  # keys per block (the unit of skipping)
@@ -64,10 +62,16 @@ class TiledBackend:
         return None
 
     def run(self, call: AttentionCall) -> BackendResult:
-        if call.T == 0 or call.S == 0:  # nothing to tile; the reference's shapes are right
+        if _nothing_to_tile(call):
             return ReferenceBackend().run(call)
         out, lse = tiled_attention(call)
         return BackendResult(out=out, lse=lse)
+
+
+def _nothing_to_tile(call: AttentionCall) -> bool:
+    """Empty sizes (no tile at all) and meta tensors (no values to plan blocks on): the
+    reference gives the right shapes, dtypes and autograd graph at no cost there."""
+    return call.query.numel() == 0 or call.S == 0 or 0 in call.out_shape or call.device.type == "meta"
 
 
 @dataclass
@@ -140,8 +144,9 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     if bias is not None and bias.requires_grad:
         inner = _refuse_flash(inner, "a float attn_mask that requires grad")
     plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)
-    grads = plan.score_mod.tensors() if plan.score_mod is not None else ()
-    grads = tuple(t for t in grads if t.requires_grad)
+    grads = ()  # tensors the score_mod reads that want gradients (ValueError if hidden)
+    if plan.score_mod is not None:
+        grads = score_mod_gradient_inputs(plan.score_mod, dtype=_acc(q.dtype), device=q.device)
     out, lse = _TiledAttention.apply(plan, q, k, v, bias, *grads)  # (B, H, T, Dv), (B, H, T)
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
@@ -187,7 +192,7 @@ def _tile(t: Tensor, t0: int, t1: int, k0: int, k1: int) -> Tensor:
 def _pick_inner(call: AttentionCall, dtype: torch.dtype) -> str:
     mod = call.score_mod
     flash_ok = (
-        _flash_fwd is not None and call.device.type == "cpu" and call.D == call.Dv
+        flash_cpu_available() and call.device.type == "cpu" and call.D == call.Dv
         and dtype in (torch.float32, torch.bfloat16, torch.float64)
         and (mod is None or (mod.additive and not any(t.requires_grad for t in mod.tensors())))
     )
@@ -269,7 +274,7 @@ class _TiledAttention(torch.autograd.Function):
 def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """All query tiles; each merges its chunks by log-sum-exp (the online softmax)."""
     B, H, T, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc(q.dtype)
     out = q.new_zeros(B, H, T, Dv)  # rows with no key stay exactly 0
     lse = q.new_full((B, H, T), float("-inf"), dtype=acc)
     chunk_fn = _flash_chunk if plan.inner == "flash" else _matmul_chunk
@@ -304,7 +309,7 @@ def _flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
     """One chunk through torch's CPU flash kernel; rows with no key in the chunk get lse -inf."""
     t0, t1, k0, k1, masked = where
     mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))  # (B?, H?, tq, kc) or None
-    o, lse = _flash_fwd(q, k, v, attn_mask=mask, scale=plan.scale)  # (B, H, tq, Dv), (B, H, tq)
+    o, lse = flash_forward(q, k, v, attn_mask=mask, scale=plan.scale)  # (B, H, tq, Dv), (B, H, tq)
     if masked or plan.bias is not None:
         dead = torch.isneginf(mask).all(-1)  # (B?, H?, tq): the kernel reports lse 0 there
         lse = lse.masked_fill(dead, float("-inf"))
@@ -351,13 +356,20 @@ def _chunk_scores(plan: _Plan, q: Tensor, k: Tensor, where: tuple, raw: Tensor |
 
 
 def _raw_scores(plan: _Plan, q: Tensor, k: Tensor) -> Tensor:
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return ((q * plan.scale) @ k.transpose(-2, -1)).to(acc)  # (B, H, tq, kc)
+    """Scaled scores in the accumulation dtype: half inputs are multiplied in float32, so a
+    score_mod sees scores not rounded to half (as FlexAttention's kernels give them)."""
+    acc = _acc(q.dtype)
+    return (q.to(acc) * plan.scale) @ k.to(acc).transpose(-2, -1)  # (B, H, tq, kc)
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of softmax statistics and accumulation: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: bool):
     """FlashAttention's backward, chunk by chunk, from the saved log-sum-exp."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -389,8 +401,9 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: boo
 def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
     t0, t1, k0, k1, masked = where
     mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))
-    dq, dk, dv = _flash_bwd(dout, q, k, v, out, lse.float() if q.dtype != torch.float64 else lse,
-                            0.0, False, attn_mask=mask, scale=plan.scale)
+    dq, dk, dv = flash_backward(dout, q, k, v, out,
+                                lse.float() if q.dtype != torch.float64 else lse,
+                                attn_mask=mask, scale=plan.scale)
     return dq, dk, dv
 
 
@@ -408,14 +421,14 @@ def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_ten
         dv = p.transpose(-2, -1) @ do  # (B, H, kc, Dv)
         delta = (do * out.to(acc)).sum(-1, keepdim=True)  # (B, H, tq, 1)
         ds = p * (do @ v.to(acc).transpose(-2, -1) - delta)  # (B, H, tq, kc)
+        if dbias is not None:  # the bias is added after score_mod: its gradient is this dS,
+            tile = _tile(dbias, *where[:4])  # summed over the dims it broadcast along
+            tile += ds.sum([d for d in range(4) if tile.shape[d] == 1], keepdim=True)
         dts = []
         if plan.score_mod is not None:
             inputs = (raw,) + tuple(grad_tensors)
             ds, *dts = torch.autograd.grad(scores, inputs, ds, allow_unused=True)
             dts = [torch.zeros_like(t) if g is None else g for g, t in zip(dts, grad_tensors)]
-    if dbias is not None:  # the bias was added to the scores: its gradient is dS, summed
-        tile = _tile(dbias, *where[:4])  # over the dims it broadcast along
-        tile += ds.sum([d for d in range(4) if tile.shape[d] == 1], keepdim=True)
     dq = (ds @ k.to(acc)) * plan.scale  # (B, H, tq, D)
     dk = (ds.transpose(-2, -1) @ q.to(acc)) * plan.scale  # (B, H, kc, D)
     return (dq, dk, dv, *dts)

@@ -20,15 +20,13 @@ Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from ._aten import flash_cpu_available, flash_forward, sdpa
 from .base import BackendResult
 from .call import AttentionCall
 
 __all__ = ["TorchBackend"]
-
-_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class TorchBackend:
@@ -56,12 +54,12 @@ class TorchBackend:
             q, k, v = q.float(), k.float(), v.float()
             mask = mask.float() if mask is not None and mask.is_floating_point() else mask
         if call.return_trace and _fits_flash_cpu(call, mask, q.dtype):
-            out, lse = _flash_cpu(
+            out, lse = flash_forward(
                 q, k, v, is_causal=is_causal, scale=call.scale,
                 attn_mask=None if mask is None else _as_additive(mask, q.dtype),
             )  # (B, H, T, Dv), (B, H, T)
         else:
-            out = F.scaled_dot_product_attention(
+            out = sdpa(
                 q, k, v, attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal,
                 scale=call.scale, enable_gqa=call.enable_gqa,
             )  # (*batch, T, Dv)
@@ -106,7 +104,7 @@ def _fits_flash_cpu(call: AttentionCall, mask: Tensor | None, dtype: torch.dtype
     """Can torch's CPU flash kernel, which returns the log-sum-exp, take this call exactly?"""
     q, k, v = call.query, call.key, call.value
     return (
-        _flash_cpu is not None
+        flash_cpu_available()
         and call.device.type == "cpu"
         and q.dim() == k.dim() == v.dim() == 4
         and q.shape[:2] == k.shape[:2] == v.shape[:2]
