@@ -58,7 +58,8 @@ def causal_allowed(B: int, H: int, T: int, S: int, *, offset: int = 0) -> Tensor
     return _full(kv <= q + offset, B, H, T, S)
 
 
-def window_allowed(B: int, H: int, T: int, S: int, left: int, right: int, *, offset: int = 0) -> Tensor:
+def window_allowed(B: int, H: int, T: int, S: int, left: int, right: int, *,
+                   offset: int = 0) -> Tensor:
     """Key ``j`` allowed iff ``p - left <= j <= p + right`` with ``p = i + offset``.
 
     Shape:

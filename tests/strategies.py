@@ -207,7 +207,7 @@ class KeyLengths(ModSpec):
 
     def build(self, ctx):
         n = self.values(ctx)
-        return qkv.masks.key_lengths(n if isinstance(n, int) else torch.tensor(n, dtype=torch.int64))
+        return qkv.masks.key_lengths(n if isinstance(n, int) else torch.tensor(n, dtype=torch.long))
 
     def dense(self, ctx):
         return key_lengths_allowed(ctx.B, ctx.H, ctx.T, ctx.S, self.values(ctx))
@@ -484,7 +484,8 @@ def mod_specs(draw, T: int, S: int) -> ModSpec:
 
 @st.composite
 def score_specs(draw) -> ScoreSpec:
-    which = draw(st.sampled_from(["alibi", "softcap", "halve", "rel_bias", "chained", "score_mask"]))
+    which = draw(st.sampled_from(["alibi", "softcap", "halve", "rel_bias", "chained",
+                                  "score_mask"]))
     if which == "alibi":
         return Alibi(draw(st.booleans()), draw(st.integers(0, 2**16)))
     if which == "softcap":

@@ -34,14 +34,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 import qkv
 from reference64 import attention64
-from strategies import (COPYING_FREE_LAYOUTS, Alibi, Case, Causal, Combine, Document, KeyLengths,
-                        MaskFn, MaskSpec, ScoreFn, Softcap, Window, cases)
+from strategies import (COPYING_FREE_LAYOUTS, Case, Causal, Combine, MaskFn, MaskSpec, ScoreFn,
+                        Softcap, Window, cases)
 
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -49,7 +49,8 @@ _COMMON = dict(deadline=None, print_blob=True,
 settings.register_profile("ci", max_examples=36, derandomize=True, database=None, **_COMMON)
 settings.register_profile(  # failures saved under the (git-ignored) .pytest_cache, replayed first
     "long", max_examples=5000, derandomize=False, **_COMMON,
-    database=DirectoryBasedExampleDatabase(Path(__file__).parents[1] / ".pytest_cache" / "hypothesis"))
+    database=DirectoryBasedExampleDatabase(
+        Path(__file__).parents[1] / ".pytest_cache" / "hypothesis"))
 PROFILE = settings.get_profile(os.environ.get("QKV_HYPOTHESIS_PROFILE", "ci"))
 LONG = PROFILE.max_examples > 100
 
@@ -66,9 +67,10 @@ OUTPUT_FACTOR, GRAD_FACTOR, ATOL = 2.0, 3.0, 1e-5
 # --- running a case ---------------------------------------------------------------------------
 
 @contextmanager
-def small_tiles(bq: int, bk: int, chunk_blocks: int, full_run: int):
+def small_tiles(case: Case, bq: int, bk: int, chunk_blocks: int, full_run: int):
     """The tiled backend with ``bq``-row tiles, ``bk``-key blocks, chunks of at most
-    ``chunk_blocks`` blocks and full runs of ``full_run`` blocks taken unmasked."""
+    ``chunk_blocks`` blocks (for ``case``'s B * H) and runs of ``full_run`` full blocks taken
+    unmasked."""
     from qkv.ops import tiled as tiled_mod
 
     fn = tiled_mod.tiled_attention
@@ -80,7 +82,7 @@ def small_tiles(bq: int, bk: int, chunk_blocks: int, full_run: int):
     saved = dict(kw), {n: getattr(tiled_mod, n) for n in names}
     fn.__kwdefaults__ = {**kw, "block_q": bq, "block_k": bk}
     tiled_mod.MIN_FULL_RUN = full_run
-    tiled_mod.CHUNK_ELEMENTS = bq * bk * chunk_blocks  # times B*H: qkv divides by B*H*bq*bk
+    tiled_mod.CHUNK_ELEMENTS = max(1, case.B * case.H) * bq * bk * chunk_blocks  # scores per chunk
     try:
         yield
     finally:
@@ -94,7 +96,7 @@ def draw_tiles(data, case: Case):
     bk = data.draw(st.sampled_from([4, 1, 2, 5, 16]), label="block_k")
     chunk = data.draw(st.sampled_from([1, 2, 64]), label="chunk_blocks")
     full_run = data.draw(st.sampled_from([1, 2, 8]), label="min_full_run")
-    return bq, bk, chunk * max(1, case.B * case.H), full_run
+    return bq, bk, chunk, full_run
 
 
 def run_qkv(case: Case, inp: dict, backend: str, tiles=None):
@@ -103,7 +105,7 @@ def run_qkv(case: Case, inp: dict, backend: str, tiles=None):
     name = "tiled" if backend == "tiled-small" else backend
     try:
         if backend == "tiled-small":
-            with small_tiles(*tiles):
+            with small_tiles(case, *tiles):
                 return qkv.scaled_dot_product_attention(inp["q"], inp["k"], inp["v"],
                                                         backend=name, **kw)
         return qkv.scaled_dot_product_attention(inp["q"], inp["k"], inp["v"], backend=name, **kw)
@@ -124,12 +126,14 @@ def grad_inputs(inp: dict) -> dict:
     return out
 
 
-def grads(out: torch.Tensor, wrt: dict, dout: torch.Tensor, tiles=None) -> dict:
-    """Gradients of ``(out * dout).sum()``; zeros for inputs the output does not depend on."""
+def grads(out: torch.Tensor, wrt: dict, dout: torch.Tensor, case: Case | None = None,
+          tiles=None) -> dict:
+    """Gradients of ``(out * dout).sum()``; zeros for inputs the output does not depend on.
+    With ``tiles``, the backward runs with the tiled backend's blocks shrunk as in forward."""
     assert out.requires_grad, (
         f"the output {tuple(out.shape)} does not require grad although its inputs do: "
         f"out.sum().backward() would raise")
-    ctx = small_tiles(*tiles) if tiles is not None else _nothing()
+    ctx = small_tiles(case, *tiles) if tiles is not None else _nothing()
     with ctx:
         got = torch.autograd.grad(out, list(wrt.values()), dout, allow_unused=True,
                                   materialize_grads=True)
@@ -204,12 +208,13 @@ def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True)
         return
     gold_out, gold_grads = golden_run(case, inp)
     base_out = run_qkv(case, inp, "reference")
-    assert out.dtype == inp["q"].dtype, f"{where}: output dtype {out.dtype}, inputs {inp['q'].dtype}"
+    assert out.dtype == inp["q"].dtype, (
+        f"{where}: output dtype {out.dtype}, inputs {inp['q'].dtype}")
     check("output", out, gold_out, base_out, OUTPUT_FACTOR, where)
     if not with_grads:
         return
     wrt = grad_inputs(inp)
-    got = grads(out, wrt, inp["dout"], tiles if backend == "tiled-small" else None)
+    got = grads(out, wrt, inp["dout"], case, tiles if backend == "tiled-small" else None)
     base = grads(base_out, wrt, inp["dout"])
     for name in wrt:
         assert got[name].dtype == wrt[name].dtype
@@ -280,7 +285,7 @@ def check_poisoned(case: Case, backend: str, tiles, mode: str, poison: float, *,
     check("output of rows that may not see the poison", out[rows], gold_out[rows],
           base_out[rows], OUTPUT_FACTOR, where)
     if mode == "dead":
-        got = grads(out, wrt, inp["dout"], tiles if backend == "tiled-small" else None)
+        got = grads(out, wrt, inp["dout"], case, tiles if backend == "tiled-small" else None)
         for name in wrt:
             check(f"grad {name}", got[name], gold_grads[name], base_grads[name], GRAD_FACTOR, where)
 
@@ -360,7 +365,8 @@ REGRESSIONS = [
                                  layouts=("strided", "contiguous", "contiguous")), "tiled", None),
     # B = 0 on tiled: ZeroDivisionError / IndexError
     ("tiled-B0-causal", Case(B=0, is_causal=True, **_F64), "tiled", None),
-    ("tiled-B0-keypad-mask", Case(B=0, T=1, S=1, mask=MaskSpec("bool", "B11S"), **_F64), "tiled", None),
+    ("tiled-B0-keypad-mask", Case(B=0, T=1, S=1, mask=MaskSpec("bool", "B11S"), **_F64), "tiled",
+     None),
     # rank-0 and rank-1 masks on torch: IndexError
     ("torch-rank0-mask", Case(mask=MaskSpec("bool", "scalar")), "torch", None),
     ("torch-rank1-mask", Case(T=3, S=5, mask=MaskSpec("bool", "S")), "torch", None),
@@ -374,7 +380,8 @@ REGRESSIONS = [
     ("reference-chained-subscript", Case(B=2, T=3, S=5, score_mod=_CHAINED), "reference", None),
     ("tiled-chained-subscript", Case(B=2, T=3, S=5, score_mod=_CHAINED), "tiled", None),
     # a score_mod on a call with no keys or no queries: IndexError
-    ("reference-score-mod-S0", Case(T=1, S=0, score_mod=ScoreFn("halve"), **_F64), "reference", None),
+    ("reference-score-mod-S0", Case(T=1, S=0, score_mod=ScoreFn("halve"), **_F64), "reference",
+     None),
     ("auto-score-mod-S0", Case(T=1, S=0, score_mod=ScoreFn("rel_bias"), **_F64), "auto", None),
     ("tiled-score-mod-T0", Case(T=0, S=2, score_mod=ScoreFn("halve"), **_F64), "tiled", None),
     # tiled, several chunks merged by log-sum-exp, peaked softmax (scale 50): grad q 27x the
@@ -397,7 +404,8 @@ REGRESSIONS = [
 ]
 
 
-@pytest.mark.parametrize("case, backend, tiles", [pytest.param(c, b, t, id=i) for i, c, b, t in REGRESSIONS])
+@pytest.mark.parametrize("case, backend, tiles",
+                         [pytest.param(c, b, t, id=i) for i, c, b, t in REGRESSIONS])
 def test_regression(case, backend, tiles):
     check_call(case, backend, tiles)
 
