@@ -394,8 +394,9 @@ def _read_checkpoint(path: Path) -> dict:
     try:
         ck = torch.load(path, map_location="cpu", weights_only=False)
         why = "" if isinstance(ck, dict) else f"it holds a {type(ck).__name__}, not a dict"
-    except Exception as e:  # noqa: BLE001  (torch raises EOFError, RuntimeError, UnpicklingError...)
-        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    except Exception as e:  # noqa: BLE001  (EOFError, RuntimeError, UnpicklingError, ...)
+        first = " ".join(str(e).split()).split(". ")[0]  # torch adds paragraphs of advice
+        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
     if not why and not set(_CHECKPOINT_KEYS) <= ck.keys():
         why = f"it lacks {sorted(set(_CHECKPOINT_KEYS) - ck.keys())}"
     if why:
