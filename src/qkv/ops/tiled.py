@@ -21,8 +21,9 @@ Two inner kernels compute a chunk:
     backward needs. Used on CPU when D == Dv and the score_mod is absent or additive.
   * ``matmul``: matmul, softmax and matmul in PyTorch ops; any device, any score_mod (its
     gradient by autograd on the chunk), and gradients for tensors a score_mod reads.
-Half precision computes scores in its own dtype (as the kernels do) and the softmax, the
-merge and all gradient accumulation in float32; float16 on CPU runs in float32 (torch's
+Half precision: the ``matmul`` kernel multiplies in float32 (a score_mod sees scores not
+rounded to half, and the weights meet the values unrounded), and the softmax, the merge and
+all gradient accumulation are float32 on both kernels; float16 on CPU runs in float32 (torch's
 float16 CPU kernel is slow and inexact, see ``torch_sdpa.py``).
 
 Shape alphabet: B batch, H query heads, T query length, S key length, D head dim, Dv value
@@ -328,7 +329,7 @@ def _matmul_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
     row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
     p = scores.sub_(row_max).exp_()  # (B, H, tq, kc)
     total = p.sum(-1, keepdim=True)  # (B, H, tq, 1); 0 on rows with no key
-    o = (p.to(v.dtype) @ v).to(p.dtype) / torch.where(total == 0, 1.0, total)  # (B, H, tq, Dv)
+    o = (p @ v.to(p.dtype)) / torch.where(total == 0, 1.0, total)  # (B, H, tq, Dv), weights unrounded
     lse = (row_max + total.log()).squeeze(-1)  # (B, H, tq); log 0 = -inf
     return o, lse
 

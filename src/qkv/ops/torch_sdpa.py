@@ -1,7 +1,8 @@
 """Torch backend: ``torch.nn.functional.scaled_dot_product_attention`` under qkv's contract.
 
-Supports: every dense-mask call (torch picks its flash/efficient/math kernel); not
-``mask_mod``/``score_mod``, which it could take only as dense (T, S) tensors.
+Supports: every dense-mask call (torch picks its flash/efficient/math kernel), and the
+bottom-right causal mask (torch's ``causal_lower_right``, which torch also runs as a dense
+mask); not other ``mask_mod``s or ``score_mod``, which it could take only as dense tensors.
 What it adds on top of torch:
   * ``attn_mask`` together with ``is_causal=True`` (torch refuses the pair): the masks are
     merged into one, a key must pass both.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..masks import _Window
 from ._aten import flash_cpu_available, flash_forward, sdpa
 from .base import BackendResult
 from .call import AttentionCall
@@ -38,7 +40,7 @@ class TorchBackend:
     def supports(self, call: AttentionCall) -> str | None:
         if call.score_mod is not None:
             return "torch's SDPA has no score_mod (the tiled and reference backends do)"
-        if call.mask_mod is not None:
+        if call.mask_mod is not None and not _is_bottom_right_causal(call.mask_mod):
             return (
                 "torch's SDPA takes a structured mask only as a dense (T, S) tensor; pass "
                 "attn_mask=qkv.masks.to_dense(mask_mod, B, H, T, S) to run it there anyway"
@@ -71,6 +73,11 @@ class TorchBackend:
             if lse is not None:  # the kernel saw the guard's full row there
                 lse = lse.masked_fill(~row_ok, float("-inf"))
         return BackendResult(out=out, lse=lse)
+
+
+def _is_bottom_right_causal(mask_mod) -> bool:
+    """The mask of torch's own ``causal_lower_right``: torch takes it as a dense mask too."""
+    return isinstance(mask_mod, _Window) and mask_mod.name == "causal" and mask_mod.align == "bottom_right"
 
 
 def _guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
