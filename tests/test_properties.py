@@ -40,8 +40,8 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 import qkv
 from reference64 import attention64
-from strategies import (COPYING_FREE_LAYOUTS, Case, Causal, Combine, MaskFn, MaskSpec, ScoreFn,
-                        Softcap, Window, cases)
+from strategies import (COPYING_FREE_LAYOUTS, Case, Causal, Combine, KeyLengths, MaskFn, MaskSpec,
+                        ScoreFn, Softcap, Window, cases)
 
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -384,6 +384,14 @@ REGRESSIONS = [
      None),
     ("auto-score-mod-S0", Case(T=1, S=0, score_mod=ScoreFn("rel_bias"), **_F64), "auto", None),
     ("tiled-score-mod-T0", Case(T=0, S=2, score_mod=ScoreFn("halve"), **_F64), "tiled", None),
+    # a plain-function mask_mod on a call with no queries; key_lengths with B = 0: errors
+    ("reference-mask-fn-T0", Case(T=0, S=1, mask_mod=MaskFn("band2"), **_F64), "reference",
+     None),
+    ("reference-key-lengths-B0", Case(B=0, T=1, S=1, mask_mod=KeyLengths((0,)), **_F64),
+     "reference", None),
+    # tiled with D != Dv (matmul inner kernel), T = S = 1, scale 50: grad k 1.3e-5 where the
+    # reference's is exactly 0 (the softmax of one key is 1)
+    ("tiled-scale50-one-key-grad-k", Case(T=1, S=1, D=4, Dv=5, scale=50.0), "tiled", None),
     # tiled, several chunks merged by log-sum-exp, peaked softmax (scale 50): grad q 27x the
     # reference's error
     ("tiled-chunks-scale50-grad-q", Case(T=1, S=31, D=4, Dv=1, scale=50.0), "tiled-small",
