@@ -179,7 +179,30 @@ def max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:
     return float(torch.nan_to_num(diff, nan=math.inf).max())
 
 
-def check(name: str, actual, golden: torch.Tensor, baseline, factor: float, where: str):
+def flash_floor(case: Case, backend: str) -> float:
+    """The absolute term of the bound for ``backend`` on ``case`` (outputs and gradients).
+
+    Every backend but the reference is FlashAttention's algorithm (tiled, and torch's flash
+    kernels): chunks merge by float32 log-sum-exps, the backward recomputes the weights from
+    the row's lse and takes ``delta = rowsum(dO * O)`` from the rounded output, where plain
+    math subtracts the row max exactly and autograd uses ``rowsum(P * dP)``. An lse carries a
+    rounding of ~ulp(|lse|), a relative error of the weights that grows with the scores, and
+    the backward multiplies it by the scale once more. With a temperature far sharper than
+    the default (``|scale| * sqrt(D) > 8``: the suite's scale 50) a softmax becomes one-hot,
+    the reference is exact, and these kernels are off by up to ~(|scale| sqrt(D))^2 * 1e-7
+    (measured: torch's flash kernel grad q 3.0e-5 at T = S = 1, D = 16; tiled with chunks of
+    one key, D = 8: output 1.7e-5, grad q 1.8e-3). No method that keeps only the lse avoids
+    it, so there the floor ``ATOL`` is multiplied by ``(|scale| * sqrt(D))^2``; everywhere
+    else (the default scale, scale 1 up to D = 64) it is ATOL.
+    """
+    if backend == "reference" or case.dtype == "float64" or case.scale is None:
+        return ATOL
+    sharp = abs(case.scale) * math.sqrt(case.D)
+    return ATOL * sharp ** 2 if sharp > 8 else ATOL
+
+
+def check(name: str, actual, golden: torch.Tensor, baseline, factor: float, where: str,
+          atol: float = ATOL):
     """DESIGN.md's tolerance policy for one tensor (float64: assert_close defaults)."""
     assert actual is not None, f"{where}: {name} has no gradient"
     assert tuple(actual.shape) == tuple(golden.shape), (
@@ -193,10 +216,10 @@ def check(name: str, actual, golden: torch.Tensor, baseline, factor: float, wher
         torch.testing.assert_close(actual.detach(), golden, msg=lambda m: f"{where}: {name}: {m}")
         return
     err, base = max_error(actual, golden), max_error(baseline, golden)
-    bound = factor * base + ATOL
+    bound = factor * base + atol
     assert err <= bound, (
         f"{where}: {name}: max|out - golden| = {err:.3e} exceeds {factor:g} * "
-        f"max|baseline - golden| ({base:.3e}) + {ATOL:g} = {bound:.3e} (dtype {actual.dtype})")
+        f"max|baseline - golden| ({base:.3e}) + {atol:g} = {bound:.3e} (dtype {actual.dtype})")
 
 
 def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True):
@@ -210,7 +233,7 @@ def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True)
     base_out = run_qkv(case, inp, "reference")
     assert out.dtype == inp["q"].dtype, (
         f"{where}: output dtype {out.dtype}, inputs {inp['q'].dtype}")
-    check("output", out, gold_out, base_out, OUTPUT_FACTOR, where)
+    check("output", out, gold_out, base_out, OUTPUT_FACTOR, where, flash_floor(case, backend))
     if not with_grads:
         return
     wrt = grad_inputs(inp)
@@ -218,7 +241,8 @@ def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True)
     base = grads(base_out, wrt, inp["dout"])
     for name in wrt:
         assert got[name].dtype == wrt[name].dtype
-        check(f"grad {name}", got[name], gold_grads[name], base[name], GRAD_FACTOR, where)
+        check(f"grad {name}", got[name], gold_grads[name], base[name], GRAD_FACTOR, where,
+              flash_floor(case, backend))
 
 
 # --- properties -------------------------------------------------------------------------------
@@ -283,11 +307,12 @@ def check_poisoned(case: Case, backend: str, tiles, mode: str, poison: float, *,
     if out is None:
         return
     check("output of rows that may not see the poison", out[rows], gold_out[rows],
-          base_out[rows], OUTPUT_FACTOR, where)
+          base_out[rows], OUTPUT_FACTOR, where, flash_floor(case, backend))
     if mode == "dead":
         got = grads(out, wrt, inp["dout"], case, tiles if backend == "tiled-small" else None)
         for name in wrt:
-            check(f"grad {name}", got[name], gold_grads[name], base_grads[name], GRAD_FACTOR, where)
+            check(f"grad {name}", got[name], gold_grads[name], base_grads[name], GRAD_FACTOR,
+                  where, flash_floor(case, backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

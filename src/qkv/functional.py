@@ -106,13 +106,8 @@ def scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace,
             mask_mod, score_mod,
         )
-        call, bad = nonfinite.clean(call)  # keys/values with NaN or inf: see ops/nonfinite.py
-        result = dispatch.run(call, backend)
-        if bad is None:
-            return result
-        if return_trace:
-            return nonfinite.poison(result[0], call, bad), result[1]
-        return nonfinite.poison(result, call, bad)
+        # inputs with NaN or inf reach only the rows that may see them: ops/nonfinite.py
+        return nonfinite.run(call, lambda c: dispatch.run(c, backend))
     # Under torch.autocast, attention runs in the autocast dtype as torch's SDPA does, on
     # every backend alike, and the backends' own matmuls are not autocast again.
     query, key, value = (_amp_cast(t, amp) for t in (query, key, value))

@@ -363,7 +363,7 @@ class _KeysBefore(MaskMod):
         n = self.n
         if isinstance(n, Tensor):
             n = n.to(kv_idx.device)
-            n = n[b] if n.numel() > 1 else n.view(1, 1, 1, 1)  # (B, 1, 1, 1)
+            n = n[b] if n.numel() != 1 else n.view(1, 1, 1, 1)  # (B, 1, 1, 1)
         return kv_idx < n  # (B?, 1, 1, S)
 
     def tensors(self):
@@ -730,6 +730,8 @@ def per_element(fn, score: Tensor | None, b: Tensor, h: Tensor, q_idx: Tensor,
     idx = (b, h, q_idx, kv_idx)
     args = idx if score is None else (score,) + idx
     shape = torch.broadcast_shapes(*(t.shape for t in args))
+    if 0 in shape:  # nothing to evaluate (vmap cannot map over an empty dim)
+        return torch.empty(shape, dtype=torch.bool if score is None else score.dtype, device=b.device)
     if len(shape) == 4 and all(_varies_only_along(t, d) for d, t in enumerate(idx)):
         vecs = [t.reshape(-1) for t in idx]  # (B,), (H,), (T,), (S,) or size 1
         f = fn

@@ -121,6 +121,18 @@ class AttentionCall:
         return self.query.device
 
     @property
+    def work_dtype(self) -> torch.dtype:
+        """The dtype the CPU kernels compute in: float32 for float16 inputs (torch's float16
+        CPU kernel is slow and inexact, see ``torch_sdpa.py``) and for half inputs with a
+        float32 ``attn_mask`` (the mask keeps its precision through the softmax, as plain math
+        promotes it); otherwise the inputs' dtype."""
+        if self.device.type != "cpu" or self.dtype not in (torch.float16, torch.bfloat16):
+            return self.dtype
+        if self.dtype == torch.float16 or self.mask_kind == "float" and self.attn_mask.dtype == torch.float32:
+            return torch.float32
+        return self.dtype
+
+    @property
     def mask_kind(self) -> str:
         """``"none"``, ``"bool"`` or ``"float"``."""
         if self.attn_mask is None:

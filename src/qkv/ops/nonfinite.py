@@ -1,19 +1,24 @@
-"""Keys and values holding NaN or inf: they may reach only the rows that may attend to them.
+"""Inputs holding NaN or inf: they may reach only the rows that may attend to them.
 
 The mask contract says a key a row may not attend to has no effect on that row, whatever its
-values. Every kernel breaks that by arithmetic alone: a masked weight is exactly 0, but
-``0 * inf = NaN`` in ``probs @ value``, and an additive mask leaves ``NaN + -inf = NaN`` in
-the scores. So before any backend runs, keys and values with a non-finite entry are replaced
-by zeros (:func:`clean`), and afterwards the rows that may attend to one of them are set to
-NaN (:func:`poison`): what plain math gives such a row is not finite either.
+values, and a row that may attend to nothing outputs 0. Every kernel breaks that by
+arithmetic alone: a masked weight is exactly 0, but ``0 * inf = NaN`` in ``probs @ value``,
+an additive mask leaves ``NaN + -inf = NaN`` in the scores, and a NaN query spoils its row's
+statistics even when the row has no key. So :func:`run` runs a call whose keys, values or
+queries hold NaN/inf on zeros in their place, and then sets to NaN exactly the rows that may
+attend to a bad key and the rows of a bad query that have a key to attend to: what plain
+math gives those rows is not finite either.
 
-Detecting them costs one reduction over key and value (and a device sync) per call.
+Cost: when a gradient is wanted, one reduction over q, k and v per call (gradients can be
+spoiled while the output is finite). Otherwise only the output is checked, and the inputs
+only when it is not finite (a masked bad input always shows there as NaN).
 
 Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -21,63 +26,102 @@ from torch import Tensor
 from ..masks import evaluate_mask, index_grid
 from .call import AttentionCall
 
-__all__ = ["clean", "poison"]
+__all__ = ["run"]
 
 
-def clean(call: AttentionCall) -> tuple[AttentionCall, Tensor | None]:
-    """The call with non-finite keys/values zeroed, and which keys those were.
+@dataclasses.dataclass
+class _Bad:
+    """Which keys and query rows held NaN/inf: ``keys`` ``(*kbatch, S)`` (GQA heads expanded),
+    ``rows`` ``(*qbatch, T)``; None where all were finite."""
 
-    Returns ``(call, None)`` unchanged when every key and value is finite (the usual case).
+    keys: Tensor | None
+    rows: Tensor | None
 
-    Shape:
-        -> bad ``(*kbatch, S)`` bool, broadcastable to ``(*batch, S)`` (GQA heads expanded).
-    """
-    key, value = call.key, call.value
-    if call.device.type == "meta" or key.numel() == 0:
-        return call, None
+
+def run(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
+    """``run_call(call)`` (an output, or ``(output, trace)``) under the contract above."""
+    if call.device.type == "meta" or call.query.numel() == 0 or call.key.numel() == 0:
+        return run_call(call)
+    if not _wants_grad(call):
+        result = run_call(call)
+        out = result[0] if call.return_trace else result
+        with torch.no_grad():
+            if bool(torch.isfinite(out).all()):
+                return result
+    cleaned, bad = _clean(call)
+    if bad is None:
+        return run_call(call) if _wants_grad(call) else result
+    result = run_call(cleaned)
+    if call.return_trace:
+        return _poison(result[0], cleaned, bad), result[1]
+    return _poison(result, cleaned, bad)
+
+
+def _wants_grad(call: AttentionCall) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value))
+
+
+def _clean(call: AttentionCall) -> tuple[AttentionCall, _Bad | None]:
+    """The call with non-finite keys, values and query rows zeroed, and which they were."""
+    q, k, v = call.query, call.key, call.value
     with torch.no_grad():  # a sum is finite when every term is (an overflow only costs time)
-        if bool(torch.isfinite(key.sum() + value.sum())):
+        if bool(torch.isfinite(q.sum() + k.sum() + v.sum())):
             return call, None
-        bad_k = ~torch.isfinite(key).all(-1)  # (*kbatch, S)
-        bad_v = ~torch.isfinite(value).all(-1)  # (*kbatch, S)
-    key = torch.where(bad_k.unsqueeze(-1), 0.0, key).to(key.dtype)  # (*kbatch, S, D)
-    value = torch.where(bad_v.unsqueeze(-1), 0.0, value).to(value.dtype)  # (*kbatch, S, Dv)
-    bad = torch.broadcast_tensors(bad_k, bad_v)
-    bad = bad[0] | bad[1]  # (*kbatch, S)
+        bad_q = ~torch.isfinite(q).all(-1)  # (*qbatch, T)
+        bad_k = ~torch.isfinite(k).all(-1)  # (*kbatch, S)
+        bad_v = ~torch.isfinite(v).all(-1)  # (*kbatch, S)
+    if not (bad_q.any() or bad_k.any() or bad_v.any()):
+        return call, None
+    q, k, v = (torch.where(bad.unsqueeze(-1), 0.0, t).to(t.dtype)
+               for bad, t in ((bad_q, q), (bad_k, k), (bad_v, v)))
+    keys = torch.broadcast_tensors(bad_k, bad_v)
+    keys = keys[0] | keys[1]  # (*kbatch, S)
     if call.enable_gqa:
-        bad = bad.repeat_interleave(call.query.shape[-3] // call.key.shape[-3], dim=-2)
-    return dataclasses.replace(call, key=key, value=value), bad
+        keys = keys.repeat_interleave(call.query.shape[-3] // call.key.shape[-3], dim=-2)
+    bad = _Bad(keys if keys.any() else None, bad_q if bad_q.any() else None)
+    return dataclasses.replace(call, query=q, key=k, value=v), bad
 
 
-def poison(out: Tensor, call: AttentionCall, bad: Tensor) -> Tensor:
-    """``out`` with NaN on every row that may attend to a key marked ``bad``.
+def _poison(out: Tensor, call: AttentionCall, bad: _Bad) -> Tensor:
+    """``out`` with NaN on every row that may attend to a bad key, and on every bad query row
+    that may attend to some key.
 
     Shape:
-        out ``(*batch, T, Dv)``; bad ``(*kbatch, S)`` -> ``(*batch, T, Dv)``.
+        out ``(*batch, T, Dv)`` -> the same.
     """
-    cols = bad.reshape(-1, call.S).any(0).nonzero().squeeze(-1)  # (nc,) keys bad somewhere
-    hit = allowed_columns(call, cols) & bad[..., None, cols]  # (*batch, T, nc)
-    return out.masked_fill(hit.any(-1, keepdim=True), float("nan"))
+    hit = torch.zeros(call.batch + (call.T,), dtype=torch.bool, device=out.device)  # (*batch, T)
+    if bad.keys is not None:
+        cols = bad.keys.reshape(-1, call.S).any(0).nonzero().squeeze(-1)  # (nc,) bad somewhere
+        hit = hit | (allowed(call, cols=cols) & bad.keys[..., None, cols]).any(-1)
+    if bad.rows is not None:
+        rows = bad.rows.reshape(-1, call.T).any(0).nonzero().squeeze(-1)  # (nr,) bad somewhere
+        alive = allowed(call, rows=rows).any(-1)  # (*batch, nr)
+        hit[..., rows] |= alive & bad.rows[..., rows]
+    return out.masked_fill(hit.unsqueeze(-1), float("nan"))
 
 
-def allowed_columns(call: AttentionCall, cols: Tensor) -> Tensor:
-    """Whether each query row may attend to the keys ``cols``, under all the call's masks.
+def allowed(call: AttentionCall, *, rows: Tensor | None = None, cols: Tensor | None = None) -> Tensor:
+    """Whether query ``rows`` may attend to keys ``cols`` (None: all), under every mask of the
+    call (attn_mask, is_causal, mask_mod; a float mask's ``-inf`` hides a key).
 
     Shape:
-        cols ``(nc,)`` int64 -> ``(*batch, T, nc)`` bool.
+        rows ``(nr,)``, cols ``(nc,)`` int64 -> ``(*batch, nr, nc)`` bool.
     """
     B, H = call.BH
-    T, nc = call.T, cols.numel()
-    allowed = torch.ones(1, 1, T, nc, dtype=torch.bool, device=call.device)  # (1, 1, T, nc)
-    kv = cols.view(1, 1, 1, nc)
+    dev = call.device
+    rows = torch.arange(call.T, device=dev) if rows is None else rows
+    cols = torch.arange(call.S, device=dev) if cols is None else cols
+    nr, nc = rows.numel(), cols.numel()
+    out = torch.ones(1, 1, nr, nc, dtype=torch.bool, device=dev)  # (1, 1, nr, nc)
+    q, kv = rows.view(1, 1, nr, 1), cols.view(1, 1, 1, nc)
     if call.attn_mask is not None:
         mask = call.mask_4d(call.attn_mask)  # (B?, H?, T?, S?)
+        mask = mask[..., rows, :] if mask.shape[-2] > 1 else mask
         mask = mask[..., cols] if mask.shape[-1] > 1 else mask
-        allowed = allowed & (mask if mask.dtype == torch.bool else ~torch.isneginf(mask))
-    b, h, q, _ = index_grid(B, H, T, 1, device=call.device)
+        out = out & (mask if mask.dtype == torch.bool else ~torch.isneginf(mask))
     if call.is_causal:
-        allowed = allowed & (kv <= q)
+        out = out & (kv <= q)
     if call.mask_mod is not None:
-        allowed = allowed & evaluate_mask(call.mask_mod, b, h, q, kv)
-    allowed = allowed.expand(B, H, T, nc)  # (B, H, T, nc)
-    return allowed.reshape(call.batch + (T, nc))
+        b, h, _, _ = index_grid(B, H, 1, 1, device=dev)
+        out = out & evaluate_mask(call.mask_mod, b, h, q, kv)
+    return out.expand(B, H, nr, nc).reshape(call.batch + (nr, nc))

@@ -23,8 +23,8 @@ Two inner kernels compute a chunk:
     gradient by autograd on the chunk), and gradients for tensors a score_mod reads.
 Half precision: the ``matmul`` kernel multiplies in float32 (a score_mod sees scores not
 rounded to half, and the weights meet the values unrounded), and the softmax, the merge and
-all gradient accumulation are float32 on both kernels; float16 on CPU runs in float32 (torch's
-float16 CPU kernel is slow and inexact, see ``torch_sdpa.py``).
+all gradient accumulation are float32 on both kernels; on CPU, float16 inputs and half inputs
+with a float32 attn_mask run in float32 (``AttentionCall.work_dtype``).
 
 Shape alphabet: B batch, H query heads, T query length, S key length, D head dim, Dv value
 head dim; a tile has ``tq`` queries and a chunk ``kc`` keys.
@@ -139,9 +139,8 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     B, H = call.BH
     mask = call.attn_mask
     bias = call.mask_4d(mask) if mask is not None and mask.is_floating_point() else None
-    work = torch.float32 if call.dtype == torch.float16 and call.device.type == "cpu" else None
-    if work is not None:
-        q, k, v = q.to(work), k.to(work), v.to(work)
+    if call.work_dtype != call.dtype:
+        q, k, v = q.to(call.work_dtype), k.to(call.work_dtype), v.to(call.work_dtype)
     if bias is not None and bias.requires_grad:
         inner = _refuse_flash(inner, "a float attn_mask that requires grad")
     plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)

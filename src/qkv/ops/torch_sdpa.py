@@ -8,7 +8,8 @@ What it adds on top of torch:
     merged into one, a key must pass both.
   * Query rows that may attend to nothing give exactly 0 with 0 gradients whatever kernel
     torch picks: such rows are handed to torch as "attend everywhere" and zeroed after.
-  * float16 on CPU runs torch's float32 kernel and rounds the output to float16: torch's own
+  * float16 on CPU (and float16/bfloat16 with a float32 attn_mask, whose precision plain
+    math keeps through the softmax) runs torch's float32 kernel and rounds the output: torch's own
     float16 CPU kernel measured ~7x slower for forward+backward (T=2048, D=64) and its dV error
     up to 3.4x that of plain float16 math, outside the tolerance policy; through float32 the
     error stays within it (benchmarks/RESULTS.md).
@@ -103,8 +104,9 @@ def _guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None
 
 
 def _upcast(call: AttentionCall) -> bool:
-    """float16 on CPU goes through torch's float32 kernel (see the module docstring)."""
-    return call.dtype == torch.float16 and call.device.type == "cpu"
+    """float16 on CPU, and half inputs with a float32 mask, go through torch's float32 kernel
+    (see the module docstring and ``AttentionCall.work_dtype``)."""
+    return call.work_dtype != call.dtype
 
 
 def _fits_flash_cpu(call: AttentionCall, mask: Tensor | None, dtype: torch.dtype) -> bool:
