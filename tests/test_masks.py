@@ -163,13 +163,12 @@ def _lambda_h(T, S):
     def striped(b, h, q_idx, kv_idx):
         return (q_idx + kv_idx + h) % 3 != 0
     twin = loops((1, H), T, S, lambda b, h, i, j: (i + j + h) % 3 != 0)
-    # a plain function runs per element (FlexAttention's semantics): its mask has every dim
-    return striped, twin, {(B, H, T, S)}, True  # blocks found by evaluation: exact
+    return striped, twin, {(1, H, T, S)}, True  # blocks found by evaluation: exact
 
 
 def _lambda_b(T, S):
     twin = loops((B, 1), T, S, lambda b, h, i, j: j <= i + 2 * b)
-    return (lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 2 * b), twin, {(B, H, T, S)}, True
+    return (lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 2 * b), twin, {(B, 1, T, S)}, True
 
 
 MASKS = {

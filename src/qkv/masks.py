@@ -743,6 +743,8 @@ def per_element(fn, score: Tensor | None, b: Tensor, h: Tensor, q_idx: Tensor,
         else:
             out = f(score.expand(tuple(v.numel() for v in vecs)), *vecs)
         _check_per_element(fn, out, 4)
+        if score is None:  # dims the mask does not depend on come back expanded: keep them 1
+            return out[tuple(slice(0, 1) if st == 0 else slice(None) for st in out.stride())]
         return out.expand(shape) if out.shape != shape else out
     flat = [t.expand(shape).reshape(-1) for t in args]  # (N,) each
     out = torch.vmap(fn)(*flat)
