@@ -107,7 +107,9 @@ def merge_key_mask(attn_mask: Tensor | None, key_mask: Tensor | None) -> Tensor 
 # kv_idx ``(1, 1, 1, S)`` (or any slice of them), and returns a bool tensor of their broadcast
 # shape: True = may attend. A score_mod is called as ``score_mod(score, b, h, q_idx, kv_idx)``
 # with the scaled scores ``(B, H, T, S)`` (or a tile of them) and returns new scores. A plain
-# function written for torch's FlexAttention works unchanged.
+# function written for torch's FlexAttention works unchanged: it is evaluated per element, as
+# Flex does (``per_element``, one torch.vmap level per index dim), so it sees 0-d indices and
+# a 0-d score. The ready-made objects below are called on the broadcast index tensors directly.
 #
 # The ready-made ones below are objects that also know, per block of queries x keys, whether
 # the block is full, partial or empty, from the block's index bounds alone: that is what lets

@@ -128,9 +128,8 @@ class AttentionCall:
         promotes it); otherwise the inputs' dtype."""
         if self.device.type != "cpu" or self.dtype not in (torch.float16, torch.bfloat16):
             return self.dtype
-        if self.dtype == torch.float16 or self.mask_kind == "float" and self.attn_mask.dtype == torch.float32:
-            return torch.float32
-        return self.dtype
+        float32_mask = self.mask_kind == "float" and self.attn_mask.dtype == torch.float32
+        return torch.float32 if self.dtype == torch.float16 or float32_mask else self.dtype
 
     @property
     def mask_kind(self) -> str:
