@@ -1,0 +1,343 @@
+"""Hugging Face transformers on qkv: ``attn_implementation="qkv"``.
+
+::
+
+    import qkv.integrations.transformers as qkv_hf
+    qkv_hf.register()                                   # once per process
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="qkv")
+    model.set_attn_implementation("qkv")                # or switch a loaded model
+    out = model(ids, attention_mask=pad, output_attentions=True)   # weights, from the lse
+
+Every transformers model that dispatches through ``AttentionInterface`` (transformers 5.x:
+Llama, Mistral, Qwen2, GPT-2, BERT, BART, T5, ViT and most others) then runs its attention on
+qkv. :func:`register` registers both halves transformers needs: the attention function and
+the mask builder (``AttentionMaskInterface``; a name registered only as an attention function
+gets ``attention_mask=None`` and silently ignores padding).
+
+What the models pass is mapped onto qkv's vocabulary, so nothing ``(T, S)``-sized is built:
+
+* causal masks (``module.is_causal``, transformers' causal mask with its KV-cache offsets) and
+  the sliding windows of Mistral/Qwen2-style models become ``qkv.masks`` windows, which the
+  tiled backend skips block by block; plain top-left causal stays ``is_causal=True`` for
+  torch's kernels;
+* padding becomes a ``(B, 1, 1, S)`` bool mask; a query row with no real key (left padding
+  under a causal mask) outputs 0, never NaN;
+* GQA (``enable_gqa``), ``scaling``, ``dropout`` in training, T5's ``position_bias`` (an
+  added float mask) and Gemma-style ``softcap`` (``qkv.masks.softcap``);
+* any other mask transformers builds (chunked, packed sequences, image-token blocks) runs as
+  a structured mask evaluated per block, exactly.
+
+``output_attentions=True`` returns the weights ``exp(scores - lse)`` recomputed from the fast
+kernel's log-sum-exp, only when asked (transformers' own ``sdpa`` returns none).
+
+Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
+D head dim.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .. import masks
+from ..functional import scaled_dot_product_attention
+from ..masks import MaskMod
+
+__all__ = ["register", "attention_forward", "build_mask", "HFMask", "SUPPORTED_VERSIONS"]
+
+SUPPORTED_VERSIONS = (5, 6)  # transformers >= 5.0, < 6: the AttentionInterface/mask API used here
+# Arguments of an attention function that qkv cannot honour: refused, never ignored.
+_REFUSED = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks"}
+
+
+def register(name: str = "qkv", *, backend: str = "auto") -> str:
+    """Make ``attn_implementation=name`` run transformers models on qkv.
+
+    Registers :func:`attention_forward` in transformers' ``AttentionInterface`` and
+    :func:`build_mask` in its ``AttentionMaskInterface`` under ``name``. Calling it again
+    re-registers (e.g. with another ``backend``).
+
+    Args:
+        name: The attention implementation's name.
+        backend: The qkv backend the calls use (``"auto"``, ``"tiled"``, ``"torch"``,
+            ``"reference"``).
+
+    Returns:
+        ``name``, to pass as ``attn_implementation``.
+    """
+    tf = _import_transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+
+    tf.AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
+    AttentionMaskInterface.register(name, build_mask)
+    return name
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("qkv.integrations.transformers needs transformers 5.x: "
+                          "pip install 'qkv[hf]'") from e
+    major = int(transformers.__version__.split(".")[0])
+    if not SUPPORTED_VERSIONS[0] <= major < SUPPORTED_VERSIONS[1]:
+        raise ImportError(f"qkv.integrations.transformers supports transformers "
+                          f">={SUPPORTED_VERSIONS[0]},<{SUPPORTED_VERSIONS[1]}, found "
+                          f"{transformers.__version__}: pip install 'qkv[hf]'")
+    return transformers
+
+
+@dataclass(frozen=True)
+class HFMask:
+    """The mask transformers asked for, kept as a description rather than a tensor.
+
+    Attributes:
+        mask_function: transformers' ``mask_function(b, h, q_idx, kv_idx)`` in absolute
+            positions (queries from ``q_offset``, keys from ``kv_offset``).
+        q_length, kv_length: The sizes T and S of the attention call.
+        q_offset, kv_offset: Absolute position of query row 0 and key column 0.
+        padding: Bool ``(B, S)``, True = real key, or None when there is no padding.
+        per_element: The function needs per-element (vmap) evaluation: transformers marks
+            custom overlays so.
+    """
+
+    mask_function: Callable
+    q_length: int
+    kv_length: int
+    q_offset: int
+    kv_offset: int
+    padding: Tensor | None
+    per_element: bool = False
+
+
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+               kv_offset: int = 0, mask_function: Callable | None = None,
+               attention_mask: Tensor | None = None, use_vmap: bool = False,
+               **kwargs) -> HFMask:
+    """transformers' mask interface for qkv: an :class:`HFMask`, no ``(T, S)`` tensor.
+
+    Shape:
+        attention_mask ``(B, >= kv_offset + S)``, 2-D padding mask (True/1 = real token).
+    """
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask
+
+    padding = None
+    if attention_mask is not None:
+        full = prepare_padding_mask(attention_mask.bool(), kv_length, int(kv_offset))
+        padding = full[:, int(kv_offset): int(kv_offset) + kv_length]  # (B, S)
+        if bool(padding.all()):
+            padding = None
+    return HFMask(mask_function or causal_mask_function, q_length, kv_length, int(q_offset),
+                  int(kv_offset), padding, bool(use_vmap))
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: HFMask | Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None, *,
+                      backend: str = "auto", **kwargs) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention function signature, computed by qkv.
+
+    Args:
+        module: The model's attention module (``is_causal`` is read from it).
+        query, key, value: Projected heads.
+        attention_mask: An :class:`HFMask` from :func:`build_mask`, a prepared 4-D mask
+            (bool True = may attend, or float added), or None.
+        dropout: Dropout on the weights (transformers passes 0 in eval).
+        scaling: Factor on the scores (None: ``1 / sqrt(D)``).
+        is_causal: Overrides ``module.is_causal`` when there is no mask.
+        backend: The qkv backend.
+        **kwargs: ``sliding_window``, ``position_bias`` (T5), ``softcap``,
+            ``output_attentions`` and what transformers passes along (ignored).
+
+    Returns:
+        ``(output, weights)``: weights only when the caller asked for attentions.
+
+    Shape:
+        query ``(B, H, T, D)``; key, value ``(B, G, S, D)`` -> output ``(B, T, H, D)``,
+        weights ``(B, H, T, S)``.
+    """
+    for arg, what in _REFUSED.items():
+        if kwargs.get(arg) is not None:
+            raise NotImplementedError(f"qkv's attention does not implement {what} yet; run this "
+                                      f"model with attn_implementation='eager' or 'sdpa'")
+    T, S = query.shape[-2], key.shape[-2]
+    attn_mask, mask_mod, causal = _mask_args(module, attention_mask, T, S, is_causal,
+                                             kwargs.get("sliding_window"))
+    attn_mask = _with_bias(attn_mask, kwargs.get("position_bias"))
+    softcap = kwargs.get("softcap")
+    want = _weights_wanted(kwargs)
+    res = scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
+        scale=scaling, enable_gqa=query.shape[-3] != key.shape[-3], backend=backend,
+        return_trace=want, mask_mod=mask_mod,
+        score_mod=masks.softcap(softcap) if softcap else None)
+    out, trace = res if want else (res, None)  # (B, H, T, D)
+    weights = trace.probs.to(query.dtype) if want else None  # (B, H, T, S)
+    return out.transpose(1, 2).contiguous(), weights  # (B, T, H, D)
+
+
+def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_window):
+    """``(attn_mask, mask_mod, is_causal)`` for qkv from what transformers passed."""
+    if isinstance(mask, HFMask):
+        if (mask.q_length, mask.kv_length) != (T, S):
+            raise ValueError(f"transformers built the mask for T={mask.q_length}, "
+                             f"S={mask.kv_length}, but the attention call has T={T}, S={S}")
+        keep = None if mask.padding is None else mask.padding[:, None, None, :]  # (B, 1, 1, S)
+        mask_mod, causal = _structure(mask, T, S)
+        return keep, mask_mod, causal
+    if isinstance(mask, Tensor):
+        if mask.shape[-1] > S:  # a static cache's mask covers its whole capacity
+            mask = mask[..., :S]
+        return mask, None, False
+    if mask is not None:
+        raise TypeError(f"attn_implementation='qkv' got an attention_mask of type "
+                        f"{type(mask).__name__}; it takes the masks qkv's mask interface "
+                        f"builds, 4-D tensors, or None")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = bool(causal) and T > 1  # as transformers' sdpa: one query sees every key
+    if causal and sliding_window:
+        return None, _FixedWindow(sliding_window - 1, 0, S - T), False
+    return None, None, causal
+
+
+def _structure(mask: HFMask, T: int, S: int) -> tuple[MaskMod | None, bool]:
+    """``(mask_mod, is_causal)`` for transformers' mask function, without padding."""
+    d = mask.q_offset - mask.kv_offset  # key j may be seen by query i iff j <= i + d, causally
+    window = _window_of(mask.mask_function)
+    if window is None:
+        return _HFFunction(mask.mask_function, mask.q_offset, mask.kv_offset,
+                           mask.per_element), False
+    if window is _EVERYTHING:
+        return None, False
+    left, right = window
+    if left is None and right == 0:  # plain causal
+        if d == 0:
+            return None, True
+        if d >= S - 1:
+            return None, False  # every query sees every key
+    return _FixedWindow(left, right, d), False
+
+
+_EVERYTHING = ("everything",)
+
+
+def _window_of(fn) -> tuple[int | None, int | None] | tuple | None:
+    """transformers' mask function as a window ``(left, right)`` around the query position
+    (None = unbounded), :data:`_EVERYTHING`, or None when it is not a window.
+
+    Recognises ``causal_mask_function``, ``bidirectional_mask_function``, the sliding-window
+    overlays and ``and_masks`` of those, by their code objects.
+    """
+    from transformers import masking_utils as mu
+
+    if fn is mu.bidirectional_mask_function:
+        return _EVERYTHING
+    if fn is mu.causal_mask_function:
+        return (None, 0)
+    code, cells = getattr(fn, "__code__", None), _cells(fn)
+    if code is _code(mu.sliding_window_overlay) and isinstance(cells.get("sliding_window"), int):
+        return (cells["sliding_window"] - 1, None)  # kv > q - w
+    if (code is _code(mu.sliding_window_bidirectional_overlay)
+            and isinstance(cells.get("sliding_window"), int)):
+        w = cells["sliding_window"]
+        return (w, w)  # |q - kv| <= w
+    if code is _code(mu.and_masks) and isinstance(cells.get("mask_functions"), tuple):
+        parts = [_window_of(f) for f in cells["mask_functions"]]
+        if any(p is None for p in parts):
+            return None
+        bounds = [p for p in parts if p is not _EVERYTHING]
+        if not bounds:
+            return _EVERYTHING
+        return (_tightest(b[0] for b in bounds), _tightest(b[1] for b in bounds))
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _code(factory):
+    """The code object of the closure ``factory`` returns (it is the same for every call)."""
+    return factory(1).__code__ if factory.__name__ != "and_masks" else factory(abs).__code__
+
+
+def _cells(fn) -> dict:
+    code = getattr(fn, "__code__", None)
+    if code is None or not fn.__closure__:
+        return {}
+    with contextlib.suppress(ValueError):  # an empty cell
+        return {n: c.cell_contents for n, c in zip(code.co_freevars, fn.__closure__)}
+    return {}
+
+
+def _tightest(bounds) -> int | None:
+    known = [b for b in bounds if b is not None]
+    return min(known) if known else None
+
+
+class _FixedWindow(masks._Window):
+    """Keys in ``[q + d - left, q + d + right]``: a window whose alignment ``d`` transformers'
+    cache offsets fix (not top-left or bottom-right by the call's sizes)."""
+
+    def __init__(self, left: int | None, right: int | None, d: int) -> None:
+        super().__init__(left, right, "top_left", "window", offset=d)
+
+    def bind(self, B, H, T, S):
+        return self
+
+    def __repr__(self):
+        return f"hf_window(left={self.left}, right={self.right}, offset={self.offset})"
+
+
+class _HFFunction(MaskMod):
+    """transformers' mask function as a qkv mask_mod, shifted to absolute positions.
+
+    Its functions are written for broadcast index tensors (transformers' non-vmap masks);
+    those transformers marks as needing vmap are evaluated per element.
+    """
+
+    def __init__(self, fn: Callable, q_offset: int, kv_offset: int, per_element: bool) -> None:
+        self.fn, self.q_offset, self.kv_offset, self.per_element = fn, q_offset, kv_offset, per_element
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        q, kv = q_idx + self.q_offset, kv_idx + self.kv_offset
+        if self.per_element:
+            from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+            with TransformGetItemToIndex():
+                return masks.per_element(self.fn, None, b, h, q, kv)
+        return self.fn(b, h, q, kv)
+
+    def tensors(self):
+        return masks._captured_tensors(self.fn)
+
+    def __repr__(self):
+        return f"hf_mask({getattr(self.fn, '__qualname__', self.fn)})"
+
+
+def _with_bias(attn_mask: Tensor | None, bias: Tensor | None) -> Tensor | None:
+    """A float ``position_bias`` (T5) added to the scores, with a bool mask folded in as -inf.
+
+    Shape:
+        attn_mask ``(B, 1, 1, S)`` bool or None; bias ``(1 | B, H, T, S)``.
+    """
+    if bias is None:
+        return attn_mask
+    if attn_mask is None:
+        return bias
+    if attn_mask.dtype == torch.bool:
+        return bias.masked_fill(~attn_mask, float("-inf"))
+    return bias + attn_mask
+
+
+def _weights_wanted(kwargs: dict) -> bool:
+    """Did the caller ask for attention weights? ``output_attentions=True`` in the call, or
+    transformers' output collector (``config.output_attentions``) recording attentions."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    collected = _active_collector.get() or {}
+    return any(k in collected for k in ("attentions", "cross_attentions"))

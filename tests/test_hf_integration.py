@@ -1,0 +1,334 @@
+"""attn_implementation="qkv" in Hugging Face transformers models, against their own eager attention.
+
+Models are built from small configs with random weights (nothing is downloaded). Outputs and
+gradients are compared in float64 with assert_close defaults where transformers' eager path is
+finite; where it is not (float64 eager rounds its -1.8e308 mask to -inf in a float32 softmax,
+so rows with no real key are NaN), float32 runs are held to the tolerance policy against
+transformers' sdpa in float64.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import qkv  # noqa: E402
+import qkv.integrations.transformers as qkv_hf  # noqa: E402
+
+qkv_hf.register()
+qkv_hf.register("qkv_tiled", backend="tiled")
+
+V = 97  # vocabulary
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _mistral():
+    cfg = transformers.MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=4)
+    return transformers.MistralForCausalLM(cfg)
+
+
+def _qwen2():
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=1, max_position_embeddings=64,
+                                   use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=96,
+                                  max_position_embeddings=64)
+    return transformers.BertModel(cfg, add_pooling_layer=False)
+
+
+def _bart():
+    cfg = transformers.BartConfig(vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4,
+                                  encoder_ffn_dim=96, decoder_ffn_dim=96,
+                                  max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                                  eos_token_id=2, decoder_start_token_id=2)
+    return transformers.BartForConditionalGeneration(cfg)
+
+
+def _t5():
+    cfg = transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=2,
+                                num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
+                                pad_token_id=0, eos_token_id=1)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def _vit():
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+    return transformers.ViTModel(cfg, add_pooling_layer=False)
+
+
+MODELS = {"llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "qwen2": _qwen2, "bert": _bert,
+          "bart": _bart, "t5": _t5, "vit": _vit}
+CAUSAL_LMS = ("llama", "gpt2", "mistral", "qwen2")
+SEQ2SEQ = ("bart", "t5")
+
+
+def _model(name: str, dtype=torch.float64):
+    torch.manual_seed(0)
+    return MODELS[name]().to(dtype).eval()
+
+
+def _inputs(name: str, *, left: bool, B: int = 3, T: int = 11, dtype=torch.float64):
+    """A batch with padding: row 0 full, row 1 missing 4 tokens, row 2 missing 7 (left or
+    right). Returns ``(kwargs, real)`` with real ``(B, T)`` marking positions to compare."""
+    g = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return {"pixel_values": torch.randn(B, 3, 32, 32, generator=g, dtype=dtype)}, None
+    ids = torch.randint(3, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b, n in ((1, 4), (2, 7)):
+        if left:
+            mask[b, :n] = 0
+        else:
+            mask[b, T - n:] = 0
+    kw = {"input_ids": ids, "attention_mask": mask}
+    real = mask.bool()
+    if name in SEQ2SEQ:
+        dec = torch.randint(3, V, (B, 6), generator=g)
+        kw.update(decoder_input_ids=dec)
+        real = torch.ones(B, 6, dtype=torch.bool)
+    return kw, real
+
+
+def _last_hidden(model, name: str, impl: str, kw: dict, **extra):
+    model.set_attn_implementation(impl)
+    out = model(**kw, output_hidden_states=True, **extra)
+    if name in SEQ2SEQ:
+        return out.decoder_hidden_states[-1], out
+    if name in ("bert", "vit"):
+        return out.last_hidden_state, out
+    return out.hidden_states[-1], out
+
+
+def _grads(model, name: str, impl: str, kw: dict, real):
+    model.zero_grad()
+    h, _ = _last_hidden(model, name, impl, kw)
+    w = torch.randn(h.shape, generator=torch.Generator().manual_seed(2), dtype=h.dtype)
+    keep = torch.ones(h.shape[:2], dtype=torch.bool) if real is None else real
+    (h * w)[keep].sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# transformers' eager attention takes its softmax in float32 whatever the model's dtype, so
+# in float64 it agrees with exact attention to float32's tolerance only.
+EAGER_TOL = dict(rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hidden_states_and_gradients_equal_exact_attention_in_float64(name, left):
+    """Against transformers' sdpa (torch's exact float64 kernels): assert_close defaults, on
+    every real position and for the gradient of every parameter; and, without padding,
+    against eager to the float32 tolerance its softmax has."""
+    model = _model(name)
+    kw, real = _inputs(name, left=left)
+    keep = (slice(None),) if real is None else (real,)
+    ours, _ = _last_hidden(model, name, "qkv", kw)
+    exact, _ = _last_hidden(model, name, "sdpa", kw)
+    torch.testing.assert_close(ours[keep], exact[keep])
+    assert ours.isfinite().all()
+    if "attention_mask" in kw:  # eager's float32 softmax: rows with no real key are NaN
+        kw = dict(kw, attention_mask=torch.ones_like(kw["attention_mask"]))
+    ours, _ = _last_hidden(model, name, "qkv", kw)
+    eager, _ = _last_hidden(model, name, "eager", kw)
+    torch.testing.assert_close(ours, eager, **EAGER_TOL)
+    g_ours, g_exact = _grads(model, name, "qkv", kw, real), _grads(model, name, "sdpa", kw, real)
+    assert g_ours.keys() == g_exact.keys() and len(g_ours) > 10
+    for n in g_exact:
+        torch.testing.assert_close(g_ours[n], g_exact[n], msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("impl", ["qkv", "qkv_tiled"])
+@pytest.mark.parametrize("name", CAUSAL_LMS + ("bert",) + SEQ2SEQ)
+def test_left_padding_float32_within_the_tolerance_policy(name, impl):
+    """Left padding under a causal mask leaves the first rows of a padded sequence nothing
+    to attend. golden: transformers' sdpa in float64; baseline: eager in float32."""
+    kw, real = _inputs(name, left=True)
+    golden, _ = _last_hidden(_model(name), name, "sdpa", kw)
+    model = _model(name, torch.float32)
+    kw32, _ = _inputs(name, left=True, dtype=torch.float32)
+    ours, _ = _last_hidden(model, name, impl, kw32)
+    base, _ = _last_hidden(model, name, "eager", kw32)
+    assert ours.isfinite().all()
+    err = (ours.double() - golden)[real].abs().max()
+    bound = 2 * (base.double() - golden)[real].abs().max() + 1e-5
+    assert err <= bound, f"{name}: |qkv - sdpa64| = {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_attention_weights_equal_eager(name):
+    """In float32, where eager is finite: every row of a real query (padded query rows have
+    no real key under a sliding window; there eager averages, qkv gives 0)."""
+    model = _model(name, torch.float32)
+    kw, real = _inputs(name, left=False, dtype=torch.float32)
+    _, ours = _last_hidden(model, name, "qkv", kw, output_attentions=True)
+    _, eager = _last_hidden(model, name, "eager", kw, output_attentions=True)
+    kinds = ["attentions"] if name not in SEQ2SEQ else [
+        "encoder_attentions", "decoder_attentions", "cross_attentions"]
+    for kind in kinds:
+        a, e = getattr(ours, kind), getattr(eager, kind)
+        assert len(a) == len(e) == 2 and all(t is not None for t in a), kind
+        for layer, (x, y) in enumerate(zip(a, e)):
+            rows = real if (real is not None and kind in ("attentions",)) else None
+            x, y = (x, y) if rows is None else (x.transpose(1, 2)[rows], y.transpose(1, 2)[rows])
+            torch.testing.assert_close(x, y, **EAGER_TOL, msg=lambda m: f"{kind}[{layer}]: {m}")
+
+
+def test_weights_only_when_asked():
+    model = _model("llama")
+    kw, _ = _inputs("llama", left=False)
+    model.set_attn_implementation("qkv")
+    assert model(**kw).attentions is None
+    out = model.generate(**kw, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                         output_attentions=True, return_dict_in_generate=True)
+    prefill, step = out.attentions  # per step, per layer
+    assert len(prefill) == 2 and prefill[0].shape == (3, 4, 11, 11)
+    assert step[1].shape == (3, 4, 1, 12)
+    torch.testing.assert_close(step[1].sum(-1), torch.ones(3, 4, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", CAUSAL_LMS + SEQ2SEQ)
+def test_generate_gives_eagers_tokens(name):
+    model = _model(name, torch.float32)
+    kw, _ = _inputs(name, left=True, dtype=torch.float32)
+    kw.pop("decoder_input_ids", None)
+    tokens = {}
+    for impl in ("eager", "qkv"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(**kw, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                      pad_token_id=0)
+    assert tokens["qkv"].shape[-1] >= 8
+    torch.testing.assert_close(tokens["qkv"], tokens["eager"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "bart"])
+def test_a_fully_padded_sequence_is_finite(name):
+    """A sequence with no real token (every key padding): eager's float32 gives uniform
+    weights; qkv's mask contract gives 0 weights and no NaN, forward and backward."""
+    model = _model(name, torch.float32).train(False)
+    kw, _ = _inputs(name, left=False, dtype=torch.float32)
+    kw["attention_mask"][2] = 0
+    model.set_attn_implementation("qkv")
+    h, out = _last_hidden(model, name, "qkv", kw, output_attentions=True)
+    assert h.isfinite().all()
+    h.sum().backward()
+    assert all(p.grad.isfinite().all() for p in model.parameters() if p.grad is not None)
+    weights = out.attentions if name != "bart" else out.encoder_attentions
+    assert (weights[0][2] == 0).all()
+
+
+class _Spy:
+    """Records the keyword arguments of every qkv attention call the integration makes."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        real = qkv_hf.scaled_dot_product_attention
+
+        def spy(*args, **kwargs):
+            self.calls.append(kwargs)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(qkv_hf, "scaled_dot_product_attention", spy)
+
+
+def test_sliding_window_is_a_window_mask_not_a_dense_one(monkeypatch):
+    """Mistral's window of 4 keys: qkv gets a window mask_mod (tiled skips blocks by it) and
+    a (B, 1, 1, S) padding mask, never a (T, S) tensor; also while decoding from a cache."""
+    model = _model("mistral", torch.float32)
+    kw, _ = _inputs("mistral", left=True, dtype=torch.float32)
+    spy = _Spy(monkeypatch)
+    model.set_attn_implementation("qkv")
+    model.generate(**kw, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len(spy.calls) == 2 * 3  # 2 layers x (prefill + 2 decode steps)
+    for call in spy.calls:
+        mod = call["mask_mod"]
+        assert (mod.left, mod.right) == (3, 0), mod
+        keep = call["attn_mask"]  # padding, when the keys in the window have some
+        assert keep is None or keep.shape == (3, 1, 1, keep.shape[-1])
+    assert spy.calls[0]["attn_mask"] is not None
+
+
+def test_plain_causal_stays_on_torchs_causal_kernel(monkeypatch):
+    model = _model("llama", torch.float32)
+    spy = _Spy(monkeypatch)
+    model.set_attn_implementation("qkv")
+    model(torch.randint(3, V, (2, 9)))
+    assert [(c["is_causal"], c["mask_mod"], c["attn_mask"]) for c in spy.calls] == [(True, None, None)] * 2
+
+
+def test_dropout_is_passed_in_training_only(monkeypatch):
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, attention_dropout=0.25)
+    model = transformers.LlamaModel(cfg)
+    model.set_attn_implementation("qkv")
+    spy = _Spy(monkeypatch)
+    ids = torch.randint(3, V, (2, 9))
+    model.train()(ids)
+    model.eval()(ids)
+    assert [c["dropout_p"] for c in spy.calls] == [0.25, 0.0]
+    torch.manual_seed(5)
+    a = model.train()(ids).last_hidden_state
+    torch.manual_seed(5)
+    b = model(ids).last_hidden_state
+    assert torch.equal(a, b) and not torch.allclose(a, model.eval()(ids).last_hidden_state)
+
+
+def test_from_config_and_unknown_features():
+    model = transformers.LlamaForCausalLM._from_config(_llama().config, attn_implementation="qkv")
+    assert model.config._attn_implementation == "qkv"
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
+                                 s_aux=torch.zeros(2))
+    with pytest.raises(TypeError, match="attention_mask of type"):
+        qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, "causal")
+
+
+@pytest.mark.parametrize("offsets", [(0, 0), (5, 0), (7, 3)], ids=lambda o: f"q{o[0]}-kv{o[1]}")
+@pytest.mark.parametrize("fn", ["causal", "window4", "window4_bidirectional", "chunked3"])
+def test_every_mask_function_equals_transformers_dense_mask(fn, offsets):
+    """The structure qkv reads off transformers' mask functions allows exactly the pairs
+    transformers' own dense sdpa mask allows, at any cache offsets."""
+    from transformers import masking_utils as mu
+
+    fns = {"causal": mu.causal_mask_function,
+           "window4": mu.sliding_window_causal_mask_function(4),
+           "window4_bidirectional": mu.sliding_window_bidirectional_mask_function(4),
+           "chunked3": mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))}
+    T, S = 6, 13
+    q_off, kv_off = offsets
+    pad = torch.ones(2, kv_off + S, dtype=torch.bool)
+    pad[1, kv_off: kv_off + 2] = False
+    args = dict(batch_size=2, q_length=T, kv_length=S, q_offset=q_off, kv_offset=kv_off,
+                mask_function=fns[fn], attention_mask=pad)
+    want = mu.sdpa_mask(**args, allow_is_causal_skip=False)  # (B, 1, T, S)
+    hf = qkv_hf.build_mask(**args)
+    keep, mask_mod, causal = qkv_hf._mask_args(None, hf, T, S, None, None)
+    got = torch.ones(2, 1, T, S, dtype=torch.bool) & keep
+    if causal:
+        got &= qkv.masks.to_dense(qkv.masks.causal(), 2, 1, T, S)
+    if mask_mod is not None:
+        got &= qkv.masks.to_dense(mask_mod, 2, 1, T, S)
+    assert torch.equal(got, want)
