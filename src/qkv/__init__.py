@@ -1,5 +1,6 @@
 """qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through."""
 from . import models, tasks
+from .capture import Captured, capture, load_capture
 from .dispatch import backend_names
 from .functional import linear_attention, scaled_dot_product_attention
 from .nn import (AdditiveAttention, KVCache, LinearMultiHeadAttention, LocalMultiHeadAttention,
@@ -21,6 +22,7 @@ __all__ = [
     "ViT",
     "attention_kinds",
     "BackendUnsupportedError",
+    "Captured",
     "DecoderLM",
     "EncoderClassifier",
     "Favor",
@@ -30,7 +32,9 @@ __all__ = [
     "LinearMultiHeadAttention",
     "LocalMultiHeadAttention",
     "backend_names",
+    "capture",
     "linear_attention",
+    "load_capture",
     "models",
     "tasks",
     "scaled_dot_product_attention",

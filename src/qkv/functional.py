@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import dispatch
+from . import dispatch, recording
 from .ops import AttentionCall, nonfinite
 from .ops import linear as _linear
 from .trace import AttentionTrace
@@ -100,6 +100,14 @@ def scaled_dot_product_attention(
         >>> qkv.scaled_dot_product_attention(q, k, v)  # [[1, e]] / (1 + e)
         tensor([[0.2689, 0.7311]])
     """
+    record = recording.wanted()  # None unless a qkv.capture wants this call's weights
+    if record is not None:
+        with recording.paused():
+            out, trace = scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                backend=backend, return_trace=True, mask_mod=mask_mod, score_mod=score_mod)
+        record(trace)
+        return (out, trace) if return_trace else out
     amp = _autocast_dtype(query)
     if amp is None:
         call = AttentionCall.build(
@@ -197,6 +205,14 @@ def linear_attention(
         >>> out = qkv.linear_attention(q, k, v, is_causal=True)        # (2, 8, 4096, 64)
         >>> out = qkv.linear_attention(q, k, v, feature_map=qkv.Favor(64, 256, seed=1))
     """
+    record = recording.wanted()  # None unless a qkv.capture wants this call's weights
+    if record is not None:
+        with recording.paused():
+            out, trace = linear_attention(query, key, value, feature_map=feature_map,
+                                          is_causal=is_causal, key_mask=key_mask, eps=eps,
+                                          return_trace=True)
+        record(trace)
+        return (out, trace) if return_trace else out
     inp = _linear.prepare(query, key, value, key_mask, is_causal=bool(is_causal))
     eps = _linear.check_eps(eps)
     phi = _linear.resolve_feature_map(feature_map, query.shape[-1])

@@ -1,0 +1,80 @@
+"""The hook through which ``qkv.capture`` sees attention calls.
+
+``qkv.scaled_dot_product_attention`` (and ``qkv.linear_attention``) ask :func:`wanted` on
+every call. With no recorder active that costs one ``ContextVar.get``; a recorder that does
+not want the call (a layer nobody asked for) answers None, and the call runs exactly as it
+would uncaptured, without forming a trace. When it is wanted, the call runs with
+``return_trace=True`` under :func:`paused` (so the inner call is not recorded again), the
+trace goes to the function :func:`wanted` returned, and the caller gets what it asked for.
+
+A ``ContextVar`` rather than a global: a recorder sees the calls of its own thread (and of
+asyncio tasks started inside it), never another thread's. Recorders nest: while one is
+active, a second started inside it is asked too (each answers for the calls it wants).
+
+This module sits at layer 0 (it imports only torch and the trace): the functional API
+imports it, and ``qkv.capture`` (layer 5) builds on it.
+"""
+from __future__ import annotations
+
+from contextvars import ContextVar, Token
+from typing import Callable, Optional
+
+from .trace import AttentionTrace
+
+__all__ = ["Recorder", "wanted", "start", "stop", "paused", "TraceSink"]
+
+TraceSink = Callable[[AttentionTrace], None]
+
+
+class Recorder:
+    """Takes the traces of the attention calls it wants (subclassed by ``qkv.capture``)."""
+
+    def want(self) -> Optional[TraceSink]:
+        """Called at the start of every attention call while active: None to let the call
+        run untraced, or a function that takes its trace (called once, after the call)."""
+        raise NotImplementedError
+
+
+class _Both(Recorder):
+    """Two active recorders, the outer one started first; each answers for itself."""
+
+    def __init__(self, outer: Recorder, inner: Recorder) -> None:
+        self.outer, self.inner = outer, inner
+
+    def want(self) -> Optional[TraceSink]:
+        a, b = self.outer.want(), self.inner.want()
+        if a is None or b is None:
+            return a if b is None else b
+        return lambda trace: (a(trace), b(trace))
+
+
+_ACTIVE: ContextVar[Optional[Recorder]] = ContextVar("qkv_recorder", default=None)
+
+
+def wanted() -> Optional[TraceSink]:
+    """Where the trace of the attention call now starting should go; None (almost always)
+    when no recorder wants it."""
+    recorder = _ACTIVE.get()
+    return None if recorder is None else recorder.want()
+
+
+def start(recorder: Recorder) -> Token:
+    """Make ``recorder`` active in this context (beside any active one); pass the token
+    back to :func:`stop`."""
+    outer = _ACTIVE.get()
+    return _ACTIVE.set(recorder if outer is None else _Both(outer, recorder))
+
+
+def stop(token: Token) -> None:
+    """Undo the :func:`start` that gave ``token``: the recorders active before it are again."""
+    _ACTIVE.reset(token)
+
+
+class paused:
+    """Within it no recorder is asked: the traced inner call of a wanted call runs here."""
+
+    def __enter__(self) -> None:
+        self._token = _ACTIVE.set(None)
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.reset(self._token)
