@@ -74,7 +74,7 @@ def test_from_torch_same_outputs_and_gradients(mode, bias, kvdim, layout, masks)
         with torch.no_grad():
             tm.in_proj_bias.normal_()
             tm.out_proj.bias.normal_()
-    ours = qkv.MultiHeadAttention.from_torch(tm)
+    ours = qkv.MultiHeadAttention.from_torch(tm, batch_first=True)  # fed (B, T, C) below
     B, T = 3, 7
     S = T if mode == "self" else 9
     q = torch.randn(B, T, 16, dtype=torch.float64)

@@ -416,11 +416,11 @@ def _check_dims(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Ten
 def _check_channels(m: MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> None:
     for name, t, c in (("query", query, m.embed_dim), ("key", key, m.kdim),
                        ("value", value, m.vdim)):
-        if t.shape[-1] != c:
+        if t.size(-1) != c:  # size(-1), not shape: a nested tensor has no shape
             what = "embed_dim" if name == "query" else name[0] + "dim"
             raise _InputError(
-                f"was expecting embedding dimension of {c}, but got {t.shape[-1]}: {name} "
-                f"{tuple(t.shape)} must have {what}={c} channels in its last dim")
+                f"was expecting embedding dimension of {c}, but got {t.size(-1)}: {name} "
+                f"must have {what}={c} channels in its last dim")
 
 
 def _check_lengths(m: MultiheadAttention, q: Tensor, k: Tensor, v: Tensor,

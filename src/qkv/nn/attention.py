@@ -269,14 +269,28 @@ class MultiHeadAttention(nn.Module):
         )
 
     @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention) -> "MultiHeadAttention":
+    def from_torch(cls, m: nn.MultiheadAttention, *,
+                   batch_first: bool | None = None) -> "MultiHeadAttention":
         """The same attention as a ``torch.nn.MultiheadAttention``, with copied parameters.
 
-        qkv modules always take ``(B, T, C)``: for a torch module with ``batch_first=False``
-        feed ``x.transpose(0, 1)``. torch's ``key_padding_mask`` (True = padding) becomes
-        ``key_mask=~key_padding_mask``; its bool ``attn_mask`` (True = hidden) becomes
-        ``~attn_mask``, and a 3-D ``(B*H, T, S)`` one is reshaped to ``(B, H, T, S)``.
-        ``add_bias_kv`` and ``add_zero_attn`` are refused with a ValueError.
+        qkv modules always take ``(B, T, C)``. A torch module built with ``batch_first=False``
+        takes ``(T, B, C)``, and the same tensors fed to the converted module would mix the
+        positions of different sequences without any error, so such a module is refused
+        unless the caller passes ``batch_first=True``, confirming that they will feed
+        ``(B, T, C)`` (``x.transpose(0, 1)`` of torch's input). To keep torch's layout and mask
+        polarity instead, use ``qkv.torch_compat.MultiheadAttention`` or
+        ``qkv.torch_compat.patch(model)``.
+
+        torch's ``key_padding_mask`` (True = padding) becomes ``key_mask=~key_padding_mask``;
+        its bool ``attn_mask`` (True = hidden) becomes ``~attn_mask``, and a 3-D
+        ``(B*H, T, S)`` one is reshaped to ``(B, H, T, S)``. ``add_bias_kv`` and
+        ``add_zero_attn`` are refused with a ValueError (``qkv.torch_compat`` runs them).
+
+        Args:
+            m: The torch module.
+            batch_first: True confirms that the caller feeds ``(B, T, C)`` whatever
+                ``m.batch_first`` says; None (default) accepts only ``m.batch_first=True``.
+                False is refused: qkv modules take no ``(T, B, C)``.
         """
         if not isinstance(m, nn.MultiheadAttention):
             raise TypeError(f"from_torch needs a torch.nn.MultiheadAttention, got {type(m).__name__}")
@@ -284,7 +298,23 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 "qkv.MultiHeadAttention does not take add_bias_kv=True or add_zero_attn=True "
                 "(an extra learned or zero key/value position that every query sees); build "
-                "the torch module without them, or append that position to key/value yourself"
+                "the torch module without them, or use qkv.torch_compat.MultiheadAttention "
+                "(or qkv.torch_compat.patch(model)), which runs them"
+            )
+        if batch_first is not True and not (batch_first is None and m.batch_first):
+            C = m.embed_dim
+            why = (
+                f"from_torch(m, batch_first={batch_first!r}): qkv.MultiHeadAttention takes "
+                f"(B, T, {C}) only, never (T, B, {C})" if batch_first is not None else
+                f"this torch.nn.MultiheadAttention(embed_dim={C}, num_heads={m.num_heads}) has "
+                f"batch_first=False and takes (T, B, {C}), but qkv.MultiHeadAttention takes "
+                f"(B, T, {C}): fed the same tensors it would silently mix the positions of "
+                f"different sequences"
+            )
+            raise ValueError(
+                f"{why}. Either keep torch's layout with qkv.torch_compat.MultiheadAttention "
+                f"(or qkv.torch_compat.patch(model)), or call from_torch(m, batch_first=True) "
+                f"to confirm you will feed (B, T, {C}), e.g. x.transpose(0, 1)"
             )
         ref = m.out_proj.weight
         new = cls(m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim,
