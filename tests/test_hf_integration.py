@@ -8,6 +8,8 @@ transformers' sdpa in float64.
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ import qkv.integrations.transformers as qkv_hf  # noqa: E402
 
 qkv_hf.register()
 qkv_hf.register("qkv_tiled", backend="tiled")
+qkv_hf.register("qkv_reference", backend="reference")  # plain float64 math: the golden
 
 V = 97  # vocabulary
 
@@ -313,16 +316,22 @@ def test_every_mask_function_equals_transformers_dense_mask(fn, offsets):
     transformers' own dense sdpa mask allows, at any cache offsets."""
     from transformers import masking_utils as mu
 
-    fns = {"causal": mu.causal_mask_function,
-           "window4": mu.sliding_window_causal_mask_function(4),
-           "window4_bidirectional": mu.sliding_window_bidirectional_mask_function(4),
-           "chunked3": mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))}
+    if fn == "window4_bidirectional" and not hasattr(mu, "sliding_window_bidirectional_mask_function"):
+        pytest.skip(f"transformers {transformers.__version__} has no bidirectional sliding window")
+    fns = {"causal": lambda: mu.causal_mask_function,
+           "window4": lambda: mu.sliding_window_causal_mask_function(4),
+           "window4_bidirectional": lambda: mu.sliding_window_bidirectional_mask_function(4),
+           "chunked3": lambda: mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))}
     T, S = 6, 13
     q_off, kv_off = offsets
     pad = torch.ones(2, kv_off + S, dtype=torch.bool)
     pad[1, kv_off: kv_off + 2] = False
-    args = dict(batch_size=2, q_length=T, kv_length=S, q_offset=q_off, kv_offset=kv_off,
-                mask_function=fns[fn], attention_mask=pad)
+    args = dict(batch_size=2, kv_length=S, kv_offset=kv_off, mask_function=fns[fn](),
+                attention_mask=pad)
+    if "cache_position" in inspect.signature(mu.sdpa_mask).parameters:  # transformers < 5.4
+        args.update(cache_position=torch.arange(q_off, q_off + T))
+    else:
+        args.update(q_length=T, q_offset=q_off)
     want = mu.sdpa_mask(**args, allow_is_causal_skip=False)  # (B, 1, T, S)
     hf = qkv_hf.build_mask(**args)
     keep, mask_mod, causal = qkv_hf._mask_args(None, hf, T, S, None, None)
@@ -332,3 +341,40 @@ def test_every_mask_function_equals_transformers_dense_mask(fn, offsets):
     if mask_mod is not None:
         got &= qkv.masks.to_dense(mask_mod, 2, 1, T, S)
     assert torch.equal(got, want)
+
+
+def test_gemma2_softcap_and_alternating_windows_equal_eager():
+    """Gemma 2: logit softcapping (a score_mod) and sliding-window layers between global ones.
+    transformers has no sdpa path for it: qkv's reference backend (plain float64 math) is the
+    golden, and eager agrees to its float32 softmax's error (relative to the largest value)."""
+    cfg = transformers.Gemma2Config(vocab_size=V, hidden_size=64, intermediate_size=96,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                    attn_logit_softcapping=5.0, query_pre_attn_scalar=16)
+    torch.manual_seed(0)
+    model = transformers.Gemma2Model(cfg).double().eval()
+    ids = torch.randint(3, V, (2, 13), generator=torch.Generator().manual_seed(3))
+    out, grads = {}, {}
+    for impl in ("qkv", "qkv_reference", "eager"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        out[impl] = model(ids, output_attentions=True)
+        out[impl].last_hidden_state.square().sum().backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out["qkv"].last_hidden_state, out["eager"].last_hidden_state,
+                               **EAGER_TOL)
+    for ours, eager in zip(out["qkv"].attentions, out["eager"].attentions):
+        torch.testing.assert_close(ours, eager, **EAGER_TOL)
+    assert (out["qkv"].attentions[0][..., 12, :8] == 0).all()  # outside the window of 4
+    scale = max(g.abs().max().item() for g in grads["eager"].values())  # of the whole model
+    for n in grads["eager"]:
+        torch.testing.assert_close(grads["qkv"][n], grads["qkv_reference"][n])
+        torch.testing.assert_close(grads["qkv"][n], grads["eager"][n], rtol=1.3e-6,
+                                   atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("version", ["4.57.1", "5.2.0", "6.0.0"])
+def test_register_refuses_transformers_outside_the_tested_range(monkeypatch, version):
+    monkeypatch.setattr(transformers, "__version__", version)
+    with pytest.raises(ImportError, match=rf"supports transformers >=5\.3,<6, found {version}"):
+        qkv_hf.register()

@@ -49,7 +49,9 @@ from ..masks import MaskMod
 
 __all__ = ["register", "attention_forward", "build_mask", "HFMask", "SUPPORTED_VERSIONS"]
 
-SUPPORTED_VERSIONS = (5, 6)  # transformers >= 5.0, < 6: the AttentionInterface/mask API used here
+# transformers >= 5.3, < 6 (tested: 5.3.0 and 5.23.0). 5.3 is the first whose models report
+# output_attentions to the attention function (through its output recorder).
+SUPPORTED_VERSIONS = ((5, 3), (6, 0))
 # Arguments of an attention function that qkv cannot honour: refused, never ignored.
 _REFUSED = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks"}
 
@@ -83,10 +85,11 @@ def _import_transformers():
     except ImportError as e:
         raise ImportError("qkv.integrations.transformers needs transformers 5.x: "
                           "pip install 'qkv[hf]'") from e
-    major = int(transformers.__version__.split(".")[0])
-    if not SUPPORTED_VERSIONS[0] <= major < SUPPORTED_VERSIONS[1]:
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    low, high = SUPPORTED_VERSIONS
+    if not low <= version < high:
         raise ImportError(f"qkv.integrations.transformers supports transformers "
-                          f">={SUPPORTED_VERSIONS[0]},<{SUPPORTED_VERSIONS[1]}, found "
+                          f">={'.'.join(map(str, low))},<{high[0]}, found "
                           f"{transformers.__version__}: pip install 'qkv[hf]'")
     return transformers
 
@@ -114,17 +117,25 @@ class HFMask:
     per_element: bool = False
 
 
-def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
-               kv_offset: int = 0, mask_function: Callable | None = None,
-               attention_mask: Tensor | None = None, use_vmap: bool = False,
-               **kwargs) -> HFMask:
+def build_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
+               q_offset: int = 0, kv_offset: int = 0, mask_function: Callable | None = None,
+               attention_mask: Tensor | None = None, use_vmap: bool = False, *,
+               cache_position: Tensor | None = None, **kwargs) -> HFMask:
     """transformers' mask interface for qkv: an :class:`HFMask`, no ``(T, S)`` tensor.
 
+    transformers before 5.4 passes the query positions as ``cache_position`` instead of
+    ``q_length``/``q_offset``; both are taken.
+
     Shape:
-        attention_mask ``(B, >= kv_offset + S)``, 2-D padding mask (True/1 = real token).
+        attention_mask ``(B, >= kv_offset + S)``, 2-D padding mask (True/1 = real token);
+        cache_position ``(T,)``.
     """
     from transformers.masking_utils import causal_mask_function, prepare_padding_mask
 
+    if cache_position is not None:
+        q_length, q_offset = _query_positions(cache_position)
+    if q_length is None or kv_length is None:
+        raise TypeError("build_mask needs q_length (or cache_position) and kv_length")
     padding = None
     if attention_mask is not None:
         full = prepare_padding_mask(attention_mask.bool(), kv_length, int(kv_offset))
@@ -133,6 +144,16 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
             padding = None
     return HFMask(mask_function or causal_mask_function, q_length, kv_length, int(q_offset),
                   int(kv_offset), padding, bool(use_vmap))
+
+
+def _query_positions(cache_position: Tensor) -> tuple[int, int]:
+    """``(T, first position)`` of consecutive query positions."""
+    T = cache_position.numel()
+    first = int(cache_position[0]) if T else 0
+    if T and not torch.equal(cache_position.cpu(), torch.arange(first, first + T)):
+        raise ValueError(f"attn_implementation='qkv' needs consecutive query positions, got "
+                         f"cache_position {cache_position.tolist()[:8]}...")
+    return T, first
 
 
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -241,7 +262,8 @@ def _window_of(fn) -> tuple[int | None, int | None] | tuple | None:
     code, cells = getattr(fn, "__code__", None), _cells(fn)
     if code is _code(mu.sliding_window_overlay) and isinstance(cells.get("sliding_window"), int):
         return (cells["sliding_window"] - 1, None)  # kv > q - w
-    if (code is _code(mu.sliding_window_bidirectional_overlay)
+    bidirectional = getattr(mu, "sliding_window_bidirectional_overlay", None)  # not in every 5.x
+    if (bidirectional is not None and code is _code(bidirectional)
             and isinstance(cells.get("sliding_window"), int)):
         w = cells["sliding_window"]
         return (w, w)  # |q - kv| <= w
@@ -332,12 +354,11 @@ def _with_bias(attn_mask: Tensor | None, bias: Tensor | None) -> Tensor | None:
 
 def _weights_wanted(kwargs: dict) -> bool:
     """Did the caller ask for attention weights? ``output_attentions=True`` in the call, or
-    transformers' output collector (``config.output_attentions``) recording attentions."""
+    transformers' output recorder collecting attentions (``output_attentions`` given to the
+    model, which transformers does not pass down to every attention function)."""
     if kwargs.get("output_attentions"):
         return True
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return False
+    from transformers.utils.output_capturing import _active_collector
+
     collected = _active_collector.get() or {}
     return any(k in collected for k in ("attentions", "cross_attentions"))
