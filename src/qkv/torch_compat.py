@@ -94,11 +94,13 @@ class MultiheadAttention(nn.MultiheadAttention):
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights,
                                         attn_mask, average_attn_weights, is_causal)
-        batched = _check_call(self, query, key, value, key_padding_mask, attn_mask,
-                              need_weights, is_causal)
+        batched = _check_call(self, query, key, value, key_padding_mask, attn_mask, is_causal)
         q, k, v = self._to_batch_first(query, key, value, batched)  # (B, T, C), (B, S, Ck|Cv)
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (1, S)
+        replaced = _causal_replaces_mask(is_causal, key_padding_mask, need_weights)
+        _check_lengths(self, q, k, v, key_padding_mask,
+                       None if replaced else attn_mask)  # as torch: a replaced mask unchecked
         heads, probs = self._attend(q, k, v, key_padding_mask, attn_mask, need_weights,
                                     is_causal)  # (B, H, T, D), (B, H, T, S') or None
         out = self._merge_heads(heads, batched)  # like query, with C channels
@@ -112,11 +114,11 @@ class MultiheadAttention(nn.MultiheadAttention):
             q ``(B, T, C)``, k ``(B, S, Ck)``, v ``(B, S, Cv)`` -> heads ``(B, H, T, D)``,
             probs ``(B, H, T, S')`` or None.
         """
-        B, T, S = q.shape[0], q.shape[1], k.shape[1]
+        (B, T, _), S, dtype = q.shape, k.shape[1], q.dtype  # torch's masks take the input dtype
         q, k, v = self._project(q, k, v)  # (B, H, T, D), (B, H, S', D) x2
         causal = _causal_replaces_mask(is_causal, key_padding_mask, need_weights)
         mask = None if causal else _qkv_mask(
-            attn_mask, key_padding_mask, (B, self.num_heads, T, S), k.shape[-2] - S, q.dtype)
+            attn_mask, key_padding_mask, (B, self.num_heads, T, S), k.shape[-2] - S, dtype)
         res = scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal, backend=self.backend, return_trace=need_weights)
@@ -352,9 +354,10 @@ def _check_tensors(query, key, value) -> None:
 
 
 def _check_call(m: MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
-                key_padding_mask: Tensor | None, attn_mask: Tensor | None, need_weights: bool,
+                key_padding_mask: Tensor | None, attn_mask: Tensor | None,
                 is_causal: bool) -> bool:
-    """Every check torch's forward makes, in its order; returns whether the call is batched."""
+    """torch's checks of a forward call up to the lengths (:func:`_check_lengths`), in its
+    order; returns whether the call is batched."""
     _check_mask_dtypes(key_padding_mask, attn_mask)
     batched = _check_dims(query, key, value, key_padding_mask, attn_mask, m.num_heads)
     if is_causal and attn_mask is None:
@@ -364,10 +367,6 @@ def _check_call(m: MultiheadAttention, query: Tensor, key: Tensor, value: Tensor
             "nn.Transformer.generate_square_subsequent_mask(T) with it; qkv.MultiHeadAttention "
             "takes is_causal=True alone)")
     _check_channels(m, query, key, value)
-    q, k, v = m._to_batch_first(query, key, value, batched)  # views: (B, L, C)
-    used = None if _causal_replaces_mask(is_causal, key_padding_mask, need_weights) else attn_mask
-    _check_lengths(m, q, k, v, key_padding_mask if batched or key_padding_mask is None
-                   else key_padding_mask.unsqueeze(0), used)
     return batched
 
 
@@ -381,7 +380,7 @@ def _check_mask_dtypes(key_padding_mask: Tensor | None, attn_mask: Tensor | None
     if key_padding_mask is not None and attn_mask is not None and (
             key_padding_mask.dtype != attn_mask.dtype):
         warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
-                      "Use same type for both instead.", stacklevel=4)
+                      "Use same type for both instead.", stacklevel=3)
 
 
 def _check_dims(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
