@@ -156,6 +156,26 @@ def test_weights_of_a_closed_form_case():
     torch.testing.assert_close(out, want)
 
 
+def test_weights_come_from_a_fast_backend_trace(monkeypatch):
+    backends = []
+    inner = tc.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        res = inner(*args, **kwargs)
+        backends.append(res[1].backend if kwargs["return_trace"] else None)
+        return res
+    monkeypatch.setattr(tc, "scaled_dot_product_attention", spy)
+    theirs, ours = _pair(batch_first=True)
+    x = torch.randn(2, 6, E, dtype=DT)
+    kpm = torch.tensor([[False] * 6, [False] * 2 + [True] * 4])
+    got = ours(x, x, x, key_padding_mask=kpm)
+    assert backends == ["torch"]  # the kernel's log-sum-exp, not the plain-math backend
+    ours.backend = "reference"  # the slow twin, by name
+    torch.testing.assert_close(ours(x, x, x, key_padding_mask=kpm), got)
+    assert backends[-1] == "reference"
+    torch.testing.assert_close(got, theirs(x, x, x, key_padding_mask=kpm))
+
+
 def test_constructor_parameters_and_state_dict_as_torch():
     for kw in CONFIGS.values():
         torch.manual_seed(3)

@@ -145,7 +145,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         q, k, v = (self._split_heads(t) for t in (q, k, v))  # (B, H, L, D)
         if self.add_zero_attn:
             zeros = k.new_zeros(k.shape[:2] + (1, self.head_dim))  # (B, H, 1, D)
-            k, v = torch.cat([k, zeros], 2), torch.cat([v, zeros], 2)  # (B, H, S' , D)
+            k, v = torch.cat([k, zeros], 2), torch.cat([v, zeros], 2)  # (B, H, S', D)
         return q, k, v
 
     def _split_heads(self, x: Tensor) -> Tensor:
