@@ -525,3 +525,46 @@ def test_lookup_errors_name_the_sites():
         cap[0]
     assert "layer  0  blocks.layers.0.self_attn: not recorded" in repr(cap)
     assert "layer  1  blocks.layers.1.self_attn: 1 call, probs (1, 4, 4, 4)" in repr(cap)
+
+
+# --- models that reach qkv from elsewhere -----------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # torch's own
+def test_torch_encoder_patched_by_torch_compat():
+    import qkv.torch_compat
+
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = qkv.torch_compat.patch(nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)).eval()
+    x = torch.randn(2, 9, 16)
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, 6:] = True  # torch's polarity: True = padding
+    with torch.no_grad(), qkv.capture(model, heads=[1, 3]) as cap:
+        y = model(x, src_key_padding_mask=pad)
+    assert cap.sites == ["layers.0.self_attn", "layers.1.self_attn"]
+    attn = model.layers[0].self_attn
+    h = model.layers[0].norm1(x) if model.layers[0].norm_first else x
+    _, weights = attn(h, h, h, key_padding_mask=pad, average_attn_weights=False)
+    torch.testing.assert_close(cap.records[0].probs[0], weights[0, [1, 3]], rtol=0, atol=1e-6)
+    assert (cap.records[1].probs[1, :, :, 6:] == 0).all()  # padded keys get no weight
+    assert y.shape == x.shape
+
+
+def test_hugging_face_model_with_attn_implementation_qkv():
+    transformers = pytest.importorskip("transformers")
+    import qkv.integrations.transformers as qkv_hf
+
+    qkv_hf.register()
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("qkv")
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        own = model(input_ids=ids, output_attentions=True).attentions
+        with qkv.capture(model, rows=[-1]) as cap:
+            model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert cap.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert [r.call for r in cap.layer(1)] == [0, 1, 2]  # prefill, then one call per new token
+    for layer in range(2):
+        torch.testing.assert_close(cap.layer(layer)[0].probs, own[layer][:, :, -1:], rtol=0, atol=1e-6)
