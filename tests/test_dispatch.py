@@ -80,16 +80,24 @@ def test_register_rejects_duplicates_and_auto():
 
 def test_trace_uses_kernel_lse_when_it_fits(monkeypatch):
     """A 4-D CPU call takes out and lse from torch's flash kernel in one run, with no second
-    SDPA call; a GQA call falls back to SDPA plus the scores' log-sum-exp."""
+    SDPA call; a GQA call too (its kv heads repeated per query head); without a trace,
+    plain torch SDPA."""
     seen = []
     real = torch_sdpa.flash_forward
     monkeypatch.setattr(torch_sdpa, "flash_forward", lambda *a, **kw: seen.append(1) or real(*a, **kw))
     q, k, v = _qkv()
     _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True)
     assert seen == [1]
-    qkv.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True, return_trace=True)
+    out, trace = qkv.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True,
+                                                  return_trace=True)
+    assert seen == [1, 1]
+    ref, ref_trace = qkv.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True,
+                                                      return_trace=True, backend="reference")
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(trace.lse, ref_trace.lse)
+    torch.testing.assert_close(trace.probs, ref_trace.probs)
     qkv.scaled_dot_product_attention(q, k, v)  # no trace: plain torch SDPA
-    assert seen == [1]
+    assert seen == [1, 1]
 
 
 def test_backend_result_needs_only_out():

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .ops import (AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TiledBackend,
                   TorchBackend)
-from .ops.reference import attention_scores_at
+from .ops.reference import attention_scores_at, take
 from .trace import AttentionTrace, probs_from_lse_
 
 __all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
@@ -119,11 +119,11 @@ def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
 
     def probs_at(wide: AttentionCall, b, h, rows) -> Tensor:
         scores = attention_scores_at(wide, b, h, rows)  # (nb, nh, nr, S)
-        return probs_from_lse_(scores, lse4[b][:, h][:, :, rows])
+        return probs_from_lse_(scores, take(lse4, b, h, rows))
 
     def subset(b, h, rows):
         scores = attention_scores_at(_widened(call), b, h, rows)  # (nb, nh, nr, S)
-        probs = probs_from_lse_(scores.clone(), lse4[b][:, h][:, :, rows])
+        probs = probs_from_lse_(scores.clone(), take(lse4, b, h, rows))
         return scores.to(call.dtype), probs.to(call.dtype)
 
     return AttentionTrace(_recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
@@ -155,9 +155,12 @@ def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
     wide = _widened(call)
     B, H = call.BH
     tail = (call.S,) if tail is None else tail
-    out = torch.empty((B, H, call.T) + tail, dtype=dtype or call.dtype, device=call.device)
     b, h = torch.arange(B), torch.arange(H)
     step = max(_BLOCK_ROWS_MIN, _BLOCK_ELEMENTS // max(B * H * call.S, 1))
+    if step >= call.T:  # one block: its result is the buffer
+        whole = fn(wide, b, h, torch.arange(call.T)).to(dtype or call.dtype)  # (B, H, T, *tail)
+        return whole.reshape(call.batch + (call.T,) + tail)
+    out = torch.empty((B, H, call.T) + tail, dtype=dtype or call.dtype, device=call.device)
     for start in range(0, call.T, step):
         rows = torch.arange(start, min(start + step, call.T))
         out[:, :, start:start + len(rows)] = fn(wide, b, h, rows)  # (B, H, nr, *tail)

@@ -66,14 +66,14 @@ def attention_scores_at(call: AttentionCall, b: Tensor, h: Tensor, rows: Tensor)
     query, key, _ = call.as_4d()  # (B, H, T, D), (B, H, S, D)
     dev = call.device
     b, h, rows = b.to(dev), h.to(dev), rows.to(dev)
-    q = query[b][:, h][:, :, rows]  # (nb, nh, nr, D)
-    scores = (q * call.scale) @ key[b][:, h].transpose(-2, -1)  # (nb, nh, nr, S)
+    q = take(query, b, h, rows)  # (nb, nh, nr, D)
+    scores = (q * call.scale) @ take(key, b, h).transpose(-2, -1)  # (nb, nh, nr, S)
     idx = (b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), rows.view(1, 1, -1, 1),
            torch.arange(call.S, device=dev).view(1, 1, 1, -1))
     if call.score_mod is not None:
         scores = evaluate_score(call.score_mod, scores, *idx)
     if call.attn_mask is not None:
-        mask = _take(call.mask_4d(call.attn_mask), b, h, rows)  # (nb?, nh?, nr?, S?)
+        mask = take(call.mask_4d(call.attn_mask), b, h, rows, broadcast=True)  # (nb?, nh?, nr?, S?)
         scores = apply_mask_(scores, mask)
     if call.is_causal:
         scores = apply_mask_(scores, idx[3] <= idx[2])  # (1, 1, nr, S)
@@ -82,14 +82,21 @@ def attention_scores_at(call: AttentionCall, b: Tensor, h: Tensor, rows: Tensor)
     return scores
 
 
-def _take(t: Tensor, b: Tensor, h: Tensor, rows: Tensor) -> Tensor:
-    """Index the first three dims of a 4-D tensor, leaving dims of size 1 to broadcast."""
-    if t.shape[0] > 1:
-        t = t[b]
-    if t.shape[1] > 1:
-        t = t[:, h]
-    if t.shape[2] > 1:
-        t = t[:, :, rows]
+def take(t: Tensor, *indices: Tensor, broadcast: bool = False) -> Tensor:
+    """``t[b][:, h][:, :, rows]`` for the indices given, as a view (no copy) along each dim
+    whose indices are consecutive (a trace's blocks of rows, all heads, all batch elements).
+
+    With ``broadcast``, dims of size 1 are left as they are, to broadcast.
+    """
+    for dim, idx in enumerate(indices):
+        if broadcast and t.shape[dim] == 1:
+            continue
+        n = idx.numel()
+        first = int(idx[0]) if n else 0
+        if n and torch.equal(idx, torch.arange(first, first + n, device=idx.device)):
+            t = t.narrow(dim, first, n)
+        else:
+            t = t.index_select(dim, idx.to(t.device))
     return t
 
 

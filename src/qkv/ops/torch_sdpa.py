@@ -57,6 +57,7 @@ class TorchBackend:
             q, k, v = q.float(), k.float(), v.float()
             mask = mask.float() if mask is not None and mask.is_floating_point() else mask
         if call.return_trace and _fits_flash_cpu(call, mask, q.dtype):
+            k, v = _shared_heads(q, k), _shared_heads(q, v)  # (B, H, S, D): GQA's kv per head
             out, lse = flash_forward(
                 q, k, v, is_causal=is_causal, scale=call.scale,
                 attn_mask=None if mask is None else _as_additive(mask, q.dtype),
@@ -116,12 +117,25 @@ def _fits_flash_cpu(call: AttentionCall, mask: Tensor | None, dtype: torch.dtype
         flash_cpu_available()
         and call.device.type == "cpu"
         and q.dim() == k.dim() == v.dim() == 4
-        and q.shape[:2] == k.shape[:2] == v.shape[:2]
+        and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1]
+        and (q.shape[1] == k.shape[1] or call.enable_gqa)
         and call.D == call.Dv
         and call.dropout_p == 0.0
         and (mask is None or mask.dtype in (torch.bool, dtype))
         and not (mask is not None and mask.requires_grad)
     )
+
+
+def _shared_heads(q: Tensor, kv: Tensor) -> Tensor:
+    """GQA's G key/value heads repeated for the H query heads that share each (head ``h``
+    reads ``h // (H / G)``), for the flash kernel, which takes one kv head per query head.
+    A copy of ``(B, H, S, D)``: small beside the ``(T, S)`` weights a trace is for.
+
+    Shape:
+        q ``(B, H, T, D)``, kv ``(B, G, S, D)`` -> ``(B, H, S, D)``.
+    """
+    H, G = q.shape[1], kv.shape[1]
+    return kv if H == G else kv.repeat_interleave(H // G, dim=1)
 
 
 def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
