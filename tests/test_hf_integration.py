@@ -8,6 +8,7 @@ transformers' sdpa in float64.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import pytest
@@ -375,6 +376,8 @@ def test_gemma2_softcap_and_alternating_windows_equal_eager():
 
 @pytest.mark.parametrize("version", ["4.57.1", "5.2.0", "6.0.0"])
 def test_register_refuses_transformers_outside_the_tested_range(monkeypatch, version):
-    monkeypatch.setattr(transformers, "__version__", version)
+    # the module object register() imports: transformers swaps its entry in sys.modules
+    # once a model is built, so not necessarily the one importorskip returned
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", version)
     with pytest.raises(ImportError, match=rf"supports transformers >=5\.3,<6, found {version}"):
         qkv_hf.register()
