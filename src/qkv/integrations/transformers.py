@@ -280,8 +280,9 @@ def _window_of(fn) -> tuple[int | None, int | None] | tuple | None:
 
 @functools.lru_cache(maxsize=None)
 def _code(factory):
-    """The code object of the closure ``factory`` returns (it is the same for every call)."""
-    return factory(1).__code__ if factory.__name__ != "and_masks" else factory(abs).__code__
+    """The code object of the closure ``factory`` returns (the same for every argument):
+    the window overlays take a size, ``and_masks`` functions."""
+    return factory(abs if factory.__name__ == "and_masks" else 1).__code__
 
 
 def _cells(fn) -> dict:
