@@ -1,0 +1,266 @@
+"""``qkv view``: one self-contained HTML page of a model's attention weights.
+
+Thin: finds what to show, captures it with :func:`qkv.capture` and writes the page with
+:func:`qkv.viz.html`. Three sources, told apart by what ``SOURCE`` is:
+
+* a file: a capture saved with ``Captured.save`` (read by :func:`qkv.load_capture`);
+* a ``qkv train`` run folder (it holds ``checkpoint.pt``) and ``--input "3 1 4 1 5"``: the
+  run's model, rebuilt from its recipe and weights, reads the input tokenised by the task's
+  vocabulary (a sequence-to-sequence model first decodes it greedily, then the teacher-forced
+  forward is captured, as ``qkv train``'s picture);
+* a Hugging Face model folder (it holds ``config.json``; needs ``qkv[hf]``) and ``--text``:
+  ``AutoTokenizer``/``AutoModel.from_pretrained(folder, local_files_only=True)`` (nothing is
+  downloaded), run with ``attn_implementation="qkv"``.
+
+``--layers``, ``--heads`` and ``--rows`` bound a new capture (``0,3``, ``8000:8016``, ``-1``;
+layers also by module name): a long text's full weights are ``layers x heads x T x T``.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ..capture import Captured, capture, load_capture
+from ..training import CHECKPOINT, run_directory
+from ..training.recipes import ClassifierRecipe, Seq2SeqRecipe, make_recipe
+
+__all__ = ["add_parser", "run_view", "parse_index", "load_run", "DEFAULT_OUT"]
+
+DEFAULT_OUT = "out/view/attention.html"
+HF_CONFIG = "config.json"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``qkv view``."""
+    p = sub.add_parser(
+        "view", help="write a self-contained HTML page of a model's attention weights",
+        description="Write one offline HTML page of attention weights, by layer and head, "
+        "with the tokens as labels: from a capture saved with Captured.save, from a qkv train "
+        "run folder and --input, or from a Hugging Face model folder and --text (qkv[hf]; "
+        "local files only, nothing is downloaded).")
+    p.add_argument("source", metavar="SOURCE",
+                   help="a saved capture (.pt), a qkv train run folder, or a Hugging Face "
+                   "model folder")
+    p.add_argument("--input", metavar="TOKENS",
+                   help='for a run folder: the input, tokens separated by spaces ("3 1 4 1 5")')
+    p.add_argument("--text", help="for a Hugging Face model folder: the text to tokenise")
+    p.add_argument("--layers", metavar="LIST",
+                   help="layers to capture: numbers (0,3 or 0:4) or module names")
+    p.add_argument("--heads", metavar="LIST", help="query heads to capture (0,3 or 0:4)")
+    p.add_argument("--rows", metavar="LIST",
+                   help="query rows to capture (8000:8016, or -1 for the last)")
+    p.add_argument("--title", help="the page's title (default: what it shows)")
+    p.add_argument("--cache-dir", default=None,
+                   help="for a run folder: where its task's data is cached (as qkv train's)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE.html",
+                   help=f"the page to write (default {DEFAULT_OUT})")
+    p.set_defaults(func=run_view)
+
+
+def run_view(args: argparse.Namespace) -> int:
+    """Capture (or load) the weights ``args`` ask for, write the page, print its path."""
+    source = Path(args.source)
+    bounds = dict(layers=parse_index(args.layers, "--layers", names=True),
+                  heads=parse_index(args.heads, "--heads"), rows=parse_index(args.rows, "--rows"))
+    if source.is_file():
+        _refuse(args, ("--input", "--text", "--layers", "--heads", "--rows", "--cache-dir"),
+                "a saved capture is shown as it was saved")
+        obj, tokens, title = _saved_capture(source)
+    elif (source / CHECKPOINT).is_file():
+        _refuse(args, ("--text",), "a qkv train run reads --input")
+        if args.input is None:
+            raise ValueError(f'{source} is a qkv train run: give its model an input, e.g. '
+                             f'--input "3 1 4 1 5"')
+        obj, tokens, title = _run(source, args.input, bounds, args.cache_dir)
+    elif (source / HF_CONFIG).is_file():
+        _refuse(args, ("--input", "--cache-dir"), "a Hugging Face model reads --text")
+        if args.text is None:
+            raise ValueError(f'{source} is a Hugging Face model folder: give it a text, e.g. '
+                             f'--text "The cat sat on the mat"')
+        obj, tokens, title = _hugging_face(source, args.text, bounds)
+    elif source.is_dir():
+        raise ValueError(f"{source} is neither a qkv train run (no {CHECKPOINT}) nor a Hugging "
+                         f"Face model folder (no {HF_CONFIG})")
+    else:
+        raise ValueError(f"{source} does not exist: give a saved capture (.pt), a qkv train "
+                         f"run folder or a Hugging Face model folder")
+    out = Path(args.out)
+    with run_directory(out.parent):
+        written = _write_html(obj, out, tokens, title=args.title or title)
+    print(written)
+    return 0
+
+
+def _write_html(obj, path: Path, tokens, *, title: str) -> Path:
+    from ..viz.html import html  # imported when a page is written
+    return html(obj, path, tokens, title=title)
+
+
+def _refuse(args: argparse.Namespace, options: tuple[str, ...], why: str) -> None:
+    given = [o for o in options if getattr(args, o[2:].replace("-", "_")) is not None]
+    if given:
+        raise ValueError(f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not "
+                         f"apply to {args.source}: {why}")
+
+
+def parse_index(text: str | None, what: str, *, names: bool = False):
+    """A ``--layers``/``--heads``/``--rows`` value as :func:`qkv.capture` takes it.
+
+    ``None`` -> None (all); ``"8000:8016"``, ``"5:"`` or ``":4"`` -> a slice; otherwise a
+    comma-separated list of ints and closed ranges (``"0,3"``, ``"0:2,7"`` -> ``[0, 1, 7]``),
+    and, with ``names``, module names (``"decoder.layers.1.cross_attn"``).
+    """
+    if text is None:
+        return None
+    items = [t.strip() for t in text.split(",")]
+    if len(items) == 1 and ":" in items[0] and not names:
+        a, b = (_int(p, what, text) if p.strip() else None for p in items[0].split(":", 1))
+        return slice(a, b)
+    out: list = []
+    for item in items:
+        if ":" in item:
+            a, _, b = item.partition(":")
+            if not (a.strip() and b.strip()):
+                raise ValueError(f"{what} {text}: a range in a list needs both ends, like 0:4")
+            out.extend(range(_int(a, what, text), _int(b, what, text)))
+        elif names and item and not _is_int(item):
+            out.append(item)
+        else:
+            out.append(_int(item, what, text))
+    return out
+
+
+def _is_int(s: str) -> bool:
+    try:
+        int(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _int(s: str, what: str, text: str) -> int:
+    try:
+        return int(s)
+    except ValueError:
+        raise ValueError(f"{what} {text}: {s.strip()!r} is not a number; write numbers and "
+                         f"ranges like 0,3 or 8000:8016") from None
+
+
+# ---- a saved capture ----------------------------------------------------------------------
+
+
+def _saved_capture(path: Path) -> tuple[Captured, None, str]:
+    try:
+        cap = load_capture(path, map_location="cpu")
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001  (torch.load fails in many ways on a foreign file)
+        first = " ".join(str(e).split()).split(". ")[0]
+        raise ValueError(f"{path} is not a readable qkv capture ({type(e).__name__}: "
+                         f"{first}); write one with Captured.save") from None
+    return cap, None, f"{path.name}: {cap.settings.get('model', 'model')}"
+
+
+# ---- a qkv train run ----------------------------------------------------------------------
+
+
+def load_run(folder: str | Path, *, cache_dir: str | None = None):
+    """The recipe and trained model (eval mode, on the CPU) of a ``qkv train`` run folder.
+
+    The recipe is rebuilt from the checkpoint's description with one example per split (its
+    vocabulary and widths are the task's; the model's shape does not depend on the data's
+    size) and the weights are loaded into a fresh model.
+
+    Raises:
+        ValueError: The checkpoint cannot be read or is not a qkv train checkpoint.
+    """
+    path = Path(folder) / CHECKPOINT
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+        why = "" if isinstance(ck, dict) and {"recipe", "model"} <= ck.keys() else (
+            "it holds no recipe and model")
+    except Exception as e:  # noqa: BLE001  (EOFError, RuntimeError, UnpicklingError, ...)
+        why = f"{type(e).__name__}: {' '.join(str(e).split()).split('. ')[0]}"
+    if why:
+        raise ValueError(f"{path} is not a readable qkv train checkpoint ({why})")
+    desc = ck["recipe"]
+    recipe = make_recipe(desc["task"], attention=desc["attention"],
+                         attention_options=desc["attention_options"], model=desc["model"],
+                         data={**desc["data"], "train_size": 1, "test_size": 1},
+                         cache_dir=cache_dir)
+    model = recipe.build_model()
+    model.load_state_dict(ck["model"])
+    return recipe, model.eval()
+
+
+def _run(folder: Path, text: str, bounds: dict, cache_dir: str | None):
+    recipe, model = load_run(folder, cache_dir=cache_dir)
+    if isinstance(recipe, Seq2SeqRecipe):
+        src_tokens = _tokenise(recipe, text, recipe.train_data.src.shape[1])
+        src = torch.tensor([recipe.train_data.vocab.encode(src_tokens)])  # (1, S)
+        tgt = _greedy(recipe, model, src)  # (1, T): <bos> and the decoded tokens
+        with torch.no_grad(), capture(model, **bounds) as cap:
+            model(src, tgt)
+        tgt_tokens = recipe.train_data.vocab.decode(tgt[0])
+        return cap, (tgt_tokens, src_tokens), (
+            f"{recipe.task}: {' '.join(src_tokens)} -> {' '.join(tgt_tokens[1:])}")
+    if isinstance(recipe, ClassifierRecipe):
+        tokens = _tokenise(recipe, text, recipe.train_data.tokens.shape[1])
+        x = torch.tensor([recipe.train_data.vocab.encode(tokens)])  # (1, L)
+        with torch.no_grad(), capture(model, **bounds) as cap:
+            label = int(model(x).argmax(-1))
+        return cap, ["CLS", *tokens], f"{recipe.task}: {' '.join(tokens)} (predicted {label})"
+    raise ValueError(f"{folder} is a run of {recipe.task}, whose inputs are images, not "
+                     f"tokens: --input reads tokens of reverse, copy, sort or listops")
+
+
+def _tokenise(recipe, text: str, most: int) -> list[str]:
+    """``text`` split at spaces, checked against the task's vocabulary and the model's width."""
+    vocab, tokens = recipe.train_data.vocab, text.split()
+    if not tokens:
+        raise ValueError("--input is empty: give tokens separated by spaces")
+    ordinary = [t for t in vocab.tokens if not (t.startswith("<") and t.endswith(">"))]
+    bad = [t for t in tokens if t not in ordinary]
+    if bad:
+        raise ValueError(f"--input: token {bad[0]!r} is not in the {recipe.task} task's "
+                         f"vocabulary ({' '.join(ordinary)}); separate tokens by spaces")
+    if len(tokens) > most:
+        raise ValueError(f"--input has {len(tokens)} tokens; this run's model takes at most "
+                         f"{most}")
+    return tokens
+
+
+def _greedy(recipe: Seq2SeqRecipe, model, src) -> torch.Tensor:
+    """``<bos>`` and the greedily decoded tokens up to, not including, ``<eos>``.
+
+    Shape: src ``(1, S)`` -> ``(1, T)``, ``T <= S + 2``.
+    """
+    vocab = recipe.train_data.vocab
+    with torch.no_grad():
+        pred = recipe.predict(model, src, torch.ones_like(src, dtype=torch.bool),
+                              src.shape[1] + 2)[0]  # (S + 2,)
+    stops = [i for i, t in enumerate(pred.tolist()) if t in (vocab.eos, vocab.pad)]
+    return pred[:stops[0] if stops else len(pred) - 1].unsqueeze(0)  # (1, T)
+
+
+# ---- a Hugging Face model folder ----------------------------------------------------------
+
+
+def _hugging_face(folder: Path, text: str, bounds: dict):
+    from ..integrations import transformers as qkv_hf  # transformers is optional
+
+    name = qkv_hf.register()  # ImportError without transformers 5.x: one line, exit 2
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
+    model.set_attn_implementation(name)
+    enc = tokenizer(text, return_tensors="pt")
+    if enc["input_ids"].shape[1] == 0:
+        raise ValueError(f"--text {text!r} gives no tokens")
+    with torch.no_grad(), capture(model, **bounds) as cap:
+        model(**enc)
+    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+    return cap, tokens, f"{folder.name}: {text}"
