@@ -1,0 +1,604 @@
+"""``qkv.viz.html``: one self-contained HTML page to explore attention weights offline.
+
+::
+
+    with qkv.capture(model, heads=[0, 1, 2, 3], rows=range(4080, 4096)) as cap:
+        model(ids)
+    qkv.viz.html(cap, "attn.html", tokens=tokenizer.convert_ids_to_tokens(ids[0]))
+
+The page holds its script, style and data inline: it makes no network request (no CDN, no
+font, no fetch), opens by double-click, and needs no notebook. Four views share a layer and a
+head selector:
+
+* **Head view**: query tokens on the left, key tokens on the right, one line per weight kept
+  (its top-k keys above a threshold), one colour per head. A window of 40 tokens scrolls over
+  long sequences; keys outside the key window are summed into the arrows at its edges.
+* **Matrix view**: the weights of one head as a heatmap on a canvas. Drag a rectangle or turn
+  the wheel to zoom, ``Reset zoom`` to see it whole. Zoomed out, each pixel shows the **max**
+  of the cells it covers (a one-cell-wide diagonal stays visible at 16k tokens); zoomed in,
+  the cells themselves. Only the visible region is drawn.
+* **Layer overview**: every head of the layer as a thumbnail; a click opens it in the matrix.
+* **Explain** (when there are steps): the numbers of each step as tables, in the order given.
+
+Inputs. A capture (:func:`qkv.capture`'s ``Captured``, or a list of its records): one
+*layer* entry per site, its call ``call`` (default 0; ``call="all"`` makes one entry per call,
+labelled ``call c``), its batch element ``batch`` (default: the first kept), the heads and
+query rows it kept, labelled by their true numbers. An ``AttentionTrace``/``MultiHeadTrace``
+or a weights tensor ``(B, H, T, S)``, ``(H, T, S)`` or ``(T, S)``: one entry (batch element
+``batch``, default 0). A list/tuple (or a dict name -> item) of traces or tensors: one entry
+each, in order (``AttentionMaps.decoder`` of a qkv model gives one).
+
+Tokens. ``tokens`` labels positions: a list of ``T`` strings labels the queries (and the keys
+when ``S == T``); a list of at least ``S >= T`` strings labels the keys ``tokens[:S]`` and puts
+query row ``r`` at position ``S - T + r`` (a decoding step, a KV cache); a pair
+``(query_tokens, key_tokens)`` of lengths ``T`` and ``S`` labels both (cross-attention).
+Without tokens, positions are numbered.
+
+Storage and precision (per head, ``nr`` kept query rows by ``S`` keys). Each head has a
+budget of ``C = min(2**20, max_cells // number_of_heads)`` cells, 2 bytes each:
+
+* ``nr * S <= C // 16``: every weight as **float32** ("f4"): hover shows it to 4 significant
+  digits exactly as ``Number.toPrecision(4)`` of the float32 value.
+* ``nr * S <= C``: every weight as **float16** ("f2"): ``|stored - w| <= max(|w| * 2**-11,
+  2**-25)`` (round to nearest; a weight below ``2**-25`` may read 0). The page states it.
+* larger ("top"): not every cell can be kept. Stored are the **max over square blocks** of
+  ``b x b`` cells (``b`` the smallest power of two leaving at most ``C / 4`` blocks) and, for
+  each query row, its **k largest weights exactly** (float16, with their key index; ``k <=
+  128`` fills the rest of the budget: 64 at 4k x 4k, 24 at 16k x 16k). A cell not among its
+  row's top k is drawn light grey when zoomed in and hovered as an upper bound (the smaller
+  of its block's max and its row's k-th weight), written ``w≤``.
+
+Size bound: with ``H_all`` heads over all entries and ``P`` the stored payload (``<= 2C``
+bytes a head), the file has at most ``112 KiB + 400 * H_all + 4/3 * sum(P) + J`` bytes, where
+``J`` is the JSON of labels: the token strings (at most 6 bytes per UTF-8 byte), 12 bytes per
+run of consecutive kept rows, and the explain steps (at most 4096 numbers a step, about 12
+bytes each). With the default ``max_cells = 2**24`` that is at most ~43 MiB plus ``J``;
+measured: one 4k x 4k head 2.9 MB, two 16k x 16k heads 5.7 MB, a capture of 4 layers x 4
+heads x 16 rows x 4k keys 5.6 MB.
+
+Payload format (what a reader other than the page needs). ``<script type="application/json"
+id="qkv-meta">`` holds the JSON metadata (``<`` written ``\\u003c``); ``entries[i]`` is layer
+option ``i``, with ``rows`` (runs ``[first, count]`` of true query indices), ``T``, ``S``,
+``heads`` (one dict per kept head: ``head`` its true number, ``blob`` the id of a ``<script
+type="application/octet-stream">`` holding base64 of little-endian arrays, ``mode``). Mode
+"f4"/"f2": the ``nr x S`` weights row-major as float32/float16. Mode "top": ``idx`` (``nr x k``
+uint16, or uint32 when ``ib == 4``: key indices, ascending within a row), then ``val``
+(``nr x k`` float16), then ``grid`` (``gr x gc`` float16 block maxima, blocks of ``block``).
+
+DOM/JS contract (browser tests rely on it; kept stable):
+
+* ``document.body.dataset.ready === "1"`` once the first view is drawn.
+* ``<select id="layer">`` with option values ``"0".."L-1"`` (the entries, in order) and
+  ``<select id="head">`` with values ``"all"`` and ``"0".."H-1"`` (the layer's kept heads in
+  order; the option text gives the true head number).
+* Tab buttons ``#tab-head``, ``#tab-matrix``, ``#tab-overview`` and ``#tab-explain`` (only
+  when there are steps). The active view's container has class ``active``: ``#view-head``,
+  ``#view-matrix``, ``#view-overview``, ``#view-explain``. The head view is shown first.
+* Matrix: ``<canvas id="matrix-canvas">``; hovering a cell sets ``#tooltip``'s text to exactly
+  ``q=<i> k=<j> w=<value>`` (``i``, ``j`` the true query and key indices, ``value`` formatted by
+  ``toPrecision(4)``); for a cell not stored ("top" mode) it is ``q=<i> k=<j> w≤<bound>``.
+  ``#zoom-reset`` shows the whole matrix. With head ``"all"`` the matrix shows head 0.
+* Head view: ``<canvas id="head-canvas">``. Overview: ``<canvas class="thumb" data-head="h">``
+  (``h`` the position of the head in the layer, as in ``#head``).
+* ``window.qkvViewer``: ``state`` (``{layer, head, view}``; head is ``"all"`` or a number),
+  ``value(layer, head, q, k)`` (the number shown on hover for that cell; ``null`` outside the
+  matrix), ``exact(layer, head, q, k)`` (whether that cell is stored), ``cellAt(clientX,
+  clientY)`` (``{q, k}`` under that point of the matrix canvas, or ``null``), ``cellCenter(q,
+  k)`` (``{x, y}`` client coordinates of that cell's centre in the current matrix view, or
+  ``null`` when the cell is not in view), ``digest(canvasId)`` (a short hash of the canvas
+  pixels), ``setView(name)``, ``setLayer(i)``, ``setHead(h)`` (each redraws before it returns).
+
+Shape alphabet: B batch, H heads, T query length, S key length, nr kept query rows.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from html import escape
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..trace import AttentionTrace, MultiHeadTrace
+
+__all__ = ["html"]
+
+_HEAD_CELLS = 1 << 20  # per-head budget: 2 MiB of float16
+_GRID_SHARE = 4  # "top" mode: block maxima take at most C / 4 cells (a quarter of the bytes)
+_K_MAX = 128
+_STEP_CELLS = 4096  # numbers per explain table
+_AUTO_STEPS = 32  # a MultiHeadTrace with T, S <= 32 explains itself
+_VALUE_SLACK = 1e-3  # weights may exceed 1 by a half-precision rounding
+
+
+@dataclass
+class _Entry:
+    """One layer option of the page: the kept weights of one attention call."""
+
+    label: str
+    probs: Tensor  # (nh, nr, S), any dtype or device
+    heads: list[int]
+    rows: list[int]
+    T: int
+    S: int
+    steps: list[dict] = field(default_factory=list)
+
+
+def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None, *,
+         title: str | None = None, steps: dict[str, Any] | None = None,
+         batch: int | None = None, call: int | str = 0, max_cells: int = 1 << 24) -> Path:
+    """Write a self-contained HTML viewer of attention weights (see the module docstring).
+
+    Args:
+        obj: A capture (``Captured`` or a list of its records), an ``AttentionTrace`` /
+            ``MultiHeadTrace``, a weights tensor, or a list/tuple/dict of traces or tensors
+            (one layer each).
+        path: Where to write (``.html`` is added to a name without a suffix; missing folders
+            are created). Written atomically: a temporary file beside it, renamed over it.
+        tokens: Labels of the positions: a list of str, or a pair ``(query_tokens,
+            key_tokens)``. See the module docstring for how they align.
+        title: The page title; default ``"qkv attention"``.
+        steps: Tables for the Explain view: a dict name -> 2-D array, tensor or nested list
+            (at most 4096 numbers each), shown in the dict's order. Default: for a
+            ``MultiHeadTrace`` with ``T, S <= 32``, its Q, K, V, scores, softmax and output
+            per head; ``{}`` shows none.
+        batch: The batch element to show (a true index for a capture); default the first.
+        call: For a capture, which call of each site (``generate`` makes one per step), or
+            ``"all"`` for one entry per call.
+        max_cells: Budget of stored cells over all heads (2 bytes each); each head gets
+            ``min(2**20, max_cells // heads)``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        TypeError: ``obj``, ``tokens`` or ``steps`` of the wrong type.
+        ValueError: Weights outside [0, 1] or NaN, tokens of the wrong length, a batch
+            element or call the input does not have, steps too large.
+
+    Shape:
+        Weights ``(B, H, T, S)``, ``(H, T, S)`` or ``(T, S)``; a capture record's probs
+        ``(nb, nh, nr, S)``.
+    """
+    if isinstance(max_cells, bool) or not isinstance(max_cells, int) or max_cells < 1:
+        raise ValueError(f"max_cells must be a positive int, got {max_cells!r}")
+    entries = _entries(obj, batch, call)
+    token_lists, labels = _tokens(tokens, entries)
+    user_steps = _user_steps(steps, entries[0], labels[0], token_lists)
+    if steps is not None:
+        for e in entries:
+            e.steps = []  # the caller chose the steps; {} means none
+    n_heads = sum(len(e.heads) for e in entries)
+    budget = max(4096, min(_HEAD_CELLS, max_cells // n_heads))
+    blobs: list[str] = []
+    meta_entries = []
+    for e, (qtok, ktok) in zip(entries, labels):
+        heads = []
+        for i, head in enumerate(e.heads):
+            info, payload = _encode_head(e.probs[i], budget, f"{e.label}, head {head}")
+            info.update(head=head, blob=f"qkv-blob-{len(blobs)}")
+            blobs.append(payload)
+            heads.append(info)
+        meta_entries.append({"label": e.label, "T": e.T, "S": e.S, "nr": len(e.rows),
+                             "rows": _runs(e.rows), "qtok": qtok, "ktok": ktok,
+                             "heads": heads, "steps": e.steps})
+    meta = {"version": 1, "title": title or "qkv attention", "tokens": token_lists,
+            "entries": meta_entries, "steps": user_steps, "budget": budget}
+    page = _page(meta, blobs)
+    return _write_atomic(Path(path), page)
+
+
+# ---------------------------------------------------------------- inputs -> entries
+
+def _is_record(x: Any) -> bool:
+    return all(hasattr(x, a) for a in ("name", "layer", "call", "probs", "rows", "heads", "batch"))
+
+
+def _entries(obj: Any, batch: int | None, call: int | str) -> list[_Entry]:
+    if isinstance(obj, (Tensor, AttentionTrace)):
+        return [_entry(obj, "attention", batch)]
+    if hasattr(obj, "records") and not isinstance(obj, (list, tuple, dict)):
+        return _capture_entries(list(obj.records), batch, call)
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        if obj and all(_is_record(r) for r in obj):
+            return _capture_entries(list(obj), batch, call)
+        items = [(f"layer {i}", x) for i, x in enumerate(obj)]
+    else:
+        raise TypeError(_WANT + f"; got {type(obj).__name__}")
+    if not items:
+        raise ValueError("html got an empty list: pass at least one trace or tensor")
+    for name, x in items:
+        if not isinstance(x, (Tensor, AttentionTrace)):
+            raise TypeError(_WANT + f"; item {name!r} is a {type(x).__name__}")
+    return [_entry(x, str(name), batch) for name, x in items]
+
+
+_WANT = ("html takes a qkv.capture result, an AttentionTrace/MultiHeadTrace, a weights tensor "
+         "(B, H, T, S)/(H, T, S)/(T, S), or a list/tuple/dict of traces or tensors (one layer "
+         "each)")
+
+
+def _entry(x: Tensor | AttentionTrace, label: str, batch: int | None) -> _Entry:
+    """An entry from a trace or a weights tensor: batch element ``batch``, all heads."""
+    lead = (x.lse.shape[:-1] if isinstance(x, AttentionTrace) else x.shape[:-2])
+    if isinstance(x, Tensor) and x.dim() < 2:
+        raise ValueError(f"{label}: weights must be (B, H, T, S), (H, T, S) or (T, S), got "
+                         f"shape {tuple(x.shape)}")
+    if len(lead) > 2:
+        raise ValueError(f"{label}: weights must be (B, H, T, S), (H, T, S) or (T, S), got "
+                         f"{len(lead) + 2} dims {tuple(lead)} + (T, S); fold the extra dims "
+                         f"into B, e.g. w.flatten(0, {len(lead) - 2})")
+    if len(lead) < 2 and batch not in (None, 0):
+        raise ValueError(f"{label}: batch={batch} asked of weights with no batch dim "
+                         f"(dims {tuple(lead)} + (T, S)); leave batch out")
+    b = 0 if batch is None else batch
+    if len(lead) == 2 and not (isinstance(b, int) and 0 <= b < lead[0]):
+        raise ValueError(f"{label}: batch={batch!r} out of range for batch size {lead[0]}; "
+                         f"pass 0..{lead[0] - 1}")
+    if isinstance(x, AttentionTrace):
+        probs = x.select(batch=[b]).probs[0] if len(lead) == 2 else x.probs  # (H, T, S) or less
+    else:
+        probs = x[b] if len(lead) == 2 else x  # (H, T, S) or (T, S)
+    if probs.dim() == 2:
+        probs = probs.unsqueeze(0)  # (1, T, S)
+    H, T, S = probs.shape
+    if min(H, T, S) == 0:
+        raise ValueError(f"{label}: weights are empty, shape {tuple(probs.shape)}")
+    steps = _trace_steps(x, b if len(lead) == 2 else None, T, S) \
+        if isinstance(x, MultiHeadTrace) else []
+    return _Entry(label, probs.detach(), list(range(H)), list(range(T)), T, S, steps)
+
+
+def _capture_entries(records: list, batch: int | None, call: int | str) -> list[_Entry]:
+    if not records:
+        raise ValueError("the capture holds no records (nothing was recorded inside the "
+                         "`with qkv.capture(...)` block); run the model inside it")
+    if call != "all" and (isinstance(call, bool) or not isinstance(call, int)):
+        raise TypeError(f"call must be an int or 'all', got {call!r}")
+    chosen = [r for r in records if call == "all" or r.call == call]
+    if not chosen:
+        calls = sorted({int(r.call) for r in records})
+        raise ValueError(f"no record has call={call}; the calls recorded are {calls} "
+                         f"(or pass call='all')")
+    chosen.sort(key=lambda r: (int(r.layer), int(r.call)))
+    entries = []
+    for r in chosen:
+        kept = [int(i) for i in r.batch]
+        if batch is None:
+            pos = 0
+        elif batch in kept:
+            pos = kept.index(batch)
+        else:
+            raise ValueError(f"batch={batch} was not kept by the capture (site {r.name!r} "
+                             f"kept batch elements {kept}); pass one of them")
+        if r.probs.shape[2] == 0:
+            continue  # a decoding step outside the kept rows
+        label = f"layer {int(r.layer)} · {r.name or '(model)'}"
+        if call == "all":
+            label += f" · call {int(r.call)}"
+        T, S = (int(r.shape[2]), int(r.shape[3])) if hasattr(r, "shape") else \
+            (int(max(r.rows)) + 1, int(r.probs.shape[-1]))
+        entries.append(_Entry(label, r.probs[pos].detach(), [int(h) for h in r.heads],
+                              [int(i) for i in r.rows], T, S))
+    if not entries:
+        raise ValueError(f"every record with call={call} kept 0 query rows (rows outside "
+                         f"those calls); capture other rows or pass call='all'")
+    return entries
+
+
+# ---------------------------------------------------------------- tokens and steps
+
+def _token_list(x: Any, what: str) -> list[str]:
+    if isinstance(x, (str, bytes)):
+        raise TypeError(f"{what} must be a list of str, got a {type(x).__name__}; split it "
+                        f"first, e.g. text.split() or tokenizer.convert_ids_to_tokens(ids)")
+    try:
+        return [str(t) for t in x]
+    except TypeError:
+        raise TypeError(f"{what} must be a list of str, got {type(x).__name__}") from None
+
+
+def _tokens(tokens: Any, entries: list[_Entry]) -> tuple[list[list[str]], list[tuple]]:
+    """The token lists to embed, and per entry ``(qtok, ktok)``: ``[list_id, offset]`` with
+    query row r labelled ``list[offset + r]`` and key j ``list[j]``, or None (numbered)."""
+    if tokens is None:
+        return [], [(None, None) for _ in entries]
+    pair = (isinstance(tokens, (list, tuple)) and len(tokens) == 2
+            and all(isinstance(t, (list, tuple)) for t in tokens))
+    if pair:
+        lists = [_token_list(tokens[0], "query_tokens"), _token_list(tokens[1], "key_tokens")]
+        for e in entries:
+            if len(lists[0]) != e.T or len(lists[1]) != e.S:
+                raise ValueError(f"{e.label}: tokens=(query_tokens, key_tokens) have "
+                                 f"{len(lists[0])} and {len(lists[1])} entries, need T={e.T} "
+                                 f"and S={e.S}")
+        return lists, [([0, 0], 1) for _ in entries]
+    lst = _token_list(tokens, "tokens")
+    out = []
+    for e in entries:
+        if e.S >= e.T and len(lst) >= e.S:
+            out.append(([0, e.S - e.T], 0))  # keys tokens[:S]; queries end-aligned
+        elif len(lst) == e.T:
+            out.append(([0, 0], None))
+        else:
+            raise ValueError(f"{e.label}: {len(lst)} tokens for T={e.T} queries and S={e.S} "
+                             f"keys; pass T tokens (or at least S when S >= T), or a pair "
+                             f"(query_tokens, key_tokens)")
+    return [lst], out
+
+
+def _matrix(x: Any, name: str) -> Tensor:
+    try:
+        t = torch.as_tensor(x.detach() if isinstance(x, Tensor) else x).cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"steps[{name!r}] must be a 2-D array, tensor or nested list of "
+                        f"numbers, got {type(x).__name__}") from None
+    while t.dim() > 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() == 1:
+        t = t.unsqueeze(0)  # (1, n): one row
+    if t.dim() != 2:
+        raise ValueError(f"steps[{name!r}] must be 2-D, got shape {tuple(t.shape)}; pass one "
+                         f"head, e.g. x[0, h]")
+    if t.numel() > _STEP_CELLS:
+        raise ValueError(f"steps[{name!r}] has {t.numel()} numbers {tuple(t.shape)}; explain "
+                         f"tables are for small inputs (at most {_STEP_CELLS} numbers each): "
+                         f"pass a slice such as x[:16, :16]")
+    if t.dtype == torch.bool or not (t.dtype.is_floating_point or t.dtype.is_complex):
+        t = t.double()
+    if t.is_complex():
+        raise TypeError(f"steps[{name!r}] is complex; pass real numbers")
+    return t.double()
+
+
+def _numbers(t: Tensor) -> list[list]:
+    """A 2-D tensor as nested lists, 6 significant digits; non-finite numbers as strings."""
+    def one(v: float):
+        return float(f"{v:.6g}") if math.isfinite(v) else str(v)
+    return [[one(v) for v in row] for row in t.tolist()]
+
+
+def _table(name: str, t: Tensor, head: int | None, rows: Any = None, cols: Any = None) -> dict:
+    return {"name": name, "head": head, "data": _numbers(t), "rows": rows, "cols": cols}
+
+
+def _user_steps(steps: Any, first: _Entry, labels: tuple, lists: list) -> list[dict]:
+    if steps is None:
+        return []
+    if not isinstance(steps, dict):
+        raise TypeError(f"steps must be a dict name -> 2-D array (in display order), got "
+                        f"{type(steps).__name__}")
+    out = []
+    for name, x in steps.items():
+        t = _matrix(x, str(name))
+        n, m = t.shape
+        rows = "q" if n == first.T else ("k" if n == first.S else None)
+        weights = any(w in str(name).lower() for w in ("score", "softmax", "prob", "weight", "attn", "attention"))
+        cols = "k" if (weights and m == first.S) else None
+        out.append(_table(str(name), t, None, rows, cols))
+    return out
+
+
+def _trace_steps(trace: MultiHeadTrace, b: int | None, T: int, S: int) -> list[dict]:
+    """Q, K, V, scores, softmax, output of each head, for a small MultiHeadTrace."""
+    if T > _AUTO_STEPS or S > _AUTO_STEPS:
+        return []
+    pick = (lambda t: t) if b is None else (lambda t: t[b])
+
+    def heads_of(t: Tensor) -> Tensor:
+        t = pick(t)
+        return t.unsqueeze(0) if t.dim() == 2 else t  # (H or G, n, D)
+
+    try:
+        q, k, v, out = (heads_of(t) for t in (trace.q, trace.k, trace.v, trace.heads))
+        scores, probs = (heads_of(t) for t in (trace.scores, trace.probs))
+    except (AttributeError, IndexError, RuntimeError):
+        return []
+    H, G = q.shape[0], k.shape[0]
+    if H % G or q.shape[-1] > 128 or v.shape[-1] > 128:
+        return []
+    found = []
+    for h in range(H):
+        g = h // (H // G)
+        for name, t, rows, cols in (("Q", q[h], "q", None), ("K", k[g], "k", None),
+                                    ("V", v[g], "k", None), ("scores", scores[h], "q", "k"),
+                                    ("softmax", probs[h], "q", "k"), ("output", out[h], "q", None)):
+            found.append(_table(name, t.detach().double().cpu(), h, rows, cols))
+    return found
+
+
+# ---------------------------------------------------------------- encoding
+
+def _check_weights(w: Tensor, where: str) -> None:
+    lo, hi = float(w.min()), float(w.max())
+    if math.isnan(lo) or math.isnan(hi) or bool(torch.isnan(w).any()):
+        raise ValueError(f"{where}: the weights hold NaN; pass attention probabilities "
+                         f"(trace.probs)")
+    if lo < 0 or hi > 1 + _VALUE_SLACK:
+        raise ValueError(f"{where}: weights must lie in [0, 1], got min {lo:.4g} and max "
+                         f"{hi:.4g}; pass attention probabilities (trace.probs, not scores)")
+
+
+def _bytes(t: Tensor) -> bytes:
+    """The little-endian bytes of a CPU tensor (no numpy: torch's own storage)."""
+    t = t.contiguous()
+    buf = bytearray(t.numel() * t.element_size())
+    if buf:
+        torch.frombuffer(buf, dtype=torch.uint8).copy_(t.view(torch.uint8).reshape(-1))
+    if sys.byteorder == "big":  # pragma: no cover - every platform torch ships for is little
+        view = memoryview(buf).cast("B")
+        size = t.element_size()
+        for i in range(0, len(buf), size):
+            view[i:i + size] = bytes(reversed(view[i:i + size]))
+    return bytes(buf)
+
+
+def _encode_head(w: Tensor, budget: int, where: str) -> tuple[dict, str]:
+    """One head's metadata and base64 payload. ``w`` (nr, S)."""
+    import base64
+
+    nr, S = w.shape
+    cells = nr * S
+    if cells <= budget // 16 or cells <= budget:
+        w32 = w.to(device="cpu", dtype=torch.float32)  # (nr, S)
+        _check_weights(w32, where)
+        mode = "f4" if cells <= budget // 16 else "f2"
+        data = w32 if mode == "f4" else w32.half()
+        return ({"mode": mode, "vmax": float(w32.max())},
+                base64.b64encode(_bytes(data)).decode("ascii"))
+    block = 1
+    while math.ceil(nr / block) * math.ceil(S / block) > budget // _GRID_SHARE:
+        block *= 2
+    gr, gc = math.ceil(nr / block), math.ceil(S / block)
+    ib = 2 if S <= 1 << 16 else 4
+    k = min(_K_MAX, S, (2 * budget - 2 * gr * gc) // (nr * (2 + ib)))
+    grid = torch.zeros(gr, gc)  # (gr, gc) block maxima
+    idx = torch.zeros(nr, k, dtype=torch.int32 if ib == 4 else torch.int16)  # (nr, k)
+    val = torch.zeros(nr, k, dtype=torch.float16)  # (nr, k)
+    step = block * max(1, 2048 // block)  # rows per chunk: a float32 chunk of S columns
+    for r0 in range(0, nr, step):
+        chunk = w[r0:r0 + step].to(device="cpu", dtype=torch.float32)  # (n, S)
+        _check_weights(chunk, where)
+        n = chunk.shape[0]
+        padded = torch.zeros(math.ceil(n / block) * block, gc * block)
+        padded[:n, :S] = chunk
+        grid[r0 // block:r0 // block + padded.shape[0] // block] = \
+            padded.view(-1, block, gc, block).amax(dim=(1, 3))  # (n / block, gc)
+        if k:
+            top_v, top_i = chunk.topk(k, dim=1)  # (n, k)
+            top_i, order = top_i.sort(dim=1)  # ascending key index, for a binary search
+            val[r0:r0 + n] = top_v.gather(1, order).half()
+            idx[r0:r0 + n] = top_i.to(idx.dtype)  # uint16 bits held in int16
+    payload = _bytes(idx) + _bytes(val) + _bytes(grid.half())
+    info = {"mode": "top", "vmax": float(grid.max()), "block": block, "gr": gr, "gc": gc,
+            "k": k, "ib": ib}
+    return info, base64.b64encode(payload).decode("ascii")
+
+
+def _runs(rows: list[int]) -> list[list[int]]:
+    """Consecutive rows as ``[first, count]`` runs."""
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and runs[-1][0] + runs[-1][1] == r:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1])
+    return runs
+
+
+# ---------------------------------------------------------------- page
+
+def _asset(name: str) -> str:
+    return resources.files("qkv.viz").joinpath(name).read_text(encoding="utf-8")
+
+
+def _json_script(obj: Any) -> str:
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    # Inside <script>, "</script>" or "<!--" in a token would end or break the element.
+    return text.replace("<", "\\u003c").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def _page(meta: dict, blobs: list[str]) -> str:
+    explain = bool(meta["steps"]) or any(e["steps"] for e in meta["entries"])
+    title = escape(meta["title"])
+    tab_explain = '<button id="tab-explain" type="button">Explain</button>' if explain else ""
+    view_explain = '<section id="view-explain" class="view"></section>' if explain else ""
+    data = "\n".join(f'<script type="application/octet-stream" id="qkv-blob-{i}">{b}</script>'
+                     for i, b in enumerate(blobs))
+    return _TEMPLATE.format(
+        title=title, css=_asset("viewer.css"), js=_asset("viewer.js"),
+        tab_explain=tab_explain, view_explain=view_explain,
+        meta=_json_script(meta), data=data)
+
+
+_TEMPLATE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<link rel="icon" href="data:,">
+<style>
+{css}
+</style>
+</head>
+<body>
+<header>
+  <h1>{title}</h1>
+  <div class="controls">
+    <label>layer <select id="layer"></select></label>
+    <label>head <select id="head"></select></label>
+    <span class="tabs">
+      <button id="tab-head" type="button">Head view</button>
+      <button id="tab-matrix" type="button">Matrix</button>
+      <button id="tab-overview" type="button">Layer overview</button>
+      {tab_explain}
+    </span>
+  </div>
+  <div id="summary"></div>
+</header>
+<main>
+<section id="view-head" class="view">
+  <div class="controls">
+    <label>top-k per query <input id="topk" type="number" min="1" max="64" value="6"></label>
+    <label>threshold <input id="threshold" type="number" min="0" max="1" step="0.01" value="0.02"></label>
+    <label>queries from <input id="head-scroll" type="range" min="0" max="0" value="0"></label>
+    <label>keys from <input id="key-scroll" type="range" min="0" max="0" value="0"></label>
+    <label><input id="follow" type="checkbox" checked> keys follow queries</label>
+  </div>
+  <div id="legend"></div>
+  <canvas id="head-canvas" width="720" height="400"></canvas>
+  <p class="note" id="head-note"></p>
+</section>
+<section id="view-matrix" class="view">
+  <div class="controls">
+    <label>colour <select id="scale">
+      <option value="sqrt">sqrt</option><option value="lin">linear</option>
+      <option value="log">log (1e-4 .. max)</option></select></label>
+    <button id="zoom-reset" type="button">Reset zoom</button>
+    <span id="matrix-note" class="note"></span>
+  </div>
+  <div id="matrix-wrap"><canvas id="matrix-canvas" width="640" height="640"></canvas>
+    <div id="zoom-box"></div><div id="axis-info"></div></div>
+  <p id="cell-info" class="note"></p>
+</section>
+<section id="view-overview" class="view"><div id="thumbs"></div></section>
+{view_explain}
+</main>
+<footer id="precision" class="note"></footer>
+<div id="tooltip"></div>
+<script type="application/json" id="qkv-meta">{meta}</script>
+{data}
+<script>
+{js}
+</script>
+</body>
+</html>
+"""
+
+
+def _write_atomic(path: Path, text: str) -> Path:
+    if not path.suffix:
+        path = path.with_suffix(".html")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

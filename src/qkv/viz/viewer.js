@@ -1,0 +1,624 @@
+/* qkv attention viewer: the script inlined by qkv.viz.html. No network, no dependencies.
+   The data sits in <script id="qkv-meta"> (JSON) and <script id="qkv-blob-N"> (base64),
+   decoded per head on first use. The DOM/JS contract is in qkv/viz/html.py's docstring. */
+(function () {
+  "use strict";
+  const META = JSON.parse(document.getElementById("qkv-meta").textContent);
+  const ENTRIES = META.entries;
+  const $ = (id) => document.getElementById(id);
+
+  // ------------------------------------------------------------------ decoding
+  const F16 = new Float32Array(65536); // float16 bits -> value
+  for (let h = 0; h < 65536; h++) {
+    const s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 31, m = h & 1023;
+    F16[h] = e === 0 ? s * m * Math.pow(2, -24)
+      : e === 31 ? (m ? NaN : s * Infinity) : s * (1 + m / 1024) * Math.pow(2, e - 15);
+  }
+
+  function blobBytes(id) {
+    const text = atob($(id).textContent.trim());
+    const out = new Uint8Array(text.length);
+    for (let i = 0; i < text.length; i++) out[i] = text.charCodeAt(i);
+    return out;
+  }
+
+  function halves(buf, offset, n) {
+    const u = new Uint16Array(buf, offset, n), out = new Float32Array(n);
+    for (let i = 0; i < n; i++) out[i] = F16[u[i]];
+    return out;
+  }
+
+  function rowsOf(entry) { // true query indices and their positions
+    if (!entry._rows) {
+      const rows = new Int32Array(entry.nr), pos = new Map();
+      let i = 0;
+      for (const [first, count] of entry.rows) {
+        for (let j = 0; j < count; j++) { rows[i] = first + j; pos.set(first + j, i); i++; }
+      }
+      entry._rows = rows; entry._pos = pos;
+    }
+    return entry._rows;
+  }
+
+  function posOf(entry, q) { rowsOf(entry); const p = entry._pos.get(q); return p === undefined ? -1 : p; }
+
+  /** The weights of one head: every cell ("f4", "f2") or block maxima + top-k per row ("top"). */
+  class Mat {
+    constructor(entry, hi) {
+      const info = entry.heads[hi];
+      this.nr = entry.nr; this.S = entry.S; this.mode = info.mode; this.vmax = info.vmax;
+      this.levels = [];
+      const buf = blobBytes(info.blob).buffer, n = this.nr * this.S;
+      if (this.mode === "f4") { this.data = new Float32Array(buf, 0, n); this.L0 = 0; return; }
+      if (this.mode === "f2") { this.data = halves(buf, 0, n); this.L0 = 0; return; }
+      const k = info.k, nk = this.nr * k;
+      this.k = k; this.block = info.block; this.L0 = Math.round(Math.log2(info.block));
+      this.idx = info.ib === 4 ? new Uint32Array(buf, 0, nk) : new Uint16Array(buf, 0, nk);
+      this.val = halves(buf, nk * info.ib, nk);
+      this.levels[this.L0] = { w: info.gc, h: info.gr, a: halves(buf, nk * (info.ib + 2), info.gr * info.gc) };
+      this.rowMin = new Float32Array(this.nr);
+      for (let r = 0; r < this.nr; r++) {
+        let m = Infinity;
+        for (let i = r * k; i < (r + 1) * k; i++) m = Math.min(m, this.val[i]);
+        this.rowMin[r] = m;
+      }
+    }
+
+    /** Max-pooled level l (cells of 2^l x 2^l), built on first use from the level below. */
+    level(l) {
+      if (this.levels[l]) return this.levels[l];
+      if (l === 0 && this.data) return (this.levels[0] = { w: this.S, h: this.nr, a: this.data });
+      const p = this.level(l - 1), w = Math.ceil(p.w / 2), h = Math.ceil(p.h / 2);
+      const a = new Float32Array(w * h);
+      for (let y = 0; y < h; y++) {
+        const y0 = 2 * y * p.w, y1 = 2 * y + 1 < p.h ? y0 + p.w : y0;
+        for (let x = 0; x < w; x++) {
+          const x0 = 2 * x, x1 = 2 * x + 1 < p.w ? x0 + 1 : x0;
+          a[y * w + x] = Math.max(p.a[y0 + x0], p.a[y0 + x1], p.a[y1 + x0], p.a[y1 + x1]);
+        }
+      }
+      return (this.levels[l] = { w, h, a });
+    }
+
+    /** {v, exact} of row position r, key c; for a cell not stored, v is an upper bound. */
+    cell(r, c) {
+      if (!(r >= 0 && r < this.nr && c >= 0 && c < this.S)) return null;
+      if (this.data) return { v: this.data[r * this.S + c], exact: true };
+      let lo = r * this.k, hi = lo + this.k - 1;
+      while (lo <= hi) {
+        const mid = (lo + hi) >> 1, x = this.idx[mid];
+        if (x === c) return { v: this.val[mid], exact: true };
+        if (x < c) lo = mid + 1; else hi = mid - 1;
+      }
+      const g = this.levels[this.L0], b = this.block;
+      const top = g.a[Math.floor(r / b) * g.w + Math.floor(c / b)];
+      if (top === 0) return { v: 0, exact: true }; // its whole block is 0
+      return { v: Math.min(top, this.rowMin[r]), exact: false };
+    }
+
+    /** The kk largest [key, weight] of row position r, largest first. */
+    rowTop(r, kk) {
+      this._top = this._top || new Map();
+      const key = r * 1024 + kk;
+      if (this._top.has(key)) return this._top.get(key);
+      let out = [];
+      if (this.data) {
+        const base = r * this.S;
+        for (let c = 0; c < this.S; c++) {
+          const v = this.data[base + c];
+          if (out.length < kk || v > out[out.length - 1][1]) {
+            let i = out.length < kk ? out.length : kk - 1;
+            while (i > 0 && out[i - 1][1] < v) { out[i] = out[i - 1]; i--; }
+            out[i] = [c, v];
+          }
+        }
+        out.length = Math.min(out.length, kk);
+      } else {
+        for (let i = r * this.k; i < (r + 1) * this.k; i++) out.push([this.idx[i], this.val[i]]);
+        out.sort((a, b) => b[1] - a[1]);
+        out = out.slice(0, kk);
+      }
+      this._top.set(key, out);
+      return out;
+    }
+  }
+
+  const mats = new Map();
+  function mat(li, hi) {
+    const key = li + ":" + hi;
+    if (!mats.has(key)) mats.set(key, new Mat(ENTRIES[li], hi));
+    return mats.get(key);
+  }
+
+  // ------------------------------------------------------------------ colours and labels
+  const LUT = new Uint8ClampedArray(256 * 3);
+  (function () {
+    const stops = [[232, 240, 250], [158, 202, 225], [66, 146, 198], [8, 81, 156], [8, 29, 88]];
+    LUT[0] = LUT[1] = LUT[2] = 255;
+    for (let i = 1; i < 256; i++) {
+      const t = (i - 1) / 254 * (stops.length - 1), j = Math.min(Math.floor(t), stops.length - 2), f = t - j;
+      for (let ch = 0; ch < 3; ch++) LUT[3 * i + ch] = stops[j][ch] + f * (stops[j + 1][ch] - stops[j][ch]);
+    }
+  })();
+  const UNKNOWN = [224, 224, 224], OUTSIDE = [246, 246, 246];
+
+  function shade(scale, vmax) { // weight -> LUT index
+    const inv = vmax > 0 ? 1 / vmax : 1;
+    return function (v) {
+      if (!(v > 0)) return 0;
+      let t = v * inv;
+      if (scale === "sqrt") t = Math.sqrt(t);
+      else if (scale === "log") t = (Math.log10(t) + 4) / 4;
+      return Math.max(1, Math.min(255, Math.round(t * 255)));
+    };
+  }
+
+  const PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+    "#7f7f7f", "#bcbd22", "#17becf"];
+  const headColour = (i) => i < PALETTE.length ? PALETTE[i] : `hsl(${(i * 137.5) % 360},65%,45%)`;
+
+  function tokenAt(ref, i) { const list = META.tokens[ref[0]]; return list ? list[ref[1] + i] : undefined; }
+  function qLabel(entry, r) { // row position r
+    const q = rowsOf(entry)[r];
+    return entry.qtok ? tokenAt(entry.qtok, q) : String(q);
+  }
+  function kLabel(entry, c) { return entry.ktok !== null && entry.ktok !== undefined ? tokenAt([entry.ktok, 0], c) : String(c); }
+  const clip = (s, n) => s.length > n ? s.slice(0, n - 1) + "…" : s;
+  const fmt = (v) => v.toPrecision(4);
+
+  // ------------------------------------------------------------------ state
+  const state = { layer: 0, head: "all", view: "head" };
+  const VIEWS = ["head", "matrix", "overview"].concat($("view-explain") ? ["explain"] : []);
+  let zoom = null; // matrix view: {r0, r1, c0, c1} in cells
+  let zoomKey = "";
+  let thumbsFor = "";
+  let focus = null; // head view: {q: pos} or {k: key}
+
+  const entry = () => ENTRIES[state.layer];
+  const shownHead = () => state.head === "all" ? 0 : state.head;
+  const scaleName = () => $("scale").value;
+
+  // ------------------------------------------------------------------ matrix drawing
+  /** Paint the cells [r0, r1) x [c0, c1) of m onto an ImageData of W x H pixels. */
+  function paint(m, W, H, view, scale) {
+    const img = new ImageData(W, H), px = img.data;
+    const sy = (view.r1 - view.r0) / H, sx = (view.c1 - view.c0) / W;
+    const per = Math.min(sx, sy);
+    const idx = shade(scale, m.vmax);
+    let l = per >= 2 ? Math.floor(Math.log2(per)) : 0;
+    const sparse = !m.data && l < m.L0;
+    if (!m.data) l = Math.max(l, m.L0);
+    const lev = m.level(l);
+    const span = (a0, s, n, count) => { // per pixel: first and last cell, -1 outside
+      const lo = new Int32Array(count), hi = new Int32Array(count);
+      for (let p = 0; p < count; p++) {
+        const a = Math.floor(a0 + p * s), b = Math.max(a, Math.ceil(a0 + (p + 1) * s) - 1);
+        if (a >= n || b < 0) { lo[p] = hi[p] = -1; continue; }
+        lo[p] = Math.max(a, 0); hi[p] = Math.min(b, n - 1);
+      }
+      return [lo, hi];
+    };
+    const [cl, ch] = span(view.c0, sx, m.S, W), [rl, rh] = span(view.r0, sy, m.nr, H);
+    const pv = sparse ? new Float32Array(W * H).fill(-1) : null;
+    if (sparse) scatter(m, W, H, view, sx, sy, pv);
+    for (let y = 0; y < H; y++) {
+      for (let x = 0; x < W; x++) {
+        const o = 4 * (y * W + x);
+        px[o + 3] = 255;
+        if (rl[y] < 0 || cl[x] < 0) { px[o] = OUTSIDE[0]; px[o + 1] = OUTSIDE[1]; px[o + 2] = OUTSIDE[2]; continue; }
+        let v = 0;
+        const by0 = rl[y] >> l, by1 = rh[y] >> l, bx0 = cl[x] >> l, bx1 = ch[x] >> l;
+        for (let by = by0; by <= by1; by++) {
+          const row = by * lev.w;
+          for (let bx = bx0; bx <= bx1; bx++) if (lev.a[row + bx] > v) v = lev.a[row + bx];
+        }
+        if (sparse) {
+          const s = pv[y * W + x];
+          if (s < 0 && v > 0) { px[o] = UNKNOWN[0]; px[o + 1] = UNKNOWN[1]; px[o + 2] = UNKNOWN[2]; continue; }
+          v = Math.max(s, 0);
+        }
+        const i = 3 * idx(v);
+        px[o] = LUT[i]; px[o + 1] = LUT[i + 1]; px[o + 2] = LUT[i + 2];
+      }
+    }
+    return img;
+  }
+
+  /** "top" mode zoomed in: the stored cells in view, max per pixel, into pv. */
+  function scatter(m, W, H, view, sx, sy, pv) {
+    const rA = Math.max(0, Math.floor(view.r0)), rB = Math.min(m.nr, Math.ceil(view.r1));
+    const cA = Math.max(0, Math.floor(view.c0)), cB = Math.min(m.S, Math.ceil(view.c1));
+    for (let r = rA; r < rB; r++) {
+      const y0 = Math.max(0, Math.floor((r - view.r0) / sy)), y1 = Math.min(H, Math.max(y0 + 1, Math.ceil((r + 1 - view.r0) / sy)));
+      for (let i = r * m.k; i < (r + 1) * m.k; i++) {
+        const c = m.idx[i];
+        if (c < cA || c >= cB) continue;
+        const x0 = Math.max(0, Math.floor((c - view.c0) / sx)), x1 = Math.min(W, Math.max(x0 + 1, Math.ceil((c + 1 - view.c0) / sx)));
+        for (let y = y0; y < y1; y++) for (let x = x0; x < x1; x++) {
+          const o = y * W + x;
+          if (m.val[i] > pv[o]) pv[o] = m.val[i];
+        }
+      }
+    }
+  }
+
+  function fullView(m) { return { r0: 0, r1: m.nr, c0: 0, c1: m.S }; }
+
+  function drawMatrix() {
+    const e = entry(), hi = shownHead(), m = mat(state.layer, hi), canvas = $("matrix-canvas");
+    const key = state.layer + ":" + m.nr + "x" + m.S;
+    if (!zoom || zoomKey !== key) { zoom = fullView(m); zoomKey = key; }
+    canvas.getContext("2d").putImageData(paint(m, canvas.width, canvas.height, zoom, scaleName()), 0, 0);
+    const rows = rowsOf(e);
+    const rA = Math.max(0, Math.floor(zoom.r0)), rB = Math.min(m.nr, Math.ceil(zoom.r1)) - 1;
+    const cA = Math.max(0, Math.floor(zoom.c0)), cB = Math.min(m.S, Math.ceil(zoom.c1)) - 1;
+    const per = Math.max((zoom.r1 - zoom.r0) / canvas.height, (zoom.c1 - zoom.c0) / canvas.width);
+    $("axis-info").textContent = `queries q=${rows[rA]}..${rows[rB]} (rows ${rA}..${rB} of ${m.nr}) ` +
+      `↓ · keys k=${cA}..${cB} of ${m.S} → · ` +
+      (per > 1 ? `each pixel: max of up to ${Math.ceil(per)}×${Math.ceil(per)} cells` : "each cell ≥ 1 pixel");
+    $("matrix-note").textContent = (state.head === "all" ? "head all: showing head " + e.heads[0].head + " (pick a head). " : "") +
+      (m.mode === "top" ? `cells outside each row's top ${m.k} are not stored (grey when zoomed in; hover gives a bound, w≤).` : "");
+  }
+
+  function viewCell(clientX, clientY) { // fractional cell coords under a client point, or null
+    const canvas = $("matrix-canvas"), rect = canvas.getBoundingClientRect();
+    if (!zoom || rect.width === 0) return null;
+    const x = (clientX - rect.left) * canvas.width / rect.width, y = (clientY - rect.top) * canvas.height / rect.height;
+    if (!(x >= 0 && y >= 0 && x < canvas.width && y < canvas.height)) return null;
+    return { x, y, r: zoom.r0 + y * (zoom.r1 - zoom.r0) / canvas.height, c: zoom.c0 + x * (zoom.c1 - zoom.c0) / canvas.width };
+  }
+
+  function cellAt(clientX, clientY) {
+    const v = viewCell(clientX, clientY), e = entry();
+    if (!v) return null;
+    const r = Math.floor(v.r), c = Math.floor(v.c);
+    if (r < 0 || r >= e.nr || c < 0 || c >= e.S) return null;
+    return { q: rowsOf(e)[r], k: c };
+  }
+
+  function cellCenter(q, k) {
+    const e = entry(), r = posOf(e, q), canvas = $("matrix-canvas"), rect = canvas.getBoundingClientRect();
+    if (r < 0 || !(k >= 0 && k < e.S) || !zoom) return null;
+    const x = (k + 0.5 - zoom.c0) / (zoom.c1 - zoom.c0) * canvas.width;
+    const y = (r + 0.5 - zoom.r0) / (zoom.r1 - zoom.r0) * canvas.height;
+    if (!(x >= 0 && y >= 0 && x < canvas.width && y < canvas.height)) return null;
+    return { x: rect.left + x * rect.width / canvas.width, y: rect.top + y * rect.height / canvas.height };
+  }
+
+  function value(layer, head, q, k) {
+    const e = ENTRIES[+layer], hi = head === "all" ? 0 : +head;
+    if (!e || !(hi >= 0 && hi < e.heads.length)) return null;
+    const c = mat(+layer, hi).cell(posOf(e, q), k);
+    return c ? c.v : null;
+  }
+
+  function exact(layer, head, q, k) {
+    const e = ENTRIES[+layer], hi = head === "all" ? 0 : +head;
+    if (!e || !(hi >= 0 && hi < e.heads.length)) return null;
+    const c = mat(+layer, hi).cell(posOf(e, q), k);
+    return c ? c.exact : null;
+  }
+
+  function hover(ev) {
+    const tip = $("tooltip"), at = cellAt(ev.clientX, ev.clientY);
+    if (!at) { tip.style.display = "none"; return; }
+    const e = entry(), hi = shownHead(), c = mat(state.layer, hi).cell(posOf(e, at.q), at.k);
+    tip.textContent = `q=${at.q} k=${at.k} w${c.exact ? "=" : "≤"}${fmt(c.v)}`;
+    tip.style.display = "block";
+    tip.style.left = (ev.clientX + 14) + "px"; tip.style.top = (ev.clientY + 14) + "px";
+    const r = posOf(e, at.q);
+    $("cell-info").textContent = `query ${at.q} “${clip(qLabel(e, r), 40)}” → key ${at.k} “${clip(kLabel(e, at.k), 40)}”, ` +
+      `head ${e.heads[hi].head}: ${c.exact ? "w = " + fmt(c.v) : "not stored, w ≤ " + fmt(c.v)} (${PRECISION[e.heads[hi].mode]})`;
+  }
+
+  function setZoom(r0, r1, c0, c1) {
+    const e = entry();
+    const fit = (a, b, n) => {
+      let w = Math.min(n, Math.max(b - a, Math.min(n, 2)));
+      let lo = Math.max(0, Math.min(a + (b - a - w) / 2, n - w));
+      return [lo, lo + w];
+    };
+    [r0, r1] = fit(r0, r1, e.nr); [c0, c1] = fit(c0, c1, e.S);
+    zoom = { r0, r1, c0, c1 };
+    drawMatrix();
+  }
+
+  function wireMatrix() {
+    const canvas = $("matrix-canvas"), box = $("zoom-box");
+    let drag = null;
+    canvas.addEventListener("mousemove", (ev) => {
+      hover(ev);
+      if (!drag) return;
+      const rect = canvas.getBoundingClientRect();
+      const x0 = Math.min(drag.x, ev.clientX), y0 = Math.min(drag.y, ev.clientY);
+      Object.assign(box.style, { display: "block", left: (x0 - rect.left) + "px", top: (y0 - rect.top) + "px",
+        width: Math.abs(ev.clientX - drag.x) + "px", height: Math.abs(ev.clientY - drag.y) + "px" });
+    });
+    canvas.addEventListener("mouseleave", () => { $("tooltip").style.display = "none"; });
+    canvas.addEventListener("mousedown", (ev) => {
+      if (ev.button !== 0) return;
+      ev.preventDefault();
+      drag = { x: ev.clientX, y: ev.clientY, at: viewCell(ev.clientX, ev.clientY) };
+    });
+    window.addEventListener("mouseup", (ev) => {
+      if (!drag) return;
+      const start = drag; drag = null; box.style.display = "none";
+      if (Math.abs(ev.clientX - start.x) < 4 || Math.abs(ev.clientY - start.y) < 4 || !start.at) return;
+      const rect = canvas.getBoundingClientRect();
+      const end = viewCell(Math.min(Math.max(ev.clientX, rect.left), rect.right - 0.01),
+        Math.min(Math.max(ev.clientY, rect.top), rect.bottom - 0.01));
+      if (!end) return;
+      setZoom(Math.min(start.at.r, end.r), Math.max(start.at.r, end.r), Math.min(start.at.c, end.c), Math.max(start.at.c, end.c));
+    });
+    canvas.addEventListener("wheel", (ev) => {
+      const at = viewCell(ev.clientX, ev.clientY);
+      if (!at) return;
+      ev.preventDefault();
+      const f = ev.deltaY < 0 ? 0.8 : 1.25;
+      setZoom(at.r - (at.r - zoom.r0) * f, at.r + (zoom.r1 - at.r) * f, at.c - (at.c - zoom.c0) * f, at.c + (zoom.c1 - at.c) * f);
+      hover(ev);
+    }, { passive: false });
+    $("zoom-reset").addEventListener("click", () => { zoom = null; drawMatrix(); });
+    $("scale").addEventListener("change", () => { thumbsFor = ""; draw(); });
+  }
+
+  // ------------------------------------------------------------------ head view
+  const ROW = 18, WIN = 40, TOP = 30, QX = 300, KX = 480;
+
+  function windows() {
+    const e = entry(), nq = Math.min(e.nr, WIN), nk = Math.min(e.S, WIN);
+    const qs = Math.min(+$("head-scroll").value, e.nr - nq);
+    let ks = +$("key-scroll").value;
+    if ($("follow").checked) {
+      const rows = rowsOf(e), last = rows[qs + nq - 1] + (e.S >= e.T ? e.S - e.T : 0);
+      ks = Math.max(0, Math.min(last - nk + 1, e.S - nk));
+      $("key-scroll").value = String(ks);
+    }
+    ks = Math.min(ks, e.S - nk);
+    return { nq, nk, qs, ks };
+  }
+
+  function drawHead() {
+    const e = entry(), canvas = $("head-canvas");
+    const { nq, nk, qs, ks } = windows();
+    const kk = Math.max(1, Math.min(64, Math.floor(+$("topk").value) || 1));
+    const thr = Math.max(0, +$("threshold").value || 0);
+    const heads = state.head === "all" ? e.heads.map((_, i) => i) : [state.head];
+    canvas.height = TOP * 2 + Math.max(nq, nk) * ROW;
+    const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height;
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, H);
+    const yq = (p) => TOP + (p - qs) * ROW + ROW / 2, yk = (c) => TOP + (c - ks) * ROW + ROW / 2;
+    ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle";
+    ctx.fillStyle = "#5b6475"; ctx.textAlign = "center";
+    if (ks > 0) ctx.fillText(`↑ keys 0..${ks - 1}`, KX + 40, TOP / 2);
+    if (ks + nk < e.S) ctx.fillText(`↓ keys ${ks + nk}..${e.S - 1}`, KX + 40, H - TOP / 2);
+    const lines = [];
+    for (const hi of heads) {
+      const m = mat(state.layer, hi);
+      for (let p = qs; p < qs + nq; p++) {
+        let above = 0, below = 0;
+        for (const [c, v] of m.rowTop(p, kk)) {
+          if (v < thr || v <= 0) continue;
+          if (c < ks) above += v; else if (c >= ks + nk) below += v;
+          else lines.push([hi, p, yk(c), v, c]);
+        }
+        if (above > 0) lines.push([hi, p, TOP - 8, above, -1]);
+        if (below > 0) lines.push([hi, p, H - TOP + 8, below, -2]);
+      }
+    }
+    ctx.lineCap = "round";
+    for (const [hi, p, y, v, c] of lines) {
+      const on = !focus || (focus.q === p) || (focus.k !== undefined && focus.k === c);
+      ctx.globalAlpha = (on ? 1 : 0.08) * Math.min(1, 0.08 + Math.sqrt(v));
+      ctx.strokeStyle = headColour(hi); ctx.lineWidth = 0.6 + 3 * Math.min(1, v);
+      ctx.beginPath(); ctx.moveTo(QX + 6, yq(p)); ctx.lineTo(KX - 6, y); ctx.stroke();
+    }
+    ctx.globalAlpha = 1;
+    const rows = rowsOf(e);
+    for (let p = qs; p < qs + nq; p++) {
+      ctx.fillStyle = focus && focus.q === p ? "#c2185b" : "#1d2433"; ctx.textAlign = "right";
+      ctx.fillText(clip(qLabel(e, p), 28), QX, yq(p));
+      ctx.fillStyle = "#9aa1ad"; ctx.textAlign = "left"; ctx.fillText(String(rows[p]), 8, yq(p));
+    }
+    for (let c = ks; c < ks + nk; c++) {
+      ctx.fillStyle = focus && focus.k === c ? "#c2185b" : "#1d2433"; ctx.textAlign = "left";
+      ctx.fillText(clip(kLabel(e, c), 28), KX, yk(c));
+      ctx.fillStyle = "#9aa1ad"; ctx.textAlign = "right"; ctx.fillText(String(c), W - 8, yk(c));
+    }
+    $("legend").innerHTML = "";
+    for (const hi of heads) {
+      const s = document.createElement("span"), i = document.createElement("i");
+      i.style.background = headColour(hi); s.appendChild(i);
+      s.appendChild(document.createTextNode("head " + e.heads[hi].head)); $("legend").appendChild(s);
+    }
+    let note = `queries ${rows[qs]}..${rows[qs + nq - 1]} of ${e.nr} kept, keys ${ks}..${ks + nk - 1} of ${e.S}; ` +
+      `lines: each query's top ${kk} keys with w ≥ ${thr}. Wheel over the canvas scrolls the queries.`;
+    if (focus && focus.q !== undefined) {
+      const top = mat(state.layer, heads[0]).rowTop(focus.q, kk).filter(([, v]) => v >= thr);
+      note = `query ${rows[focus.q]} “${clip(qLabel(e, focus.q), 30)}”, head ${e.heads[heads[0]].head}: ` +
+        top.map(([c, v]) => `k=${c} “${clip(kLabel(e, c), 16)}” ${fmt(v)}`).join(", ");
+    }
+    $("head-note").textContent = note;
+  }
+
+  function wireHead() {
+    const canvas = $("head-canvas");
+    for (const id of ["topk", "threshold", "head-scroll", "key-scroll", "follow"]) {
+      $(id).addEventListener("input", () => { $("key-scroll").disabled = $("follow").checked; drawHead(); });
+    }
+    canvas.addEventListener("mousemove", (ev) => {
+      const rect = canvas.getBoundingClientRect(), x = ev.clientX - rect.left, y = ev.clientY - rect.top;
+      const { nq, nk, qs, ks } = windows(), i = Math.floor((y - TOP) / ROW);
+      let f = null;
+      if (x < (QX + KX) / 2 && i >= 0 && i < nq) f = { q: qs + i };
+      else if (x >= (QX + KX) / 2 && i >= 0 && i < nk) f = { k: ks + i };
+      if (JSON.stringify(f) !== JSON.stringify(focus)) { focus = f; drawHead(); }
+    });
+    canvas.addEventListener("mouseleave", () => { if (focus) { focus = null; drawHead(); } });
+    canvas.addEventListener("wheel", (ev) => {
+      const s = $("head-scroll"), before = +s.value;
+      s.value = String(Math.max(0, Math.min(+s.max, before + Math.sign(ev.deltaY) * 3)));
+      if (+s.value !== before) { ev.preventDefault(); focus = null; drawHead(); }
+    }, { passive: false });
+  }
+
+  function resetHeadWindows() {
+    const e = entry();
+    $("head-scroll").max = String(Math.max(0, e.nr - Math.min(e.nr, WIN)));
+    $("key-scroll").max = String(Math.max(0, e.S - Math.min(e.S, WIN)));
+    $("head-scroll").value = "0";
+    $("key-scroll").disabled = $("follow").checked;
+    focus = null;
+  }
+
+  // ------------------------------------------------------------------ overview
+  function drawOverview() {
+    const key = state.layer + ":" + scaleName();
+    if (thumbsFor === key) return;
+    thumbsFor = key;
+    const e = entry(), box = $("thumbs");
+    box.innerHTML = "";
+    e.heads.forEach((h, hi) => {
+      const fig = document.createElement("figure"), c = document.createElement("canvas");
+      c.className = "thumb"; c.dataset.head = String(hi); c.width = c.height = 150;
+      c.title = `head ${h.head}: open in the matrix view`;
+      const m = mat(state.layer, hi);
+      c.getContext("2d").putImageData(paint(m, 150, 150, fullView(m), scaleName()), 0, 0);
+      c.addEventListener("click", () => { setHead(hi); setView("matrix"); });
+      const cap = document.createElement("figcaption");
+      cap.textContent = `head ${h.head} · max ${fmt(h.vmax)}`;
+      fig.appendChild(c); fig.appendChild(cap); box.appendChild(fig);
+    });
+  }
+
+  // ------------------------------------------------------------------ explain
+  const ABOUT = {
+    Q: "queries: one row per query token, one column per head dim",
+    K: "keys: one row per key token", V: "values: one row per key token",
+    scores: "Q·Kᵀ·scale, masked entries −∞, before softmax",
+    softmax: "softmax of each row of the scores: the attention weights, each row sums to 1",
+    output: "softmax · V: each query's weighted mean of the values",
+  };
+
+  function drawExplain() {
+    const e = entry(), box = $("view-explain"), hi = shownHead();
+    box.innerHTML = "";
+    const steps = META.steps.concat(e.steps.filter((s) => s.head === hi));
+    if (!steps.length) { box.textContent = "No steps for this layer."; return; }
+    if (e.steps.length) {
+      const p = document.createElement("p"); p.className = "note";
+      p.textContent = `${e.label}, head ${e.heads[hi].head}: the steps of attention, in order.`;
+      box.appendChild(p);
+    }
+    const label = (kind, i) => kind === "q" ? qLabel(e, i) : kind === "k" ? kLabel(e, i) : String(i);
+    for (const s of steps) {
+      const div = document.createElement("div"); div.className = "step";
+      const h = document.createElement("h3");
+      h.textContent = `${s.name}  (${s.data.length} × ${s.data[0] ? s.data[0].length : 0})` + (ABOUT[s.name] ? " — " + ABOUT[s.name] : "");
+      const scroll = document.createElement("div"); scroll.className = "scroll";
+      const t = document.createElement("table"); t.className = "num";
+      let big = 0;
+      for (const row of s.data) for (const v of row) if (typeof v === "number") big = Math.max(big, Math.abs(v));
+      const head = t.insertRow(); head.appendChild(document.createElement("th"));
+      (s.data[0] || []).forEach((_, j) => { const th = document.createElement("th"); th.textContent = clip(label(s.cols, j), 12); head.appendChild(th); });
+      s.data.forEach((row, i) => {
+        const tr = t.insertRow(), th = document.createElement("th");
+        th.textContent = clip(label(s.rows, i), 16); tr.appendChild(th);
+        for (const v of row) {
+          const td = tr.insertCell();
+          if (typeof v === "number") {
+            td.textContent = fmt(v);
+            const a = big > 0 ? Math.abs(v) / big * 0.55 : 0;
+            td.style.background = v >= 0 ? `rgba(33,113,181,${a})` : `rgba(214,39,40,${a})`;
+          } else td.textContent = v === "-inf" ? "−∞" : v === "inf" ? "∞" : v;
+        }
+      });
+      scroll.appendChild(t); div.appendChild(h); div.appendChild(scroll); box.appendChild(div);
+    }
+  }
+
+  // ------------------------------------------------------------------ views and selectors
+  const PRECISION = {
+    f4: "stored as float32: exact to the digits shown",
+    f2: "stored as float16: |error| ≤ max(w·2⁻¹¹, 2⁻²⁵)",
+    top: "stored: block maxima and each row's top-k weights as float16, |error| ≤ max(w·2⁻¹¹, 2⁻²⁵)",
+  };
+
+  function draw() {
+    const e = entry(), hi = shownHead(), h = e.heads[hi];
+    $("summary").textContent = `${e.label}: ${e.nr} of ${e.T} query rows, ${e.S} keys, ${e.heads.length} head` +
+      (e.heads.length === 1 ? "" : "s") + ` · ${META.entries.length} layer entr${META.entries.length === 1 ? "y" : "ies"}`;
+    $("precision").textContent = `Head ${h.head}: ${PRECISION[h.mode]}` +
+      (h.mode === "top" ? ` (blocks of ${h.block}×${h.block} cells, top ${h.k} per row; other cells not stored).` : ".") +
+      " Hover shows toPrecision(4) of the stored value.";
+    if (state.view === "head") drawHead();
+    else if (state.view === "matrix") drawMatrix();
+    else if (state.view === "overview") drawOverview();
+    else drawExplain();
+  }
+
+  function setView(name) {
+    if (!VIEWS.includes(name)) throw new Error(`setView: no view ${name}; views: ${VIEWS.join(", ")}`);
+    state.view = name;
+    for (const v of VIEWS) {
+      $("view-" + v).classList.toggle("active", v === name);
+      $("tab-" + v).classList.toggle("active", v === name);
+    }
+    $("tooltip").style.display = "none";
+    draw();
+  }
+
+  function fillHeads() {
+    const e = entry(), sel = $("head");
+    sel.innerHTML = "";
+    const add = (value, text) => { const o = document.createElement("option"); o.value = value; o.textContent = text; sel.appendChild(o); };
+    add("all", `all (${e.heads.length})`);
+    e.heads.forEach((h, i) => add(String(i), "head " + h.head));
+    sel.value = String(state.head);
+  }
+
+  function setLayer(i) {
+    i = +i;
+    if (!(Number.isInteger(i) && i >= 0 && i < ENTRIES.length)) throw new Error(`setLayer: no layer ${i}; 0..${ENTRIES.length - 1}`);
+    state.layer = i;
+    if (state.head !== "all" && state.head >= entry().heads.length) state.head = "all";
+    $("layer").value = String(i);
+    fillHeads(); resetHeadWindows();
+    draw();
+  }
+
+  function setHead(h) {
+    const n = entry().heads.length;
+    if (h !== "all") {
+      h = +h;
+      if (!(Number.isInteger(h) && h >= 0 && h < n)) throw new Error(`setHead: no head ${h}; "all" or 0..${n - 1}`);
+    }
+    state.head = h;
+    $("head").value = String(h);
+    focus = null;
+    draw();
+  }
+
+  function digest(id) {
+    const c = $(id), d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+    let h = 0x811c9dc5;
+    for (let i = 0; i < d.length; i++) { h ^= d[i]; h = Math.imul(h, 0x01000193); }
+    return (h >>> 0).toString(16).padStart(8, "0");
+  }
+
+  function init() {
+    const sel = $("layer");
+    ENTRIES.forEach((e, i) => { const o = document.createElement("option"); o.value = String(i); o.textContent = e.label; sel.appendChild(o); });
+    sel.addEventListener("change", () => setLayer(sel.value));
+    $("head").addEventListener("change", () => setHead($("head").value));
+    for (const v of VIEWS) $("tab-" + v).addEventListener("click", () => setView(v));
+    wireMatrix(); wireHead();
+    state.head = ENTRIES[0].heads.length === 1 ? 0 : "all";
+    state.layer = 0; $("layer").value = "0"; fillHeads(); resetHeadWindows();
+    window.qkvViewer = { state, value, exact, cellAt, cellCenter, digest, setView, setLayer, setHead };
+    setView("head");
+    document.body.dataset.ready = "1";
+  }
+
+  init();
+})();
