@@ -2,8 +2,10 @@
 
 Thin: parses arguments into a recipe (:mod:`qkv.training.recipes`) and a
 :class:`qkv.training.TrainConfig`, and calls :func:`qkv.training.train`, which shows the
-progress bar, writes checkpoints atomically, resumes to the bit, and saves ``metrics.json``
-and pictures under ``--out``.
+progress bar, writes checkpoints atomically, resumes to the bit, and saves ``metrics.json``,
+pictures and (``reverse``/``copy``/``sort``) the viewer page of the test example's
+cross-attention (``cross_attention.html``, beside its PNG; ``qkv view`` makes more) under
+``--out``.
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Train a model of qkv.models on a task of qkv.tasks, with a progress bar, "
         "atomic checkpoints every --checkpoint-every steps, --resume to continue an "
         "interrupted run to the identical result, metrics.json and attention pictures in "
-        "--out. Ctrl-C writes a checkpoint and stops.")
+        "--out (reverse, copy, sort: also an HTML viewer page of the test example's "
+        "cross-attention beside its PNG). Ctrl-C writes a checkpoint and stops.")
     p.add_argument("task", choices=sorted(RECIPES), help="the task")
     p.add_argument("--attention", default="exact", choices=list(attention_kinds()),
                    help="the attention of every layer (default exact)")
@@ -67,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="ListOps lengths: cpu 100-500 (default) or full 500-2000")
     p.add_argument("--cache-dir", default=None, help="where generated tasks are cached")
     p.add_argument("--out", required=True, metavar="DIR",
-                   help="checkpoint.pt, metrics.json and pictures go here")
+                   help="checkpoint.pt, metrics.json, pictures and the viewer page go here")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run_train_cli)

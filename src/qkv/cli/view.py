@@ -198,14 +198,7 @@ def load_run(folder: str | Path, *, cache_dir: str | None = None):
 def _run(folder: Path, text: str, bounds: dict, cache_dir: str | None):
     recipe, model = load_run(folder, cache_dir=cache_dir)
     if isinstance(recipe, Seq2SeqRecipe):
-        src_tokens = _tokenise(recipe, text, recipe.train_data.src.shape[1])
-        src = torch.tensor([recipe.train_data.vocab.encode(src_tokens)])  # (1, S)
-        tgt = _greedy(recipe, model, src)  # (1, T): <bos> and the decoded tokens
-        with torch.no_grad(), capture(model, **bounds) as cap:
-            model(src, tgt)
-        tgt_tokens = recipe.train_data.vocab.decode(tgt[0])
-        return cap, (tgt_tokens, src_tokens), (
-            f"{recipe.task}: {' '.join(src_tokens)} -> {' '.join(tgt_tokens[1:])}")
+        return _seq2seq(recipe, model, text, bounds)
     if isinstance(recipe, ClassifierRecipe):
         tokens = _tokenise(recipe, text, recipe.train_data.tokens.shape[1])
         x = torch.tensor([recipe.train_data.vocab.encode(tokens)])  # (1, L)
@@ -214,6 +207,42 @@ def _run(folder: Path, text: str, bounds: dict, cache_dir: str | None):
         return cap, ["CLS", *tokens], f"{recipe.task}: {' '.join(tokens)} (predicted {label})"
     raise ValueError(f"{folder} is a run of {recipe.task}, whose inputs are images, not "
                      f"tokens: --input reads tokens of reverse, copy, sort or listops")
+
+
+def _seq2seq(recipe: Seq2SeqRecipe, model, text: str, bounds: dict):
+    """The input decoded greedily, then the teacher-forced forward captured: by default the
+    cross-attention of every layer (as ``qkv train``'s page), or the ``--layers`` asked for,
+    all of one kind (the page labels one kind: cross, encoder or decoder self-attention)."""
+    vocab = recipe.train_data.vocab
+    src_tokens = _tokenise(recipe, text, recipe.train_data.src.shape[1])
+    src = torch.tensor([vocab.encode(src_tokens)])  # (1, S)
+    tgt = _greedy(recipe, model, src)  # (1, T): <bos> and the decoded tokens
+    tgt_tokens = vocab.decode(tgt[0])
+    if bounds["layers"] is None:
+        bounds = dict(bounds, layers=[n for n, _ in model.named_modules() if _kind(n) == "cross"])
+    with torch.no_grad(), capture(model, **bounds) as cap:
+        model(src, tgt)
+    labels = {"cross": (tgt_tokens, src_tokens), "encoder": src_tokens, "decoder": tgt_tokens}
+    kinds = sorted({_kind(r.name) for r in cap})
+    if len(kinds) > 1:
+        asked = ",".join(map(str, bounds["layers"]))
+        raise ValueError(f"--layers {asked} takes {' and '.join(_KINDS[k] for k in kinds)}; a "
+                         f"page labels one kind: ask for the cross-attention (the default), "
+                         f"--layers encoder, or decoder self-attention by name, e.g. --layers "
+                         f"decoder.layers.0.self_attn")
+    title = f"{recipe.task}: {' '.join(src_tokens)} -> {' '.join(tgt_tokens[1:])}"
+    return cap, labels[kinds[0]], f"{title}, {_KINDS[kinds[0]]}"
+
+
+_KINDS = {"cross": "cross-attention", "encoder": "encoder self-attention",
+          "decoder": "decoder self-attention"}
+
+
+def _kind(site: str) -> str:
+    """``"cross"``, ``"encoder"`` or ``"decoder"``: the attention of a Seq2SeqTransformer site."""
+    if site.rpartition(".")[2] == "cross_attn":
+        return "cross"
+    return "encoder" if site.startswith("encoder.") else "decoder"
 
 
 def _tokenise(recipe, text: str, most: int) -> list[str]:

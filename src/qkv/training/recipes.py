@@ -2,7 +2,8 @@
 
 * ``reverse``, ``copy``, ``sort``: :class:`qkv.Seq2SeqTransformer`, teacher-forced; evaluated
   by greedy decoding, exact match of whole sequences; picture: the last layer's
-  cross-attention of a test example (``reverse`` shows the anti-diagonal).
+  cross-attention of a test example (``reverse`` shows the anti-diagonal), and beside it the
+  viewer page of that example's cross-attention, every layer and head (:func:`qkv.viz.html`).
 * ``listops``: :class:`qkv.EncoderClassifier` (CLS pooling, as LRA); test accuracy.
 * ``digits``: :class:`qkv.ViT` on the 8x8 digits (patches of 2x2); test accuracy.
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import tasks
+from ..capture import capture
 from ..models import EncoderClassifier, Seq2SeqTransformer, ViT
 
 __all__ = ["make_recipe", "RECIPES", "Seq2SeqRecipe", "ClassifierRecipe", "ViTRecipe"]
@@ -110,7 +112,18 @@ class Seq2SeqRecipe(_Recipe):
                               key_labels=[v.tokens[i] for i in d.src[0, :S]],
                               titles=[f"cross-attention, last layer, head {h + 1}"
                                       for h in range(probs.shape[0])])
-        return [str(path)]
+        return [str(path), str(self._page(model, src, tgt, path.with_suffix(".html")))]
+
+    def _page(self, model, src: Tensor, tgt: Tensor, path: Path) -> Path:
+        """The viewer page of the example's cross-attention, every layer and head."""
+        from ..viz.html import html
+        v = self.test_data.vocab
+        cross = [n for n, _ in model.named_modules() if n.rpartition(".")[2] == "cross_attn"]
+        with capture(model, layers=cross) as cap:
+            model(src, tgt)
+        queries, keys = v.decode(tgt[0]), v.decode(src[0])
+        return html(cap, path, (queries, keys),
+                    title=f"{self.task}: cross-attention of {' '.join(keys)}")
 
 
 class ClassifierRecipe(_Recipe):
