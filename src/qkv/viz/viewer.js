@@ -1,6 +1,6 @@
 /* qkv attention viewer: the script inlined by qkv.viz.html. No network, no dependencies.
-   The data sits in <script id="qkv-meta"> (JSON) and <script id="qkv-blob-N"> (base64),
-   decoded per head on first use. The DOM/JS contract is in qkv/viz/html.py's docstring. */
+   The data sits in the script elements #qkv-meta (JSON) and #qkv-blob-N (base64), decoded
+   per head on first use. This file must never hold a script tag or an HTML comment opener. The DOM/JS contract is in qkv/viz/html.py's docstring. */
 (function () {
   "use strict";
   const META = JSON.parse(document.getElementById("qkv-meta").textContent);
@@ -53,9 +53,11 @@
       if (this.mode === "f2") { this.data = halves(buf, 0, n); this.L0 = 0; return; }
       const k = info.k, nk = this.nr * k;
       this.k = k; this.block = info.block; this.L0 = Math.round(Math.log2(info.block));
-      this.idx = info.ib === 4 ? new Uint32Array(buf, 0, nk) : new Uint16Array(buf, 0, nk);
-      this.val = halves(buf, nk * info.ib, nk);
-      this.levels[this.L0] = { w: info.gc, h: info.gr, a: halves(buf, nk * (info.ib + 2), info.gr * info.gc) };
+      const Ix = info.ib === 4 ? Uint32Array : Uint16Array, nb = (nk + 2 * this.nr) * info.ib;
+      this.idx = new Ix(buf, 0, nk);
+      this.span = new Ix(buf, nk * info.ib, 2 * this.nr); // first, last key of nonzero weight
+      this.val = halves(buf, nb, nk);
+      this.levels[this.L0] = { w: info.gc, h: info.gr, a: halves(buf, nb + 2 * nk, info.gr * info.gc) };
       this.rowMin = new Float32Array(this.nr);
       for (let r = 0; r < this.nr; r++) {
         let m = Infinity;
@@ -84,6 +86,7 @@
     cell(r, c) {
       if (!(r >= 0 && r < this.nr && c >= 0 && c < this.S)) return null;
       if (this.data) return { v: this.data[r * this.S + c], exact: true };
+      if (c < this.span[2 * r] || c > this.span[2 * r + 1]) return { v: 0, exact: true };
       let lo = r * this.k, hi = lo + this.k - 1;
       while (lo <= hi) {
         const mid = (lo + hi) >> 1, x = this.idx[mid];
@@ -94,6 +97,12 @@
       const top = g.a[Math.floor(r / b) * g.w + Math.floor(c / b)];
       if (top === 0) return { v: 0, exact: true }; // its whole block is 0
       return { v: Math.min(top, this.rowMin[r]), exact: false };
+    }
+
+    /** Whether a row in [ra, rb] may have a nonzero weight in keys [ca, cb] ("top" mode). */
+    reaches(ra, rb, ca, cb) {
+      for (let r = ra; r <= rb; r++) if (this.span[2 * r] <= cb && this.span[2 * r + 1] >= ca) return true;
+      return false;
     }
 
     /** The kk largest [key, weight] of row position r, largest first. */
@@ -214,7 +223,7 @@
         }
         if (sparse) {
           const s = pv[y * W + x];
-          if (s < 0 && v > 0) { px[o] = UNKNOWN[0]; px[o + 1] = UNKNOWN[1]; px[o + 2] = UNKNOWN[2]; continue; }
+          if (s < 0 && v > 0 && m.reaches(rl[y], rh[y], cl[x], ch[x])) { px[o] = UNKNOWN[0]; px[o + 1] = UNKNOWN[1]; px[o + 2] = UNKNOWN[2]; continue; }
           v = Math.max(s, 0);
         }
         const i = 3 * idx(v);
