@@ -597,8 +597,12 @@ _TEMPLATE = """<!DOCTYPE html>
     <button id="zoom-reset" type="button">Reset zoom</button>
     <span id="matrix-note" class="note"></span>
   </div>
-  <div id="matrix-wrap"><canvas id="matrix-canvas" width="640" height="640"></canvas>
-    <div id="zoom-box"></div><div id="axis-info"></div></div>
+  <div id="matrix-grid">
+    <div></div><canvas id="matrix-cols" width="640" height="72"></canvas>
+    <canvas id="matrix-rows" width="120" height="640"></canvas>
+    <div id="matrix-wrap"><canvas id="matrix-canvas" width="640" height="640"></canvas><div id="zoom-box"></div></div>
+  </div>
+  <div id="axis-info" class="note"></div>
   <p id="cell-info" class="note"></p>
 </section>
 <section id="view-overview" class="view"><div id="thumbs"></div></section>

@@ -257,7 +257,10 @@
     const e = entry(), hi = shownHead(), m = mat(state.layer, hi), canvas = $("matrix-canvas");
     const key = state.layer + ":" + m.nr + "x" + m.S;
     if (!zoom || zoomKey !== key) { zoom = fullView(m); zoomKey = key; }
-    canvas.getContext("2d").putImageData(paint(m, canvas.width, canvas.height, zoom, scaleName()), 0, 0);
+    const ctx = canvas.getContext("2d");
+    ctx.putImageData(paint(m, canvas.width, canvas.height, zoom, scaleName()), 0, 0);
+    writeValues(ctx, m, canvas.width, canvas.height);
+    drawAxes(e, m);
     const rows = rowsOf(e);
     const rA = Math.max(0, Math.floor(zoom.r0)), rB = Math.min(m.nr, Math.ceil(zoom.r1)) - 1;
     const cA = Math.max(0, Math.floor(zoom.c0)), cB = Math.min(m.S, Math.ceil(zoom.c1)) - 1;
@@ -267,6 +270,47 @@
       (per > 1 ? `each pixel: max of up to ${Math.ceil(per)}×${Math.ceil(per)} cells` : "each cell ≥ 1 pixel");
     $("matrix-note").textContent = (state.head === "all" ? "head all: showing head " + e.heads[0].head + " (pick a head). " : "") +
       (m.mode === "top" ? `cells outside each row's top ${m.k} are not stored (grey when zoomed in; hover gives a bound, w≤).` : "");
+  }
+
+  /** Each cell's weight written in it, once cells are large enough to hold the text. */
+  function writeValues(ctx, m, W, H) {
+    const cw = W / (zoom.c1 - zoom.c0), ch = H / (zoom.r1 - zoom.r0);
+    if (cw < 34 || ch < 14) return;
+    const vmax = m.vmax > 0 ? m.vmax : 1, scale = scaleName(), idx = shade(scale, vmax);
+    ctx.font = `${Math.min(12, Math.floor(ch * 0.6))}px ui-monospace, Menlo, Consolas, monospace`;
+    ctx.textAlign = "center"; ctx.textBaseline = "middle";
+    for (let r = Math.max(0, Math.floor(zoom.r0)); r < Math.min(m.nr, Math.ceil(zoom.r1)); r++) {
+      for (let c = Math.max(0, Math.floor(zoom.c0)); c < Math.min(m.S, Math.ceil(zoom.c1)); c++) {
+        const cell = m.cell(r, c);
+        if (!cell.exact) continue;
+        const v = cell.v, text = v === 0 ? "0" : v < 0.005 ? v.toExponential(0) : v.toFixed(2);
+        ctx.fillStyle = idx(v) > 150 ? "#fff" : "#1d2433";
+        ctx.fillText(text, (c + 0.5 - zoom.c0) * cw, (r + 0.5 - zoom.r0) * ch);
+      }
+    }
+  }
+
+  /** Query labels left of the matrix, key labels above it: every one when there is room,
+      else evenly spaced indices. */
+  function drawAxes(e, m) {
+    const rowsC = $("matrix-rows"), colsC = $("matrix-cols"), rows = rowsOf(e);
+    const rc = rowsC.getContext("2d"), cc = colsC.getContext("2d");
+    rc.clearRect(0, 0, rowsC.width, rowsC.height); cc.clearRect(0, 0, colsC.width, colsC.height);
+    rc.font = cc.font = "11px system-ui, sans-serif";
+    rc.fillStyle = cc.fillStyle = "#1d2433"; rc.textBaseline = cc.textBaseline = "middle";
+    const ch = rowsC.height / (zoom.r1 - zoom.r0), cw = colsC.width / (zoom.c1 - zoom.c0);
+    const every = (px) => { let s = 1; while (s * px < 16) s *= s % 3 === 1 ? 2 : 2.5; return Math.round(s); };
+    const rStep = ch >= 12 ? 1 : every(ch), cStep = cw >= 12 ? 1 : every(cw);
+    rc.textAlign = "right";
+    for (let r = Math.ceil(Math.max(0, zoom.r0) / rStep) * rStep; r < Math.min(m.nr, zoom.r1); r += rStep) {
+      const text = rStep === 1 ? clip(qLabel(e, r), 16) : String(rows[r]);
+      rc.fillText(text, rowsC.width - 4, (r + 0.5 - zoom.r0) * ch);
+    }
+    cc.textAlign = "left";
+    for (let c = Math.ceil(Math.max(0, zoom.c0) / cStep) * cStep; c < Math.min(m.S, zoom.c1); c += cStep) {
+      cc.save(); cc.translate((c + 0.5 - zoom.c0) * cw, colsC.height - 4); cc.rotate(-Math.PI / 3);
+      cc.fillText(cStep === 1 ? clip(kLabel(e, c), 11) : String(c), 0, 0); cc.restore();
+    }
   }
 
   function viewCell(clientX, clientY) { // fractional cell coords under a client point, or null
@@ -373,6 +417,7 @@
 
   // ------------------------------------------------------------------ head view
   const ROW = 18, WIN = 40, TOP = 30, QX = 300, KX = 480;
+  let layout = { yq: () => -1, qs: 0, nq: 0, ks: 0, nk: 0 }; // of the last head view drawn
 
   function windows() {
     const e = entry(), nq = Math.min(e.nr, WIN), nk = Math.min(e.S, WIN);
@@ -396,17 +441,24 @@
     canvas.height = TOP * 2 + Math.max(nq, nk) * ROW;
     const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height;
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, H);
-    const yq = (p) => TOP + (p - qs) * ROW + ROW / 2, yk = (c) => TOP + (c - ks) * ROW + ROW / 2;
+    const yk = (c) => TOP + (c - ks) * ROW + ROW / 2, rows = rowsOf(e), shift = e.S >= e.T ? e.S - e.T : 0;
+    // A query sits beside its own position among the keys when all shown queries fit there.
+    let aligned = $("follow").checked;
+    for (let p = qs; aligned && p < qs + nq; p++) aligned = rows[p] + shift >= ks && rows[p] + shift < ks + nk;
+    const yq = aligned ? (p) => yk(rows[p] + shift) : (p) => TOP + (p - qs) * ROW + ROW / 2;
+    layout = { yq, aligned, qs, nq, ks, nk };
     ctx.font = "12px system-ui, sans-serif"; ctx.textBaseline = "middle";
     ctx.fillStyle = "#5b6475"; ctx.textAlign = "center";
     if (ks > 0) ctx.fillText(`↑ keys 0..${ks - 1}`, KX + 40, TOP / 2);
     if (ks + nk < e.S) ctx.fillText(`↓ keys ${ks + nk}..${e.S - 1}`, KX + 40, H - TOP / 2);
     const lines = [];
+    let best = 0;
     for (const hi of heads) {
       const m = mat(state.layer, hi);
       for (let p = qs; p < qs + nq; p++) {
         let above = 0, below = 0;
         for (const [c, v] of m.rowTop(p, kk)) {
+          best = Math.max(best, v);
           if (v < thr || v <= 0) continue;
           if (c < ks) above += v; else if (c >= ks + nk) below += v;
           else lines.push([hi, p, yk(c), v, c]);
@@ -423,7 +475,6 @@
       ctx.beginPath(); ctx.moveTo(QX + 6, yq(p)); ctx.lineTo(KX - 6, y); ctx.stroke();
     }
     ctx.globalAlpha = 1;
-    const rows = rowsOf(e);
     for (let p = qs; p < qs + nq; p++) {
       ctx.fillStyle = focus && focus.q === p ? "#c2185b" : "#1d2433"; ctx.textAlign = "right";
       ctx.fillText(clip(qLabel(e, p), 28), QX, yq(p));
@@ -441,9 +492,11 @@
       s.appendChild(document.createTextNode("head " + e.heads[hi].head)); $("legend").appendChild(s);
     }
     let note = `queries ${rows[qs]}..${rows[qs + nq - 1]} of ${e.nr} kept, keys ${ks}..${ks + nk - 1} of ${e.S}; ` +
-      `lines: each query's top ${kk} keys with w ≥ ${thr}. Wheel over the canvas scrolls the queries.`;
+      `lines: each query's top ${kk} keys with w ≥ ${thr}` +
+      (best < thr ? ` (none in view: the largest weight here is ${fmt(best)}; lower the threshold)` : "") +
+      ". Hover a token to single it out; the wheel scrolls the queries.";
     if (focus && focus.q !== undefined) {
-      const top = mat(state.layer, heads[0]).rowTop(focus.q, kk).filter(([, v]) => v >= thr);
+      const top = mat(state.layer, heads[0]).rowTop(focus.q, kk);
       note = `query ${rows[focus.q]} “${clip(qLabel(e, focus.q), 30)}”, head ${e.heads[heads[0]].head}: ` +
         top.map(([c, v]) => `k=${c} “${clip(kLabel(e, c), 16)}” ${fmt(v)}`).join(", ");
     }
@@ -457,10 +510,11 @@
     }
     canvas.addEventListener("mousemove", (ev) => {
       const rect = canvas.getBoundingClientRect(), x = ev.clientX - rect.left, y = ev.clientY - rect.top;
-      const { nq, nk, qs, ks } = windows(), i = Math.floor((y - TOP) / ROW);
+      const { yq, qs, nq, ks, nk } = layout, i = Math.floor((y - TOP) / ROW);
       let f = null;
-      if (x < (QX + KX) / 2 && i >= 0 && i < nq) f = { q: qs + i };
-      else if (x >= (QX + KX) / 2 && i >= 0 && i < nk) f = { k: ks + i };
+      if (x < (QX + KX) / 2) {
+        for (let p = qs; p < qs + nq; p++) if (Math.abs(yq(p) - y) < ROW / 2) f = { q: p };
+      } else if (i >= 0 && i < nk) f = { k: ks + i };
       if (JSON.stringify(f) !== JSON.stringify(focus)) { focus = f; drawHead(); }
     });
     canvas.addEventListener("mouseleave", () => { if (focus) { focus = null; drawHead(); } });
