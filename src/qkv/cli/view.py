@@ -18,6 +18,8 @@ layers also by module name): a long text's full weights are ``layers x heads x T
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -283,8 +285,9 @@ def _hugging_face(folder: Path, text: str, bounds: dict):
     name = qkv_hf.register()  # ImportError without transformers 5.x: one line, exit 2
     from transformers import AutoModel, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
+    with _no_progress_bars():  # stderr keeps to the one line of an error
+        tokenizer = _load(AutoTokenizer, folder, "tokenizer")
+        model = _load(AutoModel, folder, "model").eval()
     model.set_attn_implementation(name)
     enc = tokenizer(text, return_tensors="pt")
     if enc["input_ids"].shape[1] == 0:
@@ -293,3 +296,26 @@ def _hugging_face(folder: Path, text: str, bounds: dict):
         model(**enc)
     tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
     return cap, tokens, f"{folder.name}: {text}"
+
+
+def _load(auto, folder: Path, what: str):
+    """``auto.from_pretrained(folder)`` from local files only; its failure as one line."""
+    try:
+        return auto.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load the {what} of the Hugging Face model folder {folder} "
+                         f"(local files only): {type(e).__name__}: {e}") from None
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Transformers' loading bars off, and back on after if they were on."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
