@@ -7,9 +7,10 @@ network request blocked) over pages written by ``qkv.viz.html``:
   ``file://`` without asking the network for anything, with no console or page error; the
   layer/head selects redraw and ``qkvViewer.state`` follows; hovering a matrix cell shows its
   true weight; a screenshot is not blank; the overview's thumbnails open their head;
-* a 4096-token page (1 layer x 2 heads, causal + sliding band): ready, hover and zoom within
-  the time bounds below;
-* a MultiHeadTrace with explain steps: the explain tab shows its numbers.
+* a 4096-token page (1 layer x 2 heads, causal + sliding band): ready, first matrix view and
+  hover within the time bounds below (READY_LIMIT_S, HOVER_LIMIT_S), and exact after a zoom;
+* a MultiHeadTrace with explain steps: the explain tab shows its numbers;
+* and the harness itself: a page that does reach out is seen doing so, and blocked.
 
 The module skips, saying why, when Playwright or a Chromium executable is missing
 (``$QKV_CHROMIUM``, ``chromium`` on PATH, ``/usr/bin/chromium``; ``.ci/run`` installs Debian's
@@ -102,6 +103,11 @@ class Opened:
         self.console_errors: list[str] = []
         self.page_errors: list[str] = []
         page.on("request", lambda r: self.requests.append(r.url))
+        # Requests the page does not report (a service worker's, another page's) reach the
+        # browser context: those are counted too while this page is open.
+        self.context, self._ctx_request = context, lambda r: self.ctx_requests.append(r.url)
+        self.ctx_requests: list[str] = []
+        context.on("request", self._ctx_request)
         page.on("console", lambda m: self.console_errors.append(m.text) if m.type == "error"
                 else None)
         page.on("pageerror", lambda e: self.page_errors.append(str(e)))
@@ -130,9 +136,11 @@ class Opened:
 
     def others(self) -> list[str]:
         """Requests for anything but the file itself (all blocked, none should be tried)."""
-        return [u for u in self.requests + self.routed if u != self.url] + self.websockets
+        return ([u for u in self.requests + self.routed + self.ctx_requests if u != self.url]
+                + self.websockets)
 
     def close(self):
+        self.context.remove_listener("request", self._ctx_request)
         self.page.close()
 
     # -- the viewer's API
@@ -374,10 +382,28 @@ def _quiet(o: Opened) -> None:
     assert o.page_errors == [], f"page errors: {o.page_errors}"
 
 
+def test_the_harness_sees_and_blocks_requests(tmp_path, opened):
+    """What the viewer tests count on: a page that reaches out is seen doing so, and blocked."""
+    page = tmp_path / "leaky.html"
+    page.write_text("<!doctype html><html><head><link rel='stylesheet' href='https://example.com"
+                    "/a.css'></head><body><img src='other.png'><script>fetch('http://127.0.0.1:9"
+                    "/x').then(() => { document.title = 'reached'; }, () => {});"
+                    "document.body.dataset.ready = '1';</script></body></html>")
+    o = opened(page)
+    wanted = {"https://example.com/a.css", (tmp_path / "other.png").as_uri(),
+              "http://127.0.0.1:9/x"}
+    deadline = time.monotonic() + 5
+    while not wanted <= set(o.others()) and time.monotonic() < deadline:
+        o.page.wait_for_timeout(50)
+    assert wanted <= set(o.others()), o.others()
+    assert o.page.title() != "reached"
+    assert o.console_errors  # each blocked load says so on the console
+
+
 def test_small_page_loads_offline_with_no_error(small, opened):
     path, probs = small
     o = opened(path)
-    assert o.requests == [o.url]
+    assert o.requests == [o.url] and o.ctx_requests == [o.url]
     assert o.routed == [o.url]  # the route saw the file, and nothing else to block
     _quiet(o)
 
