@@ -53,8 +53,9 @@ bytes a head), the file has at most ``112 KiB + 400 * H_all + 4/3 * sum(P) + J``
 ``J`` is the JSON of labels: the token strings (at most 6 bytes per UTF-8 byte), 12 bytes per
 run of consecutive kept rows, and the explain steps (at most 4096 numbers a step, about 12
 bytes each). With the default ``max_cells = 2**24`` that is at most ~43 MiB plus ``J``;
-measured: one 4k x 4k head 2.9 MB, two 16k x 16k heads 5.7 MB, a capture of 4 layers x 4
-heads x 16 rows x 4k keys 5.6 MB.
+measured: one 4k x 4k head 2.9 MB, one 16k x 16k head 3.0 MB, two 5.8 MB, a capture of 4
+layers x 4 heads x 16 rows x 4k keys (float32) 5.7 MB. Writing takes ~4 s a 16k x 16k head on
+one CPU core, ~0.3 s a 4k x 4k head.
 
 Payload format (what a reader other than the page needs). ``<script type="application/json"
 id="qkv-meta">`` holds the JSON metadata (``<`` written ``\\u003c``); ``entries[i]`` is layer
@@ -73,7 +74,8 @@ DOM/JS contract (browser tests rely on it; kept stable):
   order; the option text gives the true head number).
 * Tab buttons ``#tab-head``, ``#tab-matrix``, ``#tab-overview`` and ``#tab-explain`` (only
   when there are steps). The active view's container has class ``active``: ``#view-head``,
-  ``#view-matrix``, ``#view-overview``, ``#view-explain``. The head view is shown first.
+  ``#view-matrix``, ``#view-overview``, ``#view-explain``. The page opens on layer 0, head
+  ``"all"``, the head view.
 * Matrix: ``<canvas id="matrix-canvas">``; hovering a cell sets ``#tooltip``'s text to exactly
   ``q=<i> k=<j> w=<value>`` (``i``, ``j`` the true query and key indices, ``value`` formatted by
   ``toPrecision(4)``); for a cell not stored ("top" mode) it is ``q=<i> k=<j> w≤<bound>``.

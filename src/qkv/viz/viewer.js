@@ -210,17 +210,34 @@
     const [cl, ch] = span(view.c0, sx, m.S, W), [rl, rh] = span(view.r0, sy, m.nr, H);
     const pv = sparse ? new Float32Array(W * H).fill(-1) : null;
     if (sparse) scatter(m, W, H, view, sx, sy, pv);
+    let xA = 0, xB = W - 1;
+    while (xA < W && cl[xA] < 0) xA++;
+    while (xB >= 0 && cl[xB] < 0) xB--;
+    const bxA = xA <= xB ? cl[xA] >> l : 0, bxB = xA <= xB ? ch[xB] >> l : -1;
+    const colMax = new Float32Array(Math.max(0, bxB - bxA + 1)); // this pixel row's max per block column
+    let prev = -1;
     for (let y = 0; y < H; y++) {
+      const row0 = 4 * y * W;
+      if (rl[y] < 0 || xA > xB) {
+        for (let o = row0; o < row0 + 4 * W; o += 4) { px[o] = OUTSIDE[0]; px[o + 1] = OUTSIDE[1]; px[o + 2] = OUTSIDE[2]; px[o + 3] = 255; }
+        continue;
+      }
+      if (prev >= 0 && rl[y] === rl[prev] && rh[y] === rh[prev]) { // the same cells as the row above
+        px.copyWithin(row0, 4 * prev * W, 4 * prev * W + 4 * W);
+        continue;
+      }
+      prev = y;
+      colMax.fill(0);
+      for (let by = rl[y] >> l; by <= rh[y] >> l; by++) {
+        const base = by * lev.w;
+        for (let bx = bxA; bx <= bxB; bx++) if (lev.a[base + bx] > colMax[bx - bxA]) colMax[bx - bxA] = lev.a[base + bx];
+      }
       for (let x = 0; x < W; x++) {
-        const o = 4 * (y * W + x);
+        const o = row0 + 4 * x;
         px[o + 3] = 255;
-        if (rl[y] < 0 || cl[x] < 0) { px[o] = OUTSIDE[0]; px[o + 1] = OUTSIDE[1]; px[o + 2] = OUTSIDE[2]; continue; }
+        if (cl[x] < 0) { px[o] = OUTSIDE[0]; px[o + 1] = OUTSIDE[1]; px[o + 2] = OUTSIDE[2]; continue; }
         let v = 0;
-        const by0 = rl[y] >> l, by1 = rh[y] >> l, bx0 = cl[x] >> l, bx1 = ch[x] >> l;
-        for (let by = by0; by <= by1; by++) {
-          const row = by * lev.w;
-          for (let bx = bx0; bx <= bx1; bx++) if (lev.a[row + bx] > v) v = lev.a[row + bx];
-        }
+        for (let bx = cl[x] >> l; bx <= ch[x] >> l; bx++) if (colMax[bx - bxA] > v) v = colMax[bx - bxA];
         if (sparse) {
           const s = pv[y * W + x];
           if (s < 0 && v > 0 && m.reaches(rl[y], rh[y], cl[x], ch[x])) { px[o] = UNKNOWN[0]; px[o + 1] = UNKNOWN[1]; px[o + 2] = UNKNOWN[2]; continue; }
@@ -663,7 +680,12 @@
   }
 
   function digest(id) {
-    const c = $(id), d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+    // Read a copy: repeated getImageData on the view's own context makes Chromium warn.
+    const c = $(id), copy = document.createElement("canvas");
+    copy.width = c.width; copy.height = c.height;
+    const cx = copy.getContext("2d", { willReadFrequently: true });
+    cx.drawImage(c, 0, 0);
+    const d = cx.getImageData(0, 0, c.width, c.height).data;
     let h = 0x811c9dc5;
     for (let i = 0; i < d.length; i++) { h ^= d[i]; h = Math.imul(h, 0x01000193); }
     return (h >>> 0).toString(16).padStart(8, "0");
@@ -676,7 +698,7 @@
     $("head").addEventListener("change", () => setHead($("head").value));
     for (const v of VIEWS) $("tab-" + v).addEventListener("click", () => setView(v));
     wireMatrix(); wireHead();
-    state.head = ENTRIES[0].heads.length === 1 ? 0 : "all";
+    state.head = "all";
     state.layer = 0; $("layer").value = "0"; fillHeads(); resetHeadWindows();
     window.qkvViewer = { state, value, exact, cellAt, cellCenter, digest, setView, setLayer, setHead };
     setView("head");
