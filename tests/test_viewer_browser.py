@@ -58,7 +58,7 @@ if CHROMIUM is None:
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run",
                  "--disable-quic"]
-VIEWPORT = {"width": 1280, "height": 880}
+VIEWPORT = {"width": 1280, "height": 960}
 REPO = Path(__file__).resolve().parents[1]
 
 # The 4096-token page (1 layer x 2 heads x 4096 x 4096 weights, 5.4 MiB) on the 2-core box
