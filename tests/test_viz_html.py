@@ -14,6 +14,8 @@ import json
 import math
 import os
 import re
+import shutil
+import subprocess
 import time
 
 import pytest
@@ -262,6 +264,15 @@ def test_tokens_pair_and_escaping(tmp_path):
     assert (meta["entries"][0]["qtok"], meta["entries"][0]["ktok"]) == ([0, 0], None)
 
 
+def test_viewer_script_parses():
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    out = subprocess.run([node, "--check", str(M.resources.files("qkv.viz") / "viewer.js")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
 def test_inline_assets_cannot_end_their_element():
     for name in ("viewer.js", "viewer.css"):
         text = M._asset(name).lower()
@@ -364,9 +375,10 @@ def size_bound(meta, blobs):
     """The docstring's bound: 112 KiB + 400 per head + 4/3 payload + J."""
     n_heads = sum(len(e["heads"]) for e in meta["entries"])
     payload = sum(len(b) for b in blobs.values())
-    labels = len(json.dumps(meta["tokens"])) + sum(12 * len(e["rows"]) + len(json.dumps(e["steps"]))
-                                                   for e in meta["entries"])
-    return 112 * 1024 + 400 * n_heads + math.ceil(payload / 3) * 4 + labels + len(json.dumps(meta["steps"]))
+    labels = len(json.dumps(meta["tokens"])) + sum(
+        12 * len(e["rows"]) + len(json.dumps(e["steps"])) for e in meta["entries"])
+    labels += len(json.dumps(meta["steps"]))
+    return 112 * 1024 + 400 * n_heads + math.ceil(payload / 3) * 4 + labels
 
 
 def banded(T, H, seed=0):

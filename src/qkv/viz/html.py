@@ -119,6 +119,7 @@ _K_MAX = 128
 _STEP_CELLS = 4096  # numbers per explain table
 _AUTO_STEPS = 32  # a MultiHeadTrace with T, S <= 32 explains itself
 _VALUE_SLACK = 1e-3  # weights may exceed 1 by a half-precision rounding
+_WEIGHT_NAMES = ("score", "softmax", "prob", "weight", "attn")  # steps whose columns are keys
 
 
 @dataclass
@@ -385,7 +386,7 @@ def _user_steps(steps: Any, first: _Entry, labels: tuple, lists: list) -> list[d
         t = _matrix(x, str(name))
         n, m = t.shape
         rows = "q" if n == first.T else ("k" if n == first.S else None)
-        weights = any(w in str(name).lower() for w in ("score", "softmax", "prob", "weight", "attn", "attention"))
+        weights = any(w in str(name).lower() for w in _WEIGHT_NAMES)
         cols = "k" if (weights and m == first.S) else None
         out.append(_table(str(name), t, None, rows, cols))
     return out
@@ -582,7 +583,8 @@ _TEMPLATE = """<!DOCTYPE html>
 <section id="view-head" class="view">
   <div class="controls">
     <label>top-k per query <input id="topk" type="number" min="1" max="64" value="6"></label>
-    <label>threshold <input id="threshold" type="number" min="0" max="1" step="0.01" value="0.02"></label>
+    <label>threshold
+      <input id="threshold" type="number" min="0" max="1" step="0.01" value="0.02"></label>
     <label>queries from <input id="head-scroll" type="range" min="0" max="0" value="0"></label>
     <label>keys from <input id="key-scroll" type="range" min="0" max="0" value="0"></label>
     <label><input id="follow" type="checkbox" checked> keys follow queries</label>
@@ -596,13 +598,15 @@ _TEMPLATE = """<!DOCTYPE html>
     <label>colour <select id="scale">
       <option value="sqrt">sqrt</option><option value="lin">linear</option>
       <option value="log">log (1e-4 .. max)</option></select></label>
+    <span id="scale-legend"></span>
     <button id="zoom-reset" type="button">Reset zoom</button>
     <span id="matrix-note" class="note"></span>
   </div>
   <div id="matrix-grid">
     <div></div><canvas id="matrix-cols" width="640" height="72"></canvas>
     <canvas id="matrix-rows" width="120" height="640"></canvas>
-    <div id="matrix-wrap"><canvas id="matrix-canvas" width="640" height="640"></canvas><div id="zoom-box"></div></div>
+    <div id="matrix-wrap"><canvas id="matrix-canvas" width="640" height="640"></canvas>
+      <div id="zoom-box"></div></div>
   </div>
   <div id="axis-info" class="note"></div>
   <p id="cell-info" class="note"></p>

@@ -278,6 +278,7 @@
     ctx.putImageData(paint(m, canvas.width, canvas.height, zoom, scaleName()), 0, 0);
     writeValues(ctx, m, canvas.width, canvas.height);
     drawAxes(e, m);
+    legend(m);
     const rows = rowsOf(e);
     const rA = Math.max(0, Math.floor(zoom.r0)), rB = Math.min(m.nr, Math.ceil(zoom.r1)) - 1;
     const cA = Math.max(0, Math.floor(zoom.c0)), cB = Math.min(m.S, Math.ceil(zoom.c1)) - 1;
@@ -287,6 +288,17 @@
       (per > 1 ? `each pixel: max of up to ${Math.ceil(per)}×${Math.ceil(per)} cells` : "each cell ≥ 1 pixel");
     $("matrix-note").textContent = (state.head === "all" ? "head all: showing head " + e.heads[0].head + " (pick a head). " : "") +
       (m.mode === "top" ? `cells outside each row's top ${m.k} are not stored (grey when zoomed in; hover gives a bound, w≤).` : "");
+  }
+
+  function legend(m) { // the colour ramp from 0 to the head's largest weight
+    const stops = [];
+    for (let i = 0; i <= 255; i += 51) stops.push(`rgb(${LUT[3 * i]},${LUT[3 * i + 1]},${LUT[3 * i + 2]})`);
+    const box = $("scale-legend"), ramp = document.createElement("i");
+    ramp.style.background = `linear-gradient(to right, ${stops.join(",")})`;
+    box.textContent = "0";
+    box.appendChild(ramp);
+    box.appendChild(document.createTextNode(`${fmt(m.vmax)} (head max` +
+      (scaleName() === "log" ? "; log: 1e-4·max at the light end)" : ")")));
   }
 
   /** Each cell's weight written in it, once cells are large enough to hold the text. */
