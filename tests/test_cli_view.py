@@ -83,6 +83,10 @@ def test_a_saved_capture_becomes_a_page_of_its_weights(tmp_path, capsys):
             for e in meta["entries"]] == [(6, 6, [[2, 3]], [1])] * 2
     for record, w in zip(cap, weights, strict=True):
         assert torch.equal(w, record.probs[0])  # (1, 3, 6): float32, exactly
+    assert main(["view", str(tmp_path / "attn.pt"), "--title", "rows 2-4 of head 1",
+                 "--out", str(out)]) == 0
+    _ok(capsys, out)
+    assert _read_page(out)[0]["title"] == "rows 2-4 of head 1"
 
 
 # ---- a qkv train run ------------------------------------------------------------------------
@@ -263,6 +267,8 @@ def _error(capsys, argv: list[str], out: Path) -> str:
                      "folder (no config.json)"),
     ("text-file", "notes.txt is not a readable qkv capture (UnpicklingError"),
     ("other-pt", "is not a qkv capture (write one with Captured.save)"),
+    ("checkpoint-file", 'run/checkpoint.pt is a qkv train checkpoint: view its run with the '
+                        'folder, qkv view'),
     ("capture-input", "--input and --layers do not apply to"),
     ("bad-rows", "--rows a:3: 'a' is not a number; write numbers and ranges like 0,3 or "
                  "8000:8016"),
@@ -272,6 +278,8 @@ def test_bad_sources(tmp_path, capsys, case, message):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("not a capture\n")
     torch.save({"a": torch.ones(2)}, tmp_path / "other.pt")
+    (tmp_path / "run").mkdir()
+    torch.save({"a": torch.ones(2)}, tmp_path / "run" / "checkpoint.pt")
     model = qkv.DecoderLM(20, 16, 2, 1).eval()
     with torch.no_grad(), qkv.capture(model) as cap:
         model(torch.tensor([[1, 2, 3]]))
@@ -280,6 +288,7 @@ def test_bad_sources(tmp_path, capsys, case, message):
             "empty-folder": [str(tmp_path / "empty")],
             "text-file": [str(tmp_path / "notes.txt")],
             "other-pt": [str(tmp_path / "other.pt")],
+            "checkpoint-file": [str(tmp_path / "run" / "checkpoint.pt")],
             "capture-input": [str(tmp_path / "attn.pt"), "--input", "1 2", "--layers", "0"],
             "bad-rows": [str(tmp_path / "attn.pt"), "--rows", "a:3"],
             "open-range-in-list": [str(tmp_path / "attn.pt"), "--heads", "0,2:"]}[case]

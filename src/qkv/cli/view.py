@@ -154,6 +154,9 @@ def _int(s: str, what: str, text: str) -> int:
 
 
 def _saved_capture(path: Path) -> tuple[Captured, None, str]:
+    if path.name == CHECKPOINT:
+        raise ValueError(f"{path} is a qkv train checkpoint: view its run with the folder, "
+                         f'qkv view {path.parent} --input "3 1 4 1 5"')
     try:
         cap = load_capture(path, map_location="cpu")
     except ValueError:
