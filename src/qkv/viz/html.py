@@ -44,7 +44,7 @@ budget of ``C = min(2**20, max_cells // number_of_heads)`` cells, 2 bytes each:
 * larger ("top"): not every cell can be kept. Stored are the **max over square blocks** of
   ``b x b`` cells (``b`` the smallest power of two leaving at most ``C / 4`` blocks) and, for
   each query row, its **k largest weights exactly** (float16, with their key index; ``k <=
-  128`` fills the rest of the budget: 64 at 4k x 4k, 24 at 16k x 16k). A cell not among its
+  128`` fills the rest of the budget: 95 at 4k x 4k, 23 at 16k x 16k). A cell not among its
   row's top k is drawn light grey when zoomed in and hovered as an upper bound (the smaller
   of its block's max and its row's k-th weight), written ``w≤``.
 
