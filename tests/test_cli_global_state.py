@@ -5,6 +5,7 @@ session on one thread, and a later training test saw another loss.)"""
 import pytest
 import torch
 
+import qkv
 from qkv.cli.bench import Spec, run_measurement
 from qkv.cli.bench_decode import DecodeConfig, measure_decode
 from qkv.cli.main import main, make_parser
@@ -24,10 +25,27 @@ def _argv(command: str, tmp_path) -> list[str]:
                          "--tokens-per-block", "2", *fast],
         "train": ["train", "reverse", "--steps", "2", "--batch-size", "4", "--quiet",
                   "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")],
+        "view": ["view", str(_saved_capture(tmp_path / "capture.pt")), "--out",
+                 str(tmp_path / "page.html")],
     }[command]
 
 
-COMMANDS = ["seeds", "explain", "bench", "bench-decode", "train"]
+class _Attend(torch.nn.Module):
+    def forward(self, x):
+        return qkv.scaled_dot_product_attention(x, x, x, is_causal=True)
+
+
+def _saved_capture(path):
+    """A capture file, made without touching torch's global generator."""
+    x = torch.randn(1, 2, 6, 4, generator=torch.Generator().manual_seed(0))
+    model = torch.nn.Sequential(_Attend())
+    with qkv.capture(model) as cap:
+        model(x)
+    cap.save(path)
+    return path
+
+
+COMMANDS = ["seeds", "explain", "bench", "bench-decode", "train", "view"]
 
 
 @pytest.fixture
