@@ -167,7 +167,9 @@ class ClassifierRecipe(_Recipe):
                               query_labels=labels, key_labels=labels, annotate_max=0,
                               titles=[f"last layer, head {h + 1} (label {int(d.labels[i])})"
                                       for h in range(probs.shape[0])])
-        return [str(path)]
+        page = _page(model, (d.tokens[i:i + 1, :L].to(device),), path.with_suffix(".html"),
+                     labels, f"{self.task}: label {int(d.labels[i])}")
+        return [str(path), str(page)]
 
 
 class ViTRecipe(_Recipe):
@@ -200,10 +202,22 @@ class ViTRecipe(_Recipe):
 
     def pictures(self, model, out_dir: Path, device) -> list[str]:
         from ..viz.heatmap import plot_attention
-        _, maps = model(self.test_data.images[:1].to(device), return_attention=True)
+        image = self.test_data.images[:1].to(device)
+        _, maps = model(image, return_attention=True)
         probs = maps.encoder[-1].probs[0]  # (H, 1 + P, 1 + P): CLS and the patches
-        return [str(plot_attention(probs, Path(out_dir) / "attention_last_layer.png",
-                                   annotate_max=0))]
+        path = plot_attention(probs, Path(out_dir) / "attention_last_layer.png", annotate_max=0)
+        labels = ["CLS"] + [f"patch {p}" for p in range(probs.shape[-1] - 1)]
+        page = _page(model, (image,), path.with_suffix(".html"), labels,
+                     f"{self.task}: label {int(self.test_data.labels[0])}")
+        return [str(path), str(page)]
+
+
+def _page(model: nn.Module, inputs: tuple, path: Path, labels: list[str], title: str) -> Path:
+    """The viewer page of one example: every attention layer and head of ``model(*inputs)``."""
+    from ..viz.html import html
+    with capture(model) as cap:
+        model(*inputs)
+    return html(cap, path, labels, title=title)
 
 
 RECIPES = {"reverse": Seq2SeqRecipe, "copy": Seq2SeqRecipe, "sort": Seq2SeqRecipe,
