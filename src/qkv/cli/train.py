@@ -3,9 +3,9 @@
 Thin: parses arguments into a recipe (:mod:`qkv.training.recipes`) and a
 :class:`qkv.training.TrainConfig`, and calls :func:`qkv.training.train`, which shows the
 progress bar, writes checkpoints atomically, resumes to the bit, and saves ``metrics.json``,
-pictures and (``reverse``/``copy``/``sort``) the viewer page of the test example's
-cross-attention (``cross_attention.html``, beside its PNG; ``qkv view`` makes more) under
-``--out``.
+pictures and, beside each PNG, the viewer page of the same example (``cross_attention.html``
+for ``reverse``/``copy``/``sort``, ``attention_last_layer.html`` for ``listops``/``digits``;
+``qkv view`` makes more) under ``--out``.
 """
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Train a model of qkv.models on a task of qkv.tasks, with a progress bar, "
         "atomic checkpoints every --checkpoint-every steps, --resume to continue an "
         "interrupted run to the identical result, metrics.json and attention pictures in "
-        "--out (reverse, copy, sort: also an HTML viewer page of the test example's "
-        "cross-attention beside its PNG). Ctrl-C writes a checkpoint and stops.")
+        "--out (each with an HTML viewer page of the same example beside its PNG: the "
+        "cross-attention for reverse, copy, sort; every layer for listops, digits). Ctrl-C "
+        "writes a checkpoint and stops.")
     p.add_argument("task", choices=sorted(RECIPES), help="the task")
     p.add_argument("--attention", default="exact", choices=list(attention_kinds()),
                    help="the attention of every layer (default exact)")
