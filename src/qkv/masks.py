@@ -12,6 +12,7 @@ Shape alphabet: T query length, S key length.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import types
@@ -127,7 +128,8 @@ class Grid:
 
     Block ``(i, j)`` covers queries ``[i*bq, min((i+1)*bq, T))`` and keys
     ``[j*bk, min((j+1)*bk, S))``. ``q_lo``/``q_hi`` and ``kv_lo``/``kv_hi`` are each block's
-    first and last index (inclusive).
+    first and last index (inclusive), counted from ``q_start``/``kv_start``: a grid of a piece
+    of a larger call (a shard in ring attention) has its queries at ``q_start + i``.
 
     Shape:
         q_lo, q_hi ``(nq, 1)``; kv_lo, kv_hi ``(1, nk)``; int64.
@@ -140,6 +142,8 @@ class Grid:
     bq: int
     bk: int
     device: torch.device
+    q_start: int = 0
+    kv_start: int = 0
 
     @property
     def nq(self) -> int:
@@ -149,29 +153,31 @@ class Grid:
     def nk(self) -> int:
         return -(-self.S // self.bk)
 
-    def _bounds(self, n: int, size: int, length: int) -> tuple[Tensor, Tensor]:
+    def _bounds(self, n: int, size: int, length: int, start: int) -> tuple[Tensor, Tensor]:
         lo = torch.arange(n, device=self.device) * size  # (n,)
-        return lo, (lo + size).clamp(max=length) - 1
+        return lo + start, (lo + size).clamp(max=length) - 1 + start
 
     @property
     def q_lo(self) -> Tensor:
-        return self._bounds(self.nq, self.bq, self.T)[0][:, None]  # (nq, 1)
+        return self._bounds(self.nq, self.bq, self.T, self.q_start)[0][:, None]  # (nq, 1)
 
     @property
     def q_hi(self) -> Tensor:
-        return self._bounds(self.nq, self.bq, self.T)[1][:, None]  # (nq, 1)
+        return self._bounds(self.nq, self.bq, self.T, self.q_start)[1][:, None]  # (nq, 1)
 
     @property
     def kv_lo(self) -> Tensor:
-        return self._bounds(self.nk, self.bk, self.S)[0][None, :]  # (1, nk)
+        return self._bounds(self.nk, self.bk, self.S, self.kv_start)[0][None, :]  # (1, nk)
 
     @property
     def kv_hi(self) -> Tensor:
-        return self._bounds(self.nk, self.bk, self.S)[1][None, :]  # (1, nk)
+        return self._bounds(self.nk, self.bk, self.S, self.kv_start)[1][None, :]  # (1, nk)
 
     def indices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Index tensors b ``(B,1,1,1)``, h ``(1,H,1,1)``, q ``(1,1,T,1)``, kv ``(1,1,1,S)``."""
-        return index_grid(self.B, self.H, self.T, self.S, device=self.device)
+        """Index tensors b ``(B,1,1,1)``, h ``(1,H,1,1)``, q ``(1,1,T,1)``, kv ``(1,1,1,S)``,
+        the positions from ``q_start``/``kv_start``."""
+        return index_grid(self.B, self.H, self.T, self.S, device=self.device,
+                          q_start=self.q_start, kv_start=self.kv_start)
 
 
 def index_grid(B: int, H: int, T: int, S: int, *, device=None, q_start: int = 0,
@@ -442,12 +448,14 @@ class _Document(MaskMod):
         pad = -L % size
         if pad:
             ids = torch.cat([ids, ids[:, -1:].expand(-1, pad)], dim=1)  # (B, n*size)
-        ids = ids.view(ids.shape[0], -1, size)  # (B, n, size)
+        ids = ids.reshape(ids.shape[0], -1, size)  # (B, n, size)
         return ids.amin(-1), ids.amax(-1)  # (B, n), (B, n)
 
     def blocks(self, grid):
-        qmin, qmax = self._block_range(self.q_ids.to(grid.device), grid.bq)  # (B, nq)
-        kmin, kmax = self._block_range(self.kv_ids.to(grid.device), grid.bk)  # (B, nk)
+        q_ids = self.q_ids[:, grid.q_start:grid.q_start + grid.T].to(grid.device)  # (B, T)
+        kv_ids = self.kv_ids[:, grid.kv_start:grid.kv_start + grid.S].to(grid.device)  # (B, S)
+        qmin, qmax = self._block_range(q_ids, grid.bq)  # (B, nq)
+        kmin, kmax = self._block_range(kv_ids, grid.bk)  # (B, nk)
         qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]  # (B, 1, nq, 1)
         kmin, kmax = kmin[:, None, None, :], kmax[:, None, None, :]  # (B, 1, 1, nk)
         empty = (qmax < kmin) | (qmin > kmax)
@@ -595,6 +603,7 @@ def _classify_by_evaluation(mask_mod, grid: Grid) -> tuple[Tensor, Tensor]:
     for i in range(grid.nq):
         q0 = i * grid.bq
         q = torch.arange(q0, min(q0 + grid.bq, grid.T), device=grid.device).view(1, 1, -1, 1)
+        q = q + grid.q_start
         allowed = evaluate_mask(mask_mod, b, h, q, kv)  # (B?, H?, bq?, S?)
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
         lead = allowed.shape[:-2]
@@ -893,6 +902,79 @@ def evaluate_score(score_mod, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor
                              f"of shape {tuple(score.shape)}")
         out = out.expand(score.shape)
     return out
+
+
+# --- a piece of a larger call ----------------------------------------------------------------
+
+class _Offset(MaskMod):
+    """A bound mask seen from a piece of its call whose query ``i`` is position
+    ``q_start + i`` and whose key ``j`` is position ``kv_start + j``."""
+
+    def __init__(self, inner: MaskMod, q_start: int, kv_start: int) -> None:
+        self.inner, self.q_start, self.kv_start = inner, q_start, kv_start
+
+    def bind(self, B, H, T, S):
+        return self  # bound already, to the whole call's sizes
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.inner(b, h, q_idx + self.q_start, kv_idx + self.kv_start)
+
+    def tensors(self):
+        return self.inner.tensors()
+
+    def blocks(self, grid):
+        if not _blocks_take_offsets(self.inner):
+            return _classify_by_evaluation(self, grid)
+        return self.inner.blocks(dataclasses.replace(
+            grid, q_start=grid.q_start + self.q_start, kv_start=grid.kv_start + self.kv_start))
+
+    def __repr__(self):
+        return f"{self.inner!r}[q+{self.q_start}, kv+{self.kv_start}]"
+
+
+class _OffsetScore(ScoreMod):
+    """A bound score_mod seen from a piece of its call (see :class:`_Offset`)."""
+
+    def __init__(self, inner: ScoreMod, q_start: int, kv_start: int) -> None:
+        self.inner, self.q_start, self.kv_start = inner, q_start, kv_start
+        self.additive = inner.additive
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.inner(score, b, h, q_idx + self.q_start, kv_idx + self.kv_start)
+
+    def tensors(self):
+        return self.inner.tensors()
+
+    def __repr__(self):
+        return f"{self.inner!r}[q+{self.q_start}, kv+{self.kv_start}]"
+
+
+def offset_mask(mask_mod: MaskMod, q_start: int, kv_start: int) -> MaskMod:
+    """``mask_mod`` (bound to a whole call's sizes) for a piece of that call: queries from
+    position ``q_start``, keys from ``kv_start``. Blocks are classified from the shifted
+    index bounds for qkv's own masks, by evaluation for any other (always exact)."""
+    if q_start == 0 and kv_start == 0:
+        return mask_mod
+    return _Offset(mask_mod, q_start, kv_start)
+
+
+def offset_score(score_mod: ScoreMod, q_start: int, kv_start: int) -> ScoreMod:
+    """``score_mod`` (bound) for a piece of its call, as :func:`offset_mask`."""
+    if q_start == 0 and kv_start == 0:
+        return score_mod
+    return _OffsetScore(score_mod, q_start, kv_start)
+
+
+def _blocks_take_offsets(mask_mod: MaskMod) -> bool:
+    """Whether ``mask_mod.blocks`` reads block positions only through ``Grid``'s bounds (so
+    it honours ``q_start``/``kv_start``): qkv's own masks. A subclass with its own
+    ``blocks`` may ignore them, so its blocks are found by evaluation instead."""
+    method = type(mask_mod).blocks
+    if method is _Combined.blocks:
+        return all(_blocks_take_offsets(m) for m in mask_mod.mods)
+    if method is _Offset.blocks:
+        return _blocks_take_offsets(mask_mod.inner)
+    return method in (_Window.blocks, _KeysBefore.blocks, _Document.blocks)
 
 
 # --- inspection ------------------------------------------------------------------------------

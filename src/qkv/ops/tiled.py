@@ -43,7 +43,7 @@ from .base import BackendResult
 from .call import AttentionCall
 from .reference import ReferenceBackend
 
-__all__ = ["TiledBackend", "tiled_attention"]
+__all__ = ["TiledBackend", "tiled_attention", "piece_forward", "piece_backward", "merge_by_lse"]
 
 BLOCK_Q = 128  # query rows per tile
 BLOCK_K = 64  # keys per block (the unit of skipping)
@@ -150,6 +150,60 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     out, lse = _TiledAttention.apply(plan, q, k, v, bias, *grads)  # (B, H, T, Dv), (B, H, T)
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
+
+
+def piece_forward(call: AttentionCall, *, block_q: int = BLOCK_Q,
+                  block_k: int = BLOCK_K) -> tuple[Tensor, Tensor]:
+    """Output and log-sum-exp of ``call`` as one piece of a larger attention (a ring step):
+    no autograd graph, the output in the accumulation dtype so that pieces merge unrounded.
+    ``call`` has no dense ``attn_mask`` and no dropout; its mask_mod and score_mod carry the
+    piece's positions (``qkv.masks.offset_mask``).
+
+    Shape:
+        -> out ``(B, H, T, Dv)`` float32 (float64 for float64 inputs), lse ``(B, H, T)``.
+    """
+    q, k, v = _work_4d(call)
+    B, H = call.BH
+    plan = _plan(call, B, H, None, block_q, block_k, q.dtype)
+    with torch.no_grad():
+        return _forward(plan, q, k, v, out_dtype=_acc(q.dtype))
+
+
+def piece_backward(call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, *,
+                   block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+    """Gradients of one piece (see :func:`piece_forward`) from the *whole* attention's output
+    and log-sum-exp of these query rows, FlashAttention's decomposition: the pieces' dq add
+    up to the whole dq, and each piece's dk and dv are its keys' share.
+
+    Returns:
+        ``(dq, dk, dv, d_score_tensors)`` in the accumulation dtype; dk and dv with the
+        call's G key/value heads (GQA groups summed).
+
+    Shape:
+        out, dout ``(B, H, T, Dv)``, lse ``(B, H, T)`` -> dq ``(B, H, T, D)``,
+        dk ``(B, G, S, D)``, dv ``(B, G, S, Dv)``.
+    """
+    q, k, v = _work_4d(call)
+    B, H = call.BH
+    plan = _plan(call, B, H, None, block_q, block_k, q.dtype)
+    grads = ()
+    if plan.score_mod is not None:
+        grads = score_mod_gradient_inputs(plan.score_mod, dtype=_acc(q.dtype), device=q.device)
+    with torch.no_grad():
+        dq, dk, dv, _, dts = _backward(plan, q, k, v, out.to(q.dtype), lse, dout, grads, False,
+                                       cast=False)
+    if call.enable_gqa:
+        G = call.key.shape[-3]
+        dk = dk.view(B, G, H // G, *dk.shape[2:]).sum(2)  # (B, G, S, D)
+        dv = dv.view(B, G, H // G, *dv.shape[2:]).sum(2)  # (B, G, S, Dv)
+    return dq, dk, dv, dts
+
+
+def _work_4d(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    if call.work_dtype != call.dtype:
+        q, k, v = q.to(call.work_dtype), k.to(call.work_dtype), v.to(call.work_dtype)
+    return q, k, v
 
 
 def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int,
@@ -271,11 +325,13 @@ class _TiledAttention(torch.autograd.Function):
         return (None, dq, dk, dv, dbias, *dts)
 
 
-def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """All query tiles; each merges its chunks by log-sum-exp (the online softmax)."""
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
+             out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """All query tiles; each merges its chunks by log-sum-exp (the online softmax). The
+    output is in ``out_dtype`` (default q's)."""
     B, H, T, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
     acc = _acc(q.dtype)
-    out = q.new_zeros(B, H, T, Dv)  # rows with no key stay exactly 0
+    out = q.new_zeros(B, H, T, Dv, dtype=out_dtype or q.dtype)  # rows with no key stay exactly 0
     lse = q.new_full((B, H, T), float("-inf"), dtype=acc)
     chunk_fn = _flash_chunk if plan.inner == "flash" else _matmul_chunk
     for i, chunks in enumerate(plan.rows):
@@ -284,14 +340,14 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
         for k0, k1, masked in chunks:
             o_c, l_c = chunk_fn(plan, q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1],
                                 (t0, t1, k0, k1, masked))  # (B, H, tq, Dv), (B, H, tq)
-            o_i, l_i = (o_c, l_c) if o_i is None else _merge(o_i, l_i, o_c, l_c)
+            o_i, l_i = (o_c, l_c) if o_i is None else merge_by_lse(o_i, l_i, o_c, l_c)
         if o_i is not None:
             out[:, :, t0:t1] = o_i
             lse[:, :, t0:t1] = l_i
     return out, lse
 
 
-def _merge(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, Tensor]:
+def merge_by_lse(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, Tensor]:
     """Combine two softmax-normalised partial outputs by their log-sum-exps.
 
     ``o = (e^l_a o_a + e^l_b o_b) / (e^l_a + e^l_b)``; a part with ``l = -inf`` weighs 0.
@@ -367,8 +423,10 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: bool):
-    """FlashAttention's backward, chunk by chunk, from the saved log-sum-exp."""
+def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: bool,
+              cast: bool = True):
+    """FlashAttention's backward, chunk by chunk, from the saved log-sum-exp. The gradients
+    come in the inputs' dtypes, or (``cast=False``) in the accumulation dtype."""
     acc = _acc(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -393,6 +451,8 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: boo
             dv[:, :, cols] += g[2]
             for acc_t, g_t in zip(dts, g[3:]):
                 acc_t += g_t
+    if not cast:
+        return dq, dk, dv, dbias, dts
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
             None if dbias is None else dbias.to(plan.bias.dtype),
             [d.to(t.dtype) for d, t in zip(dts, grad_tensors)])
