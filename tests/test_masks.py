@@ -520,3 +520,57 @@ def test_error_message(case):
 def test_prefix_lm_wrong_count_names_prefix_lm():
     with pytest.raises(ValueError, match=r"^prefix_lm: got 3 lengths for a batch of B=2"):
         _sdpa_small(mask_mod=prefix_lm(torch.tensor([1, 2, 3])))
+
+
+# --- a piece of a call (ring attention's shards): offset_mask / offset_score -----------------
+
+@pytest.mark.parametrize("name, T, S", CASES)
+def test_offset_mask_is_the_piece_of_the_whole_mask(name, T, S):
+    """A piece of queries [q0, q0+t) x keys [k0, k0+s): the moved mask equals that slice of
+    the whole mask, and its blocks (from shifted bounds for qkv's masks, by evaluation for
+    functions) are sound, and exact where the whole mask's are."""
+    mod, twin, _, exact = MASKS[name][0](T, S)
+    bound = qkv.masks.as_mask_mod(mod).bind(B, H, T, S)
+    twin = twin.expand(B, H, T, S)
+    for q0, k0 in ((T // 3, S // 2), (1, 0), (0, S - 1)):
+        t, s = T - q0, S - k0
+        piece = qkv.masks.offset_mask(bound, q0, k0)
+        idx = qkv.masks.index_grid(B, H, t, s)
+        want = twin[:, :, q0:, k0:]
+        got = qkv.masks.evaluate_mask(piece, *idx).expand(B, H, t, s)
+        assert torch.equal(got, want), (q0, k0)
+        for bq, bk in ((3, 5), (4, 4)):
+            state = block_states(piece, Grid(B, H, t, s, bq, bk, torch.device("cpu")))
+            state = state.expand(B, H, -1, -1)
+            all_, none = _twin_blocks(want, bq, bk)
+            assert not bool((state == FULL)[~all_].any()), (q0, k0, bq, bk)
+            assert not bool((state == EMPTY)[~none].any()), (q0, k0, bq, bk)
+            if exact:
+                expected = torch.where(all_, FULL, torch.where(none, EMPTY, PARTIAL)).to(state.dtype)
+                assert torch.equal(state, expected), (q0, k0, bq, bk)
+
+
+def test_offset_mask_of_a_subclass_with_its_own_blocks_classifies_by_evaluation():
+    """A user MaskMod whose ``blocks`` ignores Grid's offsets cannot be trusted on a piece:
+    the piece is classified by evaluating it (exact), never by that ``blocks``."""
+    class FirstKeys(qkv.masks.MaskMod):
+        def __call__(self, b, h, q_idx, kv_idx):
+            return kv_idx < 4
+
+        def blocks(self, grid):  # ignores grid.kv_start: wrong for any piece but the first
+            return grid.kv_hi < 4, grid.kv_lo - grid.kv_start >= 4
+
+    piece = qkv.masks.offset_mask(FirstKeys(), 0, 2)  # keys 2.. of the whole: 2 and 3 allowed
+    state = block_states(piece, Grid(1, 1, 4, 8, 4, 2, torch.device("cpu")))
+    assert state[0, 0, 0].tolist() == [FULL, EMPTY, EMPTY, EMPTY]
+
+
+def test_offset_score_moves_positions():
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+    whole = alibi(slopes)
+    piece = qkv.masks.offset_score(whole, 3, 1)
+    assert piece.additive
+    score = torch.zeros(1, 2, 2, 4, dtype=torch.float64)
+    got = piece(score, *qkv.masks.index_grid(1, 2, 2, 4))
+    want = whole(torch.zeros(1, 2, 6, 5, dtype=torch.float64), *qkv.masks.index_grid(1, 2, 6, 5))
+    torch.testing.assert_close(got, want[:, :, 3:5, 1:5])

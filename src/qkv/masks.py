@@ -597,6 +597,9 @@ def _broadcast_fails(shape, full) -> bool:
 
 def _classify_by_evaluation(mask_mod, grid: Grid) -> tuple[Tensor, Tensor]:
     """Blocks of any mask_mod, by evaluating it one block row at a time (O(bq * S) memory)."""
+    if grid.nq == 0 or grid.nk == 0:  # no block at all
+        none = torch.zeros(1, 1, grid.nq, grid.nk, dtype=torch.bool, device=grid.device)
+        return none, none
     b, h, _, kv = grid.indices()
     pad = -grid.S % grid.bk
     fulls, empties = [], []
