@@ -247,10 +247,10 @@ def test_trace_gives_this_ranks_rows_of_the_whole_weights(ran, R):
         assert mine["probs"].shape[-1] == case["T"]  # every key, from every rank
 
 
-def test_window_sends_only_to_the_next_rank(ran):
-    """A causal window of 5 with shards of 21+ positions: rank r needs only rank r-1's keys,
-    so it sends its shard to r+1 alone, once forward and once backward, and gets the key
-    gradients back from r+1 alone."""
+def test_window_sends_only_the_window_to_the_next_rank(ran):
+    """A causal window of 5 with shards of 21+ positions: rank r needs only the last 5 keys of
+    rank r-1, so it sends those (not its shard: O(W), not O(T / R)) to r+1 alone, once
+    forward and once backward, and gets their gradients back from r+1 alone."""
     for R in (2, 3):
         for r in range(R):
             got = ran[R][r]["window"]
@@ -258,9 +258,8 @@ def test_window_sends_only_to_the_next_rank(ran):
             prev = [r - 1] if r > 0 else []
             assert got["sent"] == {"forward": nxt, "backward": nxt, "gradients": prev}, (R, r)
             assert got["received"] == {"forward": prev, "backward": prev, "gradients": nxt}, (R, r)
-            T_r = _runs(CASES["window"], 64, R)[r]
-            shard_bytes = 2 * 2 * (T_r[0][1] - T_r[0][0]) * 2 * D * 8  # B, G, positions, K and V
-            assert got["bytes_sent"] == (shard_bytes if nxt else 0)
+            window_bytes = 2 * 2 * 5 * 2 * D * 8  # B, G, 5 positions, K and V, float64
+            assert got["bytes_sent"] == (window_bytes if nxt else 0)
 
 
 def test_causal_contiguous_never_sends_backwards(ran):

@@ -9,11 +9,12 @@ merge by log-sum-exp, exactly as the tiled backend's chunks do (``ops/tiled.py``
 result is the single-process one up to summation order.
 
 Skipping: the mask is known on every rank, so before any message every rank works out, from
-the block bounds of the mask (``MaskMod.blocks`` on one block per pair of shards), which pairs
-(queries of r, keys of s) the mask leaves empty. Such a shard is neither sent to r nor
-computed there: with a sliding window of W and shards longer than W, a rank exchanges with its
-neighbours only, O(W) keys, not O(T). Inside a pair the tiled backend skips blocks as usual.
-For a plain-function mask_mod nothing is known without evaluating it, so every pair is sent.
+the bounds of the mask (``MaskMod.blocks`` on one block of queries against one-key blocks),
+which keys of rank s the queries of rank r may attend at all. Rank s sends r only that span
+of its keys and values, and nothing when it is empty: with a sliding window of W and shards
+longer than W, a rank sends W keys to its next neighbour and nothing else, O(W), not O(T).
+Inside a pair the tiled backend skips blocks as usual. For a plain-function mask_mod nothing
+is known without evaluating it, so whole shards are sent.
 
 Backward (a custom autograd.Function): a second pass of the ring from the saved output and
 log-sum-exp, FlashAttention's decomposition: rank r receives the shard of ``r - t`` again,
@@ -71,8 +72,9 @@ def ring_attention(
       of any lengths (T need not divide by R; a rank may hold none). ``"balanced"``: the
       layout of :func:`qkv.distributed.shard` with ``layout="balanced"`` (chunks r and
       2R-1-r of 2R), which evens out a causal mask's work over the ranks.
-    * **Skipping**: a shard the mask leaves empty for a rank is never sent to it nor
-      computed there (sliding windows, documents, causal); see :func:`comm_log`.
+    * **Skipping**: a rank receives only the span of another rank's keys and values that its
+      queries may attend, and nothing when the mask leaves none (sliding windows, documents,
+      causal): a window of W costs W keys per rank; see :func:`comm_log`.
     * **Mask contract** as everywhere in qkv: a query that may attend to nothing outputs 0.
     * **Trace**: ``return_trace=True`` gathers the keys (not the values) from every rank and
       returns an :class:`AttentionTrace` of this rank's query rows against the whole key
@@ -141,13 +143,40 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass
 class _Piece:
-    """Queries ``q_rows`` of this rank against keys ``kv_rows`` of a shard, at whole-sequence
-    positions ``q_start`` and ``kv_start``."""
+    """Queries ``q_rows`` of this rank against keys ``kv_rows`` of a message (or of its own
+    shard), at whole-sequence positions ``q_start`` and ``kv_start``."""
 
     q_rows: slice
     kv_rows: slice
     q_start: int
     kv_start: int
+
+
+@dataclass
+class _Link:
+    """What rank s sends rank r: the rows ``rows`` (``[lo, hi)`` of s's local keys and
+    values, in message order) that r's queries may attend, and r's pieces on them. A rank's
+    link to itself is its whole shard."""
+
+    rows: list[tuple[int, int]]
+    pieces: list[_Piece]
+
+    @property
+    def length(self) -> int:
+        return sum(hi - lo for lo, hi in self.rows)
+
+    def message(self, mine: Tensor) -> Tensor:
+        """These rows of ``mine`` as one tensor (``mine`` itself when it is all of it)."""
+        if len(self.rows) == 1 and self.rows[0] == (0, mine.shape[2]):
+            return mine
+        return torch.cat([mine[:, :, lo:hi] for lo, hi in self.rows], dim=2)
+
+    def add_into(self, total: Tensor, grads: Tensor) -> None:
+        """Add a message-shaped gradient ``grads`` into ``total`` at these rows."""
+        at = 0
+        for lo, hi in self.rows:
+            total[:, :, lo:hi] += grads[:, :, at:at + hi - lo]
+            at += hi - lo
 
 
 @dataclass
@@ -170,7 +199,7 @@ class _Ring:
     score: ScoreMod | None
     q_segs: list[list[Segment]]  # per rank: runs of query positions
     kv_segs: list[list[Segment]]  # per rank: runs of key positions
-    pieces: list[list[list[_Piece]]]  # [r][s]: non-empty pieces of queries r x keys s
+    links: list[list[_Link | None]]  # [r][s]: what s sends r (None: nothing, the mask is empty)
     timeout: float | None
 
     @classmethod
@@ -197,14 +226,14 @@ class _Ring:
         mask = None if mask is None else mask.bind(B, H, T, S)
         score = None if score_mod is None else as_score_mod(score_mod).bind(B, H, T, S)
         scale = _check_scale(scale, D)
-        pieces = [[_pieces(q_segs[r], kv_segs[s], mask, B, H, q.device) for s in range(R)]
-                  for r in range(R)]
+        links = [[_link(q_segs[r], kv_segs[s], mask, B, H, whole=r == s) for s in range(R)]
+                 for r in range(R)]
         return cls(group, rank, R, B, H, G, D, Dv, q.dtype, scale, gqa, mask, score, q_segs,
-                   kv_segs, pieces, timeout)
+                   kv_segs, links, timeout)
 
     def needs(self, r: int, s: int) -> bool:
-        """Whether rank r computes on (so receives) the keys of rank s."""
-        return bool(self.pieces[r][s])
+        """Whether rank r computes on (so receives) keys of rank s."""
+        return self.links[r][s] is not None
 
     def call(self, q: Tensor, k: Tensor, v: Tensor, piece: _Piece) -> AttentionCall:
         """The attention call of one piece, its masks moved to the piece's positions."""
@@ -220,17 +249,15 @@ class _Ring:
         """Step ``step`` of the ring: send ``mine`` (this rank's keys and values) to rank
         ``rank + step`` if it needs them, receive rank ``rank - step``'s if this rank does."""
         dst, src = (self.rank + step) % self.R, (self.rank - step) % self.R
-        sends = [(mine, dst)] if self.needs(dst, self.rank) else []
-        buf = None
-        if self.needs(self.rank, src):
-            buf = mine.new_empty(self.kv_shape(src))
+        out_link, in_link = self.links[dst][self.rank], self.links[self.rank][src]
+        sends = [(out_link.message(mine), dst)] if out_link is not None else []
+        buf = None if in_link is None else mine.new_empty(self.kv_shape(in_link.length))
         recvs = [(buf, src)] if buf is not None else []
         return comm.exchange(self.group, sends, recvs, tag=tag, phase=phase, step=step,
                              timeout=self.timeout), buf
 
-    def kv_shape(self, s: int, width: int | None = None) -> tuple[int, ...]:
-        S_s = sum(b - a for a, b in self.kv_segs[s])
-        return (self.B, self.G, S_s, width or self.D + self.Dv)
+    def kv_shape(self, length: int) -> tuple[int, ...]:
+        return (self.B, self.G, length, self.D + self.Dv)
 
     # --- forward ----------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -242,7 +269,7 @@ class _Ring:
 
         def absorb(kv: Tensor, s: int) -> None:
             kk, vv = kv[..., :self.D], kv[..., self.D:]
-            for piece in self.pieces[self.rank][s]:
+            for piece in self.links[self.rank][s].pieces:
                 o, l = piece_forward(self.call(q, kk, vv, piece))  # (B, H, n, Dv), (B, H, n)
                 rows = piece.q_rows
                 out[:, :, rows], lse[:, :, rows] = merge_by_lse(out[:, :, rows], lse[:, :, rows], o, l)
@@ -271,15 +298,15 @@ class _Ring:
         """Gradients of this rank's queries, keys and values (and the score_mod's tensors)."""
         acc = _acc(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        d_mine = torch.zeros(self.kv_shape(self.rank), dtype=acc, device=q.device)
+        d_mine = torch.zeros(self.kv_shape(k.shape[2]), dtype=acc, device=q.device)
         dts: list[Tensor] = []
         mine = torch.cat([k, v], dim=-1).contiguous()
         grads_out: dict[int, Tensor] = {}  # src -> key/value gradients of src's shard, to send
 
         def visit(kv: Tensor, s: int) -> None:
             kk, vv = kv[..., :self.D], kv[..., self.D:]
-            d_kv = d_mine if s == self.rank else torch.zeros(self.kv_shape(s), dtype=acc, device=q.device)
-            for piece in self.pieces[self.rank][s]:
+            d_kv = d_mine if s == self.rank else torch.zeros(kv.shape, dtype=acc, device=q.device)
+            for piece in self.links[self.rank][s].pieces:
                 rows = piece.q_rows
                 g_q, g_k, g_v, g_t = piece_backward(self.call(q, kk, vv, piece), out[:, :, rows],
                                                     lse[:, :, rows], dout[:, :, rows])
@@ -297,21 +324,22 @@ class _Ring:
         in_flight: list[tuple[comm.Pending, Tensor | None]] = []
 
         def settle() -> None:
-            for work, buf in in_flight:
+            for work, buf, link in in_flight:
                 work.wait()
                 if buf is not None:
-                    d_mine.add_(buf)
+                    link.add_into(d_mine, buf)
             in_flight.clear()
 
         def send_grads(step: int, src: int) -> None:
             settle()  # at most one step of gradients in flight
             dst = (self.rank + step) % self.R
             sends = [(grads_out.pop(src), src)] if src in grads_out else []
-            buf = torch.empty_like(d_mine) if self.needs(dst, self.rank) else None
+            link = self.links[dst][self.rank]  # what this rank sent dst: its gradients come back
+            buf = None if link is None else d_mine.new_empty(self.kv_shape(link.length))
             recvs = [(buf, dst)] if buf is not None else []
             work = comm.exchange(self.group, sends, recvs, tag=self.R + step, phase="gradients",
                                  step=step, timeout=self.timeout)
-            in_flight.append((work, buf))
+            in_flight.append((work, buf, link))
 
         self.ring_pass(mine, visit, "backward", after=send_grads)
         settle()
@@ -371,27 +399,57 @@ class _RingAttention(torch.autograd.Function):
         return (None, dq, dk, dv, *dts)
 
 
-def _pieces(q_segs: list[Segment], kv_segs: list[Segment], mask, B: int, H: int,
-            device) -> list[_Piece]:
-    """The pairs of runs (queries x keys) the mask does not leave empty."""
-    found, q_at = [], 0
+def _link(q_segs: list[Segment], kv_segs: list[Segment], mask, B: int, H: int, *,
+          whole: bool) -> _Link | None:
+    """What a rank with keys ``kv_segs`` sends one with queries ``q_segs``: for each run of
+    keys, the span of keys some query may attend (all of it, ``whole``, for a rank's own
+    shard), and the pieces (query run x key span) the mask does not leave empty. None when
+    every piece is empty."""
+    spans = []  # (q run, its local offset, key run index, [lo, hi) positions it may attend)
+    q_at = 0
     for qa, qb in q_segs:
-        kv_at = 0
-        for ka, kb in kv_segs:
-            if qb > qa and kb > ka and not _empty(mask, qa, qb, ka, kb, B, H, device):
-                found.append(_Piece(slice(q_at, q_at + qb - qa), slice(kv_at, kv_at + kb - ka), qa, ka))
-            kv_at += kb - ka
+        for j, (ka, kb) in enumerate(kv_segs):
+            if qb > qa and kb > ka:
+                keys = _keys_attended(mask, qa, qb, ka, kb, B, H)
+                if keys is not None:
+                    spans.append(((qa, qb), q_at, j, keys))
         q_at += qb - qa
-    return found
+    if not spans:
+        return None
+    starts = [sum(b - a for a, b in kv_segs[:j]) for j in range(len(kv_segs))]  # local offsets
+    if whole:
+        hull = {j: seg for j, seg in enumerate(kv_segs)}
+    else:  # per key run, the hull of the spans its pieces need
+        hull = {}
+        for _, _, j, (lo, hi) in spans:
+            old = hull.get(j, (lo, hi))
+            hull[j] = (min(old[0], lo), max(old[1], hi))
+    rows, message_at, at = [], {}, 0
+    for j in sorted(hull):
+        lo, hi = hull[j]
+        ka = kv_segs[j][0]
+        rows.append((starts[j] + lo - ka, starts[j] + hi - ka))  # local rows of the sender
+        message_at[j] = at - lo  # message row of position p: message_at[j] + p
+        at += hi - lo
+    pieces = [_Piece(slice(q_at, q_at + qb - qa),
+                     slice(message_at[j] + lo, message_at[j] + hi), qa, lo)
+              for (qa, qb), q_at, j, (lo, hi) in spans]
+    return _Link(rows, pieces)
 
 
-def _empty(mask, qa: int, qb: int, ka: int, kb: int, B: int, H: int, device) -> bool:
-    """Whether ``mask`` leaves queries [qa, qb) x keys [ka, kb) empty, from the block bounds
-    of qkv's own masks (one block); False (not known) for any other mask."""
+def _keys_attended(mask, qa: int, qb: int, ka: int, kb: int, B: int,
+                   H: int) -> tuple[int, int] | None:
+    """The span ``[lo, hi)`` of keys in ``[ka, kb)`` that some query in ``[qa, qb)`` may
+    attend, from the bounds of qkv's own masks (one query block, one-key blocks); None when
+    there is none. The whole run for any other mask (nothing is known without evaluating)."""
     if mask is None or not _blocks_take_offsets(mask):
-        return False
-    grid = Grid(B, H, qb - qa, kb - ka, qb - qa, kb - ka, torch.device("cpu"), qa, ka)
-    return bool((block_states(mask, grid) == EMPTY).all())
+        return ka, kb
+    grid = Grid(B, H, qb - qa, kb - ka, qb - qa, 1, torch.device("cpu"), qa, ka)
+    state = block_states(mask, grid)  # (B?, H?, 1, kb - ka)
+    live = (state != EMPTY).flatten(0, 2).any(0).nonzero().flatten()  # keys some query may see
+    if live.numel() == 0:
+        return None
+    return ka + int(live[0]), ka + int(live[-1]) + 1
 
 
 class _Fixed(MaskMod):
