@@ -6,18 +6,28 @@ progress bar, writes checkpoints atomically, resumes to the bit, and saves ``met
 pictures and, beside each PNG, the viewer page of the same example (``cross_attention.html``
 for ``reverse``/``copy``/``sort``, ``attention_last_layer.html`` for ``listops``/``digits``;
 ``qkv view`` makes more) under ``--out``.
+
+Data parallel: ``qkv train --nproc N ...`` starts N processes of this machine under torchrun's
+launcher (:func:`qkv.training.launch.launch`: loopback only, the processes' exit status, Ctrl-C
+to all of them), and ``torchrun --nproc_per_node N -m qkv train ...`` does the same from
+outside; each process runs this command, rank 0 alone writes ``--out`` and prints the result.
+``--batch-size`` is the global batch. The result equals a one-process run's with the same
+global batch up to float rounding (the tolerance is in :mod:`qkv.training.trainer`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..models import attention_kinds
 from ..training import TrainConfig, run_directory, train
+from ..training.launch import launch
+from ..training.parallel import DEFAULT_TIMEOUT, check_batch, env_ranks
 from ..training.recipes import RECIPES, make_recipe
 
-__all__ = ["add_parser", "plan", "run_train_cli", "PRESETS", "DEFAULTS"]
+__all__ = ["add_parser", "plan", "run_train_cli", "worker_argv", "PRESETS", "DEFAULTS"]
 
 # Per task: quick CPU settings (the defaults).
 DEFAULTS = {
@@ -51,7 +61,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "interrupted run to the identical result, metrics.json and attention pictures in "
         "--out (each with an HTML viewer page of the same example beside its PNG: the "
         "cross-attention for reverse, copy, sort; every layer for listops, digits). Ctrl-C "
-        "writes a checkpoint and stops.")
+        "writes a checkpoint and stops. Data parallel: --nproc N, or torchrun "
+        "--nproc_per_node N -m qkv train ...; rank 0 alone writes --out.")
     p.add_argument("task", choices=sorted(RECIPES), help="the task")
     p.add_argument("--attention", default="exact", choices=list(attention_kinds()),
                    help="the attention of every layer (default exact)")
@@ -62,9 +73,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="lra: LRA's released ListOps config (full 500-2000 variant)")
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="the global batch: examples a step over all processes, each of N "
+                   "processes takes every N-th (a multiple of N; default: the task's)")
     p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda, ...; with several processes cuda gives process r "
+                   "cuda:LOCAL_RANK and NCCL (gloo on cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--variant", choices=("cpu", "full"), default=None,
@@ -74,6 +89,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="checkpoint.pt, metrics.json, pictures and the viewer page go here")
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train data-parallel on N processes of this machine (torchrun's "
+                   "launcher, loopback only; DistributedDataParallel, metrics summed over the "
+                   "processes, rank 0 writes --out); ends where one process ends with the same "
+                   "--batch-size, up to float rounding (parameters within 1e-4 after 20 steps "
+                   "without dropout). Default: this process alone, or what torchrun set")
+    p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="with several processes: how long one waits for the others before "
+                   "it gives up with an error (a process died or hangs; default "
+                   f"{DEFAULT_TIMEOUT:g})")
     p.set_defaults(func=run_train_cli)
 
 
@@ -95,6 +120,7 @@ def plan(args: argparse.Namespace) -> tuple[dict, TrainConfig]:
             settings[name] = getattr(args, name)
     config = TrainConfig(seed=args.seed, device=args.device,
                          checkpoint_every=args.checkpoint_every, **settings)
+    check_batch(config.batch_size, _processes(args))
     data = dict(preset["data"]) if preset else {}
     if args.variant:
         if args.task != "listops":
@@ -113,11 +139,19 @@ def run_train_cli(args: argparse.Namespace) -> int:
     Everything that can be checked without data is checked before any is generated (the LRA
     preset generates 105 MB): the options and the device (by :func:`plan`), then ``--out``,
     made and written to once. A run that fails before writing there removes the folder again.
+    With ``--nproc N`` (N > 1) the same command runs in N processes (:func:`worker_argv`);
+    under torchrun, the ranks other than 0 print nothing but errors of their own.
     """
     recipe_kwargs, config = plan(args)
+    if args.nproc is not None and args.nproc > 1:
+        return launch(worker_argv(args), args.nproc)
+    ranks = env_ranks()
+    if not ranks.main:
+        return _other_rank(args, recipe_kwargs, config, ranks.rank)
     with run_directory(args.out) as out:
         recipe = make_recipe(**recipe_kwargs)
-        result = train(recipe, config, out, resume=args.resume, progress=not args.quiet)
+        result = train(recipe, config, out, resume=args.resume, progress=not args.quiet,
+                       timeout=args.dist_timeout)
     if result.interrupted:
         print(f"qkv train: interrupted at step {result.step}; checkpoint in "
               f"{result.checkpoint}; continue with the same command and --resume",
@@ -127,6 +161,68 @@ def run_train_cli(args: argparse.Namespace) -> int:
                           final_loss=result.final_loss, evaluation=result.evaluation,
                           pictures=result.pictures), indent=2))
     return 0
+
+
+def _other_rank(args: argparse.Namespace, recipe_kwargs: dict, config: TrainConfig,
+                rank: int) -> int:
+    """A rank other than 0: train without output. An error every rank raises alike (rank 0
+    reports it) ends it quietly; one of its own is reported with its rank."""
+    try:
+        result = train(make_recipe(**recipe_kwargs), config, args.out, resume=args.resume,
+                       progress=False, timeout=args.dist_timeout)
+    except (ValueError, TypeError, OSError, ImportError) as e:
+        if getattr(e, "qkv_on_every_rank", False):
+            return 2
+        text = " ".join(str(e).split()) or type(e).__name__
+        where = "" if text.startswith("rank ") else f"rank {rank}: "
+        print(f"qkv train: error: {where}{text}", file=sys.stderr)
+        return 2
+    return 130 if result.interrupted else 0
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The ``qkv`` command line each process of ``--nproc`` runs: ``args`` as given, every
+    option spelled out, without ``--nproc``."""
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    argv = ["train", args.task]
+    for action in parser._subparsers._group_actions[0].choices["train"]._actions:
+        if not action.option_strings or action.dest in ("help", "nproc"):
+            continue
+        value = getattr(args, action.dest)
+        if action.nargs == 0:  # a flag
+            argv += [action.option_strings[-1]] if value else []
+        elif value is not None:
+            argv += [action.option_strings[-1], str(value)]
+    return argv
+
+
+def _processes(args: argparse.Namespace) -> int:
+    """How many processes will train: ``--nproc``, else what torchrun set (1 without it).
+
+    Raises:
+        ValueError: ``--nproc`` below 1 or given under torchrun; a ``--dist-timeout`` <= 0.
+    """
+    if not args.dist_timeout > 0:
+        raise ValueError(f"--dist-timeout must be a positive number of seconds, got "
+                         f"{args.dist_timeout:g}")
+    if args.nproc is None:
+        return env_ranks().size
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+    if "WORLD_SIZE" in os.environ and args.nproc > 1:
+        raise ValueError(f"--nproc {args.nproc} starts torchrun itself, but this process "
+                         f"already runs under torchrun (WORLD_SIZE="
+                         f"{os.environ['WORLD_SIZE']}): leave --nproc out")
+    if args.nproc > 1 and args.device.startswith("cuda"):
+        import torch
+        if ":" in args.device:
+            raise ValueError(f"--device {args.device} would put all {args.nproc} processes on "
+                             f"one GPU; give --device cuda: process r then takes cuda:r")
+        if args.nproc > torch.cuda.device_count():
+            raise ValueError(f"--nproc {args.nproc} with --device cuda needs {args.nproc} GPUs; "
+                             f"this machine has {torch.cuda.device_count()}")
+    return args.nproc
 
 
 def _attention_options(args: argparse.Namespace) -> dict:

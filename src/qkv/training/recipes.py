@@ -87,6 +87,11 @@ class Seq2SeqRecipe(_Recipe):
         acc = (logits.argmax(-1)[real] == labels[real]).float().mean()
         return loss, dict(acc=acc), int(real.sum())
 
+    def loss_count(self, batch: dict[str, Tensor]) -> int:
+        """The target tokens the loss averages over (a data-parallel run weights each rank's
+        loss by them)."""
+        return int(batch["tgt_mask"][:, 1:].sum())
+
     def predict(self, model, src: Tensor, src_mask: Tensor, T: int) -> Tensor:
         """Greedy decoding. Shape: ``(B, S)`` -> ``(B, T)`` (bos, tokens, eos, padding)."""
         v = self.train_data.vocab
