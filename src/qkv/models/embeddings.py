@@ -1,7 +1,9 @@
 """Inputs of the models: token embeddings with positions, and ViT's patch embedding.
 
 Positions index by absolute position, so a decoder fed one token at a time from a cache gets
-the embedding of the position after the cached ones (``start=cache.position``).
+the embedding of the position after the cached ones (``start=cache.position``), and a rank's
+shard of a context-parallel sequence gets the positions it holds in the whole sequence
+(``segments=``, one run or, for the balanced layout, two).
 
 Shape alphabet: B batch, T tokens, P patches, C model dim.
 """
@@ -81,7 +83,9 @@ class TokenEmbedding(nn.Module):
         dropout: On the sum.
 
     Shape:
-        tokens ``(B, T)`` int -> ``(B, T, C)``; ``start`` is the position of the first token.
+        tokens ``(B, T)`` int -> ``(B, T, C)``; ``start`` is the position of the first token,
+        or ``segments`` the runs ``[start, end)`` of positions the tokens hold, in order
+        (their lengths sum to T).
     """
 
     def __init__(self, vocab_size: int, embed_dim: int, *, positions: str = "learned",
@@ -103,10 +107,28 @@ class TokenEmbedding(nn.Module):
         """The most positions it embeds (None: any)."""
         return self.positions.max_len
 
-    def forward(self, tokens: Tensor, *, start: int = 0) -> Tensor:
+    def forward(self, tokens: Tensor, *, start: int = 0,
+                segments: list[tuple[int, int]] | None = None) -> Tensor:
         x = self.tokens(tokens)  # (B, T, C)
-        x = x + self.positions(start, tokens.shape[1]).to(x.dtype)  # (B, T, C)
+        x = x + self.position_embeddings(tokens.shape[1], start=start,
+                                         segments=segments).to(x.dtype)  # (B, T, C)
         return self.dropout(x)
+
+    def position_embeddings(self, length: int, *, start: int = 0,
+                            segments: list[tuple[int, int]] | None = None) -> Tensor:
+        """The position embeddings of ``length`` tokens from ``start``, or of the runs
+        ``segments`` (a context-parallel shard's whole-sequence positions).
+
+        Shape:
+            -> ``(length, C)``.
+        """
+        if segments is None:
+            return self.positions(start, length)  # (length, C)
+        if start or sum(b - a for a, b in segments) != length:
+            raise ValueError(f"segments {segments} must cover the {length} tokens given, "
+                             f"with start=0 (got start={start})")
+        parts = [self.positions(a, b - a) for a, b in segments] or [self.positions(0, 0)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # (length, C)
 
 
 class PatchEmbedding(nn.Module):

@@ -22,6 +22,12 @@ kind            module                                       attention_options
 ==============  ===========================================  =================================
 
 A new kind is one :func:`register_attention` call; no model changes.
+
+Context parallel (``make_attention(..., context_group=group)``): ``exact`` and ``local`` run
+over the ranks' shards by ring attention (the local window is the whole sequence's).
+``linear`` and ``performer`` refuse it: their causal form is a prefix sum over the whole
+sequence, which would take a scan across the ranks, not a ring. A registered factory gets
+``context_group``/``context_layout`` only when a group is given.
 """
 from __future__ import annotations
 
@@ -42,13 +48,24 @@ def _exact(embed_dim: int, num_heads: int, **options) -> nn.Module:
     return MultiHeadAttention(embed_dim, num_heads, **options)
 
 
-def _linear(embed_dim: int, num_heads: int, **options) -> nn.Module:
+def _no_context(kind: str, context_group) -> None:
+    if context_group is not None:
+        raise ValueError(f"attention={kind!r} does not run context-parallel (its causal form is "
+                         f"a prefix sum over the whole sequence, which needs a scan across the "
+                         f"ranks, not ring attention); use attention='exact' or 'local', or "
+                         f"context_group=None")
+
+
+def _linear(embed_dim: int, num_heads: int, *, context_group=None,
+            context_layout: str = "contiguous", **options) -> nn.Module:
+    _no_context("linear", context_group)
     return LinearMultiHeadAttention(embed_dim, num_heads, **{"feature_map": "elu", **options})
 
 
 def _performer(embed_dim: int, num_heads: int, *, num_features: int | None = None,
                seed: int = 0, redraw: bool | int = False, device=None, dtype=None,
-               **options) -> nn.Module:
+               context_group=None, context_layout: str = "contiguous", **options) -> nn.Module:
+    _no_context("performer", context_group)
     if "feature_map" in options:
         raise TypeError("attention='performer' builds its own FAVOR+ feature map; give "
                         "num_features, seed or redraw instead of feature_map (or use "
@@ -103,8 +120,8 @@ def register_attention(name: str, factory: AttentionFactory, *, replace: bool = 
 
 
 def make_attention(kind: str, embed_dim: int, num_heads: int, *,
-                   options: Mapping[str, Any] | None = None, device=None,
-                   dtype=None) -> nn.Module:
+                   options: Mapping[str, Any] | None = None, context_group=None,
+                   context_layout: str = "contiguous", device=None, dtype=None) -> nn.Module:
     """The attention module of ``kind`` (see the table above).
 
     Args:
@@ -112,9 +129,12 @@ def make_attention(kind: str, embed_dim: int, num_heads: int, *,
         embed_dim: Model dim C.
         num_heads: Query heads H.
         options: Keyword arguments for that kind (``{"window": 64}`` for ``local``).
+        context_group, context_layout: Run context-parallel over this process group (see
+            :class:`qkv.MultiHeadAttention`); None (default) runs on one process.
 
     Raises:
-        ValueError: An unknown kind (the message lists the registered ones) or bad numbers.
+        ValueError: An unknown kind (the message lists the registered ones), bad numbers, or
+            a context_group for a kind that cannot run context-parallel.
         TypeError: Options the kind does not take.
 
     Shape:
@@ -124,13 +144,19 @@ def make_attention(kind: str, embed_dim: int, num_heads: int, *,
         raise ValueError(f"unknown attention kind {kind!r}; the kinds are "
                          f"{', '.join(map(repr, _KINDS))} (qkv.models.register_attention adds one)")
     options = dict(options or {})
-    for reserved in ("device", "dtype"):
+    for reserved in ("device", "dtype", "context_group", "context_layout"):
         if reserved in options:
             raise TypeError(f"attention_options must not hold {reserved!r}; pass it to the "
                             f"model's constructor")
+    context = ({} if context_group is None else
+               dict(context_group=context_group, context_layout=context_layout))
     try:
-        return _KINDS[kind](embed_dim, num_heads, **options, device=device, dtype=dtype)
+        return _KINDS[kind](embed_dim, num_heads, **options, **context, device=device,
+                            dtype=dtype)
     except TypeError as err:
+        if context and "context_" in str(err):
+            raise TypeError(f"attention kind {kind!r} takes no context_group (its factory "
+                            f"cannot run context-parallel): {err}") from err
         if not options:
             raise
         raise TypeError(f"attention_options {options} do not fit attention={kind!r}: "

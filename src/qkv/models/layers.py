@@ -18,6 +18,11 @@ again (O(S C^2) per layer and step; the attention modules have no API for precom
 Traces are returned, never stored: ``return_attention=True`` gives each attention module's
 ``MultiHeadTrace``, self- and cross-attention separately.
 
+Context parallel: with ``context_group`` (and ``context_layout``) every attention module of a
+layer runs over the ranks' shards (see :class:`qkv.MultiHeadAttention`); the MLP, norms and
+residuals are per position, so a layer fed this rank's shard ``(B, T_r, C)`` (and the memory's
+shard ``(B, S_r, C)``) gives this rank's rows of the whole sequence's output.
+
 Shape alphabet: B batch, T (target) length, S source (memory) length, C model dim.
 """
 from __future__ import annotations
@@ -132,19 +137,24 @@ class EncoderLayer(_Residual):
         norm_first: Pre-norm (True) or post-norm (False).
         attention: Attention kind (``qkv.models.attention_kinds()``).
         attention_options: Keyword arguments of that kind (``{"window": 64}`` for local).
+        context_group: Run context-parallel over this process group (None: one process);
+            the kind must support it (``"exact"``, ``"local"``).
+        context_layout: ``"contiguous"`` or ``"balanced"`` shards.
 
     Shape:
         x ``(B, T, C)``; key_mask ``(B, T)`` (True = a real token) -> ``(B, T, C)``.
+        Context parallel: this rank's shards ``(B, T_r, C)`` and ``(B, T_r)``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, ffn_dim: int | None = None,
                  dropout: float = 0.0, norm_first: bool = True, attention: str = "exact",
-                 attention_options: Mapping[str, Any] | None = None, device=None,
-                 dtype=None) -> None:
+                 attention_options: Mapping[str, Any] | None = None, context_group=None,
+                 context_layout: str = "contiguous", device=None, dtype=None) -> None:
         super().__init__(dropout, norm_first)
         kw = dict(device=device, dtype=dtype)
         self.self_attn = make_attention(attention, embed_dim, num_heads,
-                                        options=attention_options, **kw)
+                                        options=attention_options, context_group=context_group,
+                                        context_layout=context_layout, **kw)
         self.ffn = FeedForward(embed_dim, ffn_dim or 4 * embed_dim, **kw)
         self.norm1, self.norm2 = nn.LayerNorm(embed_dim, **kw), nn.LayerNorm(embed_dim, **kw)
 
@@ -174,24 +184,30 @@ class DecoderLayer(_Residual):
             time does not give it the token's position, so its cached decoding differs from
             the full forward.
         cross_attention_options: Keyword arguments of that kind.
+        context_group, context_layout: As :class:`EncoderLayer`, for both attentions (the
+            memory is sharded over the same group and layout).
 
     Shape:
         x ``(B, T, C)``; memory ``(B, S, C)``; key_mask ``(B, T)``; memory_mask ``(B, S)``
-        (True = a real token) -> ``(B, T, C)``.
+        (True = a real token) -> ``(B, T, C)``. Context parallel: this rank's shards
+        ``(B, T_r, C)``, ``(B, S_r, C)``, ``(B, T_r)``, ``(B, S_r)``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, ffn_dim: int | None = None,
                  dropout: float = 0.0, norm_first: bool = True, attention: str = "exact",
                  attention_options: Mapping[str, Any] | None = None,
                  cross_attention: str = "exact",
-                 cross_attention_options: Mapping[str, Any] | None = None, device=None,
+                 cross_attention_options: Mapping[str, Any] | None = None,
+                 context_group=None, context_layout: str = "contiguous", device=None,
                  dtype=None) -> None:
         super().__init__(dropout, norm_first)
-        kw = dict(device=device, dtype=dtype)
+        kw = dict(device=device, dtype=dtype, context_group=context_group,
+                  context_layout=context_layout)
         self.self_attn = make_attention(attention, embed_dim, num_heads,
                                         options=attention_options, **kw)
         self.cross_attn = make_attention(cross_attention, embed_dim, num_heads,
                                          options=cross_attention_options, **kw)
+        kw = dict(device=device, dtype=dtype)
         self.ffn = FeedForward(embed_dim, ffn_dim or 4 * embed_dim, **kw)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(embed_dim, **kw) for _ in range(3))
 
@@ -247,7 +263,8 @@ class Encoder(_Stack):
         num_layers: Layers.
         embed_dim, num_heads: C, H.
         **layer_kwargs: :class:`EncoderLayer`'s keyword arguments (ffn_dim, dropout,
-            norm_first, attention, attention_options, device, dtype).
+            norm_first, attention, attention_options, context_group, context_layout, device,
+            dtype).
 
     Shape:
         x ``(B, T, C)``; key_mask ``(B, T)`` -> ``(B, T, C)``.
@@ -279,7 +296,8 @@ class Decoder(_Stack):
     Args:
         num_layers: Layers.
         embed_dim, num_heads: C, H.
-        **layer_kwargs: :class:`DecoderLayer`'s keyword arguments.
+        **layer_kwargs: :class:`DecoderLayer`'s keyword arguments (context_group and
+            context_layout included).
 
     Shape:
         x ``(B, T, C)``; memory ``(B, S, C)``; key_mask ``(B, T)``; memory_mask ``(B, S)``

@@ -11,8 +11,18 @@ layer's past keys/values (KVCache, raising when written past ``capacity``) or it
 state (linear, performer); the prompt is prefilled in one call, then tokens go one at a time
 at the positions after the cached ones.
 
+Context parallel (``context_group=``, ``context_layout=``): DecoderLM and Seq2SeqTransformer
+run a sequence sharded over the ranks of a process group. Each rank passes its shard of the
+tokens (``qkv.distributed.shard(tokens, group, dim=1, layout=...)``) and of the key masks; the
+position embeddings take the whole-sequence positions the shard holds, every attention runs
+by ring attention, and the logits are this rank's rows of the whole sequence's logits.
+Parameter gradients on a rank are its part: their sum over the ranks (an all-reduce with
+SUM) is the single-process gradient of a loss summed over the ranks. Decoding and
+``generate`` run on one process only. The classifiers (EncoderClassifier, and ViT) pool
+over the sequence and refuse a context_group.
+
 Shape alphabet: B batch, T (target) length, S source length, C model dim, V vocabulary,
-K classes, N new tokens.
+K classes, N new tokens; T_r, S_r this rank's shard of T, S.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
+from ..nn._inputs import shard_segments
 from .embeddings import TokenEmbedding
 from .generate import TokenChooser, check_generate, decode_loop
 from .layers import AttentionMaps, Decoder, DecodingCache, Encoder
@@ -44,24 +55,37 @@ class DecoderLM(nn.Module):
         attention: Attention kind; ``attention_options`` its keyword arguments.
         positions: ``"learned"`` or ``"sinusoidal"``.
         max_len: Positions of the learned table (prompt + generated tokens).
+        context_group: Run context-parallel over this process group (see the module
+            docstring); None (default) runs on one process. The attention kind must be
+            ``"exact"`` or ``"local"``, with ``dropout=0`` in its options.
+        context_layout: ``"contiguous"`` or ``"balanced"`` (better for causal attention).
 
     Shape:
         tokens ``(B, T)`` int; key_mask ``(B, T)`` bool -> logits ``(B, T, V)``.
+        Context parallel: this rank's shards ``(B, T_r)`` -> ``(B, T_r, V)``.
+
+    Example (context parallel, on every rank of ``group``)::
+
+        >>> lm = DecoderLM(V, 256, 4, 6, context_group=group, context_layout="balanced")
+        >>> tok_r = qkv.distributed.shard(tokens, group, dim=1, layout="balanced")  # (B, T_r)
+        >>> logits_r = lm(tok_r)                                                      # (B, T_r, V)
     """
 
     def __init__(self, vocab_size: int, embed_dim: int, num_heads: int, num_layers: int, *,
                  ffn_dim: int | None = None, dropout: float = 0.0, norm_first: bool = True,
                  attention: str = "exact", attention_options: Mapping[str, Any] | None = None,
-                 positions: str = "learned", max_len: int = 512, device=None,
-                 dtype=None) -> None:
+                 positions: str = "learned", max_len: int = 512, context_group=None,
+                 context_layout: str = "contiguous", device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.vocab_size = vocab_size
+        self.context_group, self.context_layout = context_group, context_layout
         self.embed = TokenEmbedding(vocab_size, embed_dim, positions=positions, max_len=max_len,
                                     dropout=dropout, **kw)
         self.blocks = Encoder(num_layers, embed_dim, num_heads, ffn_dim=ffn_dim, dropout=dropout,
                               norm_first=norm_first, attention=attention,
-                              attention_options=attention_options, **kw)  # run causally
+                              attention_options=attention_options, context_group=context_group,
+                              context_layout=context_layout, **kw)  # run causally
         self.head = nn.Linear(embed_dim, vocab_size, bias=False, **kw)
 
     def forward(self, tokens: Tensor, *, key_mask: Tensor | None = None,
@@ -73,9 +97,9 @@ class DecoderLM(nn.Module):
 
         Returns logits, or ``(logits, AttentionMaps)`` with ``decoder`` filled.
         """
-        _check_tokens("tokens", tokens, key_mask)
-        start = 0 if cache is None else cache.position
-        x = self.embed(tokens, start=start)  # (B, T, C)
+        _check_tokens("tokens", tokens, key_mask, shard=self.context_group is not None)
+        x = _embed_at(self.embed, tokens, cache, self.context_group,
+                      self.context_layout)  # (B, T, C)
         x = self.blocks(x, key_mask=key_mask, is_causal=True, cache=cache,
                         return_attention=return_attention)  # (B, T, C)
         x, traces = x if return_attention else (x, None)
@@ -113,6 +137,7 @@ class DecoderLM(nn.Module):
         Shape:
             prompt ``(B, T)``; key_mask ``(B, T)`` -> ``(B, T + N)``.
         """
+        _check_one_process(self, "generate")
         _check_tokens("prompt", prompt, key_mask)
         check_generate(max_new_tokens, eos, pad, self.vocab_size)
         choose = TokenChooser(greedy=greedy, temperature=temperature, top_k=top_k, seed=seed)
@@ -141,13 +166,17 @@ class Seq2SeqTransformer(nn.Module):
         ffn_dim, dropout, norm_first, positions, max_len: As :class:`DecoderLM`.
         attention: Kind of the self-attention in both stacks; ``attention_options`` its
             keyword arguments.
+        context_group, context_layout: As :class:`DecoderLM`: source and target are both
+            sharded over the group with this layout, and the cross-attention of a target
+            shard runs over every rank's shard of the memory.
         cross_attention: Kind of the decoder's cross-attention (default ``"exact"``; see
             :class:`qkv.models.DecoderLayer` about ``"local"``); ``cross_attention_options``
             its keyword arguments.
 
     Shape:
         src ``(B, S)``, tgt ``(B, T)`` int; src_key_mask ``(B, S)``, tgt_key_mask ``(B, T)``
-        bool -> logits ``(B, T, V)``.
+        bool -> logits ``(B, T, V)``. Context parallel: this rank's shards ``(B, S_r)``,
+        ``(B, T_r)`` -> ``(B, T_r, V)``.
     """
 
     def __init__(self, vocab_size: int, embed_dim: int, num_heads: int, num_layers: int, *,
@@ -156,12 +185,14 @@ class Seq2SeqTransformer(nn.Module):
                  attention_options: Mapping[str, Any] | None = None,
                  cross_attention: str = "exact",
                  cross_attention_options: Mapping[str, Any] | None = None,
-                 positions: str = "learned", max_len: int = 512, device=None,
-                 dtype=None) -> None:
+                 positions: str = "learned", max_len: int = 512, context_group=None,
+                 context_layout: str = "contiguous", device=None, dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
+        self.context_group, self.context_layout = context_group, context_layout
         layer = dict(ffn_dim=ffn_dim, dropout=dropout, norm_first=norm_first,
-                     attention=attention, attention_options=attention_options, **kw)
+                     attention=attention, attention_options=attention_options,
+                     context_group=context_group, context_layout=context_layout, **kw)
         embed = dict(positions=positions, max_len=max_len, dropout=dropout, **kw)
         self.vocab_size = vocab_size
         self.src_embed = TokenEmbedding(vocab_size, embed_dim, **embed)
@@ -179,8 +210,9 @@ class Seq2SeqTransformer(nn.Module):
         Shape:
             src ``(B, S)`` -> ``(B, S, C)``.
         """
-        _check_tokens("src", src, src_key_mask)
-        x = self.src_embed(src)  # (B, S, C)
+        _check_tokens("src", src, src_key_mask, shard=self.context_group is not None)
+        x = _embed_at(self.src_embed, src, None, self.context_group,
+                      self.context_layout)  # (B, S, C)
         return self.encoder(x, key_mask=src_key_mask, return_attention=return_attention)
 
     def decode(self, tgt: Tensor, memory: Tensor, *, tgt_key_mask: Tensor | None = None,
@@ -194,9 +226,9 @@ class Seq2SeqTransformer(nn.Module):
         Shape:
             tgt ``(B, T)``; memory ``(B, S, C)`` -> ``(B, T, V)``.
         """
-        _check_tokens("tgt", tgt, tgt_key_mask)
-        start = 0 if cache is None else cache.position
-        x = self.tgt_embed(tgt, start=start)  # (B, T, C)
+        _check_tokens("tgt", tgt, tgt_key_mask, shard=self.context_group is not None)
+        x = _embed_at(self.tgt_embed, tgt, cache, self.context_group,
+                      self.context_layout)  # (B, T, C)
         x = self.decoder(x, memory, key_mask=tgt_key_mask, memory_mask=src_key_mask,
                          cache=cache, return_attention=return_attention)  # (B, T, C)
         if not return_attention:
@@ -240,6 +272,7 @@ class Seq2SeqTransformer(nn.Module):
         Shape:
             src ``(B, S)``; src_key_mask ``(B, S)`` -> ``(B, 1 + N)``.
         """
+        _check_one_process(self, "generate")
         if bos is None:
             raise ValueError("generate needs bos, the token id the target starts with")
         check_generate(max_new_tokens, eos, pad, self.vocab_size, bos=bos)
@@ -272,6 +305,10 @@ class EncoderClassifier(nn.Module):
         pooling: ``"cls"`` or ``"mean"``.
         ffn_dim, dropout, norm_first, attention, attention_options, positions, max_len:
             As :class:`DecoderLM`.
+        context_group: Must be None: the classifier pools the whole sequence into one
+            vector (CLS or mean), which no rank holds; refused with a ValueError. To classify
+            a sharded sequence, run an :class:`qkv.models.Encoder` with the context_group and
+            pool across the ranks yourself (an all-reduce of the masked sum and the count).
 
     Shape:
         tokens ``(B, T)`` int; key_mask ``(B, T)`` bool -> logits ``(B, K)``.
@@ -283,9 +320,10 @@ class EncoderClassifier(nn.Module):
                  num_layers: int, *, pooling: str = "cls", ffn_dim: int | None = None,
                  dropout: float = 0.0, norm_first: bool = True, attention: str = "exact",
                  attention_options: Mapping[str, Any] | None = None,
-                 positions: str = "learned", max_len: int = 512, device=None,
-                 dtype=None) -> None:
+                 positions: str = "learned", max_len: int = 512, context_group=None,
+                 device=None, dtype=None) -> None:
         super().__init__()
+        _refuse_pooled_context("EncoderClassifier", context_group)
         if pooling not in self.POOLINGS:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of "
                              f"{', '.join(map(repr, self.POOLINGS))}")
@@ -339,9 +377,46 @@ def _masked_mean(x: Tensor, key_mask: Tensor | None) -> Tensor:
     return total / w.sum(1).clamp(min=1)  # (B, C)
 
 
-def _check_tokens(name: str, tokens: Tensor, key_mask: Tensor | None) -> None:
+def _refuse_pooled_context(model: str, context_group) -> None:
+    """A model that pools the sequence into one output cannot take a context_group."""
+    if context_group is not None:
+        raise ValueError(
+            f"{model} pools the whole sequence into one vector per example, which no rank of a "
+            f"context-parallel group holds, so it takes context_group=None only; to run a "
+            f"sharded sequence, use qkv.models.Encoder(..., context_group=group) and pool "
+            f"across the ranks yourself (all-reduce the masked sum and count)")
+
+
+def _embed_at(embed: TokenEmbedding, tokens: Tensor, cache: DecodingCache | None, group,
+              layout: str) -> Tensor:
+    """Tokens embedded at their whole-sequence positions: after the cached ones, or, context
+    parallel, the runs of positions this rank's shard holds.
+
+    Shape:
+        tokens ``(B, T)`` -> ``(B, T, C)``.
+    """
+    if group is None:
+        return embed(tokens, start=0 if cache is None else cache.position)  # (B, T, C)
+    if cache is not None:
+        raise ValueError("decoding with a cache is not context-parallel (the cache holds the "
+                         "whole sequence on one process): decode with a model built without "
+                         "context_group (load this model's state_dict into it)")
+    runs = shard_segments(tokens.shape[1], group, layout, tokens.device)
+    return embed(tokens, segments=runs)  # (B, T_r, C)
+
+
+def _check_one_process(model: nn.Module, what: str) -> None:
+    if model.context_group is not None:
+        raise ValueError(f"{what} decodes one token at a time on one process and is not "
+                         f"context-parallel: call it on a {type(model).__name__} built "
+                         f"without context_group (load this model's state_dict into it)")
+
+
+def _check_tokens(name: str, tokens: Tensor, key_mask: Tensor | None, *,
+                  shard: bool = False) -> None:
+    """Token ids (B, T) with T >= 1 (a context-parallel shard may hold no tokens)."""
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point \
-            or tokens.dtype == torch.bool or tokens.shape[1] == 0:
+            or tokens.dtype == torch.bool or (tokens.shape[1] == 0 and not shard):
         got = (f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, Tensor)
                else type(tokens).__name__)
         raise ValueError(f"{name} must be integer token ids (B, T) with T >= 1, got {got}")

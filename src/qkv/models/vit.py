@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .embeddings import PatchEmbedding
 from .layers import AttentionMaps, Encoder
+from .transformer import _refuse_pooled_context
 
 __all__ = ["ViT"]
 
@@ -34,6 +35,9 @@ class ViT(nn.Module):
         attention: Attention kind (``qkv.models.attention_kinds()``); ``attention_options``
             its keyword arguments. The patches are a sequence in raster order, so ``"local"``
             windows run along rows.
+        context_group: Must be None: ViT classifies from the CLS token, which one rank
+            holds, after attention over every patch; refused with a ValueError (run a
+            :class:`qkv.models.Encoder` with the context_group for a sharded sequence).
 
     Shape:
         images ``(B, in_channels, height, width)`` -> logits ``(B, K)``; the encoder sees
@@ -44,8 +48,9 @@ class ViT(nn.Module):
                  embed_dim: int, num_heads: int, num_layers: int, *, in_channels: int = 3,
                  ffn_dim: int | None = None, dropout: float = 0.0, norm_first: bool = True,
                  attention: str = "exact", attention_options: Mapping[str, Any] | None = None,
-                 device=None, dtype=None) -> None:
+                 context_group=None, device=None, dtype=None) -> None:
         super().__init__()
+        _refuse_pooled_context("ViT", context_group)
         kw = dict(device=device, dtype=dtype)
         self.patches = PatchEmbedding(image_size, patch_size, in_channels, embed_dim, **kw)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim, **kw))

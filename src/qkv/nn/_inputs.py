@@ -1,10 +1,11 @@
-"""Input checks shared by the attention modules: (B, T, C) tensors, key_mask, batching.
+"""Input checks shared by the attention modules: (B, T, C) tensors, key_mask, batching; and
+the shard geometry of a context-parallel call (which positions each rank holds).
 
-Shape alphabet: B batch, T query length, S key length, C channels.
+Shape alphabet: B batch, T query length, S key length, C channels; T_r this rank's shard.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -27,6 +28,7 @@ class ModuleInputs:
     mask: Tensor | None
     unbatched: bool
     key_mask: Tensor | None = None
+    context: "ContextCall | None" = None
 
     def single_head_mask(self) -> Tensor | None:
         """The mask for a module without heads: a key_mask's (B, 1, 1, S) becomes (B, 1, S).
@@ -39,6 +41,42 @@ class ModuleInputs:
         return self.mask
 
 
+@dataclass
+class ContextCall:
+    """One context-parallel module call: the group and layout of the shards, and whether the
+    ring path ran (a subclass whose attention ignores it is refused instead of computing
+    attention within the local shard only)."""
+
+    group: object
+    layout: str
+    ran: bool = field(default=False)
+
+
+def shard_lengths(n: int, group, device=None) -> list[int]:
+    """Every rank's shard length, in rank order (an all-gather: every rank of ``group`` must
+    call it)."""
+    import torch.distributed as dist
+
+    from ..distributed.layout import group_info
+
+    _, R = group_info(group)  # a clear error when torch.distributed is not set up
+    mine = torch.tensor([n], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(R)]
+    dist.all_gather(every, mine, group=group)
+    return [int(t) for t in every]
+
+
+def shard_segments(n: int, group, layout: str, device=None) -> list[tuple[int, int]]:
+    """This rank's runs ``[start, end)`` of whole-sequence positions, in the order they sit in
+    its shard of ``n`` positions (one run for ``"contiguous"``, two for ``"balanced"``).
+    An all-gather of the shard lengths: every rank of ``group`` must call it."""
+    from ..distributed.layout import check_layout, group_info, segments_from_lengths
+
+    check_layout(layout)
+    rank, _ = group_info(group)
+    return segments_from_lengths(shard_lengths(n, group, device), layout, "token")[rank]
+
+
 def module_inputs(
     query: Tensor,
     key: Tensor | None,
@@ -47,12 +85,15 @@ def module_inputs(
     key_mask: Tensor | None,
     dims: tuple[int, int, int | None],
     dtypes: tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None] = (None, None, None),
+    *,
+    context: ContextCall | None = None,
 ) -> ModuleInputs:
     """Check module inputs against the expected channel counts ``dims = (Cq, Ck, Cv)`` and
     the dtypes of the weights that project them, ``dtypes`` (None: any).
 
     ``key`` defaults to ``query`` and ``value`` to ``key`` (self-attention). Unbatched inputs
-    ``(T, C)`` get a batch dim of 1, and ``key_mask (S,)`` with them.
+    ``(T, C)`` get a batch dim of 1, and ``key_mask (S,)`` with them. ``context`` is carried
+    along for a context-parallel call (then S is this rank's shard of the keys).
     """
     key = query if key is None else key
     value = key if value is None else value
@@ -86,7 +127,7 @@ def module_inputs(
         )
     _check_key_mask(key_mask, B, S)
     return ModuleInputs(query, key, value, merge_key_mask(attn_mask, key_mask), unbatched,
-                        key_mask)
+                        key_mask, context)
 
 
 def _check_key_mask(key_mask: Tensor | None, B: int, S: int) -> None:

@@ -5,7 +5,7 @@ at their boundary only. Masks follow qkv's contract: bool True = may attend; ``k
 ``(B, S)`` True marks a real key.
 
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
-D head dim, C model dim (embed_dim).
+D head dim, C model dim (embed_dim); T_r, S_r this rank's shard of T, S (context parallel).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .. import masks
 from ..functional import scaled_dot_product_attention
 from ..trace import MultiHeadTrace
-from ._inputs import ModuleInputs, module_inputs
+from ._inputs import ContextCall, ModuleInputs, module_inputs, shard_lengths
 from .cache import KVCache
 
 __all__ = ["SelfAttention", "MultiHeadAttention"]
@@ -113,16 +113,52 @@ class MultiHeadAttention(nn.Module):
         dropout: Dropout on the attention weights, in training mode only.
         num_kv_heads: Key/value heads G (GQA; 1 is MQA); H must be a multiple of G.
         backend: Attention backend for the functional call (``"auto"``).
+        context_group: A ``torch.distributed`` process group to run context-parallel over
+            (``torch.distributed.group.WORLD`` for all ranks); None (default) runs on this
+            process alone. Also a plain attribute: set it to switch.
+        context_layout: How the sequence is cut into the ranks' shards: ``"contiguous"`` or
+            ``"balanced"`` (see :func:`qkv.distributed.shard`). Also an attribute.
+
+    Context parallel (``context_group`` set): every rank of the group calls the module
+    together, each with its own shard of the sequence, e.g. ``shard(x, group, dim=1,
+    layout=...)``: query ``(B, T_r, C)`` and, for cross-attention, key/value ``(B, S_r, .)``,
+    this rank's shard of the memory. The projections and W^O run on the shard; attention runs
+    through :func:`qkv.distributed.ring_attention`, so the output is this rank's rows of the
+    module's output on the whole sequence, forward and backward (the parameter gradients on a
+    rank are its part: their sum over the ranks is the single-process gradient). Every rank
+    must make the same call (the same flags and masks).
+
+    * ``is_causal``, ``mask_mod`` and ``score_mod`` speak of whole-sequence positions, as on
+      one process (a ``sliding_window`` is the window of the whole sequence).
+    * ``key_mask`` is this rank's shard ``(B, S_r)``; the module gathers the whole ``(B, S)``
+      key mask and applies it as a structured mask, so key shards that hold only padding
+      are never sent, and a query with no real key outputs 0 as everywhere in qkv.
+    * ``return_trace`` gives this rank's rows against every key (``probs`` ``(B, H, T_r, S)``,
+      recomputed lazily); the trace's q/k/v/heads are this rank's shards.
+    * Refused with a ValueError: a dense ``attn_mask`` (give a ``mask_mod`` and ``key_mask``),
+      decoding with a ``cache`` (decode on one process), ``dropout > 0`` in training mode
+      (ring attention has no attention dropout: use ``dropout=0.0`` and dropout on the
+      residual branch, or ``.eval()``), a ``backend`` other than ``"auto"``/``"tiled"`` (each
+      rank computes with the tiled backend's kernels), and subclasses whose attention has no
+      ring path (``LinearMultiHeadAttention``).
 
     Shape:
         query ``(B, T, C)``; key ``(B, S, kdim)``; value ``(B, S, vdim)`` -> ``(B, T, C)``
         (or all unbatched, without B). attn_mask broadcastable to ``(B, H, T, S)``;
-        key_mask ``(B, S)``.
+        key_mask ``(B, S)``. Context parallel: ``(B, T_r, C)``, ``(B, S_r, .)`` ->
+        ``(B, T_r, C)``; key_mask ``(B, S_r)``.
+
+    Example (context parallel, on every rank)::
+
+        >>> mha = qkv.MultiHeadAttention(512, 8, context_group=group, context_layout="balanced")
+        >>> x_r = qkv.distributed.shard(x, group, dim=1, layout="balanced")  # (B, T_r, 512)
+        >>> y_r = mha(x_r, is_causal=True)                                    # (B, T_r, 512)
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
                  vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
                  num_kv_heads: int | None = None, backend: str = "auto",
+                 context_group=None, context_layout: str = "contiguous",
                  device=None, dtype=None) -> None:
         super().__init__()
         G = num_heads if num_kv_heads is None else num_kv_heads
@@ -132,6 +168,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.kdim, self.vdim = kdim or embed_dim, vdim or embed_dim
         self.dropout, self.backend = dropout, backend
+        self.context_group, self.context_layout = context_group, _check_layout(context_layout)
         kv = G * self.head_dim
         self.fused = self.kdim == self.vdim == embed_dim
         if self.fused:
@@ -197,15 +234,21 @@ class MultiHeadAttention(nn.Module):
         Returns the output, or ``(output, MultiHeadTrace)`` with per-head weights
         ``(B, H, T, S)`` and per-head outputs before W^O ``(B, H, T, D)``.
         """
+        context = None if self.context_group is None else self._context_call(attn_mask, cache)
         if cache is not None:
             _check_decoding(query, key, value, attn_mask)
         inp = module_inputs(query, key, value, attn_mask, key_mask,
                             (self.embed_dim, self.kdim, self.vdim),
-                            tuple(w.dtype for w in self._proj_weights()))
+                            tuple(w.dtype for w in self._proj_weights()), context=context)
         q, k, v = self._project(inp.query, inp.key, inp.value)  # (B, H, T, D), (B, G, S, D) x2
         heads, trace, k, v = self._attend(q, k, v, inp, is_causal=is_causal,
                                           return_trace=return_trace, mask_mod=mask_mod,
                                           score_mod=score_mod, cache=cache)  # (B, H, T, D)
+        if context is not None and not context.ran:
+            raise ValueError(f"{type(self).__name__} has no context-parallel path (its "
+                             f"attention does not run over the ranks' shards); set "
+                             f"context_group=None, or use MultiHeadAttention / "
+                             f"LocalMultiHeadAttention")
         B, H, T, D = heads.shape
         out = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
         if inp.unbatched:
@@ -223,6 +266,10 @@ class MultiHeadAttention(nn.Module):
         Shape:
             q ``(B, H, T, D)``; k, v ``(B, G, S, D)`` -> heads ``(B, H, T, D)``.
         """
+        if inp.context is not None:
+            return self._attend_context(q, k, v, inp, is_causal=is_causal,
+                                        return_trace=return_trace, mask_mod=mask_mod,
+                                        score_mod=score_mod)
         mask = inp.mask
         if cache is not None:
             k, v, key_mask = cache.append(k, v, inp.key_mask)  # (B, G, P, D): all positions so far
@@ -236,6 +283,50 @@ class MultiHeadAttention(nn.Module):
         )
         heads, trace = res if return_trace else (res, None)
         return heads, trace, k, v
+
+    def _attend_context(self, q: Tensor, k: Tensor, v: Tensor, inp: ModuleInputs, *,
+                        is_causal: bool, return_trace: bool, mask_mod, score_mod):
+        """:meth:`_attend` of this rank's shards, by ring attention over ``context_group``.
+
+        Shape:
+            q ``(B, H, T_r, D)``; k, v ``(B, G, S_r, D)`` -> heads ``(B, H, T_r, D)``.
+        """
+        from ..distributed import ring_attention
+
+        ctx = inp.context
+        ctx.ran = True
+        if inp.key_mask is not None:
+            real = _real_keys(inp.key_mask, q.shape[-2], inp.query is inp.key, ctx)
+            mask_mod = real if mask_mod is None else masks.and_masks(mask_mod, real)
+        res = ring_attention(q, k, v, group=ctx.group, is_causal=is_causal, mask_mod=mask_mod,
+                             score_mod=score_mod, enable_gqa=self.num_kv_heads != self.num_heads,
+                             layout=ctx.layout, return_trace=return_trace)
+        heads, trace = res if return_trace else (res, None)  # (B, H, T_r, D)
+        return heads, trace, k, v
+
+    def _context_call(self, attn_mask: Tensor | None, cache) -> ContextCall:
+        """Refuse what ring attention cannot run, with the way around it."""
+        if cache is not None:
+            raise ValueError("decoding with a cache is not context-parallel (the cache holds "
+                             "the whole sequence's keys on one process): decode on one "
+                             "process with context_group=None (set the attribute, or load the "
+                             "state_dict into a model built without it)")
+        if attn_mask is not None:
+            raise ValueError("a dense attn_mask cannot run context-parallel (each rank holds "
+                             "only its shard of the sequence): give the mask as a mask_mod "
+                             "over whole-sequence positions (qkv.masks.causal, "
+                             "sliding_window, document, key_lengths, ...) and padding as "
+                             "key_mask, this rank's shard (B, S_r)")
+        if self.dropout and self.training:
+            raise ValueError(f"ring attention has no attention dropout, and this module has "
+                             f"dropout={self.dropout} in training mode: build it with "
+                             f"dropout=0.0 (qkv.models put dropout on the residual branches), "
+                             f"or call .eval()")
+        if self.backend not in ("auto", "tiled"):
+            raise ValueError(f"context-parallel attention computes each rank's pieces with the "
+                             f"tiled backend; backend={self.backend!r} cannot run it: use "
+                             f"backend='auto' or 'tiled'")
+        return ContextCall(self.context_group, _check_layout(self.context_layout))
 
     def new_cache(self, batch_size: int, capacity: int, *, device=None, dtype=None) -> KVCache:
         """An empty :class:`KVCache` for decoding up to ``capacity`` positions with this module
@@ -357,6 +448,28 @@ def _check_config(embed_dim: int, num_heads: int, G: int, dropout: float) -> Non
         )
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
+def _check_layout(layout: str) -> str:
+    from ..distributed.layout import check_layout
+
+    return check_layout(layout)
+
+
+def _real_keys(key_mask: Tensor, T_r: int, self_attention: bool, ctx: ContextCall) -> masks.MaskMod:
+    """``key_mask`` shards as a structured mask over the whole sequence: document ids 0 for
+    every query and for real keys, 1 for padding, so a key shard of padding only is a block
+    the ring skips (and never sends).
+
+    Shape:
+        key_mask ``(B, S_r)`` -> a mask over ``(B, H, T, S)`` of the whole sequence.
+    """
+    from ..distributed import unshard
+
+    real = unshard(key_mask.to(torch.uint8), ctx.group, dim=-1, layout=ctx.layout) > 0  # (B, S)
+    T = real.shape[-1] if self_attention else sum(shard_lengths(T_r, ctx.group, key_mask.device))
+    q_ids = torch.zeros(1, T, dtype=torch.long, device=key_mask.device)  # (1, T)
+    return masks.document(q_ids, (~real).long())  # kv ids (B, S)
 
 
 def _check_decoding(query: Tensor, key: Tensor | None, value: Tensor | None,
