@@ -181,6 +181,7 @@ def _ranks(rank, world, cases):
     if rank in (1, 2):
         out[2] = _cases(rank - 1, 2, pair, cases)
         out[2]["refusals"] = _refusals(pair)
+        out[2]["copies"] = _copies(pair)
     return out
 
 
@@ -248,6 +249,25 @@ def _refusals(group):
             out[name] = (type(err).__name__, str(err))
     out["dropout-eval-shape"] = tuple(mha(dropout=0.1).eval()(x).shape)
     return out
+
+
+def _copies(group):
+    """A deep copy of a context-parallel model shares its group and computes the same; one
+    pickled and loaded runs on one process (a ProcessGroup cannot be pickled)."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    lm = DecoderLM(V, C, H, 1, dtype=DT, context_group=group)
+    tokens = torch.randint(V, (2, 3))  # each rank's own 3 positions
+    twin = copy.deepcopy(lm)
+    buf = io.BytesIO()
+    torch.save(lm, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    return dict(shared=(twin.context_group is group
+                        and twin.blocks.layers[0].self_attn.context_group is group),
+                same=torch.equal(twin(tokens), lm(tokens)),
+                loaded=(loaded.context_group, loaded.blocks.layers[0].self_attn.context_group))
 
 
 # --- in the parent --------------------------------------------------------------------------
@@ -355,6 +375,14 @@ def test_dropout_outside_training_runs(ran):
     _, results = ran
     # each rank passed its own 4 positions
     assert results[2][0]["refusals"]["dropout-eval-shape"] == (2, 4, C)
+
+
+def test_deep_copies_share_the_group_and_pickles_drop_it(ran):
+    _, results = ran
+    for r in range(2):
+        copies = results[2][r]["copies"]
+        assert copies["shared"] and copies["same"]
+        assert copies["loaded"] == (None, None)
 
 
 def test_constructor_arguments_are_attributes():

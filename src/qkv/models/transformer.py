@@ -17,7 +17,8 @@ tokens (``qkv.distributed.shard(tokens, group, dim=1, layout=...)``) and of the 
 position embeddings take the whole-sequence positions the shard holds, every attention runs
 by ring attention, and the logits are this rank's rows of the whole sequence's logits.
 Parameter gradients on a rank are its part: their sum over the ranks (an all-reduce with
-SUM) is the single-process gradient of a loss summed over the ranks. Decoding and
+SUM) is the single-process gradient of a loss summed over the ranks. ``copy.deepcopy`` of
+a model shares its group; pickling it (``torch.save(model)``) drops it. Decoding and
 ``generate`` run on one process only. The classifiers (EncoderClassifier, and ViT) pool
 over the sequence and refuse a context_group.
 
@@ -31,7 +32,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
-from ..nn._inputs import shard_segments
+from ..nn._inputs import ContextGroupAttribute, shard_segments
 from .embeddings import TokenEmbedding
 from .generate import TokenChooser, check_generate, decode_loop
 from .layers import AttentionMaps, Decoder, DecodingCache, Encoder
@@ -70,6 +71,8 @@ class DecoderLM(nn.Module):
         >>> tok_r = qkv.distributed.shard(tokens, group, dim=1, layout="balanced")  # (B, T_r)
         >>> logits_r = lm(tok_r)                                                      # (B, T_r, V)
     """
+
+    context_group = ContextGroupAttribute()
 
     def __init__(self, vocab_size: int, embed_dim: int, num_heads: int, num_layers: int, *,
                  ffn_dim: int | None = None, dropout: float = 0.0, norm_first: bool = True,
@@ -178,6 +181,8 @@ class Seq2SeqTransformer(nn.Module):
         bool -> logits ``(B, T, V)``. Context parallel: this rank's shards ``(B, S_r)``,
         ``(B, T_r)`` -> ``(B, T_r, V)``.
     """
+
+    context_group = ContextGroupAttribute()
 
     def __init__(self, vocab_size: int, embed_dim: int, num_heads: int, num_layers: int, *,
                  num_decoder_layers: int | None = None, ffn_dim: int | None = None,

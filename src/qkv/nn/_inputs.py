@@ -52,6 +52,40 @@ class ContextCall:
     ran: bool = field(default=False)
 
 
+class _Held:
+    """A process group held by a module: deep copies share it (a group is a handle of this
+    process), pickling drops it (no other process has it; a module saved whole and loaded
+    elsewhere runs on one process until it is given a group again)."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo) -> "_Held":
+        return self
+
+    def __reduce__(self):
+        return (_Held, (None,))
+
+
+class ContextGroupAttribute:
+    """The ``context_group`` attribute of a module (a plain attribute to read and set) that
+    survives ``copy.deepcopy`` and ``torch.save(module)``, which cannot copy a ProcessGroup."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"_{name}_held"
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        held = obj.__dict__.get(self.slot)
+        return None if held is None else held.group
+
+    def __set__(self, obj, group) -> None:
+        obj.__dict__[self.slot] = _Held(group)
+
+
 def shard_lengths(n: int, group, device=None) -> list[int]:
     """Every rank's shard length, in rank order (an all-gather: every rank of ``group`` must
     call it)."""

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from .. import masks
 from ..functional import scaled_dot_product_attention
 from ..trace import MultiHeadTrace
-from ._inputs import ContextCall, ModuleInputs, module_inputs, shard_lengths
+from ._inputs import (ContextCall, ContextGroupAttribute, ModuleInputs, module_inputs,
+                      shard_lengths)
 from .cache import KVCache
 
 __all__ = ["SelfAttention", "MultiHeadAttention"]
@@ -115,7 +116,8 @@ class MultiHeadAttention(nn.Module):
         backend: Attention backend for the functional call (``"auto"``).
         context_group: A ``torch.distributed`` process group to run context-parallel over
             (``torch.distributed.group.WORLD`` for all ranks); None (default) runs on this
-            process alone. Also a plain attribute: set it to switch.
+            process alone. Also a plain attribute: set it to switch. ``copy.deepcopy``
+            shares it; pickling (``torch.save(module)``) drops it to None.
         context_layout: How the sequence is cut into the ranks' shards: ``"contiguous"`` or
             ``"balanced"`` (see :func:`qkv.distributed.shard`). Also an attribute.
 
@@ -154,6 +156,8 @@ class MultiHeadAttention(nn.Module):
         >>> x_r = qkv.distributed.shard(x, group, dim=1, layout="balanced")  # (B, T_r, 512)
         >>> y_r = mha(x_r, is_causal=True)                                    # (B, T_r, 512)
     """
+
+    context_group = ContextGroupAttribute()
 
     def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
                  vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
