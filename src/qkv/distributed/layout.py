@@ -72,9 +72,11 @@ def segments(L: int, R: int, layout: str = "contiguous") -> list[list[Segment]]:
     return [[chunks[r], chunks[2 * R - 1 - r]] for r in range(R)]
 
 
-def segments_from_lengths(lengths: list[int], layout: str, what: str) -> list[list[Segment]]:
+def segments_from_lengths(lengths: list[int], layout: str, what: str,
+                          caller: str = "ring_attention") -> list[list[Segment]]:
     """Each rank's runs, from the local lengths every rank holds (contiguous: any lengths, in
-    rank order; balanced: the lengths :func:`shard` gives, else a ValueError naming them)."""
+    rank order; balanced: the lengths :func:`shard` gives, else a ValueError naming them and
+    ``caller``)."""
     if layout == "contiguous":
         starts = [sum(lengths[:r]) for r in range(len(lengths))]
         return [[(a, a + n)] for a, n in zip(starts, lengths)]
@@ -82,7 +84,7 @@ def segments_from_lengths(lengths: list[int], layout: str, what: str) -> list[li
     want = [sum(b - a for a, b in s) for s in segs]
     if want != list(lengths):
         raise ValueError(
-            f"ring_attention(layout='balanced'): the ranks hold {what} shards of lengths "
+            f"{caller}(layout='balanced'): the ranks hold {what} shards of lengths "
             f"{list(lengths)}, but a balanced layout of {sum(lengths)} positions on "
             f"{len(lengths)} ranks has lengths {want}; cut the sequence with "
             f"qkv.distributed.shard(x, group, layout='balanced')"
@@ -120,7 +122,7 @@ class _Unshard(torch.autograd.Function):
         rank, R = group_info(group)
         dim = dim % x.dim()
         lengths = _gather_lengths(x.shape[dim], group, R, x.device, timeout)
-        segs = segments_from_lengths(lengths, layout, "input")
+        segs = segments_from_lengths(lengths, layout, "input", "unshard")
         longest = max(lengths)
         pad = list(x.shape)
         pad[dim] = longest - x.shape[dim]

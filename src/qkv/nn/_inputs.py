@@ -108,7 +108,8 @@ def shard_segments(n: int, group, layout: str, device=None) -> list[tuple[int, i
 
     check_layout(layout)
     rank, _ = group_info(group)
-    return segments_from_lengths(shard_lengths(n, group, device), layout, "token")[rank]
+    return segments_from_lengths(shard_lengths(n, group, device), layout, "token",
+                                 "context_group")[rank]
 
 
 def module_inputs(
