@@ -16,6 +16,7 @@ from torch import Tensor
 from .ops import (AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TiledBackend,
                   TorchBackend)
 from .ops.reference import attention_scores_at, take
+from .ops.triton import TritonBackend
 from .trace import AttentionTrace, probs_from_lse_
 
 __all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
@@ -212,6 +213,7 @@ def _versions(call: AttentionCall) -> tuple[int, ...]:
     return tuple(t._version for t in tensors if t is not None and not t.is_inference())
 
 
+register_backend(TritonBackend())  # priority 5: CUDA calls its kernels take; never CPU under auto
 register_backend(TorchBackend())
 register_backend(TiledBackend())
 register_backend(ReferenceBackend())

@@ -1,0 +1,10 @@
+"""The ``triton`` backend: fused FlashAttention-2 kernels with qkv's mask contract.
+
+``kernels.py`` holds the kernels (its docstring says what they support and what not);
+``backend.py`` the backend behind the dispatcher. Importing this package does not import
+triton: that happens when a kernel first runs, so ``import qkv`` works without it.
+"""
+from .backend import MAX_HEAD_DIM, Blocks, TritonBackend, interpreter, triton_attention, triton_available
+
+__all__ = ["TritonBackend", "Blocks", "triton_attention", "interpreter", "triton_available",
+           "MAX_HEAD_DIM"]

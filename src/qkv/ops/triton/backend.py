@@ -1,0 +1,429 @@
+"""The ``triton`` backend: which calls the fused kernels take, and how a call becomes launches.
+
+The kernels and what they support are described in ``kernels.py``; this file turns an
+``AttentionCall`` into their arguments: the mask as a few numbers (a band ``lo <= kv - q <=
+hi``, key lengths, document ids), the score mod as flags, and the block lists -- per query
+block the FULL and PARTIAL key blocks from ``qkv.masks.block_states``, the classification the
+tiled backend uses -- plus the autograd Function around the forward and backward kernels.
+
+triton is imported only when a kernel is about to run (``import qkv`` never needs it). On CPU
+tensors the backend refuses every call except inside :func:`interpreter`, which runs the
+kernels under triton's interpreter (``TRITON_INTERPRET=1``) for tests; ``backend="auto"``
+therefore never sends a CPU call here.
+
+Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
+D head dim, Dv value head dim; nq/nk query/key blocks.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ...masks import (FULL, PARTIAL, Grid, _Alibi, _Combined, _Document, _KeysBefore, _Softcap,
+                      _Window, and_masks, block_states, causal)
+from ..base import BackendResult
+from ..call import AttentionCall
+from ..reference import ReferenceBackend
+
+__all__ = ["TritonBackend", "Blocks", "triton_attention", "interpreter", "triton_available",
+           "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 128  # the accumulators of a (BLOCK_M, D) tile live in registers
+
+_INTERPRET = {"on": False}  # set by interpreter(): CPU calls run under triton's interpreter
+
+
+@contextlib.contextmanager
+def interpreter():
+    """Within this block the backend takes CPU tensors and runs its kernels under triton's
+    interpreter (``TRITON_INTERPRET=1``), for tests without a GPU. Slow: numpy per block.
+
+    triton reads ``TRITON_INTERPRET`` when a kernel is *decorated*, so the interpreted kernels
+    are a second copy of ``kernels.py`` loaded with the variable set (see :func:`_kernels`);
+    the environment and triton's settings are restored at once, and nothing leaks out of this
+    block: after it, CPU calls are refused again.
+    """
+    before = _INTERPRET["on"]
+    _INTERPRET["on"] = True
+    try:
+        yield
+    finally:
+        _INTERPRET["on"] = before
+
+
+@functools.cache
+def triton_available() -> str | None:
+    """None when triton can be imported, else why not."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install raising anything else
+        return f"triton cannot be imported ({type(e).__name__}: {e}); pip install 'qkv[triton]'"
+    return None
+
+
+@functools.cache
+def _kernels(interpret: bool):
+    """The kernel module: compiled for the GPU, or (``interpret``) a copy whose kernels were
+    decorated while ``TRITON_INTERPRET=1``, loaded under a name of its own."""
+    if not interpret:
+        from . import kernels
+        return kernels
+    from triton import knobs
+
+    path = Path(__file__).with_name("kernels.py")
+    spec = importlib.util.spec_from_file_location(f"{__package__}._kernels_interpreted", path)
+    module = importlib.util.module_from_spec(spec)
+    with knobs.runtime.scope():  # restores knobs and the environment variable on exit
+        knobs.runtime.interpret = True
+        spec.loader.exec_module(module)
+    return module
+
+
+class TritonBackend:
+    """Fused FlashAttention-2 forward and backward kernels in Triton, with block skipping."""
+
+    name = "triton"
+    priority = 5  # before torch: on CUDA, auto takes it whenever it supports the call
+
+    def supports(self, call: AttentionCall) -> str | None:
+        return _why_not(call)
+
+    def run(self, call: AttentionCall) -> BackendResult:
+        if call.query.numel() == 0 or call.S == 0 or 0 in call.out_shape:
+            return ReferenceBackend().run(call)  # no block to run: shapes and grads as plain math
+        out, lse = triton_attention(call)
+        return BackendResult(out=out, lse=lse)
+
+
+def _why_not(call: AttentionCall) -> str | None:
+    """None when the kernels can take ``call``, else the reason, naming what can."""
+    device = call.device.type
+    if device == "cpu" and not _INTERPRET["on"]:
+        return ("the triton kernels run on CUDA tensors; these are on cpu (tiled and torch run "
+                "there; on CPU the kernels run only under qkv.ops.triton.interpreter(), for tests)")
+    if device not in ("cuda", "cpu"):
+        return f"the triton kernels run on CUDA tensors; these are on {device}"
+    missing = triton_available()
+    if missing is not None:
+        return missing
+    if call.dropout_p > 0:
+        return "the triton kernels have no dropout (use torch or reference, or dropout_p=0.0)"
+    if call.attn_mask is not None:
+        return ("the triton kernels take no dense attn_mask; describe the mask as a mask_mod "
+                "(qkv.masks) or use tiled")
+    if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"the triton kernels take float16, bfloat16 or float32, got {call.dtype} (use tiled)"
+    for name, n in (("D", call.D), ("Dv", call.Dv)):
+        if not 1 <= n <= MAX_HEAD_DIM:
+            return (f"the triton kernels take head dims up to {MAX_HEAD_DIM}, got {name}={n} "
+                    f"(use tiled)")
+    mask = _kernel_mask(call)
+    if isinstance(mask, str):
+        return mask
+    return _score_reason(call)
+
+
+def _score_reason(call: AttentionCall) -> str | None:
+    mod = call.score_mod
+    if mod is None or isinstance(mod, _Softcap):
+        return None
+    if isinstance(mod, _Alibi):
+        if mod.slopes.requires_grad and torch.is_grad_enabled():
+            return ("the triton kernels give no gradient to ALiBi slopes that require grad "
+                    "(use tiled, or pass slopes.detach())")
+        return None
+    return (f"the triton kernels apply only qkv.masks.softcap and qkv.masks.alibi as score_mod, "
+            f"not {mod!r} (use tiled)")
+
+
+@dataclass
+class _Mask:
+    """A mask the kernels evaluate: ``lo <= kv - q <= hi`` (None = unbounded), ``kv <
+    kv_len[b]`` and ``q_doc[b, q] == kv_doc[b, kv]``."""
+
+    lo: int | None = None
+    hi: int | None = None
+    kv_len: int | Tensor | None = None
+    docs: tuple[Tensor, Tensor] | None = None
+    parts: list = field(default_factory=list)  # the mask_mods, for the block classification
+
+
+def _and_parts(mod):
+    if isinstance(mod, _Combined) and mod.op == "and":
+        for m in mod.mods:
+            yield from _and_parts(m)
+    else:
+        yield mod
+
+
+def _kernel_mask(call: AttentionCall) -> _Mask | str:
+    """The call's mask_mod and is_causal as a ``_Mask``, or why the kernels cannot evaluate it."""
+    mask = _Mask()
+    parts = list(_and_parts(call.mask_mod)) if call.mask_mod is not None else []
+    if call.is_causal:
+        parts.append(causal().bind(*call.BH, call.T, call.S))
+    for m in parts:
+        if isinstance(m, _Window):
+            off = m._off()
+            if m.left is not None:
+                lo = off - m.left
+                mask.lo = lo if mask.lo is None else max(mask.lo, lo)
+            if m.right is not None:
+                hi = off + m.right
+                mask.hi = hi if mask.hi is None else min(mask.hi, hi)
+        elif isinstance(m, _KeysBefore) and m.name == "key_lengths":
+            n = m.n
+            if mask.kv_len is None:
+                mask.kv_len = n
+            elif isinstance(n, int) and isinstance(mask.kv_len, int):
+                mask.kv_len = min(n, mask.kv_len)
+            else:
+                mask.kv_len = torch.minimum(torch.as_tensor(mask.kv_len), torch.as_tensor(n))
+        elif isinstance(m, _Document) and mask.docs is None:
+            mask.docs = (m.q_ids, m.kv_ids)
+        else:
+            return (f"the triton kernels evaluate causal, sliding_window, key_lengths and one "
+                    f"document mask and their and_masks, not {m!r} (use tiled)")
+    mask.parts = parts
+    return mask
+
+
+# --- launching -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Blocks:
+    """Block sizes: forward (m, n), backward dK/dV (m1, n1) and dQ (m2, n2)."""
+
+    m: int = 128
+    n: int = 64
+    m1: int = 32
+    n1: int = 128
+    m2: int = 128
+    n2: int = 32
+
+
+def _pad(n: int) -> int:
+    """The block width a head dim is padded to: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+@dataclass
+class _Plan:
+    """What the three kernels need besides q, k, v, out, lse."""
+
+    B: int
+    H: int
+    G: int
+    T: int
+    S: int
+    scale: float
+    mask: _Mask
+    cap: float | None
+    slopes: Tensor | None  # (H,) float32 on the device, or None
+    blocks: Blocks
+    interpret: bool
+    device: torch.device
+    extras: dict = field(default_factory=dict)  # kv_len, docs as device tensors
+    _lists: dict = field(default_factory=dict)  # (bm, bn, transposed) -> block lists
+
+    def lists(self, bm: int, bn: int, transposed: bool = False) -> tuple[Tensor, ...]:
+        """``(full_num, full_idx, part_num, part_idx)`` for blocks of bm x bn: per query block
+        (per key block when ``transposed``) how many FULL / PARTIAL blocks and which, in order.
+
+        Shape:
+            num ``(B, H, nq)`` (expanded views: stride 0 where the mask does not depend on
+            b or h), idx ``(B?, H?, nq, nk)`` int32; transposed: nq and nk swapped.
+        """
+        key = (bm, bn, transposed)
+        if key not in self._lists:
+            self._lists[key] = _block_lists(self, bm, bn, transposed)
+        return self._lists[key]
+
+
+def _block_lists(plan: _Plan, bm: int, bn: int, transposed: bool) -> tuple[Tensor, ...]:
+    grid = Grid(plan.B, plan.H, plan.T, plan.S, bm, bn, plan.device)
+    parts = plan.mask.parts
+    if not parts:
+        states = torch.full((1, 1, grid.nq, grid.nk), FULL, dtype=torch.int8, device=plan.device)
+    else:
+        mod = parts[0] if len(parts) == 1 else and_masks(*parts)
+        states = block_states(mod.bind(plan.B, plan.H, plan.T, plan.S), grid)  # (B?, H?, nq, nk)
+        states = states.to(plan.device)
+    if transposed:
+        states = states.transpose(-1, -2)  # (B?, H?, nk, nq)
+    n = states.shape[-1]
+    order = torch.arange(n, device=plan.device, dtype=torch.int32)
+    out = []
+    for kind in (FULL, PARTIAL):
+        chosen = states == kind
+        num = chosen.sum(-1, dtype=torch.int32)  # (B?, H?, rows)
+        idx = torch.where(chosen, order, order + n).argsort(-1).to(torch.int32)  # chosen first
+        out += [num.expand(plan.B, plan.H, -1), idx.contiguous()]
+    return tuple(out)
+
+
+def triton_attention(call: AttentionCall, *, blocks: Blocks | None = None) -> tuple[Tensor, Tensor]:
+    """Run ``call`` on the kernels; return the output and the log-sum-exp (``-inf`` on rows
+    with no key). ``blocks`` overrides the block sizes (tests use small ones to get many).
+
+    Shape:
+        -> out ``(*batch, T, Dv)``, lse ``(*batch, T)`` float32.
+    """
+    reason = _why_not(call)
+    if reason is not None:
+        raise ValueError(reason)
+    B, H = call.BH
+    q, k, v, G = _inputs_4d(call)  # (B, H, T, D), (B, G, S, D), (B, G, S, Dv)
+    mask = _kernel_mask(call)
+    mod = call.score_mod
+    slopes = None
+    if isinstance(mod, _Alibi):
+        slopes = mod.slopes.detach().to(call.device, torch.float32).expand(H).contiguous()  # (H,)
+    plan = _Plan(B, H, G, call.T, call.S, call.scale, mask,
+                 mod.cap if isinstance(mod, _Softcap) else None, slopes, blocks or Blocks(),
+                 call.device.type == "cpu", call.device)
+    plan.extras = _mask_tensors(plan)
+    out, lse = _TritonAttention.apply(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)
+    return out.reshape(call.out_shape), lse.reshape(call.batch + (call.T,))
+
+
+def _inputs_4d(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, int]:
+    """query as (B, H, T, D) and key/value with their own G heads (no GQA copy): the kernels
+    map query head h to kv head h // (H // G). Broadcast dims are expanded views."""
+    B, H = call.BH
+    q = call.query.expand(call.batch + call.query.shape[-2:]).reshape(B, H, call.T, call.D)
+    if call.enable_gqa:
+        G = call.key.shape[-3]
+        kv_batch = call.batch[:-1] + (G,)
+    else:
+        G, kv_batch = H, call.batch
+
+    def four(t: Tensor) -> Tensor:
+        return t.expand(kv_batch + t.shape[-2:]).reshape(B, G, *t.shape[-2:])
+
+    return q, four(call.key), four(call.value), G
+
+
+def _mask_tensors(plan: _Plan) -> dict:
+    """Key lengths ``(B,)`` and document ids ``(B?, T)``, ``(B?, S)`` as int32 on the device."""
+    dev, extras = plan.device, {}
+    n = plan.mask.kv_len
+    if n is not None:
+        n = torch.as_tensor(n).reshape(-1).to(dev).clamp(max=plan.S)
+        extras["kv_len"] = n.expand(plan.B).to(torch.int32).contiguous()  # (B,)
+    if plan.mask.docs is not None:
+        q_ids, kv_ids = (t.to(dev, torch.int32).contiguous() for t in plan.mask.docs)
+        extras["docs"] = (q_ids, kv_ids)  # (B?, T), (B?, S)
+    return extras
+
+
+def _mask_args(plan: _Plan, like: Tensor) -> tuple[list, dict]:
+    """Pointers, strides and constexpr flags of the mask and score mod, shared by the kernels."""
+    dummy = like.new_zeros(1, dtype=torch.int32)
+    kv_len = plan.extras.get("kv_len", dummy)
+    q_ids, kv_ids = plan.extras.get("docs", (dummy[None], dummy[None]))
+    slopes = plan.slopes if plan.slopes is not None else like.new_zeros(1, dtype=torch.float32)
+    ptrs = [kv_len, q_ids, kv_ids, slopes]
+    strides = [q_ids.stride(0) if q_ids.shape[0] > 1 else 0,
+               kv_ids.stride(0) if kv_ids.shape[0] > 1 else 0, 1]
+    flags = dict(SOFTCAP=plan.cap is not None, ALIBI=plan.slopes is not None,
+                 HAS_LO=plan.mask.lo is not None, HAS_HI=plan.mask.hi is not None,
+                 HAS_KVLEN="kv_len" in plan.extras, HAS_DOC="docs" in plan.extras,
+                 UPCAST=plan.interpret and like.dtype == torch.bfloat16,
+                 PRECISION="ieee" if like.dtype == torch.float32 else None)
+    return ptrs, strides, flags
+
+
+def _numbers(plan: _Plan) -> list:
+    """scale, cap, lo, hi (0 where unused: the flags switch them off)."""
+    m = plan.mask
+    return [plan.scale, plan.cap or 1.0, m.lo if m.lo is not None else 0,
+            m.hi if m.hi is not None else 0]
+
+
+def _list_strides(lists: tuple[Tensor, ...]) -> list[int]:
+    num, idx = lists[0], lists[1]
+    return [num.stride(0), num.stride(1), idx.stride(0) if idx.shape[0] > 1 else 0,
+            idx.stride(1) if idx.shape[1] > 1 else 0, idx.stride(2)]
+
+
+def _launch_options(plan: _Plan, D: int) -> dict:
+    """Warps and pipeline stages (untuned: chosen from FlashAttention-2's Triton tutorial)."""
+    if plan.interpret:
+        return {}
+    return dict(num_warps=8 if _pad(D) >= 128 else 4, num_stages=2 if _pad(D) >= 128 else 3)
+
+
+def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    B, H, T, D = q.shape
+    S, Dv = k.shape[2], v.shape[-1]
+    bm, bn = plan.blocks.m, plan.blocks.n
+    out = q.new_empty(B, H, T, Dv)  # (B, H, T, Dv)
+    lse = q.new_empty(B, H, T, dtype=torch.float32)  # (B, H, T)
+    lists = plan.lists(bm, bn)
+    ptrs, strides, flags = _mask_args(plan, q)
+    K = _kernels(plan.interpret)
+    K.attn_fwd[(triton_cdiv(T, bm), B * H)](
+        q, k, v, out, lse, *lists, *ptrs,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_list_strides(lists), *strides,
+        H, T, S, H // plan.G, *_numbers(plan),
+        D=D, DV=Dv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pad(D), BLOCK_DV=_pad(Dv),
+        EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **flags, **_launch_options(plan, max(D, Dv)))
+    return out, lse
+
+
+def _backward(plan: _Plan, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, T, D = q.shape
+    G, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    dout = dout.contiguous()
+    delta = (out.float() * dout.float()).sum(-1)  # (B, H, T): rowsum(dO * O), 0 on empty rows
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ptrs, strides, flags = _mask_args(plan, q)
+    K = _kernels(plan.interpret)
+    common = dict(D=D, DV=Dv, BLOCK_D=_pad(D), BLOCK_DV=_pad(Dv), **flags,
+                  **_launch_options(plan, max(D, Dv)))
+    bm, bn = plan.blocks.m1, plan.blocks.n1
+    lists = plan.lists(bm, bn, transposed=True)  # per key block: the query blocks that see it
+    K.attn_bwd_dkdv[(triton_cdiv(S, bn), B * G)](
+        q, k, v, dout, lse, delta, dk, dv, *lists, *ptrs,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+        *_list_strides(lists), *strides, H, G, T, S, H // G, *_numbers(plan),
+        BLOCK_M=bm, BLOCK_N=bn, EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **common)
+    bm, bn = plan.blocks.m2, plan.blocks.n2
+    lists = plan.lists(bm, bn)
+    K.attn_bwd_dq[(triton_cdiv(T, bm), B * H)](
+        q, k, v, dout, lse, delta, dq, *lists, *ptrs,
+        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+        *_list_strides(lists), *strides, H, T, S, H // G, *_numbers(plan),
+        BLOCK_M=bm, BLOCK_N=bn, EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **common)
+    return dq, dk, dv
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Forward keeps out and lse; backward runs the dK/dV and dQ kernels from them."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, q: Tensor, k: Tensor, v: Tensor):
+        out, lse = _forward(plan, q, k, v)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout: Tensor, _dlse: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.plan, q, k, v, out, lse, dout)
+        return None, dq, dk, dv
+
