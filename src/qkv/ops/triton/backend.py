@@ -235,6 +235,8 @@ class _Plan:
     def lists(self, bm: int, bn: int, transposed: bool = False) -> tuple[Tensor, ...]:
         """``(full_num, full_idx, part_num, part_idx)`` for blocks of bm x bn: per query block
         (per key block when ``transposed``) how many FULL / PARTIAL blocks and which, in order.
+        The states are ``qkv.masks.block_states``'s, except that a last key block cut short by
+        S is PARTIAL rather than FULL (its mask checks ``kv < S``).
 
         Shape:
             num ``(B, H, nq)`` (expanded views: stride 0 where the mask does not depend on
@@ -255,6 +257,10 @@ def _block_lists(plan: _Plan, bm: int, bn: int, transposed: bool) -> tuple[Tenso
         mod = parts[0] if len(parts) == 1 else and_masks(*parts)
         states = block_states(mod.bind(plan.B, plan.H, plan.T, plan.S), grid)  # (B?, H?, nq, nk)
         states = states.to(plan.device)
+    if plan.S % bn:  # the last key block ends at S: visited as PARTIAL, which checks kv < S,
+        states = states.clone()  # so FULL blocks never test bounds
+        last = states[..., -1]
+        states[..., -1] = torch.where(last == FULL, PARTIAL, last)
     if transposed:
         states = states.transpose(-1, -2)  # (B?, H?, nk, nq)
     n = states.shape[-1]

@@ -6,7 +6,9 @@ Supported:
     tensor cores, so slow; it is there for checks and for the CPU interpreter).
   * Head dims D (query/key) and Dv (value) up to 128, each padded inside the kernel to the next
     power of two >= 16 by masked loads (32, 64 and 128 waste nothing; 59 computes as 64).
-  * Any T and S: rows and columns past the end of the last block are masked, not assumed away.
+  * Any T and S: rows and columns past the end of the last block are masked, not assumed away
+    (a last key block cut short by S is always visited as PARTIAL, so FULL blocks need no
+    bounds check; query rows past T load zeros, are never stored and get ``p = 0``).
   * Masks evaluated in the kernel from a handful of numbers, never from a (T, S) tensor:
     ``is_causal``, ``causal`` and ``sliding_window`` in either alignment (every AND of them is
     one band ``lo <= kv - q <= hi``), ``key_lengths`` (an int or one per batch element),
@@ -106,8 +108,8 @@ def _tanh(x):
 @triton.jit
 def _scores(qk, q_pos, kv_pos, S, scale, cap, slope, lo, hi, kv_len, q_doc, kv_doc,
             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-            EVEN_N: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
-            HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr):
+            HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_KVLEN: tl.constexpr,
+            HAS_DOC: tl.constexpr):
     """Raw dot products -> score-modified, masked scores in base-2 units, and tanh(s / cap)
     (for the softcap's derivative; 0 without softcap).
 
@@ -137,8 +139,6 @@ def _scores(qk, q_pos, kv_pos, S, scale, cap, slope, lo, hi, kv_len, q_doc, kv_d
         if HAS_DOC:
             keep = keep & (q_doc == kv_doc)
         s = tl.where(keep, s, float("-inf"))
-    elif not EVEN_N:  # a full block still ends at S
-        s = tl.where(kv_pos < S, s, float("-inf"))
     return s, t
 
 
@@ -170,7 +170,7 @@ def _fwd_block(acc, l_i, m_i, q, K, V, KDOC, start_n, offs_m, q_doc,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-               EVEN_N: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+               KEYS_IN_RANGE: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
                HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One key block into the running (acc, l, m) of a query block: the online softmax."""
@@ -178,22 +178,21 @@ def _fwd_block(acc, l_i, m_i, q, K, V, KDOC, start_n, offs_m, q_doc,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k = _load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-              offs_n, S, offs_d, D, BLOCK_D, EVEN_N)  # (BLOCK_N, BLOCK_D)
+              offs_n, S, offs_d, D, BLOCK_D, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_D)
     qk = _dot(q, tl.trans(k), tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32), UPCAST,
               PRECISION)  # (BLOCK_M, BLOCK_N)
     kv_doc = 0
     if MASKED and HAS_DOC:
         kv_doc = tl.load(KDOC + offs_n, mask=offs_n < S, other=-1)[None, :]
     s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], S, scale, cap, slope, lo, hi, kv_len,
-                   q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, EVEN_N, HAS_LO, HAS_HI, HAS_KVLEN,
-                   HAS_DOC)
+                   q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC)
     m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))  # (BLOCK_M,)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no -inf - -inf
     p = tl.math.exp2(s - m_use[:, None])  # (BLOCK_M, BLOCK_N)
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
     v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-              offs_n, S, offs_dv, DV, BLOCK_DV, EVEN_N)  # (BLOCK_N, BLOCK_DV)
+              offs_n, S, offs_dv, DV, BLOCK_DV, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_DV)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
     return acc, l_i, m_new
 
@@ -250,7 +249,7 @@ def attn_fwd(Q, K, V, O, LSE,
                                    stride_kn, stride_kd, stride_vn, stride_vd,
                                    S, scale, cap, slope, lo, hi, kv_len,
                                    D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, False,
-                                   EVEN_N, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
+                                   True, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
     for t in range(tl.load(PART_NUM + num)):  # partial blocks: the mask is evaluated
         start_n = tl.load(PART_IDX + idx + t) * BLOCK_N
         acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, K, V, KDOC, start_n, offs_m, q_doc,
@@ -275,7 +274,7 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, QDOC, start_m, offs_n, kv_doc,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-                EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, HAS_LO: tl.constexpr,
+                EVEN_M: tl.constexpr, HAS_LO: tl.constexpr,
                 HAS_HI: tl.constexpr, HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One query block into a key block's dK, dV, computed transposed: (keys, queries) tiles."""
@@ -295,7 +294,7 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, QDOC, start_m, offs_n, kv_doc,
     if MASKED and HAS_DOC:
         q_doc = tl.load(QDOC + offs_m, mask=offs_m < T, other=-2)[None, :]
     sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], S, scale, cap, slope, lo, hi,
-                     kv_len, q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, EVEN_N, HAS_LO, HAS_HI,
+                     kv_len, q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI,
                      HAS_KVLEN, HAS_DOC)
     pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
     dv = _dot(pT.to(do.dtype), do, dv, UPCAST, PRECISION)  # dV += P^T dO
@@ -364,7 +363,7 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
                                  offs_n, kv_doc, stride_qm, stride_qd, stride_dom, stride_dod,
                                  T, S, scale, cap, slope, lo, hi, kv_len,
                                  D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, False,
-                                 EVEN_M, EVEN_N, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
+                                 EVEN_M, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
                                  PRECISION)
         for t in range(tl.load(PART_NUM + num)):
             start_m = tl.load(PART_IDX + idx + t) * BLOCK_M
@@ -372,7 +371,7 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
                                  offs_n, kv_doc, stride_qm, stride_qd, stride_dom, stride_dod,
                                  T, S, scale, cap, slope, lo, hi, kv_len,
                                  D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, True,
-                                 EVEN_M, EVEN_N, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
+                                 EVEN_M, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
                                  PRECISION)
     _store(DK_OUT + b * stride_dkb + g * stride_dkh + offs_n[:, None] * stride_dkn
            + offs_d[None, :] * stride_dkd, (dk * scale).to(DK_OUT.dtype.element_ty), offs_n, S,
@@ -389,7 +388,7 @@ def _dq_block(dq, q, do, lse, delta, K, V, KDOC, start_n, offs_m, q_doc,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
-              EVEN_N: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+              KEYS_IN_RANGE: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
               HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One key block into a query block's dQ."""
@@ -397,17 +396,16 @@ def _dq_block(dq, q, do, lse, delta, K, V, KDOC, start_n, offs_m, q_doc,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k = _load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-              offs_n, S, offs_d, D, BLOCK_D, EVEN_N)  # (BLOCK_N, BLOCK_D)
+              offs_n, S, offs_d, D, BLOCK_D, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_D)
     v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-              offs_n, S, offs_dv, DV, BLOCK_DV, EVEN_N)  # (BLOCK_N, BLOCK_DV)
+              offs_n, S, offs_dv, DV, BLOCK_DV, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_DV)
     qk = _dot(q, tl.trans(k), tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32), UPCAST,
               PRECISION)  # (BLOCK_M, BLOCK_N)
     kv_doc = 0
     if MASKED and HAS_DOC:
         kv_doc = tl.load(KDOC + offs_n, mask=offs_n < S, other=-1)[None, :]
     s, t = _scores(qk, offs_m[:, None], offs_n[None, :], S, scale, cap, slope, lo, hi, kv_len,
-                   q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, EVEN_N, HAS_LO, HAS_HI, HAS_KVLEN,
-                   HAS_DOC)
+                   q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC)
     p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
     dp = _dot(do, tl.trans(v), tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32), UPCAST,
               PRECISION)
@@ -472,7 +470,7 @@ def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                        stride_kn, stride_kd, stride_vn, stride_vd,
                        S, scale, cap, slope, lo, hi, kv_len,
                        D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, False,
-                       EVEN_N, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
+                       True, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
     for t in range(tl.load(PART_NUM + num)):
         start_n = tl.load(PART_IDX + idx + t) * BLOCK_N
         dq = _dq_block(dq, q, do, lse, delta, K, V, KDOC, start_n, offs_m, q_doc,
