@@ -20,9 +20,11 @@ time ends when its call returns, the step time at the closing barrier (the slowe
 A measurement stops repeating once its calls took ``--max-seconds``.
 
 K/V held (forward, counted from the code of each path, not measured): ring: the rank's own K
-and V, their packed copy (the message) and the received shards alive at once (the one computed
-on and the next one in flight); all-gather: its own K and V and the whole sequence's K and V
-(the gathered parts are freed before attention; during assembly they exist twice).
+and V, their packed copy (``torch.cat([k, v], -1)``, what it sends from) and the received spans
+alive at once (the one computed on and the next one in flight; not counted: the copy of a span
+it sends when that is less than its whole shard, at most W keys for a window); all-gather: its
+own K and V and the whole sequence's K and V (the gathered parts are freed before attention;
+during assembly they exist twice).
 
 Shape alphabet: B batch, H heads (G = H, no GQA), T whole sequence length, T_r a rank's shard
 length (T / R), D head dim.
@@ -44,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -176,7 +178,7 @@ def shards(case: str, cfg: Config, T: int):
 
 def ring_kv_held(log, own_bytes: int) -> int:
     """Forward K/V bytes alive at once on the ring: own K and V, their packed copy and the
-    largest two consecutive steps' received shards."""
+    largest two consecutive steps' received spans."""
     by_step: dict[int, int] = {}
     for m in log.messages:
         if m.kind == "recv" and m.phase == "forward":
