@@ -107,12 +107,16 @@ class Pending:
 def exchange(group, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]], *,
              tag: int, phase: str, step: int, timeout: float | None) -> Pending:
     """Post ``sends`` (tensor, peer) and ``recvs`` (buffer, peer) at once; peers are ranks in
-    ``group``. Both sides of a message must use the same ``tag``."""
+    ``group``. Both sides pass the same ``tag``, and list the messages between two ranks in
+    the same order: the i-th message to a peer meets the i-th one expected from it (each gets
+    its own tag, ``8 * tag + i``)."""
     log = _LOG.get()
     ops = []
     for kind, items, fn in (("send", sends, dist.isend), ("recv", recvs, dist.irecv)):
+        nth: dict[int, int] = {}
         for tensor, peer in items:
-            ops.append(dist.P2POp(fn, tensor, group=group, group_peer=peer, tag=tag))
+            i = nth[peer] = nth.get(peer, -1) + 1
+            ops.append(dist.P2POp(fn, tensor, group=group, group_peer=peer, tag=8 * tag + i))
             if log is not None:
                 log.messages.append(Message(kind, peer, tensor.numel() * tensor.element_size(),
                                             phase, step))

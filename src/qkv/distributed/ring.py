@@ -245,19 +245,22 @@ class _Ring:
                                    score_mod=_FixedScore(score) if score else None)
 
     # --- messages -------------------------------------------------------------------------
-    def post(self, step: int, mine: Tensor, phase: str, tag: int) -> tuple[comm.Pending, Tensor | None]:
+    def post(self, step: int, mine: tuple[Tensor, Tensor], phase: str,
+             tag: int) -> tuple[comm.Pending, tuple[Tensor, Tensor] | None]:
         """Step ``step`` of the ring: send ``mine`` (this rank's keys and values) to rank
         ``rank + step`` if it needs them, receive rank ``rank - step``'s if this rank does."""
         dst, src = (self.rank + step) % self.R, (self.rank - step) % self.R
         out_link, in_link = self.links[dst][self.rank], self.links[self.rank][src]
-        sends = [(out_link.message(mine), dst)] if out_link is not None else []
-        buf = None if in_link is None else mine.new_empty(self.kv_shape(in_link.length))
-        recvs = [(buf, src)] if buf is not None else []
+        sends = [] if out_link is None else [(out_link.message(t), dst) for t in mine]
+        buf = None
+        if in_link is not None:
+            buf = tuple(t.new_empty(self.kv_shape(in_link.length, t.shape[-1])) for t in mine)
+        recvs = [] if buf is None else [(t, src) for t in buf]
         return comm.exchange(self.group, sends, recvs, tag=tag, phase=phase, step=step,
                              timeout=self.timeout), buf
 
-    def kv_shape(self, length: int) -> tuple[int, ...]:
-        return (self.B, self.G, length, self.D + self.Dv)
+    def kv_shape(self, length: int, width: int | None = None) -> tuple[int, ...]:
+        return (self.B, self.G, length, self.D + self.Dv if width is None else width)
 
     # --- forward ----------------------------------------------------------------------------
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -265,10 +268,10 @@ class _Ring:
         acc = _acc(q.dtype)
         out = torch.zeros(q.shape[:3] + (self.Dv,), dtype=acc, device=q.device)  # (B, H, T_r, Dv)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)  # (B, H, T_r)
-        mine = torch.cat([k, v], dim=-1).contiguous()  # (B, G, S_r, D + Dv): one message
+        mine = (k.contiguous(), v.contiguous())  # messages need contiguous tensors
 
-        def absorb(kv: Tensor, s: int) -> None:
-            kk, vv = kv[..., :self.D], kv[..., self.D:]
+        def absorb(kv: tuple[Tensor, Tensor], s: int) -> None:
+            kk, vv = kv
             for piece in self.links[self.rank][s].pieces:
                 o, l = piece_forward(self.call(q, kk, vv, piece))  # (B, H, n, Dv), (B, H, n)
                 rows = piece.q_rows
@@ -277,7 +280,7 @@ class _Ring:
         self.ring_pass(mine, absorb, "forward")
         return out, lse
 
-    def ring_pass(self, mine: Tensor, visit, phase: str, after=None) -> None:
+    def ring_pass(self, mine: tuple[Tensor, Tensor], visit, phase: str, after=None) -> None:
         """Visit this rank's own shard, then each step's arriving shard, the next step's
         messages in flight meanwhile. ``after(step, src)`` runs after a step's visit."""
         pending = self.post(1, mine, phase, tag=1) if self.R > 1 else None
@@ -300,12 +303,13 @@ class _Ring:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         d_mine = torch.zeros(self.kv_shape(k.shape[2]), dtype=acc, device=q.device)
         dts: list[Tensor] = []
-        mine = torch.cat([k, v], dim=-1).contiguous()
+        mine = (k.contiguous(), v.contiguous())
         grads_out: dict[int, Tensor] = {}  # src -> key/value gradients of src's shard, to send
 
-        def visit(kv: Tensor, s: int) -> None:
-            kk, vv = kv[..., :self.D], kv[..., self.D:]
-            d_kv = d_mine if s == self.rank else torch.zeros(kv.shape, dtype=acc, device=q.device)
+        def visit(kv: tuple[Tensor, Tensor], s: int) -> None:
+            kk, vv = kv
+            d_kv = d_mine if s == self.rank else torch.zeros(
+                self.kv_shape(kk.shape[2]), dtype=acc, device=q.device)  # dk and dv, one message
             for piece in self.links[self.rank][s].pieces:
                 rows = piece.q_rows
                 g_q, g_k, g_v, g_t = piece_backward(self.call(q, kk, vv, piece), out[:, :, rows],
