@@ -12,6 +12,7 @@ test: the environment variable and triton's settings are checked after.
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -300,3 +301,67 @@ def test_interpreter_leaves_no_global_state_behind():
     assert type(interpreted.attn_fwd).__name__ == "InterpretedFunction"
     if not before_knob:
         assert isinstance(_kernels(False).attn_fwd, triton.runtime.JITFunction)
+
+
+def _record_launches(monkeypatch, call: AttentionCall) -> list:
+    """The kernel launches of ``call``'s forward and backward, recorded instead of run."""
+    from qkv.ops.triton import backend, kernels
+
+    launches = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
+
+    recorders = types.SimpleNamespace(**{n: Recorder(getattr(kernels, n))
+                                         for n in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")})
+    monkeypatch.setattr(backend, "_kernels", lambda interpret: recorders)
+    with interpreter():  # CPU tensors stand in for CUDA ones: only their dtypes matter here
+        out, _ = triton_attention(call)
+        torch.autograd.grad(out, (call.query, call.key, call.value), torch.ones_like(out))
+    return launches
+
+
+def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch):
+    """Every kernel, with every feature switched on, compiles for sm_90 (TTIR -> PTX -> cubin
+    with triton's bundled ptxas) under the GPU's own specialisation, and its shared memory
+    fits an A100: what the interpreter cannot check (it runs any Python triton accepts)."""
+    specialize = pytest.importorskip("triton._C.libtriton").native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+    from qkv.ops.triton.backend import default_blocks
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton has no NVIDIA backend to compile for")
+    B, H, G, T, S = 2, 4, 2, 300, 280
+    for dtype, D, kw in [
+        (torch.bfloat16, 128, dict(mask_mod=M.and_masks(
+            M.sliding_window(100, 20, align="bottom_right"), M.document(_ids(B, T), _ids(B, S)),
+            M.key_lengths(torch.tensor([200, 280]))), score_mod=M.softcap(20.0))),
+        (torch.float16, 64, dict(is_causal=True, score_mod=M.alibi(H))),
+    ]:
+        q, k, v = (torch.randn(B, n, L, D, dtype=dtype, requires_grad=True)
+                   for n, L in ((H, T), (G, S), (G, S)))
+        call = AttentionCall.build(q, k, v, enable_gqa=True, **kw)
+        blocks = default_blocks(D)
+        launches = _record_launches(monkeypatch, call)
+        assert [fn.__name__ for fn, _, _ in launches] == ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"]
+        for which, (fn, args, kwargs) in enumerate(launches):
+            signature, constexprs, attrs = {}, dict(kwargs, UPCAST=False), {}
+            for i, (name, value) in enumerate(zip(fn.arg_names, args)):
+                kind, attr = specialize(BaseBackend, value, False, True, True)[:2]
+                signature[name] = kind
+                if kind == "constexpr":
+                    constexprs[name] = value
+                elif attr == "D":
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            signature.update({n: "constexpr" for n in constexprs})
+            signature = {n: signature[n] for n in fn.arg_names}
+            compiled = triton.compile(
+                ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                options=dict(num_warps=blocks.warps[which], num_stages=blocks.stages[which],
+                             enable_fp_fusion=True))
+            assert "ptx" in compiled.asm and compiled.metadata.shared <= 166912, fn.__name__

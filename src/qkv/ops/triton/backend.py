@@ -31,10 +31,11 @@ from ..base import BackendResult
 from ..call import AttentionCall
 from ..reference import ReferenceBackend
 
-__all__ = ["TritonBackend", "Blocks", "triton_attention", "interpreter", "triton_available",
+__all__ = ["TritonBackend", "Blocks", "default_blocks", "triton_attention", "interpreter", "triton_available",
            "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128  # the accumulators of a (BLOCK_M, D) tile live in registers
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dim, where (batch, head) goes
 
 _INTERPRET = {"on": False}  # set by interpreter(): CPU calls run under triton's interpreter
 
@@ -119,6 +120,14 @@ def _why_not(call: AttentionCall) -> str | None:
                 "(qkv.masks) or use tiled")
     if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the triton kernels take float16, bfloat16 or float32, got {call.dtype} (use tiled)"
+    if call.dtype == torch.float32 and device == "cuda":
+        return ("the triton kernels take float16 or bfloat16 on CUDA: their float32 path (exact "
+                "IEEE dots, for the CPU interpreter's tests) spills registers on a GPU; cast to "
+                "bfloat16, or use torch or tiled for float32")
+    B, H = call.BH
+    if B * H > _MAX_GRID_Y:
+        return (f"the triton kernels launch one program row per (batch, head): B * H = {B * H} "
+                f"exceeds CUDA's grid limit {_MAX_GRID_Y}; split the batch (or use tiled)")
     for name, n in (("D", call.D), ("Dv", call.Dv)):
         if not 1 <= n <= MAX_HEAD_DIM:
             return (f"the triton kernels take head dims up to {MAX_HEAD_DIM}, got {name}={n} "
@@ -198,7 +207,9 @@ def _kernel_mask(call: AttentionCall) -> _Mask | str:
 
 @dataclass(frozen=True)
 class Blocks:
-    """Block sizes: forward (m, n), backward dK/dV (m1, n1) and dQ (m2, n2)."""
+    """Block sizes of the forward (m queries x n keys), the backward's dK/dV (m1 x n1) and
+    dQ (m2 x n2) kernels, and their warps and pipeline stages (forward, dK/dV, dQ; the
+    interpreter ignores these two)."""
 
     m: int = 128
     n: int = 64
@@ -206,6 +217,22 @@ class Blocks:
     n1: int = 128
     m2: int = 128
     n2: int = 32
+    warps: tuple[int, int, int] = (8, 8, 8)
+    stages: tuple[int, int, int] = (3, 3, 3)
+
+
+def default_blocks(D: int) -> Blocks:
+    """Blocks for half inputs with head dims padded to at most ``D``.
+
+    Untuned (no GPU was at hand): chosen by compiling every kernel for sm_90 with triton's
+    bundled ptxas, without a GPU, and taking configurations with no register spills whose
+    shared memory fits an A100 (164 KiB) -- forward 65/131 KiB, dK/dV 49/98 KiB, dQ 57/114
+    KiB at D = 64/128. A GPU with less shared memory gets fewer stages at launch
+    (:func:`_launch`).
+    """
+    if _pad(D) <= 64:
+        return Blocks()
+    return Blocks(stages=(3, 2, 3))
 
 
 def _pad(n: int) -> int:
@@ -257,6 +284,7 @@ def _block_lists(plan: _Plan, bm: int, bn: int, transposed: bool) -> tuple[Tenso
         mod = parts[0] if len(parts) == 1 else and_masks(*parts)
         states = block_states(mod.bind(plan.B, plan.H, plan.T, plan.S), grid)  # (B?, H?, nq, nk)
         states = states.to(plan.device)
+    assert states.shape[1] == 1, "the dK/dV kernel shares block lists across a group's heads"
     if plan.S % bn:  # the last key block ends at S: visited as PARTIAL, which checks kv < S,
         states = states.clone()  # so FULL blocks never test bounds
         last = states[..., -1]
@@ -292,7 +320,8 @@ def triton_attention(call: AttentionCall, *, blocks: Blocks | None = None) -> tu
     if isinstance(mod, _Alibi):
         slopes = mod.slopes.detach().to(call.device, torch.float32).expand(H).contiguous()  # (H,)
     plan = _Plan(B, H, G, call.T, call.S, call.scale, mask,
-                 mod.cap if isinstance(mod, _Softcap) else None, slopes, blocks or Blocks(),
+                 mod.cap if isinstance(mod, _Softcap) else None, slopes,
+                 blocks or default_blocks(max(call.D, call.Dv)),
                  call.device.type == "cpu", call.device)
     plan.extras = _mask_tensors(plan)
     out, lse = _TritonAttention.apply(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)
@@ -359,11 +388,24 @@ def _list_strides(lists: tuple[Tensor, ...]) -> list[int]:
             idx.stride(1) if idx.shape[1] > 1 else 0, idx.stride(2)]
 
 
-def _launch_options(plan: _Plan, D: int) -> dict:
-    """Warps and pipeline stages (untuned: chosen from FlashAttention-2's Triton tutorial)."""
+def _launch(plan: _Plan, kernel, which: int, grid: tuple, *args, **kwargs) -> None:
+    """Launch ``kernel`` with the plan's warps and stages (``which``: 0 forward, 1 dK/dV,
+    2 dQ); on a GPU with too little shared memory, retry with fewer pipeline stages."""
     if plan.interpret:
-        return {}
-    return dict(num_warps=8 if _pad(D) >= 128 else 4, num_stages=2 if _pad(D) >= 128 else 3)
+        kernel[grid](*args, **kwargs)
+        return
+    from triton.runtime.errors import OutOfResources
+
+    warps, stages = plan.blocks.warps[which], plan.blocks.stages[which]
+    while True:
+        try:
+            kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages,
+                         enable_fp_fusion=True)  # FMA contraction, said (triton 3.9 warns)
+            return
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
 
 
 def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -375,12 +417,12 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     lists = plan.lists(bm, bn)
     ptrs, strides, flags = _mask_args(plan, q)
     K = _kernels(plan.interpret)
-    K.attn_fwd[(triton_cdiv(T, bm), B * H)](
-        q, k, v, out, lse, *lists, *ptrs,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_list_strides(lists), *strides,
-        H, T, S, H // plan.G, *_numbers(plan),
-        D=D, DV=Dv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pad(D), BLOCK_DV=_pad(Dv),
-        EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **flags, **_launch_options(plan, max(D, Dv)))
+    _launch(plan, K.attn_fwd, 0, (triton_cdiv(T, bm), B * H),
+            q, k, v, out, lse, *lists, *ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_list_strides(lists), *strides,
+            H, T, S, H // plan.G, *_numbers(plan),
+            D=D, DV=Dv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pad(D), BLOCK_DV=_pad(Dv),
+            EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **flags)
     return out, lse
 
 
@@ -392,22 +434,21 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, Ten
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ptrs, strides, flags = _mask_args(plan, q)
     K = _kernels(plan.interpret)
-    common = dict(D=D, DV=Dv, BLOCK_D=_pad(D), BLOCK_DV=_pad(Dv), **flags,
-                  **_launch_options(plan, max(D, Dv)))
+    common = dict(D=D, DV=Dv, BLOCK_D=_pad(D), BLOCK_DV=_pad(Dv), **flags)
     bm, bn = plan.blocks.m1, plan.blocks.n1
     lists = plan.lists(bm, bn, transposed=True)  # per key block: the query blocks that see it
-    K.attn_bwd_dkdv[(triton_cdiv(S, bn), B * G)](
-        q, k, v, dout, lse, delta, dk, dv, *lists, *ptrs,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-        *_list_strides(lists), *strides, H, G, T, S, H // G, *_numbers(plan),
-        BLOCK_M=bm, BLOCK_N=bn, EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **common)
+    _launch(plan, K.attn_bwd_dkdv, 1, (triton_cdiv(S, bn), B * G),
+            q, k, v, dout, lse, delta, dk, dv, *lists, *ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+            *_list_strides(lists), *strides, H, G, T, S, H // G, *_numbers(plan),
+            BLOCK_M=bm, BLOCK_N=bn, EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **common)
     bm, bn = plan.blocks.m2, plan.blocks.n2
     lists = plan.lists(bm, bn)
-    K.attn_bwd_dq[(triton_cdiv(T, bm), B * H)](
-        q, k, v, dout, lse, delta, dq, *lists, *ptrs,
-        *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-        *_list_strides(lists), *strides, H, T, S, H // G, *_numbers(plan),
-        BLOCK_M=bm, BLOCK_N=bn, EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **common)
+    _launch(plan, K.attn_bwd_dq, 2, (triton_cdiv(T, bm), B * H),
+            q, k, v, dout, lse, delta, dq, *lists, *ptrs,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+            *_list_strides(lists), *strides, H, T, S, H // G, *_numbers(plan),
+            BLOCK_M=bm, BLOCK_N=bn, EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **common)
     return dq, dk, dv
 
 

@@ -2,8 +2,9 @@
 
 Supported:
   * CUDA tensors in float16 and bfloat16 (tensor-core dots, float32 accumulation, float32
-    softmax statistics), and float32 (IEEE float32 dots: exact like the reference, but without
-    tensor cores, so slow; it is there for checks and for the CPU interpreter).
+    softmax statistics). float32 (IEEE float32 dots, exact like the reference) runs only under
+    the CPU interpreter, for tests: compiled for a GPU it spills registers, so the backend
+    refuses float32 CUDA tensors.
   * Head dims D (query/key) and Dv (value) up to 128, each padded inside the kernel to the next
     power of two >= 16 by masked loads (32, 64 and 128 waste nothing; 59 computes as 64).
   * Any T and S: rows and columns past the end of the last block are masked, not assumed away
@@ -64,8 +65,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x * log2(e))
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # scores are kept in base 2: exp(x) = exp2(x * log2(e))
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -326,7 +327,8 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (key block, b * G + g): dK (B, G, S, D) and dV (B, G, S, Dv), summed
     over the GROUPS query heads that share kv head g. The lists are per key block: the query
-    blocks (FULL, then PARTIAL) that may attend to it."""
+    blocks (FULL, then PARTIAL) that may attend to it; they are the same for every head, so
+    the head strides stride_nh, stride_ih go unused here."""
     pid_n = tl.program_id(0)
     pid_bg = tl.program_id(1)
     b = (pid_bg // G).to(tl.int64)
@@ -347,32 +349,41 @@ def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
         QDOC += b * stride_qdoc
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
-    for j in range(GROUPS):
+    # The query heads of the group (GROUPS of them share kv head g) and their blocks as one
+    # loop: the block lists do not depend on the head (no mask the kernels evaluate does), and
+    # a nested loop per head costs registers (spills at D = 128).
+    num = b * stride_nb + pid_n
+    idx = b * stride_ib + pid_n * stride_im
+    n_full = tl.load(FULL_NUM + num)
+    for t in range(n_full * GROUPS):
+        j = t // n_full
         h = g * GROUPS + j
         slope = 0.0
         if ALIBI:
             slope = tl.load(SLOPES + h * stride_slope)
-        Qh = Q + b * stride_qb + h * stride_qh
-        DOh = DO + b * stride_dob + h * stride_doh
+        start_m = tl.load(FULL_IDX + idx + t - j * n_full) * BLOCK_M
         row = (b * H + h) * T
-        num = b * stride_nb + h * stride_nh + pid_n
-        idx = b * stride_ib + h * stride_ih + pid_n * stride_im
-        for t in range(tl.load(FULL_NUM + num)):
-            start_m = tl.load(FULL_IDX + idx + t) * BLOCK_M
-            dk, dv = _dkdv_block(dk, dv, k, v, Qh, DOh, LSE + row, DELTA + row, QDOC, start_m,
-                                 offs_n, kv_doc, stride_qm, stride_qd, stride_dom, stride_dod,
-                                 T, S, scale, cap, slope, lo, hi, kv_len,
-                                 D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, False,
-                                 EVEN_M, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
-                                 PRECISION)
-        for t in range(tl.load(PART_NUM + num)):
-            start_m = tl.load(PART_IDX + idx + t) * BLOCK_M
-            dk, dv = _dkdv_block(dk, dv, k, v, Qh, DOh, LSE + row, DELTA + row, QDOC, start_m,
-                                 offs_n, kv_doc, stride_qm, stride_qd, stride_dom, stride_dod,
-                                 T, S, scale, cap, slope, lo, hi, kv_len,
-                                 D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, True,
-                                 EVEN_M, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
-                                 PRECISION)
+        dk, dv = _dkdv_block(dk, dv, k, v, Q + b * stride_qb + h * stride_qh,
+                             DO + b * stride_dob + h * stride_doh, LSE + row, DELTA + row, QDOC,
+                             start_m, offs_n, kv_doc, stride_qm, stride_qd, stride_dom, stride_dod,
+                             T, S, scale, cap, slope, lo, hi, kv_len,
+                             D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, False,
+                             EVEN_M, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
+    n_part = tl.load(PART_NUM + num)
+    for t in range(n_part * GROUPS):
+        j = t // n_part
+        h = g * GROUPS + j
+        slope = 0.0
+        if ALIBI:
+            slope = tl.load(SLOPES + h * stride_slope)
+        start_m = tl.load(PART_IDX + idx + t - j * n_part) * BLOCK_M
+        row = (b * H + h) * T
+        dk, dv = _dkdv_block(dk, dv, k, v, Q + b * stride_qb + h * stride_qh,
+                             DO + b * stride_dob + h * stride_doh, LSE + row, DELTA + row, QDOC,
+                             start_m, offs_n, kv_doc, stride_qm, stride_qd, stride_dom, stride_dod,
+                             T, S, scale, cap, slope, lo, hi, kv_len,
+                             D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, True,
+                             EVEN_M, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
     _store(DK_OUT + b * stride_dkb + g * stride_dkh + offs_n[:, None] * stride_dkn
            + offs_d[None, :] * stride_dkd, (dk * scale).to(DK_OUT.dtype.element_ty), offs_n, S,
            offs_d, D, BLOCK_D)
