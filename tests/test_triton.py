@@ -86,7 +86,8 @@ def _check(q, k, v, dout, dtype, name, **kw):
     got = _results(q, k, v, dout, dtype, "triton", **kw)
     assert got[0].dtype == dtype and got[1].dtype == torch.float32
     for i, what in enumerate(("out", "lse")):
-        assert_tolerance(got[i], golden[i], baseline[i], factor=OUTPUT_FACTOR, name=f"{name} {what}")
+        assert_tolerance(got[i], golden[i], baseline[i], factor=OUTPUT_FACTOR,
+                         name=f"{name} {what}")
     for g_got, g_gold, g_base, what in zip(got[2], golden[2], baseline[2], "qkv"):
         assert_tolerance(g_got, g_gold, g_base, factor=GRAD_FACTOR, name=f"{name} d{what}")
     return got
@@ -348,7 +349,8 @@ def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch):
         call = AttentionCall.build(q, k, v, enable_gqa=True, **kw)
         blocks = default_blocks(D)
         launches = _record_launches(monkeypatch, call)
-        assert [fn.__name__ for fn, _, _ in launches] == ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"]
+        names = [fn.__name__ for fn, _, _ in launches]
+        assert names == ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"]
         for which, (fn, args, kwargs) in enumerate(launches):
             signature, constexprs, attrs = {}, dict(kwargs, UPCAST=False), {}
             for i, (name, value) in enumerate(zip(fn.arg_names, args)):

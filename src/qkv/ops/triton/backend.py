@@ -31,8 +31,8 @@ from ..base import BackendResult
 from ..call import AttentionCall
 from ..reference import ReferenceBackend
 
-__all__ = ["TritonBackend", "Blocks", "default_blocks", "triton_attention", "interpreter", "triton_available",
-           "MAX_HEAD_DIM"]
+__all__ = ["TritonBackend", "Blocks", "default_blocks", "triton_attention", "interpreter",
+           "triton_available", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128  # the accumulators of a (BLOCK_M, D) tile live in registers
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dim, where (batch, head) goes
@@ -193,7 +193,8 @@ def _kernel_mask(call: AttentionCall) -> _Mask | str:
             elif isinstance(n, int) and isinstance(mask.kv_len, int):
                 mask.kv_len = min(n, mask.kv_len)
             else:
-                mask.kv_len = torch.minimum(torch.as_tensor(mask.kv_len), torch.as_tensor(n))
+                mask.kv_len = torch.minimum(torch.as_tensor(mask.kv_len).cpu(),
+                                            torch.as_tensor(n).cpu())  # (B,) or (1,)
         elif isinstance(m, _Document) and mask.docs is None:
             mask.docs = (m.q_ids, m.kv_ids)
         else:
