@@ -93,8 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="train data-parallel on N processes of this machine (torchrun's "
                    "launcher, loopback only; DistributedDataParallel, metrics summed over the "
                    "processes, rank 0 writes --out); ends where one process ends with the same "
-                   "--batch-size, up to float rounding (parameters within 1e-4 after 20 steps "
-                   "without dropout). Default: this process alone, or what torchrun set")
+                   "--batch-size up to float rounding (without dropout: losses and parameters "
+                   "within 1e-5 after 20 steps, the same evaluation; qkv.training.trainer "
+                   "has the measurements). Default: this process alone, or what torchrun set")
     p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="with several processes: how long one waits for the others before "
                    "it gives up with an error (a process died or hangs; default "
@@ -144,7 +145,7 @@ def run_train_cli(args: argparse.Namespace) -> int:
     """
     recipe_kwargs, config = plan(args)
     if args.nproc is not None and args.nproc > 1:
-        return launch(worker_argv(args), args.nproc)
+        return launch(["-m", "qkv", *worker_argv(args)], args.nproc, prog="qkv train")
     ranks = env_ranks()
     if not ranks.main:
         return _other_rank(args, recipe_kwargs, config, ranks.rank)

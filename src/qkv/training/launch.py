@@ -1,5 +1,5 @@
-"""``qkv train --nproc N``: start N processes of a ``qkv`` command on this machine, as
-``torchrun --standalone --nproc_per_node N -m qkv ...`` does, with torchrun's own launcher
+"""``qkv train --nproc N``: start N processes of a command on this machine, as ``torchrun
+--standalone --nproc_per_node N -m qkv ...`` does, with torchrun's own launcher
 (:func:`torch.distributed.launcher.api.elastic_launch`) run in this process.
 
 What this adds to calling torchrun:
@@ -36,16 +36,18 @@ __all__ = ["launch"]
 _SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 
 
-def launch(argv: list[str], nproc: int, *, grace: float = 60.0) -> int:
-    """Run ``python -m qkv *argv`` in ``nproc`` processes on this machine under torchrun's
-    launcher; each gets torchrun's ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``
-    (127.0.0.1) and ``MASTER_PORT``.
+def launch(argv: list[str], nproc: int, *, grace: float = 60.0, prog: str = "qkv") -> int:
+    """Run ``python *argv`` (this interpreter) in ``nproc`` processes on this machine under
+    torchrun's launcher; each gets torchrun's ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+    ``MASTER_ADDR`` (127.0.0.1) and ``MASTER_PORT``.
 
     Args:
-        argv: The ``qkv`` command line for every process (``["train", "reverse", ...]``).
+        argv: Python's arguments for every process: ``["-m", "qkv", "train", ...]``, or a
+            script and its arguments.
         nproc: Processes, at least 1.
         grace: Seconds the processes have to stop after Ctrl-C (or after one of them failed)
             before they are killed.
+        prog: Names the command in the line that says a process was killed.
 
     Returns:
         The exit status: 0 when every process succeeded, else the first failure's (see the
@@ -67,16 +69,26 @@ def launch(argv: list[str], nproc: int, *, grace: float = 60.0) -> int:
                           signals_to_handle=",".join(_SIGNALS))
     with _signals_restored(), _quiet_launcher(), _environ(_child_env(nproc)):
         try:
-            elastic_launch(config, sys.executable)("-u", "-m", "qkv", *argv)
+            elastic_launch(config, sys.executable)("-u", *argv)
         except ChildFailedError as e:
-            rank, failure = e.get_first_failure()
-            return _status(rank, failure.exitcode, argv)
+            return _status(*_cause(e), prog)
         except SignalException as e:
             return 128 + int(e.sigval)
     return 0
 
 
-def _status(rank: int, code: int, argv: list[str]) -> int:
+def _cause(e) -> tuple[int, int]:
+    """``(rank, exit code)`` of the process that made the run fail: one killed by a signal the
+    launcher did not send (the others then failed because it was gone), else the first."""
+    killed = [(f.timestamp, rank, f.exitcode) for rank, f in e.failures.items()
+              if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    if killed:
+        return min(killed)[1:]
+    rank, failure = e.get_first_failure()
+    return rank, failure.exitcode
+
+
+def _status(rank: int, code: int, prog: str) -> int:
     """The exit status for the first process that failed; a line on stderr when a signal
     killed it (a process that failed by itself has said why)."""
     if code >= 0:
@@ -85,8 +97,7 @@ def _status(rank: int, code: int, argv: list[str]) -> int:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    command = " ".join(argv[:1])
-    print(f"qkv {command}: error: rank {rank} was killed by {name}; the other processes were "
+    print(f"{prog}: error: rank {rank} was killed by {name}; the other processes were "
           f"stopped", file=sys.stderr)
     return 128 - code
 

@@ -20,10 +20,13 @@ Shape alphabet: B the global batch, N ranks.
 from __future__ import annotations
 
 import hashlib
+import io
+import itertools
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -36,6 +39,7 @@ __all__ = ["Ranks", "DEFAULT_TIMEOUT", "data_parallel", "env_ranks", "check_batc
 
 DEFAULT_TIMEOUT = 600.0  # seconds a rank waits for the others at a collective
 _ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+_GROUPS = itertools.count()  # the process groups data_parallel has made in this process
 T = TypeVar("T")
 
 
@@ -54,6 +58,12 @@ class Ranks:
     size: int = 1
     local_rank: int = 0
     timeout: float = DEFAULT_TIMEOUT
+    # The tensors of the last collectives, kept alive until the group is gone. gloo's worker
+    # thread drops its reference to a finished collective's tensors under a lock that
+    # destroying the group waits for; were that the last reference to a tensor Python made,
+    # dropping it would need the GIL, which the thread destroying the group holds: a deadlock
+    # (seen at the end of a run: the checkpoint's all-gather, then the group destroyed).
+    _held: deque = field(default_factory=lambda: deque(maxlen=16), compare=False, repr=False)
 
     @property
     def distributed(self) -> bool:
@@ -64,6 +74,10 @@ class Ranks:
     def main(self) -> bool:
         """Rank 0: the one that writes files and shows progress."""
         return self.rank == 0
+
+    def hold(self, *tensors: Tensor) -> None:
+        """Keep the tensors of a collective alive as long as these ranks (see ``_held``)."""
+        self._held.extend(tensors)
 
 
 def env_ranks(timeout: float = DEFAULT_TIMEOUT) -> Ranks:
@@ -145,10 +159,16 @@ def data_parallel(device: torch.device,
         raise ValueError("WORLD_SIZE > 1 asks for several processes, but this torch build has "
                          "no torch.distributed")
     device = _rank_device(device, ranks)
+    wait = timedelta(seconds=timeout)
     try:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=timeout), rank=ranks.rank,
-                                world_size=ranks.size)
+        store, _, _ = next(dist.rendezvous("env://", rank=ranks.rank, world_size=ranks.size,
+                                           timeout=wait))
+        # The store outlives the group (torchrun's agent holds it; rank 0's is shared by every
+        # group this process makes), and a new group would read the last one's addresses:
+        # each group gets keys of its own. (All ranks make their groups in the same order.)
+        store = dist.PrefixStore(f"qkv.training/{next(_GROUPS)}", store)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
+                                timeout=wait, rank=ranks.rank, world_size=ranks.size)
     except (RuntimeError, ValueError) as e:  # DistStoreError (a timeout) is a RuntimeError
         raise ConnectionError(f"rank {ranks.rank} of {ranks.size} could not join the others "
                               f"({_first_line(e)}); are all {ranks.size} processes running "
@@ -207,36 +227,60 @@ def all_sum(values: list[float], ranks: Ranks, device: torch.device) -> list[flo
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
+    ranks.hold(t)
     return t.tolist()
 
 
-def all_gather(obj: T, ranks: Ranks) -> list[T]:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+def all_gather(t: Tensor, ranks: Ranks, device: torch.device) -> list[Tensor]:
+    """Every rank's ``t`` (the same shape and dtype on every rank), in rank order, on the CPU.
+    ``device`` is where the collective runs (the rank's GPU for NCCL)."""
     if not ranks.distributed:
-        return [obj]
-    out: list[Any] = [None] * ranks.size
-    dist.all_gather_object(out, obj)
-    return out
+        return [t]
+    mine = t.to(device)
+    out = [torch.empty_like(mine) for _ in range(ranks.size)]
+    dist.all_gather(out, mine)
+    ranks.hold(mine, *out)
+    return [o.cpu() for o in out]
 
 
-def from_rank0(make: Callable[[], T], ranks: Ranks) -> T:
+def from_rank0(make: Callable[[], T], ranks: Ranks, device: torch.device) -> T:
     """``make()`` run on rank 0 only, its value given to every rank; when it raises, every
     rank raises the same error (marked :func:`on_every_rank` on the others), so no rank is
     left waiting for one that has given up."""
     if not ranks.distributed:
         return make()
-    box: list[Any] = [None]
     if ranks.main:
         try:
-            box[0] = (True, make())
+            value = make()
         except Exception as e:
-            dist.broadcast_object_list([(False, e)], src=0)
+            _broadcast((False, e), ranks, device)
             raise
-    dist.broadcast_object_list(box, src=0)
-    ok, value = box[0]
+        _broadcast((True, value), ranks, device)
+        return value
+    ok, value = _broadcast(None, ranks, device)
     if not ok:
         raise on_every_rank(value)
     return value
+
+
+def _broadcast(obj: Any, ranks: Ranks, device: torch.device) -> Any:
+    """Rank 0's ``obj`` (anything ``torch.save`` takes) on every rank."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    if ranks.main:
+        f = io.BytesIO()
+        torch.save(obj, f)
+        data = torch.frombuffer(bytearray(f.getbuffer()), dtype=torch.uint8).to(device)
+        size += data.numel()
+    dist.broadcast(size, src=0)
+    if not ranks.main:
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    ranks.hold(size, data)
+    if ranks.main:
+        return obj
+    raw = bytearray(int(size))
+    torch.frombuffer(raw, dtype=torch.uint8).copy_(data.cpu())
+    return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
 
 
 def on_every_rank(error: BaseException) -> BaseException:

@@ -7,6 +7,10 @@
 * ``listops``: :class:`qkv.EncoderClassifier` (CLS pooling, as LRA); test accuracy.
 * ``digits``: :class:`qkv.ViT` on the 8x8 digits (patches of 2x2); test accuracy.
 
+The evaluation runs in batches of :data:`EVAL_BATCH` test examples; ``evaluation_counts``
+takes every N-th batch from a rank's own (a data-parallel run sums the counts of its ranks),
+so every example is evaluated in the same batch as one process evaluates it.
+
 The attention kind of every model is a recipe option (``attention="exact" | "linear" |
 "performer" | "local"``); the models do not change.
 
@@ -59,6 +63,20 @@ class _Recipe:
     def train_size(self) -> int:
         return len(self.train_data)
 
+    def evaluate(self, model, device) -> dict[str, float]:
+        """Test metrics: means over the test set, and ``test_examples``."""
+        counts = self.evaluation_counts(model, device)
+        n = counts.pop("test_examples")
+        return {**{k: v / n for k, v in counts.items()}, "test_examples": int(n)}
+
+    def evaluation_counts(self, model, device, rank: int = 0, size: int = 1) -> dict[str, float]:
+        """Sums over the test batches ``rank, rank + size, ...`` (of :data:`EVAL_BATCH`
+        examples): correct predictions per metric, and ``test_examples``."""
+        starts = range(rank * EVAL_BATCH, len(self.test_data), size * EVAL_BATCH)
+        hits = sum(self._hits(model, device, slice(s, s + EVAL_BATCH)) for s in starts)
+        n = sum(min(EVAL_BATCH, len(self.test_data) - s) for s in starts)
+        return {self.METRIC: float(hits), "test_examples": float(n)}
+
     def _kind(self) -> dict[str, Any]:
         return dict(attention=self.attention, attention_options=self.attention_options or None)
 
@@ -67,6 +85,7 @@ class Seq2SeqRecipe(_Recipe):
     """``reverse`` / ``copy`` / ``sort`` with an encoder-decoder Transformer."""
 
     MODEL = dict(embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.0)
+    METRIC = "exact_match"
 
     def build_model(self) -> nn.Module:
         m = self.model_options
@@ -98,12 +117,11 @@ class Seq2SeqRecipe(_Recipe):
         return model.generate(src, T - 1, bos=v.bos, eos=v.eos, pad=v.pad,
                               src_key_mask=src_mask)  # (B, T)
 
-    def evaluate(self, model, device) -> dict[str, float]:
-        d, hits = self.test_data, 0
-        for s in range(0, len(d), EVAL_BATCH):
-            src, mask, tgt = (t[s:s + EVAL_BATCH].to(device) for t in (d.src, d.src_mask, d.tgt))
-            hits += int((self.predict(model, src, mask, tgt.shape[1]) == tgt).all(-1).sum())
-        return dict(exact_match=hits / len(d), test_examples=len(d))
+    def _hits(self, model, device, batch: slice) -> int:
+        """Test examples of ``batch`` decoded exactly (every token)."""
+        d = self.test_data
+        src, mask, tgt = (t[batch].to(device) for t in (d.src, d.src_mask, d.tgt))
+        return int((self.predict(model, src, mask, tgt.shape[1]) == tgt).all(-1).sum())
 
     def pictures(self, model, out_dir: Path, device) -> list[str]:
         from ..viz.heatmap import plot_attention  # matplotlib is optional
@@ -135,6 +153,7 @@ class ClassifierRecipe(_Recipe):
     """``listops`` with an encoder classifier (CLS pooling, as LRA)."""
 
     MODEL = dict(embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.1)
+    METRIC = "accuracy"
 
     def build_model(self) -> nn.Module:
         m, d = self.model_options, self.train_data
@@ -152,12 +171,10 @@ class ClassifierRecipe(_Recipe):
         acc = (logits.argmax(-1) == batch["labels"]).float().mean()
         return loss, dict(acc=acc), int(batch["mask"].sum())
 
-    def evaluate(self, model, device) -> dict[str, float]:
-        d, hits = self.test_data, 0
-        for s in range(0, len(d), EVAL_BATCH):
-            x, m, y = (t[s:s + EVAL_BATCH].to(device) for t in (d.tokens, d.mask, d.labels))
-            hits += int((model(x, key_mask=m).argmax(-1) == y).sum())
-        return dict(accuracy=hits / len(d), test_examples=len(d))
+    def _hits(self, model, device, batch: slice) -> int:
+        d = self.test_data
+        x, m, y = (t[batch].to(device) for t in (d.tokens, d.mask, d.labels))
+        return int((model(x, key_mask=m).argmax(-1) == y).sum())
 
     def pictures(self, model, out_dir: Path, device) -> list[str]:
         """The last layer's attention on the shortest test example (CLS first), per head."""
@@ -182,6 +199,7 @@ class ViTRecipe(_Recipe):
 
     MODEL = dict(embed_dim=64, num_heads=4, num_layers=3, ffn_dim=128, dropout=0.1,
                  patch_size=2)
+    METRIC = "accuracy"
 
     def build_model(self) -> nn.Module:
         m, d = self.model_options, self.train_data
@@ -199,11 +217,9 @@ class ViTRecipe(_Recipe):
         acc = (logits.argmax(-1) == batch["labels"]).float().mean()
         return loss, dict(acc=acc), batch["images"].shape[0]
 
-    def evaluate(self, model, device) -> dict[str, float]:
+    def _hits(self, model, device, batch: slice) -> int:
         d = self.test_data
-        pred = torch.cat([model(d.images[s:s + EVAL_BATCH].to(device)).argmax(-1).cpu()
-                          for s in range(0, len(d), EVAL_BATCH)])
-        return dict(accuracy=float((pred == d.labels).float().mean()), test_examples=len(d))
+        return int((model(d.images[batch].to(device)).argmax(-1).cpu() == d.labels[batch]).sum())
 
     def pictures(self, model, out_dir: Path, device) -> list[str]:
         from ..viz.heatmap import plot_attention

@@ -6,9 +6,9 @@ the loss and its metrics, the evaluation, the pictures); this module owns everyt
 
 * **Determinism.** The model is built after ``torch.manual_seed(seed)``; the batch of step s
   is a slice of a permutation drawn from ``seed`` and the epoch alone, so it does not depend
-  on what ran before; torch's random number generator state (dropout) is saved with every
-  checkpoint. A run resumed from a checkpoint ends with the same parameters and loss, bit for
-  bit, on CPU.
+  on what ran before; the random number generators dropout draws from (every rank's) are
+  saved with every checkpoint. A run resumed from a checkpoint ends with the same parameters
+  and loss, bit for bit, on CPU, on one process or several.
 * **Checkpoints** every ``checkpoint_every`` steps and at the end, written atomically (a
   temporary file in the same directory, then ``os.replace``): a write killed half-way leaves
   the previous checkpoint intact.
@@ -33,23 +33,34 @@ forever) and destroys it at the end (:mod:`qkv.training.parallel`).
   (:meth:`Recipe.loss_count`: tokens for a token-level loss, else examples), so the averaged
   gradient is the gradient of the mean over the global batch, as one process computes it.
 * Loss, accuracy and tokens/s are summed over the ranks (the means weighted by the same
-  counts); every rank evaluates the whole test set with the same parameters, so the
-  evaluation is the one a single process gets for them.
+  counts). The ranks share the evaluation: rank r takes every N-th test batch from r
+  (:meth:`Recipe.evaluation_counts`) and the counts are summed, so each example is evaluated
+  in the batch one process puts it in, and the evaluation is the one a single process gets
+  for the same parameters (a recipe without that method: every rank evaluates all of it).
 * Rank 0 alone writes files (checkpoints, ``metrics.json``, pictures, pages), reads the
   checkpoint it resumes and hands it to the others, and draws the progress bar; the others do
   not touch ``out_dir``.
 * Dropout: rank 0 draws as a one-process run does; rank r > 0 from a generator seeded by
-  ``(seed, r)``. Every rank's generator state is saved in the checkpoint, so a resumed
-  N-process run ends bit for bit where the uninterrupted N-process run ends (on CPU; the
-  checkpoint must be resumed by N processes). Ctrl-C on any rank stops all of them after the
-  same step (the ranks agree on it in the step's all-reduce).
-* **Tolerance.** Without dropout, an N-process run follows the one-process run with the same
-  global batch up to float rounding: the per-rank forward passes and the gradient all-reduce
-  add in another order (float32 epsilon 1.2e-7 a term). Measured on ``reverse`` (CPU, 2
-  processes, batch 16, lr 3e-3, 40 steps): losses equal to 1e-6 relative, parameters to
-  2e-6 absolute, the same evaluation. The tests hold losses to 1e-4 relative and parameters
-  to 1e-4 absolute after 20 steps. With dropout the ranks draw other masks than one process,
-  so the runs agree in distribution only.
+  ``(seed, r)``. Every rank's generator state is saved in the checkpoint, and DDP's gradient
+  buckets get the same layout in every run (:func:`_wrap`), so a resumed N-process run ends
+  bit for bit where the uninterrupted N-process run ends (checked on CPU with 2 and 3
+  processes; the checkpoint must be resumed by N processes). Ctrl-C on any rank stops all of
+  them after the same step (the ranks agree on it in the step's all-reduce).
+
+**Tolerance** (N processes vs one, the same global batch, no dropout). The ranks' forward
+passes and the gradient all-reduce add in another order, so the runs agree up to float
+rounding, as one process on 1 and on 2 threads does. Measured on ``reverse`` (CPU, global
+batch 16, lr 3e-3): after 40 steps, 2 processes vs one: losses 1.9e-7 relative, parameters
+5.2e-7, the same evaluation (one process, 1 vs 2 threads: 2.1e-7 and 4.8e-7); after 200
+steps: 2.3e-5 and 8.7e-6, the same exact match, 0.429 (1 vs 2 threads: 4.2e-5 and 1.8e-5,
+0.429). Rounding differences grow with the steps, as between any two runs that round
+differently; they stay within those between thread counts. The attention key biases are the
+exception: their exact gradient is 0 (softmax ignores a shift shared by all keys), so AdamW
+turns rounding noise into steps of up to lr in any two runs (2.6e-4 after 40 steps; 2.5e-4
+between the thread counts); they change no output. The stated tolerance, which the tests
+hold after 20 steps: losses within 1e-5 relative, parameters (key biases aside) within 1e-5,
+the evaluation equal. With dropout the ranks draw other masks than one process does, so the
+runs agree in distribution only.
 """
 from __future__ import annotations
 
@@ -181,13 +192,8 @@ def check_device(name: str) -> torch.device:
 
 
 class Recipe(Protocol):
-    """What a task gives the trainer.
-
-    A recipe may also define ``loss_count(batch) -> int``: how many terms its loss averages
-    over (tokens, for a loss over tokens). A data-parallel run weights each rank's loss and
-    metrics by it, so that they are means over the global batch; without it, a rank's weight
-    is its number of examples.
-    """
+    """What a task gives the trainer (``loss_count`` and ``evaluation_counts`` are optional:
+    a data-parallel run uses them when the recipe has them)."""
 
     name: str
 
@@ -206,8 +212,20 @@ class Recipe(Protocol):
     def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float], int]:
         """``(loss, metrics such as {"acc": ...}, tokens in the batch)``."""
 
+    def loss_count(self, batch: dict[str, Tensor]) -> int:
+        """Optional: how many terms the loss of ``batch`` averages over (tokens, for a loss
+        over tokens). A data-parallel run weights each rank's loss and metrics by it, so that
+        they are means over the global batch; without it, by the rank's examples."""
+
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Test metrics of the trained model (called in eval mode, under no_grad)."""
+
+    def evaluation_counts(self, model: nn.Module, device: torch.device, rank: int,
+                          size: int) -> dict[str, float]:
+        """Optional: rank ``rank`` of ``size``'s share of the test set, as sums (correct
+        predictions per metric) and ``test_examples``; :meth:`evaluate` is each sum over
+        the test set divided by its examples. A data-parallel run sums the ranks' counts;
+        without this method every rank evaluates the whole test set."""
 
     def pictures(self, model: nn.Module, out_dir: Path, device: torch.device) -> list[str]:
         """Save pictures (e.g. attention maps of a test example); returns their paths."""
@@ -310,13 +328,16 @@ def train(recipe: Recipe, config: TrainConfig, out_dir: str | Path, *, resume: b
             raise on_every_rank(e) from None
         with _output(out_dir, ranks) as out:
             run = _start(recipe, config, out / CHECKPOINT, resume, ranks, device)
-            interrupted = _loop(run, recipe, config, progress and ranks.main, on_step)
-            result = TrainResult(step=run.step, history=run.history, interrupted=interrupted,
-                                 final_loss=run.history[-1]["loss"] if run.history else None,
-                                 checkpoint=str(run.path))
-            if not interrupted:
-                _finish(run, recipe, result, out)
-            return result
+            try:
+                interrupted = _loop(run, recipe, config, progress and ranks.main, on_step)
+                result = TrainResult(step=run.step, history=run.history,
+                                     interrupted=interrupted, checkpoint=str(run.path),
+                                     final_loss=run.history[-1]["loss"] if run.history else None)
+                if not interrupted:
+                    _finish(run, recipe, result, out)
+                return result
+            finally:
+                run.net = None  # DDP holds the process group: let it go with the group
 
 
 def _output(out_dir: str | Path, ranks: Ranks):
@@ -343,7 +364,7 @@ class _Run:
     def save(self) -> None:
         """A checkpoint of every rank's state, written by rank 0 (a collective: all ranks
         call it at the same step)."""
-        states = all_gather(_rng_state(self.device), self.ranks)
+        states = _rng_states(self.ranks, self.device)
         if self.ranks.main:
             save_atomic(dict(self.ident, step=self.step, history=self.history,
                              model=self.model.state_dict(), optimizer=self.opt.state_dict(),
@@ -358,7 +379,8 @@ def _start(recipe: Recipe, config: TrainConfig, ckpt_path: Path, resume: bool, r
     (rank 0 reads it and hands it to the others)."""
     ident = dict(format=FORMAT, recipe=recipe.describe(), config=asdict(config),
                  world_size=ranks.size)
-    ck = from_rank0(lambda: _checkpoint_to_resume(ckpt_path, resume, ident), ranks)
+    ck = from_rank0(lambda: _checkpoint_to_resume(ckpt_path, resume, ident), ranks,
+                    device)
     if ranks.size > recipe.train_size():
         raise on_every_rank(ValueError(
             f"{ranks.size} processes need at least as many training examples; the task has "
@@ -378,11 +400,21 @@ def _start(recipe: Recipe, config: TrainConfig, ckpt_path: Path, resume: bool, r
 
 def _wrap(model: nn.Module, ranks: Ranks, device: torch.device) -> nn.Module:
     """DistributedDataParallel around the model when there are several ranks: it averages
-    the gradients over them during the backward pass."""
+    the gradients over them during the backward pass.
+
+    DDP lays its gradient buckets out again after the first backward pass of each process, in
+    the order the gradients became ready; with 3 or more ranks the bits of an all-reduce
+    depend on where a gradient sits in its bucket, so the first step after ``--resume`` would
+    add in another order than the uninterrupted run. Asking for the rebuild up front (every
+    parameter, in order: what DDP's own ``Join`` does) gives every run the same layout from
+    its first step, and bit-identical resumes on any number of ranks.
+    """
     if not ranks.distributed:
         return model
     from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    ddp.reducer._push_all_rebuilt_params()
+    return ddp
 
 
 def _loop(run: _Run, recipe: Recipe, config: TrainConfig, progress: bool,
@@ -466,12 +498,11 @@ def _loss_count(recipe: Recipe, batch: dict[str, Tensor], examples: int) -> int:
 
 
 def _finish(run: _Run, recipe: Recipe, result: TrainResult, out: Path) -> None:
-    """Evaluate (every rank, the whole test set), then rank 0 writes ``metrics.json`` and
-    draws the pictures. The results are written first: a picture that cannot be drawn
-    (matplotlib missing) must not lose them."""
+    """Evaluate, then rank 0 writes ``metrics.json`` and draws the pictures. The results are
+    written first: a picture that cannot be drawn (matplotlib missing) must not lose them."""
     run.model.eval()
     with torch.no_grad():
-        result.evaluation = recipe.evaluate(run.model, run.device)
+        result.evaluation = _collective(run, "evaluation", lambda: _evaluate(run, recipe))
     if not run.ranks.main:
         return
     _write_metrics(run, result, out)
@@ -479,6 +510,20 @@ def _finish(run: _Run, recipe: Recipe, result: TrainResult, out: Path) -> None:
         result.pictures = _pictures(recipe, run.model, out, run.device)
     if result.pictures:
         _write_metrics(run, result, out)
+
+
+def _evaluate(run: _Run, recipe: Recipe) -> dict[str, float]:
+    """The recipe's evaluation. With several ranks, each evaluates its share of the test
+    batches and their counts are summed (:meth:`Recipe.evaluation_counts`), or, for a recipe
+    without it, each evaluates the whole test set."""
+    counts = getattr(recipe, "evaluation_counts", None)
+    if not run.ranks.distributed or counts is None:
+        return recipe.evaluate(run.model, run.device)
+    mine = counts(run.model, run.device, run.ranks.rank, run.ranks.size)
+    names = sorted(mine)  # the same order on every rank
+    sums = dict(zip(names, all_sum([mine[k] for k in names], run.ranks, run.device)))
+    n = sums.pop("test_examples")
+    return {**{k: v / n for k, v in sums.items()}, "test_examples": int(n)}
 
 
 def _write_metrics(run: _Run, result: TrainResult, out: Path) -> None:
@@ -534,10 +579,13 @@ def _restore(run: _Run, ck: dict) -> tuple[int, list[dict]]:
     return ck["step"], ck["history"]
 
 
-def _rng_state(device: torch.device) -> dict[str, Tensor | None]:
-    """This process's generators that dropout on ``device`` draws from."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return dict(cpu=torch.get_rng_state(), cuda=cuda)
+def _rng_states(ranks: Ranks, device: torch.device) -> list[dict[str, Tensor | None]]:
+    """Every rank's generators that dropout on ``device`` draws from (a collective)."""
+    cpu = all_gather(torch.get_rng_state(), ranks, device)
+    if device.type != "cuda":
+        return [dict(cpu=c, cuda=None) for c in cpu]
+    cuda = all_gather(torch.cuda.get_rng_state(device), ranks, device)
+    return [dict(cpu=c, cuda=g) for c, g in zip(cpu, cuda)]
 
 
 def _set_rng_state(state: dict[str, Tensor | None], device: torch.device) -> None:
