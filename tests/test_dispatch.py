@@ -41,7 +41,7 @@ def _qkv(dtype=torch.float32):
 
 
 def test_backend_names_fastest_first():
-    assert qkv.backend_names() == ["torch", "tiled", "reference"]
+    assert qkv.backend_names() == ["triton", "torch", "tiled", "reference"]
 
 
 def test_auto_takes_fastest_that_supports(f32only):
@@ -62,7 +62,9 @@ def test_named_backend_refuses_with_reason(f32only):
 
 def test_check_backends_reports_every_answer(f32only):
     call = AttentionCall.build(*_qkv(torch.float64))
-    assert dispatch.check_backends(call) == {
+    answers = dispatch.check_backends(call)
+    assert "CUDA" in answers.pop("triton")  # its kernels take CUDA tensors only
+    assert answers == {
         "f32only": "needs float32 inputs, got torch.float64", "torch": None, "tiled": None,
         "reference": None}
 

@@ -5,7 +5,8 @@ import argparse
 
 import torch
 
-from ..dispatch import backend_names
+from ..dispatch import backend_names, get_backend
+from ..ops import AttentionCall
 from ..examples import EXAMPLES, SeedExample
 from ..functional import scaled_dot_product_attention
 from .tables import format_matrix
@@ -29,16 +30,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_seeds(examples: list[str], backends: list[str] | None = None, tol: float = 5e-7) -> int:
     """Print each example's steps and each backend's error; 0 if all are within ``tol``."""
+    named = bool(backends)  # a backend asked for by name must run; of all, those that can
     backends = backends or backend_names()
     worst = 0.0
     for name in examples:
-        worst = max(worst, _run_one(EXAMPLES[name], backends))
+        worst = max(worst, _run_one(EXAMPLES[name], backends, named))
     verdict = "OK" if worst <= tol else "MISMATCH"
     print(f"{verdict}: largest difference from the exact values {worst:.2e} (tolerance {tol:g})")
     return 0 if worst <= tol else 1
 
 
-def _run_one(ex: SeedExample, backends: list[str]) -> float:
+def _run_one(ex: SeedExample, backends: list[str], named: bool = True) -> float:
     t = ex.tensors(torch.float64)
     q, k, v = t["x"] @ t["w_q"], t["x"] @ t["w_k"], t["x"] @ t["w_v"]  # (T, D), (T, D), (T, Dv)
     tokens = [f"x{i + 1}" for i in range(q.shape[0])]
@@ -46,6 +48,13 @@ def _run_one(ex: SeedExample, backends: list[str]) -> float:
     for title, m in (("Q = x W_Q", q), ("K = x W_K", k), ("V = x W_V", v)):
         print(format_matrix(title, m, tokens), end="\n\n")
     worst = 0.0
+    if not named:  # all backends: those that cannot take this call say why and are left out
+        call = AttentionCall.build(q, k, v, scale=ex.resolved_scale(), return_trace=True)
+        reasons = {b: get_backend(b).supports(call) for b in backends}
+        for b, why in reasons.items():
+            if why is not None:
+                print(f"backend {b:<10} not run here: {why}")
+        backends = [b for b in backends if reasons[b] is None]
     for b in backends:
         out, trace = scaled_dot_product_attention(
             q, k, v, scale=ex.resolved_scale(), backend=b, return_trace=True
