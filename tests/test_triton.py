@@ -56,7 +56,8 @@ def _cases(B: int, H: int, T: int, S: int) -> list[tuple[str, dict]]:
     return cases
 
 
-def _inputs(B, H, G, T, S, D, Dv=None, dtype=torch.float64, seed=0):
+def _inputs(B, H, G, T, S, D, Dv=None, seed=0):
+    """q, k, v and an output gradient in float64 (each test casts them)."""
     g = torch.Generator().manual_seed(seed)
     shapes = ((B, H, T, D), (B, G, S, D), (B, G, S, Dv or D), (B, H, T, Dv or D))
     q, k, v, dout = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
