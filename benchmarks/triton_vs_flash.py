@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 import qkv
-from qkv.cli.bench import BACKWARD_FACTOR, document_ids, document_lengths
+from qkv.cli.bench import attention_flops, document_ids, mask_density
 from qkv.ops import AttentionCall
 from qkv.ops.triton import triton_attention, triton_available
 
@@ -64,21 +64,9 @@ TARGETS = {"fwd": 1.0, "fwdbwd": 0.9}  # qkv-triton / peer speed, at least
 DEFAULT_OUT = Path("benchmarks/results/triton_vs_flash.json")
 
 
-def density(case: str, T: int) -> float:
-    """Share of the T x T pairs the case lets attend (causal: 0.5 by convention)."""
-    if case == "none":
-        return 1.0
-    if case == "causal":
-        return 0.5
-    if case == "window":  # row i sees min(i, WINDOW) + 1 keys
-        n = min(T, WINDOW + 1)
-        return (n * (n + 1) // 2 + (T - n) * (WINDOW + 1)) / (T * T)
-    return sum(n * n for n in document_lengths(T)) / (T * T)
-
-
 def flops(case: str, B: int, H: int, T: int, D: int, mode: str) -> float:
-    fwd = 4.0 * B * H * T * T * D * density(case, T)
-    return fwd * (1.0 + BACKWARD_FACTOR) if mode == "fwdbwd" else fwd
+    return attention_flops(B, H, T, T, D, density=mask_density(case, T, window=WINDOW),
+                           backward=mode == "fwdbwd")
 
 
 def qkv_kwargs(case: str, T: int, device) -> dict:

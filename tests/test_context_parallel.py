@@ -21,6 +21,7 @@ import torch
 
 import qkv
 from qkv.distributed import run_local, segments
+from qkv.distributed.layout import assemble
 from qkv.models import DecoderLM, EncoderClassifier, Seq2SeqTransformer, ViT
 
 C, H, V = 16, 4, 11
@@ -159,16 +160,7 @@ def _take(t, runs, dim):
 
 def _put(parts, runs_by_rank, dim):
     """The whole tensor from every rank's shard."""
-    L = sum(b - a for runs in runs_by_rank for a, b in runs)
-    shape = list(parts[0].shape)
-    shape[dim] = L
-    out = parts[0].new_zeros(shape)
-    for part, runs in zip(parts, runs_by_rank):
-        at = 0
-        for a, b in runs:
-            out.narrow(dim, a, b - a).copy_(part.narrow(dim, at, b - a))
-            at += b - a
-    return out
+    return assemble(parts, runs_by_rank, dim)
 
 
 # --- on the ranks ---------------------------------------------------------------------------

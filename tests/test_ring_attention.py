@@ -17,6 +17,7 @@ import torch
 
 import qkv
 from qkv.distributed import RankFailed, run_local, segments
+from qkv.distributed.layout import assemble
 from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance
 
 D = 8
@@ -82,16 +83,6 @@ def _runs(case, L: int, R: int) -> list[list[tuple[int, int]]]:
 
 def _take(x, runs, dim=-2):
     return torch.cat([x.narrow(dim, a, b - a) for a, b in runs], dim=dim)
-
-
-def _put(full_shape, parts, runs_by_rank, dim=-2, dtype=None):
-    out = torch.zeros(full_shape, dtype=dtype or parts[0].dtype)
-    for part, runs in zip(parts, runs_by_rank):
-        at = 0
-        for a, b in runs:
-            out.narrow(dim, a, b - a).copy_(part.narrow(dim, at, b - a))
-            at += b - a
-    return out
 
 
 def _inputs(name, case):
@@ -197,10 +188,7 @@ def _whole(results, name, key, case, R, which="q"):
     parts = [results[r][name][key] for r in range(R)]
     s = _sizes(case)
     L = s["T"] if which == "q" else s["S"]
-    runs = [_runs(case, L, R)[r] for r in range(R)]
-    shape = list(parts[0].shape)
-    shape[-2] = L
-    return _put(shape, parts, runs)
+    return assemble(parts, _runs(case, L, R))
 
 
 @pytest.mark.parametrize("R", [2, 3])

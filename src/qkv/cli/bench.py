@@ -321,19 +321,20 @@ def mask_mod_for(case: str, T: int) -> masks.MaskMod | None:
             "document": lambda: masks.document(document_ids(T))}[case]()
 
 
-def mask_density(case: str, T: int) -> float:
+def mask_density(case: str, T: int, *, window: int = WINDOW) -> float:
     """Share of the T x T (query, key) pairs the case lets attend, for counting FLOPs.
 
-    Causal counts 1/2 by convention (STYLE.md 15: halved when causal); the window and the
-    documents count their exact pairs, in closed form (no T x T mask is built).
+    Causal counts 1/2 by convention (STYLE.md 15: halved when causal); the window (of
+    ``window`` keys before the query) and the documents count their exact pairs, in closed
+    form (no T x T mask is built).
     """
     if case == "none":
         return 1.0
     if case == "causal":
         return 0.5
-    if case == "window":  # row i sees min(i, WINDOW) + 1 keys
-        n = min(T, WINDOW + 1)
-        return (n * (n + 1) // 2 + (T - n) * (WINDOW + 1)) / (T * T)
+    if case == "window":  # row i sees min(i, window) + 1 keys
+        n = min(T, window + 1)
+        return (n * (n + 1) // 2 + (T - n) * (window + 1)) / (T * T)
     if case == "document":
         return sum(n * n for n in document_lengths(T)) / (T * T)
     raise ValueError(f"unknown case {case!r}; choose from {', '.join(CASES)}")

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .comm import wait as _wait
 
-__all__ = ["LAYOUTS", "segments", "shard", "unshard", "group_info"]
+__all__ = ["LAYOUTS", "segments", "shard", "unshard", "assemble", "group_info"]
 
 LAYOUTS = ("contiguous", "balanced")
 
@@ -92,6 +92,25 @@ def segments_from_lengths(lengths: list[int], layout: str, what: str,
     return segs
 
 
+def assemble(parts: list[Tensor], segs: list[list[Segment]], dim: int = -2) -> Tensor:
+    """The whole sequence from every rank's shard: ``parts[r]`` holds the runs ``segs[r]``
+    in order (a shard may be longer, as when padded for an all-gather; the rest is ignored).
+
+    Shape:
+        parts ``(..., >= L_r, ...)`` -> ``(..., L, ...)`` with L the positions of all runs.
+    """
+    dim = dim % parts[0].dim()
+    shape = list(parts[0].shape)
+    shape[dim] = sum(b - a for runs in segs for a, b in runs)
+    out = parts[0].new_empty(shape)
+    for part, runs in zip(parts, segs):
+        at = 0
+        for a, b in runs:
+            out.narrow(dim, a, b - a).copy_(part.narrow(dim, at, b - a))
+            at += b - a
+    return out
+
+
 def _take(x: Tensor, dim: int, segs: list[Segment]) -> Tensor:
     parts = [x.narrow(dim, a, b - a) for a, b in segs]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
@@ -129,13 +148,7 @@ class _Unshard(torch.autograd.Function):
         padded = torch.cat([x, x.new_zeros(pad)], dim=dim) if pad[dim] else x.contiguous()
         parts = [torch.empty_like(padded) for _ in range(R)]
         _wait(dist.all_gather(parts, padded, group=group, async_op=True), timeout, "unshard")
-        full_len = sum(lengths)
-        out = x.new_empty(x.shape[:dim] + (full_len,) + x.shape[dim + 1:])
-        for r in range(R):
-            at = 0
-            for a, b in segs[r]:
-                out.narrow(dim, a, b - a).copy_(parts[r].narrow(dim, at, b - a))
-                at += b - a
+        out = assemble(parts, segs, dim)
         ctx.group, ctx.dim, ctx.segs, ctx.timeout = group, dim, segs[rank], timeout
         return out
 

@@ -39,7 +39,7 @@ from ..ops.call import _check_scale
 from ..ops.tiled import merge_by_lse, piece_backward, piece_forward
 from ..trace import AttentionTrace
 from . import comm
-from .layout import Segment, check_layout, group_info, segments_from_lengths
+from .layout import Segment, assemble, check_layout, group_info, segments_from_lengths
 
 __all__ = ["ring_attention"]
 
@@ -374,14 +374,7 @@ class _Ring:
         parts = [torch.empty_like(padded) for _ in range(self.R)]
         comm.wait(torch.distributed.all_gather(parts, padded, group=self.group, async_op=True),
                   self.timeout, "ring_attention's gathering of keys for the trace")
-        S = sum(lengths)
-        keys = k.new_empty(self.B, self.G, S, self.D)
-        for r in range(self.R):
-            at = 0
-            for a, b in self.kv_segs[r]:
-                keys[:, :, a:b] = parts[r][:, :, at:at + b - a]
-                at += b - a
-        return keys
+        return assemble(parts, self.kv_segs, dim=2)
 
 
 class _RingAttention(torch.autograd.Function):
