@@ -183,31 +183,37 @@ def test_dense_masks_and_leading_dims(kind):
 
 
 def _visited(call: AttentionCall, bq=128, bk=64):
+    """The plan, and the (query, key) pairs it computes: all, and those computed with a mask."""
     plan = _plan(call, *call.BH, None, bq, bk, call.dtype)
-    keys = sum(k1 - k0 for row in plan.rows for k0, k1, _ in row)
-    masked = sum(k1 - k0 for row in plan.rows for k0, k1, m in row if m)
-    return plan, keys, masked
+    pairs = sum(u.n * u.tq * (b - a) for u in plan.units for a, b, _ in u.chunks)
+    masked = sum(u.n * u.tq * (b - a) for u in plan.units for a, b, m in u.chunks if m)
+    return plan, pairs, masked
 
 
 def test_empty_blocks_are_skipped_and_full_blocks_unmasked():
     T = 4096
     q = k = v = torch.randn(1, 1, T, 8)
-    _, keys, _ = _visited(AttentionCall.build(q, k, v, mask_mod=M.sliding_window(100)))
-    assert keys <= T * (100 + 128 + 64) // 128 * 1  # per tile: window + tile + one block
-    assert keys < T * T * 0.05
-    _, keys, masked = _visited(AttentionCall.build(q, k, v, is_causal=True))
-    assert keys == sum(min(T, (i + 1) * 128) for i in range(T // 128))  # the lower triangle
+    plan, pairs, _ = _visited(AttentionCall.build(q, k, v, mask_mod=M.sliding_window(100)))
+    assert pairs <= T * (100 + 128 + 64)  # per tile: window + tile + one block
+    # the band's tiles past the first are one diagonal group: one kernel call for them all
+    assert [(u.t0, u.n, u.chunks) for u in plan.units] == [
+        (0, 1, ((0, 128, True),)), (128, T // 128 - 1, ((-128, 128, True),))]
+    _, pairs, masked = _visited(AttentionCall.build(q, k, v, is_causal=True))
+    assert pairs == 128 * sum(min(T, (i + 1) * 128) for i in range(T // 128))  # lower triangle
     # only the diagonal blocks carry a mask, with full runs shorter than MIN_FULL_RUN blocks
     short = sum(min(2 * i, MIN_FULL_RUN - 1) * 64 for i in range(T // 128) if 2 * i < MIN_FULL_RUN)
-    assert masked == (T // 128) * 128 + short
+    assert masked == 128 * ((T // 128) * 128 + short)
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([1024, 512, 2048, 512]))[None]
-    _, keys, _ = _visited(AttentionCall.build(q, k, v, mask_mod=M.document(ids)))
-    pairs = 128 * keys  # each tile is 128 queries; documents align to tiles here
-    assert pairs == 1024 * 1024 + 512 * 512 + 2048 * 2048 + 512 * 512
+    plan, pairs, _ = _visited(AttentionCall.build(q, k, v, mask_mod=M.document(ids)))
+    assert pairs == 1024 * 1024 + 512 * 512 + 2048 * 2048 + 512 * 512  # documents align to tiles
+    # each document's rows are one tall tile: one kernel call per document
+    assert [(u.t0, u.tq, u.n, u.chunks) for u in plan.units] == [
+        (0, 1024, 1, ((0, 1024, False),)), (1024, 512, 1, ((0, 512, False),)),
+        (1536, 2048, 1, ((0, 2048, False),)), (3584, 512, 1, ((0, 512, False),))]
     # a dense bool mask is classified too: an empty half of the keys is never visited
     dense = torch.arange(T) < T // 2
-    _, keys, masked = _visited(AttentionCall.build(q, k, v, dense.view(1, T)))
-    assert 128 * keys == T * T // 2 and masked == 0
+    _, pairs, masked = _visited(AttentionCall.build(q, k, v, dense.view(1, T)))
+    assert pairs == T * T // 2 and masked == 0
 
 
 def test_auto_routes_structured_masks_to_tiled_and_plain_calls_to_torch():
@@ -269,3 +275,85 @@ def test_multihead_module_takes_mask_mod_and_score_mod():
     mha.backend = "reference"
     twin = mha(x, key_mask=keep, attn_mask=bias.masked_fill(~dense, float("-inf")))
     torch.testing.assert_close(y, twin, rtol=0, atol=1e-12)
+
+
+def _layouts(B, H, T, S, D, G):
+    """q, k, v float64 in three layouts: contiguous, (B, T, H, D) transposed (B and H cannot
+    be read as one dim) and k/v heads broadcast by GQA."""
+    def make(n, heads, transposed):
+        if transposed:
+            return torch.randn(B, n, heads, D, dtype=torch.float64).transpose(1, 2)
+        return torch.randn(B, heads, n, D, dtype=torch.float64)
+    for name, transposed, kv_heads in (("contiguous", False, H), ("transposed", True, H),
+                                       ("gqa", False, G)):
+        ins = [make(T, H, transposed), make(S, kv_heads, transposed), make(S, kv_heads, transposed)]
+        yield name, [t.requires_grad_() for t in ins], kv_heads != H
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_diagonal_groups_match_reference_with_gradients(B):
+    """Band masks compute many tiles per kernel call through overlapping strided views of the
+    keys (and add the key gradients back strip by strip): outputs and q/k/v/slope gradients
+    equal the reference in float64, for windows of every alignment, ALiBi, GQA and layouts whose
+    batch and head dims cannot be merged."""
+    H, G, D = 4, 2, 8
+    cases = [  # (name, T, S, mask_mod, score_mod, is_causal)
+        ("window", 700, 700, M.sliding_window(50), None, False),
+        ("band", 700, 700, M.sliding_window(40, 90), None, False),
+        ("window-bottom-right", 500, 777, M.sliding_window(70, align="bottom_right"), None, False),
+        ("window-causal-alibi", 640, 640, M.sliding_window(100, 100), M.alibi(H), True),
+        ("or-windows", 600, 600, M.or_masks(M.sliding_window(10), M.sliding_window(0, 10)), None,
+         False),
+    ]
+    for name, T, S, mm, sm, causal in cases:
+        for layout, (q, k, v), gqa in _layouts(B, H, T, S, D, G):
+            call = AttentionCall.build(q, k, v, is_causal=causal, mask_mod=mm, score_mod=sm,
+                                       enable_gqa=gqa)
+            plan = _plan(call, *call.BH, None, 64, 64, call.dtype)
+            assert max(u.n for u in plan.units) >= 5, (name, plan.units)  # groups were formed
+            out = tiled_attention(call, block_q=64, block_k=64)[0]
+            ref = _run(q, k, v, "reference", is_causal=causal, mask_mod=mm, score_mod=sm,
+                       enable_gqa=gqa)
+            msg = f"{name} {layout}"
+            torch.testing.assert_close(out, ref, rtol=0, atol=1e-12, msg=msg)
+            g = torch.randn_like(ref)
+            for a, b in zip(torch.autograd.grad(out, (q, k, v), g),
+                            torch.autograd.grad(ref, (q, k, v), g)):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=msg)
+
+
+def test_shift_invariance_is_claimed_only_for_masks_that_have_it():
+    """Only masks that depend on kv - q alone may share one mask across tiles; each claimed
+    mask is checked on shifted grids, and the others (documents, lengths, user functions,
+    subclasses) are not claimed."""
+    T = S = 40
+    claimed = [M.causal(), M.sliding_window(5, 3), M.causal("bottom_right").bind(1, 1, 30, S),
+               M.and_masks(M.causal(), M.sliding_window(7)), M.offset_mask(M.sliding_window(4), 8, 3)]
+    for m in claimed:
+        assert M.shift_invariant(m)
+        dense = M.to_dense(m, 1, 1, T, S)[0, 0]
+        for d in (1, 7):  # the mask at (q + d, kv + d) is the mask at (q, kv)
+            assert torch.equal(dense[d:, d:], dense[:-d, :-d]), m
+    assert M.shift_invariant(M.alibi(4)) and M.shift_invariant(None)
+    # a user subclass of a window may read absolute positions in its __call__
+    not_claimed = [M.document(_ids(1, T)), M.key_lengths(10), M.prefix_lm(5),
+                   M.as_mask_mod(lambda b, h, q, kv: kv <= q), M.softcap(3.0),
+                   type("MyWindow", (type(M.causal()),), {})(None, 0, "top_left", "causal")]
+    for m in not_claimed:
+        assert not M.shift_invariant(m), m
+
+
+def test_document_edges_are_trimmed_to_one_unmasked_call():
+    """A document that does not start on a block boundary: its rows take one kernel call over
+    exactly its keys, without a mask (the partial edge blocks are cut, not masked)."""
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 700, 350]))[None]
+    T = ids.shape[-1]
+    q = torch.randn(1, 2, T, 16)
+    call = AttentionCall.build(q, q, q, mask_mod=M.document(ids))
+    plan = _plan(call, 1, 2, None, 64, 64, call.dtype)
+    inside = [u for u in plan.units if u.tq > 64]
+    assert [(u.t0, u.t0 + u.chunks[0][0], u.t0 + u.chunks[0][1]) for u in inside] == [
+        (0, 0, 300), (320, 300, 1000), (1024, 1000, 1350)]
+    assert all(len(u.chunks) == 1 and not u.chunks[0][2] for u in inside)
+    ref = _run(q, q, q, "reference", mask_mod=M.document(ids))
+    torch.testing.assert_close(_run(q, q, q, "tiled", mask_mod=M.document(ids)), ref)

@@ -26,7 +26,7 @@ __all__ = [
     "MaskMod", "ScoreMod", "causal", "sliding_window", "prefix_lm", "document", "key_lengths",
     "and_masks", "or_masks", "alibi", "alibi_slopes", "softcap", "to_dense", "block_summary",
     "BlockSummary", "as_mask_mod", "as_score_mod", "evaluate_mask", "evaluate_score", "index_grid",
-    "per_element", "score_mod_gradient_inputs",
+    "per_element", "score_mod_gradient_inputs", "shift_invariant",
     # dense masks
     "apply_mask_", "causal_bool", "merge_causal", "merge_key_mask",
 ]
@@ -978,6 +978,21 @@ def _blocks_take_offsets(mask_mod: MaskMod) -> bool:
     if method is _Offset.blocks:
         return _blocks_take_offsets(mask_mod.inner)
     return method in (_Window.blocks, _KeysBefore.blocks, _Document.blocks)
+
+
+def shift_invariant(mod) -> bool:
+    """Whether ``mod`` (a bound MaskMod or ScoreMod, or None) depends on positions only
+    through ``kv_idx - q_idx``: then every query tile sees the same mask relative to its keys,
+    and a tiled backend may compute many tiles in one kernel call. True for qkv's windows
+    (causal, sliding_window, any alignment), ALiBi, their combinations and offsets; False for
+    any other mask, subclasses included (their ``__call__`` may read absolute positions)."""
+    if mod is None or type(mod) in (_Window, _Alibi):
+        return True
+    if type(mod) is _Combined:
+        return all(shift_invariant(m) for m in mod.mods)
+    if type(mod) in (_Offset, _OffsetScore):
+        return shift_invariant(mod.inner)
+    return False
 
 
 # --- inspection ------------------------------------------------------------------------------

@@ -31,13 +31,14 @@ head dim; a tile has ``tq`` queries and a chunk ``kc`` keys.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..masks import (EMPTY, FULL, Grid, MaskMod, ScoreMod, and_masks, block_states, causal,
-                     evaluate_mask, evaluate_score, index_grid, score_mod_gradient_inputs)
+                     evaluate_mask, evaluate_score, index_grid, score_mod_gradient_inputs,
+                     shift_invariant)
 from ._aten import flash_backward, flash_cpu_available, flash_forward
 from .base import BackendResult
 from .call import AttentionCall
@@ -45,7 +46,7 @@ from .reference import ReferenceBackend
 
 __all__ = ["TiledBackend", "tiled_attention", "piece_forward", "piece_backward", "merge_by_lse"]
 
-BLOCK_Q = 128  # query rows per tile
+BLOCK_Q = 64  # query rows per tile
 BLOCK_K = 64  # keys per block (the unit of skipping)
 MIN_FULL_RUN = 8  # full blocks worth a chunk of their own (no mask) rather than riding along
 CHUNK_ELEMENTS = 1 << 22  # B*H*tq*kc scores per chunk: 16 MiB in float32
@@ -75,26 +76,42 @@ def _nothing_to_tile(call: AttentionCall) -> bool:
     return call.query.numel() == 0 or call.S == 0 or 0 in call.out_shape or call.device.type == "meta"
 
 
+@dataclass(frozen=True)
+class _Unit:
+    """Query rows ``[t0, t0 + n * tq)`` computed together: ``n`` stacked tiles of ``tq`` rows,
+    tile ``m`` visiting keys ``[t0 + m*tq + a, t0 + m*tq + b)`` for each chunk ``(a, b, masked)``.
+
+    ``n > 1`` (a *diagonal group*) needs a mask and score_mod that depend on ``kv - q`` only
+    (``qkv.masks.shift_invariant``): every stacked tile then has the same chunk mask, and one
+    kernel call computes them all, reading the keys through an overlapping strided view.
+    """
+
+    t0: int
+    tq: int
+    n: int
+    chunks: tuple[tuple[int, int, bool], ...]
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.t0, self.t0 + self.n * self.tq)
+
+
 @dataclass
 class _Plan:
-    """Everything a pass needs besides q, k, v: sizes, masks and which chunks to visit.
-
-    ``rows[i]`` lists the chunks of query tile ``i`` as ``(k0, k1, masked)``: keys
-    ``[k0, k1)``, and whether the mask must be applied (False when every block is full).
-    """
+    """Everything a pass needs besides q, k, v: sizes, masks and which chunks to visit."""
 
     B: int
     H: int
     T: int
     S: int
     scale: float
-    bq: int
     mask_mod: MaskMod | None
     bias: Tensor | None  # a dense float attn_mask, (B?, H?, T, S); set by the Function
     score_mod: ScoreMod | None
     inner: str
-    rows: list[list[tuple[int, int, bool]]]
+    units: list[_Unit]
     device: torch.device
+    group_masks: dict = field(default_factory=dict)  # (tq, a, b, dtype) -> kernel-layout mask
 
     def chunk_mask(self, t0: int, t1: int, k0: int, k1: int, masked: bool, dtype) -> Tensor | None:
         """The chunk's additive float mask for the flash kernel (-inf = may not attend).
@@ -208,7 +225,7 @@ def _work_4d(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
 
 def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int,
           dtype: torch.dtype) -> _Plan:
-    """Combine the masks into one mask_mod, classify its blocks and list each tile's chunks."""
+    """Combine the masks into one mask_mod, classify its blocks and list the units to compute."""
     mods = [m for m in (call.mask_mod, causal() if call.is_causal else None) if m is not None]
     mask = call.attn_mask
     if mask is not None and mask.dtype == torch.bool:
@@ -226,8 +243,17 @@ def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: i
         raise ValueError(f"inner must be None, 'matmul' or (when it can take the call) 'flash', got {inner!r}")
     inner = inner or best
     kc_blocks = max(1, CHUNK_ELEMENTS // (B * H * bq * bk))
-    return _Plan(B, H, call.T, call.S, call.scale, bq, mask_mod, None, call.score_mod, inner,
-                 _chunks(states, bk, call.S, kc_blocks), call.device)
+    rows = _chunks(states, bk, call.S, kc_blocks)
+    groups = (inner == "flash" and (mask is None or mask.dtype == torch.bool)
+              and shift_invariant(mask_mod) and shift_invariant(call.score_mod))
+    # how many rows a merged tile may have: its masks (flash) or scores (matmul) stay bounded
+    per_row = states.shape[0] * states.shape[1] if inner == "flash" else B * H
+    plan = _Plan(B, H, call.T, call.S, call.scale, mask_mod, None, call.score_mod, inner,
+                 _units(rows, bq, call.T, groups, CHUNK_ELEMENTS // per_row), call.device)
+    if mask_mod is not None:
+        max_kc = call.S if inner == "flash" else kc_blocks * bk  # flash keeps no scores
+        plan.units = [t for u in plan.units if (t := _trim_edges(plan, u, max_kc)).chunks]
+    return plan
 
 
 def _refuse_flash(inner: str | None, why: str) -> str:
@@ -261,32 +287,92 @@ def _chunks(states: Tensor, bk: int, S: int, kc_blocks: int) -> list[list[tuple[
     along in the masked chunk beside them. No chunk exceeds ``kc_blocks`` blocks.
     """
     flat = states.flatten(0, 1)  # (B?*H?, nq, nk)
-    needed = (flat != EMPTY).any(0).tolist()  # (nq, nk): computed for some (b, h)
-    full = (flat == FULL).all(0).tolist()  # (nq, nk): needs no mask for any (b, h)
+    kind = (flat != EMPTY).any(0).to(torch.int8) + (flat == FULL).all(0).to(torch.int8)
+    nq, nk = kind.shape  # kind: 0 not needed, 1 needs the mask (for some b, h), 2 full
+    start = torch.ones(nq, nk, dtype=torch.bool)
+    start[:, 1:] = kind[:, 1:] != kind[:, :-1]
+    i_s, j_s = start.nonzero(as_tuple=True)  # runs of one kind, row by row
+    ends = torch.cat([j_s[1:], j_s.new_tensor([nk])])
+    last = torch.cat([i_s[1:] != i_s[:-1], torch.tensor([True])])  # a row's last run
+    ends = torch.where(last, nk, ends)
+    runs = [[] for _ in range(nq)]  # per tile: [j0, j1, masked, partial runs inside]
+    for i, j0, j1, k in zip(i_s.tolist(), j_s.tolist(), ends.tolist(), kind[i_s, j_s].tolist()):
+        if k == 0:
+            continue
+        masked = k == 1 or j1 - j0 < MIN_FULL_RUN  # short full runs ride along with a mask
+        partial = [(j0, j1)] if k == 1 else []
+        row = runs[i]
+        if row and row[-1][1] == j0 and row[-1][2] == masked:
+            row[-1][1] = j1
+            row[-1][3].extend(partial)
+        else:
+            row.append([j0, j1, masked, partial])
     rows = []
-    for need_i, full_i in zip(needed, full):
-        segments = []  # [j0, j1, masked], consecutive needed blocks of one kind
-        for j, (need, is_full) in enumerate(zip(need_i, full_i)):
-            if not need:
-                continue
-            if segments and segments[-1][1] == j and segments[-1][2] == (not is_full):
-                segments[-1][1] = j + 1
-            else:
-                segments.append([j, j + 1, not is_full])
-        merged = []  # short full runs become masked, then same-kind neighbours join
-        for j0, j1, masked in segments:
-            masked = masked or j1 - j0 < MIN_FULL_RUN
-            if merged and merged[-1][1] == j0 and merged[-1][2] == masked:
-                merged[-1][1] = j1
-            else:
-                merged.append([j0, j1, masked])
+    for row in runs:
         chunks = []
-        for j0, j1, masked in merged:
+        for j0, j1, masked, partial in row:
             for c0 in range(j0, j1, kc_blocks):
-                c1 = min(j1, c0 + kc_blocks)
-                chunks.append((c0 * bk, min(c1 * bk, S), masked and not all(full_i[c0:c1])))
+                c1 = min(j1, c0 + kc_blocks)  # masked only if a partial block is inside
+                needs_mask = masked and any(p0 < c1 and c0 < p1 for p0, p1 in partial)
+                chunks.append((c0 * bk, min(c1 * bk, S), needs_mask))
         rows.append(chunks)
     return rows
+
+
+def _units(rows: list[list[tuple[int, int, bool]]], bq: int, T: int, groups: bool,
+           max_elements: int) -> list[_Unit]:
+    """Tiles joined into units (see :class:`_Unit`): consecutive tiles visiting the same keys
+    become one taller tile (a document's rows), and, when ``groups``, consecutive full tiles
+    whose chunks sit at the same place relative to the tile become one diagonal group (a
+    band's rows). Tiles with nothing to visit are left out (their rows output 0)."""
+    units: list[_Unit] = []
+    for i, chunks in enumerate(rows):
+        if not chunks:
+            continue
+        t0, tq = i * bq, min(bq, T - i * bq)
+        rel = tuple((a - t0, b - t0, m) for a, b, m in chunks)
+        last = units[-1] if units else None
+        if last is not None and last.rows.stop == t0:
+            if last.n == 1 and _absolute(last) == tuple(chunks) and (
+                    (last.tq + tq) * max(b - a for a, b, _ in chunks) <= max_elements):
+                units[-1] = _Unit(last.t0, last.tq + tq, 1, last.chunks)
+                continue
+            if groups and tq == last.tq == bq and last.chunks == rel:
+                units[-1] = _Unit(last.t0, bq, last.n + 1, rel)
+                continue
+        units.append(_Unit(t0, tq, 1, rel))
+    return units
+
+
+def _trim_edges(plan: _Plan, u: _Unit, max_kc: int) -> _Unit:
+    """``u`` with its masked chunks cut to the keys its rows may attend, when those are the
+    same keys for every row (and b, h) and consecutive (a document's rows against its partial
+    edge blocks): such a chunk needs no mask and joins the unmasked chunk beside it, so a
+    document's rows take one kernel call without a mask. Costs one evaluation of the mask on
+    the chunk, as building its mask would."""
+    if u.n > 1:
+        return u
+    chunks: list[tuple[int, int, bool]] = []
+    for a, b, masked in u.chunks:
+        if masked:
+            ok = plan.allowed(u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b)  # (B?, H?, tq, kc)
+            ok = ok.reshape(-1, ok.shape[-1])
+            every, some = ok.all(0), ok.any(0)  # (kc,) for every / some row
+            cols = every.nonzero().flatten().tolist()
+            if torch.equal(every, some) and (not cols or cols[-1] - cols[0] + 1 == len(cols)):
+                if not cols:
+                    continue  # no row attends any of these keys
+                a, b, masked = a + cols[0], a + cols[-1] + 1, False
+        if chunks and not masked and not chunks[-1][2] and chunks[-1][1] == a and (
+                b - chunks[-1][0] <= max_kc):
+            chunks[-1] = (chunks[-1][0], b, False)
+        else:
+            chunks.append((a, b, masked))
+    return _Unit(u.t0, u.tq, 1, tuple(chunks))
+
+
+def _absolute(u: _Unit) -> tuple:
+    return tuple((u.t0 + a, u.t0 + b, m) for a, b, m in u.chunks)
 
 
 class _DenseMask(MaskMod):
@@ -327,24 +413,80 @@ class _TiledAttention(torch.autograd.Function):
 
 def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
              out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """All query tiles; each merges its chunks by log-sum-exp (the online softmax). The
-    output is in ``out_dtype`` (default q's)."""
+    """All units; each merges its chunks by log-sum-exp (the online softmax). The output is in
+    ``out_dtype`` (default q's)."""
     B, H, T, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
     acc = _acc(q.dtype)
     out = q.new_zeros(B, H, T, Dv, dtype=out_dtype or q.dtype)  # rows with no key stay exactly 0
     lse = q.new_full((B, H, T), float("-inf"), dtype=acc)
     chunk_fn = _flash_chunk if plan.inner == "flash" else _matmul_chunk
-    for i, chunks in enumerate(plan.rows):
-        t0, t1 = i * plan.bq, min((i + 1) * plan.bq, T)
-        o_i = l_i = None
-        for k0, k1, masked in chunks:
-            o_c, l_c = chunk_fn(plan, q[:, :, t0:t1], k[:, :, k0:k1], v[:, :, k0:k1],
-                                (t0, t1, k0, k1, masked))  # (B, H, tq, Dv), (B, H, tq)
-            o_i, l_i = (o_c, l_c) if o_i is None else merge_by_lse(o_i, l_i, o_c, l_c)
-        if o_i is not None:
-            out[:, :, t0:t1] = o_i
-            lse[:, :, t0:t1] = l_i
+    if any(u.n > 1 for u in plan.units):
+        q, k, v = _mergeable(q), _mergeable(k), _mergeable(v)
+    for u in plan.units:
+        o_u = l_u = None
+        t0, t1 = u.t0, u.t0 + u.tq
+        for a, b, masked in u.chunks:
+            if u.n == 1:
+                o_c, l_c = chunk_fn(plan, q[:, :, t0:t1], k[:, :, t0 + a:t0 + b], v[:, :, t0 + a:t0 + b],
+                                    (t0, t1, t0 + a, t0 + b, masked))  # (B, H, tq, Dv), (B, H, tq)
+            else:
+                o_c, l_c = _group_flash_chunk(plan, q, k, v, u, a, b, masked)  # (B*H, n, tq, Dv)
+            o_u, l_u = (o_c, l_c) if o_u is None else merge_by_lse(o_u, l_u, o_c, l_c)
+        out[:, :, u.rows] = o_u.reshape(B, H, -1, Dv)
+        lse[:, :, u.rows] = l_u.reshape(B, H, -1)
     return out, lse
+
+
+def _mergeable(x: Tensor) -> Tensor:
+    """``x`` ``(B, H, L, E)``, copied only if its B and H dims cannot be read as one dim."""
+    B, H = x.shape[:2]
+    if H == 1 or B == 1 or x.stride(0) == H * x.stride(1):
+        return x
+    return x.contiguous()
+
+
+def _stacked(x: Tensor, u: _Unit, a: int, b: int) -> Tensor:
+    """Rows ``[t0 + m*tq + a, t0 + m*tq + b)`` of ``x`` for each stacked tile ``m`` of ``u``,
+    as a view (overlapping when ``b - a > tq``). ``x`` has passed :func:`_mergeable`.
+
+    Shape:
+        x ``(B, H, L, E)`` -> ``(B*H, n, b - a, E)``.
+    """
+    B, H, _, E = x.shape
+    s_bh = x.stride(0) if H == 1 else x.stride(1)
+    return x.as_strided((B * H, u.n, b - a, E), (s_bh, u.tq * x.stride(2), x.stride(2), x.stride(3)),
+                        x.storage_offset() + (u.t0 + a) * x.stride(2))
+
+
+def _group_mask(plan: _Plan, u: _Unit, a: int, b: int, masked: bool, dtype) -> Tensor | None:
+    """The chunk mask shared by every tile of a diagonal group, laid out for the kernel's
+    ``(B*H, n)`` batch dims; computed once per plan (forward and backward share it).
+
+    Shape:
+        ``(B*H or 1, 1, tq, b - a)`` or None.
+    """
+    key = (u.tq, a, b, masked, dtype)
+    if key not in plan.group_masks:
+        m = plan.chunk_mask(u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b, masked, dtype)  # (B?, H?, tq, kc)
+        if m is not None and m.shape[:2] != (1, 1):
+            m = m.expand(plan.B, plan.H, *m.shape[2:]).reshape(plan.B * plan.H, 1, *m.shape[2:])
+        plan.group_masks[key] = m
+    return plan.group_masks[key]
+
+
+def _group_flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, u: _Unit, a: int, b: int,
+                       masked: bool) -> tuple[Tensor, Tensor]:
+    """One chunk of every tile of a diagonal group in one call of the flash kernel.
+
+    Shape:
+        -> out ``(B*H, n, tq, Dv)``, lse ``(B*H, n, tq)``.
+    """
+    mask = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
+    o, lse = flash_forward(_stacked(q, u, 0, u.tq), _stacked(k, u, a, b), _stacked(v, u, a, b),
+                           attn_mask=mask, scale=plan.scale)
+    if masked:
+        lse = lse.masked_fill(torch.isneginf(mask).all(-1), float("-inf"))  # rows with no key
+    return o, lse
 
 
 def merge_by_lse(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -435,11 +577,15 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: boo
     dbias = torch.zeros_like(plan.bias, dtype=acc) if bias_grad else None
     lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)  # rows with no key: p = e^-inf = 0
     dout = dout.to(q.dtype)
-    for i, chunks in enumerate(plan.rows):
-        t0, t1 = i * plan.bq, min((i + 1) * plan.bq, q.shape[2])
-        rows = slice(t0, t1)
-        for k0, k1, masked in chunks:
-            where, cols = (t0, t1, k0, k1, masked), slice(k0, k1)
+    if any(u.n > 1 for u in plan.units):
+        q, k, v, out, dout, lse_safe = (_mergeable(t) for t in (q, k, v, out, dout, lse_safe))
+    for u in plan.units:
+        rows = slice(u.t0, u.t0 + u.tq)
+        for a, b, masked in u.chunks:
+            if u.n > 1:
+                _group_flash_backward(plan, q, k, v, out, lse_safe, dout, u, a, b, masked, dq, dk, dv)
+                continue
+            where, cols = (u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b, masked), slice(u.t0 + a, u.t0 + b)
             args = (q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
                     lse_safe[:, :, rows], dout[:, :, rows])
             if plan.inner == "flash":
@@ -456,6 +602,24 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: boo
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
             None if dbias is None else dbias.to(plan.bias.dtype),
             [d.to(t.dtype) for d, t in zip(dts, grad_tensors)])
+
+
+def _group_flash_backward(plan: _Plan, q, k, v, out, lse, dout, u: _Unit, a: int, b: int,
+                          masked: bool, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """Gradients of one chunk of every tile of a diagonal group, added into dq, dk, dv
+    ``(B, H, L, E)``. Overlapping key windows are added in strips of ``tq`` keys, each strip a
+    non-overlapping view."""
+    mask = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
+    lse_u = _stacked(lse.unsqueeze(-1), u, 0, u.tq).squeeze(-1).contiguous()  # (B*H, n, tq)
+    g_q, g_k, g_v = flash_backward(
+        _stacked(dout, u, 0, u.tq), _stacked(q, u, 0, u.tq), _stacked(k, u, a, b),
+        _stacked(v, u, a, b), _stacked(out, u, 0, u.tq),
+        lse_u.float() if q.dtype != torch.float64 else lse_u, attn_mask=mask, scale=plan.scale)
+    dq[:, :, u.rows] += g_q.reshape(dq.shape[0], dq.shape[1], -1, dq.shape[-1])
+    for acc_t, g_t in ((dk, g_k), (dv, g_v)):  # g_t: (B*H, n, kc, E)
+        for p0 in range(0, b - a, u.tq):
+            p1 = min(b - a, p0 + u.tq)
+            _stacked(acc_t, u, a + p0, a + p1).add_(g_t[:, :, p0:p1])
 
 
 def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
