@@ -47,7 +47,8 @@ def test_backend_names_fastest_first():
 def test_auto_takes_fastest_that_supports(f32only):
     qkv.scaled_dot_product_attention(*_qkv(torch.float32))
     assert f32only.calls == 1
-    _, trace = qkv.scaled_dot_product_attention(*_qkv(torch.float64), return_trace=True)
+    q, k, v = _qkv(torch.float64)  # a gradient is wanted: a kernel (and weights from its lse)
+    _, trace = qkv.scaled_dot_product_attention(q.requires_grad_(), k, v, return_trace=True)
     assert f32only.calls == 1 and trace.backend == "torch"
 
 
@@ -83,11 +84,12 @@ def test_register_rejects_duplicates_and_auto():
 def test_trace_uses_kernel_lse_when_it_fits(monkeypatch):
     """A 4-D CPU call takes out and lse from torch's flash kernel in one run, with no second
     SDPA call; a GQA call too (its kv heads repeated per query head); without a trace,
-    plain torch SDPA."""
+    plain torch SDPA. (q requires grad: without, auto forms output and weights in one pass.)"""
     seen = []
     real = torch_sdpa.flash_forward
     monkeypatch.setattr(torch_sdpa, "flash_forward", lambda *a, **kw: seen.append(1) or real(*a, **kw))
     q, k, v = _qkv()
+    q.requires_grad_()
     _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True)
     assert seen == [1]
     out, trace = qkv.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True,

@@ -65,8 +65,10 @@ def test_module_select_equals_rows_of_full_probs(causal):
     torch.testing.assert_close(full @ trace.v.repeat_interleave(2, 1), trace.heads, rtol=0, atol=1e-12)
 
 
-def test_unbatched_module_trace_selects_lazily():
-    """The unbatched module trace drops the batch dim of 1 (index=0) and keeps select lazy."""
+def test_unbatched_module_trace_selects_lazily(monkeypatch):
+    """The unbatched module trace drops the batch dim of 1 (index=0) and keeps select lazy
+    (weights this small would be formed in one pass: the limit is lowered to keep it lazy)."""
+    monkeypatch.setattr(qkv.dispatch, "ONE_PASS_MAX_ELEMENTS", 0)
     T, C, H = 512, 16, 2
     mha = qkv.MultiHeadAttention(C, H, dtype=torch.float64)
     x = torch.randn(T, C, dtype=torch.float64)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .ops import (AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TiledBackend,
                   TorchBackend)
-from .ops.reference import attention_scores_at, take
+from .ops.reference import attention_scores_at, attention_with_weights, take, widened
 from .ops.triton import TritonBackend
 from .trace import AttentionTrace, probs_from_lse_
 
@@ -87,6 +87,9 @@ def run(call: AttentionCall, backend: str = "auto"):
     Shape:
         output ``(*batch, T, Dv)``.
     """
+    if call.return_trace and backend == "auto" and _weights_in_one_pass(call):
+        out, probs, lse = attention_with_weights(call)
+        return out, _trace_of_weights(call, probs, lse)
     chosen = select(call, backend)
     result = chosen.run(call)
     if not call.return_trace:
@@ -98,6 +101,48 @@ def run(call: AttentionCall, backend: str = "auto"):
         with torch.no_grad():
             trace = _trace_from_lse(call, result.lse, chosen.name)
     return result.out, trace
+
+
+# Weights of at most this many elements are formed with the output, in one pass, when no
+# gradient is wanted (64 MiB in float32: H=8, T=S=1448); beyond, they stay lazy, so that a
+# trace of a long sequence computes only the rows read.
+ONE_PASS_MAX_ELEMENTS = 2 ** 24
+
+
+def _weights_in_one_pass(call: AttentionCall) -> bool:
+    """Whether ``auto`` forms the output and the weights together (reference math, one pass,
+    :func:`qkv.ops.reference.attention_with_weights`): the weights are wanted, no gradient
+    is, no dropout, and the weights are small enough to hold at once (a longer call keeps its
+    lazy trace, computed only for the rows read). Faster than a kernel followed by a second
+    pass for the weights, and as exact (the tolerance policy holds for both)."""
+    if call.dropout_p > 0 or call.device.type == "meta" or call.T == 0 or call.S == 0:
+        return False
+    B, H = call.BH
+    if B * H * call.T * call.S > ONE_PASS_MAX_ELEMENTS:
+        return False
+    if torch.is_grad_enabled():
+        tensors = [call.query, call.key, call.value, call.attn_mask]
+        for mod in (call.mask_mod, call.score_mod):
+            if mod is not None:
+                tensors.extend(mod.tensors())
+        if any(t is not None and t.requires_grad for t in tensors):
+            return False
+    return True
+
+
+def _trace_of_weights(call: AttentionCall, probs: Tensor, lse: Tensor) -> AttentionTrace:
+    """The trace of :func:`attention_with_weights`: its weights, and scores recomputed when
+    first read."""
+    call = dataclasses.replace(call, query=call.query.detach(), key=call.key.detach(),
+                               value=call.value.detach())
+    probs4 = probs.reshape(call.BH + (call.T, call.S))  # (B, H, T, S)
+
+    def subset(b, h, rows):
+        scores = attention_scores_at(widened(call), b, h, rows)  # (nb, nh, nr, S)
+        return scores.to(call.dtype), take(probs4, b, h, rows)
+
+    return AttentionTrace(_recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
+                          probs, lse, "reference", subset=_recompute(call, subset))
 
 
 def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
@@ -123,20 +168,13 @@ def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
         return probs_from_lse_(scores, take(lse4, b, h, rows))
 
     def subset(b, h, rows):
-        scores = attention_scores_at(_widened(call), b, h, rows)  # (nb, nh, nr, S)
+        scores = attention_scores_at(widened(call), b, h, rows)  # (nb, nh, nr, S)
         probs = probs_from_lse_(scores.clone(), take(lse4, b, h, rows))
         return scores.to(call.dtype), probs.to(call.dtype)
 
     return AttentionTrace(_recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
                           _recompute(call, lambda: _by_row_blocks(call, probs_at)), lse,
                           backend, subset=_recompute(call, subset))
-
-
-def _widened(call: AttentionCall) -> AttentionCall:
-    """The call with float16/bfloat16 queries and keys in float32, for a trace's scores."""
-    if call.dtype not in (torch.float16, torch.bfloat16):
-        return call
-    return dataclasses.replace(call, query=call.query.float(), key=call.key.float())
 
 
 # A block of trace rows holds about 2^24 scores (64 MiB in float32), and at least 16 rows, so
@@ -153,7 +191,7 @@ def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
     Shape:
         fn gives ``(B, H, nr, *tail)`` (tail default ``(S,)``) -> ``(*batch, T, *tail)``.
     """
-    wide = _widened(call)
+    wide = widened(call)
     B, H = call.BH
     tail = (call.S,) if tail is None else tail
     b, h = torch.arange(B), torch.arange(H)

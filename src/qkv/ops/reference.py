@@ -10,6 +10,8 @@ broadcast of the inputs' leading dims.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -18,7 +20,8 @@ from ..masks import apply_mask_, causal_bool, evaluate_mask, evaluate_score, ind
 from .base import BackendResult
 from .call import AttentionCall
 
-__all__ = ["ReferenceBackend", "attention_scores", "attention_scores_at", "masked_softmax"]
+__all__ = ["ReferenceBackend", "attention_scores", "attention_scores_at", "attention_with_weights",
+           "masked_softmax", "widened"]
 
 
 class ReferenceBackend:
@@ -68,6 +71,17 @@ def attention_scores_at(call: AttentionCall, b: Tensor, h: Tensor, rows: Tensor)
     b, h, rows = b.to(dev), h.to(dev), rows.to(dev)
     q = take(query, b, h, rows)  # (nb, nh, nr, D)
     scores = (q * call.scale) @ take(key, b, h).transpose(-2, -1)  # (nb, nh, nr, S)
+    return _modify_at(call, scores, b, h, rows)
+
+
+def _modify_at(call: AttentionCall, scores: Tensor, b: Tensor, h: Tensor, rows: Tensor) -> Tensor:
+    """score_mod and every mask of the call on the scaled scores of these indices, in place
+    where it can be (a score_mod, or a float mask widening half scores, gives a new tensor).
+
+    Shape:
+        scores ``(nb, nh, nr, S)``, b ``(nb,)``, h ``(nh,)``, rows ``(nr,)`` -> the same.
+    """
+    dev = call.device
     idx = (b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), rows.view(1, 1, -1, 1),
            torch.arange(call.S, device=dev).view(1, 1, 1, -1))
     if call.score_mod is not None:
@@ -80,6 +94,92 @@ def attention_scores_at(call: AttentionCall, b: Tensor, h: Tensor, rows: Tensor)
     if call.mask_mod is not None:
         scores = apply_mask_(scores, evaluate_mask(call.mask_mod, *idx))
     return scores
+
+
+def widened(call: AttentionCall) -> AttentionCall:
+    """The call with float16/bfloat16 queries and keys in float32, for scores not rounded to
+    half (the weights are formed there before rounding)."""
+    if call.dtype not in (torch.float16, torch.bfloat16):
+        return call
+    return dataclasses.replace(call, query=call.query.float(), key=call.key.float())
+
+
+# The softmax of attention_with_weights runs on about 2^19 scores at a time (2 MiB in float32),
+# so that its passes over them stay in cache.
+_CACHE_ELEMENTS = 2 ** 19
+
+
+@torch.no_grad()
+def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+    """Output, weights and log-sum-exp together, in one pass of plain math, without an
+    autograd graph: for inference that wants the weights (a trace, ``output_attentions``).
+
+    Per batch element and head: the scores are computed into the weights' own buffer, turned
+    into weights there in place (a cache-sized block of rows at a time) and multiplied with the
+    values, so that nothing ``(T, S)``-sized is allocated besides the weights returned. Half
+    inputs: scores, weights and their product with the values in float32 (one ``(T, S)``
+    float32 buffer, reused across heads), rounded at the end, as a trace's recomputed weights.
+    No dropout.
+
+    Shape:
+        -> out ``(*batch, T, Dv)``, probs ``(*batch, T, S)``, lse ``(*batch, T)`` (float32,
+        float64 for float64 inputs).
+    """
+    if call.dropout_p > 0:
+        raise ValueError("attention_with_weights has no dropout")
+    B, H = call.BH
+    T, S, dev = call.T, call.S, call.device
+    wide = widened(call)
+    q, k, v = wide.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    acc = q.dtype
+    v = v.to(acc)
+    probs = torch.empty(B, H, T, S, dtype=call.dtype, device=dev)
+    out = torch.empty(B, H, T, v.shape[-1], dtype=call.dtype, device=dev)
+    lse = torch.empty(B, H, T, dtype=acc, device=dev)
+    work = None if acc == call.dtype else torch.empty(T, S, dtype=acc, device=dev)
+    rows = torch.arange(T, device=dev)
+    for bi in range(B):
+        for hi in range(H):
+            scores = probs[bi, hi] if work is None else work  # (T, S)
+            torch.matmul(q[bi, hi] * call.scale, k[bi, hi].transpose(0, 1), out=scores)
+            b, h = torch.tensor([bi], device=dev), torch.tensor([hi], device=dev)
+            scores = _modify_at(wide, scores.view(1, 1, T, S), b, h, rows)[0, 0]
+            _softmax_rows_(scores, lse[bi, hi])
+            if work is None:
+                torch.matmul(scores, v[bi, hi], out=out[bi, hi])
+            else:
+                out[bi, hi] = scores @ v[bi, hi]
+            if scores.data_ptr() != probs[bi, hi].data_ptr():
+                probs[bi, hi] = scores
+    lead = call.batch
+    return out.reshape(call.out_shape), probs.reshape(lead + (T, S)), lse.reshape(lead + (T,))
+
+
+def _softmax_rows_(scores: Tensor, lse: Tensor) -> None:
+    """``masked_softmax`` in place, a cache-sized block of rows at a time: the weights
+    overwrite ``scores`` and the log-sum-exp is written to ``lse``.
+
+    Each block goes through torch's fused softmax kernel with its output on its input (the
+    kernel reads a row before it writes it; tests/test_weights_one_pass.py checks the values
+    against ``masked_softmax``), and ``lse = max(scores) - log(max(weights))``, which holds
+    because the largest weight is ``exp(max(scores) - lse)``.
+
+    Shape:
+        scores ``(T, S)``, lse ``(T,)``.
+    """
+    T = scores.shape[0]
+    score_max = torch.empty(T, 1, dtype=scores.dtype, device=scores.device)
+    weight_max = torch.empty(T, 1, dtype=scores.dtype, device=scores.device)
+    step = max(1, _CACHE_ELEMENTS // max(scores.shape[-1], 1))
+    for t0 in range(0, T, step):
+        block = scores[t0:t0 + step]  # (nr, S)
+        torch.amax(block, dim=-1, keepdim=True, out=score_max[t0:t0 + step])
+        torch.ops.aten._softmax.out(block, -1, False, out=block)
+        torch.amax(block, dim=-1, keepdim=True, out=weight_max[t0:t0 + step])
+    empty = torch.isneginf(score_max)  # (T, 1): rows that may attend to nothing (now NaN)
+    if empty.any():
+        scores.masked_fill_(empty, 0.0)
+    lse.copy_(torch.where(empty, float("-inf"), score_max - weight_max.log()).squeeze(-1))
 
 
 def take(t: Tensor, *indices: Tensor, broadcast: bool = False) -> Tensor:

@@ -1,0 +1,161 @@
+"""Output and weights in one pass (``auto`` + ``return_trace`` when no gradient is wanted).
+
+The one-pass path (``qkv.ops.reference.attention_with_weights``) must give what the other
+paths give: the reference's output, weights and log-sum-exp in float64, the tolerance policy
+in half precision, the mask contract on rows with no key, and a trace whose ``select`` and
+``scores`` behave as a lazy trace's. It must not be taken when a gradient is wanted, when a
+backend is named, or when the weights would be too large to hold.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import qkv
+from qkv import dispatch
+from qkv import masks as M
+from qkv.ops import reference
+from qkv.ops.reference import _softmax_rows_, masked_softmax
+from qkv.testing import OUTPUT_FACTOR, assert_tolerance
+
+
+def _cases(B, H, T, S):
+    """(name, kwargs) of calls covering every way a mask reaches the scores."""
+    lengths = torch.tensor([0, S // 2])[-B:]  # batch element 0 has no key at all
+    dense_bool = torch.rand(B, 1, T, S, generator=torch.Generator().manual_seed(1)) > 0.3
+    dense_float = torch.randn(1, H, T, S, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    return [
+        ("none", {}),
+        ("causal", dict(is_causal=True)),
+        ("window", dict(mask_mod=M.sliding_window(7, 3))),
+        ("key-lengths", dict(mask_mod=M.key_lengths(lengths))),
+        ("dense-bool", dict(attn_mask=dense_bool)),
+        ("dense-float", dict(attn_mask=dense_float)),
+        ("alibi-causal", dict(score_mod=M.alibi(H), is_causal=True)),
+        ("softcap-window", dict(score_mod=M.softcap(2.0), mask_mod=M.sliding_window(20))),
+    ]
+
+
+def _one_pass(q, k, v, **kw):
+    with torch.no_grad():
+        out, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, **kw)
+    assert trace.backend == "reference" and not callable(trace._probs), "not the one-pass path"
+    return out, trace
+
+
+@pytest.mark.parametrize("T,S", [(1, 1), (37, 53), (300, 300)])
+def test_one_pass_equals_reference_float64(T, S):
+    B, H, D = 2, 3, 8
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S))
+    for name, kw in _cases(B, H, T, S):
+        if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
+            kw = dict(kw, attn_mask=kw["attn_mask"].to(q.dtype))
+        out, trace = _one_pass(q, k, v, **kw)
+        ref, rtrace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True,
+                                                       backend="reference", **kw)
+        torch.testing.assert_close(out, ref, msg=name)
+        torch.testing.assert_close(trace.probs, rtrace.probs, msg=name)
+        torch.testing.assert_close(trace.lse, rtrace.lse, msg=name)  # -inf where no key
+        torch.testing.assert_close(trace.scores, rtrace.scores, msg=name)
+        if name == "key-lengths":  # the element with no key: output 0, weights 0, lse -inf
+            assert out[0].abs().max() == 0 and trace.probs[0].abs().max() == 0
+            assert torch.isneginf(trace.lse[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
+def test_one_pass_tolerance_policy(dtype):
+    """Half inputs are multiplied in float32 and rounded once: within 2x the error of plain
+    math in the same dtype, for the output and the weights."""
+    B, H, T, S, D = 1, 4, 200, 260, 32
+    golden_in = [torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S)]
+    for name, kw in _cases(B, H, T, S):
+        if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
+            kw = dict(kw, attn_mask=kw["attn_mask"].to(dtype))
+        golden = qkv.scaled_dot_product_attention(*golden_in, return_trace=True,
+                                                  backend="reference", **kw)
+        baseline = qkv.scaled_dot_product_attention(*(t.to(dtype) for t in golden_in),
+                                                    return_trace=True, backend="reference", **kw)
+        out, trace = _one_pass(*(t.to(dtype) for t in golden_in), **kw)
+        assert out.dtype == trace.probs.dtype == dtype
+        assert_tolerance(out, golden[0], baseline[0], factor=OUTPUT_FACTOR, name=f"{name} out")
+        assert_tolerance(trace.probs, golden[1].probs, baseline[1].probs, factor=OUTPUT_FACTOR,
+                         name=f"{name} probs")
+
+
+def test_one_pass_gqa_leading_dims_and_select():
+    """GQA and 5-D inputs; select() gives the stored weights and recomputed scores of the
+    rows asked for."""
+    q = torch.randn(2, 3, 4, 50, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 3, 2, 70, 8, dtype=torch.float64), torch.randn(2, 3, 2, 70, 5, dtype=torch.float64)
+    out, trace = _one_pass(q, k, v, enable_gqa=True, is_causal=True)
+    ref, rtrace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="reference",
+                                                   enable_gqa=True, is_causal=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(trace.probs, rtrace.probs)
+    q, k, v = q[0], k[0], v[0]  # (B, H, T, D) with a mask_mod
+    kw = dict(enable_gqa=True, mask_mod=M.sliding_window(9))
+    _, trace = _one_pass(q, k, v, **kw)
+    _, rtrace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="reference", **kw)
+    part = trace.select(batch=[1], heads=[0, 3], rows=[0, 17, 49])
+    rpart = rtrace.select(batch=[1], heads=[0, 3], rows=[0, 17, 49])
+    torch.testing.assert_close(part.probs, rpart.probs)
+    torch.testing.assert_close(part.scores, rpart.scores)
+
+
+def test_one_pass_is_not_taken_when_it_should_not_be(monkeypatch):
+    """A wanted gradient, a named backend, dropout, or weights above the size limit keep the
+    kernel with its lazy trace; the gradient still flows."""
+    q, k, v = (torch.randn(1, 2, 64, 8, requires_grad=True) for _ in range(3))
+    out, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True)
+    assert trace.backend != "reference" and callable(trace._probs)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+    with torch.no_grad():
+        _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="torch")
+        assert trace.backend == "torch"
+        monkeypatch.setattr(dispatch, "ONE_PASS_MAX_ELEMENTS", 2 * 64 * 64 - 1)
+        _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True)
+        assert trace.backend != "reference" and callable(trace._probs)
+        monkeypatch.setattr(dispatch, "ONE_PASS_MAX_ELEMENTS", 2 * 64 * 64)
+        _one_pass(q, k, v)
+    # no grad wanted although grad mode is on: the inputs do not require it
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    _, trace = qkv.scaled_dot_product_attention(qd, kd, vd, return_trace=True)
+    assert trace.backend == "reference"
+
+
+def test_in_place_softmax_blocks_equal_masked_softmax(monkeypatch):
+    """The fused softmax written over its own input, block by block (blocks of 3 rows here),
+    equals masked_softmax, with rows of -inf, a row with no key, huge and tiny scores."""
+    monkeypatch.setattr(reference, "_CACHE_ELEMENTS", 3 * 40)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        scores = torch.randn(11, 40, generator=g, dtype=dtype) * 30
+        scores[2] = float("-inf")  # no key
+        scores[5, ::2] = float("-inf")
+        scores[7] = 1e30
+        scores[8, 3] = 1e4
+        want, want_lse = masked_softmax(scores.clone())
+        lse = torch.empty(11, dtype=dtype)
+        _softmax_rows_(scores, lse)
+        torch.testing.assert_close(scores, want)
+        torch.testing.assert_close(lse, want_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_module_weights_in_inference_equal_torch_module(dtype):
+    """qkv.MultiHeadAttention with return_trace in inference gives torch's module's output and
+    per-head weights (need_weights=True, average_attn_weights=False), from one pass."""
+    torch.manual_seed(0)
+    tm = nn.MultiheadAttention(64, 4, batch_first=True, dtype=dtype).eval()
+    qm = qkv.MultiHeadAttention.from_torch(tm).eval()
+    x = torch.randn(2, 90, 64, dtype=dtype)
+    with torch.no_grad():
+        want, want_w = tm(x, x, x, need_weights=True, average_attn_weights=False)
+        out, trace = qm(x, return_trace=True)
+    assert trace.backend == "reference"
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(trace.probs, want_w, **tol)
