@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -66,14 +65,18 @@ def flex_block_mask(case: str, T: int):
     return create_block_mask(mask, None, None, T, T, device="cpu")
 
 
-def implementations(case: str, T: int, mode: str, dense_max: int) -> tuple[dict, dict]:
+def implementations(case: str, T: int, mode: str, dense_max: int, plain_max: int) -> tuple[dict, dict]:
     """(name -> attend(q, k, v), name -> reason skipped)."""
     import torch.nn.functional as F
 
     mm = mask_mod_for(case, T)
-    impls = {"tiled": lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm),
-             "sdpa-plain": lambda q, k, v: F.scaled_dot_product_attention(q, k, v)}
+    impls = {"tiled": lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm)}
     skipped = {}
+    if T <= plain_max:
+        impls["sdpa-plain"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+    else:
+        skipped["sdpa-plain"] = (f"T^2 work beyond --plain-max {plain_max}: the yardstick is its "
+                                 f"GFLOP/s at the longest T measured")
     if T <= dense_max:
         dense = qkv.masks.to_dense(mm, 1, 1, T, T)  # (1, 1, T, T) bool
         impls["sdpa-dense"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
@@ -134,7 +137,7 @@ def run_masks(args, records: list, out_json: Path, env: dict) -> None:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, H, T, D, generator=g).to(DTYPES[dt]).requires_grad_(mode == "fwdbwd")
                    for _ in range(3))
-        impls, skipped = implementations(case, T, mode, args.dense_max)
+        impls, skipped = implementations(case, T, mode, args.dense_max, args.plain_max)
         secs, failed = interleaved({n: step(f, q, k, v, mode) for n, f in impls.items()}, args.min_time)
         skipped.update(failed)
         bwd = mode == "fwdbwd"
@@ -155,7 +158,8 @@ def run_masks(args, records: list, out_json: Path, env: dict) -> None:
 
 def weights_worker(impl: str, T: int, dt: str, measure: str, min_time: float) -> dict:
     """One weights measurement in this process: ``measure`` "time" gives nothing (the parent
-    interleaves), "memory" the peak extra resident memory of one call."""
+    interleaves), "memory" the peak extra resident memory of the first call (a second call
+    would reuse memory the allocator kept from the first)."""
     from torch import nn
 
     torch.manual_seed(0)
@@ -170,12 +174,24 @@ def weights_worker(impl: str, T: int, dt: str, measure: str, min_time: float) ->
                 return tm(x, x, x, need_weights=True, average_attn_weights=False)[1]
             return qm(x, return_trace=True)[1].probs
     if measure == "memory":
-        with open("/proc/self/statm") as f:
-            before = int(f.read().split()[1]) * resource.getpagesize()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # high-water mark := RSS now
+        before_kib = _status_kib("VmHWM")
         w = call()
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return dict(peak_mib=(peak - before) / 2 ** 20, weights_mib=w.numel() * w.element_size() / 2 ** 20)
+        peak_kib = _status_kib("VmHWM")
+        return dict(peak_mib=(peak_kib - before_kib) / 1024,
+                    weights_mib=w.numel() * w.element_size() / 2 ** 20)
     return dict(call=call)
+
+
+def _status_kib(field: str) -> int:
+    """A memory field of /proc/self/status, KiB (VmHWM: peak RSS since the last reset; not
+    ``ru_maxrss``, which also counts the parent's peak: Linux carries it over fork and exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
 
 
 def run_weights(args, records: list, out_json: Path, env: dict) -> None:
@@ -214,14 +230,19 @@ def report(records: list) -> list[str]:
     for case, T, dt, mode in keys:
         kw = dict(part="masks", case=case, T=T, dtype=dt, mode=mode)
         t, p, d, f = (_get(records, impl=i, **kw) for i in IMPLS)
+        if p is None:  # plain not run this long: its GFLOP/s at the longest T it ran
+            shorter = [r for r in records if r["part"] == "masks" and r["impl"] == "sdpa-plain" and
+                       r["status"] == "ok" and (r["dtype"], r["mode"]) == (dt, mode) and r["T"] < T]
+            p = max(shorter, key=lambda r: r["T"], default=None)
 
         def ms(r):
             return f"{r['time_s'] * 1e3:.1f}" if r else "skipped"
         share = t["gflops"] / p["gflops"] if t and p else None
+        yard = "" if p is None else f"{p['gflops']:.1f}" + ("" if p["T"] == T else f" (at T={p['T']})")
         dense = t["time_s"] / d["time_s"] if t and d else None
         flex = f["time_s"] / t["time_s"] if t and f else None
         lines.append(f"| {case} | {T} | {dt} | {'fwd+bwd' if mode == 'fwdbwd' else mode} | {ms(t)} | "
-                     f"{t['gflops']:.1f} | {p['gflops']:.1f} | {share:.2f} | {ms(d)} | "
+                     f"{t['gflops']:.1f} | {yard} | {share:.2f} | {ms(d)} | "
                      f"{'' if dense is None else f'{dense:.2f}'} | {ms(f)} | "
                      f"{'' if flex is None else f'{flex:.2f}'} |" if t and p else
                      f"| {case} | {T} | {dt} | {mode} | not measured |||||||||")
@@ -295,7 +316,8 @@ def main() -> int:
     ap.add_argument("--weight-lengths", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--weights-only", action="store_true")
     ap.add_argument("--no-weights", action="store_true")
-    ap.add_argument("--dense-max", type=int, default=16384)
+    ap.add_argument("--dense-max", type=int, default=4096, help="longest T for sdpa-dense")
+    ap.add_argument("--plain-max", type=int, default=4096, help="longest T for sdpa-plain")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per implementation and row")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()

@@ -217,7 +217,8 @@ def test_empty_blocks_are_skipped_and_full_blocks_unmasked():
 
 
 def test_auto_routes_structured_masks_to_tiled_and_plain_calls_to_torch():
-    q, k, v = (torch.randn(1, 2, 50, 8) for _ in range(3))
+    # inputs that want gradients: without, a trace call is formed in one pass (reference)
+    q, k, v = (torch.randn(1, 2, 50, 8, requires_grad=True) for _ in range(3))
     _, trace = _run(q, k, v, "auto", mask_mod=M.sliding_window(5), return_trace=True)
     assert trace.backend == "tiled"
     _, trace = _run(q, k, v, "auto", score_mod=M.softcap(5.0), return_trace=True)

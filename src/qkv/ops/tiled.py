@@ -14,6 +14,14 @@ and the log-sum-exp of its scores, and chunks merge by their log-sum-exps (the o
 softmax). Only the output and the log-sum-exp are kept: extra memory is O(T + S) plus one
 chunk's scores. Backward recomputes each chunk's weights from the saved log-sum-exp.
 
+Tiles are joined into units before any arithmetic (``_units``), so that the kernel sees few,
+large calls: consecutive tiles that visit the same keys become one tall tile (a document's
+rows; its partial edge blocks are then cut to the keys every row may attend, so it needs no
+mask: ``_trim_edges``), and, for masks and score_mods that depend on ``kv - q`` only
+(``masks.shift_invariant``: windows, ALiBi), consecutive tiles whose chunks sit at the same
+place relative to the tile become a *diagonal group*: one kernel call for all of them, with
+the keys read through an overlapping strided view and one mask shared by every tile.
+
 Two inner kernels compute a chunk:
   * ``flash``: torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
     and its backward), which returns the chunk's log-sum-exp. Its backward takes the *global*
