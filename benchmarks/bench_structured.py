@@ -62,7 +62,9 @@ def flex_block_mask(case: str, T: int):
 
         def mask(b, h, q, kv):
             return ids[q] == ids[kv]
-    return create_block_mask(mask, None, None, T, T, device="cpu")
+    # compiled: the eager path evaluates the mask on a full (T, T) grid (int64 index grids of
+    # T^2: out of memory at T=16384 on a 24 GiB machine)
+    return torch.compile(create_block_mask)(mask, None, None, T, T, device="cpu")
 
 
 def implementations(case: str, T: int, mode: str, dense_max: int, plain_max: int) -> tuple[dict, dict]:
@@ -87,6 +89,9 @@ def implementations(case: str, T: int, mode: str, dense_max: int, plain_max: int
     else:
         try:
             from torch.nn.attention.flex_attention import flex_attention
+            # each row is a new compilation: past dynamo's recompile limit flex would run
+            # eagerly, materialising T^2 scores (out of memory at T=16384)
+            torch._dynamo.reset()
             block_mask = flex_block_mask(case, T)
             compiled = torch.compile(flex_attention, dynamic=False)
             impls["flex"] = lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
