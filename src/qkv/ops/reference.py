@@ -159,9 +159,9 @@ def _softmax_rows_(scores: Tensor, lse: Tensor) -> None:
     """``masked_softmax`` in place, a cache-sized block of rows at a time: the weights
     overwrite ``scores`` and the log-sum-exp is written to ``lse``.
 
-    Each block goes through torch's fused softmax kernel with its output on its input (the
-    kernel reads a row before it writes it; tests/test_weights_one_pass.py checks the values
-    against ``masked_softmax``), and ``lse = max(scores) - log(max(weights))``, which holds
+    Each block goes through torch's fused softmax kernel, on CPU with its output on its input
+    (the kernel reads a row before it writes it; tests/test_weights_one_pass.py checks the
+    values against ``masked_softmax``; other devices get a copy), and ``lse = max(scores) - log(max(weights))``, which holds
     because the largest weight is ``exp(max(scores) - lse)``.
 
     Shape:
@@ -174,7 +174,10 @@ def _softmax_rows_(scores: Tensor, lse: Tensor) -> None:
     for t0 in range(0, T, step):
         block = scores[t0:t0 + step]  # (nr, S)
         torch.amax(block, dim=-1, keepdim=True, out=score_max[t0:t0 + step])
-        torch.ops.aten._softmax.out(block, -1, False, out=block)
+        if block.device.type == "cpu":  # written over its input: checked on CPU only
+            torch.ops.aten._softmax.out(block, -1, False, out=block)
+        else:
+            block.copy_(torch.softmax(block, dim=-1))
         torch.amax(block, dim=-1, keepdim=True, out=weight_max[t0:t0 + step])
     empty = torch.isneginf(score_max)  # (T, 1): rows that may attend to nothing (now NaN)
     if empty.any():

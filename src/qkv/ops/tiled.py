@@ -259,8 +259,7 @@ def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: i
     plan = _Plan(B, H, call.T, call.S, call.scale, mask_mod, None, call.score_mod, inner,
                  _units(rows, bq, call.T, groups, CHUNK_ELEMENTS // per_row), call.device)
     if mask_mod is not None:
-        max_kc = call.S if inner == "flash" else kc_blocks * bk  # flash keeps no scores
-        plan.units = [t for u in plan.units if (t := _trim_edges(plan, u, max_kc)).chunks]
+        plan.units = [t for u in plan.units if (t := _trim_edges(plan, u)).chunks]
     return plan
 
 
@@ -352,7 +351,7 @@ def _units(rows: list[list[tuple[int, int, bool]]], bq: int, T: int, groups: boo
     return units
 
 
-def _trim_edges(plan: _Plan, u: _Unit, max_kc: int) -> _Unit:
+def _trim_edges(plan: _Plan, u: _Unit) -> _Unit:
     """``u`` with its masked chunks cut to the keys its rows may attend, when those are the
     same keys for every row (and b, h) and consecutive (a document's rows against its partial
     edge blocks): such a chunk needs no mask and joins the unmasked chunk beside it, so a
@@ -360,6 +359,9 @@ def _trim_edges(plan: _Plan, u: _Unit, max_kc: int) -> _Unit:
     the chunk, as building its mask would."""
     if u.n > 1:
         return u
+    # joined chunks stay within the widest chunk the unit was planned with (matmul holds a
+    # chunk's scores); the flash kernel keeps none
+    max_kc = plan.S if plan.inner == "flash" else max(b - a for a, b, _ in u.chunks)
     chunks: list[tuple[int, int, bool]] = []
     for a, b, masked in u.chunks:
         if masked:
