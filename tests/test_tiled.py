@@ -344,17 +344,24 @@ def test_shift_invariance_is_claimed_only_for_masks_that_have_it():
         assert not M.shift_invariant(m), m
 
 
-def test_document_edges_are_trimmed_to_one_unmasked_call():
-    """A document that does not start on a block boundary: its rows take one kernel call over
-    exactly its keys, without a mask (the partial edge blocks are cut, not masked)."""
-    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 700, 350]))[None]
+def test_documents_are_one_unmasked_call_each():
+    """Documents that do not start on a block boundary: the partial edge blocks are cut to the
+    document's keys and the tiles straddling two documents are cut at the boundary, so each
+    document's rows are one unit over exactly its keys, without a mask."""
+    lengths = [300, 700, 350]
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))[None]
     T = ids.shape[-1]
     q = torch.randn(1, 2, T, 16)
     call = AttentionCall.build(q, q, q, mask_mod=M.document(ids))
     plan = _plan(call, 1, 2, None, 64, 64, call.dtype)
-    inside = [u for u in plan.units if u.tq > 64]
-    assert [(u.t0, u.t0 + u.chunks[0][0], u.t0 + u.chunks[0][1]) for u in inside] == [
-        (0, 0, 300), (320, 300, 1000), (1024, 1000, 1350)]
-    assert all(len(u.chunks) == 1 and not u.chunks[0][2] for u in inside)
-    ref = _run(q, q, q, "reference", mask_mod=M.document(ids))
-    torch.testing.assert_close(_run(q, q, q, "tiled", mask_mod=M.document(ids)), ref)
+    assert [(u.t0, u.tq, u.n, u.chunks) for u in plan.units] == [
+        (0, 300, 1, ((0, 300, False),)), (300, 700, 1, ((0, 700, False),)),
+        (1000, 350, 1, ((0, 350, False),))]
+    for mm in (M.document(ids), M.and_masks(M.document(ids), M.causal())):
+        ref = _run(q, q, q, "reference", mask_mod=mm)
+        torch.testing.assert_close(_run(q, q, q, "tiled", mask_mod=mm), ref)
+    # rows that differ by batch element keep their mask (and stay exact)
+    ids2 = torch.cat([ids, ids.roll(100, -1).sort(-1).values])
+    q2 = torch.randn(2, 2, T, 16)
+    torch.testing.assert_close(_run(q2, q2, q2, "tiled", mask_mod=M.document(ids2)),
+                               _run(q2, q2, q2, "reference", mask_mod=M.document(ids2)))

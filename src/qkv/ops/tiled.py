@@ -256,10 +256,13 @@ def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: i
               and shift_invariant(mask_mod) and shift_invariant(call.score_mod))
     # how many rows a merged tile may have: its masks (flash) or scores (matmul) stay bounded
     per_row = states.shape[0] * states.shape[1] if inner == "flash" else B * H
+    tiles = [_Unit(i * bq, min(bq, call.T - i * bq), 1, tuple((a - i * bq, b - i * bq, m) for a, b, m in c))
+             for i, c in enumerate(rows) if c]
     plan = _Plan(B, H, call.T, call.S, call.scale, mask_mod, None, call.score_mod, inner,
-                 _units(rows, bq, call.T, groups, CHUNK_ELEMENTS // per_row), call.device)
-    if mask_mod is not None:
-        plan.units = [t for u in plan.units if (t := _trim_edges(plan, u)).chunks]
+                 _units(tiles, bq, groups, CHUNK_ELEMENTS // per_row), call.device)
+    if mask_mod is not None:  # masked chunks cut to what their rows attend, then joined again
+        pieces = [p for u in plan.units for p in _split_rows(plan, _trim_edges(plan, u)) if p.chunks]
+        plan.units = _units(pieces, bq, False, CHUNK_ELEMENTS // per_row)
     return plan
 
 
@@ -326,29 +329,53 @@ def _chunks(states: Tensor, bk: int, S: int, kc_blocks: int) -> list[list[tuple[
     return rows
 
 
-def _units(rows: list[list[tuple[int, int, bool]]], bq: int, T: int, groups: bool,
-           max_elements: int) -> list[_Unit]:
-    """Tiles joined into units (see :class:`_Unit`): consecutive tiles visiting the same keys
-    become one taller tile (a document's rows), and, when ``groups``, consecutive full tiles
-    whose chunks sit at the same place relative to the tile become one diagonal group (a
-    band's rows). Tiles with nothing to visit are left out (their rows output 0)."""
+def _units(tiles: list[_Unit], bq: int, groups: bool, max_elements: int) -> list[_Unit]:
+    """Units joined (see :class:`_Unit`): consecutive single tiles visiting the same keys become
+    one taller tile (a document's rows; at most ``max_elements`` rows x keys per chunk), and,
+    when ``groups``, consecutive full tiles whose chunks sit at the same place relative to the
+    tile become one diagonal group (a band's rows). Rows in no unit output 0."""
     units: list[_Unit] = []
-    for i, chunks in enumerate(rows):
-        if not chunks:
-            continue
-        t0, tq = i * bq, min(bq, T - i * bq)
-        rel = tuple((a - t0, b - t0, m) for a, b, m in chunks)
+    for u in tiles:
         last = units[-1] if units else None
-        if last is not None and last.rows.stop == t0:
-            if last.n == 1 and _absolute(last) == tuple(chunks) and (
-                    (last.tq + tq) * max(b - a for a, b, _ in chunks) <= max_elements):
-                units[-1] = _Unit(last.t0, last.tq + tq, 1, last.chunks)
+        if last is not None and u.n == 1 and last.rows.stop == u.t0:
+            if last.n == 1 and _absolute(last) == _absolute(u) and (
+                    (last.tq + u.tq) * max(b - a for a, b, _ in u.chunks) <= max_elements):
+                units[-1] = _Unit(last.t0, last.tq + u.tq, 1, last.chunks)
                 continue
-            if groups and tq == last.tq == bq and last.chunks == rel:
-                units[-1] = _Unit(last.t0, bq, last.n + 1, rel)
+            if groups and u.tq == last.tq == bq and last.chunks == u.chunks:
+                units[-1] = _Unit(last.t0, bq, last.n + 1, u.chunks)
                 continue
-        units.append(_Unit(t0, tq, 1, rel))
+        units.append(u)
     return units
+
+
+def _split_rows(plan: _Plan, u: _Unit) -> list[_Unit]:
+    """``u`` (one masked chunk, e.g. a tile straddling two documents) cut into runs of rows
+    that attend the same consecutive keys, each run a unit of its own without a mask, when
+    every row's keys are consecutive and the same for every b, h; else ``[u]``."""
+    if u.n > 1 or len(u.chunks) != 1 or not u.chunks[0][2]:
+        return [u]
+    a, b, _ = u.chunks[0]
+    ok = plan.allowed(u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b)  # (B?, H?, tq, kc)
+    if ok.shape[0] * ok.shape[1] != 1:
+        return [u]
+    ok = ok[0, 0]  # (tq, kc)
+    kc = ok.shape[-1]
+    count = ok.sum(-1)  # (tq,)
+    first = ok.to(torch.int8).argmax(-1)  # first allowed key of each row (0 if none)
+    last = kc - 1 - ok.flip(-1).to(torch.int8).argmax(-1)
+    if not ((count == last - first + 1) | (count == 0)).all():
+        return [u]  # some row's keys are not consecutive: keep the mask
+    span = torch.stack([first, last]).masked_fill(count == 0, -1)  # (2, tq), -1: no key
+    starts = [0] + (span[:, 1:] != span[:, :-1]).any(0).nonzero().flatten().add(1).tolist()
+    if len(starts) > 8:
+        return [u]  # rows change too often to pay for a call each
+    pieces = []
+    for r0, r1 in zip(starts, starts[1:] + [u.tq]):
+        c0, c1 = span[:, r0].tolist()
+        if c0 >= 0:
+            pieces.append(_Unit(u.t0 + r0, r1 - r0, 1, ((a + c0 - r0, a + c1 + 1 - r0, False),)))
+    return pieces
 
 
 def _trim_edges(plan: _Plan, u: _Unit) -> _Unit:
