@@ -135,7 +135,7 @@ def interleaved(steps: dict, min_time: float, rounds_min: int = 3) -> tuple[dict
 
 
 def run_masks(args, records: list, out_json: Path, env: dict) -> None:
-    rows = [(case, T, dt, mode) for T in args.lengths for case in ("window", "document")
+    rows = [(case, T, dt, mode) for T in args.lengths for case in args.cases
             for dt in args.dtypes for mode in args.modes]
     for i, (case, T, dt, mode) in enumerate(rows, 1):
         print(f"[{i}/{len(rows)}] {case} T={T} {dt} {mode} ...", file=sys.stderr, flush=True)
@@ -316,6 +316,7 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
+    ap.add_argument("--cases", nargs="+", default=["window", "document"], choices=["window", "document"])
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--weight-lengths", type=int, nargs="+", default=[256, 1024, 4096])
