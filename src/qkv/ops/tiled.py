@@ -16,8 +16,9 @@ chunk's scores. Backward recomputes each chunk's weights from the saved log-sum-
 
 Tiles are joined into units before any arithmetic (``_units``), so that the kernel sees few,
 large calls: consecutive tiles that visit the same keys become one tall tile (a document's
-rows; its partial edge blocks are then cut to the keys every row may attend, so it needs no
-mask: ``_trim_edges``), and, for masks and score_mods that depend on ``kv - q`` only
+rows; its partial edge blocks are then cut to the keys every row may attend, and a tile
+straddling two documents is cut at the boundary, so it needs no mask: ``_trim_edges``,
+``_split_rows``), and, for masks and score_mods that depend on ``kv - q`` only
 (``masks.shift_invariant``: windows, ALiBi), consecutive tiles whose chunks sit at the same
 place relative to the tile become a *diagonal group*: one kernel call for all of them, with
 the keys read through an overlapping strided view and one mask shared by every tile.
