@@ -365,3 +365,20 @@ def test_documents_are_one_unmasked_call_each():
     q2 = torch.randn(2, 2, T, 16)
     torch.testing.assert_close(_run(q2, q2, q2, "tiled", mask_mod=M.document(ids2)),
                                _run(q2, q2, q2, "reference", mask_mod=M.document(ids2)))
+
+
+def test_dense_masks_broadcast_along_keys_or_queries_are_cut_right():
+    """A bool attn_mask of one key column (rows on/off) or one query row (keys on/off) is
+    evaluated at the size it broadcasts to when chunks are cut to what rows attend."""
+    T, S = 200, 150
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (T, S, S))
+    rows = torch.ones(T, 1, dtype=torch.bool)
+    rows[70:90] = False  # these rows attend nothing: output 0
+    keys = torch.ones(1, S, dtype=torch.bool)
+    keys[:, 40:100] = False  # a gap in the keys: not consecutive, so the chunk keeps its mask
+    edge = torch.zeros(1, S, dtype=torch.bool)
+    edge[:, 3:77] = True  # consecutive keys, not on block boundaries: cut to them, no mask
+    for mask in (rows, keys, edge, rows & edge):
+        out = _run(q, k, v, "tiled", attn_mask=mask)
+        torch.testing.assert_close(out, _run(q, k, v, "reference", attn_mask=mask), rtol=0, atol=1e-12)
+    assert _run(q, k, v, "tiled", attn_mask=rows)[..., 70:90, :].abs().max() == 0

@@ -146,10 +146,13 @@ class _Plan:
         return add
 
     def allowed(self, t0: int, t1: int, k0: int, k1: int) -> Tensor:
-        """``mask_mod`` on the chunk. Shape: ``(B?, H?, tq, kc)``, bool."""
+        """``mask_mod`` on the chunk, as a view of every (query, key) pair even where the mask
+        does not vary (a dense mask of one key column). Shape: ``(B?, H?, tq, kc)``, bool."""
         b, h, q, kv = index_grid(self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
                                  device=self.device)
-        return evaluate_mask(self.mask_mod, b, h, q, kv)
+        ok = evaluate_mask(self.mask_mod, b, h, q, kv)
+        ok = ok.reshape((1,) * (4 - ok.dim()) + tuple(ok.shape))
+        return ok.expand(*ok.shape[:2], t1 - t0, k1 - k0)
 
 
 def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: int = BLOCK_Q,
