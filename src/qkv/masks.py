@@ -12,8 +12,10 @@ Shape alphabet: T query length, S key length.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import hashlib
 import math
 import types
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ __all__ = [
     "MaskMod", "ScoreMod", "causal", "sliding_window", "prefix_lm", "document", "key_lengths",
     "and_masks", "or_masks", "alibi", "alibi_slopes", "softcap", "to_dense", "block_summary",
     "BlockSummary", "as_mask_mod", "as_score_mod", "evaluate_mask", "evaluate_score", "index_grid",
-    "per_element", "score_mod_gradient_inputs", "shift_invariant",
+    "per_element", "score_mod_gradient_inputs", "shift_invariant", "structure_key",
     # dense masks
     "apply_mask_", "causal_bool", "merge_causal", "merge_key_mask",
 ]
@@ -993,6 +995,40 @@ def shift_invariant(mod) -> bool:
     if type(mod) in (_Offset, _OffsetScore):
         return shift_invariant(mod.inner)
     return False
+
+
+def structure_key(mod) -> tuple | None:
+    """A hashable key that equals another's only when both (bound) masks allow the same pairs
+    at every size, or None when that cannot be told cheaply: the tiled backend reuses a
+    block plan across calls under this key. Tensors count by their content (dtype, shape,
+    device and a digest of their bytes), so ids or lengths changed in place give a new key.
+    Exact types only, as in :func:`shift_invariant`: a subclass, a plain function or a dense
+    mask gives None (their ``__call__`` may read anything)."""
+    if mod is None:
+        return ("none",)
+    kind = type(mod)
+    if kind is _Window:
+        return ("window", mod.left, mod.right, mod.align, mod.offset)
+    if kind is _KeysBefore:
+        return ("keys_before", mod.n if isinstance(mod.n, int) else _content_key(mod.n))
+    if kind is _Document:
+        kv = "same" if mod.kv_ids is mod.q_ids else _content_key(mod.kv_ids)
+        return ("document", _content_key(mod.q_ids), kv)
+    if kind is _Offset:
+        inner = structure_key(mod.inner)
+        return None if inner is None else ("offset", inner, mod.q_start, mod.kv_start)
+    if kind is _Combined:
+        parts = tuple(structure_key(m) for m in mod.mods)
+        return None if None in parts else (mod.op, parts)
+    return None
+
+
+def _content_key(t: Tensor) -> tuple:
+    """dtype, shape, device and a 128-bit digest of ``t``'s values."""
+    flat = t.detach().reshape(-1).to("cpu").contiguous()
+    data = ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    return (str(t.dtype), tuple(t.shape), str(t.device), digest)
 
 
 # --- inspection ------------------------------------------------------------------------------

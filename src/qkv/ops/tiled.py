@@ -40,6 +40,8 @@ head dim; a tile has ``tq`` queries and a chunk ``kc`` keys.
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -47,13 +49,14 @@ from torch import Tensor
 
 from ..masks import (EMPTY, FULL, Grid, MaskMod, ScoreMod, and_masks, block_states, causal,
                      evaluate_mask, evaluate_score, index_grid, score_mod_gradient_inputs,
-                     shift_invariant)
+                     shift_invariant, structure_key)
 from ._aten import flash_backward, flash_cpu_available, flash_forward
 from .base import BackendResult
 from .call import AttentionCall
 from .reference import ReferenceBackend
 
-__all__ = ["TiledBackend", "tiled_attention", "piece_forward", "piece_backward", "merge_by_lse"]
+__all__ = ["TiledBackend", "tiled_attention", "piece_forward", "piece_backward", "merge_by_lse",
+           "clear_plan_cache"]
 
 BLOCK_Q = 64  # query rows per tile
 BLOCK_K = 64  # keys per block (the unit of skipping)
@@ -237,7 +240,9 @@ def _work_4d(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
 
 def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int,
           dtype: torch.dtype) -> _Plan:
-    """Combine the masks into one mask_mod, classify its blocks and list the units to compute."""
+    """Combine the masks into one mask_mod, classify its blocks and list the units to compute
+    (reused from an earlier call with the same mask structure and sizes: see
+    :func:`_cached_units`)."""
     mods = [m for m in (call.mask_mod, causal() if call.is_causal else None) if m is not None]
     mask = call.attn_mask
     if mask is not None and mask.dtype == torch.bool:
@@ -245,29 +250,76 @@ def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: i
     mask_mod = None if not mods else (mods[0] if len(mods) == 1 else and_masks(*mods))
     if mask_mod is not None:
         mask_mod = mask_mod.bind(B, H, call.T, call.S)
-    grid = Grid(B, H, call.T, call.S, bq, bk, call.device)
-    if mask_mod is None:
-        states = torch.full((1, 1, grid.nq, grid.nk), FULL, dtype=torch.int8)
-    else:
-        states = block_states(mask_mod, grid).cpu()  # (B?, H?, nq, nk)
     best = _pick_inner(call, dtype)
     if inner not in (None, "flash", "matmul") or (inner == "flash" and best != "flash"):
         raise ValueError(f"inner must be None, 'matmul' or (when it can take the call) 'flash', got {inner!r}")
     inner = inner or best
-    kc_blocks = max(1, CHUNK_ELEMENTS // (B * H * bq * bk))
-    rows = _chunks(states, bk, call.S, kc_blocks)
     groups = (inner == "flash" and (mask is None or mask.dtype == torch.bool)
               and shift_invariant(mask_mod) and shift_invariant(call.score_mod))
-    # how many rows a merged tile may have: its masks (flash) or scores (matmul) stay bounded
-    per_row = states.shape[0] * states.shape[1] if inner == "flash" else B * H
-    tiles = [_Unit(i * bq, min(bq, call.T - i * bq), 1, tuple((a - i * bq, b - i * bq, m) for a, b, m in c))
-             for i, c in enumerate(rows) if c]
-    plan = _Plan(B, H, call.T, call.S, call.scale, mask_mod, None, call.score_mod, inner,
-                 _units(tiles, bq, groups, CHUNK_ELEMENTS // per_row), call.device)
-    if mask_mod is not None:  # masked chunks cut to what their rows attend, then joined again
-        pieces = [p for u in plan.units for p in _split_rows(plan, _trim_edges(plan, u)) if p.chunks]
-        plan.units = _units(pieces, bq, False, CHUNK_ELEMENTS // per_row)
+    plan = _Plan(B, H, call.T, call.S, call.scale, mask_mod, None, call.score_mod, inner, [],
+                 call.device)
+    structure = structure_key(mask_mod)
+    if structure is None:  # a dense mask or a plain function: planned anew every call
+        plan.units = _plan_units(plan, bq, bk, groups)
+        return plan
+    key = (structure, B, H, call.T, call.S, bq, bk, inner, groups, str(call.device), CHUNK_ELEMENTS)
+    units, group_masks = _cached_units(key, lambda: _plan_units(plan, bq, bk, groups))
+    plan.units = units
+    if call.score_mod is None:  # the chunk masks come from the mask alone: shared too
+        plan.group_masks = group_masks
     return plan
+
+
+def _plan_units(plan: _Plan, bq: int, bk: int, groups: bool) -> list[_Unit]:
+    """The units of ``plan`` (whose sizes, mask and inner kernel are set): blocks classified,
+    chunks listed per tile, tiles joined, masked chunks trimmed and joined again."""
+    grid = Grid(plan.B, plan.H, plan.T, plan.S, bq, bk, plan.device)
+    if plan.mask_mod is None:
+        states = torch.full((1, 1, grid.nq, grid.nk), FULL, dtype=torch.int8)
+    else:
+        states = block_states(plan.mask_mod, grid).cpu()  # (B?, H?, nq, nk)
+    kc_blocks = max(1, CHUNK_ELEMENTS // (plan.B * plan.H * bq * bk))
+    rows = _chunks(states, bk, plan.S, kc_blocks)
+    # how many rows a merged tile may have: its masks (flash) or scores (matmul) stay bounded
+    per_row = states.shape[0] * states.shape[1] if plan.inner == "flash" else plan.B * plan.H
+    tiles = [_Unit(i * bq, min(bq, plan.T - i * bq), 1, tuple((a - i * bq, b - i * bq, m) for a, b, m in c))
+             for i, c in enumerate(rows) if c]
+    units = _units(tiles, bq, groups, CHUNK_ELEMENTS // per_row)
+    if plan.mask_mod is not None:  # masked chunks cut to what their rows attend, then joined again
+        plan.units = units
+        pieces = [p for u in units for p in _split_rows(plan, _trim_edges(plan, u)) if p.chunks]
+        units = _units(pieces, bq, False, CHUNK_ELEMENTS // per_row)
+    return units
+
+
+# Block plans of recent calls, by mask structure and sizes (masks.structure_key): a model
+# calls attention with the same mask in every layer and step, and planning costs up to a tenth
+# of a call. Units are immutable; the chunk masks of diagonal groups are shared when no
+# score_mod takes part in them.
+PLAN_CACHE_SIZE = 64
+_plan_cache: OrderedDict = OrderedDict()
+_plan_cache_lock = threading.Lock()
+
+
+def _cached_units(key: tuple, make) -> tuple[list[_Unit], dict]:
+    """``(units, group_masks)`` for ``key``: from the cache, or ``make()`` and remembered."""
+    with _plan_cache_lock:
+        hit = _plan_cache.get(key)
+        if hit is not None:
+            _plan_cache.move_to_end(key)
+            return hit
+    entry = (make(), {})
+    with _plan_cache_lock:
+        _plan_cache[key] = entry
+        while len(_plan_cache) > PLAN_CACHE_SIZE:
+            _plan_cache.popitem(last=False)
+    return entry
+
+
+def clear_plan_cache() -> None:
+    """Forget every remembered block plan (they are rebuilt on the next call)."""
+    with _plan_cache_lock:
+        _plan_cache.clear()
 
 
 def _refuse_flash(inner: str | None, why: str) -> str:

@@ -1,0 +1,110 @@
+"""The tiled backend's block plans, reused across calls (``qkv.ops.tiled._cached_units``) under
+``qkv.masks.structure_key``: the same structure and sizes reuse a plan, anything else plans
+anew, and a reused plan gives the answer of a fresh one (float64, compared with the reference).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv import masks as M
+from qkv.ops import tiled
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    tiled.clear_plan_cache()
+    yield
+    tiled.clear_plan_cache()
+
+
+def _qkv(B=1, H=2, T=200, S=200, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (T, S, S))
+
+
+def _check(q, k, v, **kw):
+    out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+    ref = qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+def test_same_structure_reuses_one_plan_and_new_sizes_plan_anew():
+    q, k, v = _qkv()
+    _check(q, k, v, mask_mod=M.sliding_window(30))
+    _check(q, k, v, mask_mod=M.sliding_window(30))  # a new object, the same structure
+    assert len(tiled._plan_cache) == 1
+    _check(q, k, v, mask_mod=M.sliding_window(31))
+    _check(*_qkv(T=201, S=201), mask_mod=M.sliding_window(30))
+    _check(*_qkv(H=3), mask_mod=M.sliding_window(30))
+    assert len(tiled._plan_cache) == 4
+
+
+def test_document_ids_changed_in_place_get_a_new_plan():
+    T = 300
+    q, k, v = _qkv(T=T, S=T)
+    ids = torch.arange(T) // 100  # three documents of 100
+    _check(q, k, v, mask_mod=M.document(ids))
+    key = M.structure_key(M.document(ids))
+    ids[:150] = 0  # the same tensor, other documents: a stale plan would mix them up
+    assert M.structure_key(M.document(ids)) != key
+    _check(q, k, v, mask_mod=M.document(ids))
+    assert len(tiled._plan_cache) == 2
+
+
+def test_key_lengths_of_other_values_get_their_own_plan():
+    q, k, v = _qkv(B=2)
+    _check(q, k, v, mask_mod=M.key_lengths(torch.tensor([50, 200])))
+    _check(q, k, v, mask_mod=M.key_lengths(torch.tensor([120, 7])))
+    assert len(tiled._plan_cache) == 2
+
+
+@pytest.mark.parametrize("name", ["function", "subclass", "dense"])
+def test_masks_without_a_structure_key_are_never_cached(name):
+    q, k, v = _qkv()
+
+    class Band(M.MaskMod):  # a subclass may read anything: no key
+        def __call__(self, b, h, q_idx, kv_idx):
+            return (kv_idx - q_idx).abs() <= 9
+
+    kw = {"function": dict(mask_mod=lambda b, h, qi, ki: (ki - qi).abs() <= 9),
+          "subclass": dict(mask_mod=Band()),
+          "dense": dict(attn_mask=M.to_dense(M.sliding_window(9, 9), 1, 1, 200, 200)[0, 0])}[name]
+    if "mask_mod" in kw:
+        assert M.structure_key(M.as_mask_mod(kw["mask_mod"])) is None
+    _check(q, k, v, **kw)
+    _check(q, k, v, **kw)
+    assert len(tiled._plan_cache) == 0
+
+
+def test_structure_keys_of_combinations_and_offsets():
+    w, c = M.sliding_window(4), M.causal()
+    assert M.structure_key(M.and_masks(w, c)) == M.structure_key(M.and_masks(M.sliding_window(4), M.causal()))
+    assert M.structure_key(M.and_masks(w, c)) != M.structure_key(M.or_masks(w, c))
+    assert M.structure_key(M.and_masks(w, lambda b, h, q, kv: q >= kv)) is None
+    bound = M.causal("bottom_right")
+    assert M.structure_key(bound.bind(1, 1, 3, 5)) != M.structure_key(bound.bind(1, 1, 5, 5))
+    assert M.structure_key(M.offset_mask(w.bind(1, 1, 9, 9), 2, 0)) != M.structure_key(
+        M.offset_mask(w.bind(1, 1, 9, 9), 3, 0))
+
+
+def test_a_reused_plan_serves_other_inputs_score_mods_and_gradients():
+    T = 257
+    mm = M.sliding_window(40, 3)
+    for seed, sm in enumerate([None, M.alibi(2), M.softcap(3.0)]):
+        q, k, v = (t.requires_grad_() for t in _qkv(T=T, S=T, seed=seed))
+        out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm, score_mod=sm)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        ref = qkv.scaled_dot_product_attention(q, k, v, backend="reference", mask_mod=mm, score_mod=sm)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=0, atol=1e-10)
+
+
+def test_the_cache_is_bounded():
+    q, k, v = _qkv(T=40, S=40)
+    for w in range(tiled.PLAN_CACHE_SIZE + 5):
+        qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=M.sliding_window(w))
+    assert len(tiled._plan_cache) == tiled.PLAN_CACHE_SIZE
