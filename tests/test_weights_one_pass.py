@@ -16,7 +16,7 @@ import qkv
 from qkv import dispatch
 from qkv import masks as M
 from qkv.ops import reference
-from qkv.ops.reference import _softmax_rows_, masked_softmax
+from qkv.ops.reference import _softmax_block_, masked_softmax
 from qkv.testing import OUTPUT_FACTOR, assert_tolerance
 
 
@@ -126,22 +126,48 @@ def test_one_pass_is_not_taken_when_it_should_not_be(monkeypatch):
     assert trace.backend == "reference"
 
 
-def test_in_place_softmax_blocks_equal_masked_softmax(monkeypatch):
-    """The fused softmax written over its own input, block by block (blocks of 3 rows here),
-    equals masked_softmax, with rows of -inf, a row with no key, huge and tiny scores."""
-    monkeypatch.setattr(reference, "_CACHE_ELEMENTS", 3 * 40)
+def test_in_place_softmax_equals_masked_softmax():
+    """The fused softmax written over its own input equals masked_softmax, with rows of -inf,
+    a row with no key, huge and tiny scores, on a block of several heads."""
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
-        scores = torch.randn(11, 40, generator=g, dtype=dtype) * 30
-        scores[2] = float("-inf")  # no key
-        scores[5, ::2] = float("-inf")
-        scores[7] = 1e30
-        scores[8, 3] = 1e4
+        scores = torch.randn(2, 11, 40, generator=g, dtype=dtype) * 30
+        scores[0, 2] = float("-inf")  # no key
+        scores[1, 5, ::2] = float("-inf")
+        scores[0, 7] = 1e30
+        scores[1, 8, 3] = 1e4
         want, want_lse = masked_softmax(scores.clone())
-        lse = torch.empty(11, dtype=dtype)
-        _softmax_rows_(scores, lse)
+        lse = torch.empty(2, 11, dtype=dtype)
+        _softmax_block_(scores, lse)
         torch.testing.assert_close(scores, want)
         torch.testing.assert_close(lse, want_lse)
+
+
+@pytest.mark.parametrize("budget", [3 * 53, 2 * 37 * 53], ids=["rows-of-3", "two-heads"])
+def test_blocks_of_rows_and_of_heads_equal_reference(monkeypatch, budget):
+    """Blocks of 3 rows of one head, or of two whole heads: the same output, weights and
+    log-sum-exp as the reference, float64 and (by the tolerance policy) bfloat16."""
+    monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", budget)
+    B, H, T, S, D = 2, 3, 37, 53, 8
+    golden_in = [torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S)]
+    for name, kw in _cases(B, H, T, S):
+        if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
+            kw = dict(kw, attn_mask=kw["attn_mask"].to(torch.float64))
+        out, trace = _one_pass(*golden_in, **kw)
+        ref, rtrace = qkv.scaled_dot_product_attention(*golden_in, return_trace=True,
+                                                       backend="reference", **kw)
+        torch.testing.assert_close(out, ref, msg=name)
+        torch.testing.assert_close(trace.probs, rtrace.probs, msg=name)
+        torch.testing.assert_close(trace.lse, rtrace.lse, msg=name)
+        if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
+            kw = dict(kw, attn_mask=kw["attn_mask"].to(torch.bfloat16))
+        half = [t.to(torch.bfloat16) for t in golden_in]
+        base, btrace = qkv.scaled_dot_product_attention(*half, return_trace=True,
+                                                        backend="reference", **kw)
+        out, trace = _one_pass(*half, **kw)
+        assert_tolerance(out, ref, base, factor=OUTPUT_FACTOR, name=f"{name} out")
+        assert_tolerance(trace.probs, rtrace.probs, btrace.probs, factor=OUTPUT_FACTOR,
+                         name=f"{name} probs")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

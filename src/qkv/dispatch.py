@@ -104,9 +104,10 @@ def run(call: AttentionCall, backend: str = "auto"):
 
 
 # Weights of at most this many elements are formed with the output, in one pass, when no
-# gradient is wanted (64 MiB in float32: H=8, T=S=1448); beyond, they stay lazy, so that a
-# trace of a long sequence computes only the rows read.
-ONE_PASS_MAX_ELEMENTS = 2 ** 24
+# gradient is wanted (512 MiB in float32: 8 heads at T=S=4096, what torch's module holds for
+# need_weights=True too); beyond, they stay lazy, so that a trace of a long sequence computes
+# only the rows read (trace.select) instead of holding every weight.
+ONE_PASS_MAX_ELEMENTS = 2 ** 27
 
 
 def _weights_in_one_pass(call: AttentionCall) -> bool:
