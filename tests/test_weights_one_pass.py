@@ -185,3 +185,18 @@ def test_module_weights_in_inference_equal_torch_module(dtype):
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=2e-2)
     torch.testing.assert_close(out, want, **tol)
     torch.testing.assert_close(trace.probs, want_w, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_half_output_is_the_returned_weights_times_the_values(dtype):
+    """In half precision the output is the weights the trace returns (rounded once) times the
+    values, summed in float32 or better: within half an ulp of the output's dtype of the
+    float64 product, plus the float32 sums' error."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=g).to(dtype) for n in (70, 90, 90))
+    with torch.no_grad():
+        out, trace = _one_pass(q, k, v, mask_mod=M.sliding_window(20))
+    exact = trace.probs.double() @ v.double()  # (2, 3, 70, 16)
+    assert out.dtype == dtype and trace.probs.dtype == dtype
+    half_ulp = exact.abs() * torch.finfo(dtype).eps / 2 + 1e-6
+    assert ((out.double() - exact).abs() <= half_ulp * 1.01).all()

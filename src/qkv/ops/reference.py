@@ -122,8 +122,8 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     in place and multiplied with the values, so that nothing ``(T, S)``-sized is allocated
     besides the weights returned.
     Half inputs: scores and softmax in float32 (one block-sized buffer), rounded once into the
-    weights returned; the output is those weights times the values, multiplied in the inputs'
-    dtype with float32 accumulation (as a flash kernel does). No dropout.
+    weights returned; the output is those weights times the values with float32 sums (as a
+    flash kernel does; on CPU multiplied in float32, where half GEMMs are slow). No dropout.
 
     Shape:
         -> out ``(*batch, T, Dv)``, probs ``(*batch, T, S)``, lse ``(*batch, T)`` (float32,
@@ -137,17 +137,25 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     q, _, _ = wide.as_4d()  # (B, H, T, D), float32 for half inputs
     _, k, v = call.as_4d()  # (B, H, S, D), (B, H, S, Dv)
     acc = q.dtype
-    # dense per-head matrices: torch's CPU bmm takes a slow path on a module's head views
-    # (measured 12 ms against 1.2 for 4 heads of 1024 x 64 x 1024)
-    q = (q * call.scale).contiguous()  # (B, H, T, D)
-    kt = k.to(acc).contiguous().transpose(-2, -1)  # (B, H, D, S)
-    v = v.contiguous()  # (B, H, S, Dv)
+    rows = max(1, min(T, _BLOCK_ELEMENTS // max(S, 1)))  # rows of a block
+    heads = max(1, min(H, _BLOCK_ELEMENTS // max(T * S, 1))) if rows == T else 1  # heads of a block
+    q = q * call.scale  # (B, H, T, D)
+    k = k.to(acc)
+    if heads > 1:
+        # several heads per block go through bmm, which on the 2-core Xeon box took a slow
+        # path on a module's head views (strided heads); copies of a short call are cheap.
+        # One head per block is a plain GEMM, level on views (measured at T=1024, 4096).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    kt = k.transpose(-2, -1)  # (B, H, D, S)
     probs = empty_large((B, H, T, S), dtype=call.dtype, device=dev)  # written once, block by block
     out = torch.empty(B, H, T, v.shape[-1], dtype=call.dtype, device=dev)
     lse = torch.empty(B, H, T, dtype=acc, device=dev)
-    rows = max(1, min(T, _BLOCK_ELEMENTS // max(S, 1)))  # rows of a block
-    heads = max(1, min(H, _BLOCK_ELEMENTS // max(T * S, 1))) if rows == T else 1  # heads of a block
     work = None if acc == call.dtype else torch.empty(heads, rows, S, dtype=acc, device=dev)
+    # half inputs on CPU: the rounded weights times the values in float32 (same products and
+    # float32 sums as a half GEMM); torch's CPU bfloat16 GEMM without AMX ran at ~1.7 GFLOP/s
+    # on the 2-core EPYC box (8 heads, T=4096: 10.7 s against 0.68 s). Elsewhere in half.
+    wide_pv = work is not None and dev.type == "cpu"
+    vw = v.to(acc) if wide_pv else v
     plain = call.attn_mask is None and call.mask_mod is None and call.score_mod is None and not call.is_causal
     for bi in range(B):
         for h0 in range(0, H, heads):
@@ -164,7 +172,10 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
                 _softmax_block_(scores, lse[bi, h0:h1, t0:t1])
                 if scores.data_ptr() != block.data_ptr():
                     block.copy_(scores)  # rounded to half once, or a score_mod's new tensor
-                out[bi, h0:h1, t0:t1] = torch.matmul(block, v[bi, h0:h1])  # (nh, nr, Dv)
+                if wide_pv:
+                    scores.copy_(block)  # the rounded weights, back in float32
+                    block = scores
+                out[bi, h0:h1, t0:t1] = torch.matmul(block, vw[bi, h0:h1])  # (nh, nr, Dv)
     lead = call.batch
     return out.reshape(call.out_shape), probs.reshape(lead + (T, S)), lse.reshape(lead + (T,))
 
