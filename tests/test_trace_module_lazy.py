@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import qkv
+import qkv.dispatch
 
 
 class LargestTensor(TorchDispatchMode):
@@ -34,8 +35,11 @@ def _rows_of_softmax(q, k, scale, rows, keep=None):
     return torch.softmax(scores, dim=-1)
 
 
-def test_long_module_trace_builds_no_full_weights():
+def test_long_module_trace_builds_no_full_weights(monkeypatch):
+    """A call whose weights exceed the one-pass limit (lowered here to keep the test short;
+    2^27 by default) keeps its trace lazy even without a gradient."""
     T, C, H = 4096, 32, 2
+    monkeypatch.setattr(qkv.dispatch, "ONE_PASS_MAX_ELEMENTS", H * T * T - 1)
     mha = qkv.MultiHeadAttention(C, H)
     x = torch.randn(1, T, C)
     with torch.no_grad(), LargestTensor() as seen:

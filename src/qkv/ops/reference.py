@@ -139,16 +139,18 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     acc = q.dtype
     rows = max(1, min(T, _BLOCK_ELEMENTS // max(S, 1)))  # rows of a block
     heads = max(1, min(H, _BLOCK_ELEMENTS // max(T * S, 1))) if rows == T else 1  # heads of a block
-    q = q * call.scale  # (B, H, T, D)
     k = k.to(acc)
     if heads > 1:
         # several heads per block go through bmm, which on the 2-core Xeon box took a slow
         # path on a module's head views (strided heads); copies of a short call are cheap.
-        # One head per block is a plain GEMM, level on views (measured at T=1024, 4096).
+        # One head per block is a plain GEMM, level on views (measured at T=1024, 4096), so
+        # long calls copy nothing: the scale is the GEMM's alpha, not a scaled copy of q.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     kt = k.transpose(-2, -1)  # (B, H, D, S)
     probs = empty_large((B, H, T, S), dtype=call.dtype, device=dev)  # written once, block by block
-    out = torch.empty(B, H, T, v.shape[-1], dtype=call.dtype, device=dev)
+    # the output in (B, T, H, Dv) memory, as torch's flash kernels leave it: a module's merge
+    # of the heads, heads.transpose(1, 2).reshape(B, T, H * Dv), is then a view, not a copy
+    out = torch.empty(B, T, H, v.shape[-1], dtype=call.dtype, device=dev).transpose(1, 2)
     lse = torch.empty(B, H, T, dtype=acc, device=dev)
     work = None if acc == call.dtype else torch.empty(heads, rows, S, dtype=acc, device=dev)
     # half inputs on CPU: the rounded weights times the values in float32 (same products and
@@ -164,7 +166,8 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
                 t1 = min(T, t0 + rows)
                 block = probs[bi, h0:h1, t0:t1]  # (nh, nr, S)
                 scores = block if work is None else work[:h1 - h0, :t1 - t0]
-                torch.matmul(q[bi, h0:h1, t0:t1], kt[bi, h0:h1], out=scores)  # (nh, nr, S)
+                torch.baddbmm(scores, q[bi, h0:h1, t0:t1], kt[bi, h0:h1], beta=0,
+                              alpha=call.scale, out=scores)  # (nh, nr, S): scale * q k^T
                 if not plain:
                     scores = _modify_at(wide, scores.unsqueeze(0), torch.tensor([bi], device=dev),
                                         torch.arange(h0, h1, device=dev),
@@ -172,10 +175,12 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
                 _softmax_block_(scores, lse[bi, h0:h1, t0:t1])
                 if scores.data_ptr() != block.data_ptr():
                     block.copy_(scores)  # rounded to half once, or a score_mod's new tensor
+                dst = out[bi, h0:h1, t0:t1]  # (nh, nr, Dv)
                 if wide_pv:
                     scores.copy_(block)  # the rounded weights, back in float32
-                    block = scores
-                out[bi, h0:h1, t0:t1] = torch.matmul(block, vw[bi, h0:h1])  # (nh, nr, Dv)
+                    dst.copy_(torch.matmul(scores, vw[bi, h0:h1]))
+                else:
+                    torch.matmul(block, vw[bi, h0:h1], out=dst)
     lead = call.batch
     return out.reshape(call.out_shape), probs.reshape(lead + (T, S)), lse.reshape(lead + (T,))
 
