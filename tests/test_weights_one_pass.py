@@ -153,6 +153,7 @@ def test_blocks_of_rows_and_of_heads_equal_reference(monkeypatch, budget):
     for name, kw in _cases(B, H, T, S):
         if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
             kw = dict(kw, attn_mask=kw["attn_mask"].to(torch.float64))
+        monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", budget)
         out, trace = _one_pass(*golden_in, **kw)
         ref, rtrace = qkv.scaled_dot_product_attention(*golden_in, return_trace=True,
                                                        backend="reference", **kw)
@@ -162,6 +163,7 @@ def test_blocks_of_rows_and_of_heads_equal_reference(monkeypatch, budget):
         if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
             kw = dict(kw, attn_mask=kw["attn_mask"].to(torch.bfloat16))
         half = [t.to(torch.bfloat16) for t in golden_in]
+        monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", 4 * budget)  # half: a quarter of it
         base, btrace = qkv.scaled_dot_product_attention(*half, return_trace=True,
                                                         backend="reference", **kw)
         out, trace = _one_pass(*half, **kw)

@@ -108,7 +108,8 @@ def widened(call: AttentionCall) -> AttentionCall:
 # attention_with_weights works on blocks of about 2^22 scores (16 MiB in float32): measured on
 # the 2-core Xeon box, 8 heads x T=S=1024 float32 took 14.8 ms in blocks of 2^22, 19.6 in
 # 2^19 (cache-sized) and 49 in 2^17: torch's GEMMs spread over the threads pay per call, and
-# larger blocks amortise that better than smaller ones keep the scores in cache.
+# larger blocks amortise that better than smaller ones keep the scores in cache. Half inputs
+# use a quarter of it (their float32 scores live in a work buffer besides the weights).
 _BLOCK_ELEMENTS = 2 ** 22
 
 
@@ -133,43 +134,45 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
         raise ValueError("attention_with_weights has no dropout")
     B, H = call.BH
     T, S, dev = call.T, call.S, call.device
-    wide = widened(call)
-    q, _, _ = wide.as_4d()  # (B, H, T, D), float32 for half inputs
-    _, k, v = call.as_4d()  # (B, H, S, D), (B, H, S, Dv)
-    acc = q.dtype
-    rows = max(1, min(T, _BLOCK_ELEMENTS // max(S, 1)))  # rows of a block
-    heads = max(1, min(H, _BLOCK_ELEMENTS // max(T * S, 1))) if rows == T else 1  # heads of a block
-    k = k.to(acc)
-    if heads > 1:
-        # several heads per block go through bmm, which on the 2-core Xeon box took a slow
-        # path on a module's head views (strided heads); copies of a short call are cheap.
-        # One head per block is a plain GEMM, level on views (measured at T=1024, 4096), so
-        # long calls copy nothing: the scale is the GEMM's alpha, not a scaled copy of q.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    kt = k.transpose(-2, -1)  # (B, H, D, S)
+    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    half = call.dtype in (torch.float16, torch.bfloat16)
+    acc = torch.float32 if half else call.dtype  # scores and softmax
+    # half inputs on CPU: the rounded weights times the values in float32 (same products and
+    # float32 sums as a half GEMM); torch's CPU bfloat16 GEMM without AMX ran at ~1.7 GFLOP/s
+    # on the 2-core EPYC box (8 heads, T=4096: 10.7 s against 0.68 s). Elsewhere in half.
+    wide_pv = half and dev.type == "cpu"
+    budget = _BLOCK_ELEMENTS // 4 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
+    rows = max(1, min(T, budget // max(S, 1)))  # rows of a block
+    heads = max(1, min(H, budget // max(T * S, 1))) if rows == T else 1  # heads of a block
     probs = empty_large((B, H, T, S), dtype=call.dtype, device=dev)  # written once, block by block
     # the output in (B, T, H, Dv) memory, as torch's flash kernels leave it: a module's merge
     # of the heads, heads.transpose(1, 2).reshape(B, T, H * Dv), is then a view, not a copy
     out = torch.empty(B, T, H, v.shape[-1], dtype=call.dtype, device=dev).transpose(1, 2)
     lse = torch.empty(B, H, T, dtype=acc, device=dev)
-    work = None if acc == call.dtype else torch.empty(heads, rows, S, dtype=acc, device=dev)
-    # half inputs on CPU: the rounded weights times the values in float32 (same products and
-    # float32 sums as a half GEMM); torch's CPU bfloat16 GEMM without AMX ran at ~1.7 GFLOP/s
-    # on the 2-core EPYC box (8 heads, T=4096: 10.7 s against 0.68 s). Elsewhere in half.
-    wide_pv = work is not None and dev.type == "cpu"
-    vw = v.to(acc) if wide_pv else v
+    work = torch.empty(heads, rows, S, dtype=acc, device=dev) if half else None
     plain = call.attn_mask is None and call.mask_mod is None and call.score_mod is None and not call.is_causal
+
+    def operand(x: Tensor, dtype: torch.dtype) -> Tensor:
+        # Several heads per block go through bmm, which on the 2-core Xeon box took a slow
+        # path on a module's head views (strided heads): they are copied, block by block. One
+        # head per block is a plain GEMM, level on views (measured on EPYC at T=1024, 4096),
+        # so a long float32 call copies nothing; the scale is the GEMM's alpha.
+        x = x.to(dtype)
+        return x.contiguous() if heads > 1 else x
+
     for bi in range(B):
         for h0 in range(0, H, heads):
             h1 = min(H, h0 + heads)
+            kt = operand(k[bi, h0:h1], acc).transpose(-2, -1)  # (nh, D, S)
+            vb = operand(v[bi, h0:h1], acc if wide_pv else call.dtype)  # (nh, S, Dv)
             for t0 in range(0, T, rows):
                 t1 = min(T, t0 + rows)
                 block = probs[bi, h0:h1, t0:t1]  # (nh, nr, S)
                 scores = block if work is None else work[:h1 - h0, :t1 - t0]
-                torch.baddbmm(scores, q[bi, h0:h1, t0:t1], kt[bi, h0:h1], beta=0,
+                torch.baddbmm(scores, operand(q[bi, h0:h1, t0:t1], acc), kt, beta=0,
                               alpha=call.scale, out=scores)  # (nh, nr, S): scale * q k^T
                 if not plain:
-                    scores = _modify_at(wide, scores.unsqueeze(0), torch.tensor([bi], device=dev),
+                    scores = _modify_at(call, scores.unsqueeze(0), torch.tensor([bi], device=dev),
                                         torch.arange(h0, h1, device=dev),
                                         torch.arange(t0, t1, device=dev))[0]
                 _softmax_block_(scores, lse[bi, h0:h1, t0:t1])
@@ -178,9 +181,9 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
                 dst = out[bi, h0:h1, t0:t1]  # (nh, nr, Dv)
                 if wide_pv:
                     scores.copy_(block)  # the rounded weights, back in float32
-                    dst.copy_(torch.matmul(scores, vw[bi, h0:h1]))
+                    dst.copy_(torch.matmul(scores, vb))
                 else:
-                    torch.matmul(block, vw[bi, h0:h1], out=dst)
+                    torch.matmul(block, vb, out=dst)
     lead = call.batch
     return out.reshape(call.out_shape), probs.reshape(lead + (T, S)), lse.reshape(lead + (T,))
 
