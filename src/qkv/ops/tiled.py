@@ -22,6 +22,8 @@ straddling two documents is cut at the boundary, so it needs no mask: ``_trim_ed
 (``masks.shift_invariant``: windows, ALiBi), consecutive tiles whose chunks sit at the same
 place relative to the tile become a *diagonal group*: one kernel call for all of them, with
 the keys read through an overlapping strided view and one mask shared by every tile.
+The units of a call are cached by mask structure and sizes (``masks.structure_key``,
+``clear_plan_cache``), so a model's next layer or step with the same mask skips planning.
 
 Two inner kernels compute a chunk:
   * ``flash``: torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
