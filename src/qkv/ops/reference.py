@@ -192,16 +192,19 @@ def _softmax_block_(scores: Tensor, lse: Tensor) -> None:
     """``masked_softmax`` of a block in place: the weights overwrite ``scores`` and the
     log-sum-exp is written to ``lse``.
 
-    The block goes through torch's fused softmax kernel with its output on its input (the
-    kernel reads a row before it writes it; tests/test_weights_one_pass.py checks the values
-    against ``masked_softmax``), and ``lse = max(scores) - log(max(weights))``, which holds
+    The block goes through torch's fused softmax kernel, on CPU with its output on its input
+    (the kernel reads a row before it writes it; tests/test_weights_one_pass.py checks the
+    values against ``masked_softmax``; other devices get a copy), and ``lse = max(scores) - log(max(weights))``, which holds
     because the largest weight is ``exp(max(scores) - lse)``.
 
     Shape:
         scores ``(..., S)``, lse ``(...)``.
     """
     score_max = scores.amax(-1)  # (...)
-    torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+    if scores.device.type == "cpu":  # written over its input: checked on CPU only
+        torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+    else:
+        scores.copy_(torch.softmax(scores, dim=-1))
     empty = torch.isneginf(score_max)  # rows that may attend to nothing (now NaN)
     if empty.any():
         scores.masked_fill_(empty.unsqueeze(-1), 0.0)
