@@ -526,3 +526,28 @@ def cases(draw, *, dtypes=tuple(DTYPES), layouts=LAYOUTS, structured=True, need_
         mask = draw(mask_specs(B, H, T, S, dtype))
     return Case(B, H, G, T, S, D, Dv, dtype, lay, gqa, scale, is_causal, mask, mask_mod,
                 score_mod, draw(st.integers(0, 2**16)))
+
+
+FLOAT_MASK_SHAPES = ("BHTS", "B1TS", "HTS", "1TS", "TS", "B11S", "S", "1S", "T1", "scalar")
+
+
+@st.composite
+def learned_bias_cases(draw) -> Case:
+    """Calls whose float ``attn_mask`` is a learned bias (requires grad) of any broadcast
+    shape, with B > 1 and H > 1 most of the time: AlphaFold's pair bias, relative-position
+    tables. ``cases()`` draws this corner about once in 250 calls (float, grad, (B, H, T, S),
+    B > 1 and H > 1 together), so a full-rank bias gradient summed over every dim went unseen.
+    """
+    base = draw(cases(structured=True))
+    B = draw(st.sampled_from([2, 3, 2, 1]))
+    H, G = draw(st.sampled_from([(2, 2), (3, 3), (4, 2), (2, 1), (1, 1)]))
+    shape = draw(st.sampled_from(FLOAT_MASK_SHAPES))
+    p_keep = draw(st.sampled_from([1.0, 0.8, 0.5]))
+    mdtype = "same"
+    if base.dtype != "float32":
+        mdtype = draw(st.sampled_from(["same", "float32"]))
+    mask = MaskSpec("float", shape, p_keep, (), mdtype, True, draw(st.integers(0, 2**16)))
+    T = base.T or 1
+    S = base.S or 1
+    return Case(B, H, G, T, S, base.D, base.Dv, base.dtype, base.layouts, G != H, base.scale,
+                base.is_causal, mask, base.mask_mod, base.score_mod, base.seed)

@@ -40,8 +40,8 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 import qkv
 from reference64 import attention64
-from strategies import (COPYING_FREE_LAYOUTS, Case, Causal, Combine, KeyLengths, MaskFn, MaskSpec,
-                        ScoreFn, Softcap, Window, cases)
+from strategies import (COPYING_FREE_LAYOUTS, FLOAT_MASK_SHAPES, Case, Causal, Combine, KeyLengths,
+                        MaskFn, MaskSpec, ScoreFn, Softcap, Window, cases, learned_bias_cases)
 
 _COMMON = dict(deadline=None, print_blob=True,
                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
@@ -263,6 +263,30 @@ def test_dense_masks_match_float64_reference(backend, case, data):
     """The same without mask_mod/score_mod, so that the torch backend takes every call."""
     tiles = draw_tiles(data, case) if backend == "tiled-small" else None
     check_call(case, backend, tiles)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@budget(24)
+@given(case=learned_bias_cases(), data=st.data())
+def test_learned_bias_gradient_matches_float64_reference(backend, case, data):
+    """A float attn_mask that requires grad, of every broadcast shape, B and H mostly > 1."""
+    tiles = draw_tiles(data, case) if backend == "tiled-small" else None
+    check_call(case, backend, tiles)
+
+
+@pytest.mark.parametrize("shape", FLOAT_MASK_SHAPES)
+@pytest.mark.parametrize("backend, flavour", [
+    (b, f) for b in ("reference", "torch", "tiled", "auto", "tiled-small")
+    for f in ("plain", "causal", "window") if (b, f) != ("torch", "window")])  # torch: no mask_mod
+def test_learned_bias_gradient_every_shape(backend, shape, flavour):
+    """Issue 25's repro, B, H, T, D = 2, 2, 16, 16, on every broadcast shape of the bias. The
+    full-rank (B, H, T, S) bias got every tile's total gradient in each entry on tiled (an
+    empty list of broadcast dims handed to ``Tensor.sum`` sums them all)."""
+    case = Case(B=2, H=2, G=2, T=16, S=16, D=16, Dv=16, dtype="float64",
+                is_causal=flavour == "causal",
+                mask=MaskSpec("float", shape, 1.0, grad=True, seed=3),
+                mask_mod=Window(4, 0, "top_left") if flavour == "window" else None)
+    check_call(case, backend, (4, 4, 2, 1) if backend == "tiled-small" else None)
 
 
 def _kv_view(allowed: torch.Tensor, G: int) -> torch.Tensor:

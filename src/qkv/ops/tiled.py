@@ -742,7 +742,9 @@ def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_ten
         ds = p * (do @ v.to(acc).transpose(-2, -1) - delta)  # (B, H, tq, kc)
         if dbias is not None:  # the bias is added after score_mod: its gradient is this dS,
             tile = _tile(dbias, *where[:4])  # summed over the dims it broadcast along
-            tile += ds.sum([d for d in range(4) if tile.shape[d] == 1], keepdim=True)
+            # not ds.sum(dims): with no broadcast dim that list is empty, and sum([]) sums
+            # every dim (a full-rank (B, H, T, S) bias got the whole tile's total everywhere)
+            tile += ds.sum_to_size(tile.shape)
         dts = []
         if plan.score_mod is not None:
             inputs = (raw,) + tuple(grad_tensors)
