@@ -1,8 +1,35 @@
-"""Shared helpers for the qkv test suite."""
+"""Shared helpers for the qkv test suite.
+
+``QKV_TEST_DEVICE=cuda pytest`` runs the whole suite with CUDA as torch's default device (tensors
+the tests make land there, and so do generators they make without a device); unset, or ``cpu``,
+nothing changes. tests/test_cuda.py holds the CUDA tests that name the device themselves.
+"""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
+
+TEST_DEVICE = os.environ.get("QKV_TEST_DEVICE", "cpu")
+
+
+class _DefaultDeviceGenerator(torch.Generator):
+    """``torch.Generator()`` on the test device, so that ``torch.randn(..., generator=g)``
+    draws where the default device puts the tensor (a CPU generator there raises)."""
+
+    def __new__(cls, device=None):
+        return torch.Generator.__new__(cls, device=TEST_DEVICE if device is None else device)
+
+
+def pytest_configure(config):
+    if TEST_DEVICE == "cpu":
+        return
+    if TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        raise pytest.UsageError(f"QKV_TEST_DEVICE={TEST_DEVICE} but torch.cuda.is_available() "
+                                f"is False")
+    torch.set_default_device(TEST_DEVICE)
+    torch.Generator = _DefaultDeviceGenerator
 
 BACKENDS = ["reference", "torch", "tiled", "auto"]
 DROPOUT_BACKENDS = [b for b in BACKENDS if b != "tiled"]  # tiled refuses dropout (test_tiled.py)

@@ -17,6 +17,13 @@ import types
 import pytest
 import torch
 
+from conftest import TEST_DEVICE  # noqa: E402
+
+if TEST_DEVICE != "cpu":
+    pytest.skip("these tests run the kernels under triton's CPU interpreter; with "
+                "QKV_TEST_DEVICE set, tests/test_cuda.py runs the compiled kernels on the GPU",
+                allow_module_level=True)
+
 triton = pytest.importorskip(
     "triton", reason="triton is not installed (pip install 'qkv[triton]'): the triton backend's "
                      "kernels cannot run, not even under the CPU interpreter")

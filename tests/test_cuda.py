@@ -1,0 +1,194 @@
+"""Every backend on a CUDA GPU against the float64 reference on CPU (issue 29).
+
+Skipped without CUDA: CI never has a GPU. Run on a GPU machine with ``pytest tests/test_cuda.py``
+(tensors name their device here; ``QKV_TEST_DEVICE=cuda`` runs the rest of the suite there too).
+
+Compared by the tolerance policy (DESIGN.md): golden = the reference backend in float64 on the
+CPU, baseline = the reference backend in the call's dtype on the GPU, and
+``max|out - golden| <= F * max|baseline - golden| + 1e-5`` (F = 2 outputs, 3 gradients): the
+torch, tiled, triton and auto backends, float32/bfloat16/float16, every mask the kernels
+evaluate (causal both alignments, windows, key lengths, documents, ALiBi, softcap, dense bool
+masks with dead rows, a learned float bias), GQA, head dims 64 and 128 and odd lengths. Then the
+mask contract on the GPU (rows with no key give exactly 0 and zero gradients; NaN in keys a row
+may not see changes nothing) and whether a call synchronises the host with the device.
+
+Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
+D head dim.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv import masks as M
+from qkv.ops import BackendUnsupportedError
+from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = torch.device("cuda")
+BACKENDS = ["torch", "tiled", "triton", "auto"]
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def _ids(B: int, L: int, seed: int) -> torch.Tensor:
+    """Packed documents (B, L): sorted ids, runs of random lengths."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, max(1, L // 30), (B, L), generator=g).sort(-1).values
+
+
+def _cases(B: int, H: int, T: int, S: int) -> dict:
+    """name -> (keyword arguments on the GPU); each a callable so tensors are made fresh."""
+    g = torch.Generator(device="cpu").manual_seed(5)
+    dead = torch.rand(B, 1, T, S, generator=g) < 0.8
+    dead[:, :, : T // 4] = False  # a quarter of the rows may see no key at all
+    bias = torch.randn(B, H, T, S, generator=g, dtype=torch.float64)
+    return {
+        "none": lambda: {},
+        "causal": lambda: dict(is_causal=True),
+        "bottom-right": lambda: dict(mask_mod=M.causal("bottom_right")),
+        "window": lambda: dict(mask_mod=M.sliding_window(40, 7)),
+        "keylen": lambda: dict(mask_mod=M.key_lengths(torch.tensor([S, max(1, S // 3)])[:B]
+                                                      .to(CUDA))),
+        "causal-alibi": lambda: dict(is_causal=True, score_mod=M.alibi(H)),
+        "window-softcap-scale": lambda: dict(mask_mod=M.sliding_window(30),
+                                             score_mod=M.softcap(2.0), is_causal=True, scale=0.7),
+        "document": lambda: dict(mask_mod=M.document(_ids(B, T, 1).to(CUDA),
+                                                     _ids(B, S, 1).to(CUDA))),
+        "bool-dead-rows": lambda: dict(attn_mask=dead.to(CUDA)),
+        "learned-bias": lambda: dict(attn_mask=bias.to(CUDA)),
+    }
+
+
+def _run(backend: str, q, k, v, dout, dtype, device, kw: dict):
+    """out and the gradients (q, k, v, and a float attn_mask's) of one backend in ``dtype``."""
+    ins = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    kw = dict(kw)
+    mask = kw.get("attn_mask")
+    if mask is not None:
+        mask = mask.to(device)
+        if mask.is_floating_point():
+            mask = mask.to(dtype).requires_grad_()
+        kw["attn_mask"] = mask
+    out = qkv.scaled_dot_product_attention(*ins, backend=backend, **kw)
+    wrt = ins + ([mask] if mask is not None and mask.requires_grad else [])
+    grads = torch.autograd.grad(out, wrt, dout.to(device, dtype))
+    return out.detach(), grads
+
+
+def _to_cpu(kw: dict) -> dict:
+    """The same call for the CPU reference: tensors inside masks moved by rebuilding them."""
+    return {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kw.items()}
+
+
+def _check(backend: str, name: str, dtype, B, H, G, T, S, D, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = ((B, H, T, D), (B, G, S, D), (B, G, S, D), (B, H, T, D))
+    q, k, v, dout = (torch.randn(s, generator=g, dtype=torch.float64) for s in shapes)
+    make = _cases(B, H, T, S)[name]
+    gqa = dict(enable_gqa=True) if G != H else {}
+    try:
+        got = _run(backend, q, k, v, dout, dtype, CUDA, {**make(), **gqa})
+    except BackendUnsupportedError as e:
+        pytest.skip(f"{backend} refuses {name} in {dtype}: {e}")
+    golden = _run("reference", q, k, v, dout, torch.float64, "cpu",
+                  _to_cpu_case(B, H, T, S, name, gqa))
+    baseline = _run("reference", q, k, v, dout, dtype, CUDA, {**make(), **gqa})
+    where = f"{backend} {name} {dtype} B{B}-H{H}-G{G}-T{T}-S{S}-D{D}"
+    assert got[0].device.type == "cuda" and got[0].dtype == dtype, where
+    assert_tolerance(got[0].cpu(), golden[0], baseline[0].cpu(), factor=OUTPUT_FACTOR,
+                     name=f"{where} out")
+    for a, b, c, what in zip(got[1], golden[1], baseline[1], ("dq", "dk", "dv", "dmask")):
+        assert_tolerance(a.cpu(), b, c.cpu(), factor=GRAD_FACTOR, name=f"{where} {what}")
+
+
+def _to_cpu_case(B, H, T, S, name, gqa) -> dict:
+    """The case's keyword arguments with every tensor on the CPU (masks built there)."""
+    kw = {**_cases(B, H, T, S)[name](), **gqa}
+    mod = kw.get("mask_mod")
+    if name == "keylen":
+        kw["mask_mod"] = M.key_lengths(torch.tensor([S, max(1, S // 3)])[:B])
+    elif name == "document":
+        kw["mask_mod"] = M.document(_ids(B, T, 1), _ids(B, S, 1))
+    elif mod is not None:
+        kw["mask_mod"] = mod
+    return _to_cpu(kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("name", list(_cases(1, 1, 1, 1)))
+def test_matches_float64_reference_gqa_odd_lengths(backend, dtype, name):
+    _check(backend, name, dtype, B=2, H=4, G=2, T=97, S=113, D=64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["none", "causal", "window", "document", "causal-alibi"])
+def test_head_dim_128_long_and_one_query(backend, name):
+    _check(backend, name, torch.bfloat16, B=1, H=2, G=2, T=1025, S=1025, D=128)
+    _check(backend, name, torch.bfloat16, B=2, H=2, G=1, T=1, S=300, D=128, seed=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_rows_with_no_key_are_zero_and_masked_nan_keys_change_nothing(backend, dtype):
+    """The mask contract on the GPU: batch 0 has no key (key_lengths 0), rows 0..11 of
+    bottom-right causal with T = 17 > S = 5 see none; keys past the length are NaN."""
+    B, H, T, S, D = 2, 2, 17, 5, 64
+    g = torch.Generator(device="cpu").manual_seed(3)
+    q, k, v, dout = (torch.randn(s, generator=g).to(CUDA, dtype)
+                     for s in ((B, H, T, D), (B, H, S, D), (B, H, S, D), (B, H, T, D)))
+    k[1, :, 3:] = float("nan")
+    v[1, :, 3:] = float("nan")
+    mask_mod = M.and_masks(M.causal("bottom_right"),
+                           M.key_lengths(torch.tensor([0, 3], device=CUDA)))
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    try:
+        out = qkv.scaled_dot_product_attention(*ins, mask_mod=mask_mod, backend=backend)
+    except BackendUnsupportedError as e:
+        pytest.skip(f"{backend}: {e}")
+    dq, dk, dv = torch.autograd.grad(out, ins, dout)
+    for t, what in ((out, "out"), (dq, "dq"), (dk, "dk"), (dv, "dv")):
+        assert not t.isnan().any(), f"{backend}: NaN in {what}"
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(out[:, :, :12], torch.zeros_like(out[:, :, :12]))
+    assert torch.equal(dq[0], torch.zeros_like(dq[0]))
+    assert torch.equal(dk[0], torch.zeros_like(dk[0])) and torch.equal(dv[0], torch.zeros_like(dv[0]))
+    k_ok, v_ok = k.clone(), v.clone()
+    k_ok[1, :, 3:] = 0
+    v_ok[1, :, 3:] = 0
+    clean = qkv.scaled_dot_product_attention(q, k_ok, v_ok, mask_mod=mask_mod, backend=backend)
+    assert torch.equal(out.detach(), clean), f"{backend}: masked NaN keys changed the output"
+
+
+SYNC_CASES = {
+    "none": lambda: {},
+    "causal": lambda: dict(is_causal=True),
+    "window": lambda: dict(mask_mod=M.sliding_window(64)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(SYNC_CASES))
+def test_a_call_does_not_synchronise_the_device(backend, name):
+    """DESIGN.md: nothing on the hot path syncs the device. torch's sync debug mode raises on
+    any synchronising operation inside the call (a ``.item()``, ``bool(tensor)``, a copy to the
+    host). Forward, and forward plus backward."""
+    q, k, v = (torch.randn(2, 4, 256, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    kw = SYNC_CASES[name]()
+    try:
+        qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)  # warm: compile, plan
+    except BackendUnsupportedError as e:
+        pytest.skip(f"{backend}: {e}")
+    torch.cuda.synchronize()
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+        out = qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+        out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
