@@ -22,6 +22,16 @@ class _DefaultDeviceGenerator(torch.Generator):
         return torch.Generator.__new__(cls, device=TEST_DEVICE if device is None else device)
 
 
+def pytest_runtest_logreport(report):
+    """With ``QKV_TEST_FAILLOG=path``, each failure's id and last lines are appended as it
+    happens (a run cut short by a time limit still says why its tests failed)."""
+    path = os.environ.get("QKV_TEST_FAILLOG")
+    if path and report.failed:
+        tail = "\n    ".join(report.longreprtext.strip().splitlines()[-4:])
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid} [{report.when}]\n    {tail}\n")
+
+
 def pytest_configure(config):
     if TEST_DEVICE == "cpu":
         return

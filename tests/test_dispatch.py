@@ -41,7 +41,7 @@ def _qkv(dtype=torch.float32):
 
 
 def test_backend_names_fastest_first():
-    assert qkv.backend_names() == ["triton", "torch", "tiled", "reference"]
+    assert qkv.backend_names() == ["torch", "triton", "tiled", "reference"]
 
 
 def test_auto_takes_fastest_that_supports(f32only):

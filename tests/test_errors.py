@@ -61,7 +61,7 @@ BAD = {
                          dict(dropout_p=-0.1)),
     "causal-not-bool": (TypeError, r"is_causal must be True or False, got 'yes'",
                         dict(is_causal="yes")),
-    "unknown-backend": (ValueError, r"unknown backend 'flash'; choose 'auto' or one of triton, torch, "
+    "unknown-backend": (ValueError, r"unknown backend 'flash'; choose 'auto' or one of torch, triton, "
                         r"tiled, reference", dict(backend="flash")),
 }
 

@@ -42,8 +42,6 @@ head dim; a tile has ``tq`` queries and a chunk ``kc`` keys.
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +53,7 @@ from ..masks import (EMPTY, FULL, Grid, MaskMod, ScoreMod, and_masks, block_stat
 from ._aten import flash_backward, flash_cpu_available, flash_forward
 from .base import BackendResult
 from .call import AttentionCall
+from .plan_cache import PlanCache
 from .reference import ReferenceBackend
 
 __all__ = ["TiledBackend", "tiled_attention", "piece_forward", "piece_backward", "merge_by_lse",
@@ -70,7 +69,7 @@ class TiledBackend:
     """Blockwise exact attention with block skipping for structured masks."""
 
     name = "tiled"
-    priority = 20  # after torch (plain/causal calls), before reference
+    priority = 20  # after torch and triton, before reference
 
     def supports(self, call: AttentionCall) -> str | None:
         if call.dropout_p > 0:
@@ -299,29 +298,17 @@ def _plan_units(plan: _Plan, bq: int, bk: int, groups: bool) -> list[_Unit]:
 # of a call. Units are immutable; the chunk masks of diagonal groups are shared when no
 # score_mod takes part in them.
 PLAN_CACHE_SIZE = 64
-_plan_cache: OrderedDict = OrderedDict()
-_plan_cache_lock = threading.Lock()
+_plan_cache = PlanCache(PLAN_CACHE_SIZE)
 
 
 def _cached_units(key: tuple, make) -> tuple[list[_Unit], dict]:
     """``(units, group_masks)`` for ``key``: from the cache, or ``make()`` and remembered."""
-    with _plan_cache_lock:
-        hit = _plan_cache.get(key)
-        if hit is not None:
-            _plan_cache.move_to_end(key)
-            return hit
-    entry = (make(), {})
-    with _plan_cache_lock:
-        _plan_cache[key] = entry
-        while len(_plan_cache) > PLAN_CACHE_SIZE:
-            _plan_cache.popitem(last=False)
-    return entry
+    return _plan_cache.get(key, lambda: (make(), {}))
 
 
 def clear_plan_cache() -> None:
     """Forget every remembered block plan (they are rebuilt on the next call)."""
-    with _plan_cache_lock:
-        _plan_cache.clear()
+    _plan_cache.clear()
 
 
 def _refuse_flash(inner: str | None, why: str) -> str:

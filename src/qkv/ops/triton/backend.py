@@ -26,12 +26,14 @@ import torch
 from torch import Tensor
 
 from ...masks import (FULL, PARTIAL, Grid, _Alibi, _Combined, _Document, _KeysBefore, _Softcap,
-                      _Window, and_masks, block_states, causal)
+                      _Window, and_masks, block_states, causal, structure_key)
 from ..base import BackendResult
 from ..call import AttentionCall
+from ..plan_cache import PlanCache
 from ..reference import ReferenceBackend
 
 __all__ = ["TritonBackend", "Blocks", "default_blocks", "triton_attention", "interpreter",
+           "clear_block_list_cache",
            "triton_available", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128  # the accumulators of a (BLOCK_M, D) tile live in registers
@@ -90,7 +92,11 @@ class TritonBackend:
     """Fused FlashAttention-2 forward and backward kernels in Triton, with block skipping."""
 
     name = "triton"
-    priority = 5  # before torch: on CUDA, auto takes it whenever it supports the call
+    # after torch, before tiled: on an H100 (bf16, T = 1k-16k, D = 64/128) torch's cuDNN and
+    # flash kernels beat these on every call torch takes (plain, causal, dense masks: 1.1-4x),
+    # so auto runs triton only for the structured masks torch cannot take
+    # (benchmarks/RESULTS.md, "Triton on an H100")
+    priority = 15
 
     def supports(self, call: AttentionCall) -> str | None:
         return _why_not(call)
@@ -272,8 +278,24 @@ class _Plan:
         """
         key = (bm, bn, transposed)
         if key not in self._lists:
-            self._lists[key] = _block_lists(self, bm, bn, transposed)
+            structure = tuple(structure_key(p) for p in self.mask.parts)
+            if None in structure:  # a mask that cannot be keyed: planned anew
+                self._lists[key] = _block_lists(self, bm, bn, transposed)
+            else:
+                self._lists[key] = _block_list_cache.get(
+                    ("triton", structure, self.B, self.H, self.T, self.S, *key, str(self.device)),
+                    lambda: _block_lists(self, bm, bn, transposed))
         return self._lists[key]
+
+
+# Block lists of recent calls, by mask structure and sizes (qkv.ops.plan_cache): on an H100 at
+# T=4096 listing a window's blocks took 1.7 ms of host work per call against 0.4 ms of kernel.
+_block_list_cache = PlanCache(64)
+
+
+def clear_block_list_cache() -> None:
+    """Forget every remembered block list (they are rebuilt on the next call)."""
+    _block_list_cache.clear()
 
 
 def _block_lists(plan: _Plan, bm: int, bn: int, transposed: bool) -> tuple[Tensor, ...]:
