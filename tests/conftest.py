@@ -18,8 +18,8 @@ class _DefaultDeviceGenerator(torch.Generator):
     """``torch.Generator()`` on the test device, so that ``torch.randn(..., generator=g)``
     draws where the default device puts the tensor (a CPU generator there raises)."""
 
-    def __new__(cls, device=None):
-        return torch.Generator.__new__(cls, device=TEST_DEVICE if device is None else device)
+    def __new__(cls, device=None):  # (not torch.Generator.__new__: that name is this class now)
+        return super().__new__(cls, device=TEST_DEVICE if device is None else device)
 
 
 def pytest_runtest_logreport(report):

@@ -382,7 +382,7 @@ def test_nested_captures_of_different_models_both_record():
 
 def test_autocast_records_each_call_once():
     model = lm()
-    with torch.autocast("cpu", dtype=torch.bfloat16), qkv.capture(model) as cap:
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16), qkv.capture(model) as cap:
         model(torch.randint(0, 23, (1, 7)))
     assert len(cap) == 3 and cap.records[0].probs.dtype == torch.bfloat16
 

@@ -218,3 +218,47 @@ def test_triton_block_lists_are_reused_and_follow_ids_changed_in_place():
                                              backend="triton")  # planned anew
     assert torch.equal(out, fresh)
     tb.clear_block_list_cache()
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "auto"])
+def test_cpu_calls_stay_on_the_cpu_under_a_cuda_default_device(backend):
+    """``torch.set_default_device("cuda")`` (common in GPU scripts) with CPU inputs: planning,
+    traces and row selection made their index tensors on the default device, and the tiled
+    backend failed on every structured mask ("indices should be either on cpu or on the same
+    device as the indexed tensor")."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 37, 16, generator=g) for _ in range(3))
+    ids = (torch.arange(37) // 10).expand(2, 37)
+    calls = {"window": dict(mask_mod=M.sliding_window(5)), "document": dict(mask_mod=M.document(ids)),
+             "bool": dict(attn_mask=torch.rand(37, 37, generator=g) > 0.3),
+             "rank0": dict(attn_mask=torch.tensor(True))}
+    want = {}
+    for name, kw in calls.items():
+        try:
+            want[name] = qkv.scaled_dot_product_attention(q, k, v, backend=backend,
+                                                          return_trace=True, **kw)
+        except BackendUnsupportedError:
+            continue
+    before = torch.get_default_device()
+    torch.set_default_device("cuda")
+    try:
+        for name, (out_w, trace_w) in want.items():
+            out, trace = qkv.scaled_dot_product_attention(q, k, v, backend=backend,
+                                                          return_trace=True, **calls[name])
+            assert out.device.type == "cpu" and torch.equal(out, out_w), name
+            torch.testing.assert_close(trace.select(heads=[1], rows=[0, 5]).probs,
+                                       trace_w.select(heads=[1], rows=[0, 5]).probs)
+    finally:
+        torch.set_default_device(before)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_broadcast_masks_of_rank_0_and_1_on_cuda(backend):
+    """torch's CUDA kernel raises "(*bias): last dimension must be contiguous" for a mask
+    broadcast along keys (a rank-0 mask expanded, a (T, 1) column): qkv hands it a copy."""
+    q, k, v = (torch.randn(1, 2, 7, 16, device=CUDA) for _ in range(3))
+    for mask in (torch.tensor(0.5, device=CUDA), torch.randn(7, 1, device=CUDA),
+                 torch.tensor(True, device=CUDA)):
+        out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+        want = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="reference")
+        torch.testing.assert_close(out, want)

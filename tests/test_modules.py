@@ -272,7 +272,7 @@ def test_autocast_input_dtypes_are_left_to_autocast():
     low = qkv.MultiHeadAttention(16, 2, dtype=torch.bfloat16)
     low.load_state_dict(mha.state_dict())
     low_err = (low(x.bfloat16()).float() - exact).abs().max()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16):
         amp = mha(x)
         mixed = mha(x.bfloat16())  # bfloat16 input, float32 weights: autocast's business
     assert amp.dtype == mixed.dtype == torch.bfloat16

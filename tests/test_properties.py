@@ -363,7 +363,7 @@ def test_masked_keys_have_no_effect(backend, case, data):
 def _torch_autocast_dtype(dt: torch.dtype) -> torch.dtype:
     """The dtype of torch's own SDPA output under CPU autocast to ``dt``."""
     x = torch.randn(1, 1, 2, 4)
-    with torch.autocast("cpu", dtype=dt):
+    with torch.autocast(torch.get_default_device().type, dtype=dt):
         return torch.nn.functional.scaled_dot_product_attention(x, x, x).dtype
 
 
@@ -374,7 +374,7 @@ def check_autocast(case: Case, backend: str, low: str):
         case = replace(case, mask=replace(case.mask, kind="bool", grad=False))
     dt = getattr(torch, low)
     inp = case.inputs(grad=False)
-    with torch.autocast("cpu", dtype=dt):
+    with torch.autocast(torch.get_default_device().type, dtype=dt):
         out = run_qkv(case, inp, backend)
     if out is None:
         return

@@ -294,7 +294,7 @@ def test_meta_tensors_give_shapes_and_a_backward(backend, kw):
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 def test_autocast_gives_torchs_dtype_on_every_backend(backend, amp):
     a = torch.randn(1, 2, 8, 4)
-    with torch.autocast("cpu", dtype=amp):
+    with torch.autocast(torch.get_default_device().type, dtype=amp):
         want = torch.nn.functional.scaled_dot_product_attention(a, a, a).dtype
         out = qkv.scaled_dot_product_attention(a, a, a, backend=backend)
         mha = qkv.MultiHeadAttention(8, 2)(a.reshape(1, 8, 8))

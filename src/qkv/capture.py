@@ -493,15 +493,15 @@ class _Index:
     def resolve(self, n: int, where: str) -> Tensor:
         """The indices into a dim of size ``n``, as a 1-D int64 tensor."""
         if self.all:
-            return torch.arange(n)
+            return torch.arange(n, device="cpu")  # indices on the CPU, whatever the default
         if self.slice is not None:
-            return torch.tensor(range(n)[self.slice], dtype=torch.long)
+            return torch.tensor(range(n)[self.slice], dtype=torch.long, device="cpu")
         inside = [i % n for i in self.items if -n <= i < n] if n else []
         if self.name != "rows" and len(inside) != len(self.items):
             outside = [i for i in self.items if not -n <= i < n]
             raise ValueError(f"qkv.capture: {self.name} {outside} asked for, but {where} has "
                              f"{self.name} 0..{n - 1} ({n} in all)")
-        return torch.tensor(inside, dtype=torch.long)
+        return torch.tensor(inside, dtype=torch.long, device="cpu")
 
 
 def _as_list(name: str, index) -> list:

@@ -195,14 +195,15 @@ def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
     wide = widened(call)
     B, H = call.BH
     tail = (call.S,) if tail is None else tail
-    b, h = torch.arange(B), torch.arange(H)
+    dev = call.device  # not torch's default device: a user's set_default_device("cuda")
+    b, h = torch.arange(B, device=dev), torch.arange(H, device=dev)  # must not move CPU calls
     step = max(_BLOCK_ROWS_MIN, _BLOCK_ELEMENTS // max(B * H * call.S, 1))
     if step >= call.T:  # one block: its result is the buffer
-        whole = fn(wide, b, h, torch.arange(call.T)).to(dtype or call.dtype)  # (B, H, T, *tail)
+        whole = fn(wide, b, h, torch.arange(call.T, device=dev)).to(dtype or call.dtype)  # (B, H, T, *tail)
         return whole.reshape(call.batch + (call.T,) + tail)
     out = torch.empty((B, H, call.T) + tail, dtype=dtype or call.dtype, device=call.device)
     for start in range(0, call.T, step):
-        rows = torch.arange(start, min(start + step, call.T))
+        rows = torch.arange(start, min(start + step, call.T), device=dev)
         out[:, :, start:start + len(rows)] = fn(wide, b, h, rows)  # (B, H, nr, *tail)
     return out.reshape(call.batch + (call.T,) + tail)
 

@@ -122,7 +122,7 @@ def _index(name: str, index, n: int) -> Tensor:
     the one is not indices, the other has no order for the rows to come back in.
     """
     if index is None:
-        return torch.arange(n)
+        return torch.arange(n, device="cpu")  # indices live on the CPU, whatever the default
     want = (f"select: {name} must be an int, a slice, a range, an iterable of ints (list, "
             f"tuple, generator) or an integer tensor")
     if isinstance(index, (set, frozenset)):
@@ -137,7 +137,8 @@ def _index(name: str, index, n: int) -> Tensor:
     if not isinstance(index, Tensor):
         index = list(index) if hasattr(index, "__iter__") else index
     try:
-        t = torch.as_tensor(index, dtype=torch.long if isinstance(index, list) and not index else None)
+        t = torch.as_tensor(index, dtype=torch.long if isinstance(index, list) and not index else None,
+                            device=None if isinstance(index, Tensor) else "cpu")
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{want}, got {index!r}") from None
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() > 1:

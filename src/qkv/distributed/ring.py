@@ -356,8 +356,8 @@ class _Ring:
     def trace(self, q: Tensor, k: Tensor, lse: Tensor) -> AttentionTrace:
         """This rank's rows against every key: the keys gathered, the weights lazily from lse."""
         keys = self.gather_keys(k)  # (B, G, S, D)
-        rows = torch.cat([torch.arange(a, b) for a, b in self.q_segs[self.rank]] or
-                         [torch.zeros(0, dtype=torch.long)])  # (T_r,) positions
+        rows = torch.cat([torch.arange(a, b, device="cpu") for a, b in self.q_segs[self.rank]] or
+                         [torch.zeros(0, dtype=torch.long, device="cpu")])  # (T_r,) positions
         value = keys.new_zeros(()).expand(self.B, self.G, keys.shape[2], self.Dv)  # no values needed
         call = AttentionCall.build(
             q.detach(), keys, value, scale=self.scale, enable_gqa=self.gqa, return_trace=True,

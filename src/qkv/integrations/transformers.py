@@ -150,7 +150,7 @@ def _query_positions(cache_position: Tensor) -> tuple[int, int]:
     """``(T, first position)`` of consecutive query positions."""
     T = cache_position.numel()
     first = int(cache_position[0]) if T else 0
-    if T and not torch.equal(cache_position.cpu(), torch.arange(first, first + T)):
+    if T and not torch.equal(cache_position.cpu(), torch.arange(first, first + T, device="cpu")):
         raise ValueError(f"attn_implementation='qkv' needs consecutive query positions, got "
                          f"cache_position {cache_position.tolist()[:8]}...")
     return T, first

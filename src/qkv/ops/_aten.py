@@ -44,6 +44,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, dropout_p
         ``(*batch, T, Dv)``.
     """
     q, scale = _fold_scale(q, scale)
+    if attn_mask is not None and attn_mask.device.type != "cpu" and attn_mask.dim() \
+            and attn_mask.stride(-1) != 1:  # a broadcast (rank-0, (T, 1)) mask: torch's CUDA
+        attn_mask = attn_mask.contiguous()  # kernel raises "last dimension must be contiguous"
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 

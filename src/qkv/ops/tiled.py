@@ -276,7 +276,7 @@ def _plan_units(plan: _Plan, bq: int, bk: int, groups: bool) -> list[_Unit]:
     chunks listed per tile, tiles joined, masked chunks trimmed and joined again."""
     grid = Grid(plan.B, plan.H, plan.T, plan.S, bq, bk, plan.device)
     if plan.mask_mod is None:
-        states = torch.full((1, 1, grid.nq, grid.nk), FULL, dtype=torch.int8)
+        states = torch.full((1, 1, grid.nq, grid.nk), FULL, dtype=torch.int8, device="cpu")
     else:
         states = block_states(plan.mask_mod, grid).cpu()  # (B?, H?, nq, nk)
     kc_blocks = max(1, CHUNK_ELEMENTS // (plan.B * plan.H * bq * bk))
@@ -344,11 +344,12 @@ def _chunks(states: Tensor, bk: int, S: int, kc_blocks: int) -> list[list[tuple[
     flat = states.flatten(0, 1)  # (B?*H?, nq, nk)
     kind = (flat != EMPTY).any(0).to(torch.int8) + (flat == FULL).all(0).to(torch.int8)
     nq, nk = kind.shape  # kind: 0 not needed, 1 needs the mask (for some b, h), 2 full
-    start = torch.ones(nq, nk, dtype=torch.bool)
+    start = torch.ones(nq, nk, dtype=torch.bool, device=kind.device)  # planning: on the CPU,
+    # whatever torch.set_default_device says
     start[:, 1:] = kind[:, 1:] != kind[:, :-1]
     i_s, j_s = start.nonzero(as_tuple=True)  # runs of one kind, row by row
     ends = torch.cat([j_s[1:], j_s.new_tensor([nk])])
-    last = torch.cat([i_s[1:] != i_s[:-1], torch.tensor([True])])  # a row's last run
+    last = torch.cat([i_s[1:] != i_s[:-1], i_s.new_ones(1, dtype=torch.bool)])  # a row's last run
     ends = torch.where(last, nk, ends)
     runs = [[] for _ in range(nq)]  # per tile: [j0, j1, masked, partial runs inside]
     for i, j0, j1, k in zip(i_s.tolist(), j_s.tolist(), ends.tolist(), kind[i_s, j_s].tolist()):
