@@ -272,7 +272,7 @@ def test_block_states_sound_and_exact(name, T, S):
     twin = twin.expand(B, H, T, S)
     for block in BLOCKS:
         bq, bk = (block, block) if isinstance(block, int) else block
-        state = block_states(bound, Grid(B, H, T, S, bq, bk, torch.device("cpu")))
+        state = block_states(bound, Grid(B, H, T, S, bq, bk, twin.device))
         state = state.expand(B, H, -1, -1)  # (B, H, nq, nk)
         all_, none = _twin_blocks(twin, bq, bk)
         where = f"block {bq}x{bk}"

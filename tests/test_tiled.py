@@ -16,9 +16,10 @@ from qkv.ops.call import AttentionCall
 from qkv.ops.tiled import MIN_FULL_RUN, _plan, tiled_attention
 from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance
 
-# "flash" is torch's CPU flash kernel per chunk: on another device tiled has only "matmul"
-INNERS = [pytest.param("flash", marks=pytest.mark.skipif(
-    TEST_DEVICE != "cpu", reason="the flash inner kernel is torch's CPU kernel")), "matmul"]
+# "flash" is torch's CPU flash kernel per chunk: on another device tiled has only "matmul",
+# and the plans that rely on it (diagonal groups, documents as unmasked calls) are CPU plans
+CPU_PLANS = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="plans of the CPU flash inner kernel")
+INNERS = [pytest.param("flash", marks=CPU_PLANS), "matmul"]
 
 
 def _ids(B: int, T: int, seed: int = 0) -> torch.Tensor:
@@ -195,6 +196,7 @@ def _visited(call: AttentionCall, bq=128, bk=64):
     return plan, pairs, masked
 
 
+@CPU_PLANS
 def test_empty_blocks_are_skipped_and_full_blocks_unmasked():
     T = 4096
     q = k = v = torch.randn(1, 1, T, 8)
@@ -296,6 +298,7 @@ def _layouts(B, H, T, S, D, G):
         yield name, [t.requires_grad_() for t in ins], kv_heads != H
 
 
+@CPU_PLANS
 @pytest.mark.parametrize("B", [1, 2])
 def test_diagonal_groups_match_reference_with_gradients(B):
     """Band masks compute many tiles per kernel call through overlapping strided views of the
@@ -349,6 +352,7 @@ def test_shift_invariance_is_claimed_only_for_masks_that_have_it():
         assert not M.shift_invariant(m), m
 
 
+@CPU_PLANS
 def test_documents_are_one_unmasked_call_each():
     """Documents that do not start on a block boundary: the partial edge blocks are cut to the
     document's keys and the tiles straddling two documents are cut at the boundary, so each

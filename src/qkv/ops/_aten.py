@@ -44,11 +44,24 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, dropout_p
         ``(*batch, T, Dv)``.
     """
     q, scale = _fold_scale(q, scale)
-    if attn_mask is not None and attn_mask.device.type != "cpu" and attn_mask.dim() \
-            and attn_mask.stride(-1) != 1:  # a broadcast (rank-0, (T, 1)) mask: torch's CUDA
-        attn_mask = attn_mask.contiguous()  # kernel raises "last dimension must be contiguous"
+    if attn_mask is not None and attn_mask.device.type != "cpu":
+        attn_mask = _keys_contiguous(attn_mask, q.shape[-2], k.shape[-2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def _keys_contiguous(mask: Tensor, T: int, S: int) -> Tensor:
+    """``mask`` with a real, contiguous key dim: torch's CUDA kernels raise "(*bias): last
+    dimension must be contiguous" for a mask broadcast along keys (rank 0 or 1, ``(T, 1)``),
+    which they expand with stride 0 themselves.
+
+    Shape:
+        ``(..., T?, S?)`` -> ``(..., T, S)`` (unchanged when its keys are already contiguous).
+    """
+    if mask.dim() >= 2 and mask.shape[-1] == S and mask.stride(-1) == 1:
+        return mask
+    lead = tuple(mask.shape[:-2]) if mask.dim() > 2 else ()
+    return mask.expand(*lead, T, S).contiguous()
 
 
 def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, is_causal: bool = False,
@@ -60,9 +73,27 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, is_causal: b
         broadcastable to ``(B, H, T, S)`` -> out ``(B, H, T, D)``, lse ``(B, H, T)`` float32
         (float64 for float64 inputs).
     """
+    if _no_pairs(q, k):
+        return _empty_forward(q, k, v)  # the kernel dies of SIGFPE on an empty size
     q, k, v = (_unit_stride(t) for t in (q, k, v))
     q, scale = _fold_scale(q, scale)
     return _fwd(q, k, v, is_causal=is_causal, attn_mask=_mask4(attn_mask), scale=scale)
+
+
+def _no_pairs(q: Tensor, k: Tensor) -> bool:
+    """No (query, key) pair at all: B, H, T or S is 0."""
+    return q.shape[:-1].numel() == 0 or k.shape[-2] == 0
+
+
+def _empty_forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """What the flash kernel means on an empty size, without calling it (torch 2.13's CPU
+    kernel divides by zero, and the process dies of SIGFPE): rows with no key output 0 and
+    have log-sum-exp ``-inf``; no rows, no output."""
+    B, H, T = q.shape[0], q.shape[1], q.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(B, H, T, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
 
 
 def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
@@ -76,6 +107,8 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     Shape:
         as :func:`flash_forward`; dout like out -> dq, dk, dv like q, k, v.
     """
+    if _no_pairs(q, k):  # no (query, key) pair: no gradient
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dout, q, k, v, out = (_unit_stride(t) for t in (dout, q, k, v, out))
     folded, fscale = _fold_scale(q, scale)
     dq, dk, dv = _bwd(dout, folded, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4(attn_mask),

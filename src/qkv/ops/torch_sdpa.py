@@ -116,6 +116,7 @@ def _fits_flash_cpu(call: AttentionCall, mask: Tensor | None, dtype: torch.dtype
     return (
         flash_cpu_available()
         and call.device.type == "cpu"
+        and q.shape[:-1].numel() > 0 and call.S > 0  # empty: the kernel dies of SIGFPE
         and q.dim() == k.dim() == v.dim() == 4
         and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1]
         and (q.shape[1] == k.shape[1] or call.enable_gqa)
