@@ -288,6 +288,23 @@ def test_meta_tensors_give_shapes_and_a_backward(backend, kw):
     assert grad.shape == q.shape
 
 
+@pytest.mark.parametrize("backend", ["torch", "tiled", "auto", "reference"])
+@pytest.mark.parametrize("kw", ["plain", "is_causal", "bool-mask"])
+def test_meta_tensors_give_a_trace_of_the_right_shapes(backend, kw):
+    """Issue 25: ``return_trace=True`` on meta tensors raised "Tensor.item() cannot be called
+    on meta tensors" on torch and auto (the trace's row blocks read their indices on the
+    tensors' device)."""
+    q = torch.empty(2, 4, 16, 8, device="meta")
+    kv = torch.empty(2, 4, 12, 8, device="meta")
+    extra = {"plain": {}, "is_causal": dict(is_causal=True),
+             "bool-mask": dict(attn_mask=torch.empty(16, 12, dtype=torch.bool, device="meta"))}[kw]
+    out, trace = qkv.scaled_dot_product_attention(q, kv, kv, backend=backend, return_trace=True,
+                                                  **extra)
+    assert out.shape == (2, 4, 16, 8) and out.device.type == "meta"
+    assert trace.probs.shape == trace.scores.shape == (2, 4, 16, 12)
+    assert trace.lse.shape == (2, 4, 16) and trace.probs.device.type == "meta"
+
+
 # --- 13: autocast --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -195,8 +195,8 @@ def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
     wide = widened(call)
     B, H = call.BH
     tail = (call.S,) if tail is None else tail
-    dev = call.device  # not torch's default device: a user's set_default_device("cuda")
-    b, h = torch.arange(B, device=dev), torch.arange(H, device=dev)  # must not move CPU calls
+    dev = "cpu"  # host-side indices (a view is taken where they are consecutive), whatever
+    b, h = torch.arange(B, device=dev), torch.arange(H, device=dev)  # the default device
     step = max(_BLOCK_ROWS_MIN, _BLOCK_ELEMENTS // max(B * H * call.S, 1))
     if step >= call.T:  # one block: its result is the buffer
         whole = fn(wide, b, h, torch.arange(call.T, device=dev)).to(dtype or call.dtype)  # (B, H, T, *tail)

@@ -68,9 +68,7 @@ def attention_scores_at(call: AttentionCall, b: Tensor, h: Tensor, rows: Tensor)
         b ``(nb,)``, h ``(nh,)``, rows ``(nr,)`` int64 -> ``(nb, nh, nr, S)``.
     """
     query, key, _ = call.as_4d()  # (B, H, T, D), (B, H, S, D)
-    dev = call.device
-    b, h, rows = b.to(dev), h.to(dev), rows.to(dev)
-    q = take(query, b, h, rows)  # (nb, nh, nr, D)
+    q = take(query, b, h, rows)  # (nb, nh, nr, D); indices read on the host (no device sync)
     scores = (q * call.scale) @ take(key, b, h).transpose(-2, -1)  # (nb, nh, nr, S)
     return _modify_at(call, scores, b, h, rows)
 
@@ -82,8 +80,8 @@ def _modify_at(call: AttentionCall, scores: Tensor, b: Tensor, h: Tensor, rows: 
     Shape:
         scores ``(nb, nh, nr, S)``, b ``(nb,)``, h ``(nh,)``, rows ``(nr,)`` -> the same.
     """
-    dev = call.device
-    idx = (b.view(-1, 1, 1, 1), h.view(1, -1, 1, 1), rows.view(1, 1, -1, 1),
+    dev = call.device  # b, h, rows stay on the host for take(); the mods see them on dev
+    idx = (b.to(dev).view(-1, 1, 1, 1), h.to(dev).view(1, -1, 1, 1), rows.to(dev).view(1, 1, -1, 1),
            torch.arange(call.S, device=dev).view(1, 1, 1, -1))
     if call.score_mod is not None:
         scores = evaluate_score(call.score_mod, scores, *idx)
@@ -172,9 +170,9 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
                 torch.baddbmm(scores, operand(q[bi, h0:h1, t0:t1], acc), kt, beta=0,
                               alpha=call.scale, out=scores)  # (nh, nr, S): scale * q k^T
                 if not plain:
-                    scores = _modify_at(call, scores.unsqueeze(0), torch.tensor([bi], device=dev),
-                                        torch.arange(h0, h1, device=dev),
-                                        torch.arange(t0, t1, device=dev))[0]
+                    scores = _modify_at(call, scores.unsqueeze(0), torch.tensor([bi], device="cpu"),
+                                        torch.arange(h0, h1, device="cpu"),
+                                        torch.arange(t0, t1, device="cpu"))[0]
                 _softmax_block_(scores, lse[bi, h0:h1, t0:t1])
                 if scores.data_ptr() != block.data_ptr():
                     block.copy_(scores)  # rounded to half once, or a score_mod's new tensor
