@@ -1,4 +1,11 @@
-"""qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through."""
+"""qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through.
+
+The documented submodules (``qkv.viz``, ``qkv.torch_compat``, ``qkv.testing``,
+``qkv.distributed``, ``qkv.integrations``, ...) are reached as attributes after a plain
+``import qkv``; the ones not imported here load on first use, so ``import qkv`` stays fast and
+needs nothing beyond torch.
+"""
+import importlib as _importlib
 from . import models, tasks
 from .capture import Captured, capture, load_capture
 from .dispatch import backend_names
@@ -11,6 +18,20 @@ from .models import (DecoderLM, EncoderClassifier, Seq2SeqTransformer, ViT, atte
 from .trace import AttentionTrace, MultiHeadTrace
 
 __version__ = "0.1.0"
+
+# loaded on first attribute access (module __getattr__, PEP 562)
+_LAZY_SUBMODULES = ("cli", "distributed", "examples", "integrations", "masks", "ops",
+                    "testing", "torch_compat", "training", "viz")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return _importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
 __all__ = [
     "AdditiveAttention",

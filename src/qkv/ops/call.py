@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from dataclasses import dataclass
 from numbers import Real
 
 import torch
 from torch import Tensor
-from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from ..masks import (MaskMod, ScoreMod, _Window, and_masks, as_mask_mod, as_score_mod, causal,
                      evaluate_mask, index_grid, merge_causal)
@@ -74,7 +74,7 @@ class AttentionCall:
         batch = _check_shapes(query, key, value, bool(enable_gqa))
         T, S = query.shape[-2], key.shape[-2]
         is_causal = _check_flag("is_causal", is_causal)
-        if isinstance(attn_mask, CausalBias):  # torch's causal mask objects: their meaning
+        if _is_causal_bias(attn_mask):  # torch's causal mask objects: their meaning
             attn_mask, is_causal, mask_mod = _from_causal_bias(attn_mask, T, S, is_causal, mask_mod)
         attn_mask = _check_mask(attn_mask, query, batch + (T, S))
         mask_mod, score_mod = _check_mods(mask_mod, score_mod, batch, T, S)
@@ -338,7 +338,15 @@ def _gqa_leads(q: tuple, k: tuple, v: tuple) -> tuple[tuple, tuple]:
     return k[:-3] + (H,), v[:-3] + (H,)
 
 
-def _from_causal_bias(bias: CausalBias, T: int, S: int, is_causal: bool, mask_mod):
+def _is_causal_bias(attn_mask) -> bool:
+    """Whether ``attn_mask`` is torch's ``CausalBias``. Its module is not imported here: it
+    pulls in ``torch._dynamo`` (a second to ``import qkv``), and a caller holding a
+    ``CausalBias`` has imported it already."""
+    bias = sys.modules.get("torch.nn.attention.bias")
+    return bias is not None and isinstance(attn_mask, bias.CausalBias)
+
+
+def _from_causal_bias(bias, T: int, S: int, is_causal: bool, mask_mod):
     """torch's ``causal_upper_left``/``causal_lower_right`` as ``(attn_mask, is_causal,
     mask_mod)``: upper-left is ``is_causal``, lower-right the bottom-right causal mask_mod."""
     if (bias.seq_len_q, bias.seq_len_kv) != (T, S):
@@ -346,6 +354,8 @@ def _from_causal_bias(bias: CausalBias, T: int, S: int, is_causal: bool, mask_mo
             f"attn_mask is a torch CausalBias for (T, S) = ({bias.seq_len_q}, {bias.seq_len_kv}) "
             f"but the call has (T, S) = ({T}, {S}); build it with the call's lengths"
         )
+    from torch.nn.attention.bias import CausalVariant
+
     if bias.variant == CausalVariant.UPPER_LEFT:
         return None, True, mask_mod
     bottom_right = causal(align="bottom_right")

@@ -1,0 +1,70 @@
+"""What ``import qkv`` costs and reaches (issue 25).
+
+``import qkv`` used to pull in ``torch._dynamo`` (through ``torch.nn.attention.bias``, for one
+isinstance check): 1.1 s beyond ``import torch``, and ``qkv --help`` took 2.5 s. The
+documented submodules raised AttributeError until imported by hand. Each check runs in a fresh
+interpreter, since this test process has imported everything already.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_import_qkv_loads_no_compiler_plotting_or_hub_library():
+    out = _run("""
+        import sys, qkv
+        print(sorted(m for m in ("torch._dynamo", "matplotlib", "transformers", "triton",
+                                 "sklearn", "torch.nn.attention.bias") if m in sys.modules))
+    """)
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("path", ["viz.html", "torch_compat.MultiheadAttention",
+                                  "torch_compat.patch", "testing.assert_tolerance",
+                                  "distributed.ring_attention", "integrations.transformers.register",
+                                  "masks.sliding_window"])
+def test_documented_submodules_are_reached_after_import_qkv_alone(path):
+    out = _run(f"""
+        import qkv
+        obj = qkv
+        for part in {path!r}.split("."):
+            obj = getattr(obj, part)
+        print(callable(obj))
+    """)
+    assert out.strip() == "True"
+
+
+def test_unknown_attribute_still_raises_attribute_error():
+    out = _run("""
+        import qkv
+        try:
+            qkv.no_such_thing
+        except AttributeError as e:
+            print(e)
+    """)
+    assert "no attribute 'no_such_thing'" in out
+
+
+def test_torch_causal_bias_is_still_understood():
+    """The check for torch's CausalBias no longer imports its module; a caller holding one has
+    imported it, and gets the same answer as torch's own causal_lower_right."""
+    import torch
+    from torch.nn.attention.bias import causal_lower_right
+
+    import qkv
+
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 5))
+    want = qkv.scaled_dot_product_attention(q, k, v, mask_mod=qkv.masks.causal("bottom_right"))
+    torch.testing.assert_close(out, want)
