@@ -20,6 +20,7 @@ from ..masks import apply_mask_, causal_bool, evaluate_mask, evaluate_score, ind
 from ._memory import empty_large
 from .base import BackendResult
 from .call import AttentionCall
+from .cpu_isa import half_gemm_route
 
 __all__ = ["ReferenceBackend", "attention_scores", "attention_scores_at", "attention_with_weights",
            "masked_softmax", "widened"]
@@ -135,10 +136,15 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
     half = call.dtype in (torch.float16, torch.bfloat16)
     acc = torch.float32 if half else call.dtype  # scores and softmax
-    # half inputs on CPU: the rounded weights times the values in float32 (same products and
-    # float32 sums as a half GEMM); torch's CPU bfloat16 GEMM without AMX ran at ~1.7 GFLOP/s
-    # on the 2-core EPYC box (8 heads, T=4096: 10.7 s against 0.68 s). Elsewhere in half.
-    wide_pv = half and dev.type == "cpu"
+    # half inputs on a CPU without native bfloat16 arithmetic (ops/cpu_isa.py): both products
+    # in float32 (the rounded weights times the values: same products and float32 sums as a
+    # half GEMM); torch's CPU bfloat16 GEMM without AVX-512-BF16/AMX ran at ~1.7 GFLOP/s on the
+    # 2-core EPYC box (8 heads, T=4096: 10.7 s against 0.68 s). With it (route "native"), both
+    # GEMMs run in the inputs' dtype, the scores rounded to it as the reference's own are, and
+    # the softmax stays in float32. Other devices: scores in float32, weights times values in half.
+    route = half_gemm_route() if half and dev.type == "cpu" else None
+    wide_pv = route == "float32"
+    half_qk = route == "native"
     budget = _BLOCK_ELEMENTS // 4 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
     rows = max(1, min(T, budget // max(S, 1)))  # rows of a block
     heads = max(1, min(H, budget // max(T * S, 1))) if rows == T else 1  # heads of a block
@@ -161,14 +167,19 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     for bi in range(B):
         for h0 in range(0, H, heads):
             h1 = min(H, h0 + heads)
-            kt = operand(k[bi, h0:h1], acc).transpose(-2, -1)  # (nh, D, S)
+            kt = operand(k[bi, h0:h1], call.dtype if half_qk else acc).transpose(-2, -1)  # (nh, D, S)
             vb = operand(v[bi, h0:h1], acc if wide_pv else call.dtype)  # (nh, S, Dv)
             for t0 in range(0, T, rows):
                 t1 = min(T, t0 + rows)
                 block = probs[bi, h0:h1, t0:t1]  # (nh, nr, S)
                 scores = block if work is None else work[:h1 - h0, :t1 - t0]
-                torch.baddbmm(scores, operand(q[bi, h0:h1, t0:t1], acc), kt, beta=0,
-                              alpha=call.scale, out=scores)  # (nh, nr, S): scale * q k^T
+                if half_qk:  # a native half GEMM into the weights' buffer, widened after
+                    torch.baddbmm(block, operand(q[bi, h0:h1, t0:t1], call.dtype), kt, beta=0,
+                                  alpha=call.scale, out=block)  # (nh, nr, S) in half
+                    scores.copy_(block)
+                else:
+                    torch.baddbmm(scores, operand(q[bi, h0:h1, t0:t1], acc), kt, beta=0,
+                                  alpha=call.scale, out=scores)  # (nh, nr, S): scale * q k^T
                 if not plain:
                     scores = _modify_at(call, scores.unsqueeze(0), torch.tensor([bi], device="cpu"),
                                         torch.arange(h0, h1, device="cpu"),

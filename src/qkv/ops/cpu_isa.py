@@ -1,0 +1,59 @@
+"""What this CPU does well, for the speed choices of the CPU kernels (issue 25).
+
+torch's half-precision (bfloat16/float16) GEMM on a CPU is fast only where the CPU multiplies
+bfloat16 natively (AVX-512-BF16, AMX): there oneDNN runs it at float32's rate or better. Without
+them (AVX2 machines, AVX-512 machines without the BF16 extension) it ran at ~1.7 GFLOP/s on
+the 2-core EPYC (Zen 3) box, and multiplying in float32 was 16x faster. So half inputs on the
+CPU are multiplied in float32 unless the CPU has native bfloat16 arithmetic that torch is
+allowed to use (``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA`` can hold it to AVX2).
+
+``QKV_CPU_HALF_GEMM=float32`` or ``=native`` overrides the choice (for benchmarks).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["cpu_features", "half_gemm_route", "native_bf16"]
+
+_NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where that cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16(features: frozenset[str] | None = None, capability: str | None = None,
+                onednn_isa: str | None = None) -> bool:
+    """Whether torch's CPU kernels may multiply bfloat16 natively here: the CPU has
+    AVX-512-BF16 or AMX, and neither torch (``get_cpu_capability``) nor oneDNN
+    (``ONEDNN_MAX_CPU_ISA``) is held below AVX-512."""
+    features = cpu_features() if features is None else features
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "") if onednn_isa is None else onednn_isa
+    held = capability.upper() in ("AVX2", "DEFAULT", "NO AVX") or \
+        onednn_isa.upper().startswith(("AVX2", "SSE", "AVX_"))  # AVX512_CORE_BF16 etc. pass
+    return not held and any(f in features for f in _NATIVE_BF16_FLAGS)
+
+
+def half_gemm_route() -> str:
+    """``"native"``: half inputs are multiplied by torch in their own dtype; ``"float32"``:
+    widened to float32 first (same products, float32 sums). From ``QKV_CPU_HALF_GEMM`` when set,
+    else from :func:`native_bf16`."""
+    forced = os.environ.get("QKV_CPU_HALF_GEMM", "").strip().lower()
+    if forced in ("native", "float32"):
+        return forced
+    if forced:
+        raise ValueError(f"QKV_CPU_HALF_GEMM must be 'native' or 'float32', got {forced!r}")
+    return "native" if native_bf16() else "float32"
