@@ -1,7 +1,9 @@
 """qkv.tasks: determinism, disjoint splits, the conventions, the ListOps grammar, the cache."""
 from __future__ import annotations
 
+import os
 import random
+import stat
 import subprocess
 import sys
 
@@ -358,3 +360,18 @@ def test_import_qkv_tasks_needs_only_torch():
             "print([m for m in ('sklearn', 'tqdm') if m in sys.modules and m not in before])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_cache_files_follow_the_umask(tmp_path, umask):
+    """Issue 25: cache files came out 0600 whatever the umask (mkstemp's mode). They get what
+    open() would give, 0666 & ~umask, and no temporary file is left beside them."""
+    before = os.umask(umask)
+    try:
+        tasks.load("reverse", size=20, cache_dir=tmp_path)
+    finally:
+        os.umask(before)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files and all(not p.name.endswith(".tmp") for p in files)
+    for p in files:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask, p

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import random
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from .._files import write_atomic
 
 FORMAT = 1  # bump when a sampler, a vocabulary or this file's layout changes
 CHECKPOINT_S = 60.0  # a long generation writes what it has this often
@@ -165,16 +166,8 @@ class _Generator:
     def write(self, path: Path) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    torch.save(self.state(), f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            # atomic, and with the mode open() gives under the umask (mkstemp's is 0600)
+            write_atomic(path, lambda f: torch.save(self.state(), f))
         except OSError as e:
             warnings.warn(f"qkv.tasks: cannot write the cache file {path} ({e}); the data is "
                           "generated but not kept", stacklevel=4)
