@@ -99,3 +99,24 @@ def test_self_attention_trace_selects_rows(batched):
     keep = torch.arange(9) != 3
     expected = _rows_of_softmax(q, k, 0.5, [8, 0], keep)
     torch.testing.assert_close(part.probs.reshape(2, 9), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["one-pass", "lazy"])
+def test_decode_step_trace_stays_readable_after_the_cache_appends(lazy, monkeypatch):
+    """Issue 25: the KV cache writes in place, so a (lazy) trace of one decoding step raised
+    "modified in place" once the next step appended. A traced step keeps its own copy of the
+    cached keys and values; its weights equal the formula's on the keys of that step."""
+    if lazy:
+        monkeypatch.setattr(qkv.dispatch, "ONE_PASS_MAX_ELEMENTS", 0)
+    mha = qkv.MultiHeadAttention(16, 2, num_kv_heads=1).eval()
+    cache = mha.new_cache(batch_size=1, capacity=16)
+    x = torch.randn(1, 9, 16)
+    with torch.no_grad():
+        mha(x[:, :5], cache=cache)  # the prompt
+        _, trace = mha(x[:, 5:6], cache=cache, return_trace=True)  # step 6 sees keys 0..5
+        for t in range(6, 9):
+            mha(x[:, t:t + 1], cache=cache)  # later steps overwrite nothing it saw, but bump
+        probs = trace.probs  # the cache's version counter
+    assert probs.shape == (1, 2, 1, 6)
+    want = _rows_of_softmax(trace.q, trace.k, (16 // 2) ** -0.5, [0])
+    torch.testing.assert_close(probs.double(), want, rtol=0, atol=1e-6)

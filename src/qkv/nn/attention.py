@@ -277,6 +277,11 @@ class MultiHeadAttention(nn.Module):
         mask = inp.mask
         if cache is not None:
             k, v, key_mask = cache.append(k, v, inp.key_mask)  # (B, G, P, D): all positions so far
+            if return_trace:  # the next append writes the cache in place: a trace of this step
+                # keeps its own copy, so it stays readable (B*G*P*(D+Dv) elements, the order of
+                # the trace's own q, k, v)
+                k, v = k.clone(), v.clone()
+                key_mask = None if key_mask is None else key_mask.clone()
             mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, P)
             mask_mod, is_causal = _decoding_mask(mask_mod, q.shape[-2], k.shape[-2]), False
         res = scaled_dot_product_attention(
