@@ -253,7 +253,7 @@ def _versions(call: AttentionCall) -> tuple[int, ...]:
     return tuple(t._version for t in tensors if t is not None and not t.is_inference())
 
 
-register_backend(TritonBackend())  # priority 5: CUDA calls its kernels take; never CPU under auto
+register_backend(TritonBackend())  # priority 15: after torch; CUDA calls torch cannot take
 register_backend(TorchBackend())
 register_backend(TiledBackend())
 register_backend(ReferenceBackend())
