@@ -65,7 +65,10 @@ def check_backends(call: AttentionCall) -> dict[str, str | None]:
 def select(call: AttentionCall, backend: str = "auto") -> Backend:
     """The backend that will run ``call``."""
     if backend == "auto":
+        tracing = torch.compiler.is_compiling()
         for candidate in _ORDER:
+            if tracing and not getattr(candidate, "traceable", False):
+                continue  # one graph under torch.compile: torch's SDPA or the reference math
             if candidate.supports(call) is None:
                 return candidate
         reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
@@ -87,7 +90,10 @@ def run(call: AttentionCall, backend: str = "auto"):
     Shape:
         output ``(*batch, T, Dv)``.
     """
-    if call.return_trace and backend == "auto" and _weights_in_one_pass(call):
+    if call.return_trace and backend == "auto" and torch.compiler.is_compiling():
+        backend = "reference"  # traced: the plain math gives the whole trace in the graph (the
+        # one-pass and lazy traces branch on values and index on the host)
+    elif call.return_trace and backend == "auto" and _weights_in_one_pass(call):
         out, probs, lse = attention_with_weights(call)
         return out, _trace_of_weights(call, probs, lse)
     chosen = select(call, backend)

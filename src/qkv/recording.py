@@ -16,6 +16,7 @@ imports it, and ``qkv.capture`` (layer 5) builds on it.
 """
 from __future__ import annotations
 
+import threading
 from contextvars import ContextVar, Token
 from typing import Callable, Optional
 
@@ -49,25 +50,36 @@ class _Both(Recorder):
 
 
 _ACTIVE: ContextVar[Optional[Recorder]] = ContextVar("qkv_recorder", default=None)
+_LOCK = threading.Lock()
 
 
 def wanted() -> Optional[TraceSink]:
     """Where the trace of the attention call now starting should go; None (almost always)
     when no recorder wants it."""
+    if not _STARTED[0]:  # no recorder in any thread: no ContextVar to read (torch.compile
+        return None      # cannot trace ContextVar.get, and reads this count as a constant)
     recorder = _ACTIVE.get()
     return None if recorder is None else recorder.want()
+
+
+_STARTED = [0]  # recorders started and not yet stopped, in all threads together
 
 
 def start(recorder: Recorder) -> Token:
     """Make ``recorder`` active in this context (beside any active one); pass the token
     back to :func:`stop`."""
     outer = _ACTIVE.get()
-    return _ACTIVE.set(recorder if outer is None else _Both(outer, recorder))
+    token = _ACTIVE.set(recorder if outer is None else _Both(outer, recorder))
+    with _LOCK:
+        _STARTED[0] += 1
+    return token
 
 
 def stop(token: Token) -> None:
     """Undo the :func:`start` that gave ``token``: the recorders active before it are again."""
     _ACTIVE.reset(token)
+    with _LOCK:
+        _STARTED[0] -= 1
 
 
 class paused:

@@ -33,11 +33,14 @@ class Backend(Protocol):
     """An attention implementation behind the dispatcher.
 
     ``priority``: lower runs first under ``backend="auto"`` (the faster backend).
+    ``traceable``: whether ``torch.compile`` can trace it as one graph; under tracing,
+    ``auto`` passes over the backends that cannot (they plan on tensor contents).
     ``supports(call)``: None when the backend can take the call, else why not, in words.
     """
 
     name: str
     priority: int
+    traceable: bool
 
     def supports(self, call: AttentionCall) -> str | None: ...
 

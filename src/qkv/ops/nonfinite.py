@@ -43,6 +43,8 @@ def run(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
     """``run_call(call)`` (an output, or ``(output, trace)``) under the contract above."""
     if call.device.type == "meta" or call.query.numel() == 0 or call.key.numel() == 0:
         return run_call(call)
+    if torch.compiler.is_compiling():
+        return _run_traced(call, run_call)
     if not _wants_grad(call):
         result = run_call(call)
         out = result[0] if call.return_trace else result
@@ -55,6 +57,29 @@ def run(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
     if call.return_trace:
         return _poison(result[0], cleaned, bad), result[1]
     return _poison(result, cleaned, bad)
+
+
+def _run_traced(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
+    """The same contract in tensor ops only, for a traced call (``torch.compile``): no
+    ``.item()``, no branch on values, so the call stays one graph. Every call runs on the
+    cleaned inputs, and the rows to poison are found over the whole ``(T, S)`` grid of allowed
+    pairs, which the compiler fuses into one reduction instead of materialising it."""
+    q, k, v = call.query, call.key, call.value
+    bad_q = ~torch.isfinite(q).all(-1)  # (*qbatch, T)
+    bad_k = ~torch.isfinite(k).all(-1)  # (*kbatch, S)
+    bad_v = ~torch.isfinite(v).all(-1)  # (*kbatch, S)
+    cleaned = dataclasses.replace(call, **{
+        name: torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=t.dtype, device=t.device), t)
+        for name, bad, t in (("query", bad_q, q), ("key", bad_k, k), ("value", bad_v, v))})
+    result = run_call(cleaned)
+    out = result[0] if call.return_trace else result
+    keys = bad_k | bad_v  # (*kbatch, S)
+    if call.enable_gqa:
+        keys = keys.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-2)
+    ok = allowed(call)  # (*batch, T, S)
+    hit = (ok & keys.unsqueeze(-2)).any(-1) | (bad_q & ok.any(-1))  # (*batch, T)
+    out = out.masked_fill(hit.unsqueeze(-1), float("nan"))
+    return (out, result[1]) if call.return_trace else out
 
 
 def _wants_grad(call: AttentionCall) -> bool:

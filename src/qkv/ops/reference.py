@@ -31,6 +31,7 @@ class ReferenceBackend:
 
     name = "reference"
     priority = 100  # slowest: auto picks it only when nothing faster takes the call
+    traceable = True  # plain torch ops
 
     def supports(self, call: AttentionCall) -> str | None:
         return None

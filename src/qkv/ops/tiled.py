@@ -70,6 +70,7 @@ class TiledBackend:
 
     name = "tiled"
     priority = 20  # after torch and triton, before reference
+    traceable = False  # block plans read mask contents (nonzero, a cache)
 
     def supports(self, call: AttentionCall) -> str | None:
         if call.dropout_p > 0:

@@ -37,6 +37,7 @@ class TorchBackend:
 
     name = "torch"
     priority = 10
+    traceable = True  # torch's own SDPA
 
     def supports(self, call: AttentionCall) -> str | None:
         if call.score_mod is not None:
@@ -97,8 +98,9 @@ def _guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None
         return None, None
     allowed = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
     row_ok = allowed.any(dim=-1)  # (..., T)
-    if row_ok.device.type == "cpu" and bool(row_ok.all()):
-        return mask, None  # nothing to guard; on CPU the check costs no device sync
+    if row_ok.device.type == "cpu" and not torch.compiler.is_compiling() and bool(row_ok.all()):
+        return mask, None  # nothing to guard; on CPU the check costs no device sync (and a
+        # traced call always guards: a branch on values would break the graph)
     fill = ~row_ok.unsqueeze(-1)  # (..., T, 1)
     guarded = mask | fill if mask.dtype == torch.bool else mask.masked_fill(fill, 0.0)
     return guarded, row_ok

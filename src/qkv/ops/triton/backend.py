@@ -97,6 +97,7 @@ class TritonBackend:
     # so auto runs triton only for the structured masks torch cannot take
     # (benchmarks/RESULTS.md, "Triton on an H100")
     priority = 15
+    traceable = False  # kernels not yet registered as torch.library custom ops
 
     def supports(self, call: AttentionCall) -> str | None:
         return _why_not(call)
