@@ -51,6 +51,7 @@ class _Both(Recorder):
 
 _ACTIVE: ContextVar[Optional[Recorder]] = ContextVar("qkv_recorder", default=None)
 _LOCK = threading.Lock()
+_STARTED = [0]  # recorders started and not yet stopped, in all threads together
 
 
 def wanted() -> Optional[TraceSink]:
@@ -60,9 +61,6 @@ def wanted() -> Optional[TraceSink]:
         return None      # cannot trace ContextVar.get, and reads this count as a constant)
     recorder = _ACTIVE.get()
     return None if recorder is None else recorder.want()
-
-
-_STARTED = [0]  # recorders started and not yet stopped, in all threads together
 
 
 def start(recorder: Recorder) -> Token:
