@@ -1,18 +1,21 @@
-"""qkv under ``torch.compile(fullgraph=True)`` (issue 24, the first part).
+"""qkv under ``torch.compile(fullgraph=True)`` and ``torch.export`` (issue 24, the first part).
 
 What traces as one graph today:
 - ``qkv.scaled_dot_product_attention`` with ``backend="auto"``: no mask, ``is_causal``, bool and
   float ``attn_mask``, the ready-made ``mask_mod``/``score_mod`` (window, documents, ALiBi);
   forward, backward, and ``return_trace``;
-- ``qkv.MultiHeadAttention`` (plain, causal, ``key_mask``), under inductor too.
+- ``qkv.MultiHeadAttention`` (plain, causal, ``key_mask``), under inductor too; over 6
+  sequence lengths one graph with ``dynamic=True`` and two with automatic dynamic shapes;
+  document ids changed in place recompile nothing;
+- ``torch.export`` of MultiHeadAttention, strict and non-strict, with a dynamic length.
 
 How: under tracing, ``auto`` passes over the backends that plan on tensor contents (tiled,
 triton) and runs torch's SDPA or the reference math; the NaN policy runs as tensor ops (no
 ``.item()``); the capture hook reads no ContextVar while no capture is active. Graphs are
 counted with dynamo's CompileCounter, and results are compared with eager qkv.
 
-Not yet (issue 24 stays open for them): tiled and triton as custom ops, dynamic shapes without
-recompiles, export, vmap, capture around a compiled model as one graph.
+Not yet (issue 24 stays open for them): tiled and triton as custom ops, ONNX, vmap and
+torch.func, capture around a compiled model as one graph, HF models and training steps.
 """
 from __future__ import annotations
 
@@ -138,3 +141,63 @@ def test_capture_hook_costs_no_break_and_capture_still_records():
         recording.stop(token)
     assert len(seen) == 1 and seen[0].probs.shape == (1, 2, 6, 6)
     assert recording._STARTED[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "window"])
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+def test_six_lengths_compile_at_most_twice(kind, dynamic):
+    """A module's call site over 6 sequence lengths: one graph with ``dynamic=True``, two with
+    torch's automatic dynamic shapes (the first length is specialised), each equal to eager."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4).eval()
+    kw = {"plain": {}, "causal": dict(is_causal=True),
+          "window": dict(mask_mod=M.sliding_window(8))}[kind]
+    dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x: mha(x, **kw), backend=counter, dynamic=dynamic)
+    with torch.no_grad():
+        for length in (10, 17, 33, 64, 100, 129):
+            x = torch.randn(2, length, 32)
+            torch.testing.assert_close(compiled(x), mha(x, **kw))
+    assert counter.frame_count <= (1 if dynamic else 2)
+
+
+def test_document_ids_changed_in_place_recompile_nothing():
+    ids = (torch.arange(T) // 5).expand(B, T).clone()
+    doc = M.document(ids)
+    q = torch.randn(B, H, T, D)
+    compiled, counter = _compiled(lambda q: qkv.scaled_dot_product_attention(q, q, q,
+                                                                             mask_mod=doc))
+    with torch.no_grad():
+        compiled(q)
+        ids.copy_((torch.arange(T) // 3).expand(B, T))  # new documents, same shape
+        got = compiled(q)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got, qkv.scaled_dot_product_attention(
+        q, q, q, mask_mod=M.document(ids.clone())))
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+@pytest.mark.parametrize("kind", ["plain", "causal", "key_mask"])
+def test_export_with_a_dynamic_length_runs_at_another_length(strict, kind):
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4).eval()
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x, key_mask):
+            if kind == "key_mask":
+                return self.mha(x, key_mask=key_mask)
+            return self.mha(x, is_causal=kind == "causal")
+
+    length = torch.export.Dim("T", min=2, max=512)
+    x, key_mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool)
+    program = torch.export.export(Wrapped(), (x, key_mask), strict=strict,
+                                  dynamic_shapes={"x": {1: length}, "key_mask": {1: length}})
+    x = torch.randn(2, 40, 32)
+    key_mask = torch.arange(40) < torch.tensor([[40], [25]])
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x, key_mask), Wrapped()(x, key_mask))

@@ -136,7 +136,8 @@ def module_inputs(
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         _check_dtype(name, t, dtype)  # before the shape: token ids (B, T) would look unbatched
-        if t.dim() not in (2, 3) or c not in (None, t.shape[-1]):
+        if t.dim() not in (2, 3) or (c is not None and t.shape[-1] != c):  # (dynamo traces `!=`
+            # on a symbolic size, not `in` on a tuple holding one)
             want = "C" if c is None else c
             raise ValueError(
                 f"{name} must be (B, L, {want}) or unbatched (L, {want}), got shape "

@@ -313,10 +313,10 @@ def _broadcast(*shapes: tuple) -> tuple | None:
         return tuple(shapes[0])
     out = []
     for dims in itertools.zip_longest(*(reversed(s) for s in shapes), fillvalue=1):
-        sizes = {d for d in dims if d != 1}
-        if len(sizes) > 1:
+        sizes = [d for d in dims if d != 1]  # (a list: symbolic sizes are not hashable)
+        if any(d != sizes[0] for d in sizes[1:]):
             return None
-        out.append(sizes.pop() if sizes else 1)
+        out.append(sizes[0] if sizes else 1)
     return tuple(reversed(out))
 
 
