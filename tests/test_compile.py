@@ -7,15 +7,17 @@ What traces as one graph today:
 - ``qkv.MultiHeadAttention`` (plain, causal, ``key_mask``), under inductor too; over 6
   sequence lengths one graph with ``dynamic=True`` and two with automatic dynamic shapes;
   document ids changed in place recompile nothing;
-- ``torch.export`` of MultiHeadAttention, strict and non-strict, with a dynamic length.
+- ``torch.export`` of MultiHeadAttention, strict and non-strict, with a dynamic length;
+- ``torch.func``: vmap over a leading dim, grad, jacrev and per-sample gradients.
 
-How: under tracing, ``auto`` passes over the backends that plan on tensor contents (tiled,
+How: under tracing (``qkv.ops.base.tracing``: compile, export or a torch.func transform),
+``auto`` passes over the backends that plan on tensor contents (tiled,
 triton) and runs torch's SDPA or the reference math; the NaN policy runs as tensor ops (no
 ``.item()``); the capture hook reads no ContextVar while no capture is active. Graphs are
 counted with dynamo's CompileCounter, and results are compared with eager qkv.
 
-Not yet (issue 24 stays open for them): tiled and triton as custom ops, ONNX, vmap and
-torch.func, capture around a compiled model as one graph, HF models and training steps.
+Not yet (issue 24 stays open for them): tiled and triton as custom ops, ONNX, capture around
+a compiled model as one graph, HF models and training steps.
 """
 from __future__ import annotations
 
@@ -201,3 +203,45 @@ def test_export_with_a_dynamic_length_runs_at_another_length(strict, kind):
     key_mask = torch.arange(40) < torch.tensor([[40], [25]])
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x, key_mask), Wrapped()(x, key_mask))
+
+
+# --- torch.func ----------------------------------------------------------------------------------
+
+FUNC_CASES = {
+    "plain": lambda: {},
+    "causal": lambda: dict(is_causal=True),
+    "bool-mask": lambda: dict(attn_mask=torch.rand(6, 6, generator=torch.Generator().manual_seed(3)) > 0.4),
+    "window": lambda: dict(mask_mod=M.sliding_window(2)),
+}
+
+
+@pytest.mark.parametrize("name", list(FUNC_CASES))
+def test_vmap_over_a_leading_dim_equals_the_loop(name):
+    kw = FUNC_CASES[name]()
+    x = torch.randn(3, 2, 2, 6, 8)  # (N, B, H, T, D)
+
+    def attend(q):
+        return qkv.scaled_dot_product_attention(q, q, q, **kw)
+
+    torch.testing.assert_close(torch.func.vmap(attend)(x), torch.stack([attend(t) for t in x]))
+
+
+@pytest.mark.parametrize("name", ["plain", "causal", "window"])
+def test_grad_jacrev_and_per_sample_gradients_equal_autograd(name):
+    kw = FUNC_CASES[name]()
+    x = torch.randn(3, 1, 2, 6, 8)
+
+    def loss(q):
+        return qkv.scaled_dot_product_attention(q, q, q, **kw).square().sum()
+
+    def autograd_grad(q):
+        q = q.clone().requires_grad_()
+        return torch.autograd.grad(loss(q), q)[0]
+
+    torch.testing.assert_close(torch.func.grad(loss)(x[0]), autograd_grad(x[0]))
+    per_sample = torch.func.vmap(torch.func.grad(loss))(x)
+    torch.testing.assert_close(per_sample, torch.stack([autograd_grad(t) for t in x]))
+    row = lambda q: qkv.scaled_dot_product_attention(q, q, q, **kw)[0, 0, -1]  # noqa: E731 (D,)
+    jac = torch.func.jacrev(row)(x[0])  # (D, 1, 2, 6, 8)
+    want = torch.autograd.functional.jacobian(row, x[0])
+    torch.testing.assert_close(jac, want)

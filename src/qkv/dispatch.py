@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .ops import (AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TiledBackend,
                   TorchBackend)
+from .ops.base import tracing
 from .ops.reference import attention_scores_at, attention_with_weights, take, widened
 from .ops.triton import TritonBackend
 from .trace import AttentionTrace, probs_from_lse_
@@ -65,9 +66,9 @@ def check_backends(call: AttentionCall) -> dict[str, str | None]:
 def select(call: AttentionCall, backend: str = "auto") -> Backend:
     """The backend that will run ``call``."""
     if backend == "auto":
-        tracing = torch.compiler.is_compiling()
+        traced = tracing()
         for candidate in _ORDER:
-            if tracing and not getattr(candidate, "traceable", False):
+            if traced and not getattr(candidate, "traceable", False):
                 continue  # one graph under torch.compile: torch's SDPA or the reference math
             if candidate.supports(call) is None:
                 return candidate
@@ -90,7 +91,7 @@ def run(call: AttentionCall, backend: str = "auto"):
     Shape:
         output ``(*batch, T, Dv)``.
     """
-    if call.return_trace and backend == "auto" and torch.compiler.is_compiling():
+    if call.return_trace and backend == "auto" and tracing():
         backend = "reference"  # traced: the plain math gives the whole trace in the graph (the
         # one-pass and lazy traces branch on values and index on the host)
     elif call.return_trace and backend == "auto" and _weights_in_one_pass(call):

@@ -4,11 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from .call import AttentionCall
 
-__all__ = ["Backend", "BackendResult", "BackendUnsupportedError"]
+__all__ = ["Backend", "BackendResult", "BackendUnsupportedError", "tracing"]
 
 
 @dataclass(frozen=True)
@@ -49,3 +50,11 @@ class Backend(Protocol):
 
 class BackendUnsupportedError(ValueError):
     """A backend named by the caller cannot take the call; the message says why."""
+
+
+def tracing() -> bool:
+    """Whether the call is being traced or transformed rather than run: ``torch.compile``,
+    ``torch.export``, or a ``torch.func`` transform (vmap, grad, jacrev). Then nothing may read
+    tensor values on the host (``.item()``, ``bool(tensor)``): the paths that do are passed
+    over for ones written in tensor operations."""
+    return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..masks import evaluate_mask, index_grid
+from .base import tracing
 from .call import AttentionCall
 
 __all__ = ["run"]
@@ -43,7 +44,7 @@ def run(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
     """``run_call(call)`` (an output, or ``(output, trace)``) under the contract above."""
     if call.device.type == "meta" or call.query.numel() == 0 or call.key.numel() == 0:
         return run_call(call)
-    if torch.compiler.is_compiling():
+    if tracing():
         return _run_traced(call, run_call)
     if not _wants_grad(call):
         result = run_call(call)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..masks import _Window
 from ._aten import flash_cpu_available, flash_forward, sdpa
-from .base import BackendResult
+from .base import BackendResult, tracing
 from .call import AttentionCall
 
 __all__ = ["TorchBackend"]
@@ -98,7 +98,7 @@ def _guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None
         return None, None
     allowed = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
     row_ok = allowed.any(dim=-1)  # (..., T)
-    if row_ok.device.type == "cpu" and not torch.compiler.is_compiling() and bool(row_ok.all()):
+    if row_ok.device.type == "cpu" and not tracing() and bool(row_ok.all()):
         return mask, None  # nothing to guard; on CPU the check costs no device sync (and a
         # traced call always guards: a branch on values would break the graph)
     fill = ~row_ok.unsqueeze(-1)  # (..., T, 1)
