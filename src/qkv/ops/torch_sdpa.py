@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ..masks import _Window
-from ._aten import flash_cpu_available, flash_forward, sdpa
+from ._aten import _no_pairs, flash_cpu_available, flash_forward, sdpa
 from .base import BackendResult, tracing
 from .call import AttentionCall
 
@@ -118,7 +118,7 @@ def _fits_flash_cpu(call: AttentionCall, mask: Tensor | None, dtype: torch.dtype
     return (
         flash_cpu_available()
         and call.device.type == "cpu"
-        and q.shape[:-1].numel() > 0 and call.S > 0  # empty: the kernel dies of SIGFPE
+        and not _no_pairs(q, k)  # empty: the kernel dies of SIGFPE (and the trace needs a graph)
         and q.dim() == k.dim() == v.dim() == 4
         and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1]
         and (q.shape[1] == k.shape[1] or call.enable_gqa)

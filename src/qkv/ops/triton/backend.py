@@ -33,8 +33,7 @@ from ..plan_cache import PlanCache
 from ..reference import ReferenceBackend
 
 __all__ = ["TritonBackend", "Blocks", "default_blocks", "triton_attention", "interpreter",
-           "clear_block_list_cache",
-           "triton_available", "MAX_HEAD_DIM"]
+           "clear_block_list_cache", "triton_available", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128  # the accumulators of a (BLOCK_M, D) tile live in registers
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dim, where (batch, head) goes
@@ -93,7 +92,7 @@ class TritonBackend:
 
     name = "triton"
     # after torch, before tiled: on an H100 (bf16, T = 1k-16k, D = 64/128) torch's cuDNN and
-    # flash kernels beat these on every call torch takes (plain, causal, dense masks: 1.1-4x),
+    # flash kernels beat these on every call torch takes (plain, causal, dense masks),
     # so auto runs triton only for the structured masks torch cannot take
     # (benchmarks/RESULTS.md, "Triton on an H100")
     priority = 15
