@@ -245,3 +245,198 @@ def test_grad_jacrev_and_per_sample_gradients_equal_autograd(name):
     jac = torch.func.jacrev(row)(x[0])  # (D, 1, 2, 6, 8)
     want = torch.autograd.functional.jacobian(row, x[0])
     torch.testing.assert_close(jac, want)
+
+
+# --- linear and local attention, modules, decoding, training steps ------------------------------
+
+def _mod_near(b, h, i, j):  # a plain-function mask_mod, as users write them
+    return (i - j).abs() <= 3
+
+
+def _score_tilt(s, b, h, i, j):  # a plain-function score_mod
+    return s - 0.1 * (i - j).abs()
+
+
+@pytest.mark.parametrize("name", ["linear", "linear-causal", "favor", "plain-mask-mod",
+                                  "plain-score-mod"])
+def test_more_functional_paths_are_one_graph(name):
+    q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+    attend = {
+        "linear": lambda q, k, v: qkv.linear_attention(q, k, v),
+        "linear-causal": lambda q, k, v: qkv.linear_attention(q, k, v, is_causal=True),
+        "favor": lambda q, k, v: qkv.linear_attention(q, k, v, feature_map="favor"),
+        "plain-mask-mod": lambda q, k, v: qkv.scaled_dot_product_attention(
+            q, k, v, mask_mod=_mod_near),
+        "plain-score-mod": lambda q, k, v: qkv.scaled_dot_product_attention(
+            q, k, v, is_causal=True, score_mod=_score_tilt),
+    }[name]
+    compiled, counter = _compiled(attend)
+    got = compiled(q, k, v)
+    want = attend(q, k, v)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.square().sum(), (q, k, v)),
+                               torch.autograd.grad(want.square().sum(), (q, k, v)))
+    assert counter.frame_count == 1
+
+
+def test_a_redrawing_favor_map_costs_one_named_break_and_draws_as_eager():
+    import copy
+    fav = qkv.Favor(D, redraw=True)
+    twin = copy.deepcopy(fav)
+    q = torch.randn(B, H, T, D)
+    with pytest.raises(Exception, match="FAVOR\\+ redraws its projection on the host"):
+        _compiled(lambda q: qkv.linear_attention(q, q, q, feature_map=fav))[0](q)
+    dynamo.reset()
+    loose = torch.compile(lambda q: qkv.linear_attention(q, q, q, feature_map=fav),
+                          backend="aot_eager")
+    got = [loose(q) for _ in range(3)]
+    want = [qkv.linear_attention(q, q, q, feature_map=twin) for _ in range(3)]
+    assert int(fav.draws) == int(twin.draws) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+MODULES = {
+    "linear": lambda: (qkv.LinearMultiHeadAttention(32, 4), {}),
+    "linear-causal": lambda: (qkv.LinearMultiHeadAttention(32, 4), dict(is_causal=True)),
+    "local-key-mask": lambda: (qkv.LocalMultiHeadAttention(32, 4, window=3),
+                               dict(key_mask=torch.arange(10) < torch.tensor([[10], [6]]))),
+    "local-causal": lambda: (qkv.LocalMultiHeadAttention(32, 4, window=(3, 0)),
+                             dict(is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_linear_and_local_modules_compile_whole(name):
+    torch.manual_seed(0)
+    module, kw = MODULES[name]()
+    x = torch.randn(2, 10, 32, requires_grad=True)
+    compiled, counter = _compiled(lambda x: module(x, **kw))
+    got, want = compiled(x), module(x, **kw)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x),
+                               torch.autograd.grad(want.sum(), x))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+def test_kv_cache_decoding_compiles_twice_in_all(dynamic):
+    """Prefill and decode steps through one compiled call site: a graph for the prefill and
+    one for every decode step after it (the cache's fill grows without a recompile)."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4, num_kv_heads=2).eval()
+    prompt, steps = torch.randn(2, 6, 32), [torch.randn(2, 1, 32) for _ in range(6)]
+
+    def decode(step):
+        cache = mha.new_cache(2, 16)
+        return [step(prompt, cache, True)] + [step(x, cache, False) for x in steps]
+
+    def step(x, cache, causal):
+        return mha(x, cache=cache, is_causal=causal)
+
+    dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        got = decode(torch.compile(step, backend=counter, fullgraph=True, dynamic=dynamic))
+        want = decode(step)
+    assert counter.frame_count == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def _models():
+    from qkv.models import DecoderLM, Seq2SeqTransformer, ViT
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    images = torch.randn(2, 3, 16, 16)
+    labels = torch.tensor([1, 7])
+
+    def lm(kind, options=None):
+        model = DecoderLM(50, 32, 4, 2, attention=kind, attention_options=options)
+        return model, lambda m: F.cross_entropy(m(tokens).flatten(0, 1), tokens.flatten())
+
+    return {
+        "DecoderLM": lambda: lm("exact"),
+        "DecoderLM-linear": lambda: lm("linear"),
+        "DecoderLM-local": lambda: lm("local", {"window": 3}),
+        "DecoderLM-performer": lambda: lm("performer"),
+        "Seq2SeqTransformer": lambda: (
+            Seq2SeqTransformer(50, 32, 4, 1),
+            lambda m: F.cross_entropy(m(tokens, tokens).flatten(0, 1), tokens.flatten())),
+        "ViT": lambda: (ViT(16, 4, 10, 32, 4, 2), lambda m: F.cross_entropy(m(images), labels)),
+    }
+
+
+import torch.nn.functional as F  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(_models()))
+def test_a_training_step_of_each_model_is_one_graph(name):
+    """Forward, loss and backward; the gradients equal eager's."""
+    torch.manual_seed(0)
+    model, loss_of = _models()[name]()
+    compiled, counter = _compiled(lambda: loss_of(model))
+    got = torch.autograd.grad(compiled(), list(model.parameters()))
+    want = torch.autograd.grad(loss_of(model), list(model.parameters()))
+    assert counter.frame_count == 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval-padding"])
+def test_a_patched_nn_transformer_encoder_is_one_graph(mode):
+    from qkv import torch_compat
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    encoder = torch_compat.patch(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    x = torch.randn(2, 10, 32, requires_grad=mode == "train")
+    padding = torch.arange(10) >= torch.tensor([[10], [6]])  # torch's True = padded
+    if mode == "train":
+        compiled, counter = _compiled(lambda x: encoder(x))
+        got = torch.autograd.grad(compiled(x).sum(), x)
+        want = torch.autograd.grad(encoder(x).sum(), x)
+    else:
+        encoder.eval()
+        compiled, counter = _compiled(lambda x: encoder(x, src_key_padding_mask=padding))
+        with torch.no_grad():
+            got, want = compiled(x), encoder(x, src_key_padding_mask=padding)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got, want)
+
+
+# --- Hugging Face models with attn_implementation="qkv" -----------------------------------------
+
+def _hf_model(arch: str):
+    transformers = pytest.importorskip("transformers")
+    import qkv.integrations.transformers as qkv_hf
+    qkv_hf.register()
+    torch.manual_seed(0)
+    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common,
+                                                                           sliding_window=4))
+    model.eval().set_attn_implementation("qkv")
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("weights", [False, True], ids=["logits", "output_attentions"])
+def test_hugging_face_models_with_padding_are_one_graph(arch, weights):
+    model = _hf_model(arch)
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[1, :3] = 0  # left padding
+
+    def run(ids, padding):
+        out = model(input_ids=ids, attention_mask=padding, output_attentions=weights)
+        return (out.logits, *out.attentions) if weights else (out.logits,)
+
+    with torch.no_grad():
+        want = run(ids, padding)  # also installs transformers' output hooks (under a lock
+        compiled, counter = _compiled(run)  # that dynamo cannot enter) before compiling
+        got = compiled(ids, padding)
+    assert counter.frame_count == 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -46,6 +46,7 @@ from torch import Tensor
 from .. import masks
 from ..functional import scaled_dot_product_attention
 from ..masks import MaskMod
+from ..ops.base import tracing
 
 __all__ = ["register", "attention_forward", "build_mask", "HFMask", "SUPPORTED_VERSIONS"]
 
@@ -140,7 +141,7 @@ def build_mask(batch_size: int, q_length: int | None = None, kv_length: int | No
     if attention_mask is not None:
         full = prepare_padding_mask(attention_mask.bool(), kv_length, int(kv_offset))
         padding = full[:, int(kv_offset): int(kv_offset) + kv_length]  # (B, S)
-        if bool(padding.all()):
+        if not tracing() and bool(padding.all()):  # a graph keeps the all-True mask: no sync
             padding = None
     return HFMask(mask_function or causal_mask_function, q_length, kv_length, int(q_offset),
                   int(kv_offset), padding, bool(use_vmap))
@@ -251,7 +252,9 @@ def _window_of(fn) -> tuple[int | None, int | None] | tuple | None:
     (None = unbounded), :data:`_EVERYTHING`, or None when it is not a window.
 
     Recognises ``causal_mask_function``, ``bidirectional_mask_function``, the sliding-window
-    overlays and ``and_masks`` of those, by their code objects.
+    overlays and ``and_masks`` of those, by their code objects. Under tracing, a closure
+    (the overlays, ``and_masks``) is not opened (dynamo cannot read ``__closure__``): it runs
+    as a plain mask_mod traced into the graph, with the same result.
     """
     from transformers import masking_utils as mu
 
@@ -259,6 +262,8 @@ def _window_of(fn) -> tuple[int | None, int | None] | tuple | None:
         return _EVERYTHING
     if fn is mu.causal_mask_function:
         return (None, 0)
+    if tracing():
+        return None
     code, cells = getattr(fn, "__code__", None), _cells(fn)
     if code is _code(mu.sliding_window_overlay) and isinstance(cells.get("sliding_window"), int):
         return (cells["sliding_window"] - 1, None)  # kv > q - w

@@ -16,7 +16,6 @@ Shape alphabet: L positions (T or S), D head dim, M number of features.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Callable, NamedTuple
 
 import torch
@@ -96,6 +95,8 @@ class Favor(FeatureMap):
             uses the projection drawn at construction). Draw i uses
             seed ``seed + i``, so runs and resumed runs see the same projections. Never
             redrawn in eval mode (a recurrent state must see the projection it started with).
+            Under ``torch.compile`` a redrawing map in training mode costs one graph break
+            per call (the draw runs on the host); ``fullgraph=True`` refuses it.
         scale: The softmax's factor on ``q . k``; None means ``1 / sqrt(D)``.
 
     Shape:
@@ -143,9 +144,16 @@ class Favor(FeatureMap):
 
     def begin_call(self) -> None:
         if self.training and self.interval:
-            if int(self.calls) % self.interval == 0 and int(self.calls) > 0:
-                self.redraw_features()
-            self.calls += 1
+            self._count_call()
+
+    @torch.compiler.disable(reason="FAVOR+ redraws its projection on the host, from a CPU "
+                                   "generator seeded by the call count")
+    def _count_call(self) -> None:
+        """The call count and the redraw it triggers: outside any graph (one graph break
+        under torch.compile, in training mode with ``redraw`` set; none otherwise)."""
+        if int(self.calls) % self.interval == 0 and int(self.calls) > 0:
+            self.redraw_features()
+        self.calls += 1
 
     def forward(self, x: Tensor) -> Features:
         x = x * math.sqrt(self.scale)
@@ -165,10 +173,13 @@ def default_num_features(head_dim: int) -> int:
     return max(head_dim, round(head_dim * math.log(head_dim))) if head_dim > 1 else 1
 
 
+@torch.compiler.assume_constant_result
 def orthogonal_gaussian(M: int, D: int, seed: int) -> Tensor:
     """``(M, D)`` rows: blocks of D orthogonal directions, each row with a chi(D) length.
 
-    Drawn in float64 on a CPU generator so a seed gives the same matrix everywhere.
+    Drawn in float64 on a CPU generator so a seed gives the same matrix everywhere. Under
+    ``torch.compile`` the draw runs at trace time and enters the graph as a constant (a
+    generator cannot be created inside a graph).
     """
     g = torch.Generator().manual_seed(int(seed))
     blocks = []
@@ -193,9 +204,15 @@ FEATURE_MAPS: dict[str, Callable[[int], FeatureMap]] = {
 }
 
 
-@lru_cache(maxsize=32)
+_DEFAULT_FAVORS: dict[int, Favor] = {}
+
+
 def _default_favor(D: int) -> Favor:
-    return Favor(D, seed=0, dtype=torch.float32).eval()
+    """The ``"favor"`` map for head dim D, built once (a plain dict, which torch.compile reads
+    as a constant; it ignores an ``lru_cache`` and would build the map again in every graph)."""
+    if D not in _DEFAULT_FAVORS:
+        _DEFAULT_FAVORS[D] = Favor(D, seed=0, dtype=torch.float32).eval()
+    return _DEFAULT_FAVORS[D]
 
 
 def resolve_feature_map(feature_map, head_dim: int):
