@@ -440,3 +440,38 @@ def test_hugging_face_models_with_padding_are_one_graph(arch, weights):
     assert counter.frame_count == 1
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+# --- ONNX ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "key_mask"])
+def test_onnx_export_runs_in_onnxruntime_at_another_length(kind):
+    for name in ("onnx", "onnxscript"):
+        pytest.importorskip(name, reason=f"{name} (in the test extras) is not installed")
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime (in the test extras) is not "
+                                                    "installed")
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4).eval()
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x, key_mask):
+            if kind == "key_mask":
+                return self.mha(x, key_mask=key_mask)
+            return self.mha(x, is_causal=kind == "causal")
+
+    length = torch.export.Dim("T", min=2, max=512)
+    x, key_mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool)
+    program = torch.onnx.export(Wrapped(), (x, key_mask), dynamo=True, verbose=False,
+                                dynamic_shapes={"x": {1: length}, "key_mask": {1: length}})
+    session = ort.InferenceSession(program.model_proto.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    x = torch.randn(2, 40, 32)
+    key_mask = torch.arange(40) < torch.tensor([[40], [25]])
+    got, = session.run(None, {"x": x.numpy(), "key_mask": key_mask.numpy()})
+    with torch.no_grad():
+        want = Wrapped()(x, key_mask)
+    torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
