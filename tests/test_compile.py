@@ -475,3 +475,72 @@ def test_onnx_export_runs_in_onnxruntime_at_another_length(kind):
     with torch.no_grad():
         want = Wrapped()(x, key_mask)
     torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
+
+
+# --- structured masks keep the tiled kernel (its custom ops) in the graph ----------------------
+
+def _ops_in(counter_backend_graphs) -> set[str]:
+    return {str(n.target) for gm in counter_backend_graphs for n in gm.graph.nodes
+            if n.op == "call_function" and "qkv" in str(n.target)}
+
+
+class _Graphs:
+    """A dynamo backend that keeps the graphs it is given (and runs them as they are)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, inputs):
+        self.graphs.append(gm)
+        return gm
+
+
+TILED_CASES = {
+    "window": lambda: dict(mask_mod=M.sliding_window(20)),
+    "document": lambda: dict(mask_mod=M.document((torch.arange(96) // 30).expand(2, 96))),
+    "bottom-right-window-lengths": lambda: dict(
+        mask_mod=M.sliding_window(9, align="bottom_right") & M.key_lengths(torch.tensor([96, 50]))),
+    "causal-alibi": lambda: dict(is_causal=True, score_mod=M.alibi(2)),
+    "bool-mask-window": lambda: dict(attn_mask=torch.rand(96, 96, generator=torch.Generator().manual_seed(2)) > 0.2,
+                                     mask_mod=M.sliding_window(30, 30)),
+}
+
+
+@pytest.mark.parametrize("name", list(TILED_CASES))
+def test_structured_masks_run_the_tiled_custom_op_in_the_graph(name):
+    """Not a dense (T, S) mask: qkv::tiled_forward (and its backward) in one graph, equal to
+    eager; a NaN key reaches only the rows that see it, as eagerly."""
+    kw = TILED_CASES[name]()
+    q, k, v = (torch.randn(2, 2, 96, 16, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v):
+        return qkv.scaled_dot_product_attention(q, k, v, **kw)
+
+    dynamo.reset()
+    graphs = _Graphs()
+    compiled = torch.compile(attend, backend=graphs, fullgraph=True)
+    got, want = compiled(q, k, v), attend(q, k, v)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.square().sum(), (q, k, v)),
+                               torch.autograd.grad(want.square().sum(), (q, k, v)))
+    assert "qkv.tiled_forward" in _ops_in(graphs.graphs) and len(graphs.graphs) == 1
+    with torch.no_grad():
+        bad = k.detach().clone()
+        bad[:, :, 40] = float("nan")
+        got, want = compiled(q, bad, v), attend(q, bad, v)
+    assert len(graphs.graphs) == 2  # one more for no_grad (dynamo guards on grad mode)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+
+
+def test_the_tiled_op_compiles_once_over_six_lengths():
+    mask = M.sliding_window(16, align="bottom_right")
+    dynamo.reset()
+    graphs = _Graphs()
+    attend = lambda q: qkv.scaled_dot_product_attention(q, q, q, mask_mod=mask)  # noqa: E731
+    compiled = torch.compile(attend, backend=graphs, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for length in (70, 97, 130, 200, 257, 300):
+            q = torch.randn(1, 2, length, 8)
+            torch.testing.assert_close(compiled(q), attend(q))
+    assert len(graphs.graphs) == 1 and "qkv.tiled_forward" in _ops_in(graphs.graphs)

@@ -68,8 +68,9 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
     if backend == "auto":
         traced = tracing()
         for candidate in _ORDER:
-            if traced and not getattr(candidate, "traceable", False):
-                continue  # one graph under torch.compile: torch's SDPA or the reference math
+            if traced and not _traceable(candidate, call):
+                continue  # one graph under torch.compile: torch's SDPA, tiled's custom ops
+                # for the masks they carry, or the reference math
             if candidate.supports(call) is None:
                 return candidate
         reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
@@ -83,6 +84,12 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
             f"Backends that can: {', '.join(able) or 'none'}; or pass backend='auto'"
         )
     return chosen
+
+
+def _traceable(backend: Backend, call: AttentionCall) -> bool:
+    """A backend's ``traceable``: a bool, or a method telling it call by call."""
+    answer = getattr(backend, "traceable", False)
+    return answer(call) if callable(answer) else bool(answer)
 
 
 def run(call: AttentionCall, backend: str = "auto"):

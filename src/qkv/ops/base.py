@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -34,14 +34,15 @@ class Backend(Protocol):
     """An attention implementation behind the dispatcher.
 
     ``priority``: lower runs first under ``backend="auto"`` (the faster backend).
-    ``traceable``: whether ``torch.compile`` can trace it as one graph; under tracing,
-    ``auto`` passes over the backends that cannot (they plan on tensor contents).
+    ``traceable``: whether ``torch.compile`` can trace it as one graph (a bool, or a method
+    ``traceable(call) -> bool`` that answers call by call); under tracing, ``auto`` passes
+    over the backends that cannot (they plan on tensor contents).
     ``supports(call)``: None when the backend can take the call, else why not, in words.
     """
 
     name: str
     priority: int
-    traceable: bool
+    traceable: bool | Callable[[AttentionCall], bool]
 
     def supports(self, call: AttentionCall) -> str | None: ...
 

@@ -70,16 +70,25 @@ class TiledBackend:
 
     name = "tiled"
     priority = 20  # after torch and triton, before reference
-    traceable = False  # block plans read mask contents (nonzero, a cache)
 
     def supports(self, call: AttentionCall) -> str | None:
         if call.dropout_p > 0:
             return "tiled has no dropout (use torch or reference, or dropout_p=0.0)"
         return None
 
+    def traceable(self, call: AttentionCall) -> bool:
+        """Under torch.compile, calls whose masks the custom ops can carry (``tiled_op``)."""
+        from . import tiled_op
+        return tiled_op.usable(call)
+
     def run(self, call: AttentionCall) -> BackendResult:
         if _nothing_to_tile(call):
             return ReferenceBackend().run(call)
+        if torch.compiler.is_compiling():
+            from . import tiled_op
+            if tiled_op.usable(call):
+                out, lse = tiled_op.tiled_attention_op(call)
+                return BackendResult(out=out, lse=lse)
         out, lse = tiled_attention(call)
         return BackendResult(out=out, lse=lse)
 
@@ -255,19 +264,25 @@ def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: i
     best = _pick_inner(call, dtype)
     if inner not in (None, "flash", "matmul") or (inner == "flash" and best != "flash"):
         raise ValueError(f"inner must be None, 'matmul' or (when it can take the call) 'flash', got {inner!r}")
-    inner = inner or best
-    groups = (inner == "flash" and (mask is None or mask.dtype == torch.bool)
-              and shift_invariant(mask_mod) and shift_invariant(call.score_mod))
-    plan = _Plan(B, H, call.T, call.S, call.scale, mask_mod, None, call.score_mod, inner, [],
-                 call.device)
+    return _plan_for(B, H, call.T, call.S, call.scale, mask_mod, call.score_mod, inner or best,
+                     call.device, mask is None or mask.dtype == torch.bool, bq, bk)
+
+
+def _plan_for(B: int, H: int, T: int, S: int, scale: float, mask_mod: MaskMod | None,
+              score_mod: ScoreMod | None, inner: str, device: torch.device, no_float_mask: bool,
+              bq: int, bk: int) -> _Plan:
+    """The plan of a call with these sizes and bound masks (see :func:`_plan`)."""
+    groups = (inner == "flash" and no_float_mask and shift_invariant(mask_mod)
+              and shift_invariant(score_mod))
+    plan = _Plan(B, H, T, S, scale, mask_mod, None, score_mod, inner, [], device)
     structure = structure_key(mask_mod)
     if structure is None:  # a dense mask or a plain function: planned anew every call
         plan.units = _plan_units(plan, bq, bk, groups)
         return plan
-    key = (structure, B, H, call.T, call.S, bq, bk, inner, groups, str(call.device), CHUNK_ELEMENTS)
+    key = (structure, B, H, T, S, bq, bk, inner, groups, str(device), CHUNK_ELEMENTS)
     units, group_masks = _cached_units(key, lambda: _plan_units(plan, bq, bk, groups))
     plan.units = units
-    if call.score_mod is None:  # the chunk masks come from the mask alone: shared too
+    if score_mod is None:  # the chunk masks come from the mask alone: shared too
         plan.group_masks = group_masks
     return plan
 

@@ -1,0 +1,265 @@
+"""The tiled backend under ``torch.compile``: its forward and backward as ``torch.library``
+custom ops, so that a structured mask keeps its block skipping (and O(T + S) memory) in a
+compiled graph instead of becoming a dense ``(T, S)`` mask.
+
+Planning reads the mask's tensors (document ids, lengths) on the host, which a graph cannot
+do; inside a custom op it runs on the real tensors at run time, where the graph cannot see
+it. What crosses the op boundary is what a graph can hold:
+
+* the masks' *description*, a string of constants (``spec``): which qkv mask types, how they
+  combine, their alignment. It is fixed at trace time, so a new description is a new graph;
+* their integers (window sizes, offsets, lengths given as ints) as a ``SymInt`` list, so a
+  bottom-right window's offset ``S - T`` stays symbolic and new lengths do not recompile;
+* their floats (a softcap) and their tensors (ids, lengths, slopes, a dense bool mask) as
+  graph inputs, so new ids in the same shape recompile nothing.
+
+Only qkv's own mask and score types (exact types, as :func:`qkv.masks.structure_key`) are
+described; a plain-function mask_mod/score_mod, a score_mod reading a tensor that requires
+grad, or dropout keep the dense traceable path (:meth:`usable` says no). Under
+``torch.export`` the dense path is kept too, so that exported programs (and ONNX) hold only
+standard operators.
+
+Shape alphabet: B batch, H heads, T query length, S key length, D head dim, Dv value dim.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import masks as M
+from .call import AttentionCall
+from .tiled import (BLOCK_K, BLOCK_Q, _acc, _backward, _DenseMask, _forward, _pick_inner,
+                    _plan_for, _refuse_flash)
+
+__all__ = ["usable", "tiled_attention_op"]
+
+
+def usable(call: AttentionCall) -> bool:
+    """Whether ``call`` can run as the custom op here: under ``torch.compile`` (not export,
+    not inside a ``torch.func`` transform), with masks this module can describe."""
+    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    if call.dropout_p > 0:
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False  # inside vmap or torch.func.grad: the ops have no rules there
+    score = call.score_mod
+    if score is not None and (
+            _pick_inner(call, call.work_dtype) != "flash"
+            or (call.attn_mask is not None and call.attn_mask.requires_grad)):
+        return False  # the matmul kernel differentiates a score_mod by autograd, which the
+        # kernel of a custom op cannot record (nor gradients for the score_mod's tensors)
+    return _describe(_bound_mask(call), _Parts()) is not None and (
+        score is None or _describe(score.bind(*call.BH, call.T, call.S), _Parts()) is not None)
+
+
+def tiled_attention_op(call: AttentionCall) -> tuple[Tensor, Tensor]:
+    """:func:`qkv.ops.tiled.tiled_attention` through the custom ops (``usable(call)``).
+
+    Shape:
+        -> out ``(*batch, T, Dv)``, lse ``(*batch, T)``.
+    """
+    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    B, H = call.BH
+    mask = call.attn_mask
+    bias = call.mask_4d(mask) if mask is not None and mask.is_floating_point() else None
+    if call.work_dtype != call.dtype:
+        q, k, v = q.to(call.work_dtype), k.to(call.work_dtype), v.to(call.work_dtype)
+    inner = _pick_inner(call, q.dtype)
+    if bias is not None and bias.requires_grad:
+        inner = _refuse_flash(None, "a float attn_mask that requires grad")
+    parts = _Parts()
+    mask_spec = _describe(_bound_mask(call), parts)
+    score = call.score_mod
+    score_spec = _describe(None if score is None else score.bind(B, H, call.T, call.S), parts)
+    spec = f"({mask_spec}, {score_spec})"
+    out, lse = torch.ops.qkv.tiled_forward(q, k, v, bias, parts.tensors, parts.ints,
+                                           parts.floats, spec, float(call.scale), inner)
+    out = out.to(call.dtype).reshape(call.out_shape)
+    return out, lse.reshape(call.batch + (call.T,))
+
+
+def _bound_mask(call: AttentionCall):
+    """The call's masks as one bound mask_mod (``tiled._plan`` combines them alike)."""
+    mods = [m for m in (call.mask_mod, M.causal() if call.is_causal else None) if m is not None]
+    mask = call.attn_mask
+    if mask is not None and mask.dtype == torch.bool:
+        mods.append(_DenseMask(call.mask_4d(mask)))
+    if not mods:
+        return None
+    mod = mods[0] if len(mods) == 1 else M.and_masks(*mods)
+    return mod.bind(*call.BH, call.T, call.S)
+
+
+# --- describing masks -----------------------------------------------------------------------
+
+class _Parts:
+    """The values a description refers to by position: ``('i', n)``, ``('f', n)``, ``('t', n)``."""
+
+    def __init__(self) -> None:
+        self.ints: list = []
+        self.floats: list[float] = []
+        self.tensors: list[Tensor] = []
+
+    def int(self, n) -> str:
+        if n is None:
+            return "None"
+        self.ints.append(n)
+        return f"('i', {len(self.ints) - 1})"
+
+    def float(self, x: float) -> str:
+        self.floats.append(float(x))
+        return f"('f', {len(self.floats) - 1})"
+
+    def tensor(self, t: Tensor) -> str:
+        for i, seen in enumerate(self.tensors):
+            if seen is t:
+                return f"('t', {i})"
+        self.tensors.append(t)
+        return f"('t', {len(self.tensors) - 1})"
+
+
+def _is_window(mod) -> bool:
+    """A ``_Window``, or a subclass that changes neither what it allows nor its blocks (the
+    Hugging Face integration's fixed-offset window)."""
+    kind = type(mod)
+    return isinstance(mod, M._Window) and kind.__call__ is M._Window.__call__ and (
+        kind.blocks is M._Window.blocks and kind._off is M._Window._off)
+
+
+def _describe(mod, parts: _Parts) -> str | None:
+    """A literal (tuples of constants) describing the bound ``mod``; None when it cannot be
+    described (then the op is not used)."""
+    if mod is None:
+        return "None"
+    kind = type(mod)
+    if _is_window(mod):
+        return (f"('window', {parts.int(mod.left)}, {parts.int(mod.right)}, '{mod.align}', "
+                f"'{mod.name}', {parts.int(mod.offset)})")
+    if kind is M._KeysBefore:
+        n = parts.tensor(mod.n) if isinstance(mod.n, Tensor) else parts.int(mod.n)
+        return f"('keys_before', {n}, '{mod.name}')"
+    if kind is M._Document:
+        return f"('document', {parts.tensor(mod.q_ids)}, {parts.tensor(mod.kv_ids)})"
+    if kind is M._Combined:
+        inner = [_describe(m, parts) for m in mod.mods]
+        if any(s is None for s in inner):
+            return None
+        return f"('{mod.op}', ({', '.join(inner)},))"
+    if kind is _DenseMask:
+        return f"('dense', {parts.tensor(mod.mask)})"
+    if kind is M._Alibi:
+        return f"('alibi', {parts.tensor(mod.slopes)})"
+    if kind is M._Softcap:
+        return f"('softcap', {parts.float(mod.cap)})"
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(spec: str):
+    return ast.literal_eval(spec)
+
+
+def _rebuild(node, ints, floats, tensors):
+    """The bound mask or score object a description stands for, with these values."""
+    def value(ref):
+        if ref is None:
+            return None
+        where, i = ref
+        return {"i": ints, "f": floats, "t": tensors}[where][i]
+
+    if node is None:
+        return None
+    kind = node[0]
+    if kind == "window":
+        _, left, right, align, name, offset = node
+        return M._Window(value(left), value(right), align, name, value(offset))
+    if kind == "keys_before":
+        return M._KeysBefore(value(node[1]), node[2])
+    if kind == "document":
+        return M._Document(value(node[1]), value(node[2]))
+    if kind in ("and", "or"):
+        return M._Combined(tuple(_rebuild(n, ints, floats, tensors) for n in node[1]), kind)
+    if kind == "dense":
+        return _DenseMask(value(node[1]))
+    if kind == "alibi":
+        return M._Alibi(value(node[1]))
+    if kind == "softcap":
+        return M._Softcap(value(node[1]))
+    raise ValueError(f"qkv.tiled_forward: unknown mask description {kind!r}")
+
+
+def _plan(q: Tensor, k: Tensor, bias, tensors, ints, floats, spec: str, scale: float,
+          inner: str):
+    mask_node, score_node = _parse(spec)
+    mask_mod = _rebuild(mask_node, ints, floats, tensors)
+    score_mod = _rebuild(score_node, ints, floats, tensors)
+    plan = _plan_for(q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, mask_mod,
+                     score_mod, inner, q.device, bias is None or bias.dtype == torch.bool,
+                     BLOCK_Q, BLOCK_K)
+    plan.bias = bias
+    return plan
+
+
+# --- the ops --------------------------------------------------------------------------------
+
+@torch.library.custom_op("qkv::tiled_forward", mutates_args=())
+def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                   tensors: list[Tensor], ints: list[int], floats: list[float], spec: str,
+                   scale: float, inner: str) -> tuple[Tensor, Tensor]:
+    """Output ``(B, H, T, Dv)`` in q's dtype and log-sum-exp ``(B, H, T)`` (float32, or
+    float64 for float64 inputs; ``-inf`` on rows with no key)."""
+    plan = _plan(q, k, bias, tensors, ints, floats, spec, scale, inner)
+    return _forward(plan, q, k, v)
+
+
+@_tiled_forward.register_fake
+def _(q, k, v, bias, tensors, ints, floats, spec, scale, inner):
+    B, H, T = q.shape[0], q.shape[1], q.shape[2]
+    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=_acc(q.dtype))
+
+
+@torch.library.custom_op("qkv::tiled_backward", mutates_args=())
+def _tiled_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                    bias: Optional[Tensor], tensors: list[Tensor], ints: list[int],
+                    floats: list[float], spec: str, scale: float, inner: str,
+                    bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dbias)``; dbias is empty unless ``bias_grad``."""
+    plan = _plan(q, k, bias, tensors, ints, floats, spec, scale, inner)
+    dq, dk, dv, dbias, _ = _backward(plan, q, k, v, out, lse, dout, (), bias_grad)
+    return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
+
+
+@_tiled_backward.register_fake
+def _(q, k, v, out, lse, dout, bias, tensors, ints, floats, spec, scale, inner, bias_grad):
+    dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, tensors, ints, floats, spec, scale, inner = inputs
+    out, lse = output
+    ctx.bias_grad = bias is not None and bias.requires_grad
+    ctx.has_bias, ctx.n_tensors = bias is not None, len(tensors)
+    ctx.args = (ints, floats, spec, scale, inner)
+    saved = (q, k, v, out, lse) + ((bias,) if bias is not None else ()) + tuple(tensors)
+    ctx.save_for_backward(*saved)
+
+
+def _backward_rule(ctx, dout, _dlse):
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    bias = rest.pop(0) if ctx.has_bias else None
+    ints, floats, spec, scale, inner = ctx.args
+    dq, dk, dv, dbias = torch.ops.qkv.tiled_backward(q, k, v, out, lse, dout, bias, rest, ints,
+                                                     floats, spec, scale, inner, ctx.bias_grad)
+    # the structure of the op's inputs, as torch.library flattens them: a list of tensors is
+    # a list, a non-empty list of numbers is one leaf, an empty list an empty list
+    return (dq, dk, dv, dbias if ctx.bias_grad else None, [None] * ctx.n_tensors,
+            None if ints else [], None if floats else [], None, None, None)
+
+
+_tiled_forward.register_autograd(_backward_rule, setup_context=_setup_context)
