@@ -126,6 +126,8 @@ class Favor(FeatureMap):
         self.register_buffer("projection", orthogonal_gaussian(M, head_dim, seed).to(device, dtype))
         self.register_buffer("draws", torch.zeros((), dtype=torch.long, device=device))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long, device=device))
+        if interval:
+            _count_call_on_host()  # built now, outside any graph
 
     def num_features(self, head_dim: int) -> int:
         return self.M
@@ -144,10 +146,8 @@ class Favor(FeatureMap):
 
     def begin_call(self) -> None:
         if self.training and self.interval:
-            self._count_call()
+            _count_call_on_host()(self)
 
-    @torch.compiler.disable(reason="FAVOR+ redraws its projection on the host, from a CPU "
-                                   "generator seeded by the call count")
     def _count_call(self) -> None:
         """The call count and the redraw it triggers: outside any graph (one graph break
         under torch.compile, in training mode with ``redraw`` set; none otherwise)."""
@@ -168,12 +168,24 @@ class Favor(FeatureMap):
                 f"redraw={self.interval or False}, scale={self.scale:.4g}")
 
 
+_COUNT_CALL = []
+
+
+def _count_call_on_host():
+    """``Favor._count_call`` kept out of graphs (``torch.compiler.disable``), built on first
+    use so that ``import qkv`` does not import torch._dynamo."""
+    if not _COUNT_CALL:
+        _COUNT_CALL.append(torch.compiler.disable(
+            Favor._count_call, reason="FAVOR+ redraws its projection on the host, from a CPU "
+                                      "generator seeded by the call count"))
+    return _COUNT_CALL[0]
+
+
 def default_num_features(head_dim: int) -> int:
     """The Performer paper's M = D ln D (at least D)."""
     return max(head_dim, round(head_dim * math.log(head_dim))) if head_dim > 1 else 1
 
 
-@torch.compiler.assume_constant_result
 def orthogonal_gaussian(M: int, D: int, seed: int) -> Tensor:
     """``(M, D)`` rows: blocks of D orthogonal directions, each row with a chi(D) length.
 
@@ -189,6 +201,11 @@ def orthogonal_gaussian(M: int, D: int, seed: int) -> Tensor:
     W = torch.cat(blocks)[:M]  # (M, D)
     lengths = torch.randn(M, D, generator=g, dtype=torch.float64).norm(dim=1, keepdim=True)
     return (W * lengths).float()
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo with qkv
+# (tests/test_compile.py compiles the "favor" map, so a change in torch shows there).
+orthogonal_gaussian._dynamo_marked_constant = True
 
 
 def _check_positive_int(name: str, n) -> None:
