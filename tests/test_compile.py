@@ -544,3 +544,29 @@ def test_the_tiled_op_compiles_once_over_six_lengths():
             q = torch.randn(1, 2, length, 8)
             torch.testing.assert_close(compiled(q), attend(q))
     assert len(graphs.graphs) == 1 and "qkv.tiled_forward" in _ops_in(graphs.graphs)
+
+
+def test_capture_around_a_compiled_model_is_one_graph_and_records_as_eager():
+    """The capture's hooks and its recorder trace into the graph (one recompile for the
+    capture); what it keeps equals an eager capture's, and the graph without capture is
+    used again afterwards."""
+    from qkv.models import DecoderLM
+    torch.manual_seed(0)
+    lm = DecoderLM(50, 32, 4, 2).eval()
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lm, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        compiled(tokens)
+        with qkv.capture(lm, layers=[1], heads=[0, 3], rows=range(4)) as got:
+            out = compiled(tokens)
+        with qkv.capture(lm, layers=[1], heads=[0, 3], rows=range(4)) as want:
+            lm(tokens)
+        compiled(tokens)
+    assert counter.frame_count == 2  # the model, then the model with the capture's hooks
+    torch.testing.assert_close(out, lm(tokens))
+    assert [r.name for r in got.records] == [r.name for r in want.records] == [
+        "blocks.layers.1.self_attn"]
+    torch.testing.assert_close(got.layer(1)[0].probs, want.layer(1)[0].probs)
+    assert got.layer(1)[0].probs.shape == (2, 2, 4, 12)

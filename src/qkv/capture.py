@@ -341,15 +341,20 @@ class _Capture(recording.Recorder):
         while self._handles:
             self._handles.pop().remove()
 
+    def _mine(self) -> bool:
+        """Whether the running module call is in the capturing thread (a compiled call is
+        taken to be: dynamo cannot read the thread)."""
+        return torch.compiler.is_compiling() or threading.get_ident() == self._thread
+
     def _push(self, name: str):
         def hook(module, args):
-            if threading.get_ident() == self._thread:
+            if self._mine():
                 self._stack.append(name)
         return hook
 
     def _pop(self, name: str):
         def hook(module, args, output):
-            if threading.get_ident() != self._thread:
+            if not self._mine():
                 return
             stack = self._stack  # pop back to this module's entry, even after an exception
             for i in range(len(stack) - 1, -1, -1):
@@ -554,8 +559,8 @@ def _compact(t: Tensor) -> Tensor:
     """``t`` detached, copied when it is a view of a larger storage (kept or saved, a view
     would hold all of it)."""
     t = t.detach()
-    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-        t = t.clone()
+    if torch.compiler.is_compiling() or t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        t = t.clone()  # (a graph cannot read a storage's size: there, always a copy)
     return t
 
 

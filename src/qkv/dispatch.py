@@ -20,7 +20,8 @@ from .ops.reference import attention_scores_at, attention_with_weights, take, wi
 from .ops.triton import TritonBackend
 from .trace import AttentionTrace, probs_from_lse_
 
-__all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run"]
+__all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run",
+           "keeps_nonfinite_contract"]
 
 _REGISTRY: dict[str, Backend] = {}
 _ORDER: list[Backend] = []  # fastest first; rebuilt on registration (auto walks it every call)
@@ -84,6 +85,19 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
             f"Backends that can: {', '.join(able) or 'none'}; or pass backend='auto'"
         )
     return chosen
+
+
+def keeps_nonfinite_contract(call: AttentionCall, backend: str = "auto") -> bool:
+    """Whether the backend that runs ``call`` keeps the NaN/inf part of the mask contract
+    itself: the tiled custom ops under torch.compile do (on the real tensors, at run time,
+    at the cost of one reduction when every input is finite), so the traced policy of
+    ``ops/nonfinite.py`` is not wrapped around them."""
+    if not tracing() or call.return_trace:
+        return False
+    if backend != "auto" and backend != "tiled":
+        return False
+    chosen = select(call, backend)
+    return isinstance(chosen, TiledBackend) and _traceable(chosen, call)
 
 
 def _traceable(backend: Backend, call: AttentionCall) -> bool:

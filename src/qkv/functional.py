@@ -114,6 +114,8 @@ def scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace,
             mask_mod, score_mod,
         )
+        if dispatch.keeps_nonfinite_contract(call, backend):  # compiled tiled custom op
+            return dispatch.run(call, backend)
         # inputs with NaN or inf reach only the rows that may see them: ops/nonfinite.py
         return nonfinite.run(call, lambda c: dispatch.run(c, backend))
     # Under torch.autocast, attention runs in the autocast dtype as torch's SDPA does, on

@@ -20,6 +20,8 @@ import threading
 from contextvars import ContextVar, Token
 from typing import Callable, Optional
 
+import torch
+
 from .trace import AttentionTrace
 
 __all__ = ["Recorder", "wanted", "start", "stop", "paused", "TraceSink"]
@@ -52,6 +54,11 @@ class _Both(Recorder):
 _ACTIVE: ContextVar[Optional[Recorder]] = ContextVar("qkv_recorder", default=None)
 _LOCK = threading.Lock()
 _STARTED = [0]  # recorders started and not yet stopped, in all threads together
+# What torch.compile reads instead of the ContextVar (which it cannot trace): the recorder
+# made active by the last start() or stop() in any thread, and the depth of paused() blocks
+# being traced. A compiled call sees the capture of the thread that last entered or left one.
+_LATEST: list[Optional[Recorder]] = [None]
+_PAUSED_IN_GRAPH = [0]
 
 
 def wanted() -> Optional[TraceSink]:
@@ -59,7 +66,10 @@ def wanted() -> Optional[TraceSink]:
     when no recorder wants it."""
     if not _STARTED[0]:  # no recorder in any thread: no ContextVar to read (torch.compile
         return None      # cannot trace ContextVar.get, and reads this count as a constant)
-    recorder = _ACTIVE.get()
+    if torch.compiler.is_compiling():
+        recorder = None if _PAUSED_IN_GRAPH[0] else _LATEST[0]
+    else:
+        recorder = _ACTIVE.get()
     return None if recorder is None else recorder.want()
 
 
@@ -70,6 +80,7 @@ def start(recorder: Recorder) -> Token:
     token = _ACTIVE.set(recorder if outer is None else _Both(outer, recorder))
     with _LOCK:
         _STARTED[0] += 1
+        _LATEST[0] = _ACTIVE.get()
     return token
 
 
@@ -78,13 +89,20 @@ def stop(token: Token) -> None:
     _ACTIVE.reset(token)
     with _LOCK:
         _STARTED[0] -= 1
+        _LATEST[0] = _ACTIVE.get() if _STARTED[0] else None
 
 
 class paused:
     """Within it no recorder is asked: the traced inner call of a wanted call runs here."""
 
     def __enter__(self) -> None:
-        self._token = _ACTIVE.set(None)
+        if torch.compiler.is_compiling():
+            _PAUSED_IN_GRAPH[0] += 1
+        else:
+            self._token = _ACTIVE.set(None)
 
     def __exit__(self, *exc) -> None:
-        _ACTIVE.reset(self._token)
+        if torch.compiler.is_compiling():
+            _PAUSED_IN_GRAPH[0] -= 1
+        else:
+            _ACTIVE.reset(self._token)

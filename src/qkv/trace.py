@@ -144,6 +144,8 @@ def _index(name: str, index, n: int) -> Tensor:
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() > 1:
         raise ValueError(f"{want}, got {index!r}")
     t = t.reshape(-1).long().cpu()
+    if torch.compiler.is_compiling():  # a graph cannot read the values to check them: an
+        return torch.where(t < 0, t + n, t)  # index out of range fails when indexing instead
     if t.numel() and (int(t.min()) < -n or int(t.max()) >= n):
         raise ValueError(f"select: {name} index out of range for size {n}: {index!r}")
     return t % max(n, 1)

@@ -63,20 +63,13 @@ def run(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
 def _run_traced(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
     """The same contract in tensor ops only, for a traced call (``torch.compile``): no
     ``.item()``, no branch on values, so the call stays one graph. Every call runs on the
-    cleaned inputs, and the rows to poison are found over the whole ``(T, S)`` grid of allowed
-    pairs, which the compiler fuses into one reduction instead of materialising it."""
-    if (torch.compiler.is_compiling() and not _wants_grad(call) and not call.return_trace
-            and _unaliased(call)):
-        # as eagerly: the output checked, and the inputs only when it is not finite, in a
-        # branch of the graph (torch.cond) taken on the device without a sync
-        out = run_call(call)
-        return torch.cond(torch.isfinite(out).all(), _fresh,
-                          lambda out: _fresh(_run_cleaned(call, run_call)), (out,))
-    return _run_cleaned(call, run_call)
+    cleaned inputs (one copy of q, k and v). The rows to poison come from a custom op that
+    returns at once when every input is finite (``tiled_op.nonfinite_rows``) where the masks
+    can be carried to it; otherwise from a search of the whole ``(T, S)`` grid of allowed
+    pairs, which the compiler fuses into one reduction instead of materialising it.
 
-
-def _run_cleaned(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
-    """The traced contract with the inputs cleaned first (see :func:`_run_traced`)."""
+    (``torch.cond`` would skip the search on finite inputs, but dynamo then lost the
+    attribute writes of Hugging Face's KV cache in the same graph: not used.)"""
     q, k, v = call.query, call.key, call.value
     bad_q = ~torch.isfinite(q).all(-1)  # (*qbatch, T)
     bad_k = ~torch.isfinite(k).all(-1)  # (*kbatch, S)
@@ -87,50 +80,15 @@ def _run_cleaned(call: AttentionCall, run_call: Callable[[AttentionCall], object
     result = run_call(cleaned)
     out = result[0] if call.return_trace else result
     keys = bad_k | bad_v  # (*kbatch, S)
-
-    def poisoned(out: Tensor) -> Tensor:
-        bad_keys = keys
-        if call.enable_gqa:
-            bad_keys = keys.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-2)
+    if call.enable_gqa:
+        keys = keys.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-2)
+    from . import tiled_op
+    hit = tiled_op.nonfinite_rows(call, bad_q, keys)  # (*batch, T), or None
+    if hit is None:
         ok = allowed(call)  # (*batch, T, S)
-        hit = (ok & bad_keys.unsqueeze(-2)).any(-1) | (bad_q & ok.any(-1))  # (*batch, T)
-        return out.masked_fill(hit.unsqueeze(-1), float("nan"))
-
-    if torch.compiler.is_compiling() and _unaliased(call):  # the (T, S) search only when some
-        # input is not finite:
-        # a branch in the graph (torch.cond), taken on the device without a sync
-        out = torch.cond(bad_q.any() | keys.any(), lambda o: _fresh(poisoned(o)), _fresh,
-                         (out,))
-    else:  # a torch.func transform, run eagerly
-        out = poisoned(out)
+        hit = (ok & keys.unsqueeze(-2)).any(-1) | (bad_q & ok.any(-1))  # (*batch, T)
+    out = out.masked_fill(hit.unsqueeze(-1), float("nan"))
     return (out, result[1]) if call.return_trace else out
-
-
-_FUNCTIONS = ("_Function", "_ScoreFunction")  # plain functions wrapped by qkv.masks
-
-
-def _unaliased(call: AttentionCall) -> bool:
-    """Whether the call's tensors are distinct and none is a view (q, k and v cut from one
-    projection are views of it): a ``torch.cond`` refuses inputs that may alias, so such calls
-    take the branch-free way."""
-    tensors = [call.query, call.key, call.value, call.attn_mask]
-    for mod in (call.mask_mod, call.score_mod):
-        if mod is None:
-            continue
-        if type(mod).__module__ != "qkv.masks" or type(mod).__name__ in _FUNCTIONS:
-            return False  # a function's tensors are found by opening it, which dynamo cannot
-        tensors.extend(mod.tensors())
-    tensors = [t for t in tensors if t is not None]
-    if any(t._base is not None for t in tensors):
-        return False
-    # 'is', not id(): dynamo guards on the id of an input, and would recompile for each new one
-    return not any(a is b for i, a in enumerate(tensors) for b in tensors[i + 1:])
-
-
-def _fresh(t: Tensor) -> Tensor:
-    """A contiguous copy: what each branch of a ``torch.cond`` returns (one layout for both,
-    never an alias of an input)."""
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _wants_grad(call: AttentionCall) -> bool:

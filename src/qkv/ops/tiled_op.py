@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import masks as M
+from . import nonfinite
 from .call import AttentionCall
 from .tiled import (BLOCK_K, BLOCK_Q, _acc, _backward, _DenseMask, _forward, _pick_inner,
                     _plan_for, _refuse_flash)
@@ -41,12 +42,11 @@ __all__ = ["usable", "tiled_attention_op"]
 def usable(call: AttentionCall) -> bool:
     """Whether ``call`` can run as the custom op here: under ``torch.compile`` (not export,
     not inside a ``torch.func`` transform), with masks this module can describe."""
-    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return False
+    if not _compiling_plainly():
+        return False  # export keeps standard operators; vmap and torch.func.grad have no
+        # rules for custom ops here
     if call.dropout_p > 0:
         return False
-    if torch._C._are_functorch_transforms_active():
-        return False  # inside vmap or torch.func.grad: the ops have no rules there
     score = call.score_mod
     if score is not None and (
             _pick_inner(call, call.work_dtype) != "flash"
@@ -81,6 +81,37 @@ def tiled_attention_op(call: AttentionCall) -> tuple[Tensor, Tensor]:
                                            parts.floats, spec, float(call.scale), inner)
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
+
+
+def nonfinite_rows(call: AttentionCall, bad_q: Tensor, bad_keys: Tensor) -> Tensor | None:
+    """The rows the mask contract makes NaN: those that may attend to a bad key, and bad
+    query rows that may attend to some key; through the ``qkv::nonfinite_rows`` op, which
+    returns at once when nothing is bad. None where the op cannot be used (not compiling
+    plainly, or masks it cannot carry); the caller then searches in the graph.
+
+    Shape:
+        bad_q ``(*qbatch, T)``; bad_keys ``(*kbatch, S)`` (GQA heads expanded) -> ``(*batch, T)``.
+    """
+    if not _compiling_plainly():
+        return None
+    parts = _Parts()
+    spec = _describe(_bound_mask(call), parts)
+    if spec is None:
+        return None
+    mask = call.attn_mask
+    bias = call.mask_4d(mask) if mask is not None and mask.is_floating_point() else None
+    B, H = call.BH
+    hit = torch.ops.qkv.nonfinite_rows(
+        bad_q.expand(call.batch + (call.T,)).reshape(B, H, call.T),
+        bad_keys.expand(call.batch + (call.S,)).reshape(B, H, call.S),
+        bias, parts.tensors, parts.ints, parts.floats, spec)  # (B, H, T)
+    return hit.reshape(call.batch + (call.T,))
+
+
+def _compiling_plainly() -> bool:
+    """Under torch.compile, not torch.export, and outside torch.func transforms."""
+    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and not torch._C._are_functorch_transforms_active())
 
 
 def _bound_mask(call: AttentionCall):
@@ -207,14 +238,32 @@ def _plan(q: Tensor, k: Tensor, bias, tensors, ints, floats, spec: str, scale: f
 
 # --- the ops --------------------------------------------------------------------------------
 
+def _nonfinite(plan, q: Tensor, k: Tensor, v: Tensor, bias):
+    """The inputs with NaN/inf rows zeroed, and the rows the mask contract makes NaN ``(B, H,
+    T, 1)`` bool; ``(None, None)`` when every input is finite (one reduction each, as eager
+    qkv checks: ``ops/nonfinite.py``)."""
+    call = AttentionCall.build(q, k, v, bias, 0.0, False, plan.scale, False, False,
+                               plan.mask_mod, None)
+    cleaned, bad = nonfinite._clean(call)
+    if bad is None:
+        return None, None
+    hit = nonfinite._poison(q.new_zeros(q.shape[:-1] + (1,)), call, bad).isnan()  # (B, H, T, 1)
+    return cleaned, hit
+
+
 @torch.library.custom_op("qkv::tiled_forward", mutates_args=())
 def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
                    tensors: list[Tensor], ints: list[int], floats: list[float], spec: str,
                    scale: float, inner: str) -> tuple[Tensor, Tensor]:
     """Output ``(B, H, T, Dv)`` in q's dtype and log-sum-exp ``(B, H, T)`` (float32, or
-    float64 for float64 inputs; ``-inf`` on rows with no key)."""
+    float64 for float64 inputs; ``-inf`` on rows with no key). The mask contract for NaN/inf
+    inputs is kept here, as eager qkv keeps it around every backend."""
     plan = _plan(q, k, bias, tensors, ints, floats, spec, scale, inner)
-    return _forward(plan, q, k, v)
+    cleaned, hit = _nonfinite(plan, q, k, v, bias)
+    if cleaned is None:
+        return _forward(plan, q, k, v)
+    out, lse = _forward(plan, cleaned.query, cleaned.key, cleaned.value)
+    return out.masked_fill(hit, float("nan")), lse
 
 
 @_tiled_forward.register_fake
@@ -228,16 +277,25 @@ def _tiled_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d
                     bias: Optional[Tensor], tensors: list[Tensor], ints: list[int],
                     floats: list[float], spec: str, scale: float, inner: str,
                     bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dbias)``; dbias is empty unless ``bias_grad``."""
+    """``(dq, dk, dv, dbias)``; dbias is empty unless ``bias_grad``. With NaN/inf inputs, the
+    gradients of eager qkv's contract: none through a NaN row, none to a bad input row."""
     plan = _plan(q, k, bias, tensors, ints, floats, spec, scale, inner)
-    dq, dk, dv, dbias, _ = _backward(plan, q, k, v, out, lse, dout, (), bias_grad)
+    cleaned, hit = _nonfinite(plan, q, k, v, bias)
+    if cleaned is None:
+        dq, dk, dv, dbias, _ = _backward(plan, q, k, v, out, lse, dout, (), bias_grad)
+        return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
+    dq, dk, dv, dbias, _ = _backward(plan, cleaned.query, cleaned.key, cleaned.value,
+                                     out.masked_fill(hit, 0.0), lse, dout.masked_fill(hit, 0.0),
+                                     (), bias_grad)
+    dq, dk, dv = (g.masked_fill(~torch.isfinite(t).all(-1, keepdim=True), 0.0)
+                  for g, t in ((dq, q), (dk, k), (dv, v)))
     return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
 
 
 @_tiled_backward.register_fake
 def _(q, k, v, out, lse, dout, bias, tensors, ints, floats, spec, scale, inner, bias_grad):
-    dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)  # zeros_like's layout
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias  # contiguous
 
 
 def _setup_context(ctx, inputs, output):
@@ -263,3 +321,28 @@ def _backward_rule(ctx, dout, _dlse):
 
 
 _tiled_forward.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+@torch.library.custom_op("qkv::nonfinite_rows", mutates_args=())
+def _nonfinite_rows(bad_q: Tensor, bad_keys: Tensor, bias: Optional[Tensor],
+                    tensors: list[Tensor], ints: list[int], floats: list[float],
+                    spec: str) -> Tensor:
+    """``(B, H, T)`` bool: rows that may attend to a bad key, and bad rows that may attend to
+    some key (``ops/nonfinite._poison``), from ``bad_q`` ``(B, H, T)`` and ``bad_keys``
+    ``(B, H, S)``. All False, at the cost of two reductions, when nothing is bad."""
+    B, H, T = bad_q.shape
+    S = bad_keys.shape[-1]
+    if not (bad_q.any() or bad_keys.any()):
+        return torch.zeros(B, H, T, dtype=torch.bool, device=bad_q.device)
+    mask_mod = _rebuild(_parse(spec), ints, floats, tensors)  # spec: the mask alone
+    q = torch.zeros((B, H, T, 1), device=bad_q.device)
+    k = torch.zeros((B, H, S, 1), device=bad_q.device)
+    call = AttentionCall.build(q, k, k, bias, 0.0, False, 1.0, False, False, mask_mod, None)
+    bad = nonfinite._Bad(bad_keys if bad_keys.any() else None, bad_q if bad_q.any() else None)
+    return nonfinite._poison(q, call, bad).isnan()[..., 0]
+
+
+@_nonfinite_rows.register_fake
+def _(bad_q, bad_keys, bias, tensors, ints, floats, spec):
+    return bad_q.new_empty(bad_q.shape)
+
