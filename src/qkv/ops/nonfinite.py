@@ -69,7 +69,15 @@ def _run_traced(call: AttentionCall, run_call: Callable[[AttentionCall], object]
     pairs, which the compiler fuses into one reduction instead of materialising it.
 
     (``torch.cond`` would skip the search on finite inputs, but dynamo then lost the
-    attribute writes of Hugging Face's KV cache in the same graph: not used.)"""
+    attribute writes of Hugging Face's KV cache in the same graph: not used.)
+
+    With no gradient wanted, the output alone is checked, as eagerly
+    (``tiled_op.checked_inference``), where the masks can be carried to that op."""
+    from . import tiled_op
+    if not _wants_grad(call):
+        out = tiled_op.checked_inference(call, run_call)
+        if out is not None:
+            return out
     q, k, v = call.query, call.key, call.value
     bad_q = ~torch.isfinite(q).all(-1)  # (*qbatch, T)
     bad_k = ~torch.isfinite(k).all(-1)  # (*kbatch, S)
@@ -82,7 +90,6 @@ def _run_traced(call: AttentionCall, run_call: Callable[[AttentionCall], object]
     keys = bad_k | bad_v  # (*kbatch, S)
     if call.enable_gqa:
         keys = keys.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-2)
-    from . import tiled_op
     hit = tiled_op.nonfinite_rows(call, bad_q, keys)  # (*batch, T), or None
     if hit is None:
         ok = allowed(call)  # (*batch, T, S)

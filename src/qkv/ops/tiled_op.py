@@ -33,6 +33,7 @@ from torch import Tensor
 from .. import masks as M
 from . import nonfinite
 from .call import AttentionCall
+from .reference import ReferenceBackend
 from .tiled import (BLOCK_K, BLOCK_Q, _acc, _backward, _DenseMask, _forward, _pick_inner,
                     _plan_for, _refuse_flash)
 
@@ -106,6 +107,33 @@ def nonfinite_rows(call: AttentionCall, bad_q: Tensor, bad_keys: Tensor) -> Tens
         bad_keys.expand(call.batch + (call.S,)).reshape(B, H, call.S),
         bias, parts.tensors, parts.ints, parts.floats, spec)  # (B, H, T)
     return hit.reshape(call.batch + (call.T,))
+
+
+def checked_inference(call: AttentionCall, run_call) -> Tensor | None:
+    """``run_call(call)`` with the NaN/inf part of the mask contract checked as eager qkv
+    checks it with no gradient wanted: the output summed, and only when that is not finite
+    the call run again on cleaned inputs (``ops/nonfinite.run``, eagerly, inside the
+    ``qkv::checked_output`` op; the reference math runs that repair). None where the op
+    cannot be used (gradients, traces, dropout, masks it cannot carry).
+
+    Shape:
+        -> ``(*batch, T, Dv)``.
+    """
+    if not _compiling_plainly() or call.dropout_p > 0 or call.return_trace:
+        return None
+    parts = _Parts()
+    mask_spec = _describe(_bound_mask(call), parts)
+    score = call.score_mod
+    score_spec = _describe(None if score is None else score.bind(*call.BH, call.T, call.S), parts)
+    if mask_spec is None or score_spec is None:
+        return None
+    mask = call.attn_mask
+    bias = mask if mask is not None and mask.is_floating_point() else None
+    out = run_call(call)
+    return torch.ops.qkv.checked_output(out, call.query, call.key, call.value, bias,
+                                        parts.tensors, parts.ints, parts.floats,
+                                        f"({mask_spec}, {score_spec})", float(call.scale),
+                                        call.enable_gqa)
 
 
 def _compiling_plainly() -> bool:
@@ -345,4 +373,23 @@ def _nonfinite_rows(bad_q: Tensor, bad_keys: Tensor, bias: Optional[Tensor],
 @_nonfinite_rows.register_fake
 def _(bad_q, bad_keys, bias, tensors, ints, floats, spec):
     return bad_q.new_empty(bad_q.shape)
+
+
+@torch.library.custom_op("qkv::checked_output", mutates_args=())
+def _checked_output(out: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
+                    tensors: list[Tensor], ints: list[int], floats: list[float], spec: str,
+                    scale: float, enable_gqa: bool) -> Tensor:
+    """``out`` (a copy) when it is finite; else the call again under eager qkv's contract."""
+    if nonfinite._finite_sum(out):
+        return out.clone()
+    mask_node, score_node = _parse(spec)
+    call = AttentionCall.build(q, k, v, bias, 0.0, False, scale, enable_gqa, False,
+                               _rebuild(mask_node, ints, floats, tensors),
+                               _rebuild(score_node, ints, floats, tensors))
+    return nonfinite.run(call, lambda c: ReferenceBackend().run(c).out).to(out.dtype)
+
+
+@_checked_output.register_fake
+def _(out, q, k, v, bias, tensors, ints, floats, spec, scale, enable_gqa):
+    return torch.empty_like(out)
 
