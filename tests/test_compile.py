@@ -16,8 +16,13 @@ triton) and runs torch's SDPA or the reference math; the NaN policy runs as tens
 ``.item()``); the capture hook reads no ContextVar while no capture is active. Graphs are
 counted with dynamo's CompileCounter, and results are compared with eager qkv.
 
-Not yet (issue 24 stays open for them): tiled and triton as custom ops, ONNX, capture around
-a compiled model as one graph, HF models and training steps.
+Further down: linear attention, the linear/local modules, KV-cache decoding, training steps
+of the models, a patched ``nn.TransformerEncoder``, Hugging Face models, ONNX, the tiled
+kernel's custom ops for structured masks (no dense ``(T, S)`` mask in the graph) and
+``qkv.capture`` around a compiled model.
+
+Not yet: Hugging Face ``generate()`` with a static cache (qkv's mask is not a tensor), the
+triton kernels as custom ops.
 """
 from __future__ import annotations
 
@@ -180,7 +185,7 @@ def test_document_ids_changed_in_place_recompile_nothing():
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
-@pytest.mark.parametrize("kind", ["plain", "causal", "key_mask"])
+@pytest.mark.parametrize("kind", ["plain", "causal", "key_mask", "window"])
 def test_export_with_a_dynamic_length_runs_at_another_length(strict, kind):
     torch.manual_seed(0)
     mha = qkv.MultiHeadAttention(32, 4).eval()
@@ -193,6 +198,8 @@ def test_export_with_a_dynamic_length_runs_at_another_length(strict, kind):
         def forward(self, x, key_mask):
             if kind == "key_mask":
                 return self.mha(x, key_mask=key_mask)
+            if kind == "window":
+                return self.mha(x, mask_mod=M.sliding_window(5))
             return self.mha(x, is_causal=kind == "causal")
 
     length = torch.export.Dim("T", min=2, max=512)
