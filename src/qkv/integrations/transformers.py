@@ -42,13 +42,15 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree
 
 from .. import masks
 from ..functional import scaled_dot_product_attention
 from ..masks import MaskMod
 from ..ops.base import tracing
 
-__all__ = ["register", "attention_forward", "build_mask", "HFMask", "SUPPORTED_VERSIONS"]
+__all__ = ["register", "attention_forward", "build_mask", "HFMask", "HFMaskTensor",
+           "SUPPORTED_VERSIONS"]
 
 # transformers >= 5.3, < 6 (tested: 5.3.0 and 5.23.0). 5.3 is the first whose models report
 # output_attentions to the attention function (through its output recorder).
@@ -118,11 +120,72 @@ class HFMask:
     per_element: bool = False
 
 
+class HFMaskTensor(Tensor):
+    """An :class:`HFMask` that model code can use as the 4-D mask transformers' eager path
+    builds: shape ``(B, 1, T, S)``, the dtype transformers asked for, ``0`` where a query may
+    attend and the dtype's minimum where it may not.
+
+    Its metadata (shape, dtype, device, ndim) costs nothing. Its values are formed on the
+    first use that reads them (indexing, arithmetic, ``.contiguous()``, any torch function;
+    the result is a plain tensor) and kept. qkv's attention function reads ``description``
+    instead, so on the path that does not touch the mask nothing ``(T, S)``-sized is built.
+    Under ``torch.compile`` :func:`build_mask` gives the plain :class:`HFMask`.
+    """
+
+    description: HFMask
+
+    @staticmethod
+    def __new__(cls, description: HFMask, batch_size: int, dtype: torch.dtype, device):
+        shape = (batch_size, 1, description.q_length, description.kv_length)
+        base = torch.zeros((), dtype=dtype, device=device).expand(shape)  # one element
+        self = Tensor._make_subclass(cls, base)
+        self.description, self._dense = description, None
+        return self
+
+    def dense(self) -> Tensor:
+        """The mask as transformers' eager path has it: ``(B, 1, T, S)``, 0 or the minimum."""
+        if self._dense is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                B, _, T, S = self.shape
+                dtype, device = self.dtype, self.device
+            d = self.description
+            keep, mask_mod, causal = _mask_args(None, d, T, S, None, None)
+            ok = torch.ones(B, 1, T, S, dtype=torch.bool, device=device)
+            if keep is not None:
+                ok = ok & keep.to(device)
+            for mod in ((masks.causal() if causal else None), mask_mod):
+                if mod is not None:
+                    ok = ok & masks.to_dense(mod, B, 1, T, S, device=device)
+            low = torch.finfo(dtype).min if dtype.is_floating_point else False
+            self._dense = torch.where(ok, torch.zeros((), dtype=dtype, device=device),
+                                      torch.full((), low, dtype=dtype, device=device))
+        return self._dense
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        args, kwargs = _pytree.tree_map_only(cls, lambda m: m.dense(), (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __repr__(self, **kwargs):
+        return f"HFMaskTensor({self.description!r})"
+
+
+_METADATA = {Tensor.shape.__get__, Tensor.dtype.__get__, Tensor.device.__get__,
+             Tensor.ndim.__get__, Tensor.dim, Tensor.size, Tensor.layout.__get__,
+             Tensor.is_floating_point, Tensor.requires_grad.__get__, Tensor.is_cuda.__get__,
+             Tensor.is_meta.__get__, Tensor.numel}
+
+
 def build_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
                q_offset: int = 0, kv_offset: int = 0, mask_function: Callable | None = None,
                attention_mask: Tensor | None = None, use_vmap: bool = False, *,
-               cache_position: Tensor | None = None, **kwargs) -> HFMask:
-    """transformers' mask interface for qkv: an :class:`HFMask`, no ``(T, S)`` tensor.
+               cache_position: Tensor | None = None, **kwargs) -> HFMaskTensor | HFMask:
+    """transformers' mask interface for qkv: an :class:`HFMaskTensor` (under tracing, the
+    plain :class:`HFMask`), no ``(T, S)`` tensor until model code reads its values.
 
     transformers before 5.4 passes the query positions as ``cache_position`` instead of
     ``q_length``/``q_offset``; both are taken.
@@ -143,8 +206,12 @@ def build_mask(batch_size: int, q_length: int | None = None, kv_length: int | No
         padding = full[:, int(kv_offset): int(kv_offset) + kv_length]  # (B, S)
         if not tracing() and bool(padding.all()):  # a graph keeps the all-True mask: no sync
             padding = None
-    return HFMask(mask_function or causal_mask_function, q_length, kv_length, int(q_offset),
-                  int(kv_offset), padding, bool(use_vmap))
+    description = HFMask(mask_function or causal_mask_function, q_length, kv_length,
+                         int(q_offset), int(kv_offset), padding, bool(use_vmap))
+    if tracing():
+        return description
+    device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
+    return HFMaskTensor(description, batch_size, kwargs.get("dtype") or torch.float32, device)
 
 
 def _query_positions(cache_position: Tensor) -> tuple[int, int]:
@@ -204,6 +271,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
 
 def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_window):
     """``(attn_mask, mask_mod, is_causal)`` for qkv from what transformers passed."""
+    if isinstance(mask, HFMaskTensor):
+        mask = mask.description
     if isinstance(mask, HFMask):
         if (mask.q_length, mask.kv_length) != (T, S):
             raise ValueError(f"transformers built the mask for T={mask.q_length}, "

@@ -1,0 +1,130 @@
+"""The mask qkv hands Hugging Face models is a tensor where model code reads it (issue 30, item
+1; and, for issue 24, ``generate()`` with a static cache, whose precomputed mask transformers
+treats as a 4-D tensor).
+
+``build_mask`` returns an ``HFMaskTensor``: shape ``(B, 1, T, S)`` and dtype as transformers'
+eager mask, its values formed only when model code reads them. qkv's attention function reads
+the description instead. Compared with transformers' own ``eager_mask`` and eager attention,
+models built tiny from configs (nothing downloaded).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import qkv.integrations.transformers as qkv_hf  # noqa: E402
+from transformers import masking_utils as mu  # noqa: E402
+
+qkv_hf.register()
+V = 97
+
+
+def _args(dtype=torch.float32):
+    pad = torch.ones(2, 9, dtype=torch.bool)
+    pad[1, :3] = False  # left padding
+    return dict(batch_size=2, q_length=9, kv_length=9, q_offset=0, kv_offset=0,
+                mask_function=mu.and_masks(mu.causal_mask_function,
+                                           mu.sliding_window_overlay(4)),
+                attention_mask=pad, dtype=dtype, device="cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_mask_reads_as_transformers_eager_mask(dtype):
+    args = _args(dtype)
+    mask = qkv_hf.build_mask(**args)
+    want = mu.eager_mask(**args)  # (B, 1, T, S): 0 or the dtype's minimum
+    assert isinstance(mask, torch.Tensor) and mask._dense is None
+    assert mask.shape == want.shape == (2, 1, 9, 9) and mask.dtype == want.dtype == dtype
+    assert mask.ndim == 4 and mask.device == want.device
+    assert mask._dense is None  # metadata formed nothing
+    got = mask[:, :, :, :9]
+    assert type(got) is torch.Tensor and torch.equal(got, want)
+    scores = torch.randn(2, 4, 9, 9, dtype=dtype)
+    torch.testing.assert_close(scores + mask, scores + want)
+    assert torch.equal(mask.contiguous(), want) and torch.equal(mask.to(torch.float64),
+                                                                 want.to(torch.float64))
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_qkv_attention_never_forms_the_dense_mask(monkeypatch):
+    formed = []
+    real = qkv_hf.HFMaskTensor.dense
+    monkeypatch.setattr(qkv_hf.HFMaskTensor, "dense", lambda self: formed.append(1) or real(self))
+    model = _llama()
+    model.set_attn_implementation("qkv")
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 10, dtype=torch.long)
+    pad[1, :4] = 0
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=pad)
+    assert formed == []
+
+
+def _doge():
+    cfg = transformers.DogeConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.DogeForCausalLM(cfg)
+
+
+def _bigbird_pegasus():
+    cfg = transformers.BigBirdPegasusConfig(
+        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
+        max_position_embeddings=64, attention_type="original_full")
+    return transformers.BigBirdPegasusForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("build", [_doge, _bigbird_pegasus], ids=["doge", "bigbird_pegasus"])
+def test_models_that_read_the_mask_as_a_tensor_equal_eager(build):
+    """doge reads ``attention_mask.dtype``; bigbird_pegasus adds the mask to its scores (both
+    raised on the mask description). Real positions equal eager's; the left-padded query rows,
+    which may attend to no key, are 0 in qkv (the mask contract) and a uniform average in
+    eager, so they are left out, as the next layers leave them out."""
+    torch.manual_seed(0)
+    model = build().eval()
+    ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[1, :3] = 0
+    out = {}
+    for impl in ("eager", "qkv"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = model(input_ids=ids, attention_mask=pad).logits
+    real = pad.bool()
+    torch.testing.assert_close(out["qkv"][real], out["eager"][real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_generate_with_a_static_cache_equals_eager_attention(compiled):
+    """transformers precomputes a 4-D mask for a static cache and hands it to the forward as a
+    tensor. Compiled with fullgraph=True, the forward traces twice in all (prefill and every
+    step after), as with transformers' own attention."""
+    torch.manual_seed(0)
+    model = _llama()
+    ids = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(2))
+    pad = torch.ones(2, 7, dtype=torch.long)
+    pad[1, :2] = 0
+    kw = dict(attention_mask=pad, max_new_tokens=6, do_sample=False,
+              cache_implementation="static", pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        model.set_attn_implementation("qkv")
+        if compiled:
+            from torch._dynamo.testing import CompileCounterWithBackend
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("aot_eager")
+            model.forward = torch.compile(model.forward, backend=counter, fullgraph=True)
+        got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+    if compiled:
+        assert counter.frame_count == 2
