@@ -27,6 +27,10 @@ What the models pass is mapped onto qkv's vocabulary, so nothing ``(T, S)``-size
 * any other mask transformers builds (chunked, packed sequences, image-token blocks) runs as
   a structured mask evaluated per block, exactly.
 
+The mask the models receive is an :class:`HFMaskTensor`: to model code that reads it (slices
+it, adds it to scores, asks its dtype) it is the 4-D float mask of transformers' eager path,
+formed on that first read; qkv's attention function reads its description and forms nothing.
+
 ``output_attentions=True`` returns the weights ``exp(scores - lse)`` recomputed from the fast
 kernel's log-sum-exp, only when asked (transformers' own ``sdpa`` returns none).
 
