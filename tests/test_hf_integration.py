@@ -303,9 +303,10 @@ def test_from_config_and_unknown_features():
     model = transformers.LlamaForCausalLM._from_config(_llama().config, attn_implementation="qkv")
     assert model.config._attn_implementation == "qkv"
     q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(NotImplementedError, match="sinks"):
-        qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
-                                 s_aux=torch.zeros(2))
+    for arg in ("block_indices", "indices"):  # never dropped: dense attention is wrong there
+        with pytest.raises(NotImplementedError, match=arg):
+            qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
+                                     **{arg: torch.zeros(1, 2, 3, 1, dtype=torch.long)})
     with pytest.raises(TypeError, match="attention_mask of type"):
         qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, "causal")
 

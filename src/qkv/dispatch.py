@@ -144,7 +144,8 @@ def _weights_in_one_pass(call: AttentionCall) -> bool:
     is, no dropout, and the weights are small enough to hold at once (a longer call keeps its
     lazy trace, computed only for the rows read). Faster than a kernel followed by a second
     pass for the weights, and as exact (the tolerance policy holds for both)."""
-    if call.dropout_p > 0 or call.device.type == "meta" or call.T == 0 or call.S == 0:
+    if (call.dropout_p > 0 or call.device.type == "meta" or call.T == 0 or call.S == 0
+            or call.sinks is not None):
         return False
     B, H = call.BH
     if B * H * call.T * call.S > ONE_PASS_MAX_ELEMENTS:

@@ -30,6 +30,7 @@ def scaled_dot_product_attention(
     return_trace: bool = False,
     mask_mod=None,
     score_mod=None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, AttentionTrace]:
     """``softmax(query @ key^T * scale + mask) @ value``, exact on every edge case.
 
@@ -58,6 +59,11 @@ def scaled_dot_product_attention(
       They combine with ``attn_mask`` and ``is_causal`` (a key must pass all). The ``tiled``
       backend runs them in O(T + S) extra memory, skipping blocks the mask leaves empty;
       ``auto`` sends such calls there.
+    * **Attention sinks** (gpt-oss): ``sinks`` holds one logit per query head that joins every
+      row's softmax as a key with no value, so a row can put weight on "nothing". Gradients
+      reach it. A row that may attend to no key still outputs 0; the trace's ``probs`` are
+      the real keys' weights (summing to 1 minus the sink's share) and its ``lse`` includes
+      the sink. The tiled and reference backends take sinks (torch's SDPA has none).
     * **Traces.** ``return_trace=True`` also returns an :class:`AttentionTrace` with the
       scores, weights (before dropout) and log-sum-exp, from any backend.
     * **Backends.** ``backend="auto"`` picks the fastest that supports the call; naming one
@@ -86,6 +92,8 @@ def scaled_dot_product_attention(
             attend), or a plain function of the same signature.
         score_mod: A change of the scaled scores before softmax, e.g.
             ``qkv.masks.alibi(slopes)``, ``qkv.masks.softcap(30.0)``, or a plain function.
+        sinks: Attention sinks ``(H,)``: a logit per query head, in the units of the scaled
+            (and score_mod-changed) scores.
 
     Returns:
         The output, or ``(output, trace)`` when ``return_trace`` is True.
@@ -105,14 +113,15 @@ def scaled_dot_product_attention(
         with recording.paused():
             out, trace = scaled_dot_product_attention(
                 query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                backend=backend, return_trace=True, mask_mod=mask_mod, score_mod=score_mod)
+                backend=backend, return_trace=True, mask_mod=mask_mod, score_mod=score_mod,
+                sinks=sinks)
         record(trace)
         return (out, trace) if return_trace else out
     amp = _autocast_dtype(query)
     if amp is None:
         call = AttentionCall.build(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace,
-            mask_mod, score_mod,
+            mask_mod, score_mod, sinks,
         )
         if dispatch.keeps_nonfinite_contract(call, backend):  # compiled tiled custom op
             return dispatch.run(call, backend)
@@ -124,7 +133,8 @@ def scaled_dot_product_attention(
     with torch.autocast(query.device.type, enabled=False):
         return scaled_dot_product_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            backend=backend, return_trace=return_trace, mask_mod=mask_mod, score_mod=score_mod)
+            backend=backend, return_trace=return_trace, mask_mod=mask_mod, score_mod=score_mod,
+            sinks=sinks)
 
 
 def _autocast_dtype(query) -> torch.dtype | None:

@@ -60,7 +60,10 @@ __all__ = ["register", "attention_forward", "build_mask", "HFMask", "HFMaskTenso
 # output_attentions to the attention function (through its output recorder).
 SUPPORTED_VERSIONS = ((5, 3), (6, 0))
 # Arguments of an attention function that qkv cannot honour: refused, never ignored.
-_REFUSED = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks"}
+# Arguments some models pass that change the result and that qkv does not implement yet:
+# refused with their names, never dropped (dropping block_indices gave dense attention).
+_REFUSED = {"block_indices": "block-sparse key selection (block_indices)",
+            "indices": "top-k sparse key selection (indices)"}
 
 
 def register(name: str = "qkv", *, backend: str = "auto") -> str:
@@ -243,8 +246,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         scaling: Factor on the scores (None: ``1 / sqrt(D)``).
         is_causal: Overrides ``module.is_causal`` when there is no mask.
         backend: The qkv backend.
-        **kwargs: ``sliding_window``, ``position_bias`` (T5), ``softcap``,
-            ``output_attentions`` and what transformers passes along (ignored).
+        **kwargs: ``sliding_window``, ``position_bias`` (T5), ``softcap``, ``s_aux``
+            (attention sinks, gpt-oss), ``output_attentions`` and what transformers passes
+            along (ignored); ``block_indices``/``indices`` (sparse key selection) are refused.
 
     Returns:
         ``(output, weights)``: weights only when the caller asked for attentions.
@@ -262,12 +266,14 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                              kwargs.get("sliding_window"))
     attn_mask = _with_bias(attn_mask, kwargs.get("position_bias"))
     softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one logit per query head
     want = _weights_wanted(kwargs)
     res = scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
         scale=scaling, enable_gqa=query.shape[-3] != key.shape[-3], backend=backend,
         return_trace=want, mask_mod=mask_mod,
-        score_mod=masks.softcap(softcap) if softcap else None)
+        score_mod=masks.softcap(softcap) if softcap else None,
+        sinks=None if sinks is None else sinks.reshape(-1).to(query.device))
     out, trace = res if want else (res, None)  # (B, H, T, D)
     weights = trace.probs.to(query.dtype) if want else None  # (B, H, T, S)
     return out.transpose(1, 2).contiguous(), weights  # (B, T, H, D)

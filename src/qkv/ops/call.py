@@ -53,6 +53,7 @@ class AttentionCall:
     batch: tuple[int, ...]
     mask_mod: MaskMod | None = None
     score_mod: ScoreMod | None = None
+    sinks: Tensor | None = None
 
     @classmethod
     def build(
@@ -68,6 +69,7 @@ class AttentionCall:
         return_trace: bool = False,
         mask_mod=None,
         score_mod=None,
+        sinks: Tensor | None = None,
     ) -> "AttentionCall":
         """Validate the arguments of ``scaled_dot_product_attention`` and resolve defaults."""
         _check_tensors(query, key, value)
@@ -93,6 +95,7 @@ class AttentionCall:
             batch=batch,
             mask_mod=mask_mod,
             score_mod=score_mod,
+            sinks=_check_sinks(sinks, query, batch),
         )
 
     # Derived facts backends ask about.
@@ -394,6 +397,24 @@ def _check_mask(attn_mask: Tensor | None, query: Tensor, scores_shape: tuple) ->
         if not (half and attn_mask.dtype == torch.float32):
             attn_mask = attn_mask.to(query.dtype)
     return attn_mask
+
+
+def _check_sinks(sinks, query: Tensor, batch: tuple[int, ...]) -> Tensor | None:
+    """Attention sinks: one float logit per query head, ``(H,)``, on the query's device."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor):
+        raise TypeError(f"sinks must be a tensor of one logit per query head, got "
+                        f"{type(sinks).__name__}")
+    if len(batch) < 1:
+        raise ValueError("sinks need a heads dim: query must be (*batch, H, T, D)")
+    H = batch[-1]
+    if not sinks.is_floating_point() or sinks.dim() != 1 or sinks.shape[0] != H:
+        raise ValueError(f"sinks must be a 1-D float tensor of one logit per query head, "
+                         f"({H},), got {sinks.dtype} of shape {tuple(sinks.shape)}")
+    if sinks.device != query.device:
+        raise ValueError(f"sinks are on {sinks.device} but the query is on {query.device}")
+    return sinks
 
 
 def _check_dropout(dropout_p: float) -> float:

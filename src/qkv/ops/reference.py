@@ -38,7 +38,12 @@ class ReferenceBackend:
 
     def run(self, call: AttentionCall) -> BackendResult:
         scores = attention_scores(call)  # (*batch, T, S)
-        probs, lse = masked_softmax(scores)  # (*batch, T, S), (*batch, T)
+        if call.sinks is not None:  # one more column per row: the head's sink, no value
+            sink = call.sinks.to(scores.dtype).view(-1, 1, 1).expand(*call.batch, call.T, 1)
+            probs, lse = masked_softmax(torch.cat([scores, sink], dim=-1))  # (*batch, T, S+1)
+            probs = probs[..., :-1]  # (*batch, T, S): the real keys' weights
+        else:
+            probs, lse = masked_softmax(scores)  # (*batch, T, S), (*batch, T)
         weights = F.dropout(probs, call.dropout_p) if call.dropout_p > 0 else probs
         _, value = call.kv_heads_expanded()
         out = weights.to(value.dtype) @ value  # (*batch, T, Dv)

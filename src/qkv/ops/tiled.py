@@ -190,7 +190,8 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     grads = ()  # tensors the score_mod reads that want gradients (ValueError if hidden)
     if plan.score_mod is not None:
         grads = score_mod_gradient_inputs(plan.score_mod, dtype=_acc(q.dtype), device=q.device)
-    out, lse = _TiledAttention.apply(plan, q, k, v, bias, *grads)  # (B, H, T, Dv), (B, H, T)
+    sinks = None if call.sinks is None else call.sinks.reshape(-1)  # (H,)
+    out, lse = _TiledAttention.apply(plan, q, k, v, bias, sinks, *grads)  # (B, H, T, Dv), (B, H, T)
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
 
@@ -494,20 +495,43 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
-                *grad_tensors: Tensor):
+                sinks: Tensor | None, *grad_tensors: Tensor):
         plan.bias = None if bias is None else bias.detach()
         out, lse = _forward(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)
+        if sinks is not None:
+            out, lse = _with_sinks(out, lse, sinks.detach())
         ctx.plan, ctx.bias_grad = plan, bias is not None and bias.requires_grad
-        ctx.save_for_backward(q, k, v, out, lse, *grad_tensors)
+        ctx.has_sinks = sinks is not None
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *grad_tensors)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor):
-        q, k, v, out, lse, *grad_tensors = ctx.saved_tensors
+        q, k, v, out, lse, sinks, *grad_tensors = ctx.saved_tensors
+        # With sinks, out and lse are the whole softmax's (the sink a key with no value), and
+        # FlashAttention's backward from them is exactly the sink-augmented attention's.
         dq, dk, dv, dbias, dts = _backward(ctx.plan, q, k, v, out, lse, dout, grad_tensors,
                                            ctx.bias_grad)
-        return (None, dq, dk, dv, dbias, *dts)
+        dsinks = None
+        if ctx.has_sinks and ctx.needs_input_grad[5]:
+            acc = lse.dtype
+            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # (B, H, T)
+            delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T): rowsum(dO * O)
+            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)  # (H,)
+        return (None, dq, dk, dv, dbias, dsinks, *dts)
+
+
+def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Output and log-sum-exp of the softmax that also holds each head's sink (a key with no
+    value): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``. A row with no
+    key keeps output 0 (``exp(-inf) = 0``).
+
+    Shape:
+        out ``(B, H, T, Dv)``, lse ``(B, H, T)``, sinks ``(H,)`` -> the same.
+    """
+    total = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))  # (B, H, T)
+    return (out.to(lse.dtype) * torch.exp(lse - total).unsqueeze(-1)).to(out.dtype), total
 
 
 def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,

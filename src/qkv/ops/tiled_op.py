@@ -46,8 +46,8 @@ def usable(call: AttentionCall) -> bool:
     if not _compiling_plainly():
         return False  # export keeps standard operators; vmap and torch.func.grad have no
         # rules for custom ops here
-    if call.dropout_p > 0:
-        return False
+    if call.dropout_p > 0 or call.sinks is not None:
+        return False  # (sinks: the reference math runs them in the graph)
     score = call.score_mod
     if score is not None and (
             _pick_inner(call, call.work_dtype) != "flash"
@@ -119,7 +119,8 @@ def checked_inference(call: AttentionCall, run_call) -> Tensor | None:
     Shape:
         -> ``(*batch, T, Dv)``.
     """
-    if not _compiling_plainly() or call.dropout_p > 0 or call.return_trace:
+    if (not _compiling_plainly() or call.dropout_p > 0 or call.return_trace
+            or call.sinks is not None):
         return None
     parts = _Parts()
     mask_spec = _describe(_bound_mask(call), parts)

@@ -40,6 +40,8 @@ class TorchBackend:
     traceable = True  # torch's own SDPA
 
     def supports(self, call: AttentionCall) -> str | None:
+        if call.sinks is not None:
+            return "torch's SDPA has no attention sinks (the tiled and reference backends do)"
         if call.score_mod is not None:
             return "torch's SDPA has no score_mod (the tiled and reference backends do)"
         if call.mask_mod is not None and not _is_bottom_right_causal(call.mask_mod):

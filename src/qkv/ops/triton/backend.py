@@ -110,6 +110,8 @@ class TritonBackend:
 
 def _why_not(call: AttentionCall) -> str | None:
     """None when the kernels can take ``call``, else the reason, naming what can."""
+    if call.sinks is not None:
+        return "the triton kernels have no attention sinks (the tiled and reference backends do)"
     device = call.device.type
     if device == "cpu" and not _INTERPRET["on"]:
         return ("the triton kernels run on CUDA tensors; these are on cpu (tiled and torch run "

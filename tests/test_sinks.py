@@ -1,0 +1,140 @@
+"""Attention sinks (gpt-oss; issue 30, item 3): one logit per query head joins every row's
+softmax as a key with no value. Checked against plain float64 math written here (softmax over
+the scores with the sink as one more column), on every backend that takes them, forward,
+weights and gradients (the sink's too), and against transformers' eager gpt-oss."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv import masks as M
+
+B, H, G, T, D = 2, 4, 2, 29, 8
+
+CASES = {
+    "none": lambda: ({}, torch.ones(T, T, dtype=torch.bool)),
+    "causal": lambda: (dict(is_causal=True), torch.ones(T, T).tril().bool()),
+    "window": lambda: (dict(mask_mod=M.sliding_window(5)),
+                       M.to_dense(M.sliding_window(5), 1, 1, T, T)[0, 0]),
+    "empty-rows": lambda: (dict(attn_mask=_lengths()), _lengths()),  # batch 0 sees no key
+    "alibi": lambda: (dict(is_causal=True, score_mod=M.alibi(H)), torch.ones(T, T).tril().bool()),
+}
+
+
+def _lengths() -> torch.Tensor:
+    return (torch.arange(T) < torch.tensor([0, 9]).view(B, 1, 1, 1)).expand(B, 1, T, T)
+
+
+def _plain(q, k, v, sinks, keep, case):
+    """softmax([q k^T * scale (+ bias), sink]) without the sink's column, times v."""
+    k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
+    s = q @ k.transpose(-2, -1) / D ** 0.5  # (B, H, T, T)
+    if case == "alibi":
+        pos = torch.arange(T)
+        s = s + M.alibi_slopes(H).double().view(1, H, 1, 1) * (pos.view(1, -1) - pos.view(-1, 1))
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(torch.cat([s, sinks.view(1, H, 1, 1).expand(B, H, T, 1)], -1), -1)
+    return p[..., :-1] @ v, p[..., :-1]
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_sinks_equal_plain_math_in_float64(case, backend):
+    kw, keep = CASES[case]()
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, T, D, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(B, G, T, D, dtype=torch.float64, generator=gen, requires_grad=True)
+            for _ in range(2))
+    sinks = torch.randn(H, dtype=torch.float64, generator=gen, requires_grad=True)
+    want, want_p = _plain(q, k, v, sinks, keep, case)
+    out, trace = qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, sinks=sinks,
+                                                  backend=backend, return_trace=True, **kw)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(trace.probs, want_p)  # the real keys' share only
+    got_g = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    want_g = torch.autograd.grad(want.square().sum(), (q, k, v, sinks))
+    for a, b in zip(got_g, want_g):
+        torch.testing.assert_close(a, b)
+    if case == "empty-rows":  # batch 0: no key at all, output and gradients 0
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        assert torch.equal(got_g[0][0], torch.zeros_like(got_g[0][0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_sinks_hold_the_tolerance_policy_against_float64(dtype):
+    from qkv.testing import assert_tolerance
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, 200, 32, generator=gen).to(dtype) for _ in range(3))
+    sinks = torch.randn(H, generator=gen)
+    kw = dict(mask_mod=M.sliding_window(40), sinks=sinks)
+    got = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+    golden = qkv.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                              backend="reference", **{**kw, "sinks": sinks.double()})
+    baseline = qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw)
+    assert_tolerance(got, golden, baseline)
+
+
+def test_sinks_are_checked_and_torch_says_it_has_none():
+    q = torch.randn(1, H, 4, D)
+    with pytest.raises(ValueError, match=r"one logit per query head, \(4,\)"):
+        qkv.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(3))
+    with pytest.raises(TypeError, match="sinks must be a tensor"):
+        qkv.scaled_dot_product_attention(q, q, q, sinks=[0.0] * H)
+    with pytest.raises(qkv.BackendUnsupportedError, match="no attention sinks"):
+        qkv.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(H), backend="torch")
+
+
+def test_sinks_compile_as_one_graph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+    q = torch.randn(B, H, T, D, requires_grad=True)
+    sinks = torch.randn(H, requires_grad=True)
+
+    def attend(q, sinks):
+        return qkv.scaled_dot_product_attention(q, q, q, is_causal=True, sinks=sinks)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(attend, backend=counter, fullgraph=True)(q, sinks)
+    want = attend(q, sinks)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), sinks),
+                               torch.autograd.grad(want.sum(), sinks))
+    assert counter.frame_count == 1
+
+
+def test_gpt_oss_equals_transformers_eager():
+    """gpt-oss built tiny (a sliding-window layer, then a full one): logits at real positions,
+    the weights, and the gradients of every layer's sinks."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GptOssForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no gpt-oss")
+    import qkv.integrations.transformers as qkv_hf
+    qkv_hf.register()
+    cfg = transformers.GptOssConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()  # zeros at init: make them matter
+    ids = torch.randint(3, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[1, :3] = 0
+    real = pad.bool()
+    got = {}
+    for impl in ("eager", "qkv"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        out = model(input_ids=ids, attention_mask=pad, output_attentions=True)
+        out.logits[real].square().sum().backward()
+        got[impl] = (out.logits[real].detach(), [a[0].detach() for a in out.attentions],
+                     [layer.self_attn.sinks.grad.clone() for layer in model.model.layers])
+    torch.testing.assert_close(got["qkv"][0], got["eager"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(got["qkv"][1], got["eager"][1]):  # batch 0: no padded rows
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    for a, b in zip(got["qkv"][2], got["eager"][2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
