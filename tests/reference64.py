@@ -166,7 +166,8 @@ def repeat_kv_heads(x: Tensor, H: int) -> Tensor:
 
 def attention64(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
                 allowed: Tensor | None = None, bias: Tensor | None = None,
-                score_mod: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                score_mod: Callable[[Tensor], Tensor] | None = None,
+                sinks: Tensor | None = None) -> Tensor:
     """Exact attention in float64 under qkv's mask contract.
 
     Args:
@@ -175,6 +176,7 @@ def attention64(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
         allowed: bool, True = may attend, broadcastable to ``(B, H, T, S)``.
         bias: float added to the scores, broadcastable to ``(B, H, T, S)``.
         score_mod: ``scores -> scores`` on the dense scaled scores, applied before the masks.
+        sinks: ``(H,)`` float64 logits that join each row's softmax with no value (gpt-oss).
 
     Returns:
         The output; rows that may attend to nothing are exactly 0.
@@ -206,8 +208,13 @@ def attention64(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
         row_max = torch.where(ok, safe, float("-inf")).amax(dim=-1, keepdim=True)  # (B, H, T, 1)
     else:
         row_max = safe.new_zeros(B, H, T, 1)
+    sink = None if sinks is None else sinks.view(1, H, 1, 1).expand(B, H, T, 1)
+    if sink is not None:
+        row_max = torch.maximum(row_max, sink)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0).detach()  # (B, H, T, 1)
     exp = torch.where(ok, torch.exp(safe - row_max), 0.0)  # (B, H, T, S)
     total = exp.sum(dim=-1, keepdim=True)  # (B, H, T, 1)
+    if sink is not None:
+        total = total + torch.exp(sink - row_max)  # the sink's share of the denominator
     probs = exp / torch.where(total > 0, total, 1.0)  # (B, H, T, S); empty rows all 0
     return torch.einsum("bhts,bhse->bhte", probs, v)  # (B, H, T, Dv)

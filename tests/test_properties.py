@@ -102,6 +102,8 @@ def draw_tiles(data, case: Case):
 def run_qkv(case: Case, inp: dict, backend: str, tiles=None):
     """qkv's output, or None when the backend says it cannot take the call."""
     kw = case.qkv_kwargs(inp)
+    if inp.get("sinks") is not None:
+        kw["sinks"] = inp["sinks"]
     name = "tiled" if backend == "tiled-small" else backend
     try:
         if backend == "tiled-small":
@@ -123,6 +125,8 @@ def grad_inputs(inp: dict) -> dict:
     for name, t in inp["score_tensors"].items():
         if t.requires_grad:
             out[f"score_mod.{name}"] = t
+    if inp.get("sinks") is not None:
+        out["sinks"] = inp["sinks"]
     return out
 
 
@@ -156,14 +160,17 @@ def golden_run(case: Case, inp: dict):
     if mask is not None and mask.dtype != torch.bool:
         bias = up(mask)
     tensors64 = {n: up(t) for n, t in inp["score_tensors"].items()}
+    sinks = None if inp.get("sinks") is None else up(inp["sinks"])
     out = attention64(q, k, v, scale=case.scale, allowed=case.golden_allowed(), bias=bias,
-                      score_mod=case.golden_score_mod(tensors64))
+                      score_mod=case.golden_score_mod(tensors64), sinks=sinks)
     wrt = {"q": q, "k": k, "v": v}
     if mask is not None and mask.requires_grad:
         wrt["attn_mask"] = bias
     for name, t in inp["score_tensors"].items():
         if t.requires_grad:
             wrt[f"score_mod.{name}"] = tensors64[name]
+    if sinks is not None:
+        wrt["sinks"] = sinks
     g = torch.autograd.grad(out, list(wrt.values()), inp["dout"].to(torch.float64),
                             allow_unused=True, materialize_grads=True)
     return out.detach(), dict(zip(wrt, g))
@@ -222,9 +229,15 @@ def check(name: str, actual, golden: torch.Tensor, baseline, factor: float, wher
         f"max|baseline - golden| ({base:.3e}) + {atol:g} = {bound:.3e} (dtype {actual.dtype})")
 
 
-def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True):
-    """Run ``case`` on ``backend`` and on the reference, compare both with the golden."""
+def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True,
+               sinks: bool = False):
+    """Run ``case`` on ``backend`` and on the reference, compare both with the golden
+    (``sinks``: with attention sinks, one logit per query head drawn from the case's seed)."""
     inp = case.inputs()
+    if sinks:
+        gen = torch.Generator().manual_seed(case.seed + 5)
+        logits = torch.randn(case.H, generator=gen, dtype=torch.float64) * 2
+        inp["sinks"] = logits.to(case.torch_dtype).requires_grad_(True)
     where = f"backend={backend}" + (f" tiles={tiles}" if tiles else "")
     out = run_qkv(case, inp, backend, tiles)
     if out is None:
@@ -254,6 +267,16 @@ def test_matches_float64_reference(backend, case, data):
     """Output and gradients within the tolerance policy of the float64 reference."""
     tiles = draw_tiles(data, case) if backend == "tiled-small" else None
     check_call(case, backend, tiles)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@budget(12)
+@given(case=cases(), data=st.data())
+def test_sinks_match_float64_reference(backend, case, data):
+    """Attention sinks on every backend that takes them (torch and triton say they do not),
+    output and gradients (the sinks' too) within the tolerance policy."""
+    tiles = draw_tiles(data, case) if backend == "tiled-small" else None
+    check_call(case, backend, tiles, sinks=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
