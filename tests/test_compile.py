@@ -187,6 +187,19 @@ def test_document_ids_changed_in_place_recompile_nothing():
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
 @pytest.mark.parametrize("kind", ["plain", "causal", "key_mask", "window"])
 def test_export_with_a_dynamic_length_runs_at_another_length(strict, kind):
+    wrapped = _exportable_mha(kind)
+    length = torch.export.Dim("T", min=2, max=512)
+    x, key_mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool)
+    program = torch.export.export(wrapped, (x, key_mask), strict=strict,
+                                  dynamic_shapes={"x": {1: length}, "key_mask": {1: length}})
+    x = torch.randn(2, 40, 32)
+    key_mask = torch.arange(40) < torch.tensor([[40], [25]])
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x, key_mask), wrapped(x, key_mask))
+
+
+def _exportable_mha(kind: str) -> torch.nn.Module:
+    """A MultiHeadAttention(32, 4) called as ``kind`` says, with (x, key_mask) as inputs."""
     torch.manual_seed(0)
     mha = qkv.MultiHeadAttention(32, 4).eval()
 
@@ -202,14 +215,7 @@ def test_export_with_a_dynamic_length_runs_at_another_length(strict, kind):
                 return self.mha(x, mask_mod=M.sliding_window(5))
             return self.mha(x, is_causal=kind == "causal")
 
-    length = torch.export.Dim("T", min=2, max=512)
-    x, key_mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool)
-    program = torch.export.export(Wrapped(), (x, key_mask), strict=strict,
-                                  dynamic_shapes={"x": {1: length}, "key_mask": {1: length}})
-    x = torch.randn(2, 40, 32)
-    key_mask = torch.arange(40) < torch.tensor([[40], [25]])
-    with torch.no_grad():
-        torch.testing.assert_close(program.module()(x, key_mask), Wrapped()(x, key_mask))
+    return Wrapped()
 
 
 # --- torch.func ----------------------------------------------------------------------------------
@@ -457,22 +463,10 @@ def test_onnx_export_runs_in_onnxruntime_at_another_length(kind):
         pytest.importorskip(name, reason=f"{name} (in the test extras) is not installed")
     ort = pytest.importorskip("onnxruntime", reason="onnxruntime (in the test extras) is not "
                                                     "installed")
-    torch.manual_seed(0)
-    mha = qkv.MultiHeadAttention(32, 4).eval()
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.mha = mha
-
-        def forward(self, x, key_mask):
-            if kind == "key_mask":
-                return self.mha(x, key_mask=key_mask)
-            return self.mha(x, is_causal=kind == "causal")
-
+    wrapped = _exportable_mha(kind)
     length = torch.export.Dim("T", min=2, max=512)
     x, key_mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool)
-    program = torch.onnx.export(Wrapped(), (x, key_mask), dynamo=True, verbose=False,
+    program = torch.onnx.export(wrapped, (x, key_mask), dynamo=True, verbose=False,
                                 dynamic_shapes={"x": {1: length}, "key_mask": {1: length}})
     session = ort.InferenceSession(program.model_proto.SerializeToString(),
                                    providers=["CPUExecutionProvider"])
@@ -480,7 +474,7 @@ def test_onnx_export_runs_in_onnxruntime_at_another_length(kind):
     key_mask = torch.arange(40) < torch.tensor([[40], [25]])
     got, = session.run(None, {"x": x.numpy(), "key_mask": key_mask.numpy()})
     with torch.no_grad():
-        want = Wrapped()(x, key_mask)
+        want = wrapped(x, key_mask)
     torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
 
 

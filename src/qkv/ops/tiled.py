@@ -178,12 +178,8 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     Shape:
         -> out ``(*batch, T, Dv)``, lse ``(*batch, T)`` float32 (float64 for float64 inputs).
     """
-    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    q, k, v, bias = work_inputs(call)
     B, H = call.BH
-    mask = call.attn_mask
-    bias = call.mask_4d(mask) if mask is not None and mask.is_floating_point() else None
-    if call.work_dtype != call.dtype:
-        q, k, v = q.to(call.work_dtype), k.to(call.work_dtype), v.to(call.work_dtype)
     if bias is not None and bias.requires_grad:
         inner = _refuse_flash(inner, "a float attn_mask that requires grad")
     plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)
@@ -194,6 +190,17 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     out, lse = _TiledAttention.apply(plan, q, k, v, bias, sinks, *grads)  # (B, H, T, Dv), (B, H, T)
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
+
+
+def work_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """q, k, v as ``(B, H, L, E)`` in the work dtype (GQA heads expanded), and a float
+    attn_mask as the additive bias ``(B?, H?, T, S)`` (None for none or a bool mask)."""
+    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    mask = call.attn_mask
+    bias = call.mask_4d(mask) if mask is not None and mask.is_floating_point() else None
+    if call.work_dtype != call.dtype:
+        q, k, v = q.to(call.work_dtype), k.to(call.work_dtype), v.to(call.work_dtype)
+    return q, k, v, bias
 
 
 def piece_forward(call: AttentionCall, *, block_q: int = BLOCK_Q,
@@ -244,10 +251,7 @@ def piece_backward(call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, 
 
 
 def _work_4d(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
-    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
-    if call.work_dtype != call.dtype:
-        q, k, v = q.to(call.work_dtype), k.to(call.work_dtype), v.to(call.work_dtype)
-    return q, k, v
+    return work_inputs(call)[:3]
 
 
 def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int,

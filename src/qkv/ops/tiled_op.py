@@ -35,7 +35,7 @@ from . import nonfinite
 from .call import AttentionCall
 from .reference import ReferenceBackend
 from .tiled import (BLOCK_K, BLOCK_Q, _acc, _backward, _DenseMask, _forward, _pick_inner,
-                    _plan_for, _refuse_flash)
+                    _plan_for, _refuse_flash, work_inputs)
 
 __all__ = ["usable", "tiled_attention_op"]
 
@@ -64,12 +64,8 @@ def tiled_attention_op(call: AttentionCall) -> tuple[Tensor, Tensor]:
     Shape:
         -> out ``(*batch, T, Dv)``, lse ``(*batch, T)``.
     """
-    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    q, k, v, bias = work_inputs(call)  # (B, H, L, E) each, in the work dtype
     B, H = call.BH
-    mask = call.attn_mask
-    bias = call.mask_4d(mask) if mask is not None and mask.is_floating_point() else None
-    if call.work_dtype != call.dtype:
-        q, k, v = q.to(call.work_dtype), k.to(call.work_dtype), v.to(call.work_dtype)
     inner = _pick_inner(call, q.dtype)
     if bias is not None and bias.requires_grad:
         inner = _refuse_flash(None, "a float attn_mask that requires grad")
