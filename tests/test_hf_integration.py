@@ -54,6 +54,22 @@ def _qwen2():
     return transformers.Qwen2ForCausalLM(cfg)
 
 
+def _qwen3():
+    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+def _gemma3():
+    cfg = transformers.Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, sliding_window=4,
+                                        max_position_embeddings=64,
+                                        layer_types=["sliding_attention", "full_attention"])
+    return transformers.Gemma3ForCausalLM(cfg)
+
+
 def _bert():
     cfg = transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=96,
@@ -83,9 +99,10 @@ def _vit():
     return transformers.ViTModel(cfg, add_pooling_layer=False)
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "qwen2": _qwen2, "bert": _bert,
-          "bart": _bart, "t5": _t5, "vit": _vit}
-CAUSAL_LMS = ("llama", "gpt2", "mistral", "qwen2")
+MODELS = {"llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "qwen2": _qwen2,
+          "qwen3": _qwen3, "gemma3": _gemma3, "bert": _bert, "bart": _bart, "t5": _t5,
+          "vit": _vit}
+CAUSAL_LMS = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma3")
 SEQ2SEQ = ("bart", "t5")
 
 
@@ -382,3 +399,41 @@ def test_register_refuses_transformers_outside_the_tested_range(monkeypatch, ver
     monkeypatch.setattr(importlib.import_module("transformers"), "__version__", version)
     with pytest.raises(ImportError, match=rf"supports transformers >=5\.3,<6, found {version}"):
         qkv_hf.register()
+
+
+def test_whisper_equals_eager():
+    """Whisper (audio encoder, text decoder with cross-attention): decoder hidden states and
+    every gradient in float64, and generate()'s tokens in float32, against eager."""
+    cfg = transformers.WhisperConfig(vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4,
+                                     encoder_ffn_dim=96, decoder_ffn_dim=96, num_mel_bins=8,
+                                     max_source_positions=16, max_target_positions=32,
+                                     decoder_start_token_id=1, pad_token_id=0, eos_token_id=2,
+                                     bos_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(cfg).double().eval()
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, 8, 32, generator=g, dtype=torch.float64)  # (B, mels, 2 * 16 frames)
+    dec = torch.randint(3, V, (2, 6), generator=g)
+    out, grads = {}, {}
+    for impl in ("eager", "qkv"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        res = model(input_features=feats, decoder_input_ids=dec, output_hidden_states=True)
+        h = res.decoder_hidden_states[-1]
+        (h * torch.randn(h.shape, generator=torch.Generator().manual_seed(2),
+                         dtype=h.dtype)).sum().backward()
+        out[impl] = h.detach()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out["qkv"], out["eager"], **EAGER_TOL)
+    assert grads["qkv"].keys() == grads["eager"].keys()
+    for name in grads["eager"]:
+        torch.testing.assert_close(grads["qkv"][name], grads["eager"][name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+    model.float()
+    tokens = {}
+    for impl in ("eager", "qkv"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(input_features=feats.float(), max_new_tokens=6,
+                                      min_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens["qkv"], tokens["eager"])
