@@ -437,3 +437,30 @@ def test_whisper_equals_eager():
         tokens[impl] = model.generate(input_features=feats.float(), max_new_tokens=6,
                                       min_new_tokens=6, do_sample=False)
     assert torch.equal(tokens["qkv"], tokens["eager"])
+
+
+def test_models_with_their_own_attention_tables_say_why_not():
+    """git, sam and the like pick attention classes from their own tables; with "qkv" they
+    raised KeyError: 'qkv'. Now one error names the model and the way out, in modules imported
+    before register() and in those imported after (through the finder register() adds)."""
+    import subprocess
+    import sys
+    from transformers.models.git import modeling_git
+    assert "qkv" in modeling_git.GIT_SELF_ATTENTION_CLASSES
+    cfg = transformers.GitConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=48, image_size=32, patch_size=8),
+        vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=48, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    with pytest.raises(NotImplementedError, match=r"git picks its attention classes from its "
+                                                  r"own table GIT_SELF_ATTENTION_CLASSES"):
+        transformers.GitModel._from_config(cfg, attn_implementation="qkv")
+    code = ("import sys, qkv.integrations.transformers as h; h.register(); "
+            "assert 'transformers.models.superglue.modeling_superglue' not in sys.modules; "
+            "from transformers.models.superglue import modeling_superglue as m\n"
+            "try:\n    m.SUPERGLUE_SELF_ATTENTION_CLASSES['qkv'](None)\n"
+            "except NotImplementedError as e:\n    print(e)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "superglue picks its attention classes from its own table" in done.stdout
