@@ -464,3 +464,32 @@ def test_models_with_their_own_attention_tables_say_why_not():
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "superglue picks its attention classes from its own table" in done.stdout
+
+
+def test_every_keyword_transformers_passes_is_implemented_ignored_as_eager_or_refused():
+    """Scans every modeling file of the installed transformers for the keywords its attention
+    calls pass. Dropping one that changes the result gave MiniMax-M3 dense attention; each
+    must be implemented, ignored as transformers' eager attention ignores it, or refused."""
+    import pathlib
+    import re
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    seen: dict[str, str] = {}
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text()
+        for match in re.finditer(r"attention_interface\(", text):
+            depth, end = 1, match.end()
+            while depth and end < len(text):
+                depth += {"(": 1, ")": -1}.get(text[end], 0)
+                end += 1
+            for word in re.findall(r"\b([a-z_][a-z_0-9]*)\s*=(?!=)", text[match.end():end - 1]):
+                seen.setdefault(word, path.parent.name)
+    known = (qkv_hf.KEYWORDS_IMPLEMENTED | qkv_hf.KEYWORDS_IGNORED_AS_EAGER
+             | set(qkv_hf._REFUSED))
+    assert len(seen) > 10
+    unknown = {w: model for w, model in seen.items() if w not in known}
+    assert not unknown, f"keywords passed to the attention function with no decision: {unknown}"
+    q = torch.randn(1, 2, 3, 8)
+    module = torch.nn.Module()
+    for word in qkv_hf._REFUSED:
+        with pytest.raises(NotImplementedError, match=word):
+            qkv_hf.attention_forward(module, q, q, q, None, **{word: torch.zeros(1)})

@@ -64,6 +64,17 @@ SUPPORTED_VERSIONS = ((5, 3), (6, 0))
 # refused with their names, never dropped (dropping block_indices gave dense attention).
 _REFUSED = {"block_indices": "block-sparse key selection (block_indices)",
             "indices": "top-k sparse key selection (indices)"}
+# Every keyword a modeling file of transformers passes to its attention function, by what qkv
+# does with it (tests/test_hf_integration.py scans the installed transformers against this,
+# so a new keyword fails there until it is classified).
+KEYWORDS_IMPLEMENTED = frozenset({
+    "attention_mask", "dropout", "scaling", "is_causal", "sliding_window", "softcap",
+    "position_bias", "s_aux", "sinks", "output_attentions", "query", "key", "value"})
+# Passed for FlashAttention's variable-length kernels or its options; transformers' eager
+# attention ignores them too (the attention_mask carries the same segments).
+KEYWORDS_IGNORED_AS_EAGER = frozenset({
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
+    "deterministic"})
 
 
 def register(name: str = "qkv", *, backend: str = "auto") -> str:
