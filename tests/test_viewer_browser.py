@@ -586,7 +586,7 @@ def test_4k_page_is_interactive_in_time(big, opened):
         text = o.hover(q, k)
         hover_s = time.perf_counter() - t0
         assert _check_tooltip(o, text, q, k, float(w[0, q, k]), layer=0, head=0,
-                              where=f"head 0 zoomed") == how, text
+                              where="head 0 zoomed") == how, text
         assert hover_s < HOVER_LIMIT_S, f"zoomed hover on ({q}, {k}) took {hover_s:.2f} s"
     assert w[0, 3000, 2936] == 0 and w[0, 2997, 2999] == 0  # outside the band; causal
     # Head 1's band is 512 wide: its 64 largest weights a row are exact, the rest bounded.

@@ -12,7 +12,6 @@ import base64
 import importlib
 import json
 import math
-import os
 import re
 import shutil
 import subprocess

@@ -16,8 +16,7 @@ D head dim, C model dim.
 """
 from __future__ import annotations
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from .. import masks
 from ..functional import linear_attention

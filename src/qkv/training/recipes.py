@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
