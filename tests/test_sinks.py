@@ -138,3 +138,29 @@ def test_gpt_oss_equals_transformers_eager():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     for a, b in zip(got["qkv"][2], got["eager"][2]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_sinks_keep_the_tiled_custom_op_under_compile():
+    """A sliding window with sinks (gpt-oss's windowed layers) compiles to the tiled op, not a
+    dense mask; output and every gradient, the sinks' included, equal eager."""
+    q, k, v = (torch.randn(B, H, 96, D, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(H, requires_grad=True)
+
+    def attend(q, k, v, sinks):
+        return qkv.scaled_dot_product_attention(q, k, v, mask_mod=M.sliding_window(20),
+                                                sinks=sinks)
+
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    got = torch.compile(attend, backend=keep, fullgraph=True)(q, k, v, sinks)
+    want = attend(q, k, v, sinks)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.square().sum(), (q, k, v, sinks)),
+                               torch.autograd.grad(want.square().sum(), (q, k, v, sinks)))
+    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert "qkv.tiled_forward" in ops and len(graphs) == 1

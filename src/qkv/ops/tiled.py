@@ -519,11 +519,21 @@ class _TiledAttention(torch.autograd.Function):
                                            ctx.bias_grad)
         dsinks = None
         if ctx.has_sinks and ctx.needs_input_grad[5]:
-            acc = lse.dtype
-            p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # (B, H, T)
-            delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T): rowsum(dO * O)
-            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)  # (H,)
+            dsinks = _sink_grad(sinks, out, lse, dout)
         return (None, dq, dk, dv, dbias, dsinks, *dts)
+
+
+def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> Tensor:
+    """The sinks' gradient, ``-sum over rows of p_sink * rowsum(dO * O)`` (a key with no value:
+    its dP is 0, so its dS is ``-p_sink * delta``), from the sink-inclusive output and lse.
+
+    Shape:
+        sinks ``(H,)``, out and dout ``(B, H, T, Dv)``, lse ``(B, H, T)`` -> ``(H,)``.
+    """
+    acc = lse.dtype
+    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # (B, H, T)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T): rowsum(dO * O)
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)  # (H,)
 
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

@@ -35,7 +35,7 @@ from . import nonfinite
 from .call import AttentionCall
 from .reference import ReferenceBackend
 from .tiled import (BLOCK_K, BLOCK_Q, _acc, _backward, _DenseMask, _forward, _pick_inner,
-                    _plan_for, _refuse_flash, work_inputs)
+                    _plan_for, _refuse_flash, _sink_grad, _with_sinks, work_inputs)
 
 __all__ = ["usable", "tiled_attention_op"]
 
@@ -46,8 +46,8 @@ def usable(call: AttentionCall) -> bool:
     if not _compiling_plainly():
         return False  # export keeps standard operators; vmap and torch.func.grad have no
         # rules for custom ops here
-    if call.dropout_p > 0 or call.sinks is not None:
-        return False  # (sinks: the reference math runs them in the graph)
+    if call.dropout_p > 0:
+        return False
     score = call.score_mod
     if score is not None and (
             _pick_inner(call, call.work_dtype) != "flash"
@@ -74,7 +74,8 @@ def tiled_attention_op(call: AttentionCall) -> tuple[Tensor, Tensor]:
     score = call.score_mod
     score_spec = _describe(None if score is None else score.bind(B, H, call.T, call.S), parts)
     spec = f"({mask_spec}, {score_spec})"
-    out, lse = torch.ops.qkv.tiled_forward(q, k, v, bias, parts.tensors, parts.ints,
+    sinks = None if call.sinks is None else call.sinks.reshape(-1)  # (H,)
+    out, lse = torch.ops.qkv.tiled_forward(q, k, v, bias, sinks, parts.tensors, parts.ints,
                                            parts.floats, spec, float(call.scale), inner)
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
@@ -278,71 +279,82 @@ def _nonfinite(plan, q: Tensor, k: Tensor, v: Tensor, bias):
 
 @torch.library.custom_op("qkv::tiled_forward", mutates_args=())
 def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
-                   tensors: list[Tensor], ints: list[int], floats: list[float], spec: str,
-                   scale: float, inner: str) -> tuple[Tensor, Tensor]:
+                   sinks: Optional[Tensor], tensors: list[Tensor], ints: list[int],
+                   floats: list[float], spec: str, scale: float,
+                   inner: str) -> tuple[Tensor, Tensor]:
     """Output ``(B, H, T, Dv)`` in q's dtype and log-sum-exp ``(B, H, T)`` (float32, or
     float64 for float64 inputs; ``-inf`` on rows with no key). The mask contract for NaN/inf
     inputs is kept here, as eager qkv keeps it around every backend."""
     plan = _plan(q, k, bias, tensors, ints, floats, spec, scale, inner)
     cleaned, hit = _nonfinite(plan, q, k, v, bias)
-    if cleaned is None:
-        return _forward(plan, q, k, v)
-    out, lse = _forward(plan, cleaned.query, cleaned.key, cleaned.value)
-    return out.masked_fill(hit, float("nan")), lse
+    if cleaned is not None:
+        q, k, v = cleaned.query, cleaned.key, cleaned.value
+    out, lse = _forward(plan, q, k, v)
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
+    return (out, lse) if hit is None else (out.masked_fill(hit, float("nan")), lse)
 
 
 @_tiled_forward.register_fake
-def _(q, k, v, bias, tensors, ints, floats, spec, scale, inner):
+def _(q, k, v, bias, sinks, tensors, ints, floats, spec, scale, inner):
     B, H, T = q.shape[0], q.shape[1], q.shape[2]
     return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=_acc(q.dtype))
 
 
 @torch.library.custom_op("qkv::tiled_backward", mutates_args=())
 def _tiled_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-                    bias: Optional[Tensor], tensors: list[Tensor], ints: list[int],
-                    floats: list[float], spec: str, scale: float, inner: str,
-                    bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dbias)``; dbias is empty unless ``bias_grad``. With NaN/inf inputs, the
+                    bias: Optional[Tensor], sinks: Optional[Tensor], tensors: list[Tensor],
+                    ints: list[int], floats: list[float], spec: str, scale: float, inner: str,
+                    bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dbias, dsinks)``; dbias is empty unless ``bias_grad``, dsinks unless
+    there are sinks (out and lse are then the sink-inclusive ones). With NaN/inf inputs, the
     gradients of eager qkv's contract: none through a NaN row, none to a bad input row."""
     plan = _plan(q, k, bias, tensors, ints, floats, spec, scale, inner)
     cleaned, hit = _nonfinite(plan, q, k, v, bias)
-    if cleaned is None:
-        dq, dk, dv, dbias, _ = _backward(plan, q, k, v, out, lse, dout, (), bias_grad)
-        return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
-    dq, dk, dv, dbias, _ = _backward(plan, cleaned.query, cleaned.key, cleaned.value,
-                                     out.masked_fill(hit, 0.0), lse, dout.masked_fill(hit, 0.0),
-                                     (), bias_grad)
-    dq, dk, dv = (g.masked_fill(~torch.isfinite(t).all(-1, keepdim=True), 0.0)
-                  for g, t in ((dq, q), (dk, k), (dv, v)))
-    return dq, dk, dv, q.new_empty(0) if dbias is None else dbias
+    qc, kc, vc = (q, k, v) if cleaned is None else (cleaned.query, cleaned.key, cleaned.value)
+    if hit is not None:
+        out, dout = out.masked_fill(hit, 0.0), dout.masked_fill(hit, 0.0)
+    dq, dk, dv, dbias, _ = _backward(plan, qc, kc, vc, out, lse, dout, (), bias_grad)
+    if cleaned is not None:
+        dq, dk, dv = (g.masked_fill(~torch.isfinite(t).all(-1, keepdim=True), 0.0)
+                      for g, t in ((dq, q), (dk, k), (dv, v)))
+    dsinks = q.new_empty(0) if sinks is None else _sink_grad(sinks, out, lse, dout)
+    return dq, dk, dv, q.new_empty(0) if dbias is None else dbias, dsinks
 
 
 @_tiled_backward.register_fake
-def _(q, k, v, out, lse, dout, bias, tensors, ints, floats, spec, scale, inner, bias_grad):
+def _(q, k, v, out, lse, dout, bias, sinks, tensors, ints, floats, spec, scale, inner,
+      bias_grad):
     dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)  # zeros_like's layout
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias  # contiguous
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),  # contiguous
+            dbias, dsinks)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, tensors, ints, floats, spec, scale, inner = inputs
+    q, k, v, bias, sinks, tensors, ints, floats, spec, scale, inner = inputs
     out, lse = output
     ctx.bias_grad = bias is not None and bias.requires_grad
-    ctx.has_bias, ctx.n_tensors = bias is not None, len(tensors)
+    ctx.has_bias, ctx.has_sinks, ctx.n_tensors = bias is not None, sinks is not None, len(tensors)
     ctx.args = (ints, floats, spec, scale, inner)
-    saved = (q, k, v, out, lse) + ((bias,) if bias is not None else ()) + tuple(tensors)
+    saved = ((q, k, v, out, lse) + ((bias,) if bias is not None else ())
+             + ((sinks,) if sinks is not None else ()) + tuple(tensors))
     ctx.save_for_backward(*saved)
 
 
 def _backward_rule(ctx, dout, _dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     bias = rest.pop(0) if ctx.has_bias else None
+    sinks = rest.pop(0) if ctx.has_sinks else None
     ints, floats, spec, scale, inner = ctx.args
-    dq, dk, dv, dbias = torch.ops.qkv.tiled_backward(q, k, v, out, lse, dout, bias, rest, ints,
-                                                     floats, spec, scale, inner, ctx.bias_grad)
+    dq, dk, dv, dbias, dsinks = torch.ops.qkv.tiled_backward(
+        q, k, v, out, lse, dout, bias, sinks, rest, ints, floats, spec, scale, inner,
+        ctx.bias_grad)
     # the structure of the op's inputs, as torch.library flattens them: a list of tensors is
     # a list, a non-empty list of numbers is one leaf, an empty list an empty list
-    return (dq, dk, dv, dbias if ctx.bias_grad else None, [None] * ctx.n_tensors,
-            None if ints else [], None if floats else [], None, None, None)
+    return (dq, dk, dv, dbias if ctx.bias_grad else None, dsinks if ctx.has_sinks else None,
+            [None] * ctx.n_tensors, None if ints else [], None if floats else [], None, None,
+            None)
 
 
 _tiled_forward.register_autograd(_backward_rule, setup_context=_setup_context)
