@@ -88,3 +88,18 @@ def test_torch_would_accept_what_we_reject_for_good_reason():
     torch.nn.functional.scaled_dot_product_attention(torch.randn(2, 4, 5, 8), k, v)
     with pytest.raises(ValueError, match=re.escape("key (2, 4, 6, 8) has S=6")):
         sdpa(k=k, v=v)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "auto"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_scale_that_overflows_the_scores_raises_naming_it(backend, grad):
+    """scale=1e38 is finite and accepted, but q.k * scale overflows float32: softmax gave NaN
+    rows on every backend. Now a ValueError names the overflow (checked only when the output
+    is not finite, so no call pays for it); a scale the dtype holds still gives the hard max."""
+    q = torch.randn(1, 2, 5, 4, generator=torch.Generator().manual_seed(0), requires_grad=grad)
+    with pytest.raises(ValueError, match=r"scaled scores overflow: scale=1e\+38"):
+        qkv.scaled_dot_product_attention(q, q, q, scale=1e38, backend=backend)
+    sharp = qkv.scaled_dot_product_attention(q, q, q, scale=1e30, backend=backend)
+    scores = q @ q.transpose(-2, -1)
+    hard = torch.nn.functional.one_hot(scores.argmax(-1), 5).to(q.dtype) @ q  # the hard max
+    torch.testing.assert_close(sharp, hard)

@@ -52,8 +52,14 @@ def run(call: AttentionCall, run_call: Callable[[AttentionCall], object]):
         if _finite_sum(out):
             return result
     cleaned, bad = _clean(call)
-    if bad is None:
-        return run_call(call) if _wants_grad(call) else result
+    if bad is None:  # every input finite
+        if _wants_grad(call):
+            result = run_call(call)
+            out = result[0] if call.return_trace else result
+            if _finite_sum(out):
+                return result
+        _refuse_overflow(call)  # a non-finite output from finite inputs: overflowing scores?
+        return result
     result = run_call(cleaned)
     if call.return_trace:
         return _poison(result[0], cleaned, bad), result[1]
@@ -96,6 +102,25 @@ def _run_traced(call: AttentionCall, run_call: Callable[[AttentionCall], object]
         hit = (ok & keys.unsqueeze(-2)).any(-1) | (bad_q & ok.any(-1))  # (*batch, T)
     out = out.masked_fill(hit.unsqueeze(-1), float("nan"))
     return (out, result[1]) if call.return_trace else out
+
+
+def _refuse_overflow(call: AttentionCall) -> None:
+    """ValueError when the scaled scores can overflow: ``|scale| * max|q_i| * max|k_j|`` beyond
+    the largest float the scores are computed in (float32 for half inputs). Softmax of such
+    scores is ``inf - inf = NaN`` on every backend; the caller asked for a temperature the
+    dtype cannot hold. Called only when finite inputs gave a non-finite output."""
+    with torch.no_grad():
+        q_norm = call.query.detach().double().norm(dim=-1).max()
+        k_norm = call.key.detach().double().norm(dim=-1).max()
+        bound = abs(call.scale) * float(q_norm) * float(k_norm)
+    largest = torch.finfo(torch.promote_types(call.dtype, torch.float32)).max
+    if bound > largest:
+        raise ValueError(
+            f"the scaled scores overflow: scale={call.scale:g} times |q||k| up to "
+            f"{float(q_norm) * float(k_norm):.3g} reaches {bound:.3g}, beyond the largest "
+            f"{torch.promote_types(call.dtype, torch.float32)} ({largest:.3g}), so softmax "
+            f"would be NaN; pass a smaller scale (a sharper softmax than this is the hard max: "
+            f"take the argmax of the scores)")
 
 
 def _wants_grad(call: AttentionCall) -> bool:
