@@ -1,28 +1,25 @@
-"""qkv under ``torch.compile(fullgraph=True)`` and ``torch.export`` (issue 24, the first part).
+"""qkv under ``torch.compile(fullgraph=True)``, ``torch.export``, ONNX and ``torch.func``
+(issue 24).
 
-What traces as one graph today:
-- ``qkv.scaled_dot_product_attention`` with ``backend="auto"``: no mask, ``is_causal``, bool and
-  float ``attn_mask``, the ready-made ``mask_mod``/``score_mod`` (window, documents, ALiBi);
-  forward, backward, and ``return_trace``;
-- ``qkv.MultiHeadAttention`` (plain, causal, ``key_mask``), under inductor too; over 6
-  sequence lengths one graph with ``dynamic=True`` and two with automatic dynamic shapes;
-  document ids changed in place recompile nothing;
-- ``torch.export`` of MultiHeadAttention, strict and non-strict, with a dynamic length;
+What traces as one graph, forward and backward, equal to eager:
+- ``qkv.scaled_dot_product_attention``: no mask, ``is_causal``, bool and float ``attn_mask``,
+  the ready-made and plain-function ``mask_mod``/``score_mod``, ``return_trace``; the
+  ready-made structured masks through the tiled kernel's custom ops (no dense ``(T, S)``
+  mask in the graph), one graph over 6 lengths;
+- ``linear_attention``; ``MultiHeadAttention`` (under inductor too; 6 lengths: one graph with
+  ``dynamic=True``, two with automatic dynamic shapes; document ids changed in place
+  recompile nothing), the linear and local modules, KV-cache decoding;
+- training steps of the models, a patched ``nn.TransformerEncoder``, Hugging Face Llama and
+  Mistral, and ``qkv.capture`` around a compiled model;
+- ``torch.export`` (strict and non-strict, dynamic length) and ONNX in onnxruntime;
 - ``torch.func``: vmap over a leading dim, grad, jacrev and per-sample gradients.
 
-How: under tracing (``qkv.ops.base.tracing``: compile, export or a torch.func transform),
-``auto`` passes over the backends that plan on tensor contents (tiled,
-triton) and runs torch's SDPA or the reference math; the NaN policy runs as tensor ops (no
-``.item()``); the capture hook reads no ContextVar while no capture is active. Graphs are
-counted with dynamo's CompileCounter, and results are compared with eager qkv.
-
-Further down: linear attention, the linear/local modules, KV-cache decoding, training steps
-of the models, a patched ``nn.TransformerEncoder``, Hugging Face models, ONNX, the tiled
-kernel's custom ops for structured masks (no dense ``(T, S)`` mask in the graph) and
-``qkv.capture`` around a compiled model.
-
-Not yet: Hugging Face ``generate()`` with a static cache (qkv's mask is not a tensor), the
-triton kernels as custom ops.
+How: ``qkv.ops.base.tracing`` tells compile, export and torch.func transforms apart from eager
+runs; under compile ``auto`` takes torch's SDPA, the tiled custom ops (``ops/tiled_op.py``)
+for the masks they carry, or the reference math; the NaN/inf contract needs no ``.item()``.
+Graphs are counted with dynamo's counters (or a backend that keeps them), and results are
+compared with eager qkv. Static-cache ``generate()`` and sinks: ``test_hf_mask_tensor.py``,
+``test_sinks.py``. Not here: the triton kernels (GPU).
 """
 from __future__ import annotations
 

@@ -15,9 +15,14 @@ it. What crosses the op boundary is what a graph can hold:
 
 Only qkv's own mask and score types (exact types, as :func:`qkv.masks.structure_key`) are
 described; a plain-function mask_mod/score_mod, a score_mod reading a tensor that requires
-grad, or dropout keep the dense traceable path (:meth:`usable` says no). Under
+grad inside the kernel, or dropout keep the dense traceable path (:func:`usable` says no). Under
 ``torch.export`` the dense path is kept too, so that exported programs (and ONNX) hold only
-standard operators.
+standard operators. Attention sinks ride along as one more tensor input, with their gradient.
+
+The same descriptions carry the NaN/inf part of the mask contract into two small ops for the
+other compiled paths, which return at once on finite inputs as eager qkv does:
+``qkv::nonfinite_rows`` (the rows to set to NaN) and ``qkv::checked_output`` (an inference
+call's output, checked, and redone under the eager contract only when it is not finite).
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim, Dv value dim.
 """
