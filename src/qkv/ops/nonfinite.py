@@ -10,8 +10,10 @@ attend to a bad key and the rows of a bad query that have a key to attend to: wh
 math gives those rows is not finite either.
 
 Cost: when a gradient is wanted, one reduction over q, k and v per call (gradients can be
-spoiled while the output is finite). Otherwise only the output is checked, and the inputs
-only when it is not finite (a masked bad input always shows there as NaN).
+spoiled while the output is finite), and one over the output. Otherwise only the output is
+checked, and the inputs only when it is not finite (a masked bad input always shows there as
+NaN). A non-finite output from finite inputs is looked at once more: when the scaled scores
+can overflow (a scale like 1e38), the call raises a ValueError naming that.
 
 Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
 """
