@@ -531,17 +531,25 @@ def test_structured_masks_run_the_tiled_custom_op_in_the_graph(name):
     assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
 
 
-def test_the_tiled_op_compiles_once_over_six_lengths():
-    mask = M.sliding_window(16, align="bottom_right")
+@pytest.mark.parametrize("kind", ["bottom-right-window", "document-causal"])
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+def test_the_tiled_op_compiles_at_most_twice_over_six_lengths(kind, dynamic):
+    """Structured masks through the tiled op over 6 lengths: one graph with ``dynamic=True``,
+    two with automatic dynamic shapes; new document ids each call recompile nothing."""
+    def attend(q, ids):
+        mask = (M.sliding_window(16, align="bottom_right") if kind == "bottom-right-window"
+                else M.document(ids) & M.causal())
+        return qkv.scaled_dot_product_attention(q, q, q, mask_mod=mask)
+
     dynamo.reset()
     graphs = _Graphs()
-    attend = lambda q: qkv.scaled_dot_product_attention(q, q, q, mask_mod=mask)  # noqa: E731
-    compiled = torch.compile(attend, backend=graphs, dynamic=True, fullgraph=True)
+    compiled = torch.compile(attend, backend=graphs, dynamic=dynamic, fullgraph=True)
     with torch.no_grad():
         for length in (70, 97, 130, 200, 257, 300):
-            q = torch.randn(1, 2, length, 8)
-            torch.testing.assert_close(compiled(q), attend(q))
-    assert len(graphs.graphs) == 1 and "qkv.tiled_forward" in _ops_in(graphs.graphs)
+            q, ids = torch.randn(1, 2, length, 8), (torch.arange(length) * 3 // length)[None]
+            torch.testing.assert_close(compiled(q, ids), attend(q, ids))
+    assert len(graphs.graphs) == (1 if dynamic else 2)
+    assert "qkv.tiled_forward" in _ops_in(graphs.graphs)
 
 
 def test_capture_around_a_compiled_model_is_one_graph_and_records_as_eager():
