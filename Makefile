@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qkv-installed
 
-.PHONY: test demo install clean
+.PHONY: test demo install clean sweep-hf
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ demo: $(STAMP)
 	rm -rf out/demo/reverse
 	$(VENV)/bin/qkv train reverse --out out/demo/reverse
 	@echo "cross-attention map: out/demo/reverse/cross_attention.png"
+
+# Every architecture of the installed transformers built tiny, eager against
+# attn_implementation="qkv" (about 10 minutes on 2 cores; not part of `make test`).
+sweep-hf: $(STAMP)
+	$(PY) benchmarks/hf_sweep.py --out benchmarks/results/hf_sweep.json
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
