@@ -34,19 +34,24 @@ def _plain(q, k, v, sinks, keep, case):
         pos = torch.arange(T)
         s = s + M.alibi_slopes(H).double().view(1, H, 1, 1) * (pos.view(1, -1) - pos.view(-1, 1))
     s = s.masked_fill(~keep, float("-inf"))
-    p = torch.softmax(torch.cat([s, sinks.view(1, H, 1, 1).expand(B, H, T, 1)], -1), -1)
+    sink = sinks.view(1, H, 1) if sinks.dim() == 1 else sinks  # per head, or per row
+    p = torch.softmax(torch.cat([s, sink.expand(B, H, T).unsqueeze(-1)], -1), -1)
     return p[..., :-1] @ v, p[..., :-1]
 
 
+@pytest.mark.parametrize("per", ["head", "row"])
 @pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_sinks_equal_plain_math_in_float64(case, backend):
+def test_sinks_equal_plain_math_in_float64(case, backend, per):
+    """Per head ``(H,)`` (gpt-oss) and per query row ``(B, H, T)`` (inkling2's sinks come from
+    a projection of each token)."""
     kw, keep = CASES[case]()
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(B, H, T, D, dtype=torch.float64, generator=gen, requires_grad=True)
     k, v = (torch.randn(B, G, T, D, dtype=torch.float64, generator=gen, requires_grad=True)
             for _ in range(2))
-    sinks = torch.randn(H, dtype=torch.float64, generator=gen, requires_grad=True)
+    shape = (H,) if per == "head" else (B, H, T)
+    sinks = torch.randn(shape, dtype=torch.float64, generator=gen, requires_grad=True)
     want, want_p = _plain(q, k, v, sinks, keep, case)
     out, trace = qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, sinks=sinks,
                                                   backend=backend, return_trace=True, **kw)
@@ -77,7 +82,7 @@ def test_tiled_sinks_hold_the_tolerance_policy_against_float64(dtype):
 
 def test_sinks_are_checked_and_torch_says_it_has_none():
     q = torch.randn(1, H, 4, D)
-    with pytest.raises(ValueError, match=r"one logit per query head, \(4,\)"):
+    with pytest.raises(ValueError, match=r"4 heads, got shape \(3,\)"):
         qkv.scaled_dot_product_attention(q, q, q, sinks=torch.zeros(3))
     with pytest.raises(TypeError, match="sinks must be a tensor"):
         qkv.scaled_dot_product_attention(q, q, q, sinks=[0.0] * H)

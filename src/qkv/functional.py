@@ -59,9 +59,9 @@ def scaled_dot_product_attention(
       They combine with ``attn_mask`` and ``is_causal`` (a key must pass all). The ``tiled``
       backend runs them in O(T + S) extra memory, skipping blocks the mask leaves empty;
       ``auto`` sends such calls there.
-    * **Attention sinks** (gpt-oss): ``sinks`` holds one logit per query head that joins every
-      row's softmax as a key with no value, so a row can put weight on "nothing". Gradients
-      reach it. A row that may attend to no key still outputs 0; the trace's ``probs`` are
+    * **Attention sinks** (gpt-oss): ``sinks`` holds one logit per query head (or per query
+      row) that joins the row's softmax as a key with no value, so a row can put weight on
+      "nothing". Gradients reach it. A row that may attend to no key still outputs 0; the trace's ``probs`` are
       the real keys' weights (summing to 1 minus the sink's share) and its ``lse`` includes
       the sink. The tiled and reference backends take sinks (torch's SDPA has none).
     * **Traces.** ``return_trace=True`` also returns an :class:`AttentionTrace` with the
@@ -92,8 +92,9 @@ def scaled_dot_product_attention(
             attend), or a plain function of the same signature.
         score_mod: A change of the scaled scores before softmax, e.g.
             ``qkv.masks.alibi(slopes)``, ``qkv.masks.softcap(30.0)``, or a plain function.
-        sinks: Attention sinks ``(H,)``: a logit per query head, in the units of the scaled
-            (and score_mod-changed) scores.
+        sinks: Attention sinks: a logit per query head ``(H,)``, or per query row
+            (broadcastable to ``(*batch, T)``), in the units of the scaled (and
+            score_mod-changed) scores.
 
     Returns:
         The output, or ``(output, trace)`` when ``return_trace`` is True.

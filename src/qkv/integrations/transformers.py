@@ -361,14 +361,16 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                              kwargs.get("sliding_window"))
     attn_mask = _with_bias(attn_mask, kwargs.get("position_bias"))
     softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one logit per query head
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: per head (H,); inkling2:
+    if sinks is not None and sinks.dim() == 4:         # per query row (B, H, T, 1)
+        sinks = sinks.squeeze(-1)
     want = _weights_wanted(kwargs)
     res = scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
         scale=scaling, enable_gqa=query.shape[-3] != key.shape[-3], backend=backend,
         return_trace=want, mask_mod=mask_mod,
         score_mod=masks.softcap(softcap) if softcap else None,
-        sinks=None if sinks is None else sinks.reshape(-1).to(query.device))
+        sinks=None if sinks is None else sinks.to(query.device))
     out, trace = res if want else (res, None)  # (B, H, T, D)
     weights = trace.probs.to(query.dtype) if want else None  # (B, H, T, S)
     return out.transpose(1, 2).contiguous(), weights  # (B, T, H, D)

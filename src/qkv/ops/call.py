@@ -400,21 +400,34 @@ def _check_mask(attn_mask: Tensor | None, query: Tensor, scores_shape: tuple) ->
 
 
 def _check_sinks(sinks, query: Tensor, batch: tuple[int, ...]) -> Tensor | None:
-    """Attention sinks: one float logit per query head, ``(H,)``, on the query's device."""
+    """Attention sinks on the query's device, as a float tensor broadcastable to the rows
+    ``(*batch, T)``: one logit per query head ``(H,)`` (kept as ``(H, 1)``), or one per row."""
     if sinks is None:
         return None
+    want = "one logit per query head (H,) or per query row, broadcastable to (*batch, T)"
     if not isinstance(sinks, Tensor):
-        raise TypeError(f"sinks must be a tensor of one logit per query head, got "
-                        f"{type(sinks).__name__}")
-    if len(batch) < 1:
-        raise ValueError("sinks need a heads dim: query must be (*batch, H, T, D)")
-    H = batch[-1]
-    if not sinks.is_floating_point() or sinks.dim() != 1 or sinks.shape[0] != H:
-        raise ValueError(f"sinks must be a 1-D float tensor of one logit per query head, "
-                         f"({H},), got {sinks.dtype} of shape {tuple(sinks.shape)}")
+        raise TypeError(f"sinks must be a tensor of {want}, got {type(sinks).__name__}")
+    T = query.shape[-2]
+    rows = batch + (T,)
+    if sinks.dim() == 1 and len(batch) >= 1:
+        if sinks.shape[0] != batch[-1]:
+            raise ValueError(f"sinks must hold {want}: {batch[-1]} heads, got shape "
+                             f"{tuple(sinks.shape)}")
+        sinks = sinks.view(-1, 1)  # (H, 1): the same logit for every row of a head
+    if not sinks.is_floating_point() or _broadcast_fails(tuple(sinks.shape), rows):
+        raise ValueError(f"sinks must be a float tensor of {want}, here {rows}; got "
+                         f"{sinks.dtype} of shape {tuple(sinks.shape)}")
     if sinks.device != query.device:
         raise ValueError(f"sinks are on {sinks.device} but the query is on {query.device}")
     return sinks
+
+
+def _broadcast_fails(shape: tuple, target: tuple) -> bool:
+    """Whether ``shape`` does not broadcast to exactly ``target``."""
+    try:
+        return torch.broadcast_shapes(shape, target) != torch.Size(target)
+    except RuntimeError:
+        return True
 
 
 def _check_dropout(dropout_p: float) -> float:

@@ -39,7 +39,7 @@ class ReferenceBackend:
     def run(self, call: AttentionCall) -> BackendResult:
         scores = attention_scores(call)  # (*batch, T, S)
         if call.sinks is not None:  # one more column per row: the head's sink, no value
-            sink = call.sinks.to(scores.dtype).view(-1, 1, 1).expand(*call.batch, call.T, 1)
+            sink = call.sinks.to(scores.dtype).expand(*call.batch, call.T).unsqueeze(-1)
             probs, lse = masked_softmax(torch.cat([scores, sink], dim=-1))  # (*batch, T, S+1)
             probs = probs[..., :-1]  # (*batch, T, S): the real keys' weights
         else:

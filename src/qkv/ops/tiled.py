@@ -186,7 +186,7 @@ def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: i
     grads = ()  # tensors the score_mod reads that want gradients (ValueError if hidden)
     if plan.score_mod is not None:
         grads = score_mod_gradient_inputs(plan.score_mod, dtype=_acc(q.dtype), device=q.device)
-    sinks = None if call.sinks is None else call.sinks.reshape(-1)  # (H,)
+    sinks = sinks_by_row(call)  # (B, H, T) or None
     out, lse = _TiledAttention.apply(plan, q, k, v, bias, sinks, *grads)  # (B, H, T, Dv), (B, H, T)
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
@@ -523,28 +523,37 @@ class _TiledAttention(torch.autograd.Function):
         return (None, dq, dk, dv, dbias, dsinks, *dts)
 
 
+def sinks_by_row(call: AttentionCall) -> Tensor | None:
+    """The call's sinks as one logit per row of the 4-D view, ``(B, H, T)`` (autograd sums
+    the gradient back over the rows a head's logit stands for)."""
+    if call.sinks is None:
+        return None
+    B, H = call.BH
+    return call.sinks.expand(call.batch + (call.T,)).reshape(B, H, call.T)
+
+
 def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> Tensor:
-    """The sinks' gradient, ``-sum over rows of p_sink * rowsum(dO * O)`` (a key with no value:
-    its dP is 0, so its dS is ``-p_sink * delta``), from the sink-inclusive output and lse.
+    """The sinks' gradient, ``-p_sink * rowsum(dO * O)`` per row (a key with no value: its dP
+    is 0, so its dS is ``-p_sink * delta``), from the sink-inclusive output and lse.
 
     Shape:
-        sinks ``(H,)``, out and dout ``(B, H, T, Dv)``, lse ``(B, H, T)`` -> ``(H,)``.
+        sinks ``(B, H, T)``, out and dout ``(B, H, T, Dv)``, lse ``(B, H, T)`` -> ``(B, H, T)``.
     """
     acc = lse.dtype
-    p_sink = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # (B, H, T)
+    p_sink = torch.exp(sinks.to(acc) - lse)  # (B, H, T)
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T): rowsum(dO * O)
-    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)  # (H,)
+    return -(p_sink * delta).to(sinks.dtype)
 
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
-    """Output and log-sum-exp of the softmax that also holds each head's sink (a key with no
+    """Output and log-sum-exp of the softmax that also holds each row's sink (a key with no
     value): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``. A row with no
     key keeps output 0 (``exp(-inf) = 0``).
 
     Shape:
-        out ``(B, H, T, Dv)``, lse ``(B, H, T)``, sinks ``(H,)`` -> the same.
+        out ``(B, H, T, Dv)``, lse and sinks ``(B, H, T)`` -> out, lse.
     """
-    total = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))  # (B, H, T)
+    total = torch.logaddexp(lse, sinks.to(lse.dtype))  # (B, H, T)
     return (out.to(lse.dtype) * torch.exp(lse - total).unsqueeze(-1)).to(out.dtype), total
 
 

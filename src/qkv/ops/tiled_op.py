@@ -40,7 +40,8 @@ from . import nonfinite
 from .call import AttentionCall
 from .reference import ReferenceBackend
 from .tiled import (BLOCK_K, BLOCK_Q, _acc, _backward, _DenseMask, _forward, _pick_inner,
-                    _plan_for, _refuse_flash, _sink_grad, _with_sinks, work_inputs)
+                    _plan_for, _refuse_flash, _sink_grad, _with_sinks, sinks_by_row,
+                    work_inputs)
 
 __all__ = ["usable", "tiled_attention_op"]
 
@@ -79,7 +80,7 @@ def tiled_attention_op(call: AttentionCall) -> tuple[Tensor, Tensor]:
     score = call.score_mod
     score_spec = _describe(None if score is None else score.bind(B, H, call.T, call.S), parts)
     spec = f"({mask_spec}, {score_spec})"
-    sinks = None if call.sinks is None else call.sinks.reshape(-1)  # (H,)
+    sinks = sinks_by_row(call)  # (B, H, T) or None
     out, lse = torch.ops.qkv.tiled_forward(q, k, v, bias, sinks, parts.tensors, parts.ints,
                                            parts.floats, spec, float(call.scale), inner)
     out = out.to(call.dtype).reshape(call.out_shape)
