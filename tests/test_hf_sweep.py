@@ -35,4 +35,4 @@ def test_the_tiny_model_equals_eager(model_type):
     result = hf_sweep.one(model_type)
     if result["status"] == "skipped":
         pytest.skip(f"transformers cannot run the tiny {model_type}: {result['reason']}")
-    assert result["status"] == "pass", result
+    assert result["status"] in ("pass", "sdpa-equal"), result

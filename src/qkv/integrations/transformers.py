@@ -221,6 +221,19 @@ class HFMask:
     per_element: bool = False
 
 
+def _dense_keep(mask: HFMask, B: int, device) -> Tensor:
+    """The mask as a bool ``(B, 1, T, S)``, True where a query may attend."""
+    T, S = mask.q_length, mask.kv_length
+    keep, mask_mod, causal = _mask_args(None, mask, T, S, None, None)
+    ok = torch.ones(B, 1, T, S, dtype=torch.bool, device=device)
+    if keep is not None:
+        ok = ok & keep.to(device)
+    for mod in ((masks.causal() if causal else None), mask_mod):
+        if mod is not None:
+            ok = ok & masks.to_dense(mod, B, 1, T, S, device=device)
+    return ok
+
+
 class HFMaskTensor(Tensor):
     """An :class:`HFMask` that model code can use as the 4-D mask transformers' eager path
     builds: shape ``(B, 1, T, S)``, the dtype transformers asked for, ``0`` where a query may
@@ -249,14 +262,7 @@ class HFMaskTensor(Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 B, _, T, S = self.shape
                 dtype, device = self.dtype, self.device
-            d = self.description
-            keep, mask_mod, causal = _mask_args(None, d, T, S, None, None)
-            ok = torch.ones(B, 1, T, S, dtype=torch.bool, device=device)
-            if keep is not None:
-                ok = ok & keep.to(device)
-            for mod in ((masks.causal() if causal else None), mask_mod):
-                if mod is not None:
-                    ok = ok & masks.to_dense(mod, B, 1, T, S, device=device)
+            ok = _dense_keep(self.description, B, device)
             low = torch.finfo(dtype).min if dtype.is_floating_point else False
             self._dense = torch.where(ok, torch.zeros((), dtype=dtype, device=device),
                                       torch.full((), low, dtype=dtype, device=device))
@@ -358,7 +364,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                       f"model with attn_implementation='eager' or 'sdpa'")
     T, S = query.shape[-2], key.shape[-2]
     attn_mask, mask_mod, causal = _mask_args(module, attention_mask, T, S, is_causal,
-                                             kwargs.get("sliding_window"))
+                                             kwargs.get("sliding_window"), query.device)
     attn_mask = _with_bias(attn_mask, kwargs.get("position_bias"))
     attn_mask = _with_selection(attn_mask, _selected_keys(module, query, S, kwargs))
     softcap = kwargs.get("softcap")
@@ -377,12 +383,19 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     return out.transpose(1, 2).contiguous(), weights  # (B, T, H, D)
 
 
-def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_window):
+def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_window,
+               device=None):
     """``(attn_mask, mask_mod, is_causal)`` for qkv from what transformers passed."""
     if isinstance(mask, HFMaskTensor):
         mask = mask.description
     if isinstance(mask, HFMask):
         if (mask.q_length, mask.kv_length) != (T, S):
+            if mask.kv_length == 1 and mask.q_length in (1, T):
+                # A one-key mask for a call with S keys (BERT without is_decoder under
+                # generate(): its cache grows, its mask does not). Eager and sdpa broadcast
+                # it over every key; so does qkv, rather than refuse what they run.
+                B = 1 if mask.padding is None else mask.padding.shape[0]
+                return _dense_keep(mask, B, device), None, False
             raise ValueError(f"transformers built the mask for T={mask.q_length}, "
                              f"S={mask.kv_length}, but the attention call has T={T}, S={S}")
         keep = None if mask.padding is None else mask.padding[:, None, None, :]  # (B, 1, 1, S)
