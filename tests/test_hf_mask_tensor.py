@@ -128,3 +128,35 @@ def test_generate_with_a_static_cache_equals_eager_attention(compiled):
     assert torch.equal(got, want)
     if compiled:
         assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_one_key_mask_is_broadcast_over_the_keys_as_eager_does(padded):
+    """BERT without ``is_decoder`` under ``generate()``: its cache grows, but transformers
+    builds the mask for one key. Eager and sdpa broadcast it over every key; qkv raised."""
+    from transformers import BertConfig, BertLMHeadModel
+    cfg = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=48, pad_token_id=0)
+    torch.manual_seed(0)
+    model = BertLMHeadModel(cfg).eval()
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
+    pad = torch.ones_like(ids)
+    if padded:
+        pad[1, :2] = 0
+    tokens = {}
+    with torch.no_grad():
+        for impl in ("eager", "qkv"):
+            model.set_attn_implementation(impl)
+            tokens[impl] = model.generate(ids, attention_mask=pad, max_new_tokens=5,
+                                          do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens["qkv"], tokens["eager"])
+    T, S = 1, 9
+    one_key = qkv_hf.HFMask(mu.bidirectional_mask_function, 1, 1, 8, 0, None)
+    q = torch.randn(1, 2, T, 8)
+    with pytest.raises(ValueError, match="built the mask for T=1, S=3"):
+        qkv_hf.attention_forward(torch.nn.Module(), q, torch.randn(1, 2, S, 8),
+                                 torch.randn(1, 2, S, 8),
+                                 qkv_hf.HFMask(mu.bidirectional_mask_function, 1, 3, 0, 0, None))
+    out, _ = qkv_hf.attention_forward(torch.nn.Module(), q, q.expand(1, 2, S, 8),
+                                      q.expand(1, 2, S, 8), one_key)
+    torch.testing.assert_close(out, q.transpose(1, 2))  # every key equal: output = the value
