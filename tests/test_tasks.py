@@ -37,7 +37,7 @@ def _equal(a, b) -> bool:
 # ---------------------------------------------------------------- the entry point
 
 def test_tasks_are_named():
-    assert tasks.TASKS == ("reverse", "copy", "sort", "listops", "digits")
+    assert tasks.TASKS == ("reverse", "copy", "sort", "listops", "digits", "pathfinder")
 
 
 @pytest.mark.parametrize("call, match", [

@@ -7,6 +7,9 @@
 * ``listops``: LRA's ListOps, ``variant="full"`` (lengths 500-2000) or ``"cpu"`` (100-500);
   ``ClassificationData``.
 * ``digits``: scikit-learn's 8x8 handwritten digits (needs scikit-learn); ``ImageData``.
+* ``pathfinder``: LRA's Pathfinder (``resolution=32`` or ``64``) and Path-X (``128``), are
+  two markers joined by a contour of dashes, ``difficulty="easy"|"intermediate"|"hard"``
+  (needs numpy); ``ImageData``. ``pathfinder_connected`` is its independent label check.
 
 Generated tasks are deterministic for a seed and cached on disk (``cache_dir=``, else
 ``$QKV_CACHE/tasks``, else ``~/.cache/qkv/tasks``); a damaged cache file is regenerated.
@@ -21,11 +24,13 @@ from collections.abc import Callable
 from ._cache import default_cache_dir
 from ._digits import digits
 from ._listops import listops, listops_generate_tree, listops_parse_and_eval
+from ._pathfinder import pathfinder, pathfinder_connected
 from ._seq2seq import copy, reverse, sort
 from ._types import ClassificationData, ImageData, Seq2SeqData, Vocab
 
 _FUNCTIONS: dict[str, Callable] = {"reverse": reverse, "copy": copy, "sort": sort,
-                                   "listops": listops, "digits": digits}
+                                   "listops": listops, "digits": digits,
+                                   "pathfinder": pathfinder}
 TASKS: tuple[str, ...] = tuple(_FUNCTIONS)
 _COMMON = ("split", "seed", "size", "cache_dir")
 
@@ -79,6 +84,8 @@ __all__ = [
     "listops_generate_tree",
     "listops_parse_and_eval",
     "load",
+    "pathfinder",
+    "pathfinder_connected",
     "reverse",
     "sort",
 ]
