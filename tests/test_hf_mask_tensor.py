@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,3 +161,47 @@ def test_a_one_key_mask_is_broadcast_over_the_keys_as_eager_does(padded):
     out, _ = qkv_hf.attention_forward(torch.nn.Module(), q, q.expand(1, 2, S, 8),
                                       q.expand(1, 2, S, 8), one_key)
     torch.testing.assert_close(out, q.transpose(1, 2))  # every key equal: output = the value
+
+
+@pytest.mark.parametrize("build", [_doge, _bigbird_pegasus], ids=["doge", "bigbird_pegasus"])
+def test_models_that_read_the_mask_compile_as_one_graph(build):
+    """Under torch.compile the mask is the same tensor subclass (it raised there when it was
+    the bare description: 'HFMask' object is not subscriptable)."""
+    torch.manual_seed(0)
+    model = build().eval()
+    model.set_attn_implementation("qkv")
+    ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 12, dtype=torch.long)
+    pad[1, :3] = 0
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=pad, use_cache=False).logits
+        compiled = torch.compile(model, fullgraph=True, backend=counter)
+        got = compiled(input_ids=ids, attention_mask=pad, use_cache=False).logits
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_a_padded_llama_exports_and_equals_eager(strict):
+    """torch.export gets the description (non-strict export cannot make the subclass from
+    its fake tensors); the exported program equals the eager model at real positions."""
+    model = _llama()
+    model.set_attn_implementation("qkv")
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, pad):
+            return self.model(input_ids=ids, attention_mask=pad, use_cache=False).logits
+
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 10, dtype=torch.long)
+    pad[1, :3] = 0
+    with torch.no_grad():
+        program = torch.export.export(Logits(), (ids, pad), strict=strict)
+        got, want = program.module()(ids, pad), Logits()(ids, pad)
+    torch.testing.assert_close(got[pad.bool()], want[pad.bool()])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 from qkv.integrations import transformers as qkv_hf
 
@@ -179,3 +180,23 @@ def test_qkv_sdpa_is_used_for_the_selected_keys(monkeypatch):
     with torch.no_grad():
         model(input_ids=torch.randint(3, 90, (1, 12)))
     assert len(seen) == 2 and all(m is not None and m.dtype == torch.bool for m in seen)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sparse_models_compile_as_one_graph(name):
+    """deepseek_v32 slices the mask (``attention_mask[:, 0]``) for its indexer: under compile
+    that needs the mask tensor subclass, which it now is."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MODELS[name]()).eval()
+    model.set_attn_implementation("qkv")
+    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones_like(ids)
+    pad[1, :5] = 0
+    counter = torch._dynamo.testing.CompileCounter()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=pad, use_cache=False).logits
+        compiled = torch.compile(model, fullgraph=True, backend=counter)
+        got = compiled(input_ids=ids, attention_mask=pad, use_cache=False).logits
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got[pad.bool()], want[pad.bool()])

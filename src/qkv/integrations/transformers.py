@@ -51,7 +51,7 @@ from torch.utils import _pytree
 from .. import masks
 from ..functional import scaled_dot_product_attention
 from ..masks import MaskMod
-from ..ops.base import tracing
+from ..ops.base import compiling_plainly, tracing
 
 __all__ = ["register", "attention_forward", "build_mask", "HFMask", "HFMaskTensor",
            "SUPPORTED_VERSIONS"]
@@ -315,7 +315,9 @@ def build_mask(batch_size: int, q_length: int | None = None, kv_length: int | No
             padding = None
     description = HFMask(mask_function or causal_mask_function, q_length, kv_length,
                          int(q_offset), int(kv_offset), padding, bool(use_vmap))
-    if tracing():
+    if tracing() and not compiling_plainly():
+        # torch.export's non-strict mode and torch.func cannot make the subclass from their
+        # fake tensors: they get the description (a model that reads the mask fails there).
         return description
     device = kwargs.get("device") or (padding.device if padding is not None else "cpu")
     return HFMaskTensor(description, batch_size, kwargs.get("dtype") or torch.float32, device)

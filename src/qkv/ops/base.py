@@ -59,3 +59,10 @@ def tracing() -> bool:
     tensor values on the host (``.item()``, ``bool(tensor)``): the paths that do are passed
     over for ones written in tensor operations."""
     return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def compiling_plainly() -> bool:
+    """Under torch.compile, not torch.export, and outside torch.func transforms: where custom
+    ops and tensor subclasses trace (export's fake tensors and functorch's do not take them)."""
+    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and not torch._C._are_functorch_transforms_active())

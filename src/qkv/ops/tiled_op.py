@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .. import masks as M
 from . import nonfinite
+from .base import compiling_plainly
 from .call import AttentionCall
 from .reference import ReferenceBackend
 from .tiled import (BLOCK_K, BLOCK_Q, _acc, _backward, _DenseMask, _forward, _pick_inner,
@@ -49,7 +50,7 @@ __all__ = ["usable", "tiled_attention_op"]
 def usable(call: AttentionCall) -> bool:
     """Whether ``call`` can run as the custom op here: under ``torch.compile`` (not export,
     not inside a ``torch.func`` transform), with masks this module can describe."""
-    if not _compiling_plainly():
+    if not compiling_plainly():
         return False  # export keeps standard operators; vmap and torch.func.grad have no
         # rules for custom ops here
     if call.dropout_p > 0:
@@ -96,7 +97,7 @@ def nonfinite_rows(call: AttentionCall, bad_q: Tensor, bad_keys: Tensor) -> Tens
     Shape:
         bad_q ``(*qbatch, T)``; bad_keys ``(*kbatch, S)`` (GQA heads expanded) -> ``(*batch, T)``.
     """
-    if not _compiling_plainly():
+    if not compiling_plainly():
         return None
     parts = _Parts()
     spec = _describe(_bound_mask(call), parts)
@@ -122,7 +123,7 @@ def checked_inference(call: AttentionCall, run_call) -> Tensor | None:
     Shape:
         -> ``(*batch, T, Dv)``.
     """
-    if (not _compiling_plainly() or call.dropout_p > 0 or call.return_trace
+    if (not compiling_plainly() or call.dropout_p > 0 or call.return_trace
             or call.sinks is not None):
         return None
     parts = _Parts()
@@ -138,12 +139,6 @@ def checked_inference(call: AttentionCall, run_call) -> Tensor | None:
                                         parts.tensors, parts.ints, parts.floats,
                                         f"({mask_spec}, {score_spec})", float(call.scale),
                                         call.enable_gqa)
-
-
-def _compiling_plainly() -> bool:
-    """Under torch.compile, not torch.export, and outside torch.func transforms."""
-    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and not torch._C._are_functorch_transforms_active())
 
 
 def _bound_mask(call: AttentionCall):
