@@ -1,5 +1,5 @@
 """Dependencies run one way (STYLE.md 17): masks/trace -> ops -> dispatch -> functional -> nn
--> models/tasks -> training -> cli; viz reads traces only."""
+-> models/tasks/capture -> training/analysis -> cli; viz reads traces only."""
 import ast
 from pathlib import Path
 
@@ -9,7 +9,7 @@ SRC = Path(qkv.__file__).parent
 LAYER = {"_files": 0, "masks": 0, "trace": 0, "testing": 0, "examples": 0, "recording": 0, "ops": 1,
          "dispatch": 2, "functional": 3, "nn": 4, "models": 5, "tasks": 5, "viz": 5,
          "distributed": 3, "capture": 5, "torch_compat": 5, "integrations": 5, "training": 6, "cli": 7,
-         "__main__": 8}
+         "__main__": 8, "analysis": 6}
 VIZ_MAY_IMPORT = {"trace", "viz"}
 
 
@@ -68,7 +68,7 @@ def test_import_qkv_needs_only_torch():
     import subprocess
     import sys
 
-    optional = ("matplotlib", "triton", "transformers")
+    optional = ("matplotlib", "triton", "transformers", "networkx", "scipy")
     code = "import sys, {}; print(sorted(m for m in sys.modules if m.split('.')[0] in {!r}))"
     def loaded(imports):
         out = subprocess.run([sys.executable, "-c", code.format(imports, optional)],

@@ -1,9 +1,9 @@
 """qkv: self-attention and multi-head attention for PyTorch, exact, fast and see-through.
 
-The documented submodules (``qkv.viz``, ``qkv.torch_compat``, ``qkv.testing``,
-``qkv.distributed``, ``qkv.integrations``, ...) are reached as attributes after a plain
-``import qkv``; the ones not imported here load on first use, so ``import qkv`` stays fast and
-needs nothing beyond torch.
+The documented submodules (``qkv.viz``, ``qkv.analysis``, ``qkv.torch_compat``,
+``qkv.testing``, ``qkv.distributed``, ``qkv.integrations``, ...) are reached as attributes
+after a plain ``import qkv``; the ones not imported here load on first use, so ``import qkv``
+stays fast and needs nothing beyond torch.
 """
 import importlib as _importlib
 from . import models, tasks
@@ -20,8 +20,8 @@ from .trace import AttentionTrace, MultiHeadTrace
 __version__ = "0.1.0"
 
 # loaded on first attribute access (module __getattr__, PEP 562)
-_LAZY_SUBMODULES = ("cli", "distributed", "examples", "integrations", "masks", "ops",
-                    "testing", "torch_compat", "training", "viz")
+_LAZY_SUBMODULES = ("analysis", "cli", "distributed", "examples", "integrations", "masks",
+                    "ops", "testing", "torch_compat", "training", "viz")
 
 
 def __getattr__(name: str):
