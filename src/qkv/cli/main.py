@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from ..training import preserve_torch_state
-from . import bench, bench_decode, explain, seeds, train, view
+from . import bench, bench_decode, explain, lra, seeds, train, view
 
 __all__ = ["main", "make_parser"]
 
@@ -21,7 +21,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="qkv", description="Self-attention and multi-head attention: exact, fast, see-through."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (seeds, explain, bench, bench_decode, train, view):
+    for command in (seeds, explain, bench, bench_decode, train, lra, view):
         command.add_parser(sub)
     return parser
 

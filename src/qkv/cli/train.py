@@ -4,7 +4,8 @@ Thin: parses arguments into a recipe (:mod:`qkv.training.recipes`) and a
 :class:`qkv.training.TrainConfig`, and calls :func:`qkv.training.train`, which shows the
 progress bar, writes checkpoints atomically, resumes to the bit, and saves ``metrics.json``,
 pictures and, beside each PNG, the viewer page of the same example (``cross_attention.html``
-for ``reverse``/``copy``/``sort``, ``attention_last_layer.html`` for ``listops``/``digits``;
+for ``reverse``/``copy``/``sort``, ``attention_last_layer.html`` for ``listops``/``digits``/
+``pathfinder``;
 ``qkv view`` makes more) under ``--out``.
 
 Data parallel: ``qkv train --nproc N ...`` starts N processes of this machine under torchrun's
@@ -24,6 +25,7 @@ import sys
 from ..models import attention_kinds
 from ..training import TrainConfig, run_directory, train
 from ..training.launch import launch
+from ..training.lra import VARIANTS
 from ..training.parallel import DEFAULT_TIMEOUT, check_batch, env_ranks
 from ..training.recipes import RECIPES, make_recipe
 
@@ -38,17 +40,20 @@ DEFAULTS = {
                     weight_decay=0.01),
     "digits": dict(steps=1500, batch_size=64, lr=2e-3, warmup_steps=100, schedule="cosine",
                    weight_decay=0.05),
+    "pathfinder": dict(VARIANTS["cpu"]["pathfinder"]["train"]),  # qkv lra's cpu variant
 }
 
 # LRA's released ListOps configuration (TASKS.md): 4 layers, 8 heads, embedding 512, MLP 1024,
 # batch 32, 5,000 steps, lr 0.05 with 1,000 warm-up steps then rsqrt decay, weight decay 0.1,
-# lengths 500-2000.
+# lengths 500-2000. "lra-pathfinder": LRA's Pathfinder-32 configuration (qkv.training.lra's
+# docstring); `--preset lra` on pathfinder means it.
 PRESETS = {
     "lra": dict(task="listops",
                 train=dict(steps=5000, batch_size=32, lr=0.05, warmup_steps=1000,
                            schedule="rsqrt", weight_decay=0.1),
                 model=dict(embed_dim=512, num_heads=8, num_layers=4, ffn_dim=1024, dropout=0.1),
                 data=dict(variant="full")),
+    "lra-pathfinder": dict(task="pathfinder", **VARIANTS["lra"]["pathfinder"]),
 }
 
 
@@ -60,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "atomic checkpoints every --checkpoint-every steps, --resume to continue an "
         "interrupted run to the identical result, metrics.json and attention pictures in "
         "--out (each with an HTML viewer page of the same example beside its PNG: the "
-        "cross-attention for reverse, copy, sort; every layer for listops, digits). Ctrl-C "
+        "cross-attention for reverse, copy, sort; every layer for listops, digits, "
+        "pathfinder). Ctrl-C "
         "writes a checkpoint and stops. Data parallel: --nproc N, or torchrun "
         "--nproc_per_node N -m qkv train ...; rank 0 alone writes --out.")
     p.add_argument("task", choices=sorted(RECIPES), help="the task")
@@ -71,7 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--features", type=int, default=None,
                    help="random features for --attention performer (default D ln D)")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="lra: LRA's released ListOps config (full 500-2000 variant)")
+                   help="lra: LRA's released ListOps config (full 500-2000 variant), or on "
+                   "pathfinder its Pathfinder-32 config (hard, 160,000 images; for a GPU)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None,
                    help="the global batch: examples a step over all processes, each of N "
@@ -84,6 +91,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, default=200)
     p.add_argument("--variant", choices=("cpu", "full"), default=None,
                    help="ListOps lengths: cpu 100-500 (default) or full 500-2000")
+    p.add_argument("--difficulty", choices=("easy", "intermediate", "hard"), default=None,
+                   help="Pathfinder contours of 6, 9 or 14 paddles (default easy)")
+    p.add_argument("--resolution", type=int, choices=(32, 64, 128), default=None,
+                   help="Pathfinder image side: 1,024, 4,096 or 16,384 pixel tokens "
+                   "(default 32; 128 is Path-X)")
     p.add_argument("--cache-dir", default=None, help="where generated tasks are cached")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="checkpoint.pt, metrics.json, pictures and the viewer page go here")
@@ -114,7 +126,11 @@ def plan(args: argparse.Namespace) -> tuple[dict, TrainConfig]:
     """
     preset = PRESETS[args.preset] if args.preset else None
     if preset and preset["task"] != args.task:
-        raise ValueError(f"--preset {args.preset} is for {preset['task']}, not {args.task}")
+        preset = PRESETS.get(f"{args.preset}-{args.task}")
+        if preset is None:
+            tasks = [p["task"] for n, p in PRESETS.items() if n.split("-")[0] == args.preset]
+            raise ValueError(f"--preset {args.preset} is for {' and '.join(tasks)}, not "
+                             f"{args.task}")
     settings = dict(DEFAULTS[args.task], **(preset["train"] if preset else {}))
     for name in ("steps", "batch_size", "lr"):
         if getattr(args, name) is not None:
@@ -127,6 +143,11 @@ def plan(args: argparse.Namespace) -> tuple[dict, TrainConfig]:
         if args.task != "listops":
             raise ValueError("--variant is a ListOps option")
         data["variant"] = args.variant
+    for name in ("difficulty", "resolution"):
+        if getattr(args, name) is not None:
+            if args.task != "pathfinder":
+                raise ValueError(f"--{name} is a Pathfinder option")
+            data[name] = getattr(args, name)
     recipe = dict(task=args.task, attention=args.attention,
                   attention_options=_attention_options(args),
                   model=dict(preset["model"]) if preset else None, data=data,

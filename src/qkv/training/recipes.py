@@ -6,6 +6,11 @@
   viewer page of that example's cross-attention, every layer and head (:func:`qkv.viz.html`).
 * ``listops``: :class:`qkv.EncoderClassifier` (CLS pooling, as LRA); test accuracy.
 * ``digits``: :class:`qkv.ViT` on the 8x8 digits (patches of 2x2); test accuracy.
+* ``pathfinder``: :class:`qkv.EncoderClassifier` over the pixels as LRA reads images: a
+  32x32 image is a sequence of 1,024 tokens in raster order (no patches), each pixel's 8-bit
+  value its token id (256 ids, LRA's input embedding), learned positions, mean pooling
+  (LRA's Pathfinder config pools by ``MEAN``); test accuracy. Picture: the input and, per
+  head of the last layer, the attention each pixel receives, as images.
 
 The evaluation runs in batches of :data:`EVAL_BATCH` test examples; ``evaluation_counts``
 takes every N-th batch from a rank's own (a data-parallel run sums the counts of its ranks),
@@ -21,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -28,7 +34,8 @@ from .. import tasks
 from ..capture import capture
 from ..models import EncoderClassifier, Seq2SeqTransformer, ViT
 
-__all__ = ["make_recipe", "RECIPES", "Seq2SeqRecipe", "ClassifierRecipe", "ViTRecipe"]
+__all__ = ["make_recipe", "RECIPES", "Seq2SeqRecipe", "ClassifierRecipe", "ViTRecipe",
+           "PixelRecipe"]
 
 EVAL_BATCH = 256
 
@@ -232,6 +239,100 @@ class ViTRecipe(_Recipe):
         return [str(path), str(page)]
 
 
+class PixelRecipe(ClassifierRecipe):
+    """``pathfinder``: an image as a sequence of pixel tokens, as LRA (Tay et al. 2020, sec.
+    3.4-3.5): an ``R x R`` image is ``R * R`` tokens in raster order, the token of a pixel its
+    8-bit value (0-255). LRA embeds the 8-bit pixel as a token; so do we, rather than a
+    linear map of the value, because a table of 256 vectors lets the model give the ink
+    levels of paddles and markers their own directions from the first step, and the images
+    are stored as exact multiples of 1/255, so no information is lost. No padding, no CLS:
+    mean pooling over the ``R * R`` outputs (LRA's ``classifier_pool = "MEAN"``).
+    """
+
+    MODEL = dict(embed_dim=32, num_heads=2, num_layers=1, ffn_dim=64, dropout=0.0,
+                 pooling="mean")
+    LEVELS = 256
+
+    def __init__(self, task: str, **kwargs) -> None:
+        super().__init__(task, **kwargs)
+        self.train_tokens = pixel_tokens(self.train_data.images)  # (N, R * R) uint8
+        self.test_tokens = pixel_tokens(self.test_data.images)  # (N, R * R) uint8
+
+    def _load(self, split: str):
+        opts = dict(self.data_options)
+        size = {k: opts.pop(f"{k}_size", None) for k in ("train", "test")}[split]
+        asked = self.data_options.get("test_size")
+        if asked:  # generate the test split at the size taken (images come in pairs)
+            opts["test_size"] = asked + asked % 2
+        return tasks.load(self.task, split=split, size=size, cache_dir=self.cache_dir, **opts)
+
+    def build_model(self) -> nn.Module:
+        m, d = self.model_options, self.train_data
+        return EncoderClassifier(self.LEVELS, d.num_classes, m["embed_dim"], m["num_heads"],
+                                 m["num_layers"], pooling=m["pooling"], ffn_dim=m["ffn_dim"],
+                                 dropout=m["dropout"], max_len=self.train_tokens.shape[1],
+                                 **self._kind())
+
+    def batch(self, indices: Tensor, device) -> dict[str, Tensor]:
+        return dict(tokens=self.train_tokens[indices].to(device).long(),  # (B, R * R)
+                    labels=self.train_data.labels[indices].to(device))
+
+    def loss(self, model, batch):
+        logits = model(batch["tokens"])  # (B, classes)
+        loss = F.cross_entropy(logits, batch["labels"])
+        acc = (logits.argmax(-1) == batch["labels"]).float().mean()
+        return loss, dict(acc=acc), batch["tokens"].numel()
+
+    def loss_count(self, batch: dict[str, Tensor]) -> int:
+        return batch["labels"].shape[0]
+
+    def _hits(self, model, device, batch: slice) -> int:
+        x = self.test_tokens[batch].to(device).long()  # (B, R * R)
+        return int((model(x).argmax(-1).cpu() == self.test_data.labels[batch]).sum())
+
+    def pictures(self, model, out_dir: Path, device) -> list[str]:
+        """The first test image and, per head of the last layer, the attention each pixel
+        receives (the mean over the queries), drawn as images; the viewer page beside it."""
+        try:  # a bare Figure, never pyplot: headless, the caller's backend left alone
+            from matplotlib.figure import Figure
+        except ImportError as e:
+            raise ImportError("plotting attention needs matplotlib: pip install 'qkv[viz]'") from e
+        image, label = self.test_data.images[0, 0], int(self.test_data.labels[0])
+        R = image.shape[-1]
+        x = self.test_tokens[:1].to(device).long()  # (1, R * R)
+        logits, maps = model(x, return_attention=True)
+        probs = maps.encoder[-1].probs[0].float().cpu()  # (H, R * R, R * R)
+        received = probs.mean(1).view(-1, R, R)  # (H, R, R)
+        H = received.shape[0]
+        fig = Figure(figsize=(2.6 * (H + 1), 2.9))
+        axes = fig.subplots(1, H + 1, squeeze=False)[0]
+        panels = [(image, f"input (label {label}, predicted {int(logits.argmax())})", "gray")]
+        panels += [(received[h], f"last layer, head {h + 1}:\nattention received", "viridis")
+                   for h in range(H)]
+        for ax, (picture, title, cmap) in zip(axes, panels):
+            ax.imshow(picture.numpy(), cmap=cmap)
+            ax.set_title(title, fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+        fig.tight_layout()
+        path = Path(out_dir) / "attention_last_layer.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        labels = [f"({r},{c})" for r in range(R) for c in range(R)]
+        page = _page(model, (x,), path.with_suffix(".html"), labels,
+                     f"{self.task}: label {label}")
+        return [str(path), str(page)]
+
+
+def pixel_tokens(images: Tensor) -> Tensor:
+    """Images in ``[0, 1]`` as 8-bit pixel tokens in raster order.
+
+    Shape:
+        ``(N, 1, R, R)`` float -> ``(N, R * R)`` uint8.
+    """
+    return (images.flatten(1) * 255).round().clamp(0, 255).to(torch.uint8)  # (N, R * R)
+
+
 def _page(model: nn.Module, inputs: tuple, path: Path, labels: list[str], title: str) -> Path:
     """The viewer page of one example: every attention layer and head of ``model(*inputs)``."""
     from ..viz.html import html
@@ -241,7 +342,7 @@ def _page(model: nn.Module, inputs: tuple, path: Path, labels: list[str], title:
 
 
 RECIPES = {"reverse": Seq2SeqRecipe, "copy": Seq2SeqRecipe, "sort": Seq2SeqRecipe,
-           "listops": ClassifierRecipe, "digits": ViTRecipe}
+           "listops": ClassifierRecipe, "digits": ViTRecipe, "pathfinder": PixelRecipe}
 
 
 def make_recipe(task: str, **kwargs) -> _Recipe:
