@@ -265,12 +265,13 @@ class _Spy:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        real = qkv_hf.scaled_dot_product_attention
+        from qkv.integrations.transformers import attention as hf_attention
+        real = hf_attention.scaled_dot_product_attention
 
         def spy(*args, **kwargs):
             self.calls.append(kwargs)
             return real(*args, **kwargs)
-        monkeypatch.setattr(qkv_hf, "scaled_dot_product_attention", spy)
+        monkeypatch.setattr(hf_attention, "scaled_dot_product_attention", spy)
 
 
 def test_sliding_window_is_a_window_mask_not_a_dense_one(monkeypatch):
@@ -320,10 +321,13 @@ def test_from_config_and_unknown_features():
     model = transformers.LlamaForCausalLM._from_config(_llama().config, attn_implementation="qkv")
     assert model.config._attn_implementation == "qkv"
     q = torch.randn(1, 2, 3, 8)
-    for arg in ("block_indices", "indices"):  # never dropped: dense attention is wrong there
-        with pytest.raises(NotImplementedError, match=arg):
-            qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
-                                     **{arg: torch.zeros(1, 2, 3, 1, dtype=torch.long)})
+    # never dropped: dense attention is wrong there (tests/test_hf_sparse_selection.py)
+    with pytest.raises(ValueError, match="block_indices= needs the key block size"):
+        qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
+                                 block_indices=torch.zeros(1, 2, 3, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"indices= must be \(B, T, k\)"):
+        qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
+                                 indices=torch.zeros(1, 2, 3, 1, dtype=torch.long))
     with pytest.raises(TypeError, match="attention_mask of type"):
         qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, "causal")
 
@@ -353,7 +357,7 @@ def test_every_mask_function_equals_transformers_dense_mask(fn, offsets):
         args.update(q_length=T, q_offset=q_off)
     want = mu.sdpa_mask(**args, allow_is_causal_skip=False)  # (B, 1, T, S)
     hf = qkv_hf.build_mask(**args)
-    keep, mask_mod, causal = qkv_hf._mask_args(None, hf, T, S, None, None)
+    keep, mask_mod, causal = qkv_hf.masks._mask_args(None, hf, T, S, None, None)
     got = torch.ones(2, 1, T, S, dtype=torch.bool) & keep
     if causal:
         got &= qkv.masks.to_dense(qkv.masks.causal(), 2, 1, T, S)
@@ -484,12 +488,12 @@ def test_every_keyword_transformers_passes_is_implemented_ignored_as_eager_or_re
             for word in re.findall(r"\b([a-z_][a-z_0-9]*)\s*=(?!=)", text[match.end():end - 1]):
                 seen.setdefault(word, path.parent.name)
     known = (qkv_hf.KEYWORDS_IMPLEMENTED | qkv_hf.KEYWORDS_IGNORED_AS_EAGER
-             | set(qkv_hf._REFUSED))
+             | set(qkv_hf.attention._REFUSED))
     assert len(seen) > 10
     unknown = {w: model for w, model in seen.items() if w not in known}
     assert not unknown, f"keywords passed to the attention function with no decision: {unknown}"
     q = torch.randn(1, 2, 3, 8)
     module = torch.nn.Module()
-    for word in qkv_hf._REFUSED:
+    for word in qkv_hf.attention._REFUSED:
         with pytest.raises(NotImplementedError, match=word):
             qkv_hf.attention_forward(module, q, q, q, None, **{word: torch.zeros(1)})

@@ -10,6 +10,7 @@ import torch
 import torch._dynamo.testing
 
 from qkv.integrations import transformers as qkv_hf
+from qkv.integrations.transformers import attention as hf_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +35,7 @@ def test_indices_keep_exactly_the_listed_keys_for_every_head():
     idx = torch.stack([torch.randperm(S, generator=gen)[:k] for _ in range(B * T)]).view(B, T, k)
     idx[0, 1, 2] = -1  # an empty slot keeps nothing
     q = torch.randn(B, H, T, 4, generator=gen)
-    keep = qkv_hf._selected_keys(_module(), q, S, {"indices": idx.int()})
+    keep = hf_attention._selected_keys(_module(), q, S, {"indices": idx.int()})
     assert keep.shape == (B, 1, T, S)
     for b in range(B):
         for t in range(T):
@@ -47,7 +48,7 @@ def test_block_indices_keep_whole_blocks_per_indexer_head_group():
     blocks = torch.tensor([[[[0, -1], [2, 1], [-1, -1]],
                             [[1, 2], [0, -1], [2, -1]]]])  # (B, H_idx, T, k)
     q = torch.randn(B, H, T, 4)
-    keep = qkv_hf._selected_keys(_module(size), q, S, {"block_indices": blocks})
+    keep = hf_attention._selected_keys(_module(size), q, S, {"block_indices": blocks})
     assert keep.shape == (B, H, T, S)
     keys = {0: range(0, 4), 1: range(4, 8), 2: range(8, 10)}
     for h in range(H):
@@ -143,7 +144,7 @@ def test_sparse_models_equal_eager_logits_weights_and_gradients(name, side, monk
     for n in eager[2]:  # an absolute floor: some true gradients are ~0
         torch.testing.assert_close(mine[2][n], eager[2][n], atol=1e-4, rtol=1e-3, msg=n)
     # The selection matters here: without it the same model gives other logits.
-    monkeypatch.setattr(qkv_hf, "_selected_keys", lambda *a, **k: None)
+    monkeypatch.setattr(hf_attention, "_selected_keys", lambda *a, **k: None)
     dense = _run(model, ids, pad, "qkv")[0]
     assert (dense[real] - eager[0][real]).abs().max() > 1e-3
 
@@ -167,13 +168,13 @@ def test_sparse_models_generate_eagers_tokens(name):
 def test_qkv_sdpa_is_used_for_the_selected_keys(monkeypatch):
     """The selection reaches qkv's attention as a mask, not through an eager fallback."""
     seen = []
-    real = qkv_hf.scaled_dot_product_attention
+    real = hf_attention.scaled_dot_product_attention
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("attn_mask"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(qkv_hf, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(hf_attention, "scaled_dot_product_attention", spy)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_deepseek_v32()).eval()
     model.set_attn_implementation("qkv")

@@ -1,0 +1,96 @@
+"""Hugging Face transformers on qkv: ``attn_implementation="qkv"``.
+
+::
+
+    import qkv.integrations.transformers as qkv_hf
+    qkv_hf.register()                                   # once per process
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="qkv")
+    model.set_attn_implementation("qkv")                # or switch a loaded model
+    out = model(ids, attention_mask=pad, output_attentions=True)   # weights, from the lse
+
+Every transformers model that dispatches through ``AttentionInterface`` (transformers 5.x:
+Llama, Mistral, Qwen2, GPT-2, BERT, BART, T5, ViT and most others) then runs its attention on
+qkv. :func:`register` registers both halves transformers needs: the attention function and
+the mask builder (``AttentionMaskInterface``; a name registered only as an attention function
+gets ``attention_mask=None`` and silently ignores padding).
+
+What the models pass is mapped onto qkv's vocabulary, so nothing ``(T, S)``-sized is built:
+
+* causal masks (``module.is_causal``, transformers' causal mask with its KV-cache offsets) and
+  the sliding windows of Mistral/Qwen2-style models become ``qkv.masks`` windows, which the
+  tiled backend skips block by block; plain top-left causal stays ``is_causal=True`` for
+  torch's kernels;
+* padding becomes a ``(B, 1, 1, S)`` bool mask; a query row with no real key (left padding
+  under a causal mask) outputs 0, never NaN;
+* GQA (``enable_gqa``), ``scaling``, ``dropout`` in training, T5's ``position_bias`` (an
+  added float mask) and Gemma-style ``softcap`` (``qkv.masks.softcap``);
+* any other mask transformers builds (chunked, packed sequences, image-token blocks) runs as
+  a structured mask evaluated per block, exactly.
+
+The mask the models receive is an :class:`HFMaskTensor`: to model code that reads it (slices
+it, adds it to scores, asks its dtype) it is the 4-D float mask of transformers' eager path,
+formed on that first read; qkv's attention function reads its description and forms nothing.
+
+``output_attentions=True`` returns the weights ``exp(scores - lse)`` recomputed from the fast
+kernel's log-sum-exp, only when asked (transformers' own ``sdpa`` returns none).
+
+Laid out by job: :mod:`.attention` (the attention function and every keyword's decision),
+:mod:`.masks` (the mask models receive and its mapping onto qkv masks), :mod:`.tables`
+(models with their own tables of attention classes).
+
+Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
+D head dim.
+"""
+from __future__ import annotations
+
+import functools
+
+from .attention import KEYWORDS_IGNORED_AS_EAGER, KEYWORDS_IMPLEMENTED, attention_forward
+from .masks import HFMask, HFMaskTensor, build_mask
+from .tables import refuse_in_own_tables
+
+__all__ = ["register", "attention_forward", "build_mask", "HFMask", "HFMaskTensor",
+           "SUPPORTED_VERSIONS", "KEYWORDS_IMPLEMENTED", "KEYWORDS_IGNORED_AS_EAGER"]
+
+# transformers >= 5.3, < 6 (tested: 5.3.0 and 5.23.0). 5.3 is the first whose models report
+# output_attentions to the attention function (through its output recorder).
+SUPPORTED_VERSIONS = ((5, 3), (6, 0))
+
+
+def register(name: str = "qkv", *, backend: str = "auto") -> str:
+    """Make ``attn_implementation=name`` run transformers models on qkv.
+
+    Registers :func:`attention_forward` in transformers' ``AttentionInterface`` and
+    :func:`build_mask` in its ``AttentionMaskInterface`` under ``name``. Calling it again
+    re-registers (e.g. with another ``backend``).
+
+    Args:
+        name: The attention implementation's name.
+        backend: The qkv backend the calls use (``"auto"``, ``"tiled"``, ``"torch"``,
+            ``"reference"``).
+
+    Returns:
+        ``name``, to pass as ``attn_implementation``.
+    """
+    tf = _import_transformers()
+    from transformers.masking_utils import AttentionMaskInterface
+
+    tf.AttentionInterface.register(name, functools.partial(attention_forward, backend=backend))
+    AttentionMaskInterface.register(name, build_mask)
+    refuse_in_own_tables(name)
+    return name
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("qkv.integrations.transformers needs transformers 5.x: "
+                          "pip install 'qkv[hf]'") from e
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    low, high = SUPPORTED_VERSIONS
+    if not low <= version < high:
+        raise ImportError(f"qkv.integrations.transformers supports transformers "
+                          f">={'.'.join(map(str, low))},<{high[0]}, found "
+                          f"{transformers.__version__}: pip install 'qkv[hf]'")
+    return transformers
