@@ -25,6 +25,9 @@ def _argv(command: str, tmp_path) -> list[str]:
                          "--tokens-per-block", "2", *fast],
         "train": ["train", "reverse", "--steps", "2", "--batch-size", "4", "--quiet",
                   "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")],
+        "lra": ["lra", "--variant", "tiny", "--tasks", "pathfinder", "--attention", "local",
+                "--steps", "2", "--quiet", "--cache-dir", str(tmp_path / "cache"), "--out",
+                str(tmp_path / "lra")],
         "view": ["view", str(_saved_capture(tmp_path / "capture.pt")), "--out",
                  str(tmp_path / "page.html")],
     }[command]
@@ -45,7 +48,7 @@ def _saved_capture(path):
     return path
 
 
-COMMANDS = ["seeds", "explain", "bench", "bench-decode", "train", "view"]
+COMMANDS = ["seeds", "explain", "bench", "bench-decode", "train", "lra", "view"]
 
 
 @pytest.fixture
