@@ -167,6 +167,10 @@ def test_bounded_rows_and_cross_attention_refused():
         rollout(random_maps(1, 1, 1, 3), residual=1.5)
     with pytest.raises(ValueError, match="per_head"):
         rollout(random_maps(1, 1, 2, 3) + random_maps(1, 1, 3, 3), heads="per_head")
+    with pytest.raises(ValueError, match="positions"):
+        flow(random_maps(1, 1, 1, 3), positions=[3])
+    with pytest.raises(ValueError, match="solver"):
+        flow(random_maps(1, 1, 1, 3), solver="lp")
 
 
 # --- flow ----------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ Shape alphabet: B batch, H heads, T query length, S key length; nb, nh, nr kept.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -101,7 +101,7 @@ def induction_input(vocab_size: int, period: int, *, batch: int = 1, repeats: in
     return InductionInput(tokens.to(device), period, int(bos is not None), repeats)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class HeadScores:
     """Scores of each recorded (layer, head): a small table.
 
@@ -123,7 +123,7 @@ class HeadScores:
     keys: tuple[tuple[int, int], ...]
     sites: tuple[str, ...]
     values: Tensor
-    rows: dict[tuple[int, str], Tensor] = field(repr=False)
+    rows: dict[tuple[int, str], Tensor]
     skipped: dict[int, str]
     window: int
 
@@ -175,6 +175,9 @@ class HeadScores:
         if name not in self.names:
             raise KeyError(f"no score {name!r}; the scores are {', '.join(self.names)}")
         return self.names.index(name)
+
+    def __repr__(self) -> str:
+        return f"HeadScores({len(self.keys)} heads x {len(self.names)} scores)\n{self}"
 
     def __str__(self) -> str:
         head = f"{'layer':>5} {'head':>4}  " + " ".join(f"{n:>14}" for n in self.names)
