@@ -10,9 +10,10 @@ the same weights, eager and qkv then run, in float32:
 - ``left`` / ``right``: a batch padded on that side (token models): the first output equal at
   real positions, max |diff| <= 1e-4;
 - ``weights``: ``output_attentions=True``, every attention map equal at real query rows;
-- ``backward``: the sum of squares of that output at real positions, every parameter's
-  gradient equal within 2e-4 + 2e-3 * max|eager's| (an absolute floor: key biases have a
-  true gradient of ~0);
+- ``backward``: a fixed random projection of that output at real positions, every parameter's
+  gradient equal within 2e-4 + 2e-3 * max|eager's| + 1e-6 * the largest gradient of the
+  model (absolute floors: key biases have a true gradient of ~0, and float32 rounding at the
+  largest gradients reaches the others);
 - ``generate``: for types with a causal-LM head, 6 greedy tokens from an unpadded batch.
 
 Each type is classified ``pass``, ``diff`` (qkv runs, a check differs: which and by how much),
@@ -24,6 +25,9 @@ some models make in their forward (vits' durations, vit_mae's patch masks) are s
 
 Usage:
     python benchmarks/hf_sweep.py [--out benchmarks/results/hf_sweep.json] [--only llama gpt2]
+
+With ``--only``, the types named are rerun and their entries in ``--out`` replaced; the rest
+of the recorded sweep stays.
 """
 from __future__ import annotations
 
@@ -132,19 +136,47 @@ def causal_lm_class(cfg):
     return AutoModelForCausalLM._model_mapping.get(type(cfg), None)
 
 
-def inputs(model, cfg, side: str) -> tuple[dict, torch.Tensor | None] | str:
+def _vocab(cfg) -> int | None:
+    """The token vocabulary's size: the config's, else its text config's."""
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        v = getattr(c, "vocab_size", None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 3:
+            return v
+    return None
+
+
+def _image(cfg, gen) -> torch.Tensor | str:
+    """A batch of 2 random images of the config's (or its vision config's) size."""
+    vision = getattr(cfg, "vision_config", None) or cfg
+    size = getattr(vision, "image_size", 32)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    channels = getattr(vision, "num_channels", 3)
+    if not isinstance(size, int) or not isinstance(channels, int):
+        return "no integer image_size/num_channels to draw an image from"
+    return torch.randn(2, channels, size, size, generator=gen)
+
+
+def inputs(model, cfg, side: str, pixels: bool = False) -> tuple[dict, torch.Tensor | None] | str:
     """``(kwargs, real)`` for the model's forward, ``real`` the (B, T) bool of real tokens
-    (None: no padding), or a reason string when the sweep does not generate its input kind."""
+    (None: no padding), or a reason string when the sweep does not generate its input kind.
+    ``pixels``: images beside the token ids (CLIP-like models take both)."""
     params = inspect.signature(model.forward).parameters
     gen = torch.Generator().manual_seed(1)
-    if "input_ids" in params and isinstance(getattr(cfg, "vocab_size", None), int):
-        ids = torch.randint(3, min(90, cfg.vocab_size), (2, T), generator=gen)
+    vocab = _vocab(cfg)
+    if "input_ids" in params and vocab:
+        extra = {}
+        if pixels:
+            image = _image(cfg, gen)
+            if isinstance(image, str):
+                return image
+            extra["pixel_values"] = image
+        ids = torch.randint(3, min(90, vocab), (2, T), generator=gen)
         pad = torch.ones(2, T, dtype=torch.long)
         if side == "left":
             pad[1, :3] = 0
         elif side == "right":
             pad[1, -3:] = 0
-        kw = {"input_ids": ids, "attention_mask": pad}
+        kw = {"input_ids": ids, "attention_mask": pad, **extra}
         if "decoder_input_ids" in params:
             kw["decoder_input_ids"] = ids[:, :6]
             return kw, None  # the decoder's rows are all real; the encoder is padded
@@ -152,15 +184,11 @@ def inputs(model, cfg, side: str) -> tuple[dict, torch.Tensor | None] | str:
     if side != "none":
         return "padding applies to token ids only"
     kw = {}
-    if "decoder_input_ids" in params and isinstance(getattr(cfg, "vocab_size", None), int):
-        kw["decoder_input_ids"] = torch.randint(3, min(90, cfg.vocab_size), (2, 4), generator=gen)
+    if "decoder_input_ids" in params and vocab:
+        kw["decoder_input_ids"] = torch.randint(3, min(90, vocab), (2, 4), generator=gen)
     if "pixel_values" in params:
-        size = getattr(cfg, "image_size", 32)
-        size = size[0] if isinstance(size, (list, tuple)) else size
-        channels = getattr(cfg, "num_channels", 3)
-        if not isinstance(size, int) or not isinstance(channels, int):
-            return "no integer image_size/num_channels to draw an image from"
-        return {**kw, "pixel_values": torch.randn(2, channels, size, size, generator=gen)}, None
+        image = _image(cfg, gen)
+        return image if isinstance(image, str) else ({**kw, "pixel_values": image}, None)
     if "input_features" in params and isinstance(getattr(cfg, "num_mel_bins", None), int):
         frames = 2 * getattr(cfg, "max_source_positions", 32)
         return {**kw, "input_features": torch.randn(2, cfg.num_mel_bins, frames,
@@ -199,9 +227,11 @@ def _run(model, impl: str, kw: dict, real, *, weights: bool, backward: bool) -> 
     with torch.set_grad_enabled(backward):
         res = model(**kw, output_attentions=True) if weights else model(**kw)
         out = _first(res).float()
-        if backward:
-            sel = out[real] if real is not None and out.shape[:2] == real.shape else out
-            sel.square().sum().backward()
+        if backward:  # a fixed random projection: a sum of squares of a LayerNorm's output
+            # is nearly constant, and its gradients would be rounding noise
+            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+            part = real if real is not None and out.shape[:2] == real.shape else ...
+            (out[part] * w[part]).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None} if backward else {}
     return {"out": out.detach(), "maps": [a.detach().float() for a in _maps(res)] if weights else [],
@@ -237,9 +267,11 @@ def compare(eager: dict, mine: dict, real, check: str) -> tuple[float, str] | No
     if check == "backward":
         if mine["grads"].keys() != eager["grads"].keys():
             return float("inf"), "different parameters got gradients"
+        top = max((g.abs().max().item() for g in eager["grads"].values() if g.numel()),
+                  default=0.0)  # float32 rounding at the largest gradients reaches the rest
         for name, g in eager["grads"].items():
             d = (mine["grads"][name] - g).abs().max().item() if g.numel() else 0.0
-            if d > 2e-4 + 2e-3 * g.abs().max().item():
+            if d > 2e-4 + 2e-3 * g.abs().max().item() + 1e-6 * top:
                 return d, f"gradient of {name}"
         return None
     raise ValueError(check)
@@ -262,31 +294,28 @@ def one(model_type: str, checks=("left", "right", "weights", "backward", "genera
     tokens = not isinstance(inputs(model, cfg, "left"), str)
     plan = ([("left", "left"), ("right", "right"), ("weights", "left"), ("backward", "left")]
             if tokens else [("none", "none"), ("weights", "none"), ("backward", "none")])
+    # CLIP-like models take images beside the ids: tried when eager fails on ids alone
+    pixels, may_add_pixels = False, tokens and "pixel_values" in inspect.signature(
+        model.forward).parameters
     for check, side in plan:
         if check not in checks and not (check == "none" and "left" in checks):
             continue
-        got = inputs(model, cfg, side)
-        if isinstance(got, str):
-            return {"status": "skipped", "reason": f"input: {got}"}
-        kw, real = got
-        runs = {}
-        for impl in ("eager", "qkv"):
-            try:
-                runs[impl] = _run(model, impl, kw, real, weights=check == "weights",
-                                  backward=check == "backward")
-            except NotImplementedError as e:
-                if impl == "eager":
-                    return {"status": "skipped", "reason": f"eager ({check}): {_what(e)}"}
-                return {"status": "refused", "reason": f"{check}: {_what(e)}", "done": done}
-            except Exception as e:  # noqa: BLE001
-                if impl == "eager":
-                    if done:  # eager cannot do this check (no weights, no backward): skip it
-                        runs = None
-                        break
-                    return {"status": "skipped", "reason": f"eager ({check}): {_what(e)}"}
-                return {"status": "fail", "reason": f"{check}: {_what(e)}", "done": done}
-        if runs is None:
-            continue
+        while True:
+            got = inputs(model, cfg, side, pixels)
+            if isinstance(got, str):
+                return {"status": "skipped", "reason": f"input: {got}"}
+            kw, real = got
+            runs = _both(model, kw, real, check)
+            if isinstance(runs, str) and not done and may_add_pixels and not pixels:
+                pixels = True
+                continue
+            break
+        if isinstance(runs, dict) and "status" in runs:
+            return {**runs, "done": done}
+        if isinstance(runs, str):
+            if done:  # eager cannot do this check (no weights, no backward): skip it
+                continue
+            return {"status": "skipped", "reason": f"eager ({check}): {runs}"}
         if check == "weights" and not runs["eager"]["maps"]:
             continue  # the model reports no attention maps
         bad = compare(runs["eager"], runs["qkv"], real, check)
@@ -310,6 +339,21 @@ def one(model_type: str, checks=("left", "right", "weights", "backward", "genera
     if diffs:
         return {"status": "diff", "diffs": diffs, "done": done}
     return {"status": "pass", "done": done}
+
+
+def _both(model, kw, real, check) -> dict | str:
+    """Eager's and qkv's runs, or eager's error (a str), or a ``status`` dict when qkv raised."""
+    runs = {}
+    for impl in ("eager", "qkv"):
+        try:
+            runs[impl] = _run(model, impl, kw, real, weights=check == "weights",
+                              backward=check == "backward")
+        except Exception as e:  # noqa: BLE001
+            if impl == "eager":
+                return _what(e)
+            status = "refused" if isinstance(e, NotImplementedError) else "fail"
+            return {"status": status, "reason": f"{check}: {_what(e)}"}
+    return runs
 
 
 def _sdpa_equal(model, kw, real, check, runs) -> bool:
@@ -352,12 +396,12 @@ def _generate(lm, cfg):
             "qkv": tokens["qkv"][:, 8:].tolist()}
 
 
-class _Timeout(Exception):
+class _Timeout(BaseException):  # not an Exception: the checks' handlers must not take it
     pass
 
 
 def _alarm(signum, frame):
-    raise _Timeout("took over 90 s")
+    raise _Timeout("took over 60 s")
 
 
 def main(argv=None) -> int:
@@ -374,9 +418,11 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     types = args.only or sorted(CONFIG_MAPPING.keys())
     results, started, counts = {}, time.time(), {}
+    if args.only and args.out.exists():  # a partial rerun updates the recorded sweep
+        results = json.loads(args.out.read_text())["results"]
     signal.signal(signal.SIGALRM, _alarm)
     for i, model_type in enumerate(types):
-        signal.alarm(90)
+        signal.alarm(60)
         t0 = time.time()
         try:
             results[model_type] = one(model_type)
