@@ -19,8 +19,14 @@ Variants (:data:`VARIANTS`):
 * ``cpu``: the whole table (2 tasks x 4 kinds) in about an hour on 2 cores. ListOps: the
   ``cpu`` lengths 100-500 and ``qkv train listops``'s defaults (5,000 / 500 examples, C=64,
   4 heads, 2 layers, 2,000 steps of 32). Pathfinder-32 ``easy``: 10,000 / 1,000 images,
-  1,024 pixel tokens, C=32, 2 heads, 1 layer, MLP 64, 600 steps of 32 (measured: 7 min a
-  cell for exact attention on 2 cores). See benchmarks/RESULTS.md for what each kind reaches.
+  1,024 pixel tokens, C=32, 2 heads, 1 layer, MLP 64, 600 steps of 32, lr 2e-3. Measured
+  on the 2-core box (shared with another job): the exact cell takes 356 s (training 1.7
+  steps/s, evaluation, pictures); a step of linear takes about 1.1x exact's, Performer 1.8x,
+  local (window 32) 0.35x; the ListOps cells took 261-483 s (benchmarks/RESULTS.md), so the
+  table takes about 50 minutes. In that measurement exact attention stayed at chance on
+  Pathfinder (50.0%, the loss flat at 0.693 over 19,200 examples): pixel-sequence models
+  learn Pathfinder late (LRA trains 200 epochs of 160,000 images), and 2 cores give a cell
+  about 2 epochs of 10,000 images. The CPU table shows where the kinds start, not LRA's ends.
 * ``lra``: LRA's released configurations, for a GPU (``device="cuda"``). ListOps: the full
   500-2000 lengths, 96,000 / 2,000 examples, 4 layers, 8 heads, C=512, MLP 1024, 5,000 steps
   of 32, lr 0.05, rsqrt after 1,000 warm-up steps, weight decay 0.1 (``qkv train listops

@@ -304,7 +304,7 @@ class PixelRecipe(ClassifierRecipe):
         probs = maps.encoder[-1].probs[0].float().cpu()  # (H, R * R, R * R)
         received = probs.mean(1).view(-1, R, R)  # (H, R, R)
         H = received.shape[0]
-        fig = Figure(figsize=(2.6 * (H + 1), 2.9))
+        fig = Figure(figsize=(2.6 * (H + 1), 3.2))
         axes = fig.subplots(1, H + 1, squeeze=False)[0]
         panels = [(image, f"input (label {label}, predicted {int(logits.argmax())})", "gray")]
         panels += [(received[h], f"last layer, head {h + 1}:\nattention received", "viridis")
