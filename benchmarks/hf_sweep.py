@@ -18,6 +18,7 @@ the same weights, eager and qkv then run, in float32:
 
 Each type is classified ``pass``, ``diff`` (qkv runs, a check differs: which and by how much),
 ``sdpa-equal`` (every difference from eager is one transformers' sdpa shares: qkv equals sdpa),
+``not-dispatched`` (its attention never reached qkv: it does not use the AttentionInterface),
 ``fail`` (eager runs, qkv raises), ``refused`` (qkv raised a NotImplementedError naming what
 it does not do) or ``skipped`` (the tiny model cannot be built, or eager itself fails, or its
 input kind is not generated here: the reason is kept; not qkv's to answer). The random draws
@@ -32,6 +33,7 @@ of the recorded sweep stays.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import json
@@ -218,8 +220,29 @@ def _maps(res) -> list[torch.Tensor]:
     return maps
 
 
+_CALLS = [0]  # qkv attention calls so far (a "pass" where qkv never ran would mean nothing)
+
+
+@contextlib.contextmanager
+def counting_qkv_calls():
+    """Counts the calls transformers makes into qkv's attention while inside."""
+    from qkv.integrations.transformers import attention as hf_attention
+    real = hf_attention.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        _CALLS[0] += 1
+        return real(*args, **kwargs)
+
+    hf_attention.scaled_dot_product_attention = counted
+    try:
+        yield
+    finally:
+        hf_attention.scaled_dot_product_attention = real
+
+
 def _run(model, impl: str, kw: dict, real, *, weights: bool, backward: bool) -> dict:
     model.set_attn_implementation(impl)
+    before = _CALLS[0]
     model.zero_grad(set_to_none=True)
     if "use_cache" in inspect.signature(model.forward).parameters:
         kw = {**kw, "use_cache": False}  # the forward checks need no cache (some fail with one)
@@ -235,7 +258,7 @@ def _run(model, impl: str, kw: dict, real, *, weights: bool, backward: bool) -> 
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None} if backward else {}
     return {"out": out.detach(), "maps": [a.detach().float() for a in _maps(res)] if weights else [],
-            "grads": grads}
+            "grads": grads, "qkv_calls": _CALLS[0] - before}
 
 
 def _rows(x: torch.Tensor, real) -> torch.Tensor:
@@ -283,6 +306,11 @@ def _what(e: Exception) -> str:
 
 def one(model_type: str, checks=("left", "right", "weights", "backward", "generate")) -> dict:
     """The sweep for one model type (see the module's docstring)."""
+    with counting_qkv_calls():
+        return _one(model_type, checks)
+
+
+def _one(model_type: str, checks) -> dict:
     try:
         cfg = tiny_config(model_type)
         cls = model_class(cfg)
@@ -318,6 +346,8 @@ def one(model_type: str, checks=("left", "right", "weights", "backward", "genera
             return {"status": "skipped", "reason": f"eager ({check}): {runs}"}
         if check == "weights" and not runs["eager"]["maps"]:
             continue  # the model reports no attention maps
+        if not done and not runs["qkv"]["qkv_calls"]:
+            return _not_dispatched(cls, cfg)
         bad = compare(runs["eager"], runs["qkv"], real, check)
         if bad is not None:
             diffs[check] = {"max_diff": bad[0], "what": bad[1],
@@ -339,6 +369,19 @@ def one(model_type: str, checks=("left", "right", "weights", "backward", "genera
     if diffs:
         return {"status": "diff", "diffs": diffs, "done": done}
     return {"status": "pass", "done": done}
+
+
+def _not_dispatched(cls, cfg) -> dict:
+    """The model ran with "qkv" but never called qkv's attention: built with "qkv" from the
+    start, it is refused (its own attention tables) or it does not use the interface."""
+    try:
+        cls._from_config(cfg, attn_implementation="qkv")
+    except NotImplementedError as e:
+        return {"status": "refused", "reason": f"build: {_what(e)}"}
+    except Exception as e:  # noqa: BLE001
+        return {"status": "not-dispatched", "reason": f"built with 'qkv': {_what(e)}"}
+    return {"status": "not-dispatched",
+            "reason": "its attention does not go through transformers' AttentionInterface"}
 
 
 def _both(model, kw, real, check) -> dict | str:
