@@ -452,7 +452,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "hf_sweep.json")
     parser.add_argument("--only", nargs="*")
+    parser.add_argument("--memory-gib", type=float, default=12.0,
+                        help="address-space cap: a model whose default config is too big to "
+                             "build tiny fails its allocation (skipped) instead of waking the "
+                             "OOM killer (default 12)")
     args = parser.parse_args(argv)
+    import resource
+    cap = int(args.memory_gib * 2**30)
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard < 0 else min(cap, hard), hard))
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
