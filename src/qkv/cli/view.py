@@ -14,6 +14,21 @@ Thin: finds what to show, captures it with :func:`qkv.capture` and writes the pa
 
 ``--layers``, ``--heads`` and ``--rows`` bound a new capture (``0,3``, ``8000:8016``, ``-1``;
 layers also by module name): a long text's full weights are ``layers x heads x T x T``.
+
+What the page adds (:mod:`qkv.analysis`, imported only when asked for):
+
+* ``--scores``: the Head scores tab, :func:`qkv.analysis.head_scores` of the capture (every
+  head sorted and highlighted by a chosen score, with the rows each score used);
+  ``--induction-period N`` scores induction on an input that repeats every N tokens.
+* ``--rollout``: :func:`qkv.analysis.rollout` as one more layer entry (its matrix) and the
+  Saliency tab (one output position's share from each input token). It needs every query
+  row of every self-attention layer (no ``--rows``).
+* ``--flow POS``: :func:`qkv.analysis.flow` of one output position (``-1`` the last): one max
+  flow per input token (scipy's when installed, else networkx's: seconds at a few hundred
+  tokens, minutes beyond), shown beside the rollout.
+* ``--against B.pt``: a second saved capture of the same architecture and input length: the
+  page shows ``SOURCE - B`` per head on a signed colour scale and ranks the heads by how much
+  they changed (mean ``|difference|``).
 """
 from __future__ import annotations
 
@@ -53,6 +68,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heads", metavar="LIST", help="query heads to capture (0,3 or 0:4)")
     p.add_argument("--rows", metavar="LIST",
                    help="query rows to capture (8000:8016, or -1 for the last)")
+    p.add_argument("--scores", action="store_true",
+                   help="add the Head scores tab: every head scored (previous-token, self, "
+                   "first-token, local, entropy, induction), sorted by a chosen score")
+    p.add_argument("--induction-period", metavar="N",
+                   help="with --scores: the input repeats every N tokens from position 0 "
+                   "(qkv.analysis.induction_input); scores induction")
+    p.add_argument("--rollout", action="store_true",
+                   help="add attention rollout over all layers, as a matrix and as token "
+                   "saliency per output position (needs every query row: no --rows)")
+    p.add_argument("--flow", metavar="POS",
+                   help="add attention flow into one output position (-1: the last); one max "
+                   "flow per input token, slow beyond a few hundred tokens")
+    p.add_argument("--against", metavar="B.pt",
+                   help="a second saved capture of the same architecture: show the difference "
+                   "SOURCE - B.pt per head and rank the heads by how much they changed")
     p.add_argument("--title", help="the page's title (default: what it shows)")
     p.add_argument("--cache-dir", default=None,
                    help="for a run folder: where its task's data is cached (as qkv train's)")
@@ -66,6 +96,13 @@ def run_view(args: argparse.Namespace) -> int:
     source = Path(args.source)
     bounds = dict(layers=parse_index(args.layers, "--layers", names=True),
                   heads=parse_index(args.heads, "--heads"), rows=parse_index(args.rows, "--rows"))
+    extras = _extras_asked(args)
+    if args.against is not None and not source.is_file():
+        raise ValueError(f"--against compares two saved captures: {source} is not a file; "
+                         f"save both with Captured.save and pass the first as SOURCE")
+    if args.against is not None and not Path(args.against).is_file():
+        raise ValueError(f"--against {args.against} does not exist: give a second saved "
+                         f"capture (.pt)")
     if source.is_file():
         _refuse(args, ("--input", "--text", "--layers", "--heads", "--rows", "--cache-dir"),
                 "a saved capture is shown as it was saved")
@@ -88,16 +125,105 @@ def run_view(args: argparse.Namespace) -> int:
     else:
         raise ValueError(f"{source} does not exist: give a saved capture (.pt), a qkv train "
                          f"run folder or a Hugging Face model folder")
+    if args.against is not None:
+        other, _, _ = _saved_capture(Path(args.against))
+        _same_architecture(obj, other, source, Path(args.against))
+        extras = dict(against=other)
+        title = f"{title} - {Path(args.against).name}"
+    else:
+        extras = _analyses(obj, extras)
     out = Path(args.out)
     with run_directory(out.parent):
-        written = _write_html(obj, out, tokens, title=args.title or title)
+        written = _write_html(obj, out, tokens, title=args.title or title, **extras)
     print(written)
     return 0
 
 
-def _write_html(obj, path: Path, tokens, *, title: str) -> Path:
+def _write_html(obj, path: Path, tokens, *, title: str, **extras) -> Path:
     from ..viz.html import html  # imported when a page is written
-    return html(obj, path, tokens, title=title)
+    return html(obj, path, tokens, title=title, **extras)
+
+
+# ---- analyses and comparison --------------------------------------------------------------
+
+
+def _extras_asked(args: argparse.Namespace) -> dict:
+    """The analyses the flags ask for, checked before anything is loaded or run."""
+    if args.induction_period is not None and not args.scores:
+        raise ValueError("--induction-period applies to the induction score: add --scores")
+    period = None if args.induction_period is None else \
+        _int(args.induction_period, "--induction-period", args.induction_period)
+    if period is not None and period < 1:
+        raise ValueError(f"--induction-period {period}: the period must be at least 1 token")
+    flow = None if args.flow is None else _int(args.flow, "--flow", args.flow)
+    asked = [f for f, on in (("--scores", args.scores), ("--rollout", args.rollout),
+                             ("--flow", flow is not None)) if on]
+    if args.against is not None and asked:
+        raise ValueError(f"--against shows differences; {' and '.join(asked)} "
+                         f"{'is' if len(asked) == 1 else 'are'} of one capture: write "
+                         f"{'it' if len(asked) == 1 else 'them'} on a page of its own")
+    return dict(scores=args.scores, period=period, rollout=args.rollout, flow=flow)
+
+
+def _analyses(cap: Captured, asked: dict) -> dict:
+    """``html``'s ``scores=``, ``rollout=`` and ``flow=`` for what ``asked`` says."""
+    if not (asked["scores"] or asked["rollout"] or asked["flow"] is not None):
+        return {}
+    from .. import analysis  # imported only when a flag asks for it
+
+    out: dict = {}
+    if asked["scores"]:
+        out["scores"] = analysis.head_scores(cap, induction=asked["period"])
+    if asked["rollout"]:
+        out["rollout"] = analysis.rollout(cap)  # (B, T, T): the page shows the first
+    if asked["flow"] is not None:
+        T = _rollout_length(cap)
+        if not -T <= asked["flow"] < T:
+            raise ValueError(f"--flow {asked['flow']}: no output position {asked['flow']} "
+                             f"among T={T} tokens; give 0..{T - 1}, or -1 for the last")
+        pos = asked["flow"] % T
+        try:
+            import scipy.sparse.csgraph  # noqa: F401  (Dinic: ~40x networkx's preflow-push)
+            solver = "scipy"
+        except ImportError:
+            solver = "networkx"
+        out["flow"] = (analysis.flow(cap, positions=[pos], solver=solver), [pos])  # (B, 1, T)
+    return out
+
+
+def _rollout_length(cap: Captured) -> int:
+    """T of the capture's first self-attention record (first call), for ``--flow``."""
+    for rec in cap.records:
+        if rec.call == 0 and rec.shape[2] == rec.shape[3]:
+            return int(rec.shape[3])
+    raise ValueError("--flow needs self-attention layers (T == S); the capture holds none")
+
+
+def _same_architecture(a: Captured, b: Captured, pa: Path, pb: Path) -> None:
+    """Raise unless ``a`` and ``b`` recorded the same sites, calls and shapes."""
+    def sites(cap: Captured) -> list[tuple]:
+        return [(r.name, int(r.layer), int(r.call)) for r in cap.records]
+
+    def show(cap: Captured) -> str:
+        return ", ".join(f"{n or '(model)'} call {c}" for n, _, c in sites(cap)[:6]) + (
+            " ..." if len(cap.records) > 6 else "")
+
+    def kept(r) -> tuple:
+        return tuple(r.shape), r.heads.tolist(), r.rows.tolist(), r.batch.tolist()
+
+    if sites(a) != sites(b):
+        raise ValueError(f"{pa} and {pb} are not captures of the same architecture: "
+                         f"{len(a.records)} records ({show(a)}) against {len(b.records)} "
+                         f"({show(b)})")
+    for ra, rb in zip(a.records, b.records):
+        if kept(ra) != kept(rb):
+            (sa, ha, _, ba), (sb, hb, _, bb) = kept(ra), kept(rb)
+            raise ValueError(f"{pa} and {pb} differ at {ra.name!r} (layer {ra.layer}): "
+                             f"(B, H, T, S) {sa} heads {ha} against {sb} heads {hb}"
+                             + ("" if (sa, ha) != (sb, hb) else
+                                f", or their kept rows or batch elements ({ba} / {bb})")
+                             + "; compare captures of the same architecture, input length "
+                             "and bounds")
 
 
 def _refuse(args: argparse.Namespace, options: tuple[str, ...], why: str) -> None:

@@ -133,11 +133,15 @@ class _Entry:
     T: int
     S: int
     steps: list[dict] = field(default_factory=list)
+    kind: str = "attention"  # "attention", "rollout", "flow" or "diff" (signed: obj - against)
+    layer: int | None = None  # the capture's layer number (head scores find their heads by it)
 
 
 def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None, *,
          title: str | None = None, steps: dict[str, Any] | None = None,
-         batch: int | None = None, call: int | str = 0, max_cells: int = 1 << 24) -> Path:
+         batch: int | None = None, call: int | str = 0, max_cells: int = 1 << 24,
+         scores: Any = None, rollout: Tensor | None = None, flow: Any = None,
+         against: Any = None) -> Path:
     """Write a self-contained HTML viewer of attention weights (see the module docstring).
 
     Args:
@@ -158,6 +162,19 @@ def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None,
             ``"all"`` for one entry per call.
         max_cells: Budget of stored cells over all heads (2 bytes each); each head gets
             ``min(2**20, max_cells // heads)``.
+        scores: A head-scores table (``qkv.analysis.head_scores(cap)``) of the capture shown:
+            the Head scores tab lists its heads sorted by a chosen score, highlights them and
+            says which query rows each score used.
+        rollout: Attention rollout ``(T, T)`` (or ``(B, T, T)``: its first element), e.g.
+            ``qkv.analysis.rollout(cap)``: one more layer entry, ``"rollout"``, and the
+            Saliency tab (a chosen output position's share from each input token).
+        flow: ``(F, positions)``: attention flow ``(P, T)`` (or ``(B, P, T)``: its first
+            element) of the output positions ``positions`` (P ints, ``qkv.analysis.flow(cap,
+            positions=...)``): one more entry, ``"flow"``, also shown as saliency.
+        against: A second input of the same kind and shapes (two captures of one
+            architecture: two inputs, or before and after fine-tuning). The page then shows
+            the signed difference ``obj - against`` of every head (a diverging colour scale)
+            and the Changes tab ranks the heads by mean and max ``|difference|``.
 
     Returns:
         The path written.
@@ -174,6 +191,12 @@ def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None,
     if isinstance(max_cells, bool) or not isinstance(max_cells, int) or max_cells < 1:
         raise ValueError(f"max_cells must be a positive int, got {max_cells!r}")
     entries = _entries(obj, batch, call)
+    if against is not None:
+        if scores is not None or rollout is not None or flow is not None:
+            raise ValueError("against= shows differences; scores=, rollout= and flow= are of "
+                             "one input: write them on a page of their own")
+        entries = _diff_entries(entries, _entries(against, batch, call))
+    entries += _analysis_entries(rollout, flow, entries)
     token_lists, labels = _tokens(tokens, entries)
     user_steps = _user_steps(steps, entries[0], labels[0], token_lists)
     if steps is not None:
@@ -186,15 +209,18 @@ def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None,
     for e, (qtok, ktok) in zip(entries, labels):
         heads = []
         for i, head in enumerate(e.heads):
-            info, payload = _encode_head(e.probs[i], budget, f"{e.label}, head {head}")
+            encode = _encode_signed if e.kind == "diff" else _encode_head
+            info, payload = encode(e.probs[i], budget, f"{e.label}, head {head}")
             info.update(head=head, blob=f"qkv-blob-{len(blobs)}")
             blobs.append(payload)
             heads.append(info)
         meta_entries.append({"label": e.label, "T": e.T, "S": e.S, "nr": len(e.rows),
                              "rows": _runs(e.rows), "qtok": qtok, "ktok": ktok,
-                             "heads": heads, "steps": e.steps})
+                             "heads": heads, "steps": e.steps, "kind": e.kind,
+                             "layer": e.layer})
     meta = {"version": 1, "title": title or "qkv attention", "tokens": token_lists,
-            "entries": meta_entries, "steps": user_steps, "budget": budget}
+            "entries": meta_entries, "steps": user_steps, "budget": budget,
+            "scores": _scores_meta(scores, entries), "changes": _changes(entries)}
     page = _page(meta, blobs)
     return _write_atomic(Path(path), page)
 
@@ -223,7 +249,10 @@ def _entries(obj: Any, batch: int | None, call: int | str) -> list[_Entry]:
     for name, x in items:
         if not isinstance(x, (Tensor, AttentionTrace)):
             raise TypeError(_WANT + f"; item {name!r} is a {type(x).__name__}")
-    return [_entry(x, str(name), batch) for name, x in items]
+    out = [_entry(x, str(name), batch) for name, x in items]
+    for i, e in enumerate(out):
+        e.layer = i
+    return out
 
 
 _WANT = ("html takes a qkv.capture result, an AttentionTrace/MultiHeadTrace, a weights tensor "
@@ -292,11 +321,122 @@ def _capture_entries(records: list, batch: int | None, call: int | str) -> list[
         T, S = (int(r.shape[2]), int(r.shape[3])) if hasattr(r, "shape") else \
             (int(max(r.rows)) + 1, int(r.probs.shape[-1]))
         entries.append(_Entry(label, r.probs[pos].detach(), [int(h) for h in r.heads],
-                              [int(i) for i in r.rows], T, S))
+                              [int(i) for i in r.rows], T, S, layer=int(r.layer)))
     if not entries:
         raise ValueError(f"every record with call={call} kept 0 query rows (rows outside "
                          f"those calls); capture other rows or pass call='all'")
     return entries
+
+
+# ---------------------------------------------------------------- differences and analyses
+
+def _shape_text(e: _Entry) -> str:
+    return (f"{e.label!r}: heads {e.heads}, {len(e.rows)} of T={e.T} query rows, S={e.S} "
+            f"keys")
+
+
+def _diff_entries(mine: list[_Entry], other: list[_Entry]) -> list[_Entry]:
+    """Each head's signed difference ``mine - other``; both must have the same layers, heads,
+    rows and lengths (one architecture, one input length)."""
+    if len(mine) != len(other):
+        raise ValueError(f"cannot compare: {len(mine)} layer entries against {len(other)}; "
+                         f"compare two captures of the same architecture")
+    out = []
+    for a, b in zip(mine, other):
+        if (a.label, a.heads, a.rows, a.T, a.S) != (b.label, b.heads, b.rows, b.T, b.S):
+            raise ValueError(f"cannot compare: {_shape_text(a)} against {_shape_text(b)}; "
+                             f"compare two captures of the same architecture, heads, rows and "
+                             f"input length")
+        d = a.probs.to("cpu", torch.float32) - b.probs.to("cpu", torch.float32)  # (nh, nr, S)
+        out.append(_Entry(a.label, d, a.heads, a.rows, a.T, a.S, kind="diff", layer=a.layer))
+    return out
+
+
+def _first(x: Tensor, dims: int, what: str) -> Tensor:
+    """``x`` with ``dims`` dims, or the first element of one more leading dim."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(x).__name__}")
+    if x.dim() == dims + 1:
+        x = x[0]
+    if x.dim() != dims:
+        raise ValueError(f"{what} must have {dims} dims (or {dims + 1} with a batch first), "
+                         f"got shape {tuple(x.shape)}")
+    return x.detach()
+
+
+def _analysis_entries(rollout: Any, flow: Any, entries: list[_Entry]) -> list[_Entry]:
+    """The rollout and flow entries (weights of outputs over input tokens, in [0, 1])."""
+    out = []
+    S = entries[0].S
+    if rollout is not None:
+        R = _first(rollout, 2, "rollout")  # (T, T)
+        if R.shape[0] != R.shape[1] or R.shape[1] != S:
+            raise ValueError(f"rollout must be (T, T) over the page's {S} tokens, got shape "
+                             f"{tuple(R.shape)}")
+        out.append(_Entry("rollout (all layers)", R[None], [0], list(range(S)), S, S,
+                          kind="rollout"))
+    if flow is not None:
+        if not (isinstance(flow, (tuple, list)) and len(flow) == 2):
+            raise TypeError("flow must be a pair (F, positions): qkv.analysis.flow's (P, T) "
+                            "result and the P output positions it was computed for")
+        F = _first(flow[0], 2, "flow[0]")  # (P, T)
+        positions = [int(p) for p in flow[1]]
+        if F.shape != (len(positions), S):
+            raise ValueError(f"flow must be (P, T) = ({len(positions)}, {S}) for "
+                             f"{len(positions)} positions over {S} tokens, got shape "
+                             f"{tuple(F.shape)}")
+        if any(not 0 <= p < S for p in positions) or len(set(positions)) != len(positions):
+            raise ValueError(f"flow positions must be distinct, in 0..{S - 1} (count negative "
+                             f"ones from the end first), got {positions}")
+        order = sorted(range(len(positions)), key=positions.__getitem__)
+        out.append(_Entry(f"flow (position{'s' * (len(order) > 1)} "
+                          f"{', '.join(str(positions[i]) for i in order)})", F[order][None],
+                          [0], [positions[i] for i in order], S, S, kind="flow"))
+    return out
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def _scores_meta(table: Any, entries: list[_Entry]) -> dict | None:
+    """A head-scores table as the page reads it: each head's scores, where its weights are
+    (entry and head position), and the query rows each score used in each layer."""
+    if table is None:
+        return None
+    if not all(hasattr(table, a) for a in ("names", "keys", "values", "rows")):
+        raise TypeError(f"scores must be a head-scores table (qkv.analysis.head_scores), got "
+                        f"{type(table).__name__}")
+    where: dict[tuple[int, int], tuple[int, int]] = {}
+    for i, e in enumerate(entries):
+        if e.kind == "attention" and e.layer is not None:
+            for hi, h in enumerate(e.heads):
+                where.setdefault((e.layer, h), (i, hi))
+    heads = []
+    for (layer, head), vals in zip(table.keys, table.values.tolist()):
+        at = where.get((int(layer), int(head)))
+        heads.append({"layer": int(layer), "head": int(head), "entry": at and at[0],
+                      "hi": at and at[1], "values": [_finite(float(v)) for v in vals]})
+    used = {}
+    for (layer, name), rows in table.rows.items():
+        used.setdefault(str(int(layer)), {})[name] = _runs([int(r) for r in rows])
+    return {"names": list(table.names), "heads": heads, "used": used,
+            "skipped": {str(k): str(v) for k, v in getattr(table, "skipped", {}).items()},
+            "window": getattr(table, "window", None)}
+
+
+def _changes(entries: list[_Entry]) -> list[dict] | None:
+    """For a difference page: each head's mean and max ``|difference|``, largest mean first."""
+    if not any(e.kind == "diff" for e in entries):
+        return None
+    out = []
+    for i, e in enumerate(entries):
+        for hi, h in enumerate(e.heads):
+            d = e.probs[hi].abs()  # (nr, S)
+            out.append({"entry": i, "hi": hi, "label": e.label, "head": h,
+                        "mean": float(d.double().mean()), "max": float(d.max())})
+    out.sort(key=lambda c: -c["mean"])
+    return out
 
 
 # ---------------------------------------------------------------- tokens and steps
@@ -457,6 +597,35 @@ def _encode_head(w: Tensor, budget: int, where: str) -> tuple[dict, str]:
     return _encode_top(w, budget, where)
 
 
+def _encode_signed(d: Tensor, budget: int, where: str) -> tuple[dict, str]:
+    """One head of signed differences ``d`` (nr, S): every cell as float32 ("s4") or float16
+    ("s2") within the budget, else the cell of largest ``|d|`` of each ``b x b`` block ("sb",
+    float16, ``b`` the smallest power of two leaving at most ``budget`` blocks)."""
+    nr, S = d.shape
+    d = d.to(device="cpu", dtype=torch.float32)  # (nr, S)
+    if not bool(torch.isfinite(d).all()):
+        raise ValueError(f"{where}: the differences hold NaN or infinity")
+    vmax = float(d.abs().max())
+    if nr * S <= budget:
+        mode = "s4" if nr * S <= budget // 16 else "s2"
+        data = d if mode == "s4" else d.half()
+        return {"mode": mode, "vmax": vmax}, base64.b64encode(_bytes(data)).decode()
+    block = 1
+    while math.ceil(nr / block) * math.ceil(S / block) > budget:
+        block *= 2
+    gr, gc = math.ceil(nr / block), math.ceil(S / block)
+    grid = torch.empty(gr, gc)  # (gr, gc) the signed cell of largest |d| in each block
+    for g0 in range(0, gr, max(1, 2048 // block)):
+        rows = d[g0 * block:(g0 + max(1, 2048 // block)) * block]  # (n, S)
+        n = math.ceil(rows.shape[0] / block)
+        padded = torch.nn.functional.pad(rows, (0, gc * block - S, 0, n * block - rows.shape[0]))
+        blocks = padded.view(n, block, gc, block).permute(0, 2, 1, 3).reshape(n, gc, -1)
+        pick = blocks.abs().argmax(-1, keepdim=True)  # (n, gc, 1)
+        grid[g0:g0 + n] = blocks.gather(-1, pick)[..., 0]
+    info = {"mode": "sb", "vmax": vmax, "block": block, "gr": gr, "gc": gc}
+    return info, base64.b64encode(_bytes(grid.half())).decode()
+
+
 def _encode_top(w: Tensor, budget: int, where: str) -> tuple[dict, str]:
     """A head too large for its budget: block maxima, each row's support and top k."""
     nr, S = w.shape
@@ -545,6 +714,16 @@ def _page(meta: dict, blobs: list[str]) -> str:
     title = escape(meta["title"])
     tab_explain = '<button id="tab-explain" type="button">Explain</button>' if explain else ""
     view_explain = '<section id="view-explain" class="view"></section>' if explain else ""
+    kinds = {e["kind"] for e in meta["entries"]}
+    if meta["scores"] is not None:
+        tab_explain += '<button id="tab-scores" type="button">Head scores</button>'
+        view_explain += _VIEW_SCORES
+    if kinds & {"rollout", "flow"}:
+        tab_explain += '<button id="tab-saliency" type="button">Saliency</button>'
+        view_explain += _VIEW_SALIENCY
+    if meta["changes"] is not None:
+        tab_explain += '<button id="tab-changes" type="button">Changes</button>'
+        view_explain += _VIEW_CHANGES
     data = "\n".join(f'<script type="application/octet-stream" id="qkv-blob-{i}">{b}</script>'
                      for i, b in enumerate(blobs))
     return _TEMPLATE.format(
@@ -552,6 +731,38 @@ def _page(meta: dict, blobs: list[str]) -> str:
         tab_explain=tab_explain, view_explain=view_explain,
         meta=_json_script(meta), data=data)
 
+
+_VIEW_SCORES = """
+<section id="view-scores" class="view">
+  <div class="controls">
+    <label>sort by <select id="score"></select></label>
+    <span class="note">a click on a head opens it in the matrix view</span>
+  </div>
+  <table id="scores-table" class="num"></table>
+  <p id="scores-rows" class="note"></p>
+</section>"""
+
+_VIEW_SALIENCY = """
+<section id="view-saliency" class="view">
+  <div class="controls">
+    <label>of <select id="saliency-of"></select></label>
+    <label>output position <select id="saliency-pos"></select></label>
+    <span id="saliency-note" class="note"></span>
+  </div>
+  <div id="saliency"></div>
+  <p id="saliency-top" class="note"></p>
+</section>"""
+
+_VIEW_CHANGES = """
+<section id="view-changes" class="view">
+  <div class="controls">
+    <label>rank by <select id="change-by">
+      <option value="mean">mean |difference|</option>
+      <option value="max">max |difference|</option></select></label>
+    <span class="note">a click on a head opens its difference in the matrix view</span>
+  </div>
+  <table id="changes-table" class="num"></table>
+</section>"""
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en">

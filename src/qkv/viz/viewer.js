@@ -48,9 +48,15 @@
       const info = entry.heads[hi];
       this.nr = entry.nr; this.S = entry.S; this.mode = info.mode; this.vmax = info.vmax;
       this.levels = [];
+      this.signed = this.mode[0] === "s"; // a difference: signed values, pooled by largest |v|
       const buf = blobBytes(info.blob).buffer, n = this.nr * this.S;
-      if (this.mode === "f4") { this.data = new Float32Array(buf, 0, n); this.L0 = 0; return; }
-      if (this.mode === "f2") { this.data = halves(buf, 0, n); this.L0 = 0; return; }
+      if (this.mode === "f4" || this.mode === "s4") { this.data = new Float32Array(buf, 0, n); this.L0 = 0; return; }
+      if (this.mode === "f2" || this.mode === "s2") { this.data = halves(buf, 0, n); this.L0 = 0; return; }
+      if (this.mode === "sb") {
+        this.block = info.block; this.L0 = Math.round(Math.log2(info.block));
+        this.levels[this.L0] = { w: info.gc, h: info.gr, a: halves(buf, 0, info.gr * info.gc) };
+        return;
+      }
       const k = info.k, nk = this.nr * k;
       this.k = k; this.block = info.block; this.L0 = Math.round(Math.log2(info.block));
       const Ix = info.ib === 4 ? Uint32Array : Uint16Array, nb = (nk + 2 * this.nr) * info.ib;
@@ -72,6 +78,17 @@
       if (l === 0 && this.data) return (this.levels[0] = { w: this.S, h: this.nr, a: this.data });
       const p = this.level(l - 1), w = Math.ceil(p.w / 2), h = Math.ceil(p.h / 2);
       const a = new Float32Array(w * h);
+      if (this.signed) { // the value of largest magnitude, its sign kept
+        for (let y = 0; y < h; y++) for (let x = 0; x < w; x++) {
+          let best = 0;
+          for (const yy of [2 * y, Math.min(2 * y + 1, p.h - 1)]) for (const xx of [2 * x, Math.min(2 * x + 1, p.w - 1)]) {
+            const v = p.a[yy * p.w + xx];
+            if (Math.abs(v) > Math.abs(best)) best = v;
+          }
+          a[y * w + x] = best;
+        }
+        return (this.levels[l] = { w, h, a });
+      }
       for (let y = 0; y < h; y++) {
         const y0 = 2 * y * p.w, y1 = 2 * y + 1 < p.h ? y0 + p.w : y0;
         for (let x = 0; x < w; x++) {
@@ -86,6 +103,10 @@
     cell(r, c) {
       if (!(r >= 0 && r < this.nr && c >= 0 && c < this.S)) return null;
       if (this.data) return { v: this.data[r * this.S + c], exact: true };
+      if (this.mode === "sb") { // only each block's value of largest |v| is stored
+        const g = this.levels[this.L0];
+        return { v: g.a[Math.floor(r / this.block) * g.w + Math.floor(c / this.block)], exact: false };
+      }
       if (c < this.span[2 * r] || c > this.span[2 * r + 1]) return { v: 0, exact: true };
       let lo = r * this.k, hi = lo + this.k - 1;
       while (lo <= hi) {
@@ -150,6 +171,29 @@
     }
   })();
   const UNKNOWN = [224, 224, 224], OUTSIDE = [246, 246, 246];
+  // Differences: blue for positive, red for negative, white at 0 (DLUT[255] is 0).
+  const DLUT = new Uint8ClampedArray(511 * 3);
+  (function () {
+    const neg = [[103, 0, 13], [203, 24, 29], [251, 106, 74], [252, 187, 161], [255, 255, 255]];
+    const pos = [[255, 255, 255], [198, 219, 239], [107, 174, 214], [33, 113, 181], [8, 48, 107]];
+    for (let i = 0; i < 511; i++) {
+      const stops = i < 255 ? neg : pos, t = (i < 255 ? i : i - 255) / 255 * (stops.length - 1);
+      const j = Math.min(Math.floor(t), stops.length - 2), f = t - j;
+      for (let ch = 0; ch < 3; ch++) DLUT[3 * i + ch] = stops[j][ch] + f * (stops[j + 1][ch] - stops[j][ch]);
+    }
+  })();
+
+  function shadeSigned(scale, vmax) { // difference -> DLUT index, 255 for 0
+    const inv = vmax > 0 ? 1 / vmax : 1;
+    return function (v) {
+      if (!(v !== 0) || !Number.isFinite(v)) return 255;
+      let t = Math.min(1, Math.abs(v) * inv);
+      if (scale === "sqrt") t = Math.sqrt(t);
+      else if (scale === "log") t = Math.max(0, (Math.log10(t) + 4) / 4);
+      const n = Math.max(1, Math.round(t * 255));
+      return v > 0 ? Math.min(510, 255 + n) : Math.max(0, 255 - n);
+    };
+  }
 
   function shade(scale, vmax) { // weight -> LUT index
     const inv = vmax > 0 ? 1 / vmax : 1;
@@ -177,7 +221,8 @@
 
   // ------------------------------------------------------------------ state
   const state = { layer: 0, head: "all", view: "head" };
-  const VIEWS = ["head", "matrix", "overview"].concat($("view-explain") ? ["explain"] : []);
+  const VIEWS = ["head", "matrix", "overview"].concat(
+    ["explain", "scores", "saliency", "changes"].filter((v) => $("view-" + v)));
   let zoom = null; // matrix view: {r0, r1, c0, c1} in cells
   let zoomKey = "";
   let thumbsFor = "";
@@ -190,6 +235,7 @@
   // ------------------------------------------------------------------ matrix drawing
   /** Paint the cells [r0, r1) x [c0, c1) of m onto an ImageData of W x H pixels. */
   function paint(m, W, H, view, scale) {
+    if (m.signed) return paintSigned(m, W, H, view, scale);
     const img = new ImageData(W, H), px = img.data;
     const sy = (view.r1 - view.r0) / H, sx = (view.c1 - view.c0) / W;
     const per = Math.min(sx, sy);
@@ -250,6 +296,31 @@
     return img;
   }
 
+  /** A difference: each pixel shows the covered value of largest |v| on the diverging scale. */
+  function paintSigned(m, W, H, view, scale) {
+    const img = new ImageData(W, H), px = img.data, idx = shadeSigned(scale, m.vmax);
+    const sy = (view.r1 - view.r0) / H, sx = (view.c1 - view.c0) / W, per = Math.min(sx, sy);
+    const l = Math.max(m.L0, per >= 2 ? Math.floor(Math.log2(per)) : 0), lev = m.level(l);
+    for (let y = 0; y < H; y++) {
+      const a = Math.floor(view.r0 + y * sy), b = Math.max(a, Math.ceil(view.r0 + (y + 1) * sy) - 1);
+      for (let x = 0; x < W; x++) {
+        const o = 4 * (y * W + x), c0 = Math.floor(view.c0 + x * sx), c1 = Math.max(c0, Math.ceil(view.c0 + (x + 1) * sx) - 1);
+        px[o + 3] = 255;
+        if (a >= m.nr || b < 0 || c0 >= m.S || c1 < 0) { px[o] = OUTSIDE[0]; px[o + 1] = OUTSIDE[1]; px[o + 2] = OUTSIDE[2]; continue; }
+        let v = 0;
+        for (let by = Math.max(a, 0) >> l; by <= Math.min(b, m.nr - 1) >> l; by++) {
+          for (let bx = Math.max(c0, 0) >> l; bx <= Math.min(c1, m.S - 1) >> l; bx++) {
+            const u = lev.a[by * lev.w + bx];
+            if (Math.abs(u) > Math.abs(v)) v = u;
+          }
+        }
+        const i = 3 * idx(v);
+        px[o] = DLUT[i]; px[o + 1] = DLUT[i + 1]; px[o + 2] = DLUT[i + 2];
+      }
+    }
+    return img;
+  }
+
   /** "top" mode zoomed in: the stored cells in view, max per pixel, into pv. */
   function scatter(m, W, H, view, sx, sy, pv) {
     const rA = Math.max(0, Math.floor(view.r0)), rB = Math.min(m.nr, Math.ceil(view.r1));
@@ -291,6 +362,16 @@
   }
 
   function legend(m) { // the colour ramp from 0 to the head's largest weight
+    if (m.signed) {
+      const stops = [];
+      for (let i = 0; i <= 510; i += 51) stops.push(`rgb(${DLUT[3 * i]},${DLUT[3 * i + 1]},${DLUT[3 * i + 2]})`);
+      const box = $("scale-legend"), ramp = document.createElement("i");
+      ramp.style.background = `linear-gradient(to right, ${stops.join(",")})`;
+      box.textContent = `−${fmt(m.vmax)}`;
+      box.appendChild(ramp);
+      box.appendChild(document.createTextNode(`+${fmt(m.vmax)} (difference; 0 white, head max |d|)`));
+      return;
+    }
     const stops = [];
     for (let i = 0; i <= 255; i += 51) stops.push(`rgb(${LUT[3 * i]},${LUT[3 * i + 1]},${LUT[3 * i + 2]})`);
     const box = $("scale-legend"), ramp = document.createElement("i");
@@ -305,14 +386,15 @@
   function writeValues(ctx, m, W, H) {
     const cw = W / (zoom.c1 - zoom.c0), ch = H / (zoom.r1 - zoom.r0);
     if (cw < 34 || ch < 14) return;
-    const vmax = m.vmax > 0 ? m.vmax : 1, scale = scaleName(), idx = shade(scale, vmax);
+    const vmax = m.vmax > 0 ? m.vmax : 1, scale = scaleName();
+    const idx = m.signed ? ((f) => (v) => Math.abs(f(v) - 255))(shadeSigned(scale, vmax)) : shade(scale, vmax);
     ctx.font = `${Math.min(12, Math.floor(ch * 0.6))}px ui-monospace, Menlo, Consolas, monospace`;
     ctx.textAlign = "center"; ctx.textBaseline = "middle";
     for (let r = Math.max(0, Math.floor(zoom.r0)); r < Math.min(m.nr, Math.ceil(zoom.r1)); r++) {
       for (let c = Math.max(0, Math.floor(zoom.c0)); c < Math.min(m.S, Math.ceil(zoom.c1)); c++) {
         const cell = m.cell(r, c);
         if (!cell.exact) continue;
-        const v = cell.v, text = v === 0 ? "0" : v < 0.005 ? v.toExponential(0) : v.toFixed(2);
+        const v = cell.v, text = v === 0 ? "0" : Math.abs(v) < 0.005 ? v.toExponential(0) : v.toFixed(2);
         ctx.fillStyle = idx(v) > 150 ? "#fff" : "#1d2433";
         ctx.fillText(text, (c + 0.5 - zoom.c0) * cw, (r + 0.5 - zoom.r0) * ch);
       }
@@ -385,12 +467,14 @@
     const tip = $("tooltip"), at = cellAt(ev.clientX, ev.clientY);
     if (!at) { tip.style.display = "none"; return; }
     const e = entry(), hi = shownHead(), c = mat(state.layer, hi).cell(posOf(e, at.q), at.k);
-    tip.textContent = `q=${at.q} k=${at.k} w${c.exact ? "=" : "≤"}${fmt(c.v)}`;
+    const m = mat(state.layer, hi), sym = m.signed ? (c.exact ? "d=" : "d≈") : (c.exact ? "w=" : "w≤");
+    tip.textContent = `q=${at.q} k=${at.k} ${sym}${fmt(c.v)}`;
     tip.style.display = "block";
     tip.style.left = (ev.clientX + 14) + "px"; tip.style.top = (ev.clientY + 14) + "px";
     const r = posOf(e, at.q);
     $("cell-info").textContent = `query ${at.q} “${clip(qLabel(e, r), 40)}” → key ${at.k} “${clip(kLabel(e, at.k), 40)}”, ` +
-      `head ${e.heads[hi].head}: ${c.exact ? "w = " + fmt(c.v) : "not stored, w ≤ " + fmt(c.v)} (${PRECISION[e.heads[hi].mode]})`;
+      `head ${e.heads[hi].head}: ${m.signed ? (c.exact ? "difference = " : "largest |difference| of its block = ") + fmt(c.v)
+        : c.exact ? "w = " + fmt(c.v) : "not stored, w ≤ " + fmt(c.v)} (${PRECISION[e.heads[hi].mode]})`;
   }
 
   function setZoom(r0, r1, c0, c1) {
@@ -470,6 +554,11 @@
     canvas.height = TOP * 2 + Math.max(nq, nk) * ROW;
     const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height;
     ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, W, H);
+    if (e.kind === "diff") {
+      $("legend").innerHTML = "";
+      $("head-note").textContent = "A difference page: its heads are differences, not weights; see them in the matrix, layer overview and changes views.";
+      return;
+    }
     const yk = (c) => TOP + (c - ks) * ROW + ROW / 2, rows = rowsOf(e), shift = e.S >= e.T ? e.S - e.T : 0;
     // A query sits beside its own position among the keys when all shown queries fit there.
     let aligned = $("follow").checked;
@@ -578,7 +667,8 @@
       c.getContext("2d").putImageData(paint(m, 150, 150, fullView(m), scaleName()), 0, 0);
       c.addEventListener("click", () => { setHead(hi); setView("matrix"); });
       const cap = document.createElement("figcaption");
-      cap.textContent = `head ${h.head} · max ${fmt(h.vmax)}`;
+      cap.textContent = `head ${h.head} · max ${m.signed ? "|d| " : ""}${fmt(h.vmax)}` + scoreCaption(state.layer, hi);
+      if (scoreBest(state.layer, hi)) c.classList.add("best");
       fig.appendChild(c); fig.appendChild(cap); box.appendChild(fig);
     });
   }
@@ -629,11 +719,192 @@
     }
   }
 
+  // ------------------------------------------------------------------ head scores
+  const SCORES = META.scores || null;
+  let scoreName = SCORES ? SCORES.names[0] : null;
+
+  /** The heads sorted by the chosen score, highest first; heads without it (null) last. */
+  function scoreRows() {
+    const i = SCORES.names.indexOf(scoreName);
+    return SCORES.heads.map((h, n) => [h, n]).sort((a, b) => {
+      const x = a[0].values[i], y = b[0].values[i];
+      if (x === null || y === null) return (x === null) - (y === null) || a[1] - b[1];
+      return y - x || a[1] - b[1];
+    }).map((p) => p[0]);
+  }
+
+  function bestHeads() { // the three highest-scoring heads: "entry:hi"
+    const i = SCORES.names.indexOf(scoreName);
+    return new Set(scoreRows().filter((h) => h.values[i] !== null && h.entry !== null).slice(0, 3)
+      .map((h) => h.entry + ":" + h.hi));
+  }
+
+  function scoreFor(li, hi) { return SCORES ? SCORES.heads.find((h) => h.entry === li && h.hi === hi) : undefined; }
+  function scoreCaption(li, hi) {
+    const h = scoreFor(li, hi), v = h ? h.values[SCORES.names.indexOf(scoreName)] : null;
+    return h ? ` · ${scoreName} ${v === null ? "—" : fmt(v)}` : "";
+  }
+  function scoreBest(li, hi) { return SCORES ? bestHeads().has(li + ":" + hi) : false; }
+
+  function runsText(runs) {
+    const n = runs.reduce((a, r) => a + r[1], 0);
+    if (!n) return "none";
+    const one = (r) => r[1] === 1 ? String(r[0]) : `${r[0]}..${r[0] + r[1] - 1}`;
+    return runs.slice(0, 6).map(one).join(", ") + (runs.length > 6 ? `, … (${runs.length} runs)` : "") +
+      ` (${n} row${n === 1 ? "" : "s"})`;
+  }
+
+  function drawScores() {
+    const t = $("scores-table"), i = SCORES.names.indexOf(scoreName), rows = scoreRows(), best = bestHeads();
+    const vals = rows.map((h) => h.values[i]).filter((v) => v !== null);
+    const lo = Math.min(...vals), hi = Math.max(...vals);
+    t.innerHTML = "";
+    const head = t.createTHead().insertRow();
+    for (const name of ["layer", "head"].concat(SCORES.names)) {
+      const th = document.createElement("th"); th.textContent = name;
+      if (name === scoreName) th.className = "chosen";
+      head.appendChild(th);
+    }
+    const body = t.createTBody();
+    for (const h of rows) {
+      const tr = body.insertRow();
+      tr.dataset.layer = String(h.layer); tr.dataset.head = String(h.head);
+      if (best.has(h.entry + ":" + h.hi)) tr.className = "best";
+      tr.title = h.entry === null ? "this head's weights are not on the page" : "open in the matrix view";
+      for (const v of [h.layer, h.head]) tr.insertCell().textContent = String(v);
+      h.values.forEach((v, j) => {
+        const td = tr.insertCell();
+        td.textContent = v === null ? "—" : fmt(v);
+        if (j === i && v !== null) td.style.background = `rgba(230,167,0,${hi > lo ? 0.08 + 0.6 * (v - lo) / (hi - lo) : 0.3})`;
+      });
+      tr.addEventListener("click", () => {
+        if (h.entry === null) return;
+        setLayer(h.entry); setHead(h.hi); setView("matrix");
+      });
+    }
+    const used = Object.keys(SCORES.used).map((l) => `layer ${l}: ${runsText(SCORES.used[l][scoreName] || [])}`);
+    const skipped = Object.keys(SCORES.skipped).map((l) => `layer ${l} not scored: ${SCORES.skipped[l]}`);
+    $("scores-rows").textContent = `Rows “${scoreName}” used (mean over these query rows of the kept batch elements): ` +
+      used.join("; ") + (skipped.length ? ". " + skipped.join("; ") : "") + ". The three highest are in bold and outlined in the layer overview.";
+  }
+
+  function setScore(name) {
+    if (!SCORES || !SCORES.names.includes(name)) throw new Error(`setScore: no score ${name}; ` + (SCORES ? SCORES.names.join(", ") : "this page has none"));
+    scoreName = name; $("score").value = name; thumbsFor = "";
+    draw();
+  }
+
+  function scoreOrder() { // [layer, head] of the table's rows, top to bottom
+    if (!SCORES) return null;
+    drawScores();
+    return [...$("scores-table").tBodies[0].rows].map((tr) => [+tr.dataset.layer, +tr.dataset.head]);
+  }
+
+  // ------------------------------------------------------------------ saliency (rollout, flow)
+  const SALIENT = ENTRIES.map((e, i) => i).filter((i) => ENTRIES[i].kind === "rollout" || ENTRIES[i].kind === "flow");
+  let sal = SALIENT.length ? { li: SALIENT[0], q: rowsOf(ENTRIES[SALIENT[0]])[ENTRIES[SALIENT[0]].nr - 1] } : null;
+
+  /** Output position q's share from each input token, in the rollout or flow entry li. */
+  function saliency(li, q) {
+    const e = ENTRIES[+li];
+    if (!e || (e.kind !== "rollout" && e.kind !== "flow")) return null;
+    const r = posOf(e, +q), m = mat(+li, 0), out = [];
+    if (r < 0) return null;
+    for (let c = 0; c < e.S; c++) out.push(m.cell(r, c).v);
+    return out;
+  }
+
+  function setSaliency(li, q) {
+    if (saliency(li, q) === null) throw new Error(`setSaliency: entry ${li} is not a rollout/flow entry with output ${q}`);
+    sal = { li: +li, q: +q };
+    draw();
+  }
+
+  function drawSaliency() {
+    const of = $("saliency-of"), pos = $("saliency-pos"), e = ENTRIES[sal.li], rows = rowsOf(e);
+    of.innerHTML = "";
+    for (const i of SALIENT) { const o = document.createElement("option"); o.value = String(i); o.textContent = ENTRIES[i].label; of.appendChild(o); }
+    of.value = String(sal.li);
+    pos.innerHTML = "";
+    rows.forEach((q, r) => { const o = document.createElement("option"); o.value = String(q); o.textContent = `${q} “${clip(qLabel(e, r), 24)}”`; pos.appendChild(o); });
+    pos.value = String(sal.q);
+    const v = saliency(sal.li, sal.q), top = Math.max(...v), box = $("saliency");
+    box.innerHTML = "";
+    v.forEach((w, c) => {
+      const span = document.createElement("span");
+      span.className = "tok"; span.dataset.k = String(c);
+      span.textContent = kLabel(e, c); span.title = `k=${c} ${fmt(w)}`;
+      span.style.background = `rgba(8,81,156,${top > 0 ? 0.85 * w / top : 0})`;
+      if (top > 0 && w / top > 0.55) span.style.color = "#fff";
+      box.appendChild(span);
+    });
+    const ranked = v.map((w, c) => [c, w]).sort((a, b) => b[1] - a[1]).slice(0, 10);
+    $("saliency-top").textContent = "largest: " + ranked.map(([c, w]) => `k=${c} “${clip(kLabel(e, c), 16)}” ${fmt(w)}`).join(", ");
+    $("saliency-note").textContent = `${e.kind === "rollout" ? "rollout: the share of output" : "flow: the max flow into output"} ${sal.q} from each input token (darker = more; row sums to 1).`;
+  }
+
+  // ------------------------------------------------------------------ changes (difference page)
+  let changeBy = "mean";
+
+  function drawChanges() {
+    const t = $("changes-table"), rows = META.changes.slice().sort((a, b) => b[changeBy] - a[changeBy]);
+    t.innerHTML = "";
+    const head = t.createTHead().insertRow();
+    for (const name of ["rank", "layer", "head", "mean |d|", "max |d|"]) { const th = document.createElement("th"); th.textContent = name; head.appendChild(th); }
+    const body = t.createTBody();
+    rows.forEach((c, n) => {
+      const tr = body.insertRow();
+      tr.dataset.entry = String(c.entry); tr.dataset.hi = String(c.hi); tr.title = "open in the matrix view";
+      for (const v of [n + 1, c.label, c.head, fmt(c.mean), fmt(c.max)]) tr.insertCell().textContent = String(v);
+      tr.addEventListener("click", () => { setLayer(c.entry); setHead(c.hi); setView("matrix"); });
+    });
+  }
+
+  function changeOrder() { // [entry, head position] of the table's rows, most changed first
+    if (!META.changes) return null;
+    drawChanges();
+    return [...$("changes-table").tBodies[0].rows].map((tr) => [+tr.dataset.entry, +tr.dataset.hi]);
+  }
+
+  function setChangeBy(name) {
+    if (name !== "mean" && name !== "max") throw new Error(`setChangeBy: "mean" or "max", got ${name}`);
+    changeBy = name; $("change-by").value = name;
+    draw();
+  }
+
+  /** [r, g, b] of cell (q, k) of a head on the current colour scale (a difference: diverging). */
+  function colourOf(layer, head, q, k) {
+    const v = value(layer, head, q, k);
+    if (v === null) return null;
+    const m = mat(+layer, head === "all" ? 0 : +head);
+    if (m.signed) { const i = 3 * shadeSigned(scaleName(), m.vmax)(v); return [DLUT[i], DLUT[i + 1], DLUT[i + 2]]; }
+    const i = 3 * shade(scaleName(), m.vmax)(v);
+    return [LUT[i], LUT[i + 1], LUT[i + 2]];
+  }
+
+  function wireAnalysis() {
+    if (SCORES) {
+      for (const name of SCORES.names) { const o = document.createElement("option"); o.value = o.textContent = name; $("score").appendChild(o); }
+      $("score").addEventListener("change", () => setScore($("score").value));
+    }
+    if (sal) {
+      $("saliency-of").addEventListener("change", () => {
+        const li = +$("saliency-of").value, rows = rowsOf(ENTRIES[li]);
+        setSaliency(li, rows.includes(sal.q) ? sal.q : rows[rows.length - 1]);
+      });
+      $("saliency-pos").addEventListener("change", () => setSaliency(sal.li, +$("saliency-pos").value));
+    }
+    if (META.changes) $("change-by").addEventListener("change", () => setChangeBy($("change-by").value));
+  }
+
   // ------------------------------------------------------------------ views and selectors
   const PRECISION = {
     f4: "stored as float32: exact to the digits shown",
     f2: "stored as float16: |error| ≤ max(w·2⁻¹¹, 2⁻²⁵)",
     top: "stored: block maxima and each row's top-k weights as float16, |error| ≤ max(w·2⁻¹¹, 2⁻²⁵)",
+    s4: "a difference, stored as float32: exact to the digits shown",
+    s2: "a difference, stored as float16: |error| ≤ max(|d|·2⁻¹¹, 2⁻²⁵)",
+    sb: "a difference, too large to keep whole: each block's value of largest |d| (float16)",
   };
 
   function draw() {
@@ -641,11 +912,15 @@
     $("summary").textContent = `${e.label}: ${e.nr} of ${e.T} query rows, ${e.S} keys, ${e.heads.length} head` +
       (e.heads.length === 1 ? "" : "s") + ` · ${META.entries.length} layer entr${META.entries.length === 1 ? "y" : "ies"}`;
     $("precision").textContent = `Head ${h.head}: ${PRECISION[h.mode]}` +
-      (h.mode === "top" ? ` (blocks of ${h.block}×${h.block} cells, top ${h.k} per row; other cells not stored).` : ".") +
+      (h.mode === "top" ? ` (blocks of ${h.block}×${h.block} cells, top ${h.k} per row; other cells not stored).`
+        : h.mode === "sb" ? ` (blocks of ${h.block}×${h.block} cells).` : ".") +
       " Hover shows toPrecision(4) of the stored value.";
     if (state.view === "head") drawHead();
     else if (state.view === "matrix") drawMatrix();
     else if (state.view === "overview") drawOverview();
+    else if (state.view === "scores") drawScores();
+    else if (state.view === "saliency") drawSaliency();
+    else if (state.view === "changes") drawChanges();
     else drawExplain();
   }
 
@@ -709,11 +984,12 @@
     sel.addEventListener("change", () => setLayer(sel.value));
     $("head").addEventListener("change", () => setHead($("head").value));
     for (const v of VIEWS) $("tab-" + v).addEventListener("click", () => setView(v));
-    wireMatrix(); wireHead();
+    wireMatrix(); wireHead(); wireAnalysis();
     state.head = "all";
     state.layer = 0; $("layer").value = "0"; fillHeads(); resetHeadWindows();
-    window.qkvViewer = { state, value, exact, cellAt, cellCenter, digest, setView, setLayer, setHead };
-    setView("head");
+    window.qkvViewer = { state, value, exact, cellAt, cellCenter, digest, setView, setLayer, setHead,
+      setScore, scoreOrder, saliency, setSaliency, changeOrder, setChangeBy, colourOf };
+    setView(ENTRIES[0].kind === "diff" ? "matrix" : "head");
     document.body.dataset.ready = "1";
   }
 

@@ -1,0 +1,163 @@
+"""``qkv view --scores / --rollout / --flow / --against``: the page carries the head-scores
+table, the rollout and flow entries and the per-head differences exactly as ``qkv.analysis``
+and the captures give them (read back from the page's payload, see ``qkv.viz.html``); every bad
+use of these flags is one line and exit code 2, nothing written."""
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkv
+from qkv.cli.main import main
+
+T = 10
+
+
+def _page(path: Path) -> tuple[dict, list[torch.Tensor]]:
+    """The page's metadata and each entry's stored float32 values ``(nh, nr, S)``."""
+    text = path.read_text(encoding="utf-8")
+    assert not re.search(r"https?://", text)  # still offline
+    meta = json.loads(re.search(r'<script type="application/json" id="qkv-meta">(.*?)</script>',
+                                text, re.S).group(1))
+    blobs = dict(re.findall(r'<script type="application/octet-stream" id="(qkv-blob-\d+)">'
+                            r'([A-Za-z0-9+/=]*)</script>', text))
+    out = []
+    for e in meta["entries"]:
+        heads = []
+        for h in e["heads"]:
+            assert h["mode"] in ("f4", "s4"), h  # small pages keep every value as float32
+            raw = bytearray(base64.b64decode(blobs[h["blob"]]))
+            heads.append(torch.frombuffer(raw, dtype=torch.float32).view(e["nr"], e["S"]))
+        out.append(torch.stack(heads))
+    return meta, out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """Saved captures of one 2-layer x 2-head DecoderLM: two inputs of length T, one of T - 2,
+    one bounded to a head and three rows."""
+    root = tmp_path_factory.mktemp("captures")
+    torch.manual_seed(0)
+    model = qkv.DecoderLM(20, 16, 2, 2, max_len=16).eval()
+    ids = torch.arange(1, T + 1)[None]  # (1, T)
+    runs = {"a": dict(x=ids), "b": dict(x=ids.flip(1)), "short": dict(x=ids[:, :T - 2]),
+            "bounded": dict(x=ids, heads=[1], rows=range(2, 5))}
+    for name, kw in runs.items():
+        x = kw.pop("x")
+        with torch.no_grad(), qkv.capture(model, **kw) as cap:
+            model(x)
+        cap.save(root / f"{name}.pt")
+    return {name: root / f"{name}.pt" for name in runs}
+
+
+def _view(capsys, argv: list[str], out: Path) -> tuple[dict, list[torch.Tensor]]:
+    assert main(["view", *argv, "--out", str(out)]) == 0
+    printed, err = capsys.readouterr()
+    assert printed == f"{out}\n" and err == ""
+    return _page(out)
+
+
+def test_scores_put_the_head_scores_table_on_the_page(saved, tmp_path, capsys):
+    out = tmp_path / "scores.html"
+    meta, _ = _view(capsys, [str(saved["a"]), "--scores", "--induction-period", "3"], out)
+    table = qkv.analysis.head_scores(qkv.load_capture(saved["a"]), induction=3)
+    got = meta["scores"]
+    assert got["names"] == list(table.names)
+    assert [(h["layer"], h["head"]) for h in got["heads"]] == list(table.keys)
+    for h, row in zip(got["heads"], table.values.tolist()):
+        assert h["values"] == pytest.approx(row, rel=0, abs=0)  # exact float64 round trip
+        e = meta["entries"][h["entry"]]  # where the page finds that head's weights
+        assert e["kind"] == "attention" and e["layer"] == h["layer"]
+        assert e["heads"][h["hi"]]["head"] == h["head"]
+    for (layer, name), rows in table.rows.items():  # the rows each score used, as runs
+        flat = [r0 + i for r0, n in got["used"][str(layer)][name] for i in range(n)]
+        assert flat == rows.tolist(), (layer, name)
+    text = out.read_text()
+    assert 'id="tab-scores"' in text and 'id="tab-saliency"' not in text
+
+
+def test_rollout_and_flow_become_entries_of_the_page(saved, tmp_path, capsys):
+    pytest.importorskip("networkx", reason="flow needs networkx or scipy")
+    out = tmp_path / "rollout.html"
+    meta, values = _view(capsys, [str(saved["a"]), "--rollout", "--flow", "-1"], out)
+    cap = qkv.load_capture(saved["a"])
+    kinds = [e["kind"] for e in meta["entries"]]
+    assert kinds == ["attention", "attention", "rollout", "flow"]
+    R = qkv.analysis.rollout(cap)[0]  # (T, T)
+    assert torch.equal(values[2][0], R.float())
+    assert meta["entries"][3]["rows"] == [[T - 1, 1]]
+    F = qkv.analysis.flow(cap, positions=[T - 1])[0]  # (1, T), networkx: exact
+    assert torch.allclose(values[3][0].double(), F.double(), atol=2 ** -20)
+    assert math.isclose(float(values[3][0].sum()), 1.0, rel_tol=1e-5)
+    assert 'id="tab-saliency"' in out.read_text()
+
+
+def test_against_shows_the_signed_difference_of_every_head(saved, tmp_path, capsys):
+    out = tmp_path / "diff.html"
+    meta, values = _view(capsys, [str(saved["a"]), "--against", str(saved["b"])], out)
+    a, b = qkv.load_capture(saved["a"]), qkv.load_capture(saved["b"])
+    assert meta["title"] == "a.pt: DecoderLM - b.pt"
+    assert [e["kind"] for e in meta["entries"]] == ["diff", "diff"]
+    for ra, rb, d in zip(a, b, values, strict=True):
+        assert torch.equal(d, ra.probs[0].float() - rb.probs[0].float())  # (H, T, T), signed
+    assert (torch.cat(values) < 0).any() and (torch.cat(values) > 0).any()
+    means = [c["mean"] for c in meta["changes"]]
+    assert means == sorted(means, reverse=True) and len(means) == 4  # 2 layers x 2 heads
+    for c in meta["changes"]:
+        d = values[c["entry"]][c["hi"]].abs()
+        assert c["mean"] == pytest.approx(float(d.double().mean()))
+        assert c["max"] == pytest.approx(float(d.max()))
+    assert 'id="tab-changes"' in out.read_text()
+
+
+# ---- errors: one line, exit code 2, nothing written --------------------------------------------
+
+
+@pytest.mark.parametrize("case, message", [
+    ("short", "differ at 'blocks.layers.0.self_attn' (layer 0): (B, H, T, S) (1, 2, 10, 10) heads [0, 1] "
+     "against (1, 2, 8, 8) heads [0, 1]; compare captures of the same architecture"),
+    ("bounded", "differ at 'blocks.layers.0.self_attn' (layer 0): (B, H, T, S) (1, 2, 10, 10) "
+                "heads [0, 1] against (1, 2, 10, 10) heads [1]"),
+    ("other-records", "are not captures of the same architecture: 2 records"),
+    ("missing-against", "--against nothing.pt does not exist: give a second saved capture "
+                        "(.pt)"),
+    ("against-and-scores", "--against shows differences; --scores and --rollout are of one "
+                           "capture: write them on a page of its own"),
+    ("against-a-folder", "--against compares two saved captures:"),
+    ("flow-not-a-number", "--flow x: 'x' is not a number"),
+    ("flow-out-of-range", "--flow 10: no output position 10 among T=10 tokens; give 0..9, or -1 "
+                          "for the last"),
+    ("period-without-scores", "--induction-period applies to the induction score: add --scores"),
+    ("period-zero", "--induction-period 0: the period must be at least 1 token"),
+    ("rollout-of-bounded-rows", "kept 3 of its 10 query rows: rollout needs every row of every "
+                                "layer"),
+])
+def test_bad_uses_of_the_analysis_flags(saved, tmp_path, capsys, case, message):
+    one_layer = qkv.DecoderLM(20, 16, 2, 1).eval()
+    with torch.no_grad(), qkv.capture(one_layer) as cap:
+        one_layer(torch.arange(1, T + 1)[None])
+    cap.save(tmp_path / "one_layer.pt")
+    a = str(saved["a"])
+    argv = {"short": [a, "--against", str(saved["short"])],
+            "bounded": [a, "--against", str(saved["bounded"])],
+            "other-records": [a, "--against", str(tmp_path / "one_layer.pt")],
+            "missing-against": [a, "--against", "nothing.pt"],
+            "against-and-scores": [a, "--against", str(saved["b"]), "--scores", "--rollout"],
+            "against-a-folder": [str(tmp_path), "--against", str(saved["b"])],
+            "flow-not-a-number": [a, "--flow", "x"],
+            "flow-out-of-range": [a, "--flow", "10"],
+            "period-without-scores": [a, "--induction-period", "4"],
+            "period-zero": [a, "--scores", "--induction-period", "0"],
+            "rollout-of-bounded-rows": [str(saved["bounded"]), "--rollout"]}[case]
+    out = tmp_path / "new" / "page.html"
+    assert main(["view", *argv, "--out", str(out)]) == 2
+    printed, err = capsys.readouterr()
+    assert printed == "" and err.count("\n") == 1 and err.startswith("qkv view: error: "), err
+    assert message in err, err
+    assert not out.parent.exists()
