@@ -1,0 +1,174 @@
+"""The viewer's analysis pages (``qkv.viz.html(..., scores=, rollout=, flow=, against=)``) in a
+real browser, with the harness of ``test_viewer_browser.py`` (headless Chromium, a fresh
+profile, every request but the file blocked and counted):
+
+* rollout and flow: every value the page holds for the rollout entry, and the saliency it
+  shows for an output position, equal ``qkv.analysis.rollout`` / ``flow`` (float32 exactly);
+* a difference page (``against=``): a positive and a negative difference are drawn in
+  different hues (blue and red), on the canvas and by ``colourOf``; the Changes table ranks
+  the heads by mean |difference| as Python does;
+* head scores: choosing a score in ``#score`` reorders the table's heads exactly as
+  ``HeadScores.sorted_by``; a click on a row opens that head in the matrix view;
+* and on each page: no request besides the file, no console or page error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+
+import test_viewer_browser as harness
+from test_viewer_browser import Opened, _quiet
+
+browser = harness.browser  # fixture: the module's headless Chromium, network off
+opened = harness.opened  # fixture: opened(path) -> Opened, loaded; closed after the test
+
+L, H, T = 2, 4, 12
+WORDS = "the cat sat on the mat because it was warm and soft".split()
+
+
+@pytest.fixture(scope="module")
+def captures():
+    """A 2-layer x 4-head DecoderLM's captures on two inputs of T tokens (a repeated one)."""
+    torch.manual_seed(0)
+    model = qkv.DecoderLM(20, 32, H, L, max_len=16).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6] * 2])  # (1, T): period 6
+    caps = []
+    for x in (ids, torch.arange(1, T + 1)[None]):
+        with torch.no_grad(), qkv.capture(model) as cap:
+            model(x)
+        caps.append(cap)
+    return caps
+
+
+def _matrix_pixel(o: Opened, q: int, k: int) -> list[int]:
+    """RGB the matrix canvas shows inside cell (q, k), near its corner (away from its text)."""
+    a = o.js("([q, k]) => window.qkvViewer.cellCenter(q, k)", [q, k])
+    b = o.js("([q, k]) => window.qkvViewer.cellCenter(q, k)", [q + 1, k + 1])
+    x, y = a["x"] + 0.4 * (b["x"] - a["x"]), a["y"] + 0.4 * (b["y"] - a["y"])
+    return o.js("""([x, y]) => {
+        const c = document.getElementById('matrix-canvas'), r = c.getBoundingClientRect();
+        const copy = document.createElement('canvas'); copy.width = c.width; copy.height = c.height;
+        const cx = copy.getContext('2d', { willReadFrequently: true }); cx.drawImage(c, 0, 0);
+        const px = Math.floor((x - r.left) * c.width / r.width), py = Math.floor((y - r.top) * c.height / r.height);
+        return [...cx.getImageData(px, py, 1, 1).data].slice(0, 3); }""", [x, y])
+
+
+def test_rollout_and_flow_in_the_page_equal_the_python_result(captures, tmp_path, opened):
+    pytest.importorskip("networkx", reason="flow needs networkx")
+    cap = captures[0]
+    R = qkv.analysis.rollout(cap)  # (1, T, T)
+    F = qkv.analysis.flow(cap, positions=[T - 1, 0])  # (1, 2, T)
+    path = tmp_path / "rollout.html"
+    qkv.viz.html(cap, path, WORDS, rollout=R, flow=(F, [T - 1, 0]))
+    o = opened(path)
+    kinds = o.js("() => JSON.parse(document.getElementById('qkv-meta').textContent)"
+                 ".entries.map(e => e.kind)")
+    assert kinds == ["attention"] * L + ["rollout", "flow"]
+    got = torch.tensor(o.js("([li, T]) => { const out = []; for (let q = 0; q < T; q++)"
+                            " for (let k = 0; k < T; k++) out.push(window.qkvViewer.value(li, 0, q, k));"
+                            " return out; }", [L, T]), dtype=torch.float64).view(T, T)
+    assert torch.equal(got, R[0].float().double())  # float32 exactly
+    assert torch.allclose(got.sum(-1), torch.ones(T, dtype=torch.float64), atol=1e-6)
+    # The saliency view: output position q's row, as numbers and as shaded tokens.
+    o.page.click("#tab-saliency")
+    o.page.select_option("#saliency-of", str(L))
+    for q in (T - 1, 3):
+        o.page.select_option("#saliency-pos", str(q))
+        shown = o.js("() => [...document.querySelectorAll('#saliency span.tok')]"
+                     ".map(s => [s.textContent, s.title])")
+        assert [w for w, _ in shown] == WORDS
+        assert [t for _, t in shown] == [f"k={k} " + o.to_precision4(float(R[0, q, k].float()))
+                                         for k in range(T)]
+        assert o.js("q => window.qkvViewer.saliency(" + str(L) + ", q)", q) == \
+            R[0, q].float().tolist()
+    # Flow: its own entry, rows = the positions asked for (sorted), values as computed.
+    for p, q in ((0, T - 1), (1, 0)):
+        assert torch.allclose(torch.tensor(o.js("q => window.qkvViewer.saliency(" + str(L + 1)
+                                                + ", q)", q), dtype=torch.float32),
+                              F[0, p].float(), rtol=0, atol=0)
+    o.page.select_option("#saliency-of", str(L + 1))
+    assert o.state()["view"] == "saliency"
+    _quiet(o)
+
+
+def test_difference_colours_are_signed_and_heads_ranked(captures, tmp_path, opened):
+    a, b = captures
+    path = tmp_path / "diff.html"
+    qkv.viz.html(a, path, against=b)
+    d = torch.stack([a.layer(i)[0].probs[0] - b.layer(i)[0].probs[0] for i in range(L)])  # (L, H, T, T)
+    o = opened(path)
+    assert o.state()["view"] == "matrix"  # a difference page opens on the matrix
+    layer, head = 1, 2
+    o.js("([l, h]) => { window.qkvViewer.setLayer(l); window.qkvViewer.setHead(h); }", [layer, head])
+    dd = d[layer, head]
+    big = dd.abs().max()
+    pos = (dd == dd.max()).nonzero()[0].tolist()
+    neg = (dd == dd.min()).nonzero()[0].tolist()
+    assert dd.max() > 0.3 * big and dd.min() < -0.3 * big  # both signs are strong here
+    for q, k in (pos, neg):
+        assert o.js("([l, h, q, k]) => window.qkvViewer.value(l, h, q, k)", [layer, head, q, k]) \
+            == float(dd[q, k])
+    p_rgb, n_rgb = _matrix_pixel(o, *pos), _matrix_pixel(o, *neg)
+    assert p_rgb[2] > p_rgb[0] + 40, f"a positive difference is drawn blue, got {p_rgb}"
+    assert n_rgb[0] > n_rgb[2] + 40, f"a negative difference is drawn red, got {n_rgb}"
+    assert o.js("([l, h, q, k]) => window.qkvViewer.colourOf(l, h, q, k)",
+                [layer, head, *pos]) == p_rgb
+    assert o.js("([l, h, q, k]) => window.qkvViewer.colourOf(l, h, q, k)",
+                [layer, head, *neg]) == n_rgb
+    zero = o.js("([l, h]) => window.qkvViewer.colourOf(l, h, 0, 5)", [layer, head])  # causal: 0
+    assert zero == [255, 255, 255]
+    assert o.hover(*neg).startswith(f"q={neg[0]} k={neg[1]} d=-")
+    # Changes: heads by mean |d|, most changed first, as computed here.
+    mean = d.abs().double().mean((-1, -2))  # (L, H)
+    want = sorted(((li, h) for li in range(L) for h in range(H)), key=lambda x: -mean[x])
+    o.page.click("#tab-changes")
+    assert [tuple(x) for x in o.js("() => window.qkvViewer.changeOrder()")] == want
+    o.page.select_option("#change-by", "max")
+    mx = d.abs().amax((-1, -2))
+    by_max = sorted(((li, h) for li in range(L) for h in range(H)), key=lambda x: -mx[x])
+    assert [tuple(x) for x in o.js("() => window.qkvViewer.changeOrder()")] == by_max
+    o.page.click("#changes-table tbody tr:first-child")  # opens the most changed head
+    assert o.state() == {"layer": by_max[0][0], "head": by_max[0][1], "view": "matrix"}
+    o.page.click("#tab-overview")
+    _quiet(o)
+
+
+def test_sorting_by_a_score_reorders_the_heads(captures, tmp_path, opened):
+    cap = captures[0]
+    table = qkv.analysis.head_scores(cap, induction=6)
+    path = tmp_path / "scores.html"
+    qkv.viz.html(cap, path, WORDS, scores=table)
+    o = opened(path)
+    o.page.click("#tab-scores")
+    orders = {}
+    for name in table.names:
+        o.page.select_option("#score", name)
+        order = [tuple(x) for x in o.js("() => window.qkvViewer.scoreOrder()")]
+        assert order == list(table.sorted_by(name).keys), name
+        dom = o.js("() => [...document.querySelectorAll('#scores-table tbody tr')]"
+                   ".map(tr => [+tr.dataset.layer, +tr.dataset.head])")
+        assert [tuple(x) for x in dom] == order
+        rows_text = o.js("() => document.getElementById('scores-rows').textContent")
+        assert f"Rows “{name}” used" in rows_text and "layer 0: " in rows_text
+        orders[name] = order
+    assert len(set(map(tuple, orders.values()))) > 1  # the scores order the heads differently
+    assert "layer 0: 6..11 (6 rows)" in o.js("() => { window.qkvViewer.setScore('induction');"
+                                            " return document.getElementById('scores-rows')"
+                                            ".textContent; }")
+    # The three best heads are highlighted in the table and in the overview.
+    assert o.page.locator("#scores-table tr.best").count() == 3
+    best = orders["induction"][:3]
+    o.page.click("#tab-overview")
+    for layer in range(L):
+        o.js("l => window.qkvViewer.setLayer(l)", layer)
+        outlined = o.js("() => [...document.querySelectorAll('canvas.thumb.best')]"
+                        ".map(c => +c.dataset.head)")
+        assert outlined == [h for lay, h in best if lay == layer]
+    # A click on a row opens that head in the matrix view.
+    o.page.click("#tab-scores")
+    o.page.click("#scores-table tbody tr:first-child")
+    layer, head = best[0]
+    assert o.state() == {"layer": layer, "head": head, "view": "matrix"}
+    _quiet(o)
