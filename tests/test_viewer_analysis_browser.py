@@ -172,3 +172,30 @@ def test_sorting_by_a_score_reorders_the_heads(captures, tmp_path, opened):
     layer, head = best[0]
     assert o.state() == {"layer": layer, "head": head, "view": "matrix"}
     _quiet(o)
+
+
+def test_model_view_shows_every_layer_and_head_and_opens_a_cell(captures, tmp_path, opened):
+    cap = captures[0]
+    probs = torch.stack([cap.layer(i)[0].probs[0] for i in range(L)]).double()  # (L, H, T, T)
+    path = tmp_path / "model.html"
+    qkv.viz.html(cap, path, WORDS)
+    o = opened(path)
+    o.page.click("#tab-model")
+    assert o.active_views() == ["view-model"] and o.state()["view"] == "model"
+    cells = o.js("() => [...document.querySelectorAll('#model-grid canvas.mthumb')]"
+                 ".map(c => [+c.dataset.layer, +c.dataset.head])")
+    assert cells == [[li, h] for li in range(L) for h in range(H)]
+    # Every cell's values, through value(): the capture's, exactly.
+    got = torch.tensor(o.js(
+        "([L, H, T]) => { const v = window.qkvViewer, out = [];"
+        "  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
+        "    for (let k = 0; k < T; k++) out.push(v.value(l, h, q, k)); return out; }",
+        [L, H, T]), dtype=torch.float64).view(L, H, T, T)
+    assert torch.equal(got, probs)
+    # Thumbnails differ from each other (each draws its own head), none is blank.
+    digests = o.js("() => [...document.querySelectorAll('#model-grid canvas.mthumb')].map((c, i) => {"
+                   " c.id = 'mthumb-' + i; return window.qkvViewer.digest(c.id); })")
+    assert len(set(digests)) == L * H
+    o.page.click("#model-grid canvas.mthumb[data-layer='1'][data-head='2']")
+    assert o.state() == {"layer": 1, "head": 2, "view": "matrix"}
+    _quiet(o)

@@ -18,7 +18,23 @@ head selector:
   of the cells it covers (a one-cell-wide diagonal stays visible at 16k tokens); zoomed in,
   the cells themselves. Only the visible region is drawn.
 * **Layer overview**: every head of the layer as a thumbnail; a click opens it in the matrix.
+* **Model view**: every layer entry x head as a grid of thumbnails (bertviz's model view),
+  drawn from the weights already stored (it adds nothing to the file); a click opens one.
 * **Explain** (when there are steps): the numbers of each step as tables, in the order given.
+
+Analyses (results of :mod:`qkv.analysis`, passed in: viz computes none of them):
+
+* ``scores=`` (a ``HeadScores``): **Head scores**, every head's scores in a table sorted by
+  the score chosen in ``#score`` (highest first, heads without it last, as
+  ``HeadScores.sorted_by``), the three highest in bold and outlined in the overview and model
+  view, and the query rows that score used in each layer.
+* ``rollout=`` ``(T, T)`` and ``flow=(F, positions)``: one more layer entry each (kind
+  ``"rollout"``, ``"flow"``: one head, rows = the outputs, columns = the input tokens, stored as
+  any head's weights) and **Saliency**: one output position's row as shaded tokens.
+* ``against=`` (a second input of the same shapes): every head becomes the signed difference
+  ``obj - against`` (kind ``"diff"``), drawn on a diverging scale (blue positive, white 0, red
+  negative; zoomed out, each pixel shows the covered value of largest ``|d|``), and
+  **Changes** ranks the heads by mean (or max) ``|d|``. The page opens on the matrix view.
 
 Inputs. A capture (:func:`qkv.capture`'s ``Captured``, or a list of its records): one
 *layer* entry per site, its call ``call`` (default 0; ``call="all"`` makes one entry per call,
@@ -57,11 +73,17 @@ measured: one 4k x 4k head 2.9 MB, one 16k x 16k head 3.0 MB, two 5.8 MB, a capt
 layers x 4 heads x 16 rows x 4k keys (float32) 5.7 MB. Writing takes ~4 s a 16k x 16k head on
 one CPU core, ~0.3 s a 4k x 4k head.
 
+Differences are stored per head as float32 ("s4", ``nr * S <= C // 16``), float16 ("s2",
+``<= C``), else ("sb") the signed value of largest ``|d|`` of each ``b x b`` block (float16,
+``b`` the smallest power of two leaving at most ``C`` blocks; hovered as ``d≈``); the same
+``2C`` bytes a head, so the same size bound.
+
 Payload format (what a reader other than the page needs). ``<script type="application/json"
 id="qkv-meta">`` holds the JSON metadata (``<`` written ``\\u003c``); ``entries[i]`` is layer
 option ``i``, with ``rows`` (runs ``[first, count]`` of true query indices), ``T``, ``S``,
 ``heads`` (one dict per kept head: ``head`` its true number, ``blob`` the id of a ``<script
-type="application/octet-stream">`` holding base64 of little-endian arrays, ``mode``). Mode
+type="application/octet-stream">`` holding base64 of little-endian arrays, ``mode``),
+``kind`` and ``layer`` (the capture's layer number). Mode
 "f4"/"f2": the ``nr x S`` weights row-major as float32/float16. Mode "top": ``idx`` (``nr x k``
 uint16, or uint32 when ``ib == 4``: key indices, ascending within a row), then ``val``
 (``nr x k`` float16), then ``grid`` (``gr x gc`` float16 block maxima, blocks of ``block``).
@@ -81,14 +103,25 @@ DOM/JS contract (browser tests rely on it; kept stable):
   ``toPrecision(4)``); for a cell not stored ("top" mode) it is ``q=<i> k=<j> w≤<bound>``.
   ``#zoom-reset`` shows the whole matrix. With head ``"all"`` the matrix shows head 0.
 * Head view: ``<canvas id="head-canvas">``. Overview: ``<canvas class="thumb" data-head="h">``
-  (``h`` the position of the head in the layer, as in ``#head``).
+  (``h`` the position of the head in the layer, as in ``#head``). Model view (``#tab-model``,
+  ``#view-model``): ``<canvas class="mthumb" data-layer="l" data-head="h">``.
+* Analyses, when given: ``#tab-scores``/``#view-scores`` (``<select id="score">``, the table
+  ``#scores-table`` whose body rows carry ``data-layer``/``data-head``, ``#scores-rows``);
+  ``#tab-saliency``/``#view-saliency`` (``#saliency-of`` the entry, ``#saliency-pos`` the
+  output, ``#saliency span.tok`` with ``title`` ``k=<j> <value>``); ``#tab-changes``/
+  ``#view-changes`` (``#change-by``, ``#changes-table``). A difference's hover text is
+  ``q=<i> k=<j> d=<value>``.
 * ``window.qkvViewer``: ``state`` (``{layer, head, view}``; head is ``"all"`` or a number),
   ``value(layer, head, q, k)`` (the number shown on hover for that cell; ``null`` outside the
   matrix), ``exact(layer, head, q, k)`` (whether that cell is stored), ``cellAt(clientX,
   clientY)`` (``{q, k}`` under that point of the matrix canvas, or ``null``), ``cellCenter(q,
   k)`` (``{x, y}`` client coordinates of that cell's centre in the current matrix view, or
   ``null`` when the cell is not in view), ``digest(canvasId)`` (a short hash of the canvas
-  pixels), ``setView(name)``, ``setLayer(i)``, ``setHead(h)`` (each redraws before it returns).
+  pixels), ``setView(name)``, ``setLayer(i)``, ``setHead(h)`` (each redraws before it returns);
+  ``setScore(name)``, ``scoreOrder()`` (``[layer, head]`` of the scores table, top down),
+  ``saliency(entry, q)`` (output ``q``'s row of a rollout/flow entry), ``setSaliency(entry, q)``,
+  ``changeOrder()`` (``[entry, head position]``, most changed first), ``setChangeBy("mean" |
+  "max")``, ``colourOf(layer, head, q, k)`` (``[r, g, b]`` of that cell on the colour scale).
 
 Shape alphabet: B batch, H heads, T query length, S key length, nr kept query rows.
 """
@@ -785,6 +818,7 @@ _TEMPLATE = """<!DOCTYPE html>
       <button id="tab-head" type="button">Head view</button>
       <button id="tab-matrix" type="button">Matrix</button>
       <button id="tab-overview" type="button">Layer overview</button>
+      <button id="tab-model" type="button">Model view</button>
       {tab_explain}
     </span>
   </div>
@@ -823,6 +857,8 @@ _TEMPLATE = """<!DOCTYPE html>
   <p id="cell-info" class="note"></p>
 </section>
 <section id="view-overview" class="view"><div id="thumbs"></div></section>
+<section id="view-model" class="view"><p id="model-note" class="note"></p>
+  <div id="model-grid"></div></section>
 {view_explain}
 </main>
 <footer id="precision" class="note"></footer>

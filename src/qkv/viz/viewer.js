@@ -221,7 +221,7 @@
 
   // ------------------------------------------------------------------ state
   const state = { layer: 0, head: "all", view: "head" };
-  const VIEWS = ["head", "matrix", "overview"].concat(
+  const VIEWS = ["head", "matrix", "overview", "model"].concat(
     ["explain", "scores", "saliency", "changes"].filter((v) => $("view-" + v)));
   let zoom = null; // matrix view: {r0, r1, c0, c1} in cells
   let zoomKey = "";
@@ -525,7 +525,7 @@
       hover(ev);
     }, { passive: false });
     $("zoom-reset").addEventListener("click", () => { zoom = null; drawMatrix(); });
-    $("scale").addEventListener("change", () => { thumbsFor = ""; draw(); });
+    $("scale").addEventListener("change", () => { thumbsFor = ""; modelFor = ""; draw(); });
   }
 
   // ------------------------------------------------------------------ head view
@@ -673,6 +673,37 @@
     });
   }
 
+  // ------------------------------------------------------------------ model view
+  let modelFor = "";
+
+  /** Every layer entry x head as a thumbnail (bertviz's model view), from the stored weights:
+      the page holds nothing more for it. A click opens the cell in the matrix view. */
+  function drawModel() {
+    const key = scaleName() + ":" + (SCORES ? scoreName : "");
+    if (modelFor === key) return;
+    modelFor = key;
+    const grid = $("model-grid"), most = Math.max(...ENTRIES.map((e) => e.heads.length));
+    const size = Math.max(36, Math.min(110, Math.floor(1100 / most) - 6));
+    grid.innerHTML = "";
+    grid.style.gridTemplateColumns = `max-content repeat(${most}, ${size + 2}px)`;
+    ENTRIES.forEach((e, li) => {
+      const label = document.createElement("div");
+      label.className = "mlabel"; label.textContent = e.label; grid.appendChild(label);
+      for (let hi = 0; hi < most; hi++) {
+        if (hi >= e.heads.length) { grid.appendChild(document.createElement("div")); continue; }
+        const c = document.createElement("canvas"), m = mat(li, hi);
+        c.className = "mthumb" + (scoreBest(li, hi) ? " best" : "");
+        c.dataset.layer = String(li); c.dataset.head = String(hi); c.width = c.height = size;
+        c.title = `${e.label}, head ${e.heads[hi].head}` + scoreCaption(li, hi) + ": open in the matrix view";
+        c.getContext("2d").putImageData(paint(m, size, size, fullView(m), scaleName()), 0, 0);
+        c.addEventListener("click", () => { setLayer(li); setHead(hi); setView("matrix"); });
+        grid.appendChild(c);
+      }
+    });
+    $("model-note").textContent = `${ENTRIES.length} layer entr${ENTRIES.length === 1 ? "y" : "ies"} × up to ${most} heads; ` +
+      "each thumbnail is its whole matrix (each pixel the max of the cells it covers). A click opens it in the matrix view.";
+  }
+
   // ------------------------------------------------------------------ explain
   const ABOUT = {
     Q: "queries: one row per query token, one column per head dim",
@@ -790,7 +821,7 @@
 
   function setScore(name) {
     if (!SCORES || !SCORES.names.includes(name)) throw new Error(`setScore: no score ${name}; ` + (SCORES ? SCORES.names.join(", ") : "this page has none"));
-    scoreName = name; $("score").value = name; thumbsFor = "";
+    scoreName = name; $("score").value = name; thumbsFor = ""; modelFor = "";
     draw();
   }
 
@@ -918,6 +949,7 @@
     if (state.view === "head") drawHead();
     else if (state.view === "matrix") drawMatrix();
     else if (state.view === "overview") drawOverview();
+    else if (state.view === "model") drawModel();
     else if (state.view === "scores") drawScores();
     else if (state.view === "saliency") drawSaliency();
     else if (state.view === "changes") drawChanges();
