@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qkv-installed
 
-.PHONY: test demo install clean sweep-hf
+.PHONY: test demo install clean sweep-hf docs
 
 install: $(STAMP)
 
@@ -13,6 +13,17 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $(STAMP)
+
+# The documentation site, offline, in strict mode (a broken link or reference fails), into site/.
+DOCS_STAMP := $(VENV)/.qkv-docs-installed
+
+$(DOCS_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 # The suite runs in a random order (pytest-randomly, in the test extras), so a test that leans on
 # another's leftovers fails here rather than on someone's fresh clone. The seed is printed
@@ -40,4 +51,4 @@ sweep-hf: $(STAMP)
 	$(PY) benchmarks/hf_sweep.py --out benchmarks/results/hf_sweep.json
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

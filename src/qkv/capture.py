@@ -81,10 +81,10 @@ def capture(model: nn.Module, layers=None, heads=None, rows=None, *, batch=None,
         The context manager; entering it gives the :class:`Captured`.
 
     Raises:
-        On exit, when the block raised nothing: ValueError if a layer number, name or the
-        rows asked for matched no call, listing what the model did call. A capture that saw
-        no qkv attention call at all warns instead (and its :class:`Captured` says so when
-        indexed). On entry: ValueError for a capture of a model already being captured.
+        ValueError: On exit, when the block raised nothing, if a layer number, name or the
+            rows asked for matched no call, listing what the model did call (a capture that
+            saw no qkv attention call at all warns instead, and its :class:`Captured` says so
+            when indexed). On entry, for a capture of a model already being captured.
 
     Shape:
         Each record's ``probs`` is ``(nb, nh, nr, S)`` (all four dims always: the dims before

@@ -59,9 +59,8 @@ class MultiheadAttention(nn.MultiheadAttention):
         backend: The qkv backend of the attention call (``"auto"``; ``"reference"`` for the
             plain float64-capable math). A class attribute; set it on an instance to change it.
 
-    Args:
-        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
-        batch_first, device, dtype: As ``torch.nn.MultiheadAttention``.
+    The arguments (embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim,
+    vdim, batch_first, device, dtype) are ``torch.nn.MultiheadAttention``'s.
 
     Shape:
         query ``(T, B, C)`` (``(B, T, C)`` with ``batch_first``, ``(T, C)`` unbatched); key
