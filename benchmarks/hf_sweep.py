@@ -19,6 +19,7 @@ the same weights, eager and qkv then run, in float32:
 Each type is classified ``pass``, ``diff`` (qkv runs, a check differs: which and by how much),
 ``sdpa-equal`` (every difference from eager is one transformers' sdpa shares: qkv equals sdpa),
 ``not-dispatched`` (its attention never reached qkv: it does not use the AttentionInterface),
+``known-diff`` (a difference whose cause is known and not qkv's, listed in ``KNOWN``),
 ``fail`` (eager runs, qkv raises), ``refused`` (qkv raised a NotImplementedError naming what
 it does not do) or ``skipped`` (the tiny model cannot be built, or eager itself fails, or its
 input kind is not generated here: the reason is kept; not qkv's to answer). The random draws
@@ -56,8 +57,9 @@ SHRINK = dict(
     index_topk_blocks=2, n_routed_experts=4, num_local_experts=4, num_experts=4,
     num_experts_per_tok=2, moe_intermediate_size=16, shared_intermediate_size=16,
     dense_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
-    # vision
-    image_size=32, patch_size=8,
+    shared_experts_intermediate_size=16,
+    # vision, and the adapters between towers (their widths follow the hidden sizes above)
+    image_size=32, patch_size=8, adapter_in_dim=32, adapter_out_dim=32, adapter_input_size=32,
     # audio: whisper-like encoders take 2 * max_source_positions feature frames
     max_source_positions=32, max_target_positions=64)
 TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
@@ -68,6 +70,22 @@ OVERRIDES = {
                                mlp_layer_types=["dense", "sparse"], rotary_dim=4),
 }
 T = 10  # tokens per row; row 1 has 3 pads
+# Differences whose cause is known and not qkv's to change, by type and check.
+KNOWN = {
+    # The sink applied as a scale on the output: eager returns the softmax before it; qkv's
+    # weights are those that multiply V (sink share excluded), gpt-oss's convention, which
+    # deepseek_v4, hy_v4, inkling2 and openai_privacy_filter's eager share.
+    "granite_swa": {"weights": "eager returns the weights before the sink's scaling"},
+    "granitemoe_swa": {"weights": "eager returns the weights before the sink's scaling"},
+    # Appends a CLS token after the ids, so the sweep cannot tell the real rows of its output:
+    # with left padding its differences are the padded query rows that see no key (eager: a
+    # uniform average, qkv: 0, the mask contract); with right padding it passes.
+    **{"videoprism_text_model": dict.fromkeys(
+        ("left", "weights", "backward"), "left-padded rows that see no key (appended CLS)")},
+    # Eager and sdpa differ on this model already (outputs 7e-4, gradients; qkv equals sdpa
+    # there); sdpa returns no weights, and qkv's differ from eager's by 2e-4 downstream of it.
+    "embedding_gemma2": {"weights": "eager differs from sdpa upstream (qkv equals sdpa)"},
+}
 
 
 def _shrunk(cfg) -> dict:
@@ -107,13 +125,23 @@ def tiny_config(model_type: str):
     try:
         return AutoConfig.for_model(model_type, **new)
     except Exception:  # noqa: BLE001 (a config whose validators refuse the new sizes together)
-        for key, value in new.items():
-            if not isinstance(value, dict):
-                try:
-                    setattr(cfg, key, value)
-                except Exception:  # noqa: BLE001
-                    pass
-        return cfg
+        return _set_small(cfg, new)
+
+
+def _set_small(cfg, new: dict):
+    """``new`` set attribute by attribute, into the sub-configs too."""
+    for key, value in new.items():
+        try:
+            if isinstance(value, dict):
+                sub = getattr(cfg, key, None)
+                if sub is not None and hasattr(sub, "to_dict"):
+                    _set_small(sub, {k: v for k, v in value.items() if k in _shrunk(sub)})
+                    _set_small(sub, _shrunk(sub))
+            else:
+                setattr(cfg, key, value)
+        except Exception:  # noqa: BLE001 (a per-layer attribute some configs refuse)
+            pass
+    return cfg
 
 
 def model_class(cfg):
@@ -373,7 +401,13 @@ def _one(model_type: str, checks) -> dict:
                 done.append("generate")
             elif result is True:
                 done.append("generate")
-    if diffs and all(d.get("sdpa_equal") for d in diffs.values()):
+    known = KNOWN.get(model_type, {})
+    for check, why in known.items():
+        if check in diffs:
+            diffs[check]["known"] = why
+    if diffs and all(d.get("sdpa_equal") or d.get("known") for d in diffs.values()):
+        if any(d.get("known") for d in diffs.values()):
+            return {"status": "known-diff", "diffs": diffs, "done": done}
         return {"status": "sdpa-equal", "diffs": diffs, "done": done}
     if diffs:
         return {"status": "diff", "diffs": diffs, "done": done}
