@@ -18,12 +18,24 @@ def _top(path: Path) -> str:
     return rel.parts[0].removesuffix(".py")
 
 
+def _display_hooks(tree: ast.AST) -> set[int]:
+    """id()s of the nodes inside a ``_repr_html_``: Jupyter's display hook of a trace or a
+    capture imports viz there, on first display, and nowhere else (the one way up allowed:
+    nothing in the object's own module needs viz, and ``import qkv`` loads none of it)."""
+    return {id(n) for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef) and f.name == "_repr_html_" for n in ast.walk(f)}
+
+
 def _qkv_imports(path: Path) -> set[str]:
-    """Top-level qkv modules that ``path`` imports."""
+    """Top-level qkv modules that ``path`` imports (viz from a display hook aside)."""
     tree = ast.parse(path.read_text())
     pkg = path.relative_to(SRC).parts[:-1]
     found = set()
+    hooks = _display_hooks(tree)
     for node in ast.walk(tree):
+        if id(node) in hooks and isinstance(node, ast.ImportFrom) and \
+                node.module and node.module.split(".")[0] == "viz" and node.level == 1:
+            continue
         if isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 parts = (node.module or "").split(".")
@@ -58,6 +70,7 @@ def test_imports_point_down():
 
 def test_import_scanner_sees_relative_imports():
     assert _qkv_imports(SRC / "dispatch.py") == {"ops", "trace"}
+    assert _qkv_imports(SRC / "trace.py") == set()  # its _repr_html_'s viz is a display hook
     assert _qkv_imports(SRC / "ops" / "reference.py") == {"masks", "ops"}
 
 

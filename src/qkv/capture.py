@@ -230,6 +230,12 @@ class Captured:
             lines.append(f"  ... {len(self.sites) - 16} more sites")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows a capture as the viewer, inline (``qkv.viz.show``; one sandboxed
+        iframe). viz is imported here, on first display: ``import qkv`` loads none of it."""
+        from .viz.notebook import repr_html
+        return repr_html(self)
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the capture to one file, atomically (a temporary file beside ``path``,
         renamed over it: an interrupted save leaves ``path`` as it was). Plain tensors,

@@ -107,6 +107,12 @@ class AttentionTrace:
         state.update(_scores=self.scores, _probs=self.probs, _subset=None)
         return state
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows a trace as the viewer, inline (``qkv.viz.show``; one sandboxed
+        iframe). viz is imported here, on first display: ``import qkv`` loads none of it."""
+        from .viz.notebook import repr_html
+        return repr_html(self)
+
     def __repr__(self) -> str:
         shape = tuple(self.lse.shape) + (("S",) if callable(self._probs) else ())
         if not callable(self._probs):

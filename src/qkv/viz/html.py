@@ -221,6 +221,17 @@ def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None,
         Weights ``(B, H, T, S)``, ``(H, T, S)`` or ``(T, S)``; a capture record's probs
         ``(nb, nh, nr, S)``.
     """
+    return _write_atomic(Path(path), _page_text(
+        obj, tokens, title=title, steps=steps, batch=batch, call=call, max_cells=max_cells,
+        scores=scores, rollout=rollout, flow=flow, against=against))
+
+
+def _page_text(obj: Any, tokens: Sequence[str] | None = None, *, title: str | None = None,
+               steps: dict[str, Any] | None = None, batch: int | None = None,
+               call: int | str = 0, max_cells: int = 1 << 24, scores: Any = None,
+               rollout: Tensor | None = None, flow: Any = None, against: Any = None) -> str:
+    """The page :func:`html` writes, as text (arguments as there; ``qkv.viz.show`` puts it in
+    a notebook's iframe)."""
     if isinstance(max_cells, bool) or not isinstance(max_cells, int) or max_cells < 1:
         raise ValueError(f"max_cells must be a positive int, got {max_cells!r}")
     entries = _entries(obj, batch, call)
@@ -254,8 +265,7 @@ def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None,
     meta = {"version": 1, "title": title or "qkv attention", "tokens": token_lists,
             "entries": meta_entries, "steps": user_steps, "budget": budget,
             "scores": _scores_meta(scores, entries), "changes": _changes(entries)}
-    page = _page(meta, blobs)
-    return _write_atomic(Path(path), page)
+    return _page(meta, blobs)
 
 
 # ---------------------------------------------------------------- inputs -> entries
