@@ -74,6 +74,14 @@ def test_import_scanner_sees_relative_imports():
     assert _qkv_imports(SRC / "ops" / "reference.py") == {"masks", "ops"}
 
 
+def test_packages_count_as_their_top_module():
+    """A file inside a package (``masks/blocks.py``) takes the package's layer, and imports
+    between the package's own files are no dependency."""
+    assert _top(SRC / "masks" / "blocks.py") == "masks"
+    assert _qkv_imports(SRC / "masks" / "dense.py") == {"masks"}
+    assert _qkv_imports(SRC / "ops" / "call.py") >= {"masks"}
+
+
 def test_import_qkv_needs_only_torch():
     """``import qkv`` loads no optional library (matplotlib, triton, transformers) beyond what
     torch itself loads: ``torch._dynamo``, which qkv imports, pulls in triton whenever it is
