@@ -6,7 +6,7 @@ from pathlib import Path
 import qkv
 
 SRC = Path(qkv.__file__).parent
-LAYER = {"_files": 0, "masks": 0, "trace": 0, "testing": 0, "examples": 0, "recording": 0, "ops": 1,
+LAYER = {"_files": 0, "_progress": 0, "masks": 0, "trace": 0, "testing": 0, "examples": 0, "recording": 0, "ops": 1,
          "dispatch": 2, "functional": 3, "nn": 4, "models": 5, "tasks": 5, "viz": 5,
          "distributed": 3, "capture": 5, "torch_compat": 5, "integrations": 5, "training": 6, "cli": 7,
          "__main__": 8, "analysis": 6}

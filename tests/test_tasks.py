@@ -240,11 +240,16 @@ def test_listops_is_deterministic_and_splits_are_disjoint(tmp_path):
         _rows(a["test"].tokens, a["test"].mask))
 
 
-def test_listops_progress_on_stderr_without_tqdm(tmp_path, monkeypatch, capsys):
+def test_listops_progress_on_stderr_with_qkvs_one_bar(tmp_path, monkeypatch, capsys):
+    """Generation shows qkv's one progress bar (the trainer's), with or without tqdm."""
     monkeypatch.setitem(sys.modules, "tqdm", None)
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     tasks.listops("valid", size=5, valid_size=5, test_size=0, cache_dir=tmp_path)
-    assert "listops-cpu: 5/5 examples" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "listops-cpu [########################] 5/5 sampled=" in err and "ex/s" in err
+    tasks.listops("valid", size=5, valid_size=5, test_size=0, cache_dir=tmp_path / "quiet",
+                  progress=False)
+    assert capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------- the cache

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .._files import write_atomic
+from .._progress import Progress
 
 FORMAT = 1  # bump when a sampler, a vocabulary or this file's layout changes
 CHECKPOINT_S = 60.0  # a long generation writes what it has this often
@@ -126,7 +126,8 @@ class _Generator:
         self.saved_rng, self.saved_sampled = self.rng.getstate(), self.sampled
 
     def run(self, n: int, sample: Sampler, path: Path, progress: bool) -> None:
-        bar = _Progress(self.key, n, len(self.ends), progress)
+        bar = Progress(n, start=len(self.ends), desc=self.key, unit="ex") \
+            if progress else None
         last_write = time.monotonic()
         try:
             while len(self.ends) < n:
@@ -140,12 +141,14 @@ class _Generator:
                 self.ends.append(len(self.flat))
                 self.labels.append(label)
                 self.saved_rng, self.saved_sampled = self.rng.getstate(), self.sampled
-                bar.update(len(self.ends), self.sampled)
+                if bar is not None:
+                    bar.update(len(self.ends), sampled=self.sampled)
                 if time.monotonic() - last_write > CHECKPOINT_S:
                     self.write(path)
                     last_write = time.monotonic()
         finally:  # an interrupted run keeps what it made: the next one resumes from here
-            bar.close()
+            if bar is not None:
+                bar.__exit__(None, None, None)
             self.write(path)
 
     def state(self) -> dict:
@@ -178,41 +181,6 @@ def _to_bytes(t: Tensor) -> bytes:
         return t.numpy().tobytes()
     except (ImportError, RuntimeError):  # torch without numpy
         return bytes(t.tolist())
-
-
-class _Progress:
-    """tqdm when it is installed, else a counter on stderr at most once a second."""
-
-    def __init__(self, desc: str, total: int, initial: int, enabled: bool) -> None:
-        self.desc, self.total, self.enabled = desc, total, enabled
-        self.start = self.last = time.monotonic()
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                pass
-            else:
-                self.bar = tqdm(total=total, initial=initial, desc=desc, unit="ex")
-        self.done = initial
-
-    def update(self, done: int, sampled: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.update(done - self.done)
-            self.bar.set_postfix(sampled=sampled, refresh=False)
-        elif time.monotonic() - self.last > 1.0 or done == self.total:
-            self.last = time.monotonic()
-            print(f"\r{self.desc}: {done}/{self.total} examples ({sampled} sampled, "
-                  f"{self.last - self.start:.0f} s)", end="", file=sys.stderr, flush=True)
-        self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled and self.last > self.start:
-            print(file=sys.stderr, flush=True)
 
 
 def split_slice(split: str, size: int | None, sizes: dict[str, int]) -> tuple[int, int]:

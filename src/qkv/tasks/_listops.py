@@ -146,7 +146,7 @@ def listops(split: str = "train", *, variant: str = "cpu", seed: int = 0,
             ``~/.cache/qkv/tasks``).
         valid_size: examples in the validation split (default: the variant's).
         test_size: examples in the test split (default: the variant's).
-        progress: show progress while generating (tqdm when installed, else stderr).
+        progress: show progress while generating (a bar on stderr).
 
     Returns:
         ``ClassificationData``; ``tokens`` carry no ``<cls>``, prepend ``vocab.cls`` in the

@@ -122,7 +122,7 @@ def pathfinder(split: str = "train", *, seed: int = 0, size: int | None = None,
             14 paddles (LRA's Pathfinder and Path-X use ``"hard"``).
         valid_size: images in the validation split (even; default 1,000).
         test_size: images in the test split (even; default 1,000).
-        progress: show progress while generating (tqdm when installed, else stderr).
+        progress: show progress while generating (a bar on stderr).
         grid: write ``pathfinder{R}-{difficulty}-seed{seed}-{split}.png`` beside the cache
             file: the split's first 64 images, framed green (label 1) or red (label 0) with
             the label written under each.

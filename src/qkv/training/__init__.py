@@ -2,7 +2,7 @@
 recipes that tie a task to a model; the helpers every command shares (the output folder,
 atomic writes, torch's global settings restored)."""
 from .files import run_directory, write_atomic
-from .progress import Progress
+from .._progress import Progress
 from .torch_state import TorchState, preserve_torch_state
 from .trainer import (CHECKPOINT, METRICS, SCHEDULES, Recipe, TrainConfig, TrainResult,
                       available_devices, batch_indices, check_device, save_atomic, train)

@@ -82,7 +82,7 @@ from torch import Tensor, nn
 from .files import run_directory, write_atomic
 from .parallel import (DEFAULT_TIMEOUT, Ranks, all_gather, all_sum, check_batch, data_parallel,
                        from_rank0, lost_peer, on_every_rank, seed_rank, share)
-from .progress import Progress
+from .._progress import Progress
 from .torch_state import preserve_torch_state
 
 __all__ = ["TrainConfig", "Recipe", "TrainResult", "train", "batch_indices", "save_atomic",
