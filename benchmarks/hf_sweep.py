@@ -57,6 +57,7 @@ SHRINK = dict(
     index_topk_blocks=2, n_routed_experts=4, num_local_experts=4, num_experts=4,
     num_experts_per_tok=2, moe_intermediate_size=16, shared_intermediate_size=16,
     dense_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+    attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
     shared_experts_intermediate_size=16,
     # vision, and the adapters between towers (their widths follow the hidden sizes above)
     image_size=32, patch_size=8, adapter_in_dim=32, adapter_out_dim=32, adapter_input_size=32,
@@ -109,9 +110,22 @@ def _shrunk(cfg) -> dict:
         if isinstance(sub, transformers.PretrainedConfig):
             new[key] = {**value, **_shrunk(sub)}
     layers = new.get("num_hidden_layers", have.get("num_hidden_layers"))
-    for key in ("layer_types", "mlp_layer_types"):
-        if isinstance(have.get(key), list) and isinstance(layers, int):
-            new[key] = have[key][:layers]
+    kinds_key = next((k for k in ("layer_types", "block_types") if isinstance(have.get(k), list)),
+                     None)
+    if kinds_key and isinstance(layers, int):
+        # Hybrid models (linear attention, mamba, recurrent or conv layers beside attention
+        # ones): the first layers may hold no attention at all, so the tiny model keeps one
+        # layer of each kind, in the order the kinds first appear.
+        kinds = list(dict.fromkeys(map(str, have[kinds_key])))
+        if len(kinds) > 1 and set(kinds) - set(map(str, have[kinds_key][:layers])):
+            layers = max(layers, len(kinds))
+            new["num_hidden_layers"] = layers
+            picked = [have[kinds_key][list(map(str, have[kinds_key])).index(k)] for k in kinds]
+            new[kinds_key] = (picked * layers)[:layers]
+        else:
+            new[kinds_key] = have[kinds_key][:layers]
+    if isinstance(have.get("mlp_layer_types"), list) and isinstance(layers, int):
+        new["mlp_layer_types"] = (have["mlp_layer_types"] * layers)[:layers]
     new.update(OVERRIDES.get(cfg.model_type, {}))
     return new
 
