@@ -377,7 +377,8 @@ def test_each_process_runs_the_command_as_given_without_nproc():
     given = ["train", "listops", "--attention", "local", "--window", "8", "--steps", "7",
              "--batch-size", "6", "--lr", "0.0003", "--device", "cpu", "--seed", "5",
              "--checkpoint-every", "3", "--variant", "cpu", "--cache-dir", "c", "--out", "o",
-             "--resume", "--quiet", "--nproc", "3", "--dist-timeout", "9.5"]
+             "--resume", "--quiet", "--nproc", "3", "--dist-timeout", "9.5",
+             "--difficulty", "hard", "--resolution", "64"]  # pathfinder's, parsed alike
     args = parser.parse_args(given)
     argv = train_cli.worker_argv(args)
     assert "--nproc" not in argv and argv[:2] == ["train", "listops"]
