@@ -46,7 +46,8 @@ demo: $(STAMP)
 	@echo "cross-attention map: out/demo/reverse/cross_attention.png"
 
 # Every architecture of the installed transformers built tiny, eager against
-# attn_implementation="qkv" (about 10 minutes on 2 cores; not part of `make test`).
+# attn_implementation="qkv": padding, weights, backward, generate (about 35 minutes on 2 cores;
+# not part of `make test`; tests/test_hf_sweep.py runs a fixed subset).
 sweep-hf: $(STAMP)
 	$(PY) benchmarks/hf_sweep.py --out benchmarks/results/hf_sweep.json
 
