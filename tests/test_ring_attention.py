@@ -408,3 +408,16 @@ def test_segments_cover_the_sequence_once():
                 assert sorted(pos) == list(range(L)), (L, R, layout)
                 sizes = [sum(b - a for a, b in rr) for rr in runs]
                 assert max(sizes) - min(sizes) <= (1 if layout == "contiguous" else 2)
+
+
+def test_an_error_while_posting_tells_the_same_story_as_one_while_waiting():
+    """gloo may raise while posting a collective when a peer is already gone ("Connection
+    closed by peer"); that raised a bare RuntimeError instead of the PeerError that names what
+    was waited for (test_a_rank_that_dies... failed about once in a loaded suite run)."""
+    from qkv.distributed import PeerError, comm
+
+    def post():
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+    with pytest.raises(PeerError, match="shard sizes did not complete within 5 s.*Connection"):
+        comm.wait(post, 5, "ring_attention's exchange of shard sizes")

@@ -77,19 +77,26 @@ def comm_log():
 
 def wait(work, timeout: float | None, what: str) -> None:
     """Wait for ``work``; a failure or a missed deadline raises :class:`PeerError` saying what
-    was waited for."""
+    was waited for. ``work`` may be a function that posts the operation: gloo can raise while
+    posting ("Connection closed by peer") when a peer is already gone, and that is the same
+    story."""
     try:
+        if callable(work):
+            work = work()
         if timeout is None:
             work.wait()
         else:
             work.wait(datetime.timedelta(seconds=timeout))
     except Exception as err:  # torch raises RuntimeError or DistBackendError
-        limit = f"within {timeout:g} s" if timeout is not None else "(process-group timeout)"
-        raise PeerError(
-            f"qkv.distributed: {what} did not complete {limit}: a rank died or timed out, or "
-            f"not every rank of the group made the same call with the same arguments "
-            f"({type(err).__name__}: {err})"
-        ) from err
+        raise _peer_error(what, timeout, err) from err
+
+
+def _peer_error(what: str, timeout: float | None, err: Exception) -> PeerError:
+    limit = f"within {timeout:g} s" if timeout is not None else "(process-group timeout)"
+    return PeerError(
+        f"qkv.distributed: {what} did not complete {limit}: a rank died or timed out, or "
+        f"not every rank of the group made the same call with the same arguments "
+        f"({type(err).__name__}: {err})")
 
 
 class Pending:
@@ -120,5 +127,9 @@ def exchange(group, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, i
             if log is not None:
                 log.messages.append(Message(kind, peer, tensor.numel() * tensor.element_size(),
                                             phase, step))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    return Pending(works, timeout, f"the {phase} messages of ring step {step}")
+    what = f"the {phase} messages of ring step {step}"
+    try:
+        works = dist.batch_isend_irecv(ops) if ops else []
+    except Exception as err:  # posting fails when a peer is already gone
+        raise _peer_error(what, timeout, err) from err
+    return Pending(works, timeout, what)

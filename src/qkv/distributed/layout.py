@@ -147,7 +147,8 @@ class _Unshard(torch.autograd.Function):
         pad[dim] = longest - x.shape[dim]
         padded = torch.cat([x, x.new_zeros(pad)], dim=dim) if pad[dim] else x.contiguous()
         parts = [torch.empty_like(padded) for _ in range(R)]
-        _wait(dist.all_gather(parts, padded, group=group, async_op=True), timeout, "unshard")
+        _wait(lambda: dist.all_gather(parts, padded, group=group, async_op=True), timeout,
+              "unshard")
         out = assemble(parts, segs, dim)
         ctx.group, ctx.dim, ctx.segs, ctx.timeout = group, dim, segs[rank], timeout
         return out
@@ -155,7 +156,8 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
-        _wait(dist.all_reduce(grad, group=ctx.group, async_op=True), ctx.timeout, "unshard backward")
+        _wait(lambda: dist.all_reduce(grad, group=ctx.group, async_op=True), ctx.timeout,
+              "unshard backward")
         return _take(grad, ctx.dim, ctx.segs), None, None, None, None
 
 
@@ -177,7 +179,7 @@ def unshard(x: Tensor, group=None, *, dim: int = -2, layout: str = "contiguous",
 def _gather_lengths(n: int, group, R: int, device, timeout) -> list[int]:
     mine = torch.tensor([n], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(R)]
-    _wait(dist.all_gather(every, mine, group=group, async_op=True), timeout, "unshard")
+    _wait(lambda: dist.all_gather(every, mine, group=group, async_op=True), timeout, "unshard")
     return [int(t) for t in every]
 
 

@@ -212,7 +212,8 @@ class _Ring:
         mine = torch.tensor([T_r, S_r, B, H, G, D, Dv, _DTYPES.index(q.dtype), int(bad)],
                             dtype=torch.int64, device=q.device)
         every = [torch.empty_like(mine) for _ in range(R)]
-        comm.wait(torch.distributed.all_gather(every, mine, group=group, async_op=True), timeout,
+        comm.wait(lambda: torch.distributed.all_gather(every, mine, group=group, async_op=True),
+                  timeout,
                   "ring_attention's exchange of shard sizes")
         info = torch.stack(every).cpu().tolist()  # (R, 9)
         _check_agree(info, rank)
@@ -372,7 +373,8 @@ class _Ring:
         padded = torch.zeros(self.B, self.G, longest, self.D, dtype=k.dtype, device=k.device)
         padded[:, :, :k.shape[2]] = k.detach()
         parts = [torch.empty_like(padded) for _ in range(self.R)]
-        comm.wait(torch.distributed.all_gather(parts, padded, group=self.group, async_op=True),
+        comm.wait(lambda: torch.distributed.all_gather(parts, padded, group=self.group,
+                                                       async_op=True),
                   self.timeout, "ring_attention's gathering of keys for the trace")
         return assemble(parts, self.kv_segs, dim=2)
 
