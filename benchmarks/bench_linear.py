@@ -1,7 +1,7 @@
 """Linear attention against torch's SDPA on CPU (time, memory, crossover), and the time to
 generate one token with a recurrent state against a KV-cached softmax decoder.
 
-A thin driver over ``qkv.cli.bench`` and ``qkv.cli.bench_decode``, the libraries behind
+A thin driver over ``qkv.bench`` and ``qkv.cli.bench_decode``, the libraries behind
 ``qkv bench`` and ``qkv bench-decode`` (their docstrings say what is measured and how):
 
 * the grid: cases none and causal x T = 256 ... 65536 x fp32 x forward (and forward+backward
@@ -35,8 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from qkv.cli.bench import (MODES, Spec, bench_config, crossover_marks, crossovers, environment,
-                           load_previous, run_specs, write_json_atomic)
+from qkv.bench import (MODES, Spec, bench_config, crossover_marks, crossovers, environment,
+                       load_previous, run_specs, write_json_atomic)
 from qkv.cli.bench_decode import (DEFAULT_POSITIONS, GROWTH_TARGET, decode_config,
                                   decode_environment, decode_markdown, run_decode)
 

@@ -2,7 +2,7 @@
 (issue 17). One process, every implementation of a row measured interleaved (round-robin), so
 that ratios are taken under the same load.
 
-Part 1, masks: sliding window 256 and packed documents (``qkv.cli.bench``'s cases, B=1, H=8,
+Part 1, masks: sliding window 256 and packed documents (``qkv.bench``'s cases, B=1, H=8,
 D=64) x T x fp32/bf16 x fwd/fwd+bwd, for
 
 * ``tiled``: ``qkv.scaled_dot_product_attention(backend="tiled")`` with the structured mask;
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 import qkv
-from qkv.cli.bench import attention_flops, document_ids, mask_density, mask_mod_for, write_json_atomic
+from qkv.bench import attention_flops, document_ids, mask_density, mask_mod_for, write_json_atomic
 
 B, H, D, WINDOW = 1, 8, 64, 256
 E, HEADS = 512, 8

@@ -1,6 +1,6 @@
 """qkv's tiled backend against torch's SDPA with the mask passed densely, CPU: time and memory.
 
-A thin driver over ``qkv.cli.bench`` (the library behind ``qkv bench``; see its docstring for
+A thin driver over ``qkv.bench`` (the library behind ``qkv bench``; see its docstring for
 what is measured and how). Two modes:
 
 * the issue's full grid: cases none, causal, window (256 keys), document (packed, 512-2048
@@ -23,8 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from qkv.cli.bench import (PEER, BenchConfig, Spec, bench_config, grid, markdown_table,
-                           run_specs, write_json_atomic)
+from qkv.bench import (PEER, BenchConfig, Spec, bench_config, grid, markdown_table, run_specs,
+                       write_json_atomic)
 
 FULL_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 GIB = 1024  # MiB

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from qkv.cli.bench import write_json_atomic
+from qkv.bench import write_json_atomic
 
 KINDS = ("exact", "linear", "performer", "local")
 # LRA paper, Table 1 (full 500-2000 lengths, the released 4-layer config): test accuracy, %

@@ -2,7 +2,7 @@
 
 The grid (issue 16): T = 1k, 2k, 4k, 8k, 16k x D = 64, 128 x cases none, causal, window
 (``sliding_window(1024)``: the last 1024 keys and the query's own) and document (packed
-documents of 512-2048 tokens, ``qkv.cli.bench.document_ids``) x forward and forward+backward,
+documents of 512-2048 tokens, ``qkv.bench.document_ids``) x forward and forward+backward,
 bfloat16. Batch and heads follow FlashAttention's benchmarks: B = 16384 // T sequences (16k
 tokens per batch) and H = 2048 // D heads (model width 2048).
 
@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 import qkv
-from qkv.cli.bench import attention_flops, document_ids, mask_density
+from qkv.bench import attention_flops, document_ids, mask_density
 from qkv.ops import AttentionCall
 from qkv.ops.triton import triton_attention, triton_available
 

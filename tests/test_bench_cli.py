@@ -7,8 +7,8 @@ import torch
 import qkv
 from qkv import masks
 from qkv.cli import main
-from qkv.cli.bench import (BenchConfig, Spec, attention_flops, document_lengths, mask_density,
-                           measure, run_specs)
+from qkv.bench import (BenchConfig, Spec, attention_flops, document_lengths, mask_density, measure,
+                       run_specs)
 
 # tiled once it is registered (the impl under test), reference before that
 IMPL = "tiled" if "tiled" in qkv.backend_names() else "reference"
@@ -79,8 +79,7 @@ def test_document_lengths_are_seeded_and_cover_T():
 def test_hopeless_runs_are_skipped_with_their_reason(tmp_path, monkeypatch):
     # the length rules, whatever this machine has free (with ~2 GiB free, the memory rule
     # would name the first run instead)
-    import qkv.cli.bench as bench
-    monkeypatch.setattr(bench, "available_bytes", lambda: 1 << 40)
+    monkeypatch.setattr("qkv.bench.runner.available_bytes", lambda: 1 << 40)
     config = BenchConfig(min_run_time=0.01)
     specs = [Spec("window", 8192, "fp32", "fwd", "reference"),
              Spec("document", 32768, "bf16", "fwdbwd", "torch-dense")]
@@ -102,9 +101,9 @@ import importlib.util  # noqa: E402
 import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from qkv.cli.bench import (ALL_IMPLS, IMPLS, add_ratios, bench_config, crossovers,  # noqa: E402
-                           environment, linear_attention_flops, load_previous, markdown_table,
-                           run_name, spec_flops)
+from qkv.bench import (ALL_IMPLS, IMPLS, add_ratios, bench_config, crossovers,  # noqa: E402
+                       environment, linear_attention_flops, load_previous, markdown_table,
+                       run_name, spec_flops)
 from qkv.cli.bench_decode import decode_config, decode_ratios  # noqa: E402
 
 

@@ -1,5 +1,5 @@
 """Dependencies run one way (STYLE.md 17): masks/trace -> ops -> dispatch -> functional -> nn
--> models/tasks/capture -> training/analysis -> cli; viz reads traces only."""
+-> models/tasks/capture -> training/analysis/bench -> cli; viz reads traces only."""
 import ast
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import qkv
 SRC = Path(qkv.__file__).parent
 LAYER = {"_files": 0, "_progress": 0, "masks": 0, "trace": 0, "testing": 0, "examples": 0, "recording": 0, "ops": 1,
          "dispatch": 2, "functional": 3, "nn": 4, "models": 5, "tasks": 5, "viz": 5,
-         "distributed": 3, "capture": 5, "torch_compat": 5, "integrations": 5, "training": 6, "cli": 7,
+         "distributed": 3, "capture": 5, "torch_compat": 5, "integrations": 5, "training": 6, "bench": 6, "cli": 7,
          "__main__": 8, "analysis": 6}
 VIZ_MAY_IMPORT = {"trace", "viz"}
 

@@ -45,8 +45,9 @@ import torch
 from ..nn.cache import KVCache
 from ..ops.linear import Favor, LinearAttentionState
 from ..training import preserve_torch_state
-from .bench import (_choose, bounded_int, _cpu_model, _one_line, _positive, _qkv_version,
-                    load_previous, num_features, out_folder, write_json_atomic)
+from ..bench.report import _cpu_model, _one_line, _qkv_version, load_previous, write_json_atomic
+from ..bench.specs import _choose, _positive, bounded_int, num_features
+from .bench import out_folder
 
 __all__ = ["add_parser", "run_decode_cli", "DecodeConfig", "decode_config", "run_decode",
            "measure_decode", "measure_in_child", "decode_ratios", "decode_markdown", "decode_environment",

@@ -1,0 +1,65 @@
+"""The benchmark behind ``qkv bench``: the tiled backend against torch's SDPA with dense masks, in
+time and memory.
+
+Four cases -- no mask, causal, a sliding window of 256 keys, packed documents of 512 to 2048
+tokens -- at lengths T, in float32 and bfloat16, forward (no_grad) and forward+backward, for
+four implementations:
+
+* ``tiled``: ``qkv.scaled_dot_product_attention(backend="tiled")`` with the structured mask as
+  ``mask_mod`` (``is_causal=True`` for causal, nothing for none);
+* ``auto``: the same call with ``backend="auto"`` (the dispatcher's choice is recorded);
+* ``torch-dense``: ``torch.nn.functional.scaled_dot_product_attention`` called directly, with
+  the structured mask as a dense bool ``attn_mask`` from ``qkv.masks.to_dense`` -- the peer
+  every ratio is taken against;
+* ``reference``: ``backend="reference"``, the plain (T, S) twin.
+
+Each measurement runs in a fresh process so that its peak memory is its own: peak extra
+memory = peak resident memory over the warm-up call minus the resident memory before the mask
+was built (so a dense mask counts; q, k, v do not). Time = median of ``torch.utils.benchmark``
+``blocked_autorange`` with all of torch's threads. FLOPs are counted once, the same for every
+implementation: ``4*B*H*T*S*D`` forward over the pairs the mask allows (halved when causal), 3.5x
+that for forward+backward (STYLE.md 15), so GFLOP/s compares useful work.
+
+Linear attention (``--impls linear performer torch``; cases none and causal only, others are
+skipped with the reason recorded):
+
+* ``linear``: ``qkv.linear_attention`` with the elu feature map (``is_causal=True`` for causal);
+* ``performer``: the same with ``feature_map=qkv.Favor(D, seed=0)`` (M = D ln D features);
+* ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` called natively, no mask
+  (``is_causal=True`` for causal): SDPA's best call, a flash kernel with O(T) memory -- the
+  peer the linear ratios are taken against. Like torch-dense it is skipped beyond
+  ``DENSE_MAX_T`` unless ``--all`` (its time grows as T^2: tens of seconds a call at 64k).
+
+Linear records count the linear form's own FLOPs (:func:`linear_attention_flops`), so their
+GFLOP/s says how well that kernel uses the CPU; it does not compare with the exact rows'
+GFLOP/s (another function, far less work): compare time. A run with any linear impl writes
+``linear.json``/``linear.png`` instead of ``tiled.json``/``tiled.png``.
+
+The harness, by job: :mod:`qkv.bench.specs` (the grid, the cases' masks and FLOPs, what is
+skipped), :mod:`qkv.bench.runner` (one measurement in a fresh process, a run of many),
+:mod:`qkv.bench.report` (ratios, the Markdown table, crossovers, the environment, the
+JSON).
+``qkv bench`` (``qkv.cli.bench``) parses its arguments and calls these.
+
+Shape alphabet: B batch, H heads, T query length, S key length (= T here), D head dim,
+M features, Dv value dim.
+"""
+from __future__ import annotations
+
+from .runner import measure, run_measurement, run_specs, worker_main
+from .report import (Crossover, add_ratios, crossover_marks, crossovers, environment,
+                     load_previous, markdown_table, ratio_of, write_json_atomic)
+from .specs import (ALL_IMPLS, CASES, DTYPES, IMPLS, LINEAR_IMPLS, MODES, PEER, PEERS,
+                    BenchConfig, Spec, attention_flops, available_bytes, bench_config,
+                    dense_bytes, document_ids, document_lengths, grid, linear_attention_flops,
+                    mask_density, mask_mod_for, num_features, run_name, skip_reason, spec_flops)
+
+__all__ = [
+    "BenchConfig", "Spec", "bench_config", "grid", "run_name",
+    "attention_flops", "linear_attention_flops", "num_features", "spec_flops", "mask_density",
+    "mask_mod_for", "document_lengths", "document_ids", "dense_bytes", "skip_reason",
+    "available_bytes", "measure", "run_measurement", "worker_main", "run_specs", "add_ratios",
+    "ratio_of", "markdown_table", "Crossover", "crossovers", "crossover_marks", "environment",
+    "load_previous", "write_json_atomic",
+    "CASES", "IMPLS", "DTYPES", "MODES", "PEER", "LINEAR_IMPLS", "ALL_IMPLS", "PEERS",
+]
