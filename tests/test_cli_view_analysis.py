@@ -107,12 +107,14 @@ def test_against_shows_the_signed_difference_of_every_head(saved, tmp_path, caps
     for ra, rb, d in zip(a, b, values, strict=True):
         assert torch.equal(d, ra.probs[0].float() - rb.probs[0].float())  # (H, T, T), signed
     assert (torch.cat(values) < 0).any() and (torch.cat(values) > 0).any()
-    means = [c["mean"] for c in meta["changes"]]
-    assert means == sorted(means, reverse=True) and len(means) == 4  # 2 layers x 2 heads
-    for c in meta["changes"]:
+    cmp = qkv.analysis.compare(a, b)  # the page's ranking is the library's, to the bit
+    shown = [(meta["entries"][c["entry"]]["layer"],
+              meta["entries"][c["entry"]]["heads"][c["hi"]]["head"]) for c in meta["changes"]]
+    assert shown == cmp.ranked("mean") and len(shown) == 4  # 2 layers x 2 heads
+    for c, key in zip(meta["changes"], shown):
+        assert (c["mean"], c["max"]) == (cmp[key]["mean"], cmp[key]["max"])
         d = values[c["entry"]][c["hi"]].abs()
-        assert c["mean"] == pytest.approx(float(d.double().mean()))
-        assert c["max"] == pytest.approx(float(d.max()))
+        assert c["mean"] == float(d.double().mean()) and c["max"] == float(d.max())
     assert 'id="tab-changes"' in out.read_text()
 
 
@@ -120,16 +122,20 @@ def test_against_shows_the_signed_difference_of_every_head(saved, tmp_path, caps
 
 
 @pytest.mark.parametrize("case, message", [
-    ("short", "differ at 'blocks.layers.0.self_attn' (layer 0): (B, H, T, S) (1, 2, 10, 10) heads [0, 1] "
-     "against (1, 2, 8, 8) heads [0, 1]; compare captures of the same architecture"),
-    ("bounded", "differ at 'blocks.layers.0.self_attn' (layer 0): (B, H, T, S) (1, 2, 10, 10) "
-                "heads [0, 1] against (1, 2, 10, 10) heads [1]"),
-    ("other-records", "are not captures of the same architecture: 2 records"),
+    ("short", "a.pt with {short}: layer 0 ('blocks.layers.0.self_attn'): a's call is (B, H, T, "
+              "S) (1, 2, 10, 10) and b's (1, 2, 8, 8); compare captures of the same "
+              "architecture and input length"),
+    ("bounded", "layer 0 ('blocks.layers.0.self_attn'): a kept heads [0, 1] and b [1]; capture "
+                "both with the same heads="),
+    ("other-records", "one_layer.pt: the captures record different layers (call 0): a has 2 "
+                      "(layer 0 blocks.layers.0.self_attn, layer 1 blocks.layers.1.self_attn), "
+                      "b has 1"),
     ("missing-against", "--against nothing.pt does not exist: give a second saved capture "
                         "(.pt)"),
     ("against-and-scores", "--against shows differences; --scores and --rollout are of one "
                            "capture: write them on a page of its own"),
-    ("against-a-folder", "--against compares two saved captures:"),
+    ("against-a-folder", "is neither a qkv train run (no checkpoint.pt) nor a Hugging Face "
+                         "model folder"),
     ("flow-not-a-number", "--flow x: 'x' is not a number"),
     ("flow-out-of-range", "--flow 10: no output position 10 among T=10 tokens; give 0..9, or -1 "
                           "for the last"),
@@ -159,5 +165,5 @@ def test_bad_uses_of_the_analysis_flags(saved, tmp_path, capsys, case, message):
     assert main(["view", *argv, "--out", str(out)]) == 2
     printed, err = capsys.readouterr()
     assert printed == "" and err.count("\n") == 1 and err.startswith("qkv view: error: "), err
-    assert message in err, err
+    assert message.format(short=saved["short"]) in err, err
     assert not out.parent.exists()

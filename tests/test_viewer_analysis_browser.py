@@ -6,7 +6,7 @@ profile, every request but the file blocked and counted):
   shows for an output position, equal ``qkv.analysis.rollout`` / ``flow`` (float32 exactly);
 * a difference page (``against=``): a positive and a negative difference are drawn in
   different hues (blue and red), on the canvas and by ``colourOf``; the Changes table ranks
-  the heads by mean |difference| as Python does;
+  the heads by mean and max |difference| as ``qkv.analysis.compare`` does;
 * head scores: choosing a score in ``#score`` reorders the table's heads exactly as
   ``HeadScores.sorted_by``; a click on a row opens that head in the matrix view;
 * and on each page: no request besides the file, no console or page error.
@@ -120,14 +120,13 @@ def test_difference_colours_are_signed_and_heads_ranked(captures, tmp_path, open
     zero = o.js("([l, h]) => window.qkvViewer.colourOf(l, h, 0, 5)", [layer, head])  # causal: 0
     assert zero == [255, 255, 255]
     assert o.hover(*neg).startswith(f"q={neg[0]} k={neg[1]} d=-")
-    # Changes: heads by mean |d|, most changed first, as computed here.
-    mean = d.abs().double().mean((-1, -2))  # (L, H)
-    want = sorted(((li, h) for li in range(L) for h in range(H)), key=lambda x: -mean[x])
+    # Changes: heads by mean |d|, most changed first, as qkv.analysis.compare ranks them (the
+    # entry of layer l is l, the head position of head h is h: all are kept).
+    cmp = qkv.analysis.compare(a, b)
     o.page.click("#tab-changes")
-    assert [tuple(x) for x in o.js("() => window.qkvViewer.changeOrder()")] == want
+    assert [tuple(x) for x in o.js("() => window.qkvViewer.changeOrder()")] == cmp.ranked("mean")
     o.page.select_option("#change-by", "max")
-    mx = d.abs().amax((-1, -2))
-    by_max = sorted(((li, h) for li in range(L) for h in range(H)), key=lambda x: -mx[x])
+    by_max = cmp.ranked("max")
     assert [tuple(x) for x in o.js("() => window.qkvViewer.changeOrder()")] == by_max
     o.page.click("#changes-table tbody tr:first-child")  # opens the most changed head
     assert o.state() == {"layer": by_max[0][0], "head": by_max[0][1], "view": "matrix"}

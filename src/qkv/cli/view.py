@@ -26,9 +26,11 @@ What the page adds (:mod:`qkv.analysis`, imported only when asked for):
 * ``--flow POS``: :func:`qkv.analysis.flow` of one output position (``-1`` the last): one max
   flow per input token (scipy's when installed, else networkx's: seconds at a few hundred
   tokens, minutes beyond), shown beside the rollout.
-* ``--against B.pt``: a second saved capture of the same architecture and input length: the
-  page shows ``SOURCE - B`` per head on a signed colour scale and ranks the heads by how much
-  they changed (mean ``|difference|``).
+* ``--against B.pt``: a saved capture of the same architecture, input length and bounds as
+  what ``SOURCE`` gives (a saved capture, or a run's or a Hugging Face model's new capture):
+  :func:`qkv.analysis.compare` of the two; the page shows ``SOURCE - B`` per head on a signed
+  colour scale and ranks the heads by how much they changed (mean or max ``|difference|``),
+  the comparison's own numbers.
 """
 from __future__ import annotations
 
@@ -81,8 +83,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="add attention flow into one output position (-1: the last); one max "
                    "flow per input token, slow beyond a few hundred tokens")
     p.add_argument("--against", metavar="B.pt",
-                   help="a second saved capture of the same architecture: show the difference "
-                   "SOURCE - B.pt per head and rank the heads by how much they changed")
+                   help="a saved capture of the same architecture, input length and bounds: "
+                   "show the difference SOURCE - B.pt per head and rank the heads by how much "
+                   "they changed")
     p.add_argument("--title", help="the page's title (default: what it shows)")
     p.add_argument("--cache-dir", default=None,
                    help="for a run folder: where its task's data is cached (as qkv train's)")
@@ -97,9 +100,6 @@ def run_view(args: argparse.Namespace) -> int:
     bounds = dict(layers=parse_index(args.layers, "--layers", names=True),
                   heads=parse_index(args.heads, "--heads"), rows=parse_index(args.rows, "--rows"))
     extras = _extras_asked(args)
-    if args.against is not None and not source.is_file():
-        raise ValueError(f"--against compares two saved captures: {source} is not a file; "
-                         f"save both with Captured.save and pass the first as SOURCE")
     if args.against is not None and not Path(args.against).is_file():
         raise ValueError(f"--against {args.against} does not exist: give a second saved "
                          f"capture (.pt)")
@@ -127,8 +127,7 @@ def run_view(args: argparse.Namespace) -> int:
                          f"run folder or a Hugging Face model folder")
     if args.against is not None:
         other, _, _ = _saved_capture(Path(args.against))
-        _same_architecture(obj, other, source, Path(args.against))
-        extras = dict(against=other)
+        extras = dict(against=_compare(obj, other, source, Path(args.against)))
         title = f"{title} - {Path(args.against).name}"
     else:
         extras = _analyses(obj, extras)
@@ -199,31 +198,16 @@ def _rollout_length(cap: Captured) -> int:
     raise ValueError("--flow needs self-attention layers (T == S); the capture holds none")
 
 
-def _same_architecture(a: Captured, b: Captured, pa: Path, pb: Path) -> None:
-    """Raise unless ``a`` and ``b`` recorded the same sites, calls and shapes."""
-    def sites(cap: Captured) -> list[tuple]:
-        return [(r.name, int(r.layer), int(r.call)) for r in cap.records]
+def _compare(a: Captured, b: Captured, pa: Path, pb: Path):
+    """:func:`qkv.analysis.compare` of the batch element the page shows (the first kept);
+    a mismatch says both paths."""
+    from .. import analysis  # imported only when --against asks for it
 
-    def show(cap: Captured) -> str:
-        return ", ".join(f"{n or '(model)'} call {c}" for n, _, c in sites(cap)[:6]) + (
-            " ..." if len(cap.records) > 6 else "")
-
-    def kept(r) -> tuple:
-        return tuple(r.shape), r.heads.tolist(), r.rows.tolist(), r.batch.tolist()
-
-    if sites(a) != sites(b):
-        raise ValueError(f"{pa} and {pb} are not captures of the same architecture: "
-                         f"{len(a.records)} records ({show(a)}) against {len(b.records)} "
-                         f"({show(b)})")
-    for ra, rb in zip(a.records, b.records):
-        if kept(ra) != kept(rb):
-            (sa, ha, _, ba), (sb, hb, _, bb) = kept(ra), kept(rb)
-            raise ValueError(f"{pa} and {pb} differ at {ra.name!r} (layer {ra.layer}): "
-                             f"(B, H, T, S) {sa} heads {ha} against {sb} heads {hb}"
-                             + ("" if (sa, ha) != (sb, hb) else
-                                f", or their kept rows or batch elements ({ba} / {bb})")
-                             + "; compare captures of the same architecture, input length "
-                             "and bounds")
+    first = int(a.records[0].batch[0]) if a.records and len(a.records[0].batch) else None
+    try:
+        return analysis.compare(a, b, batch=first)
+    except ValueError as e:
+        raise ValueError(f"cannot compare {pa} with {pb}: {e}") from None
 
 
 def _refuse(args: argparse.Namespace, options: tuple[str, ...], why: str) -> None:

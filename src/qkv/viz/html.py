@@ -31,10 +31,13 @@ Analyses (results of :mod:`qkv.analysis`, passed in: viz computes none of them):
 * ``rollout=`` ``(T, T)`` and ``flow=(F, positions)``: one more layer entry each (kind
   ``"rollout"``, ``"flow"``: one head, rows = the outputs, columns = the input tokens, stored as
   any head's weights) and **Saliency**: one output position's row as shaded tokens.
-* ``against=`` (a second input of the same shapes): every head becomes the signed difference
-  ``obj - against`` (kind ``"diff"``), drawn on a diverging scale (blue positive, white 0, red
-  negative; zoomed out, each pixel shows the covered value of largest ``|d|``), and
-  **Changes** ranks the heads by mean (or max) ``|d|``. The page opens on the matrix view.
+* ``against=`` (a second input of the same shapes, or ``qkv.analysis.compare(obj, b)``): every
+  head becomes the signed difference ``obj - against`` (kind ``"diff"``), drawn on a diverging
+  scale (blue positive, white 0, red negative; zoomed out, each pixel shows the covered value
+  of largest ``|d|``), and **Changes** ranks the heads by mean (or max) ``|d|``, ties in layer
+  then head order: the numbers and order of ``Comparison.ranked`` (given a comparison, its
+  very numbers; given a second input, the same arithmetic on the batch element shown). The
+  page opens on the matrix view.
 
 Inputs. A capture (:func:`qkv.capture`'s ``Captured``, or a list of its records): one
 *layer* entry per site, its call ``call`` (default 0; ``call="all"`` makes one entry per call,
@@ -168,6 +171,8 @@ class _Entry:
     steps: list[dict] = field(default_factory=list)
     kind: str = "attention"  # "attention", "rollout", "flow" or "diff" (signed: obj - against)
     layer: int | None = None  # the capture's layer number (head scores find their heads by it)
+    batch: int | None = None  # a capture's batch element shown (its true index)
+    change: list[dict] | None = None  # per head {"mean", "max"} |d| given by a comparison
 
 
 def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None, *,
@@ -205,9 +210,11 @@ def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None,
             element) of the output positions ``positions`` (P ints, ``qkv.analysis.flow(cap,
             positions=...)``): one more entry, ``"flow"``, also shown as saliency.
         against: A second input of the same kind and shapes (two captures of one
-            architecture: two inputs, or before and after fine-tuning). The page then shows
-            the signed difference ``obj - against`` of every head (a diverging colour scale)
-            and the Changes tab ranks the heads by mean and max ``|difference|``.
+            architecture: two inputs, or before and after fine-tuning), or the comparison
+            ``qkv.analysis.compare(obj, b)`` of one batch element (``batch=``, the one the
+            page shows). The page then shows the signed difference ``obj - against`` of every
+            head (a diverging colour scale) and the Changes tab ranks the heads by mean and
+            max ``|difference|`` (a comparison's own numbers).
 
     Returns:
         The path written.
@@ -239,7 +246,8 @@ def _page_text(obj: Any, tokens: Sequence[str] | None = None, *, title: str | No
         if scores is not None or rollout is not None or flow is not None:
             raise ValueError("against= shows differences; scores=, rollout= and flow= are of "
                              "one input: write them on a page of their own")
-        entries = _diff_entries(entries, _entries(against, batch, call))
+        entries = _compared_entries(entries, against, call) if _is_comparison(against) \
+            else _diff_entries(entries, _entries(against, batch, call))
     entries += _analysis_entries(rollout, flow, entries)
     token_lists, labels = _tokens(tokens, entries)
     user_steps = _user_steps(steps, entries[0], labels[0], token_lists)
@@ -364,7 +372,8 @@ def _capture_entries(records: list, batch: int | None, call: int | str) -> list[
         T, S = (int(r.shape[2]), int(r.shape[3])) if hasattr(r, "shape") else \
             (int(max(r.rows)) + 1, int(r.probs.shape[-1]))
         entries.append(_Entry(label, r.probs[pos].detach(), [int(h) for h in r.heads],
-                              [int(i) for i in r.rows], T, S, layer=int(r.layer)))
+                              [int(i) for i in r.rows], T, S, layer=int(r.layer),
+                              batch=kept[pos]))
     if not entries:
         raise ValueError(f"every record with call={call} kept 0 query rows (rows outside "
                          f"those calls); capture other rows or pass call='all'")
@@ -390,8 +399,44 @@ def _diff_entries(mine: list[_Entry], other: list[_Entry]) -> list[_Entry]:
             raise ValueError(f"cannot compare: {_shape_text(a)} against {_shape_text(b)}; "
                              f"compare two captures of the same architecture, heads, rows and "
                              f"input length")
-        d = a.probs.to("cpu", torch.float32) - b.probs.to("cpu", torch.float32)  # (nh, nr, S)
+        # float64 when both are, else float32: qkv.analysis.compare's arithmetic
+        dtype = torch.float64 if a.probs.dtype == b.probs.dtype == torch.float64 \
+            else torch.float32
+        d = a.probs.to("cpu", dtype) - b.probs.to("cpu", dtype)  # (nh, nr, S)
         out.append(_Entry(a.label, d, a.heads, a.rows, a.T, a.S, kind="diff", layer=a.layer))
+    return out
+
+
+def _is_comparison(x: Any) -> bool:
+    return all(hasattr(x, a) for a in ("differences", "keys", "mean", "max", "ranked"))
+
+
+def _compared_entries(mine: list[_Entry], cmp: Any, call: int | str) -> list[_Entry]:
+    """The entries of a comparison (``qkv.analysis.compare(obj, b)``) of the capture shown:
+    each difference, and each head's mean and max ``|d|`` as the comparison computed them."""
+    if call == "all" or not mine or any(e.layer is None or e.batch is None for e in mine):
+        raise ValueError("against= a comparison shows it over the capture it compared "
+                         "(one call): pass that capture as obj, and call= an int")
+    diffs = {(int(d.layer), int(d.call)): d for d in cmp.differences}
+    if len(diffs) != len(mine):
+        raise ValueError(f"cannot show this comparison: it holds {len(diffs)} layers and the "
+                         f"capture shown {len(mine)}; compare that capture (call={call})")
+    stats = dict(zip(cmp.keys, zip(cmp.mean.tolist(), cmp.max.tolist())))
+    out = []
+    for e in mine:
+        d = diffs.get((e.layer, call))
+        if d is None or ([int(h) for h in d.heads], [int(r) for r in d.rows], int(d.shape[2]),
+                         int(d.shape[3])) != (e.heads, e.rows, e.T, e.S):
+            raise ValueError(f"cannot show this comparison over {_shape_text(e)}: it compared "
+                             f"other layers, heads, rows or lengths; compare the capture shown")
+        kept = [int(b) for b in d.batch]
+        if kept != [e.batch]:
+            raise ValueError(f"the comparison covers batch elements {kept} and the page shows "
+                             f"batch element {e.batch}: compare(a, b, batch={e.batch}), or "
+                             f"pass batch= one it holds")
+        change = [dict(zip(("mean", "max"), stats[e.layer, h])) for h in e.heads]
+        out.append(_Entry(e.label, d.diff[0], e.heads, e.rows, e.T, e.S, kind="diff",
+                          layer=e.layer, change=change))
     return out
 
 
@@ -476,9 +521,11 @@ def _changes(entries: list[_Entry]) -> list[dict] | None:
     for i, e in enumerate(entries):
         for hi, h in enumerate(e.heads):
             d = e.probs[hi].abs()  # (nr, S)
-            out.append({"entry": i, "hi": hi, "label": e.label, "head": h,
-                        "mean": float(d.double().mean()), "max": float(d.max())})
-    out.sort(key=lambda c: -c["mean"])
+            mean, mx = (e.change[hi]["mean"], e.change[hi]["max"]) if e.change else \
+                (float(d.double().mean()), float(d.max()))
+            out.append({"entry": i, "hi": hi, "label": e.label, "head": h, "mean": mean,
+                        "max": mx})
+    out.sort(key=lambda c: -c["mean"])  # stable: ties in entry, then head order
     return out
 
 

@@ -878,7 +878,8 @@
   let changeBy = "mean";
 
   function drawChanges() {
-    const t = $("changes-table"), rows = META.changes.slice().sort((a, b) => b[changeBy] - a[changeBy]);
+    const t = $("changes-table"), rows = META.changes.slice().sort( // ties: layer entry, then head (compare().ranked)
+      (a, b) => (b[changeBy] - a[changeBy]) || (a.entry - b.entry) || (a.hi - b.hi));
     t.innerHTML = "";
     const head = t.createTHead().insertRow();
     for (const name of ["rank", "layer", "head", "mean |d|", "max |d|"]) { const th = document.createElement("th"); th.textContent = name; head.appendChild(th); }
