@@ -158,13 +158,13 @@ def test_weights_of_a_closed_form_case():
 
 def test_weights_come_from_a_fast_backend_trace(monkeypatch):
     backends = []
-    inner = tc.scaled_dot_product_attention
+    inner = tc.module.scaled_dot_product_attention  # what the drop-in calls
 
     def spy(*args, **kwargs):
         res = inner(*args, **kwargs)
         backends.append(res[1].backend if kwargs["return_trace"] else None)
         return res
-    monkeypatch.setattr(tc, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(tc.module, "scaled_dot_product_attention", spy)
     theirs, ours = _pair(batch_first=True)
     x = torch.randn(2, 6, E, dtype=DT)
     kpm = torch.tensor([[False] * 6, [False] * 2 + [True] * 4])
@@ -467,12 +467,12 @@ def test_nested_input_refuses_masks():
 def qkv_calls(monkeypatch):
     """Counts the attention calls the drop-in makes into qkv."""
     calls = []
-    inner = tc.scaled_dot_product_attention
+    inner = tc.module.scaled_dot_product_attention  # what the drop-in calls
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("backend"))
         return inner(*args, **kwargs)
-    monkeypatch.setattr(tc, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(tc.module, "scaled_dot_product_attention", spy)
     return calls
 
 

@@ -1,27 +1,20 @@
-"""A drop-in for ``torch.nn.MultiheadAttention`` that runs qkv: weights with fast kernels, no NaN.
-
-    import qkv.torch_compat
-    qkv.torch_compat.patch(model)           # every nn.MultiheadAttention in model, in place
-    mha = qkv.torch_compat.MultiheadAttention(512, 8, batch_first=True)   # or build one
-
-**This module is the one place in qkv where torch's mask polarity applies**: a bool
-``key_padding_mask`` or ``attn_mask`` marks with True what may NOT be attended, exactly as in
-torch. Everywhere else in qkv a bool mask means True = may attend (see ``qkv.MultiHeadAttention``).
+"""The drop-in module: ``torch.nn.MultiheadAttention``'s constructor, parameters and call,
+computed by qkv (see :mod:`qkv.torch_compat`; bool masks here are torch's: True = NOT allowed).
 
 Shape alphabet: B batch, H heads, T query length, S key length, S' = S plus one key per
 ``add_bias_kv`` and ``add_zero_attn``, D head dim, C embed_dim, Ck/Cv key/value channels.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import scaled_dot_product_attention
+from ..functional import scaled_dot_product_attention
+from .checks import _check_call, _check_lengths, _check_nested, _check_tensors
+from .torch_masks import _causal_replaces_mask, _qkv_mask
 
-__all__ = ["MultiheadAttention", "patch"]
+__all__ = ["MultiheadAttention"]
 
 
 class MultiheadAttention(nn.MultiheadAttention):
@@ -209,53 +202,6 @@ class MultiheadAttention(nn.MultiheadAttention):
         return out, _shape_weights(probs, average_attn_weights, batched=True)
 
 
-def patch(model: nn.Module) -> nn.Module:
-    """Make every ``torch.nn.MultiheadAttention`` in ``model`` a qkv :class:`MultiheadAttention`,
-    in place: the same module objects, parameters, buffers and hooks, now computed by qkv.
-
-    The modules stay where they are and keep their Parameter objects (an optimizer built
-    before patching keeps working) and everything torch's module holds; only their class
-    changes (as ``torch.nn.utils.parametrize`` changes a module's class). Outputs stay equal
-    to torch's (except NaN rows, which become finite), ``need_weights=True`` gives weights
-    from a fast kernel, and inside ``nn.TransformerEncoderLayer``/``nn.TransformerEncoder``
-    the attention runs in qkv in every mode (torch's fused inference kernel is skipped for
-    the patched layers). Patching twice changes nothing.
-
-    Args:
-        model: A module containing ``nn.MultiheadAttention`` modules, or one itself.
-
-    Returns:
-        ``model`` (when ``model`` is itself an ``nn.MultiheadAttention``, it is the patched
-        module).
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or holds a subclass of
-            ``nn.MultiheadAttention`` whose own code a class change would drop.
-        ValueError: ``model`` holds no ``nn.MultiheadAttention``.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"patch needs a torch.nn.Module, got {type(model).__name__}")
-    found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.MultiheadAttention)]
-    foreign = [f"{name or '<model>'} ({type(m).__qualname__})" for name, m in found
-               if type(m) not in (nn.MultiheadAttention, MultiheadAttention)]
-    if foreign:
-        raise TypeError(
-            f"patch replaces torch.nn.MultiheadAttention itself, but {', '.join(foreign)} "
-            f"subclass it with code of their own that patching would drop; build those as "
-            f"qkv.torch_compat.MultiheadAttention yourself, or patch a model without them"
-        )
-    if not found:
-        raise ValueError(
-            f"patch found no torch.nn.MultiheadAttention in {type(model).__name__}: nothing "
-            f"to replace (qkv's own modules, e.g. qkv.MultiHeadAttention, need no patch)"
-        )
-    for _, m in found:
-        m.__class__ = MultiheadAttention
-        _keep_own_forward(m)
-    return model
-
-
 # --- Keeping torch's fused encoder kernel from skipping this module ---------------------------
 
 def _forward_runs_here(module: nn.Module, args: tuple) -> None:
@@ -276,51 +222,7 @@ def _keep_own_forward(m: nn.Module) -> None:
         m.register_forward_pre_hook(_forward_runs_here)
 
 
-# --- torch's masks as qkv's ---------------------------------------------------------------------
-
-def _causal_replaces_mask(is_causal: bool, key_padding_mask: Tensor | None,
-                          need_weights: bool) -> bool:
-    """torch's rule (``F.multi_head_attention_forward``): ``is_causal`` is a hint that
-    ``attn_mask`` is causal; the causal mask replaces ``attn_mask`` only when there is no
-    ``key_padding_mask`` and no weights are asked for; otherwise ``attn_mask`` is used."""
-    return bool(is_causal) and key_padding_mask is None and not need_weights
-
-
-def _qkv_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None,
-              sizes: tuple[int, int, int, int], extra: int, dtype: torch.dtype) -> Tensor | None:
-    """torch's two masks as one qkv mask: bool True = may attend, or float added.
-
-    Bool masks (True = hidden) are inverted and combined; when either mask is float, each
-    becomes torch's additive form (bool -> 0 / -inf in the query dtype) and they are added,
-    as torch does. The ``extra`` key positions of ``add_bias_kv``/``add_zero_attn`` are
-    visible to every query.
-
-    Shape:
-        attn_mask ``(T, S)`` or ``(B*H, T, S)``; key_padding_mask ``(B, S)`` -> broadcastable
-        to ``(B, H, T, S + extra)``, with ``sizes = (B, H, T, S)``.
-    """
-    B, H, T, S = sizes
-    masks = []
-    if attn_mask is not None:
-        masks.append(attn_mask if attn_mask.dim() == 2 else attn_mask.reshape(B, H, T, S))
-    if key_padding_mask is not None:
-        masks.append(key_padding_mask.reshape(B, 1, 1, S))  # (B, 1, 1, S)
-    if not masks:
-        return None
-    if extra:
-        masks = [F.pad(m, (0, extra)) for m in masks]  # False / 0.0: the extra keys are seen
-    if all(m.dtype == torch.bool for m in masks):
-        hidden = masks[0] if len(masks) == 1 else masks[0] | masks[1]
-        return ~hidden
-    added = [m if m.is_floating_point() else _additive(m, dtype) for m in masks]
-    return added[0] if len(added) == 1 else added[0] + added[1]
-
-
-def _additive(hidden: Tensor, dtype: torch.dtype) -> Tensor:
-    """torch's ``_canonical_mask``: a bool mask (True = hidden) as 0 / -inf."""
-    return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
-        hidden, float("-inf"))
-
+# --- The weights and nested lengths in torch's layout ------------------------------------------
 
 def _shape_weights(probs: Tensor | None, average: bool, batched: bool) -> Tensor | None:
     """Shape:
@@ -334,133 +236,3 @@ def _shape_weights(probs: Tensor | None, average: bool, batched: bool) -> Tensor
 def _lengths(nested: Tensor) -> Tensor:
     """Shape: a nested ``(B, L_b, C)`` -> ``(B,)`` lengths L_b."""
     return torch.tensor([t.shape[0] for t in nested.unbind()], device=nested.device)
-
-
-# --- Input checks: torch's, in torch's order, with its exception types ---------------------------
-
-class _InputError(ValueError, AssertionError):
-    """A bad input: a ValueError, and the AssertionError torch raises for it."""
-
-
-class _MaskError(ValueError, RuntimeError):
-    """A bad mask or flag: a ValueError, and the RuntimeError torch raises for it."""
-
-
-def _check_tensors(query, key, value) -> None:
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-
-
-def _check_call(m: MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
-                key_padding_mask: Tensor | None, attn_mask: Tensor | None,
-                is_causal: bool) -> bool:
-    """torch's checks of a forward call up to the lengths (:func:`_check_lengths`), in its
-    order; returns whether the call is batched."""
-    _check_mask_dtypes(key_padding_mask, attn_mask)
-    batched = _check_dims(query, key, value, key_padding_mask, attn_mask, m.num_heads)
-    if is_causal and attn_mask is None:
-        raise _MaskError(
-            "Need attn_mask if specifying the is_causal hint. (torch's MultiheadAttention "
-            "takes is_causal=True as a hint that attn_mask is causal: pass attn_mask="
-            "nn.Transformer.generate_square_subsequent_mask(T) with it; qkv.MultiHeadAttention "
-            "takes is_causal=True alone)")
-    _check_channels(m, query, key, value)
-    return batched
-
-
-def _check_mask_dtypes(key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> None:
-    for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
-        if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
-            raise _InputError(
-                f"only bool and floating types of {name} are supported, got {mask.dtype}: "
-                f"pass a bool mask (True = NOT allowed, torch's polarity) or a float one "
-                f"(added to the scores), e.g. {name}.bool()")
-    if key_padding_mask is not None and attn_mask is not None and (
-            key_padding_mask.dtype != attn_mask.dtype):
-        warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
-                      "Use same type for both instead.", stacklevel=3)
-
-
-def _check_dims(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
-                attn_mask: Tensor | None, num_heads: int) -> bool:
-    """torch's ``_mha_shape_check``: returns whether the call is batched."""
-    if query.dim() not in (2, 3):
-        raise _InputError(
-            f"query should be unbatched 2D or batched 3D tensor but received {query.dim()}-D "
-            f"query tensor (shape {tuple(query.shape)})")
-    batched = query.dim() == 3
-    kind, want = ("batched (3-D)", 3) if batched else ("unbatched (2-D)", 2)
-    if key.dim() != want or value.dim() != want:
-        raise _InputError(
-            f"For {kind} `query`, expected `key` and `value` to be {want}-D but found "
-            f"{key.dim()}-D and {value.dim()}-D tensors respectively; batch all three or none")
-    if key_padding_mask is not None and key_padding_mask.dim() != want - 1:
-        raise _InputError(
-            f"For {kind} `query`, expected `key_padding_mask` to be `None` or {want - 1}-D but "
-            f"found {key_padding_mask.dim()}-D tensor instead (shape (B, S), or (S,) unbatched)")
-    if attn_mask is not None and attn_mask.dim() not in (2, 3):
-        raise _InputError(
-            f"For {kind} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found "
-            f"{attn_mask.dim()}-D tensor instead (shape (T, S) or (B*num_heads, T, S))")
-    if not batched and attn_mask is not None and attn_mask.dim() == 3:
-        expected = (num_heads, query.shape[0], key.shape[0])
-        if tuple(attn_mask.shape) != expected:
-            raise _InputError(f"Expected `attn_mask` shape to be {expected} but got "
-                              f"{tuple(attn_mask.shape)} (num_heads, T, S)")
-    return batched
-
-
-def _check_channels(m: MultiheadAttention, query: Tensor, key: Tensor, value: Tensor) -> None:
-    for name, t, c in (("query", query, m.embed_dim), ("key", key, m.kdim),
-                       ("value", value, m.vdim)):
-        if t.size(-1) != c:  # size(-1), not shape: a nested tensor has no shape
-            what = "embed_dim" if name == "query" else name[0] + "dim"
-            raise _InputError(
-                f"was expecting embedding dimension of {c}, but got {t.size(-1)}: {name} "
-                f"must have {what}={c} channels in its last dim")
-
-
-def _check_lengths(m: MultiheadAttention, q: Tensor, k: Tensor, v: Tensor,
-                   key_padding_mask: Tensor | None, attn_mask: Tensor | None) -> None:
-    """Batch and lengths of batch-first inputs and masks (torch's messages, then ours).
-
-    Shape:
-        q ``(B, T, C)``, k ``(B, S, Ck)``, v ``(B, S, Cv)``.
-    """
-    (B, T), S = q.shape[:2], k.shape[1]
-    if k.shape[:2] != v.shape[:2] or k.shape[0] != B:
-        raise _InputError(
-            f"key's sequence and batch dims do not match value's or query's batch: got (B, L) "
-            f"query {tuple(q.shape[:2])}, key {tuple(k.shape[:2])}, value {tuple(v.shape[:2])} "
-            f"in batch-first order; key and value need the same S, all three the same B")
-    if attn_mask is not None:
-        want = (T, S) if attn_mask.dim() == 2 else (B * m.num_heads, T, S)
-        if tuple(attn_mask.shape) != want:
-            raise _MaskError(
-                f"The shape of the {attn_mask.dim()}D attn_mask is {tuple(attn_mask.shape)}, "
-                f"but should be {want} (T={T} queries, S={S} keys"
-                f"{'' if attn_mask.dim() == 2 else f', B*num_heads={B}*{m.num_heads}'})")
-    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (B, S):
-        raise _InputError(f"Expected key_padding_mask of shape (B, S) = {(B, S)}, but got "
-                          f"{tuple(key_padding_mask.shape)}")
-
-
-def _check_nested(m: MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
-                  key_padding_mask: Tensor | None, attn_mask: Tensor | None,
-                  is_causal: bool) -> None:
-    if not (query.is_nested and key.is_nested and value.is_nested):
-        raise _InputError("nested query, key and value go together: pass all three nested, "
-                          "or all three padded with a key_padding_mask")
-    if key_padding_mask is not None or attn_mask is not None or is_causal:
-        raise _InputError(
-            "nested tensors carry their own padding and take no key_padding_mask, attn_mask or "
-            "is_causal (as on torch's fast path); pass padded tensors to mask more")
-    if not m.batch_first:
-        raise _InputError("nested tensors are (B, L_b, C), batch first: build the module with "
-                          "batch_first=True, or pass padded (L, B, C) tensors")
-    sizes = [t.size(0) for t in (query, key, value)]
-    if len(set(sizes)) != 1:
-        raise _InputError(f"nested query, key and value must hold the same number of "
-                          f"sequences, got {sizes}")
-    _check_channels(m, query, key, value)
