@@ -167,3 +167,123 @@ def test_bad_uses_of_the_analysis_flags(saved, tmp_path, capsys, case, message):
     assert printed == "" and err.count("\n") == 1 and err.startswith("qkv view: error: "), err
     assert message.format(short=saved["short"]) in err, err
     assert not out.parent.exists()
+
+
+# ---- the flags on a qkv train run and on a Hugging Face folder ---------------------------------
+# The run (3 steps of qkv train reverse) and the Hugging Face folder (a 2-layer Llama from a
+# small random config, a word-level tokenizer) are test_cli_view.py's fixtures.
+
+from test_cli_view import TEXT, hf_folder, reverse_run  # noqa: E402,F401  (fixtures)
+
+from qkv.cli.view import load_run  # noqa: E402
+
+SRC = "3 1 4 1 5"
+
+
+def _encoder_capture(run: Path, cache: Path, text: str) -> qkv.Captured:
+    """The run's encoder self-attention on ``text`` (the decoder's input does not reach it)."""
+    recipe, model = load_run(run, cache_dir=str(cache))
+    src = torch.tensor([recipe.train_data.vocab.encode(text.split())])  # (1, S)
+    with torch.no_grad(), qkv.capture(model, layers=["encoder"]) as cap:
+        model(src, torch.tensor([[1]]))
+    return cap
+
+
+def _run_argv(reverse_run, *flags: str) -> list[str]:
+    run, cache, _ = reverse_run
+    return [str(run), "--input", SRC, "--cache-dir", str(cache), *flags]
+
+
+def test_scores_and_rollout_of_a_run(reverse_run, tmp_path, capsys):
+    run, cache, _ = reverse_run
+    out = tmp_path / "run.html"
+    meta, values = _view(capsys, _run_argv(reverse_run, "--layers", "encoder", "--scores",
+                                           "--induction-period", "2", "--rollout"), out)
+    cap = _encoder_capture(run, cache, SRC)
+    table = qkv.analysis.head_scores(cap, induction=2)
+    assert [(h["layer"], h["head"]) for h in meta["scores"]["heads"]] == list(table.keys)
+    for h, row in zip(meta["scores"]["heads"], table.values.tolist()):
+        assert h["values"] == pytest.approx(row, rel=1e-9, abs=1e-12)
+    assert [e["kind"] for e in meta["entries"]] == ["attention", "attention", "rollout"]
+    R = qkv.analysis.rollout(cap)[0]  # (S, S) over the input tokens
+    torch.testing.assert_close(values[2][0], R.float(), rtol=0, atol=1e-6)
+    assert meta["tokens"] == [SRC.split()] and meta["title"].endswith(", encoder self-attention")
+    text = out.read_text()
+    assert 'id="tab-scores"' in text and 'id="tab-saliency"' in text
+
+
+def test_a_run_against_a_saved_capture(reverse_run, tmp_path, capsys):
+    run, cache, _ = reverse_run
+    other = "5 1 4 1 3"
+    _encoder_capture(run, cache, other).save(tmp_path / "other.pt")
+    out = tmp_path / "diff.html"
+    meta, values = _view(capsys, _run_argv(reverse_run, "--layers", "encoder", "--against",
+                                           str(tmp_path / "other.pt")), out)
+    cmp = qkv.analysis.compare(_encoder_capture(run, cache, SRC),
+                               qkv.load_capture(tmp_path / "other.pt"))
+    assert [e["kind"] for e in meta["entries"]] == ["diff", "diff"]
+    for e, d in zip(meta["entries"], values, strict=True):
+        want = torch.stack([cmp.diff(e["layer"], h["head"])[0] for h in e["heads"]])
+        torch.testing.assert_close(d, want, rtol=0, atol=1e-6)  # (H, S, S)
+    shown = [(meta["entries"][c["entry"]]["layer"], c["head"]) for c in meta["changes"]]
+    assert sorted(shown) == sorted(cmp.keys) and (values[0] != 0).any()
+    assert meta["title"].endswith(" - other.pt")
+
+
+def test_a_run_default_cross_attention_has_no_scores(reverse_run, tmp_path, capsys):
+    out = tmp_path / "new" / "page.html"
+    assert main(["view", *_run_argv(reverse_run, "--scores", "--rollout"), "--out",
+                 str(out)]) == 2
+    printed, err = capsys.readouterr()
+    assert printed == "" and err.count("\n") == 1 and not out.parent.exists()
+    assert ("--scores and --rollout read self-attention (T == S), and this capture holds none "
+            "(e.g. 'decoder.layers.0.cross_attn': T=") in err
+    assert "add --layers encoder, or decoder self-attention by name" in err
+
+
+def _hf_capture(folder: Path, text: str) -> qkv.Captured:
+    from transformers import AutoModel, AutoTokenizer
+
+    from qkv.integrations import transformers as qkv_hf
+
+    model = AutoModel.from_pretrained(folder, local_files_only=True).eval()
+    model.set_attn_implementation(qkv_hf.register())
+    enc = AutoTokenizer.from_pretrained(folder, local_files_only=True)(text, return_tensors="pt")
+    with torch.no_grad(), qkv.capture(model) as cap:
+        model(**enc)
+    return cap
+
+
+def test_scores_and_rollout_of_a_hugging_face_folder(hf_folder, tmp_path, capsys):
+    text = "the cat sat the cat sat"  # repeats every 3 tokens
+    out = tmp_path / "hf.html"
+    meta, values = _view(capsys, [str(hf_folder), "--text", text, "--scores",
+                                  "--induction-period", "3", "--rollout"], out)
+    cap = _hf_capture(hf_folder, text)
+    table = qkv.analysis.head_scores(cap, induction=3)
+    assert [(h["layer"], h["head"]) for h in meta["scores"]["heads"]] == list(table.keys)
+    assert len(table.keys) == 8  # 2 layers x 4 query heads (2 key/value heads: GQA)
+    for h, row in zip(meta["scores"]["heads"], table.values.tolist()):
+        assert h["values"] == pytest.approx(row, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(values[2][0], qkv.analysis.rollout(cap)[0].float(), rtol=0,
+                               atol=1e-6)
+    assert meta["tokens"] == [text.split()]
+
+
+def test_a_hugging_face_folder_against_a_saved_capture(hf_folder, tmp_path, capsys):
+    _hf_capture(hf_folder, "the mat sat on the cat").save(tmp_path / "b.pt")
+    capsys.readouterr()  # transformers' loading bars
+    out = tmp_path / "hf-diff.html"
+    meta, values = _view(capsys, [str(hf_folder), "--text", TEXT, "--against",
+                                  str(tmp_path / "b.pt")], out)
+    cmp = qkv.analysis.compare(_hf_capture(hf_folder, TEXT), qkv.load_capture(tmp_path / "b.pt"))
+    shown = [(meta["entries"][c["entry"]]["layer"], c["head"]) for c in meta["changes"]]
+    assert sorted(shown) == sorted(cmp.keys) and len(shown) == 8
+    for e, d in zip(meta["entries"], values, strict=True):
+        want = torch.stack([cmp.diff(e["layer"], h["head"])[0] for h in e["heads"]])
+        torch.testing.assert_close(d, want, rtol=0, atol=1e-6)
+    short = tmp_path / "short.pt"
+    _hf_capture(hf_folder, "the cat").save(short)
+    assert main(["view", str(hf_folder), "--text", TEXT, "--against", str(short),
+                 "--out", str(tmp_path / "x" / "p.html")]) == 2
+    assert "a's call is (B, H, T, S) (1, 4, 6, 6) and b's (1, 4, 2, 2)" in capsys.readouterr()[1]

@@ -170,6 +170,7 @@ def _analyses(cap: Captured, asked: dict) -> dict:
         return {}
     from .. import analysis  # imported only when a flag asks for it
 
+    _self_attention(cap, asked)
     out: dict = {}
     if asked["scores"]:
         out["scores"] = analysis.head_scores(cap, induction=asked["period"])
@@ -188,6 +189,20 @@ def _analyses(cap: Captured, asked: dict) -> dict:
             solver = "networkx"
         out["flow"] = (analysis.flow(cap, positions=[pos], solver=solver), [pos])  # (B, 1, T)
     return out
+
+
+def _self_attention(cap: Captured, asked: dict) -> None:
+    """Refuse, in the CLI's words, a capture with no self-attention call for the analyses."""
+    if not cap.records or any(r.call == 0 and r.shape[2] == r.shape[3] for r in cap.records):
+        return
+    flags = [f for f, on in (("--scores", asked["scores"]), ("--rollout", asked["rollout"]),
+                             ("--flow", asked["flow"] is not None)) if on]
+    r = cap.records[0]
+    raise ValueError(f"{' and '.join(flags)} read self-attention (T == S), and this capture "
+                     f"holds none (e.g. {r.name!r}: T={r.shape[2]} queries, S={r.shape[3]} "
+                     f"keys): a sequence-to-sequence run shows its cross-attention by default; "
+                     f"add --layers encoder, or decoder self-attention by name (--layers "
+                     f"decoder.layers.0.self_attn)")
 
 
 def _rollout_length(cap: Captured) -> int:
