@@ -98,6 +98,16 @@ def test_rollout_and_flow_become_entries_of_the_page(saved, tmp_path, capsys):
     assert 'id="tab-saliency"' in out.read_text()
 
 
+def test_rollout_per_head_is_an_entry_of_every_head_chain(saved, tmp_path, capsys):
+    out = tmp_path / "per_head.html"
+    meta, values = _view(capsys, [str(saved["a"]), "--rollout", "per-head"], out)
+    R = qkv.analysis.rollout(qkv.load_capture(saved["a"]), heads="per_head")[0]  # (H, T, T)
+    e = meta["entries"][2]
+    assert (e["kind"], e["label"], len(e["heads"])) == ("rollout", "rollout per head (all "
+                                                                   "layers)", 2)
+    assert torch.equal(values[2], R.float())
+
+
 def test_against_shows_the_signed_difference_of_every_head(saved, tmp_path, capsys):
     out = tmp_path / "diff.html"
     meta, values = _view(capsys, [str(saved["a"]), "--against", str(saved["b"])], out)

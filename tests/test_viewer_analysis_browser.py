@@ -4,6 +4,7 @@ profile, every request but the file blocked and counted):
 
 * rollout and flow: every value the page holds for the rollout entry, and the saliency it
   shows for an output position, equal ``qkv.analysis.rollout`` / ``flow`` (float32 exactly);
+  a per-head rollout likewise, head by head through Saliency's head selector;
 * a difference page (``against=``): a positive and a negative difference are drawn in
   different hues (blue and red), on the canvas and by ``colourOf``; the Changes table ranks
   the heads by mean and max |difference| as ``qkv.analysis.compare`` does;
@@ -91,6 +92,43 @@ def test_rollout_and_flow_in_the_page_equal_the_python_result(captures, tmp_path
     o.page.select_option("#saliency-of", str(L + 1))
     assert o.state()["view"] == "saliency"
     _quiet(o)
+
+
+def test_per_head_rollout_in_the_page_equals_the_python_result(captures, tmp_path, opened):
+    """rollout(cap, heads="per_head") ``(1, H, T, T)``: one entry of H heads (chain h: head h of
+    every layer); every value through value(), and Saliency's head selector shows chain h's
+    row of an output position, equal the Python result (float32 exactly)."""
+    cap = captures[0]
+    R = qkv.analysis.rollout(cap, heads="per_head")  # (1, H, T, T)
+    path = tmp_path / "per_head.html"
+    qkv.viz.html(cap, path, WORDS, rollout=R)
+    o = opened(path)
+    entry = o.js("() => JSON.parse(document.getElementById('qkv-meta').textContent).entries[2]")
+    assert entry["kind"] == "rollout" and [h["head"] for h in entry["heads"]] == list(range(H))
+    got = torch.tensor(o.js(
+        "([li, H, T]) => { const out = []; for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
+        " for (let k = 0; k < T; k++) out.push(window.qkvViewer.value(li, h, q, k)); return out; }",
+        [L, H, T]), dtype=torch.float64).view(H, T, T)
+    assert torch.equal(got, R[0].float().double())
+    assert not torch.equal(got[0], got[1])  # the chains differ
+    o.page.click("#tab-saliency")
+    assert o.page.locator("#saliency-head-label").is_visible()
+    for h, q in ((0, T - 1), (3, T - 1), (2, 4)):
+        o.page.select_option("#saliency-pos", str(q))
+        o.page.select_option("#saliency-head", str(h))
+        shown = o.js("() => [...document.querySelectorAll('#saliency span.tok')].map(s => s.title)")
+        assert shown == [f"k={k} " + o.to_precision4(float(R[0, h, q, k].float())) for k in range(T)]
+        assert o.js("([q, h]) => window.qkvViewer.saliency(" + str(L) + ", q, h)", [q, h]) == \
+            R[0, h, q].float().tolist()
+        assert f"through head {h} of every layer" in o.js(
+            "() => document.getElementById('saliency-note').textContent")
+    _quiet(o)
+    # A head-mean rollout has no head selector.
+    qkv.viz.html(cap, tmp_path / "mean.html", WORDS, rollout=qkv.analysis.rollout(cap))
+    o2 = opened(tmp_path / "mean.html")
+    o2.page.click("#tab-saliency")
+    assert not o2.page.locator("#saliency-head-label").is_visible()
+    _quiet(o2)
 
 
 def test_difference_colours_are_signed_and_heads_ranked(captures, tmp_path, opened):

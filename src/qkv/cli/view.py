@@ -22,7 +22,9 @@ What the page adds (:mod:`qkv.analysis`, imported only when asked for):
   ``--induction-period N`` scores induction on an input that repeats every N tokens.
 * ``--rollout``: :func:`qkv.analysis.rollout` as one more layer entry (its matrix) and the
   Saliency tab (one output position's share from each input token). It needs every query
-  row of every self-attention layer (no ``--rows``).
+  row of every self-attention layer (no ``--rows``). ``--rollout per-head`` chains head ``h``
+  of every layer alone (``heads="per_head"``): an entry of H heads, a head selector in
+  Saliency.
 * ``--flow POS``: :func:`qkv.analysis.flow` of one output position (``-1`` the last): one max
   flow per input token (scipy's when installed, else networkx's: seconds at a few hundred
   tokens, minutes beyond), shown beside the rollout.
@@ -76,8 +78,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--induction-period", metavar="N",
                    help="with --scores: the input repeats every N tokens from position 0 "
                    "(qkv.analysis.induction_input); scores induction")
-    p.add_argument("--rollout", action="store_true",
-                   help="add attention rollout over all layers, as a matrix and as token "
+    p.add_argument("--rollout", nargs="?", const="mean", choices=("mean", "per-head"),
+                   help="add attention rollout over all layers (of the head mean, or "
+                   "'per-head': head h of every layer alone), as a matrix and as token "
                    "saliency per output position (needs every query row: no --rows)")
     p.add_argument("--flow", metavar="POS",
                    help="add attention flow into one output position (-1: the last); one max "
@@ -175,7 +178,8 @@ def _analyses(cap: Captured, asked: dict) -> dict:
     if asked["scores"]:
         out["scores"] = analysis.head_scores(cap, induction=asked["period"])
     if asked["rollout"]:
-        out["rollout"] = analysis.rollout(cap)  # (B, T, T): the page shows the first
+        heads = "per_head" if asked["rollout"] == "per-head" else "mean"
+        out["rollout"] = analysis.rollout(cap, heads=heads)  # (B[, H], T, T): the first shown
     if asked["flow"] is not None:
         T = _rollout_length(cap)
         if not -T <= asked["flow"] < T:

@@ -30,7 +30,9 @@ Analyses (results of :mod:`qkv.analysis`, passed in: viz computes none of them):
   view, and the query rows that score used in each layer.
 * ``rollout=`` ``(T, T)`` and ``flow=(F, positions)``: one more layer entry each (kind
   ``"rollout"``, ``"flow"``: one head, rows = the outputs, columns = the input tokens, stored as
-  any head's weights) and **Saliency**: one output position's row as shaded tokens.
+  any head's weights) and **Saliency**: one output position's row as shaded tokens. A
+  per-head rollout ``(B, H, T, T)`` (``rollout(cap, heads="per_head")``: head ``h`` of every
+  layer chained alone) is one entry of H heads, and Saliency gets a head selector.
 * ``against=`` (a second input of the same shapes, or ``qkv.analysis.compare(obj, b)``): every
   head becomes the signed difference ``obj - against`` (kind ``"diff"``), drawn on a diverging
   scale (blue positive, white 0, red negative; zoomed out, each pixel shows the covered value
@@ -111,7 +113,8 @@ DOM/JS contract (browser tests rely on it; kept stable):
 * Analyses, when given: ``#tab-scores``/``#view-scores`` (``<select id="score">``, the table
   ``#scores-table`` whose body rows carry ``data-layer``/``data-head``, ``#scores-rows``);
   ``#tab-saliency``/``#view-saliency`` (``#saliency-of`` the entry, ``#saliency-pos`` the
-  output, ``#saliency span.tok`` with ``title`` ``k=<j> <value>``); ``#tab-changes``/
+  output, ``#saliency-head`` the head chain of a per-head rollout, ``#saliency span.tok`` with
+  ``title`` ``k=<j> <value>``); ``#tab-changes``/
   ``#view-changes`` (``#change-by``, ``#changes-table``). A difference's hover text is
   ``q=<i> k=<j> d=<value>``.
 * ``window.qkvViewer``: ``state`` (``{layer, head, view}``; head is ``"all"`` or a number),
@@ -122,7 +125,8 @@ DOM/JS contract (browser tests rely on it; kept stable):
   ``null`` when the cell is not in view), ``digest(canvasId)`` (a short hash of the canvas
   pixels), ``setView(name)``, ``setLayer(i)``, ``setHead(h)`` (each redraws before it returns);
   ``setScore(name)``, ``scoreOrder()`` (``[layer, head]`` of the scores table, top down),
-  ``saliency(entry, q)`` (output ``q``'s row of a rollout/flow entry), ``setSaliency(entry, q)``,
+  ``saliency(entry, q, h = 0)`` (output ``q``'s row of a rollout/flow entry, head position
+  ``h``), ``setSaliency(entry, q, h = 0)``,
   ``changeOrder()`` (``[entry, head position]``, most changed first), ``setChangeBy("mean" |
   "max")``, ``colourOf(layer, head, q, k)`` (``[r, g, b]`` of that cell on the colour scale).
 
@@ -205,7 +209,9 @@ def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None,
             says which query rows each score used.
         rollout: Attention rollout ``(T, T)`` (or ``(B, T, T)``: its first element), e.g.
             ``qkv.analysis.rollout(cap)``: one more layer entry, ``"rollout"``, and the
-            Saliency tab (a chosen output position's share from each input token).
+            Saliency tab (a chosen output position's share from each input token). A
+            per-head rollout ``(B, H, T, T)`` (``heads="per_head"``, its first element)
+            makes that entry one of H heads, with a head selector in Saliency.
         flow: ``(F, positions)``: attention flow ``(P, T)`` (or ``(B, P, T)``: its first
             element) of the output positions ``positions`` (P ints, ``qkv.analysis.flow(cap,
             positions=...)``): one more entry, ``"flow"``, also shown as saliency.
@@ -457,11 +463,13 @@ def _analysis_entries(rollout: Any, flow: Any, entries: list[_Entry]) -> list[_E
     out = []
     S = entries[0].S
     if rollout is not None:
-        R = _first(rollout, 2, "rollout")  # (T, T)
-        if R.shape[0] != R.shape[1] or R.shape[1] != S:
-            raise ValueError(f"rollout must be (T, T) over the page's {S} tokens, got shape "
-                             f"{tuple(R.shape)}")
-        out.append(_Entry("rollout (all layers)", R[None], [0], list(range(S)), S, S,
+        per_head = isinstance(rollout, Tensor) and rollout.dim() == 4
+        R = rollout.detach()[0] if per_head else _first(rollout, 2, "rollout")[None]  # (H', T, T)
+        if R.shape[1] != R.shape[2] or R.shape[2] != S:
+            raise ValueError(f"rollout must be (T, T) (or (B, H, T, T) per head) over the "
+                             f"page's {S} tokens, got shape {tuple(rollout.shape)}")
+        label = "rollout per head (all layers)" if per_head else "rollout (all layers)"
+        out.append(_Entry(label, R, list(range(R.shape[0])), list(range(S)), S, S,
                           kind="rollout"))
     if flow is not None:
         if not (isinstance(flow, (tuple, list)) and len(flow) == 2):
@@ -837,6 +845,7 @@ _VIEW_SALIENCY = """
   <div class="controls">
     <label>of <select id="saliency-of"></select></label>
     <label>output position <select id="saliency-pos"></select></label>
+    <label id="saliency-head-label" hidden>head <select id="saliency-head"></select></label>
     <span id="saliency-note" class="note"></span>
   </div>
   <div id="saliency"></div>

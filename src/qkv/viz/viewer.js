@@ -833,33 +833,38 @@
 
   // ------------------------------------------------------------------ saliency (rollout, flow)
   const SALIENT = ENTRIES.map((e, i) => i).filter((i) => ENTRIES[i].kind === "rollout" || ENTRIES[i].kind === "flow");
-  let sal = SALIENT.length ? { li: SALIENT[0], q: rowsOf(ENTRIES[SALIENT[0]])[ENTRIES[SALIENT[0]].nr - 1] } : null;
+  let sal = SALIENT.length ? { li: SALIENT[0], q: rowsOf(ENTRIES[SALIENT[0]])[ENTRIES[SALIENT[0]].nr - 1], hi: 0 } : null;
 
-  /** Output position q's share from each input token, in the rollout or flow entry li. */
-  function saliency(li, q) {
+  /** Output position q's share from each input token, in the rollout or flow entry li; for a
+   *  per-head rollout (several heads), in head chain hi (default 0). */
+  function saliency(li, q, hi = 0) {
     const e = ENTRIES[+li];
-    if (!e || (e.kind !== "rollout" && e.kind !== "flow")) return null;
-    const r = posOf(e, +q), m = mat(+li, 0), out = [];
+    if (!e || (e.kind !== "rollout" && e.kind !== "flow") || !(+hi >= 0 && +hi < e.heads.length)) return null;
+    const r = posOf(e, +q), m = mat(+li, +hi), out = [];
     if (r < 0) return null;
     for (let c = 0; c < e.S; c++) out.push(m.cell(r, c).v);
     return out;
   }
 
-  function setSaliency(li, q) {
-    if (saliency(li, q) === null) throw new Error(`setSaliency: entry ${li} is not a rollout/flow entry with output ${q}`);
-    sal = { li: +li, q: +q };
+  function setSaliency(li, q, hi = 0) {
+    if (saliency(li, q, hi) === null) throw new Error(`setSaliency: entry ${li} is not a rollout/flow entry with output ${q} and head ${hi}`);
+    sal = { li: +li, q: +q, hi: +hi };
     draw();
   }
 
   function drawSaliency() {
-    const of = $("saliency-of"), pos = $("saliency-pos"), e = ENTRIES[sal.li], rows = rowsOf(e);
+    const of = $("saliency-of"), pos = $("saliency-pos"), hsel = $("saliency-head"), e = ENTRIES[sal.li], rows = rowsOf(e);
     of.innerHTML = "";
     for (const i of SALIENT) { const o = document.createElement("option"); o.value = String(i); o.textContent = ENTRIES[i].label; of.appendChild(o); }
     of.value = String(sal.li);
     pos.innerHTML = "";
     rows.forEach((q, r) => { const o = document.createElement("option"); o.value = String(q); o.textContent = `${q} “${clip(qLabel(e, r), 24)}”`; pos.appendChild(o); });
     pos.value = String(sal.q);
-    const v = saliency(sal.li, sal.q), top = Math.max(...v), box = $("saliency");
+    hsel.innerHTML = "";
+    e.heads.forEach((h, i) => { const o = document.createElement("option"); o.value = String(i); o.textContent = `head ${h.head}`; hsel.appendChild(o); });
+    hsel.value = String(sal.hi);
+    $("saliency-head-label").hidden = e.heads.length < 2;
+    const v = saliency(sal.li, sal.q, sal.hi), top = Math.max(...v), box = $("saliency");
     box.innerHTML = "";
     v.forEach((w, c) => {
       const span = document.createElement("span");
@@ -871,7 +876,8 @@
     });
     const ranked = v.map((w, c) => [c, w]).sort((a, b) => b[1] - a[1]).slice(0, 10);
     $("saliency-top").textContent = "largest: " + ranked.map(([c, w]) => `k=${c} “${clip(kLabel(e, c), 16)}” ${fmt(w)}`).join(", ");
-    $("saliency-note").textContent = `${e.kind === "rollout" ? "rollout: the share of output" : "flow: the max flow into output"} ${sal.q} from each input token (darker = more; row sums to 1).`;
+    const chain = e.heads.length > 1 ? ` through head ${e.heads[sal.hi].head} of every layer` : "";
+    $("saliency-note").textContent = `${e.kind === "rollout" ? "rollout: the share of output" : "flow: the max flow into output"} ${sal.q} from each input token${chain} (darker = more; row sums to 1).`;
   }
 
   // ------------------------------------------------------------------ changes (difference page)
@@ -922,9 +928,10 @@
     if (sal) {
       $("saliency-of").addEventListener("change", () => {
         const li = +$("saliency-of").value, rows = rowsOf(ENTRIES[li]);
-        setSaliency(li, rows.includes(sal.q) ? sal.q : rows[rows.length - 1]);
+        setSaliency(li, rows.includes(sal.q) ? sal.q : rows[rows.length - 1], sal.hi < ENTRIES[li].heads.length ? sal.hi : 0);
       });
-      $("saliency-pos").addEventListener("change", () => setSaliency(sal.li, +$("saliency-pos").value));
+      $("saliency-pos").addEventListener("change", () => setSaliency(sal.li, +$("saliency-pos").value, sal.hi));
+      $("saliency-head").addEventListener("change", () => setSaliency(sal.li, sal.q, +$("saliency-head").value));
     }
     if (META.changes) $("change-by").addEventListener("change", () => setChangeBy($("change-by").value));
   }
