@@ -236,3 +236,84 @@ def test_model_view_shows_every_layer_and_head_and_opens_a_cell(captures, tmp_pa
     o.page.click("#model-grid canvas.mthumb[data-layer='1'][data-head='2']")
     assert o.state() == {"layer": 1, "head": 2, "view": "matrix"}
     _quiet(o)
+
+
+# ---- the docs walkthrough's pages and pictures ------------------------------------------------
+
+def _run_docs_page(page, cwd) -> dict:
+    """Run docs/PAGE's python blocks in ``cwd``, as tests/test_docs.py does; their namespace."""
+    import contextlib
+    import io
+    import os
+
+    from test_docs import blocks
+
+    namespace: dict = {"__name__": "docs." + page.stem}
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        for b in blocks(page):
+            if b["why"] is None:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    exec(compile(b["code"], f"{page.name}:{b['line']}", "exec"), namespace)
+    finally:
+        os.chdir(here)
+    return namespace
+
+
+def test_docs_walkthrough_pages(tmp_path, opened):
+    """docs/interpretability.md's pages (its code writes them) hold Python's numbers: the Head
+    scores order, the per-head rollout's saliency, the Changes ranking. Pictures of each view
+    go to tmp_path, and to docs/img/ with QKV_DOCS_SCREENSHOTS=1 (each under 150 KB)."""
+    import os
+    import shutil
+
+    page = harness.REPO / "docs" / "interpretability.md"
+    ns = _run_docs_page(page, tmp_path)
+    table, per, cmp, words = ns["table"], ns["per"], ns["cmp"], ns["words"]
+    shots = {}
+
+    o = opened(tmp_path / "scores.html")
+    o.page.click("#tab-scores")
+    o.page.select_option("#score", "induction")
+    assert [tuple(x) for x in o.js("() => window.qkvViewer.scoreOrder()")] == \
+        list(table.sorted_by("induction").keys)
+    shots["scores"] = o.page.locator("#view-scores").screenshot(type="png")
+    _quiet(o)
+
+    o = opened(tmp_path / "rollout.html")
+    o.page.click("#tab-saliency")
+    T = len(words)
+    o.page.select_option("#saliency-pos", str(T - 1))
+    o.page.select_option("#saliency-head", "0")
+    assert o.js("q => window.qkvViewer.saliency(2, q, 0)", T - 1) == per[0, 0, T - 1].float().tolist()
+    shots["rollout"] = o.page.locator("#view-saliency").screenshot(type="png")
+    _quiet(o)
+
+    o = opened(tmp_path / "changes.html")
+    o.page.click("#tab-changes")
+    assert [tuple(x) for x in o.js("() => window.qkvViewer.changeOrder()")] == cmp.ranked()
+    o.page.click("#changes-table tbody tr:first-child")  # the most changed head, its matrix
+    assert o.state() == {"layer": 0, "head": 0, "view": "matrix"}
+    shots["changes"] = _stacked(o)
+    _quiet(o)
+
+    for name, png in shots.items():
+        assert 2_000 < len(png) < 150_000, (name, len(png))
+        (tmp_path / f"interpretability-{name}.png").write_bytes(png)
+        if os.environ.get("QKV_DOCS_SCREENSHOTS") == "1":
+            out = harness.REPO / "docs" / "img" / f"interpretability-{name}.png"
+            shutil.copyfile(tmp_path / f"interpretability-{name}.png", out)
+
+
+def _stacked(o: Opened) -> bytes:
+    """The Changes table above the matrix of the head it opened, as one picture (the table is
+    put back, above the matrix, for the shot)."""
+    o.js("() => { const t = document.getElementById('view-changes'); t.classList.add('active');"
+         " document.getElementById('view-matrix').before(t); }")
+    box_t = o.page.locator("#view-changes").bounding_box()
+    box_m = o.page.locator("#view-matrix").bounding_box()
+    top = min(box_t["y"], box_m["y"])
+    bottom = max(box_t["y"] + box_t["height"], box_m["y"] + min(box_m["height"], 560))
+    return o.page.screenshot(type="png", full_page=True,
+                             clip={"x": 0, "y": top, "width": 900, "height": bottom - top})
