@@ -30,7 +30,7 @@ def plan_only(call: AttentionCall):
     """The call's block lists, as the forward builds them."""
     B, H = call.BH
     plan = _Plan(B, H, H, call.T, call.S, call.scale, _kernel_mask(call), None, None,
-                 default_blocks(max(call.D, call.Dv)), False, call.device)
+                 default_blocks(max(call.D, call.Dv), banded=call.is_causal), False, call.device)
     return plan.lists(plan.blocks.m, plan.blocks.n)
 
 

@@ -540,7 +540,7 @@ def test_offset_mask_is_the_piece_of_the_whole_mask(name, T, S):
         got = qkv.masks.evaluate_mask(piece, *idx).expand(B, H, t, s)
         assert torch.equal(got, want), (q0, k0)
         for bq, bk in ((3, 5), (4, 4)):
-            state = block_states(piece, Grid(B, H, t, s, bq, bk, torch.device("cpu")))
+            state = block_states(piece, Grid(B, H, t, s, bq, bk, want.device))
             state = state.expand(B, H, -1, -1)
             all_, none = _twin_blocks(want, bq, bk)
             assert not bool((state == FULL)[~all_].any()), (q0, k0, bq, bk)

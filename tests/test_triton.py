@@ -336,8 +336,9 @@ def _record_launches(monkeypatch, call: AttentionCall) -> list:
 
 def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch):
     """Every kernel, with every feature switched on, compiles for sm_90 (TTIR -> PTX -> cubin
-    with triton's bundled ptxas) under the GPU's own specialisation, and its shared memory
-    fits an A100: what the interpreter cannot check (it runs any Python triton accepts)."""
+    with triton's bundled ptxas) under the GPU's own specialisation at the default blocks, and
+    its shared memory fits an H100 (227 KiB a block; a GPU with less gets fewer stages at
+    launch): what the interpreter cannot check (it runs any Python triton accepts)."""
     specialize = pytest.importorskip("triton._C.libtriton").native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
@@ -355,7 +356,7 @@ def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch):
         q, k, v = (torch.randn(B, n, L, D, dtype=dtype, requires_grad=True)
                    for n, L in ((H, T), (G, S), (G, S)))
         call = AttentionCall.build(q, k, v, enable_gqa=True, **kw)
-        blocks = default_blocks(D)
+        blocks = default_blocks(D, banded=True)  # both cases have an upper band
         launches = _record_launches(monkeypatch, call)
         names = [fn.__name__ for fn, _, _ in launches]
         assert names == ["attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq"]
@@ -374,4 +375,4 @@ def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch):
                 ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                 options=dict(num_warps=blocks.warps[which], num_stages=blocks.stages[which],
                              enable_fp_fusion=True))
-            assert "ptx" in compiled.asm and compiled.metadata.shared <= 166912, fn.__name__
+            assert "ptx" in compiled.asm and compiled.metadata.shared <= 232448, fn.__name__

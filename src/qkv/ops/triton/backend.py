@@ -230,18 +230,34 @@ class Blocks:
     stages: tuple[int, int, int] = (3, 3, 3)
 
 
-def default_blocks(D: int) -> Blocks:
-    """Blocks for half inputs with head dims padded to at most ``D``.
+def default_blocks(D: int, banded: bool = False) -> Blocks:
+    """Blocks for half inputs with head dims padded to at most ``D``; ``banded``: the mask
+    has an upper band (causal, sliding windows), which changes the best forward at D <= 64.
 
-    Untuned (no GPU was at hand): chosen by compiling every kernel for sm_90 with triton's
-    bundled ptxas, without a GPU, and taking configurations with no register spills whose
-    shared memory fits an A100 (164 KiB) -- forward 65/131 KiB, dK/dV 49/98 KiB, dQ 57/114
-    KiB at D = 64/128. A GPU with less shared memory gets fewer stages at launch
-    (:func:`_launch`).
+    Measured on an H100 and an H200 (bf16, 16k tokens, H*D = 2048; each kernel's
+    configurations timed with the others fixed: ``benchmarks/tune_triton.py``, RESULTS.md
+    "Triton block sizes, measured"). The first choice (:func:`first_blocks`, picked by
+    compiling for sm_90 without a GPU: no register spills, shared memory within an A100's
+    164 KiB) stays where nothing beat it.
+
+    * D <= 64: the forward with 4 warps for banded masks (causal 1.4x faster than 8 warps at
+      T = 1k-16k) and 8 otherwise (4 warps lost 4-6% without a mask and 23-26% on documents);
+      dK/dV on 64 x 64 blocks with 4 warps, dQ on 128 x 64 blocks with 2 stages.
+    * D = 128: the forward on 128 x 128 blocks (1.07-1.29x), dK/dV on 64 x 128, dQ on 128 x 64.
+
+    A GPU with less shared memory gets fewer stages at launch (:func:`_launch`).
     """
     if _pad(D) <= 64:
-        return Blocks()
-    return Blocks(stages=(3, 2, 3))
+        return Blocks(m=128, n=64, m1=64, n1=64, m2=128, n2=64, warps=(4 if banded else 8, 4, 8),
+                      stages=(3, 3, 2))
+    return Blocks(m=128, n=128, m1=64, n1=128, m2=128, n2=64, warps=(8, 8, 8),
+                  stages=(3, 2, 3))
+
+
+def first_blocks(D: int) -> Blocks:
+    """The untuned blocks :func:`default_blocks` gave before the H100 measurements (kept as the
+    baseline of ``benchmarks/tune_triton.py --baseline``)."""
+    return Blocks() if _pad(D) <= 64 else Blocks(stages=(3, 2, 3))
 
 
 def _pad(n: int) -> int:
@@ -346,7 +362,7 @@ def triton_attention(call: AttentionCall, *, blocks: Blocks | None = None) -> tu
         slopes = mod.slopes.detach().to(call.device, torch.float32).expand(H).contiguous()  # (H,)
     plan = _Plan(B, H, G, call.T, call.S, call.scale, mask,
                  mod.cap if isinstance(mod, _Softcap) else None, slopes,
-                 blocks or default_blocks(max(call.D, call.Dv)),
+                 blocks or default_blocks(max(call.D, call.Dv), banded=mask.hi is not None),
                  call.device.type == "cpu", call.device)
     plan.extras = _mask_tensors(plan)
     out, lse = _TritonAttention.apply(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)

@@ -165,6 +165,45 @@ def _store(ptrs, x, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.con
 
 
 @triton.jit
+def _tile_scores(a, offs_a, a_doc, B, stride_bn, stride_bd, start_b, n_b, BDOC,
+                 S, scale, cap, slope, lo, hi, kv_len,
+                 D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+                 A_IS_QUERY: tl.constexpr, B_DOC_ABSENT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+                 B_IN_RANGE: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                 HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """The prologue of every block step, shared by the three kernels: the other side's
+    (BLOCK_B, D) tile loaded, ``a @ b^T`` in float32, the other side's document ids, and the
+    masked, score-modified scores of ``_scores``.
+
+    Forward and dQ: ``a`` is the program's query block and ``b`` a key block; the tiles are
+    (queries, keys). dK/dV: ``a`` is the program's key block and ``b`` a query block; the
+    tiles are (keys, queries), the transposed scores from the same arithmetic. ``a_doc`` is
+    the program's own document ids, already shaped to broadcast along the tile's rows.
+    Returns the loaded tile, its positions, the scores (base 2) and tanh(s / cap).
+    """
+    offs_b = start_b + tl.arange(0, BLOCK_B)
+    offs_d = tl.arange(0, BLOCK_D)
+    b = _load(B + offs_b[:, None] * stride_bn + offs_d[None, :] * stride_bd,
+              offs_b, n_b, offs_d, D, BLOCK_D, B_IN_RANGE)  # (BLOCK_B, BLOCK_D)
+    ab = _dot(a, tl.trans(b), tl.full([a.shape[0], BLOCK_B], 0.0, tl.float32), UPCAST,
+              PRECISION)  # (BLOCK_A, BLOCK_B)
+    b_doc = 0
+    if MASKED and HAS_DOC:
+        b_doc = tl.load(BDOC + offs_b, mask=offs_b < n_b, other=B_DOC_ABSENT)[None, :]
+    if A_IS_QUERY:
+        s, t = _scores(ab, offs_a[:, None], offs_b[None, :], S, scale, cap, slope, lo, hi,
+                       kv_len, a_doc, b_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI,
+                       HAS_KVLEN, HAS_DOC)
+    else:
+        s, t = _scores(ab, offs_b[None, :], offs_a[:, None], S, scale, cap, slope, lo, hi,
+                       kv_len, b_doc, a_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI,
+                       HAS_KVLEN, HAS_DOC)
+    return b, offs_b, s, t
+
+
+@triton.jit
 def _fwd_block(acc, l_i, m_i, q, K, V, KDOC, start_n, offs_m, q_doc,
                stride_kn, stride_kd, stride_vn, stride_vd,
                S, scale, cap, slope, lo, hi, kv_len,
@@ -175,18 +214,12 @@ def _fwd_block(acc, l_i, m_i, q, K, V, KDOC, start_n, offs_m, q_doc,
                HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One key block into the running (acc, l, m) of a query block: the online softmax."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    _, offs_n, s, _ = _tile_scores(q, offs_m, q_doc, K, stride_kn, stride_kd, start_n, S, KDOC,
+                                   S, scale, cap, slope, lo, hi, kv_len, D, BLOCK_N, BLOCK_D,
+                                   True, -1, SOFTCAP, ALIBI, MASKED, KEYS_IN_RANGE, HAS_LO,
+                                   HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
+                                   PRECISION)  # s: (BLOCK_M, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-              offs_n, S, offs_d, D, BLOCK_D, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_D)
-    qk = _dot(q, tl.trans(k), tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32), UPCAST,
-              PRECISION)  # (BLOCK_M, BLOCK_N)
-    kv_doc = 0
-    if MASKED and HAS_DOC:
-        kv_doc = tl.load(KDOC + offs_n, mask=offs_n < S, other=-1)[None, :]
-    s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], S, scale, cap, slope, lo, hi, kv_len,
-                   q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC)
     m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))  # (BLOCK_M,)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no -inf - -inf
     p = tl.math.exp2(s - m_use[:, None])  # (BLOCK_M, BLOCK_N)
@@ -279,24 +312,17 @@ def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, QDOC, start_m, offs_n, kv_doc,
                 HAS_HI: tl.constexpr, HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One query block into a key block's dK, dV, computed transposed: (keys, queries) tiles."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    q, offs_m, sT, tT = _tile_scores(k, offs_n, kv_doc, Q, stride_qm, stride_qd, start_m, T,
+                                     QDOC, S, scale, cap, slope, lo, hi, kv_len, D, BLOCK_M,
+                                     BLOCK_D, False, -2, SOFTCAP, ALIBI, MASKED, EVEN_M, HAS_LO,
+                                     HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
+                                     PRECISION)  # sT: (BLOCK_N, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-              offs_m, T, offs_d, D, BLOCK_D, EVEN_M)  # (BLOCK_M, BLOCK_D)
     do = _load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                offs_m, T, offs_dv, DV, BLOCK_DV, EVEN_M)  # (BLOCK_M, BLOCK_DV)
     lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # no key: p = 0
     delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
-    qkT = _dot(k, tl.trans(q), tl.full([k.shape[0], BLOCK_M], 0.0, tl.float32), UPCAST,
-               PRECISION)  # (BLOCK_N, BLOCK_M)
-    q_doc = 0
-    if MASKED and HAS_DOC:
-        q_doc = tl.load(QDOC + offs_m, mask=offs_m < T, other=-2)[None, :]
-    sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], S, scale, cap, slope, lo, hi,
-                     kv_len, q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI,
-                     HAS_KVLEN, HAS_DOC)
     pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
     dv = _dot(pT.to(do.dtype), do, dv, UPCAST, PRECISION)  # dV += P^T dO
     dpT = _dot(v, tl.trans(do), tl.full([k.shape[0], BLOCK_M], 0.0, tl.float32), UPCAST,
@@ -403,20 +429,14 @@ def _dq_block(dq, q, do, lse, delta, K, V, KDOC, start_n, offs_m, q_doc,
               HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One key block into a query block's dQ."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    k, offs_n, s, t = _tile_scores(q, offs_m, q_doc, K, stride_kn, stride_kd, start_n, S, KDOC,
+                                   S, scale, cap, slope, lo, hi, kv_len, D, BLOCK_N, BLOCK_D,
+                                   True, -1, SOFTCAP, ALIBI, MASKED, KEYS_IN_RANGE, HAS_LO,
+                                   HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
+                                   PRECISION)  # s: (BLOCK_M, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-              offs_n, S, offs_d, D, BLOCK_D, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_D)
     v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
               offs_n, S, offs_dv, DV, BLOCK_DV, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_DV)
-    qk = _dot(q, tl.trans(k), tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32), UPCAST,
-              PRECISION)  # (BLOCK_M, BLOCK_N)
-    kv_doc = 0
-    if MASKED and HAS_DOC:
-        kv_doc = tl.load(KDOC + offs_n, mask=offs_n < S, other=-1)[None, :]
-    s, t = _scores(qk, offs_m[:, None], offs_n[None, :], S, scale, cap, slope, lo, hi, kv_len,
-                   q_doc, kv_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC)
     p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
     dp = _dot(do, tl.trans(v), tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32), UPCAST,
               PRECISION)
