@@ -18,6 +18,7 @@ The CPU is named in the output. Writes ``--out`` (JSON) and prints Markdown tabl
 Usage:
     python benchmarks/bench_compile.py [--lengths 1024 4096] [--parts compiled eager]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,27 +57,37 @@ def _median_ms(fn, reps: int) -> float:
 
 def _qkv_kwargs(case: str, T: int):
     import torch
+
     from qkv import masks as M
+
     ids = (torch.arange(T) * 5 // T).expand(B, T)
-    return ids, {"none": {}, "causal": {"is_causal": True},
-                 "window": {"mask_mod": M.sliding_window(256)},
-                 "document": {"mask_mod": M.document(ids)}}[case]
+    return ids, {
+        "none": {},
+        "causal": {"is_causal": True},
+        "window": {"mask_mod": M.sliding_window(256)},
+        "document": {"mask_mod": M.document(ids)},
+    }[case]
 
 
 def _flex_mask(case: str, T: int, ids):
     from torch.nn.attention.flex_attention import create_block_mask
+
     doc = ids[0]
-    fn = {"none": None,
-          "causal": lambda b, h, i, j: j <= i,
-          "window": lambda b, h, i, j: (j <= i) & (i - j <= 256),
-          "document": lambda b, h, i, j: doc[i] == doc[j]}[case]
+    fn = {
+        "none": None,
+        "causal": lambda b, h, i, j: j <= i,
+        "window": lambda b, h, i, j: (j <= i) & (i - j <= 256),
+        "document": lambda b, h, i, j: doc[i] == doc[j],
+    }[case]
     return None if fn is None else create_block_mask(fn, None, None, T, T, device="cpu")
 
 
 def part_compiled(lengths, reps: int) -> list[dict]:
     import torch
-    import qkv
     from torch.nn.attention.flex_attention import flex_attention
+
+    import qkv
+
     rows = []
     for T in lengths:
         for case in CASES:
@@ -91,7 +102,9 @@ def part_compiled(lengths, reps: int) -> list[dict]:
 
                 torch._dynamo.reset()
                 compiled = torch.compile(eager, fullgraph=True)
-                flex = torch.compile(lambda q=q, k=k, v=v: flex_attention(q, k, v, block_mask=block_mask))
+                flex = torch.compile(
+                    lambda q=q, k=k, v=v: flex_attention(q, k, v, block_mask=block_mask)
+                )
 
                 def step(fn):
                     if grad:
@@ -113,8 +126,12 @@ def part_compiled(lengths, reps: int) -> list[dict]:
                 row["compiled/eager"] = med["compiled"] / med["eager"]
                 if "flex-compiled" in med:
                     row["flex/compiled"] = med["flex-compiled"] / med["compiled"]
-                print(f"  T={T} {case} {mode}: " + ", ".join(f"{n} {m:.2f} ms" for n, m in med.items()),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  T={T} {case} {mode}: "
+                    + ", ".join(f"{n} {m:.2f} ms" for n, m in med.items()),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 rows.append(row)
     return rows
 
@@ -150,22 +167,37 @@ print(json.dumps(out))
 def part_eager(lengths, reps: int, base: str, rounds: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), base],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), base],
+            check=True,
+            capture_output=True,
+        )
         try:
             samples: dict[str, dict[str, list[float]]] = {"base": {}, "head": {}}
             for _ in range(rounds):
                 for label, src in (("base", tree / "src"), ("head", ROOT / "src")):
                     env = dict(os.environ, PYTHONPATH=str(src))
                     res = subprocess.run(
-                        [sys.executable, "-c", _EAGER_CHILD, str(ROOT / "benchmarks"),
-                         json.dumps(list(lengths)), str(reps)],
-                        env=env, capture_output=True, text=True, check=True)
+                        [
+                            sys.executable,
+                            "-c",
+                            _EAGER_CHILD,
+                            str(ROOT / "benchmarks"),
+                            json.dumps(list(lengths)),
+                            str(reps),
+                        ],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                    )
                     for name, ms in json.loads(res.stdout.strip().splitlines()[-1]).items():
                         samples[label].setdefault(name, []).append(ms)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
-                           capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                capture_output=True,
+            )
     rows = []
     for name in samples["head"]:
         b, h = statistics.median(samples["base"][name]), statistics.median(samples["head"][name])
@@ -177,16 +209,24 @@ def part_eager(lengths, reps: int, base: str, rounds: int) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--parts", nargs="+", default=["compiled", "eager"],
-                        choices=["compiled", "eager"])
+    parser.add_argument(
+        "--parts", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"]
+    )
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--base", default="1cad9c3")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "compile.json"
+    )
     args = parser.parse_args(argv)
     import torch
-    machine = {"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
-               "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+    machine = {
+        "cpu": cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     print(f"CPU: {machine}", file=sys.stderr)
     result = {"machine": machine}
     if "compiled" in args.parts:
@@ -196,12 +236,19 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for row in result.get("compiled", []):
-        flex = ("- | -" if "flex/compiled" not in row
-                else f"{row['flex-compiled_ms']:.2f} | {row['flex/compiled']:.2f}")
-        print(f"| {row['T']} | {row['case']} | {row['mode']} | {row['eager_ms']:.2f} | "
-              f"{row['compiled_ms']:.2f} | {row['compiled/eager']:.2f} | {flex} |")
+        flex = (
+            "- | -"
+            if "flex/compiled" not in row
+            else f"{row['flex-compiled_ms']:.2f} | {row['flex/compiled']:.2f}"
+        )
+        print(
+            f"| {row['T']} | {row['case']} | {row['mode']} | {row['eager_ms']:.2f} | "
+            f"{row['compiled_ms']:.2f} | {row['compiled/eager']:.2f} | {flex} |"
+        )
     for row in result.get("eager", []):
-        print(f"| {row['row']} | {row['base_ms']:.3f} | {row['head_ms']:.3f} | {row['head/base']:.3f} |")
+        print(
+            f"| {row['row']} | {row['base_ms']:.3f} | {row['head_ms']:.3f} | {row['head/base']:.3f} |"
+        )
     return 0
 
 

@@ -15,6 +15,7 @@ and whether it has AVX-512-BF16 or AMX). Writes ``--out`` (JSON) and prints a Ma
 Usage:
     python benchmarks/bench_cpu_isa.py [--lengths 256 1024 4096] [--isa native avx2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ def worker(lengths: list[int], reps: int) -> list[dict]:
             ours = qkv.MultiHeadAttention.from_torch(tm).eval()
             x = torch.randn(B, T, E, dtype=dt)
             for weights in (False, True):
+
                 def run_torch():
                     return tm(x, x, x, need_weights=weights, average_attn_weights=False)
 
@@ -67,6 +69,7 @@ def worker(lengths: list[int], reps: int) -> list[dict]:
                         out, trace = ours(x, return_trace=True)
                         return out, trace.probs
                     return ours(x)
+
                 times = {"qkv": [], "torch": []}
                 with torch.no_grad():
                     run_qkv(), run_torch()  # warm up
@@ -76,11 +79,22 @@ def worker(lengths: list[int], reps: int) -> list[dict]:
                             fn()
                             times[name].append(time.perf_counter() - t0)
                 med = {k: statistics.median(v) for k, v in times.items()}
-                records.append(dict(dtype=dtype, T=T, weights=weights, qkv_s=med["qkv"],
-                                    torch_s=med["torch"], ratio=med["qkv"] / med["torch"],
-                                    half_route=half_gemm_route() if dt != torch.float32 else None))
-                print(f"  {dtype} T={T} weights={weights}: qkv/torch {records[-1]['ratio']:.2f}",
-                      file=sys.stderr, flush=True)
+                records.append(
+                    dict(
+                        dtype=dtype,
+                        T=T,
+                        weights=weights,
+                        qkv_s=med["qkv"],
+                        torch_s=med["torch"],
+                        ratio=med["qkv"] / med["torch"],
+                        half_route=half_gemm_route() if dt != torch.float32 else None,
+                    )
+                )
+                print(
+                    f"  {dtype} T={T} weights={weights}: qkv/torch {records[-1]['ratio']:.2f}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     return records
 
 
@@ -97,19 +111,39 @@ def main(argv=None) -> int:
 
         from qkv.ops.cpu_isa import cpu_features
 
-        print(json.dumps(dict(capability=torch.backends.cpu.get_cpu_capability(),
-                              features=sorted(cpu_features()), torch=torch.__version__,
-                              threads=torch.get_num_threads(),
-                              records=worker(args.lengths, args.reps))))
+        print(
+            json.dumps(
+                dict(
+                    capability=torch.backends.cpu.get_cpu_capability(),
+                    features=sorted(cpu_features()),
+                    torch=torch.__version__,
+                    threads=torch.get_num_threads(),
+                    records=worker(args.lengths, args.reps),
+                )
+            )
+        )
         return 0
-    data = dict(benchmark="bench_cpu_isa", cpu=cpu_model(), command=" ".join(sys.argv),
-                started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), runs={})
+    data = dict(
+        benchmark="bench_cpu_isa",
+        cpu=cpu_model(),
+        command=" ".join(sys.argv),
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        runs={},
+    )
     for isa in args.isa:
         print(f"{isa}:", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--worker", "--reps", str(args.reps), "--lengths",
-               *map(str, args.lengths)]
-        done = subprocess.run(cmd, env={**os.environ, **ISA_ENV[isa]}, stdout=subprocess.PIPE,
-                              text=True, check=True)
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--reps",
+            str(args.reps),
+            "--lengths",
+            *map(str, args.lengths),
+        ]
+        done = subprocess.run(
+            cmd, env={**os.environ, **ISA_ENV[isa]}, stdout=subprocess.PIPE, text=True, check=True
+        )
         data["runs"][isa] = json.loads(done.stdout)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(data, indent=2))
@@ -118,16 +152,20 @@ def main(argv=None) -> int:
 
 
 def markdown(data: dict) -> str:
-    lines = [f"CPU: {data['cpu']}", "",
-             "| ISA run | capability | dtype | T | no weights, qkv/torch | with weights, qkv/torch |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"CPU: {data['cpu']}",
+        "",
+        "| ISA run | capability | dtype | T | no weights, qkv/torch | with weights, qkv/torch |",
+        "|---|---|---|---|---|---|",
+    ]
     for isa, run in data["runs"].items():
         rows: dict = {}
         for r in run["records"]:
             rows.setdefault((r["dtype"], r["T"]), {})[r["weights"]] = r["ratio"]
         for (dtype, T), w in rows.items():
-            lines.append(f"| {isa} | {run['capability']} | {dtype} | {T} | {w[False]:.2f} | "
-                         f"{w[True]:.2f} |")
+            lines.append(
+                f"| {isa} | {run['capability']} | {dtype} | {T} | {w[False]:.2f} | {w[True]:.2f} |"
+            )
     return "\n".join(lines)
 
 

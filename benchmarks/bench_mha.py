@@ -11,6 +11,7 @@ before the first call) is its own. Time: median of torch.utils.benchmark blocked
 
 Usage: python benchmarks/bench_mha.py [--lengths 256 1024 4096] [--out benchmarks/results/mha.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,7 @@ def worker(impl: str, T: int, dtype: str, weights: bool, mode: str, min_run_time
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     # Timer defaults to num_threads=1: time with the threads the process really uses
     timer = benchmark.Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
-    t = timer.blocked_autorange(
-        min_run_time=min_run_time)
+    t = timer.blocked_autorange(min_run_time=min_run_time)
     return dict(time_s=t.median, peak_extra_mib=(peak - before) / 1024)
 
 
@@ -76,8 +76,12 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     p.add_argument("--min-run-time", type=float, default=1.0)
     p.add_argument("--out", default="benchmarks/results/mha.json")
-    p.add_argument("--worker", nargs=5, metavar=("IMPL", "T", "DTYPE", "WEIGHTS", "MODE"),
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--worker",
+        nargs=5,
+        metavar=("IMPL", "T", "DTYPE", "WEIGHTS", "MODE"),
+        help=argparse.SUPPRESS,
+    )
     a = p.parse_args()
     if a.worker:
         impl, T, dtype, weights, mode = a.worker
@@ -85,28 +89,60 @@ def main() -> None:
         return
     import torch
 
-    rows, configs = [], [(T, d, w, m) for T in a.lengths for d in DTYPES for w in (0, 1)
-                         for m in ("fwd", "fwdbwd")]
+    rows, configs = (
+        [],
+        [
+            (T, d, w, m)
+            for T in a.lengths
+            for d in DTYPES
+            for w in (0, 1)
+            for m in ("fwd", "fwdbwd")
+        ],
+    )
     for i, (T, dtype, weights, mode) in enumerate(configs, 1):
         res = {}
         for impl in ("torch", "qkv"):
-            cmd = [sys.executable, __file__, "--min-run-time", str(a.min_run_time),
-                   "--worker", impl, str(T), dtype, str(weights), mode]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--min-run-time",
+                str(a.min_run_time),
+                "--worker",
+                impl,
+                str(T),
+                dtype,
+                str(weights),
+                mode,
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             res[impl] = json.loads(out.stdout.strip().splitlines()[-1])
-        row = dict(T=T, dtype=dtype, weights=bool(weights), mode=mode,
-                   torch_s=res["torch"]["time_s"], qkv_s=res["qkv"]["time_s"],
-                   time_ratio=res["qkv"]["time_s"] / res["torch"]["time_s"],
-                   torch_peak_mib=res["torch"]["peak_extra_mib"],
-                   qkv_peak_mib=res["qkv"]["peak_extra_mib"])
+        row = dict(
+            T=T,
+            dtype=dtype,
+            weights=bool(weights),
+            mode=mode,
+            torch_s=res["torch"]["time_s"],
+            qkv_s=res["qkv"]["time_s"],
+            time_ratio=res["qkv"]["time_s"] / res["torch"]["time_s"],
+            torch_peak_mib=res["torch"]["peak_extra_mib"],
+            qkv_peak_mib=res["qkv"]["peak_extra_mib"],
+        )
         rows.append(row)
-        print(f"[{i}/{len(configs)}] T={T:5d} {dtype} weights={bool(weights)!s:5} {mode:6} "
-              f"torch {row['torch_s'] * 1e3:9.2f} ms  qkv {row['qkv_s'] * 1e3:9.2f} ms  "
-              f"ratio {row['time_ratio']:.3f}  peak MiB torch {row['torch_peak_mib']:8.1f} "
-              f"qkv {row['qkv_peak_mib']:8.1f}", flush=True)
-    result = dict(device="cpu", cpu=platform.processor() or platform.machine(),
-                  threads=torch.get_num_threads(), torch=torch.__version__,
-                  config=dict(E=E, heads=HEADS, B=B), rows=rows)
+        print(
+            f"[{i}/{len(configs)}] T={T:5d} {dtype} weights={bool(weights)!s:5} {mode:6} "
+            f"torch {row['torch_s'] * 1e3:9.2f} ms  qkv {row['qkv_s'] * 1e3:9.2f} ms  "
+            f"ratio {row['time_ratio']:.3f}  peak MiB torch {row['torch_peak_mib']:8.1f} "
+            f"qkv {row['qkv_peak_mib']:8.1f}",
+            flush=True,
+        )
+    result = dict(
+        device="cpu",
+        cpu=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        config=dict(E=E, heads=HEADS, B=B),
+        rows=rows,
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {a.out}")

@@ -7,6 +7,7 @@ Two questions, each answered as a time ratio qkv / torch from the same run:
 
 Usage: python benchmarks/bench_sdpa.py [--out benchmarks/results/sdpa.json] [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,14 +28,14 @@ def _time(fn, min_run_time: float) -> float:
     """Median seconds per call."""
     # Timer defaults to num_threads=1: time with the threads the process really uses
     timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(
-        min_run_time=min_run_time).median
+    return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
 def _fwd_bwd(attend, q, k, v):
     def step():
         out = attend(q, k, v)
         out.backward(torch.ones_like(out))
+
     return step
 
 
@@ -55,11 +56,15 @@ def dispatch_overhead(lengths, min_run_time):
             t_torch, t_qkv = _time_pair(
                 lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
                 lambda: qkv.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                min_run_time)
-            rows.append(dict(T=T, causal=causal, torch_s=t_torch, qkv_auto_s=t_qkv,
-                             ratio=t_qkv / t_torch))
-            print(f"dispatch  T={T:5d} causal={causal!s:5}  torch {t_torch * 1e3:8.3f} ms  "
-                  f"qkv auto {t_qkv * 1e3:8.3f} ms  ratio {t_qkv / t_torch:.3f}")
+                min_run_time,
+            )
+            rows.append(
+                dict(T=T, causal=causal, torch_s=t_torch, qkv_auto_s=t_qkv, ratio=t_qkv / t_torch)
+            )
+            print(
+                f"dispatch  T={T:5d} causal={causal!s:5}  torch {t_torch * 1e3:8.3f} ms  "
+                f"qkv auto {t_qkv * 1e3:8.3f} ms  ratio {t_qkv / t_torch:.3f}"
+            )
     return rows
 
 
@@ -68,18 +73,30 @@ def float16_cpu(lengths, min_run_time):
     ours = lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     theirs = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     for T in lengths:
-        q, k, v = (torch.randn(B, H, T, D, dtype=torch.float16, requires_grad=True)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(B, H, T, D, dtype=torch.float16, requires_grad=True) for _ in range(3)
+        )
         with torch.no_grad():
             f_t = _time(lambda: theirs(q, k, v), min_run_time)
             f_q = _time(lambda: ours(q, k, v), min_run_time)
         b_t = _time(_fwd_bwd(theirs, q, k, v), min_run_time)
         b_q = _time(_fwd_bwd(ours, q, k, v), min_run_time)
-        rows.append(dict(T=T, fwd_torch_s=f_t, fwd_qkv_s=f_q, fwd_ratio=f_q / f_t,
-                         fwdbwd_torch_s=b_t, fwdbwd_qkv_s=b_q, fwdbwd_ratio=b_q / b_t))
-        print(f"float16   T={T:5d} causal  fwd: torch {f_t * 1e3:8.2f} ms qkv {f_q * 1e3:8.2f} ms "
-              f"ratio {f_q / f_t:.3f} | fwd+bwd: torch {b_t * 1e3:8.2f} ms qkv {b_q * 1e3:8.2f} ms "
-              f"ratio {b_q / b_t:.3f}")
+        rows.append(
+            dict(
+                T=T,
+                fwd_torch_s=f_t,
+                fwd_qkv_s=f_q,
+                fwd_ratio=f_q / f_t,
+                fwdbwd_torch_s=b_t,
+                fwdbwd_qkv_s=b_q,
+                fwdbwd_ratio=b_q / b_t,
+            )
+        )
+        print(
+            f"float16   T={T:5d} causal  fwd: torch {f_t * 1e3:8.2f} ms qkv {f_q * 1e3:8.2f} ms "
+            f"ratio {f_q / f_t:.3f} | fwd+bwd: torch {b_t * 1e3:8.2f} ms qkv {b_q * 1e3:8.2f} ms "
+            f"ratio {b_q / b_t:.3f}"
+        )
     return rows
 
 
@@ -90,11 +107,15 @@ def main() -> None:
     a = p.parse_args()
     run_time = 0.2 if a.quick else 1.0
     result = dict(
-        device="cpu", cpu=platform.processor() or platform.machine(),
-        threads=torch.get_num_threads(), torch=torch.__version__, qkv=qkv.__version__,
+        device="cpu",
+        cpu=platform.processor() or platform.machine(),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        qkv=qkv.__version__,
         shape=dict(B=B, H=H, D=D),
-        dispatch_fp32=dispatch_overhead([4, 128, 1024] if a.quick else [4, 128, 1024, 4096],
-                                        run_time),
+        dispatch_fp32=dispatch_overhead(
+            [4, 128, 1024] if a.quick else [4, 128, 1024, 4096], run_time
+        ),
         float16=float16_cpu([256] if a.quick else [256, 1024, 2048], run_time),
     )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

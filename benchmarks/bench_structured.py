@@ -30,6 +30,7 @@ Usage:
     python benchmarks/bench_structured.py [--lengths 4096 16384] [--out benchmarks/results]
     python benchmarks/bench_structured.py --weights-only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,7 @@ def flex_block_mask(case: str, T: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
     if case == "window":
+
         def mask(b, h, q, kv):
             return (kv <= q) & (kv >= q - WINDOW)
     else:
@@ -63,26 +65,37 @@ def flex_block_mask(case: str, T: int):
 
         def mask(b, h, q, kv):
             return ids[q] == ids[kv]
+
     # compiled: the eager path evaluates the mask on a full (T, T) grid (int64 index grids of
     # T^2: out of memory at T=16384 on a 24 GiB machine)
     return torch.compile(create_block_mask)(mask, None, None, T, T, device="cpu")
 
 
-def implementations(case: str, T: int, mode: str, dense_max: int, plain_max: int) -> tuple[dict, dict]:
+def implementations(
+    case: str, T: int, mode: str, dense_max: int, plain_max: int
+) -> tuple[dict, dict]:
     """(name -> attend(q, k, v), name -> reason skipped)."""
     import torch.nn.functional as F
 
     mm = mask_mod_for(case, T)
-    impls = {"tiled": lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm)}
+    impls = {
+        "tiled": lambda q, k, v: qkv.scaled_dot_product_attention(
+            q, k, v, backend="tiled", mask_mod=mm
+        )
+    }
     skipped = {}
-    if T <= plain_max:
+    if plain_max >= T:
         impls["sdpa-plain"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
     else:
-        skipped["sdpa-plain"] = (f"T^2 work beyond --plain-max {plain_max}: the yardstick is its "
-                                 f"GFLOP/s at the longest T measured")
-    if T <= dense_max:
+        skipped["sdpa-plain"] = (
+            f"T^2 work beyond --plain-max {plain_max}: the yardstick is its "
+            f"GFLOP/s at the longest T measured"
+        )
+    if dense_max >= T:
         dense = qkv.masks.to_dense(mm, 1, 1, T, T)  # (1, 1, T, T) bool
-        impls["sdpa-dense"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        impls["sdpa-dense"] = lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=dense
+        )
     else:
         skipped["sdpa-dense"] = f"a dense T^2 mask beyond --dense-max {dense_max}"
     if mode == "fwdbwd":
@@ -90,6 +103,7 @@ def implementations(case: str, T: int, mode: str, dense_max: int, plain_max: int
     else:
         try:
             from torch.nn.attention.flex_attention import flex_attention
+
             # each row is a new compilation: past dynamo's recompile limit flex would run
             # eagerly, materialising T^2 scores (out of memory at T=16384)
             torch._dynamo.reset()
@@ -103,14 +117,17 @@ def implementations(case: str, T: int, mode: str, dense_max: int, plain_max: int
 
 def step(attend, q, k, v, mode: str):
     if mode == "fwd":
+
         def fwd():
             with torch.no_grad():
                 attend(q, k, v)
+
         return fwd
     dout = torch.randn_like(q)
 
     def fwd_bwd():
         torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
+
     return fwd_bwd
 
 
@@ -136,15 +153,24 @@ def interleaved(steps: dict, min_time: float, rounds_min: int = 3) -> tuple[dict
 
 
 def run_masks(args, records: list, out_json: Path, env: dict) -> None:
-    rows = [(case, T, dt, mode) for T in args.lengths for case in args.cases
-            for dt in args.dtypes for mode in args.modes]
+    rows = [
+        (case, T, dt, mode)
+        for T in args.lengths
+        for case in args.cases
+        for dt in args.dtypes
+        for mode in args.modes
+    ]
     for i, (case, T, dt, mode) in enumerate(rows, 1):
         print(f"[{i}/{len(rows)}] {case} T={T} {dt} {mode} ...", file=sys.stderr, flush=True)
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(B, H, T, D, generator=g).to(DTYPES[dt]).requires_grad_(mode == "fwdbwd")
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(B, H, T, D, generator=g).to(DTYPES[dt]).requires_grad_(mode == "fwdbwd")
+            for _ in range(3)
+        )
         impls, skipped = implementations(case, T, mode, args.dense_max, args.plain_max)
-        secs, failed = interleaved({n: step(f, q, k, v, mode) for n, f in impls.items()}, args.min_time)
+        secs, failed = interleaved(
+            {n: step(f, q, k, v, mode) for n, f in impls.items()}, args.min_time
+        )
         skipped.update(failed)
         bwd = mode == "fwdbwd"
         useful = attention_flops(B, H, T, T, D, density=mask_density(case, T), backward=bwd)
@@ -158,8 +184,16 @@ def run_masks(args, records: list, out_json: Path, env: dict) -> None:
                 rec.update(status="skipped", reason=skipped.get(impl, "not run"))
             records.append(rec)
         write_json_atomic(out_json, dict(environment=env, records=records))
-        print("   " + "  ".join(f"{r['impl']} {r['time_s'] * 1e3:.1f} ms" for r in records[-4:]
-                                if r["status"] == "ok"), file=sys.stderr, flush=True)
+        print(
+            "   "
+            + "  ".join(
+                f"{r['impl']} {r['time_s'] * 1e3:.1f} ms"
+                for r in records[-4:]
+                if r["status"] == "ok"
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def weights_worker(impl: str, T: int, dt: str, measure: str, min_time: float) -> dict:
@@ -179,14 +213,17 @@ def weights_worker(impl: str, T: int, dt: str, measure: str, min_time: float) ->
             if impl == "torch":
                 return tm(x, x, x, need_weights=True, average_attn_weights=False)[1]
             return qm(x, return_trace=True)[1].probs
+
     if measure == "memory":
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # high-water mark := RSS now
         before_kib = _status_kib("VmHWM")
         w = call()
         peak_kib = _status_kib("VmHWM")
-        return dict(peak_mib=(peak_kib - before_kib) / 1024,
-                    weights_mib=w.numel() * w.element_size() / 2 ** 20)
+        return dict(
+            peak_mib=(peak_kib - before_kib) / 1024,
+            weights_mib=w.numel() * w.element_size() / 2**20,
+        )
     return dict(call=call)
 
 
@@ -207,15 +244,25 @@ def run_weights(args, records: list, out_json: Path, env: dict) -> None:
         # timed in a fresh process of their own: after the long calls above, this process's
         # heap made every fresh (T, S) buffer slower to fault in, torch's and qkv's alike
         # (torch's module at T=1024 fp32: 85 ms against 45 in a fresh process)
-        timed = subprocess.run([sys.executable, __file__, "--weights-time", str(T), dt, str(args.min_time)],
-                               capture_output=True, text=True, check=True)
+        timed = subprocess.run(
+            [sys.executable, __file__, "--weights-time", str(T), dt, str(args.min_time)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         secs, failed = json.loads(timed.stdout.splitlines()[-1])
         for impl in ("torch", "qkv"):
             rec = dict(part="weights", T=T, dtype=dt, mode="fwd", impl=impl)
             if impl in secs:
-                mem = subprocess.run([sys.executable, __file__, "--weights-memory", impl, str(T), dt],
-                                     capture_output=True, text=True, check=True)
-                rec.update(status="ok", time_s=secs[impl], **json.loads(mem.stdout.splitlines()[-1]))
+                mem = subprocess.run(
+                    [sys.executable, __file__, "--weights-memory", impl, str(T), dt],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                rec.update(
+                    status="ok", time_s=secs[impl], **json.loads(mem.stdout.splitlines()[-1])
+                )
             else:
                 rec.update(status="failed", reason=failed[impl])
             records.append(rec)
@@ -231,52 +278,84 @@ def _get(records, **kw):
 
 def report(records: list) -> list[str]:
     """Markdown tables and the targets, met or missed."""
-    lines = ["| case | T | dtype | mode | tiled ms | useful GFLOP/s | sdpa-plain GFLOP/s | "
-             "tiled / plain | sdpa-dense ms | tiled / dense time | flex ms | flex / tiled time |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| case | T | dtype | mode | tiled ms | useful GFLOP/s | sdpa-plain GFLOP/s | "
+        "tiled / plain | sdpa-dense ms | tiled / dense time | flex ms | flex / tiled time |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     targets = []
-    keys = sorted({(r["case"], r["T"], r["dtype"], r["mode"]) for r in records if r["part"] == "masks"},
-                  key=lambda k: (k[0], k[1], k[2], k[3]))
+    keys = sorted(
+        {(r["case"], r["T"], r["dtype"], r["mode"]) for r in records if r["part"] == "masks"},
+        key=lambda k: (k[0], k[1], k[2], k[3]),
+    )
     for case, T, dt, mode in keys:
         kw = dict(part="masks", case=case, T=T, dtype=dt, mode=mode)
         t, p, d, f = (_get(records, impl=i, **kw) for i in IMPLS)
         if p is None:  # plain not run this long: its GFLOP/s at the longest T it ran
-            shorter = [r for r in records if r["part"] == "masks" and r["impl"] == "sdpa-plain" and
-                       r["status"] == "ok" and (r["dtype"], r["mode"]) == (dt, mode) and r["T"] < T]
+            shorter = [
+                r
+                for r in records
+                if r["part"] == "masks"
+                and r["impl"] == "sdpa-plain"
+                and r["status"] == "ok"
+                and (r["dtype"], r["mode"]) == (dt, mode)
+                and r["T"] < T
+            ]
             p = max(shorter, key=lambda r: r["T"], default=None)
 
         def ms(r):
             return f"{r['time_s'] * 1e3:.1f}" if r else "skipped"
+
         share = t["gflops"] / p["gflops"] if t and p else None
-        yard = "" if p is None else f"{p['gflops']:.1f}" + ("" if p["T"] == T else f" (at T={p['T']})")
+        yard = (
+            "" if p is None else f"{p['gflops']:.1f}" + ("" if p["T"] == T else f" (at T={p['T']})")
+        )
         dense = t["time_s"] / d["time_s"] if t and d else None
         flex = f["time_s"] / t["time_s"] if t and f else None
-        lines.append(f"| {case} | {T} | {dt} | {'fwd+bwd' if mode == 'fwdbwd' else mode} | {ms(t)} | "
-                     f"{t['gflops']:.1f} | {yard} | {share:.2f} | {ms(d)} | "
-                     f"{'' if dense is None else f'{dense:.2f}'} | {ms(f)} | "
-                     f"{'' if flex is None else f'{flex:.2f}'} |" if t and p else
-                     f"| {case} | {T} | {dt} | {mode} | not measured |||||||||")
+        lines.append(
+            f"| {case} | {T} | {dt} | {'fwd+bwd' if mode == 'fwdbwd' else mode} | {ms(t)} | "
+            f"{t['gflops']:.1f} | {yard} | {share:.2f} | {ms(d)} | "
+            f"{'' if dense is None else f'{dense:.2f}'} | {ms(f)} | "
+            f"{'' if flex is None else f'{flex:.2f}'} |"
+            if t and p
+            else f"| {case} | {T} | {dt} | {mode} | not measured |||||||||"
+        )
         label = f"{case} T={T} {dt} {mode}"
         if share is not None and T >= 4096:
-            targets.append((share >= 0.7, f"{label}: useful GFLOP/s {share:.2f} of sdpa-plain's (>= 0.70)"))
+            targets.append(
+                (share >= 0.7, f"{label}: useful GFLOP/s {share:.2f} of sdpa-plain's (>= 0.70)")
+            )
         if flex is not None and T >= 4096:
-            targets.append((flex >= 1.5, f"{label}: {flex:.2f}x faster than compiled flex (>= 1.5)"))
+            targets.append(
+                (flex >= 1.5, f"{label}: {flex:.2f}x faster than compiled flex (>= 1.5)")
+            )
         if dense is not None and case == "document" and T == 1024:
             targets.append((dense <= 1.0, f"{label}: time {dense:.2f} of sdpa-dense (<= 1.00)"))
     wl = [r for r in records if r["part"] == "weights"]
     if wl:
-        lines += ["", "| T | dtype | torch ms | qkv ms | qkv / torch | torch peak MiB | qkv peak MiB | weights MiB |",
-                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "| T | dtype | torch ms | qkv ms | qkv / torch | torch peak MiB | qkv peak MiB | weights MiB |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for T, dt in sorted({(r["T"], r["dtype"]) for r in wl}):
             a, b = _get(wl, T=T, dtype=dt, impl="torch"), _get(wl, T=T, dtype=dt, impl="qkv")
             if not (a and b):
                 continue
             ratio = b["time_s"] / a["time_s"]
-            lines.append(f"| {T} | {dt} | {a['time_s'] * 1e3:.1f} | {b['time_s'] * 1e3:.1f} | {ratio:.2f} | "
-                         f"{a['peak_mib']:.0f} | {b['peak_mib']:.0f} | {b['weights_mib']:.0f} |")
-            targets.append((ratio <= 0.9, f"weights T={T} {dt}: qkv/torch time {ratio:.2f} (<= 0.90)"))
-            targets.append((b["peak_mib"] < a["peak_mib"],
-                            f"weights T={T} {dt}: peak {b['peak_mib']:.0f} vs torch {a['peak_mib']:.0f} MiB (lower)"))
+            lines.append(
+                f"| {T} | {dt} | {a['time_s'] * 1e3:.1f} | {b['time_s'] * 1e3:.1f} | {ratio:.2f} | "
+                f"{a['peak_mib']:.0f} | {b['peak_mib']:.0f} | {b['weights_mib']:.0f} |"
+            )
+            targets.append(
+                (ratio <= 0.9, f"weights T={T} {dt}: qkv/torch time {ratio:.2f} (<= 0.90)")
+            )
+            targets.append(
+                (
+                    b["peak_mib"] < a["peak_mib"],
+                    f"weights T={T} {dt}: peak {b['peak_mib']:.0f} vs torch {a['peak_mib']:.0f} MiB (lower)",
+                )
+            )
     lines += ["", "Targets:"] + [f"- {'met' if ok else 'MISSED'}: {what}" for ok, what in targets]
     return lines
 
@@ -284,6 +363,7 @@ def report(records: list) -> list[str]:
 def plot(records: list, path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -292,22 +372,45 @@ def plot(records: list, path: Path) -> None:
     masks = [r for r in records if r["part"] == "masks" and r["status"] == "ok"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     for ax, case in zip(axes[:2], ("window", "document")):
-        for impl, style in (("tiled", "-o"), ("sdpa-plain", "--s"), ("sdpa-dense", ":^"), ("flex", "-.d")):
+        for impl, style in (
+            ("tiled", "-o"),
+            ("sdpa-plain", "--s"),
+            ("sdpa-dense", ":^"),
+            ("flex", "-.d"),
+        ):
             for dt, color in (("fp32", "C0"), ("bf16", "C1")):
                 for mode, alpha in (("fwd", 1.0), ("fwdbwd", 0.5)):
-                    pts = sorted((r["T"], r["gflops"]) for r in masks if (r["case"], r["impl"], r["dtype"], r["mode"])
-                                 == (case, impl, dt, mode))
+                    pts = sorted(
+                        (r["T"], r["gflops"])
+                        for r in masks
+                        if (r["case"], r["impl"], r["dtype"], r["mode"]) == (case, impl, dt, mode)
+                    )
                     if pts:
-                        ax.plot(*zip(*pts), style, color=color, alpha=alpha, label=f"{impl} {dt} {mode}")
-        ax.set(xscale="log", title=f"{case}: useful GFLOP/s (plain: full T^2)", xlabel="T", ylabel="GFLOP/s")
+                        ax.plot(
+                            *zip(*pts), style, color=color, alpha=alpha, label=f"{impl} {dt} {mode}"
+                        )
+        ax.set(
+            xscale="log",
+            title=f"{case}: useful GFLOP/s (plain: full T^2)",
+            xlabel="T",
+            ylabel="GFLOP/s",
+        )
         ax.legend(fontsize=6)
     wl = [r for r in records if r["part"] == "weights" and r["status"] == "ok"]
     for impl, style in (("torch", "--s"), ("qkv", "-o")):
         for dt, color in (("fp32", "C0"), ("bf16", "C1")):
-            pts = sorted((r["T"], r["time_s"] * 1e3) for r in wl if (r["impl"], r["dtype"]) == (impl, dt))
+            pts = sorted(
+                (r["T"], r["time_s"] * 1e3) for r in wl if (r["impl"], r["dtype"]) == (impl, dt)
+            )
             if pts:
                 axes[2].plot(*zip(*pts), style, color=color, label=f"{impl} {dt}")
-    axes[2].set(xscale="log", yscale="log", title="MHA inference with per-head weights", xlabel="T", ylabel="ms")
+    axes[2].set(
+        xscale="log",
+        yscale="log",
+        title="MHA inference with per-head weights",
+        xlabel="T",
+        ylabel="ms",
+    )
     axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -326,7 +429,9 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
-    ap.add_argument("--cases", nargs="+", default=["window", "document"], choices=["window", "document"])
+    ap.add_argument(
+        "--cases", nargs="+", default=["window", "document"], choices=["window", "document"]
+    )
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     ap.add_argument("--weight-lengths", type=int, nargs="+", default=[256, 1024, 4096])
@@ -334,14 +439,21 @@ def main() -> int:
     ap.add_argument("--no-weights", action="store_true")
     ap.add_argument("--dense-max", type=int, default=4096, help="longest T for sdpa-dense")
     ap.add_argument("--plain-max", type=int, default=4096, help="longest T for sdpa-plain")
-    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per implementation and row")
+    ap.add_argument(
+        "--min-time", type=float, default=1.0, help="seconds per implementation and row"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out_json = args.out / "structured.json"
-    env = dict(torch=torch.__version__, qkv=qkv.__version__, threads=torch.get_num_threads(),
-               machine=platform.machine(), processor=platform.processor() or platform.platform(),
-               command=" ".join(sys.argv))
+    env = dict(
+        torch=torch.__version__,
+        qkv=qkv.__version__,
+        threads=torch.get_num_threads(),
+        machine=platform.machine(),
+        processor=platform.processor() or platform.platform(),
+        command=" ".join(sys.argv),
+    )
     records: list = []
     if not args.weights_only:
         run_masks(args, records, out_json, env)

@@ -15,6 +15,7 @@ Usage:
     python benchmarks/bench_tiled.py [--out benchmarks/results] [--lengths 1024 4096]
     python benchmarks/bench_tiled.py --targets
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from qkv.bench import (PEER, BenchConfig, Spec, bench_config, grid, markdown_table, run_specs,
-                       write_json_atomic)
+from qkv.bench import (
+    PEER,
+    BenchConfig,
+    Spec,
+    bench_config,
+    grid,
+    markdown_table,
+    run_specs,
+    write_json_atomic,
+)
 
 FULL_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 GIB = 1024  # MiB
@@ -58,16 +67,23 @@ TARGETS = (
     Target(Spec("window", 16384, "fp32", "fwd", "tiled"), PEER, max_ratio=0.1),
     Target(Spec("window", 16384, "fp32", "fwdbwd", "tiled"), PEER, max_ratio=0.2),
     Target(Spec("document", 16384, "fp32", "fwd", "tiled"), PEER, max_ratio=0.2),
-    *(Target(Spec(case, T, "fp32", "fwd", "auto"), PEER, max_ratio=1.05)
-      for case in ("none", "causal") for T in (1024, 4096)),
+    *(
+        Target(Spec(case, T, "fp32", "fwd", "auto"), PEER, max_ratio=1.05)
+        for case in ("none", "causal")
+        for T in (1024, 4096)
+    ),
     Target(Spec("window", 65536, "fp32", "fwdbwd", "tiled"), max_peak_gib=24.0),
 )
 
 
 def check(target: Target, records: list[dict]) -> tuple[bool, str]:
     """Whether ``target`` is met by ``records``, and the line that says so."""
-    got = {r["impl"]: r for r in records if (r["case"], r["T"], r["dtype"], r["mode"]) ==
-           (target.spec.case, target.spec.T, target.spec.dtype, target.spec.mode)}
+    got = {
+        r["impl"]: r
+        for r in records
+        if (r["case"], r["T"], r["dtype"], r["mode"])
+        == (target.spec.case, target.spec.T, target.spec.dtype, target.spec.mode)
+    }
     for s in target.specs():
         r = got.get(s.impl)
         if r is None or r["status"] != "ok":
@@ -76,12 +92,15 @@ def check(target: Target, records: list[dict]) -> tuple[bool, str]:
     r = got[target.spec.impl]
     if target.peer:
         ratio = r["time_s"] / got[target.peer]["time_s"]
-        return ratio <= target.max_ratio, (f"{target}: time ratio {ratio:.3f} "
-                                           f"(target <= {target.max_ratio:g})")
+        return ratio <= target.max_ratio, (
+            f"{target}: time ratio {ratio:.3f} (target <= {target.max_ratio:g})"
+        )
     peak = r["peak_extra_mib"] / GIB
-    return peak < target.max_peak_gib, (f"{target}: peak {peak:.2f} GiB "
-                                        f"(target < {target.max_peak_gib:g} GiB), "
-                                        f"{r['time_s']:.2f} s a call")
+    return peak < target.max_peak_gib, (
+        f"{target}: peak {peak:.2f} GiB "
+        f"(target < {target.max_peak_gib:g} GiB), "
+        f"{r['time_s']:.2f} s a call"
+    )
 
 
 def run_targets(config: BenchConfig, out: Path) -> int:
@@ -116,13 +135,22 @@ def main() -> int:
     p.add_argument("--min-run-time", default="0.5")
     p.add_argument("--timeout", default="600", help="seconds per measurement")
     p.add_argument("--threads", default=None)
-    p.add_argument("--all", action="store_true", dest="run_all",
-                   help="also run the dense implementations where they are hopeless")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="run_all",
+        help="also run the dense implementations where they are hopeless",
+    )
     p.add_argument("--out", default="benchmarks/results")
     a = p.parse_args()
     try:
-        config = bench_config(lengths=a.lengths, min_run_time=a.min_run_time,
-                              timeout=a.timeout, threads=a.threads, run_all=a.run_all)
+        config = bench_config(
+            lengths=a.lengths,
+            min_run_time=a.min_run_time,
+            timeout=a.timeout,
+            threads=a.threads,
+            run_all=a.run_all,
+        )
     except ValueError as e:
         p.error(str(e))
     out = Path(a.out)

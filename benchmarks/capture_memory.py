@@ -28,6 +28,7 @@ Usage:
     python benchmarks/capture_memory.py --backend tiled --out benchmarks/results/x.json
     python benchmarks/capture_memory.py --T 2048 --layers 4  # quick
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,12 +46,15 @@ import torch
 
 import qkv
 
-MiB = 2 ** 20
+MiB = 2**20
 # glibc's malloc as it comes (its mmap threshold rises to the largest block freed, so later
 # blocks below it come from the heap and freed ones may stay resident), and with the
 # threshold fixed at 128 KiB (every large tensor its own mapping, unmapped when freed: RSS
 # then follows the live tensors closely).
-MALLOC = {"default malloc": {}, "MALLOC_MMAP_THRESHOLD_=131072": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+MALLOC = {
+    "default malloc": {},
+    "MALLOC_MMAP_THRESHOLD_=131072": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+}
 
 
 def _status(field: str) -> int | None:
@@ -77,8 +81,14 @@ def _reset_peak() -> bool:
 def child(mode: str, a: argparse.Namespace) -> dict:
     """Build, warm up and measure one forward (``mode`` "forward" or "capture") here."""
     torch.manual_seed(0)
-    model = qkv.DecoderLM(256, a.embed_dim, a.heads, a.layers, positions="sinusoidal",
-                          attention_options={"backend": a.backend}).eval()
+    model = qkv.DecoderLM(
+        256,
+        a.embed_dim,
+        a.heads,
+        a.layers,
+        positions="sinusoidal",
+        attention_options={"backend": a.backend},
+    ).eval()
     tokens = torch.randint(0, 256, (1, a.T))  # (1, T)
     with torch.inference_mode():
         with qkv.capture(model, rows=[-1]):
@@ -90,8 +100,11 @@ def child(mode: str, a: argparse.Namespace) -> dict:
         if mode == "capture":
             with qkv.capture(model, rows=range(a.T - a.rows, a.T)) as cap:
                 logits = model(tokens)  # (1, T, V)
-            kept = sum(t.numel() * t.element_size() for r in cap
-                       for t in (r.probs, r.lse, r.batch, r.heads, r.rows))
+            kept = sum(
+                t.numel() * t.element_size()
+                for r in cap
+                for t in (r.probs, r.lse, r.batch, r.heads, r.rows)
+            )
             records, backend = len(cap), cap.records[0].backend
         else:
             logits = model(tokens)  # (1, T, V)
@@ -101,15 +114,27 @@ def child(mode: str, a: argparse.Namespace) -> dict:
         if peak is None:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     del logits
-    return {"mode": mode, "base_bytes": base, "peak_bytes": peak,
-            "forward_peak_bytes": peak - base, "kept_bytes": kept, "records": records,
-            "backend": backend, "seconds": seconds,
-            "method": "VmHWM reset by /proc/self/clear_refs" if reset else "ru_maxrss"}
+    return {
+        "mode": mode,
+        "base_bytes": base,
+        "peak_bytes": peak,
+        "forward_peak_bytes": peak - base,
+        "kept_bytes": kept,
+        "records": records,
+        "backend": backend,
+        "seconds": seconds,
+        "method": "VmHWM reset by /proc/self/clear_refs" if reset else "ru_maxrss",
+    }
 
 
 def _run_child(mode: str, args: list[str], env: dict[str, str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args, "--child", mode], check=True,
-                         capture_output=True, text=True, env={**os.environ, **env})
+    out = subprocess.run(
+        [sys.executable, __file__, *args, "--child", mode],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -128,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(a.child, a)))
         return 0
     args = [a for a in (argv if argv is not None else sys.argv[1:]) if a]
-    print(f"DecoderLM: {a.layers} layers, C={a.embed_dim}, H={a.heads}, T={a.T}, B=1, float32, "
-          f"inference, backend {a.backend}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; capture: rows {a.T - a.rows}..{a.T - 1}, "
-          f"all layers, all heads")
+    print(
+        f"DecoderLM: {a.layers} layers, C={a.embed_dim}, H={a.heads}, T={a.T}, B=1, float32, "
+        f"inference, backend {a.backend}; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; capture: rows {a.T - a.rows}..{a.T - 1}, "
+        f"all layers, all heads"
+    )
     results = {}
     for malloc, env in MALLOC.items():
         runs = {mode: _run_child(mode, args, env) for mode in ("forward", "capture")}
@@ -139,21 +166,32 @@ def main(argv: list[str] | None = None) -> int:
         extra = c["forward_peak_bytes"] - f["forward_peak_bytes"]
         results[malloc] = {"runs": runs, "extra_bytes": extra}
         print(f"{malloc} ({f['method']}; backend {c['backend']}):")
-        print(f"  forward alone          peak {f['forward_peak_bytes'] / MiB:7.1f} MiB above "
-              f"base {f['base_bytes'] / MiB:.0f} MiB  ({f['seconds']:.1f} s)")
-        print(f"  forward under capture  peak {c['forward_peak_bytes'] / MiB:7.1f} MiB above "
-              f"base {c['base_bytes'] / MiB:.0f} MiB  ({c['seconds']:.1f} s; {c['records']} "
-              f"records, {c['kept_bytes'] / MiB:.1f} MiB kept)")
+        print(
+            f"  forward alone          peak {f['forward_peak_bytes'] / MiB:7.1f} MiB above "
+            f"base {f['base_bytes'] / MiB:.0f} MiB  ({f['seconds']:.1f} s)"
+        )
+        print(
+            f"  forward under capture  peak {c['forward_peak_bytes'] / MiB:7.1f} MiB above "
+            f"base {c['base_bytes'] / MiB:.0f} MiB  ({c['seconds']:.1f} s; {c['records']} "
+            f"records, {c['kept_bytes'] / MiB:.1f} MiB kept)"
+        )
         print(f"  difference             {extra / MiB:7.1f} MiB  (goal < 1024 MiB)")
     full = a.layers * a.heads * a.T * a.T * 4
-    print(f"(unbounded, every layer's float32 weights would be {full / 2 ** 30:.1f} GiB)")
+    print(f"(unbounded, every layer's float32 weights would be {full / 2**30:.1f} GiB)")
     if a.out:
-        result = {"benchmark": "capture_memory", "device": "cpu", "dtype": "float32",
-                  "torch": torch.__version__, "python": platform.python_version(),
-                  "qkv": qkv.__version__, "threads": torch.get_num_threads(),
-                  "config": {k: getattr(a, k) for k in ("T", "layers", "embed_dim", "heads",
-                                                        "rows", "backend")},
-                  "results": results}
+        result = {
+            "benchmark": "capture_memory",
+            "device": "cpu",
+            "dtype": "float32",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "qkv": qkv.__version__,
+            "threads": torch.get_num_threads(),
+            "config": {
+                k: getattr(a, k) for k in ("T", "layers", "embed_dim", "heads", "rows", "backend")
+            },
+            "results": results,
+        }
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -7,6 +7,7 @@ None), so qkv is compared with eager there.
 
     .venv/bin/python benchmarks/hf_models.py --lengths 1024 4096 --out out/bench/hf_models.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,15 @@ import qkv.integrations.transformers as qkv_hf
 
 
 def _model(kind: str, T: int):
-    common = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=T)
+    common = dict(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+    )
     torch.manual_seed(0)
     if kind == "mistral-window256":
         return transformers.MistralModel(transformers.MistralConfig(**common, sliding_window=256))
@@ -56,16 +64,24 @@ def main(argv=None) -> None:
                 row[f"{impl}_weights_s"] = _time(model, impl, ids, output_attentions=True)
             row["qkv_vs_sdpa"] = row["sdpa_s"] / row["qkv_s"]
             row["qkv_vs_eager_weights"] = row["eager_weights_s"] / row["qkv_weights_s"]
-            print(f"{kind:18s} T={T:5d}  sdpa {row['sdpa_s'] * 1e3:8.1f} ms  eager "
-                  f"{row['eager_s'] * 1e3:8.1f} ms  qkv {row['qkv_s'] * 1e3:8.1f} ms "
-                  f"(x{row['qkv_vs_sdpa']:.2f} vs sdpa) | with weights: eager "
-                  f"{row['eager_weights_s'] * 1e3:8.1f} ms  qkv {row['qkv_weights_s'] * 1e3:8.1f} ms "
-                  f"(x{row['qkv_vs_eager_weights']:.2f} vs eager)", flush=True)
+            print(
+                f"{kind:18s} T={T:5d}  sdpa {row['sdpa_s'] * 1e3:8.1f} ms  eager "
+                f"{row['eager_s'] * 1e3:8.1f} ms  qkv {row['qkv_s'] * 1e3:8.1f} ms "
+                f"(x{row['qkv_vs_sdpa']:.2f} vs sdpa) | with weights: eager "
+                f"{row['eager_weights_s'] * 1e3:8.1f} ms  qkv {row['qkv_weights_s'] * 1e3:8.1f} ms "
+                f"(x{row['qkv_vs_eager_weights']:.2f} vs eager)",
+                flush=True,
+            )
             rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "dtype": "float32", "device": "cpu"}
+    meta = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "dtype": "float32",
+        "device": "cpu",
+    }
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -31,6 +31,7 @@ Usage:
 With ``--only``, the types named are rerun and their entries in ``--out`` replaced; the rest
 of the recorded sweep stays.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,29 +47,74 @@ from pathlib import Path
 import torch
 
 SHRINK = dict(
-    hidden_size=32, d_model=32, n_embd=32, embed_dim=32, num_hidden_layers=2, num_layers=2,
-    n_layer=2, encoder_layers=1, decoder_layers=1, num_attention_heads=4, n_head=4,
-    num_key_value_heads=2, encoder_attention_heads=4, decoder_attention_heads=4,
-    intermediate_size=48, ffn_dim=48, encoder_ffn_dim=48, decoder_ffn_dim=48, d_ff=48,
-    head_dim=8, vocab_size=97, max_position_embeddings=64,
+    hidden_size=32,
+    d_model=32,
+    n_embd=32,
+    embed_dim=32,
+    num_hidden_layers=2,
+    num_layers=2,
+    n_layer=2,
+    encoder_layers=1,
+    decoder_layers=1,
+    num_attention_heads=4,
+    n_head=4,
+    num_key_value_heads=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    intermediate_size=48,
+    ffn_dim=48,
+    encoder_ffn_dim=48,
+    decoder_ffn_dim=48,
+    d_ff=48,
+    head_dim=8,
+    vocab_size=97,
+    max_position_embeddings=64,
     # MLA (DeepSeek-V2/V3 and kin), DSA indexers, MoE
-    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-    qk_head_dim=12, index_topk=6, index_head_dim=8, index_n_heads=2, index_block_size=4,
-    index_topk_blocks=2, n_routed_experts=4, num_local_experts=4, num_experts=4,
-    num_experts_per_tok=2, moe_intermediate_size=16, shared_intermediate_size=16,
-    dense_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
-    attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=8,
+    v_head_dim=8,
+    qk_head_dim=12,
+    index_topk=6,
+    index_head_dim=8,
+    index_n_heads=2,
+    index_block_size=4,
+    index_topk_blocks=2,
+    n_routed_experts=4,
+    num_local_experts=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_intermediate_size=16,
+    dense_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    attn_layer_period=2,
+    attn_layer_offset=1,
+    expert_layer_period=2,
+    expert_layer_offset=1,
     shared_experts_intermediate_size=16,
     # vision, and the adapters between towers (their widths follow the hidden sizes above)
-    image_size=32, patch_size=8, adapter_in_dim=32, adapter_out_dim=32, adapter_input_size=32,
+    image_size=32,
+    patch_size=8,
+    adapter_in_dim=32,
+    adapter_out_dim=32,
+    adapter_input_size=32,
     # audio: whisper-like encoders take 2 * max_source_positions feature frames
-    max_source_positions=32, max_target_positions=64)
+    max_source_positions=32,
+    max_target_positions=64,
+)
 TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
 # Types whose default config hides the path that matters: built with these on top.
 OVERRIDES = {
     # a sparse layer (blocks of 4 keys, 2 kept per query) beside a full one
-    "minimax_m3_vl_text": dict(layer_types=["minimax_m3_sparse", "full_attention"],
-                               mlp_layer_types=["dense", "sparse"], rotary_dim=4),
+    "minimax_m3_vl_text": dict(
+        layer_types=["minimax_m3_sparse", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        rotary_dim=4,
+    ),
 }
 T = 10  # tokens per row; row 1 has 3 pads
 # Differences whose cause is known and not qkv's to change, by type and check.
@@ -81,8 +127,9 @@ KNOWN = {
     # Appends a CLS token after the ids, so the sweep cannot tell the real rows of its output:
     # with left padding its differences are the padded query rows that see no key (eager: a
     # uniform average, qkv: 0, the mask contract); with right padding it passes.
-    **{"videoprism_text_model": dict.fromkeys(
-        ("left", "weights", "backward"), "left-padded rows that see no key (appended CLS)")},
+    "videoprism_text_model": dict.fromkeys(
+        ("left", "weights", "backward"), "left-padded rows that see no key (appended CLS)"
+    ),
     # Eager and sdpa differ on this model already (outputs 7e-4, gradients; qkv equals sdpa
     # there); sdpa returns no weights, and qkv's differ from eager's by 2e-4 downstream of it.
     "embedding_gemma2": {"weights": "eager differs from sdpa upstream (qkv equals sdpa)"},
@@ -93,12 +140,16 @@ def _shrunk(cfg) -> dict:
     """The config's attributes to change: ints in SHRINK, token ids, sub-configs recursively.
     Read from ``to_dict()``: some configs refuse ``getattr`` of a per-layer attribute."""
     import transformers
+
     try:
         have = cfg.to_dict()
-    except Exception:  # noqa: BLE001 (a config whose to_dict needs what the default lacks)
+    except Exception:
         have = dict(vars(cfg))
-    new = {key: value for key, value in {**SHRINK, **TOKEN_IDS}.items()
-           if isinstance(have.get(key), int) and not isinstance(have.get(key), bool)}
+    new = {
+        key: value
+        for key, value in {**SHRINK, **TOKEN_IDS}.items()
+        if isinstance(have.get(key), int) and not isinstance(have.get(key), bool)
+    }
     if "head_dim" in have and have["head_dim"] is None and "hidden_size" in new:
         new["head_dim"] = SHRINK["head_dim"]  # models that read it though the default lacks it
     if "kv_lora_rank" in new:  # MLA: the rope part is the head_dim, as many kv heads as heads
@@ -110,8 +161,9 @@ def _shrunk(cfg) -> dict:
         if isinstance(sub, transformers.PretrainedConfig):
             new[key] = {**value, **_shrunk(sub)}
     layers = new.get("num_hidden_layers", have.get("num_hidden_layers"))
-    kinds_key = next((k for k in ("layer_types", "block_types") if isinstance(have.get(k), list)),
-                     None)
+    kinds_key = next(
+        (k for k in ("layer_types", "block_types") if isinstance(have.get(k), list)), None
+    )
     if kinds_key and isinstance(layers, int):
         # Hybrid models (linear attention, mamba, recurrent or conv layers beside attention
         # ones): the first layers may hold no attention at all, so the tiny model keeps one
@@ -134,11 +186,12 @@ def tiny_config(model_type: str):
     """The default config of ``model_type`` rebuilt small (kwargs at construction, so what a
     config derives from its sizes follows); set attribute by attribute when that fails."""
     from transformers import AutoConfig
+
     cfg = AutoConfig.for_model(model_type)
     new = _shrunk(cfg)
     try:
         return AutoConfig.for_model(model_type, **new)
-    except Exception:  # noqa: BLE001 (a config whose validators refuse the new sizes together)
+    except Exception:
         return _set_small(cfg, new)
 
 
@@ -153,7 +206,7 @@ def _set_small(cfg, new: dict):
                     _set_small(sub, _shrunk(sub))
             else:
                 setattr(cfg, key, value)
-        except Exception:  # noqa: BLE001 (a per-layer attribute some configs refuse)
+        except Exception:
             pass
     return cfg
 
@@ -161,14 +214,19 @@ def _set_small(cfg, new: dict):
 def model_class(cfg):
     """``AutoModel``'s class for the config, else the base model its modeling file declares."""
     from transformers import AutoModel, PreTrainedModel
+
     mapping = AutoModel._model_mapping
     if type(cfg) in mapping:
         return mapping[type(cfg)]
     module = importlib.import_module(type(cfg).__module__.replace(".configuration_", ".modeling_"))
-    found = [c for c in vars(module).values()
-             if isinstance(c, type) and issubclass(c, PreTrainedModel)
-             and getattr(c, "config_class", None) is type(cfg)
-             and not c.__name__.endswith("PreTrainedModel")]
+    found = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type)
+        and issubclass(c, PreTrainedModel)
+        and getattr(c, "config_class", None) is type(cfg)
+        and not c.__name__.endswith("PreTrainedModel")
+    ]
     if not found:
         raise LookupError(f"no model class for {type(cfg).__name__} in {module.__name__}")
     plain = [c for c in found if c.__name__.endswith("Model")]
@@ -177,6 +235,7 @@ def model_class(cfg):
 
 def causal_lm_class(cfg):
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM._model_mapping.get(type(cfg), None)
 
 
@@ -235,8 +294,10 @@ def inputs(model, cfg, side: str, pixels: bool = False) -> tuple[dict, torch.Ten
         return image if isinstance(image, str) else ({**kw, "pixel_values": image}, None)
     if "input_features" in params and isinstance(getattr(cfg, "num_mel_bins", None), int):
         frames = 2 * getattr(cfg, "max_source_positions", 32)
-        return {**kw, "input_features": torch.randn(2, cfg.num_mel_bins, frames,
-                                                    generator=gen)}, None
+        return {
+            **kw,
+            "input_features": torch.randn(2, cfg.num_mel_bins, frames, generator=gen),
+        }, None
     if "input_values" in params:
         return {**kw, "input_values": torch.randn(2, 1600, generator=gen)}, None
     return "its forward takes no token ids, pixel_values, input_features or input_values"
@@ -269,6 +330,7 @@ _CALLS = [0]  # qkv attention calls so far (a "pass" where qkv never ran would m
 def counting_qkv_calls():
     """Counts the calls transformers makes into qkv's attention while inside."""
     from qkv.integrations.transformers import attention as hf_attention
+
     real = hf_attention.scaled_dot_product_attention
 
     def counted(*args, **kwargs):
@@ -297,10 +359,17 @@ def _run(model, impl: str, kw: dict, real, *, weights: bool, backward: bool) -> 
             w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
             part = real if real is not None and out.shape[:2] == real.shape else ...
             (out[part] * w[part]).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None} if backward else {}
-    return {"out": out.detach(), "maps": [a.detach().float() for a in _maps(res)] if weights else [],
-            "grads": grads, "qkv_calls": _CALLS[0] - before}
+    grads = (
+        {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if backward
+        else {}
+    )
+    return {
+        "out": out.detach(),
+        "maps": [a.detach().float() for a in _maps(res)] if weights else [],
+        "grads": grads,
+        "qkv_calls": _CALLS[0] - before,
+    }
 
 
 def _rows(x: torch.Tensor, real) -> torch.Tensor:
@@ -341,8 +410,9 @@ def compare(eager: dict, mine: dict, real, check: str) -> tuple[float, str] | No
     if check == "backward":
         if mine["grads"].keys() != eager["grads"].keys():
             return float("inf"), "different parameters got gradients"
-        top = max((g.abs().max().item() for g in eager["grads"].values() if g.numel()),
-                  default=0.0)  # float32 rounding at the largest gradients reaches the rest
+        top = max(
+            (g.abs().max().item() for g in eager["grads"].values() if g.numel()), default=0.0
+        )  # float32 rounding at the largest gradients reaches the rest
         for name, g in eager["grads"].items():
             d = _gap(mine["grads"][name], g)
             if d > 2e-4 + 2e-3 * g.abs().max().item() + 1e-6 * top:
@@ -367,15 +437,20 @@ def _one(model_type: str, checks) -> dict:
         cls = model_class(cfg)
         torch.manual_seed(0)
         model = cls(cfg).eval()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"status": "skipped", "reason": f"build: {_what(e)}"}
     done, diffs = [], {}
     tokens = not isinstance(inputs(model, cfg, "left"), str)
-    plan = ([("left", "left"), ("right", "right"), ("weights", "left"), ("backward", "left")]
-            if tokens else [("none", "none"), ("weights", "none"), ("backward", "none")])
+    plan = (
+        [("left", "left"), ("right", "right"), ("weights", "left"), ("backward", "left")]
+        if tokens
+        else [("none", "none"), ("weights", "none"), ("backward", "none")]
+    )
     # CLIP-like models take images beside the ids: tried when eager fails on ids alone
-    pixels, may_add_pixels = False, tokens and "pixel_values" in inspect.signature(
-        model.forward).parameters
+    pixels, may_add_pixels = (
+        False,
+        tokens and "pixel_values" in inspect.signature(model.forward).parameters,
+    )
     for check, side in plan:
         if check not in checks and not (check == "none" and "left" in checks):
             continue
@@ -401,8 +476,11 @@ def _one(model_type: str, checks) -> dict:
             return _not_dispatched(cls, cfg)
         bad = compare(runs["eager"], runs["qkv"], real, check)
         if bad is not None:
-            diffs[check] = {"max_diff": bad[0], "what": bad[1],
-                            "sdpa_equal": _sdpa_equal(model, kw, real, check, runs)}
+            diffs[check] = {
+                "max_diff": bad[0],
+                "what": bad[1],
+                "sdpa_equal": _sdpa_equal(model, kw, real, check, runs),
+            }
         done.append(check)
     if "generate" in checks and "input_ids" in inspect.signature(model.forward).parameters:
         lm = causal_lm_class(cfg)
@@ -435,10 +513,12 @@ def _not_dispatched(cls, cfg) -> dict:
         cls._from_config(cfg, attn_implementation="qkv")
     except NotImplementedError as e:
         return {"status": "refused", "reason": f"build: {_what(e)}"}
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"status": "not-dispatched", "reason": f"built with 'qkv': {_what(e)}"}
-    return {"status": "not-dispatched",
-            "reason": "its attention does not go through transformers' AttentionInterface"}
+    return {
+        "status": "not-dispatched",
+        "reason": "its attention does not go through transformers' AttentionInterface",
+    }
 
 
 def _both(model, kw, real, check) -> dict | str:
@@ -446,9 +526,10 @@ def _both(model, kw, real, check) -> dict | str:
     runs = {}
     for impl in ("eager", "qkv"):
         try:
-            runs[impl] = _run(model, impl, kw, real, weights=check == "weights",
-                              backward=check == "backward")
-        except Exception as e:  # noqa: BLE001
+            runs[impl] = _run(
+                model, impl, kw, real, weights=check == "weights", backward=check == "backward"
+            )
+        except Exception as e:
             if impl == "eager":
                 return _what(e)
             status = "refused" if isinstance(e, NotImplementedError) else "fail"
@@ -461,12 +542,15 @@ def _sdpa_equal(model, kw, real, check, runs) -> bool:
     the same way? (Eager and sdpa disagree in transformers itself on some models, on padded
     rows that see no key; issue 30 keeps those as sdpa-equal.)"""
     try:
-        sdpa = _run(model, "sdpa", kw, real, weights=check == "weights",
-                    backward=check == "backward")
-    except Exception:  # noqa: BLE001 (no sdpa for this model)
+        sdpa = _run(
+            model, "sdpa", kw, real, weights=check == "weights", backward=check == "backward"
+        )
+    except Exception:
         return False
-    return (compare(sdpa, runs["qkv"], real, check) is None
-            and compare(runs["eager"], sdpa, real, check) is not None)
+    return (
+        compare(sdpa, runs["qkv"], real, check) is None
+        and compare(runs["eager"], sdpa, real, check) is not None
+    )
 
 
 def _generate(lm, cfg):
@@ -474,32 +558,41 @@ def _generate(lm, cfg):
     try:
         torch.manual_seed(0)
         model = lm(cfg).eval()
-        ids = torch.randint(3, min(90, cfg.vocab_size), (2, 8),
-                            generator=torch.Generator().manual_seed(2))
+        ids = torch.randint(
+            3, min(90, cfg.vocab_size), (2, 8), generator=torch.Generator().manual_seed(2)
+        )
         tokens = {}
         for impl in ("eager", "qkv"):
             model.set_attn_implementation(impl)
             try:
                 with torch.no_grad():
-                    tokens[impl] = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                                  max_new_tokens=6, do_sample=False,
-                                                  pad_token_id=0)
-            except Exception as e:  # noqa: BLE001
+                    tokens[impl] = model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=6,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
+            except Exception as e:
                 if impl == "eager":
                     return None
                 return {"fail": f"generate: {_what(e)}"}
-    except Exception:  # noqa: BLE001 (the LM head cannot be built tiny)
+    except Exception:
         return None
     if torch.equal(tokens["eager"], tokens["qkv"]):
         return True
-    return {"what": "tokens", "eager": tokens["eager"][:, 8:].tolist(),
-            "qkv": tokens["qkv"][:, 8:].tolist()}
+    return {
+        "what": "tokens",
+        "eager": tokens["eager"][:, 8:].tolist(),
+        "qkv": tokens["qkv"][:, 8:].tolist(),
+    }
 
 
 def _release() -> None:
     """Give the last model's memory back (a long sweep otherwise creeps up to the cap)."""
     import ctypes
     import gc
+
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -515,15 +608,21 @@ def _alarm(signum, frame):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path,
-                        default=Path(__file__).parent / "results" / "hf_sweep.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "hf_sweep.json"
+    )
     parser.add_argument("--only", nargs="*")
-    parser.add_argument("--memory-gib", type=float, default=12.0,
-                        help="address-space cap: a model whose default config is too big to "
-                             "build tiny fails its allocation (skipped) instead of waking the "
-                             "OOM killer (default 12)")
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        default=12.0,
+        help="address-space cap: a model whose default config is too big to "
+        "build tiny fails its allocation (skipped) instead of waking the "
+        "OOM killer (default 12)",
+    )
     args = parser.parse_args(argv)
     import resource
+
     cap = int(args.memory_gib * 2**30)
     hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     resource.setrlimit(resource.RLIMIT_AS, (cap if hard < 0 else min(cap, hard), hard))
@@ -531,6 +630,7 @@ def main(argv=None) -> int:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     import qkv.integrations.transformers as qkv_hf
+
     qkv_hf.register()
     transformers.logging.set_verbosity_error()
     types = args.only or sorted(CONFIG_MAPPING.keys())
@@ -545,21 +645,33 @@ def main(argv=None) -> int:
             results[model_type] = one(model_type)
         except _Timeout as e:
             results[model_type] = {"status": "skipped", "reason": str(e)}
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             results[model_type] = {"status": "skipped", "reason": _what(e)}
         finally:
             signal.alarm(0)
             _release()
         results[model_type]["seconds"] = round(time.time() - t0, 1)
-        print(f"[{i + 1}/{len(types)}] {model_type}: {results[model_type]['status']} "
-              f"{results[model_type].get('done', '')}", file=sys.stderr, flush=True)
+        print(
+            f"[{i + 1}/{len(types)}] {model_type}: {results[model_type]['status']} "
+            f"{results[model_type].get('done', '')}",
+            file=sys.stderr,
+            flush=True,
+        )
         counts = {}
         for r in results.values():
             counts[r["status"]] = counts.get(r["status"], 0) + 1
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"transformers": transformers.__version__,
-                                        "torch": torch.__version__, "counts": counts,
-                                        "results": results}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "transformers": transformers.__version__,
+                    "torch": torch.__version__,
+                    "counts": counts,
+                    "results": results,
+                },
+                indent=1,
+            )
+        )
     print(json.dumps(counts), f"({time.time() - started:.0f} s)")
     for name, r in results.items():
         if r["status"] in ("fail", "diff", "refused"):

@@ -16,6 +16,7 @@ Usage:
     python benchmarks/listops_cpu.py --kinds exact local   # some of them
     python benchmarks/listops_cpu.py --report              # only the table, from the JSON
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,18 +45,24 @@ def run_kind(kind: str, out: Path, qkv: str) -> dict:
         cmd = [qkv, "train", "listops", "--attention", kind, "--out", str(run_dir)]
         print(f"$ {' '.join(cmd)}{' --resume' if resume else ''}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        subprocess.run(cmd + (["--resume"] if resume else []), check=True,
-                       stdout=subprocess.DEVNULL)
-        wall = dict(wall_s=round(time.perf_counter() - t0, 1), resumed=resume,
-                    command=" ".join(cmd))
+        subprocess.run(
+            cmd + (["--resume"] if resume else []), check=True, stdout=subprocess.DEVNULL
+        )
+        wall = dict(
+            wall_s=round(time.perf_counter() - t0, 1), resumed=resume, command=" ".join(cmd)
+        )
         write_json_atomic(wall_file, wall)
     metrics = json.loads(metrics_file.read_text())
-    return dict(kind=kind, **json.loads(wall_file.read_text()),
-                accuracy=metrics["evaluation"]["accuracy"],
-                test_examples=metrics["evaluation"]["test_examples"],
-                final_loss=metrics["final_loss"], steps=metrics["step"],
-                losses=[round(h["loss"], 4) for h in metrics["history"]],
-                picture=str(run_dir / "attention_last_layer.png"))
+    return dict(
+        kind=kind,
+        **json.loads(wall_file.read_text()),
+        accuracy=metrics["evaluation"]["accuracy"],
+        test_examples=metrics["evaluation"]["test_examples"],
+        final_loss=metrics["final_loss"],
+        steps=metrics["step"],
+        losses=[round(h["loss"], 4) for h in metrics["history"]],
+        picture=str(run_dir / "attention_last_layer.png"),
+    )
 
 
 def majority_share() -> float:
@@ -63,29 +70,38 @@ def majority_share() -> float:
     import torch
 
     import qkv
+
     labels = qkv.tasks.load("listops", split="test", variant="cpu").labels
     return float(torch.bincount(labels).max()) / len(labels)
 
 
 def plot(results: list[dict], majority: float, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import torch
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
         loss = torch.tensor(r["losses"])[None, None]  # (1, 1, steps)
         smooth = torch.nn.functional.avg_pool1d(loss, SMOOTH, stride=1)[0, 0]
         left.plot(range(SMOOTH, SMOOTH + len(smooth)), smooth, label=r["kind"])
-    left.set(xlabel="step", ylabel=f"training loss ({SMOOTH}-step mean)",
-             title="ListOps (cpu variant, lengths 100-500): training")
+    left.set(
+        xlabel="step",
+        ylabel=f"training loss ({SMOOTH}-step mean)",
+        title="ListOps (cpu variant, lengths 100-500): training",
+    )
     left.legend()
     names = [r["kind"] for r in results]
     bars = right.bar(names, [100 * r["accuracy"] for r in results], color="tab:blue")
     right.bar_label(bars, fmt="%.1f")
     right.axhline(100 * majority, color="gray", ls="--", label=f"majority {100 * majority:.1f}%")
-    right.set(ylabel="test accuracy, %", ylim=(0, 50),
-              title=f"test accuracy ({results[0]['test_examples']} examples)")
+    right.set(
+        ylabel="test accuracy, %",
+        ylim=(0, 50),
+        title=f"test accuracy ({results[0]['test_examples']} examples)",
+    )
     right.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -93,21 +109,30 @@ def plot(results: list[dict], majority: float, path: Path) -> None:
 
 
 def markdown(report: dict) -> str:
-    rows = ["| `--attention` | test accuracy | final loss | wall time | LRA paper (full lengths) |",
-            "|:---|---:|---:|---:|---:|"]
+    rows = [
+        "| `--attention` | test accuracy | final loss | wall time | LRA paper (full lengths) |",
+        "|:---|---:|---:|---:|---:|",
+    ]
     for r in report["results"]:
         wall = f"{r['wall_s']:.0f} s" + (" (resumed part)" if r["resumed"] else "")
-        rows.append(f"| {r['kind']} | **{100 * r['accuracy']:.1f}%** | {r['final_loss']:.3f} | "
-                    f"{wall} | {LRA_PAPER[r['kind']]:.2f}% |")
-    return "\n".join(rows + ["", f"Majority class of the test split: "
-                                 f"{100 * report['majority']:.1f}%."])
+        rows.append(
+            f"| {r['kind']} | **{100 * r['accuracy']:.1f}%** | {r['final_loss']:.3f} | "
+            f"{wall} | {LRA_PAPER[r['kind']]:.2f}% |"
+        )
+    return "\n".join(
+        rows + ["", f"Majority class of the test split: {100 * report['majority']:.1f}%."]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
-    p.add_argument("--out", type=Path, default=Path("out/listops_cpu"),
-                   help="the runs' folders (default out/listops_cpu)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/listops_cpu"),
+        help="the runs' folders (default out/listops_cpu)",
+    )
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--report", action="store_true", help="print the table from the JSON")
     a = p.parse_args(argv)

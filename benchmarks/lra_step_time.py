@@ -10,6 +10,7 @@ Usage:
     python benchmarks/lra_step_time.py                          # exact and linear, CPU, 3 steps
     python benchmarks/lra_step_time.py --device cuda --kinds exact linear performer local
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,9 @@ def _sync(device: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kinds", nargs="+", choices=list(attention_kinds()),
-                   default=["exact", "linear"])
+    p.add_argument(
+        "--kinds", nargs="+", choices=list(attention_kinds()), default=["exact", "linear"]
+    )
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
@@ -63,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind in a.kinds:
         times = step_times(kind, a.steps, a.device)
         median = sorted(times)[len(times) // 2]
-        print(f"| {kind} | {', '.join(f'{t:.2f}' for t in times)} | "
-              f"{median * steps / 3600:.1f} h |", flush=True)
+        print(
+            f"| {kind} | {', '.join(f'{t:.2f}' for t in times)} | {median * steps / 3600:.1f} h |",
+            flush=True,
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ and a torch.profiler table of one ``direct`` call (host-side and device-side tim
 Usage:
     python benchmarks/profile_triton.py [--T 4096] [--D 128] [--cases causal window]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,26 @@ from qkv.ops.triton import triton_attention
 from qkv.ops.triton.backend import _kernel_mask, _Plan, default_blocks
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from triton_vs_flash import TOKENS, WIDTH, qkv_kwargs  # noqa: E402
+from triton_vs_flash import TOKENS, WIDTH, qkv_kwargs
 
 
 def plan_only(call: AttentionCall):
     """The call's block lists, as the forward builds them."""
     B, H = call.BH
-    plan = _Plan(B, H, H, call.T, call.S, call.scale, _kernel_mask(call), None, None,
-                 default_blocks(max(call.D, call.Dv), banded=call.is_causal), False, call.device)
+    plan = _Plan(
+        B,
+        H,
+        H,
+        call.T,
+        call.S,
+        call.scale,
+        _kernel_mask(call),
+        None,
+        None,
+        default_blocks(max(call.D, call.Dv), banded=call.is_causal),
+        False,
+        call.device,
+    )
     return plan.lists(plan.blocks.m, plan.blocks.n)
 
 
@@ -48,21 +61,29 @@ def main(argv=None) -> int:
     q, k, v = (torch.randn(B, H, T, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
     for case in args.cases:
         kw = qkv_kwargs(case, T, dev)
-        api = do_bench(lambda: qkv.scaled_dot_product_attention(q, k, v, backend="triton", **kw),
-                       return_mode="median")
-        direct = do_bench(lambda: triton_attention(AttentionCall.build(q, k, v, **kw)),
-                          return_mode="median")
-        plan = do_bench(lambda: plan_only(AttentionCall.build(q, k, v, **kw)),
-                        return_mode="median")
-        print(f"{case:8s} T={T} D={D} B={B} H={H}: api {api:.3f} ms, direct {direct:.3f} ms, "
-              f"plan {plan:.3f} ms")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        api = do_bench(
+            lambda: qkv.scaled_dot_product_attention(q, k, v, backend="triton", **kw),
+            return_mode="median",
+        )
+        direct = do_bench(
+            lambda: triton_attention(AttentionCall.build(q, k, v, **kw)), return_mode="median"
+        )
+        plan = do_bench(lambda: plan_only(AttentionCall.build(q, k, v, **kw)), return_mode="median")
+        print(
+            f"{case:8s} T={T} D={D} B={B} H={H}: api {api:.3f} ms, direct {direct:.3f} ms, "
+            f"plan {plan:.3f} ms"
+        )
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
             for _ in range(3):
                 triton_attention(AttentionCall.build(q, k, v, **kw))
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8,
-                                        max_name_column_width=50))
+        print(
+            prof.key_averages().table(
+                sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=50
+            )
+        )
     return 0
 
 

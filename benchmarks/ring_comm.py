@@ -33,6 +33,7 @@ Usage:
     python benchmarks/ring_comm.py --ranks 2 4 --lengths 16384 32768 65536 \\
         --json benchmarks/results/ring_comm.json --png benchmarks/results/ring_comm.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,7 +65,7 @@ CASES = {  # name -> (mask, layout)
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 IMPLS = ("ring", "all-gather")
-MIB = 2 ** 20
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Config:
 
     def modes_for(self, case: str, T: int) -> list[str]:
         """Forward+backward of a causal mask costs T²: only up to ``causal_fwdbwd_max``."""
-        big = CASES[case][0] == "causal" and T > self.causal_fwdbwd_max
+        big = CASES[case][0] == "causal" and self.causal_fwdbwd_max < T
         return [m for m in self.modes if not (m == "fwdbwd" and big)]
 
 
@@ -95,7 +96,9 @@ class Config:
 
 def whole_mask(case: str, cfg: Config, T: int) -> qkv.masks.MaskMod:
     """The mask over whole-sequence positions, bound to (B, H, T, T)."""
-    mask = qkv.masks.sliding_window(cfg.window) if CASES[case][0] == "window" else qkv.masks.causal()
+    mask = (
+        qkv.masks.sliding_window(cfg.window) if CASES[case][0] == "window" else qkv.masks.causal()
+    )
     return mask.bind(cfg.B, cfg.H, T, T)
 
 
@@ -129,7 +132,7 @@ def run_all_gather(case: str, cfg: Config, q, k, v, grad: bool):
     for r in range(R):
         at = 0
         for a, b in segs[r]:
-            whole[:, :, a:b] = parts[r][:, :, at:at + b - a]
+            whole[:, :, a:b] = parts[r][:, :, at : at + b - a]
             at += b - a
     moved = {"forward": (R - 1) * mine.numel() * mine.element_size()}
     del parts, mine
@@ -141,15 +144,19 @@ def run_all_gather(case: str, cfg: Config, q, k, v, grad: bool):
     with torch.set_grad_enabled(grad):
         kk, vv = whole[..., :D], whole[..., D:]  # (B, H, T, D) each
         for a, b in segs[rank]:  # one run of query positions (contiguous), two (balanced)
-            outs.append(qkv.scaled_dot_product_attention(
-                q[:, :, at:at + b - a], kk, vv, mask_mod=qkv.masks.offset_mask(mask, a, 0)))
+            outs.append(
+                qkv.scaled_dot_product_attention(
+                    q[:, :, at : at + b - a], kk, vv, mask_mod=qkv.masks.offset_mask(mask, a, 0)
+                )
+            )
             at += b - a
         out = torch.cat(outs, dim=2)  # (B, H, T_r, D)
     if not grad:
         return out, None, moved
     out.backward(_dout(out))
-    d_parts = [torch.cat([whole.grad[:, :, a:b] for a, b in segs[r]], dim=2).contiguous()
-               for r in range(R)]  # R x (B, H, T_r, 2D)
+    d_parts = [
+        torch.cat([whole.grad[:, :, a:b] for a, b in segs[r]], dim=2).contiguous() for r in range(R)
+    ]  # R x (B, H, T_r, 2D)
     d_mine = torch.empty_like(d_parts[rank])
     dist.reduce_scatter(d_mine, d_parts)
     moved["gradients"] = (R - 1) * d_mine.numel() * d_mine.element_size()
@@ -222,15 +229,26 @@ def measure(case: str, cfg: Config, T: int, mode: str) -> dict:
         diffs.update({n: _diff(a, b) for n, a, b in zip(("dq", "dk", "dv"), g_r, g_a)})
     ring_phases = ("forward",) if mode == "fwd" else ("forward", "backward", "gradients")
     return dict(
-        rank=dist.get_rank(), case=case, T=T, mode=mode, shard_kv_bytes=own_bytes,
-        ring=dict(recv={p: log.bytes("recv", p) for p in ring_phases},
-                  send={p: log.bytes("send", p) for p in ring_phases},
-                  recv_from=sorted(log.peers("recv", "forward")),
-                  kv_held=ring_kv_held(log, own_bytes),
-                  own_s=res["ring"]["own"], step_s=res["ring"]["steps"]),
-        all_gather=dict(recv=moved, send=dict(moved),
-                        kv_held=own_bytes + dist.get_world_size() * own_bytes,
-                        own_s=res["all-gather"]["own"], step_s=res["all-gather"]["steps"]),
+        rank=dist.get_rank(),
+        case=case,
+        T=T,
+        mode=mode,
+        shard_kv_bytes=own_bytes,
+        ring=dict(
+            recv={p: log.bytes("recv", p) for p in ring_phases},
+            send={p: log.bytes("send", p) for p in ring_phases},
+            recv_from=sorted(log.peers("recv", "forward")),
+            kv_held=ring_kv_held(log, own_bytes),
+            own_s=res["ring"]["own"],
+            step_s=res["ring"]["steps"],
+        ),
+        all_gather=dict(
+            recv=moved,
+            send=dict(moved),
+            kv_held=own_bytes + dist.get_world_size() * own_bytes,
+            own_s=res["all-gather"]["own"],
+            step_s=res["all-gather"]["steps"],
+        ),
         max_abs_diff=diffs,
     )
 
@@ -254,8 +272,13 @@ def warm_up(cfg: Config) -> None:
 
 def worker(rank: int, R: int, port: int, cfg: Config, out_path: str) -> None:
     torch.set_num_threads(1)  # R processes share the cores: one thread each
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=R, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=R,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+    )
     try:
         warm_up(cfg)
         records = []
@@ -265,10 +288,13 @@ def worker(rank: int, R: int, port: int, cfg: Config, out_path: str) -> None:
                     records.append(measure(case, cfg, T, mode))
                     if rank == 0:
                         r = records[-1]
-                        print(f"  R={R} {case:15s} T={T:6d} {mode:6s} ring "
-                              f"{statistics.median(r['ring']['step_s']):7.2f} s  all-gather "
-                              f"{statistics.median(r['all_gather']['step_s']):7.2f} s  "
-                              f"(load {os.getloadavg()[0]:.2f})", flush=True)
+                        print(
+                            f"  R={R} {case:15s} T={T:6d} {mode:6s} ring "
+                            f"{statistics.median(r['ring']['step_s']):7.2f} s  all-gather "
+                            f"{statistics.median(r['all_gather']['step_s']):7.2f} s  "
+                            f"(load {os.getloadavg()[0]:.2f})",
+                            flush=True,
+                        )
         every = [None] * R
         dist.all_gather_object(every, records)
         if rank == 0:
@@ -290,8 +316,13 @@ def run_ranks(R: int, cfg: Config) -> dict:
         load0, t0 = os.getloadavg(), time.time()
         mp.spawn(worker, args=(R, free_port(), cfg, path), nprocs=R, join=True)
         per_rank = json.loads(Path(path).read_text())
-    return dict(R=R, seconds=time.time() - t0, load_before=load0, load_after=os.getloadavg(),
-                records=merge(per_rank))
+    return dict(
+        R=R,
+        seconds=time.time() - t0,
+        load_before=load0,
+        load_after=os.getloadavg(),
+        records=merge(per_rank),
+    )
 
 
 def merge(per_rank: list[list[dict]]) -> list[dict]:
@@ -299,10 +330,17 @@ def merge(per_rank: list[list[dict]]) -> list[dict]:
     out = []
     for recs in zip(*per_rank):
         first = recs[0]
-        m = dict(case=first["case"], mask=CASES[first["case"]][0], layout=CASES[first["case"]][1],
-                 T=first["T"], mode=first["mode"], shard_kv_bytes=first["shard_kv_bytes"],
-                 max_abs_diff={k: max(r["max_abs_diff"][k] for r in recs)
-                               for k in first["max_abs_diff"]})
+        m = dict(
+            case=first["case"],
+            mask=CASES[first["case"]][0],
+            layout=CASES[first["case"]][1],
+            T=first["T"],
+            mode=first["mode"],
+            shard_kv_bytes=first["shard_kv_bytes"],
+            max_abs_diff={
+                k: max(r["max_abs_diff"][k] for r in recs) for k in first["max_abs_diff"]
+            },
+        )
         for impl in ("ring", "all_gather"):
             m[impl] = {key: [r[impl][key] for r in recs] for key in first[impl]}
             m[impl]["median_step_s"] = max(statistics.median(r[impl]["step_s"]) for r in recs)
@@ -332,10 +370,12 @@ def _ratio(a: float, b: float) -> str:
 
 def comm_table(runs: list[dict]) -> str:
     """Bytes received per rank (MiB, rank 0 / 1 / ...), exact, and K/V held."""
-    rows = ["| R | mask | layout | T | mode | ring: received per rank (MiB) | all-gather: received "
-            "per rank (MiB) | all-gather / ring (all ranks; busiest) | ring recv from (fwd) | K/V held, ring | K/V held, "
-            "all-gather |",
-            "|---:|:---|:---|---:|:---|:---|:---|---:|:---|---:|---:|"]
+    rows = [
+        "| R | mask | layout | T | mode | ring: received per rank (MiB) | all-gather: received "
+        "per rank (MiB) | all-gather / ring (all ranks; busiest) | ring recv from (fwd) | K/V held, ring | K/V held, "
+        "all-gather |",
+        "|---:|:---|:---|---:|:---|:---|:---|---:|:---|---:|---:|",
+    ]
     for run in runs:
         for m in run["records"]:
             ring = [total(x) for x in m["ring"]["recv"]]
@@ -346,26 +386,32 @@ def comm_table(runs: list[dict]) -> str:
                 f"{_per_rank(ring)} | {_per_rank(ag)} | **{_ratio(sum(ag), sum(ring))}**; "
                 f"{_ratio(max(ag), max(ring))} | "
                 f"{peers} | {_mib(max(m['ring']['kv_held']))} | "
-                f"{_mib(max(m['all_gather']['kv_held']))} |")
+                f"{_mib(max(m['all_gather']['kv_held']))} |"
+            )
     return "\n".join(rows)
 
 
 def time_table(runs: list[dict]) -> str:
     """Median step time (slowest rank) of both paths, their ratio, and the check."""
-    rows = ["| R | mask | layout | T | mode | calls | ring | all-gather | ring / all-gather | "
-            "max abs diff (out; dq, dk, dv) | load before / after R's run |",
-            "|---:|:---|:---|---:|:---|---:|---:|---:|---:|:---|:---|"]
+    rows = [
+        "| R | mask | layout | T | mode | calls | ring | all-gather | ring / all-gather | "
+        "max abs diff (out; dq, dk, dv) | load before / after R's run |",
+        "|---:|:---|:---|---:|:---|---:|---:|---:|---:|:---|:---|",
+    ]
     for run in runs:
         load = f"{run['load_before'][0]:.1f} / {run['load_after'][0]:.1f}"
         for m in run["records"]:
             r, a = m["ring"]["median_step_s"], m["all_gather"]["median_step_s"]
             d = m["max_abs_diff"]
-            diff = f"{d['out']:.1e}" + (f"; {d['dq']:.1e}, {d['dk']:.1e}, {d['dv']:.1e}"
-                                         if "dq" in d else "")
+            diff = f"{d['out']:.1e}" + (
+                f"; {d['dq']:.1e}, {d['dk']:.1e}, {d['dv']:.1e}" if "dq" in d else ""
+            )
             calls = f"{len(m['ring']['step_s'][0])}, {len(m['all_gather']['step_s'][0])}"
-            rows.append(f"| {run['R']} | {m['mask']} | {m['layout']} | {m['T']} | "
-                        f"{_mode(m['mode'])} | {calls} | {r:.2f} s | {a:.2f} s | "
-                        f"{r / a:.2f} | {diff} | {load} |")
+            rows.append(
+                f"| {run['R']} | {m['mask']} | {m['layout']} | {m['T']} | "
+                f"{_mode(m['mode'])} | {calls} | {r:.2f} s | {a:.2f} s | "
+                f"{r / a:.2f} | {diff} | {load} |"
+            )
     return "\n".join(rows)
 
 
@@ -376,6 +422,7 @@ def _mode(mode: str) -> str:
 def plot(runs: list[dict], path: Path) -> None:
     """Forward bytes received by the busiest rank vs T: window and causal."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -386,14 +433,20 @@ def plot(runs: list[dict], path: Path) -> None:
             for layout, style in (("contiguous", "-o"), ("balanced", "--s")):
                 pts = [m for m in recs if m["layout"] == layout]
                 if pts:
-                    ax.plot([m["T"] for m in pts],
-                            [max(x["forward"] for x in m["ring"]["recv"]) / MIB
-                             for m in pts], style, label=f"ring, {layout}, R={run['R']}")
+                    ax.plot(
+                        [m["T"] for m in pts],
+                        [max(x["forward"] for x in m["ring"]["recv"]) / MIB for m in pts],
+                        style,
+                        label=f"ring, {layout}, R={run['R']}",
+                    )
             pts = [m for m in recs if m["layout"] == "contiguous"] or recs
-            ax.plot([m["T"] for m in pts],
-                    [max(x["forward"] for x in m["all_gather"]["recv"]) / MIB
-                     for m in pts], ":^", color="gray" if run["R"] == 2 else "black",
-                    label=f"all-gather, R={run['R']}")
+            ax.plot(
+                [m["T"] for m in pts],
+                [max(x["forward"] for x in m["all_gather"]["recv"]) / MIB for m in pts],
+                ":^",
+                color="gray" if run["R"] == 2 else "black",
+                label=f"all-gather, R={run['R']}",
+            )
         title = "sliding window" if mask == "window" else "causal"
         ax.set(title=title, xscale="log", yscale="log", xlabel="T (whole sequence)")
         ax.set_xticks(sorted({m["T"] for run in runs for m in run["records"]}))
@@ -418,11 +471,21 @@ def environment(cfg: Config) -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return dict(benchmark="ring_comm", device="cpu", cpu=cpu, cores=os.cpu_count(),
-                threads_per_process=1, backend="gloo (loopback)", dtype=cfg.dtype,
-                torch=torch.__version__, qkv=version, python=platform.python_version(),
-                platform=platform.platform(), config=asdict(cfg),
-                started=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    return dict(
+        benchmark="ring_comm",
+        device="cpu",
+        cpu=cpu,
+        cores=os.cpu_count(),
+        threads_per_process=1,
+        backend="gloo (loopback)",
+        dtype=cfg.dtype,
+        torch=torch.__version__,
+        qkv=version,
+        python=platform.python_version(),
+        platform=platform.platform(),
+        config=asdict(cfg),
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
 
 
 # ---- CLI --------------------------------------------------------------------------------------
@@ -435,46 +498,74 @@ def parse(argv: list[str] | None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--lengths", type=int, nargs="+", default=list(d.lengths))
     p.add_argument("--cases", nargs="+", choices=list(CASES), default=list(d.cases))
     p.add_argument("--modes", nargs="+", choices=["fwd", "fwdbwd"], default=list(d.modes))
-    p.add_argument("--causal-fwdbwd-max", type=int, default=d.causal_fwdbwd_max,
-                   help="forward+backward of causal cases only for T up to this (T² cost)")
+    p.add_argument(
+        "--causal-fwdbwd-max",
+        type=int,
+        default=d.causal_fwdbwd_max,
+        help="forward+backward of causal cases only for T up to this (T² cost)",
+    )
     p.add_argument("--dtype", choices=list(DTYPES), default=d.dtype)
     p.add_argument("--batch", type=int, default=d.B)
     p.add_argument("--heads", type=int, default=d.H)
     p.add_argument("--head-dim", type=int, default=d.D)
     p.add_argument("--window", type=int, default=d.window)
     p.add_argument("--repeats", type=int, default=d.repeats)
-    p.add_argument("--max-seconds", type=float, default=d.max_seconds,
-                   help="stop repeating a measurement once its calls took this long (>= 1 call)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=d.max_seconds,
+        help="stop repeating a measurement once its calls took this long (>= 1 call)",
+    )
     p.add_argument("--warmup-length", type=int, default=d.warmup_length)
-    p.add_argument("--timeout", type=float, default=d.timeout_s,
-                   help="process-group timeout, seconds")
+    p.add_argument(
+        "--timeout", type=float, default=d.timeout_s, help="process-group timeout, seconds"
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     a = p.parse_args(argv)
     for R in a.ranks:
         for T in a.lengths + [a.warmup_length]:
             if R < 2 or T % (2 * R):
-                p.error(f"got R={R} and T={T}: R must be >= 2 and T a multiple of 2R = {2 * R} "
-                        f"(equal shards, as dist.all_gather needs), e.g. T={T - T % (2 * R) or 2 * R}")
-    cfg = Config(tuple(a.ranks), tuple(a.lengths), tuple(a.cases), tuple(a.modes),
-                 a.causal_fwdbwd_max, a.dtype, a.batch, a.heads, a.head_dim, a.window,
-                 a.repeats, a.max_seconds, a.warmup_length, a.timeout)
+                p.error(
+                    f"got R={R} and T={T}: R must be >= 2 and T a multiple of 2R = {2 * R} "
+                    f"(equal shards, as dist.all_gather needs), e.g. T={T - T % (2 * R) or 2 * R}"
+                )
+    cfg = Config(
+        tuple(a.ranks),
+        tuple(a.lengths),
+        tuple(a.cases),
+        tuple(a.modes),
+        a.causal_fwdbwd_max,
+        a.dtype,
+        a.batch,
+        a.heads,
+        a.head_dim,
+        a.window,
+        a.repeats,
+        a.max_seconds,
+        a.warmup_length,
+        a.timeout,
+    )
     return cfg, a
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, a = parse(argv)
     env = environment(cfg)
-    print(f"ring_comm: {env['cpu']}, {env['cores']} cores, 1 thread per process, gloo loopback, "
-          f"{cfg.dtype}, B={cfg.B} H={cfg.H} D={cfg.D}, window {cfg.window}", flush=True)
+    print(
+        f"ring_comm: {env['cpu']}, {env['cores']} cores, 1 thread per process, gloo loopback, "
+        f"{cfg.dtype}, B={cfg.B} H={cfg.H} D={cfg.D}, window {cfg.window}",
+        flush=True,
+    )
     runs = []
     for R in cfg.ranks:
         runs.append(run_ranks(R, cfg))
         if a.json:
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps(dict(env, runs=runs), indent=1))
-    print("\nCommunication per rank (exact, from comm_log; all-gather: (R-1) shards per "
-          "collective)\n")
+    print(
+        "\nCommunication per rank (exact, from comm_log; all-gather: (R-1) shards per collective)\n"
+    )
     print(comm_table(runs))
     print("\nTime (median step, slowest rank; R processes share the cores)\n")
     print(time_table(runs))

@@ -39,6 +39,7 @@ Usage:
     python benchmarks/triton_vs_flash.py [--out benchmarks/results/triton_vs_flash.json]
     python benchmarks/triton_vs_flash.py --lengths 1024 4096 --dims 128 --cases none window
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,9 @@ DEFAULT_OUT = Path("benchmarks/results/triton_vs_flash.json")
 
 
 def flops(case: str, B: int, H: int, T: int, D: int, mode: str) -> float:
-    return attention_flops(B, H, T, T, D, density=mask_density(case, T, window=WINDOW),
-                           backward=mode == "fwdbwd")
+    return attention_flops(
+        B, H, T, T, D, density=mask_density(case, T, window=WINDOW), backward=mode == "fwdbwd"
+    )
 
 
 def qkv_kwargs(case: str, T: int, device) -> dict:
@@ -88,9 +90,11 @@ def flex_mask(case: str, B: int, T: int, device):
     if case == "none":
         return None
     if case == "causal":
+
         def mask(b, h, q, kv):
             return kv <= q
     elif case == "window":
+
         def mask(b, h, q, kv):
             return (kv <= q) & (kv >= q - WINDOW)
     else:
@@ -98,6 +102,7 @@ def flex_mask(case: str, B: int, T: int, device):
 
         def mask(b, h, q, kv):
             return ids[q] == ids[kv]
+
     return create_block_mask(mask, None, None, T, T, device=device)
 
 
@@ -108,18 +113,24 @@ def implementations(case: str, B: int, T: int, device) -> dict:
     from torch.nn.attention.flex_attention import flex_attention
 
     kw = qkv_kwargs(case, T, device)
-    impls = {"qkv-triton": lambda q, k, v: qkv.scaled_dot_product_attention(
-        q, k, v, backend="triton", **kw),
-             "qkv-direct": lambda q, k, v: triton_attention(AttentionCall.build(q, k, v, **kw))[0]}
+    impls = {
+        "qkv-triton": lambda q, k, v: qkv.scaled_dot_product_attention(
+            q, k, v, backend="triton", **kw
+        ),
+        "qkv-direct": lambda q, k, v: triton_attention(AttentionCall.build(q, k, v, **kw))[0],
+    }
     if case in ("none", "causal"):
+
         def flash(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=case == "causal")
+
         impls["sdpa-flash"] = flash
 
         def cudnn(q, k, v):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=case == "causal")
+
         impls["sdpa-cudnn"] = cudnn
     block_mask = flex_mask(case, B, T, device)
     compiled = torch.compile(flex_attention, dynamic=False)
@@ -135,21 +146,31 @@ def step(attend, q, k, v, mode: str):
     def fwd_bwd():
         out = attend(q, k, v)
         torch.autograd.grad(out, (q, k, v), dout)
+
     return fwd_bwd
 
 
 def environment() -> dict:
     import triton
 
-    return dict(benchmark="triton_vs_flash", device=torch.cuda.get_device_name(),
-                capability=".".join(map(str, torch.cuda.get_device_capability())),
-                dtype="bf16", torch=torch.__version__, cuda=torch.version.cuda,
-                triton=triton.__version__, qkv=getattr(qkv, "__version__", "unknown"),
-                python=platform.python_version(), tokens=TOKENS, width=WIDTH, window=WINDOW,
-                flops="4*B*H*T*S*D*density forward; x3.5 forward+backward",
-                timer="triton.testing.do_bench median (ms)",
-                started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                command=" ".join([sys.executable] + sys.argv))
+    return dict(
+        benchmark="triton_vs_flash",
+        device=torch.cuda.get_device_name(),
+        capability=".".join(map(str, torch.cuda.get_device_capability())),
+        dtype="bf16",
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        triton=triton.__version__,
+        qkv=getattr(qkv, "__version__", "unknown"),
+        python=platform.python_version(),
+        tokens=TOKENS,
+        width=WIDTH,
+        window=WINDOW,
+        flops="4*B*H*T*S*D*density forward; x3.5 forward+backward",
+        timer="triton.testing.do_bench median (ms)",
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        command=" ".join([sys.executable] + sys.argv),
+    )
 
 
 def run(args) -> dict:
@@ -162,8 +183,12 @@ def run(args) -> dict:
         for D in args.dims:
             H = WIDTH // D
             g = torch.Generator(device=device).manual_seed(0)
-            q, k, v = (torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16,
-                                   generator=g).requires_grad_() for _ in range(3))
+            q, k, v = (
+                torch.randn(
+                    B, H, T, D, device=device, dtype=torch.bfloat16, generator=g
+                ).requires_grad_()
+                for _ in range(3)
+            )
             for case in args.cases:
                 # a fresh dynamo per configuration: past its recompile limit (8 graphs) the
                 # compiled flex silently runs eagerly, materialising (T, S) scores (1-14
@@ -178,19 +203,35 @@ def run(args) -> dict:
                     times = {}
                     for name, attend in impls.items():
                         try:
-                            times[name] = do_bench(step(attend, q, k, v, mode),
-                                                   warmup=args.warmup, rep=args.rep)
+                            times[name] = do_bench(
+                                step(attend, q, k, v, mode), warmup=args.warmup, rep=args.rep
+                            )
                         except Exception as e:  # a peer that cannot run this size: say why
                             times[name] = None
-                            print(f"{name} {case} T={T} D={D} {mode}: {type(e).__name__}: {e}",
-                                  file=sys.stderr)
+                            print(
+                                f"{name} {case} T={T} D={D} {mode}: {type(e).__name__}: {e}",
+                                file=sys.stderr,
+                            )
                     n = flops(case, B, H, T, D, mode)
-                    rec = dict(case=case, T=T, B=B, H=H, D=D, mode=mode, max_diff_vs_flex=max_diff,
-                               ms=times, tflops={k: n / (t * 1e-3) / 1e12 for k, t in times.items()
-                                                  if t is not None})
+                    rec = dict(
+                        case=case,
+                        T=T,
+                        B=B,
+                        H=H,
+                        D=D,
+                        mode=mode,
+                        max_diff_vs_flex=max_diff,
+                        ms=times,
+                        tflops={
+                            k: n / (t * 1e-3) / 1e12 for k, t in times.items() if t is not None
+                        },
+                    )
                     base = times.get("qkv-triton")
-                    rec["ratio"] = {k: t / base for k, t in times.items()
-                                    if k != "qkv-triton" and t is not None and base}
+                    rec["ratio"] = {
+                        k: t / base
+                        for k, t in times.items()
+                        if k != "qkv-triton" and t is not None and base
+                    }
                     data["records"].append(rec)
                     print(_line(rec), file=sys.stderr)
                     _write(args.out, data)
@@ -211,12 +252,16 @@ def _write(path: Path, data: dict) -> None:
 
 def markdown(data: dict) -> str:
     """A section for RESULTS.md: TFLOP/s of each implementation, ratios and targets."""
-    lines = [f"### qkv triton vs SDPA flash and FlexAttention ({data['device']}, bf16)", "",
-             f"torch {data['torch']}, triton {data['triton']}, CUDA {data['cuda']}; B*T = "
-             f"{TOKENS}, H*D = {WIDTH}; ratio = peer time / qkv time (> 1: qkv faster).", "",
-             "| case | T | D | mode | qkv-triton | qkv-direct | sdpa-flash | sdpa-cudnn | flex "
-             "| vs flash | vs cudnn | vs flex | target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"### qkv triton vs SDPA flash and FlexAttention ({data['device']}, bf16)",
+        "",
+        f"torch {data['torch']}, triton {data['triton']}, CUDA {data['cuda']}; B*T = "
+        f"{TOKENS}, H*D = {WIDTH}; ratio = peer time / qkv time (> 1: qkv faster).",
+        "",
+        "| case | T | D | mode | qkv-triton | qkv-direct | sdpa-flash | sdpa-cudnn | flex "
+        "| vs flash | vs cudnn | vs flex | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in data["records"]:
         peer = "sdpa-flash" if r["case"] in ("none", "causal") else "flex"
         ratio = r["ratio"].get(peer)
@@ -229,11 +274,14 @@ def markdown(data: dict) -> str:
         def rat(name, r=r):
             v = r["ratio"].get(name)
             return "-" if v is None else f"{v:.2f}x"
-        lines.append(f"| {r['case']} | {r['T']} | {r['D']} | {r['mode']} | "
-                     f"{cell('qkv-triton')} | {cell('qkv-direct')} | {cell('sdpa-flash')} | "
-                     f"{cell('sdpa-cudnn')} | {cell('flex')} | "
-                     f"{rat('sdpa-flash')} | {rat('sdpa-cudnn')} | {rat('flex')} | "
-                     f"{met} ({peer} >= {TARGETS[r['mode']]}x) |")
+
+        lines.append(
+            f"| {r['case']} | {r['T']} | {r['D']} | {r['mode']} | "
+            f"{cell('qkv-triton')} | {cell('qkv-direct')} | {cell('sdpa-flash')} | "
+            f"{cell('sdpa-cudnn')} | {cell('flex')} | "
+            f"{rat('sdpa-flash')} | {rat('sdpa-cudnn')} | {rat('flex')} | "
+            f"{met} ({peer} >= {TARGETS[r['mode']]}x) |"
+        )
     return "\n".join(lines)
 
 
@@ -248,9 +296,11 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("triton_vs_flash: needs a CUDA GPU (torch.cuda.is_available() is False); the "
-              "triton kernels and both peers run on CUDA only. Nothing was measured.",
-              file=sys.stderr)
+        print(
+            "triton_vs_flash: needs a CUDA GPU (torch.cuda.is_available() is False); the "
+            "triton kernels and both peers run on CUDA only. Nothing was measured.",
+            file=sys.stderr,
+        )
         return 2
     missing = triton_available()
     if missing is not None:

@@ -14,6 +14,7 @@ Prints one JSON line per measurement (``--out`` appends them to a file) and a ta
 bf16, B*T = 16k tokens, H*D = 2048 (FlashAttention's benchmark shape, as triton_vs_flash.py).
 FLOPs: 4*B*H*T*S*D*density forward, x3.5 forward+backward (STYLE.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,10 @@ TOKENS, WIDTH = 16384, 2048
 def _inputs(T: int, D: int, seed: int = 0):
     B, H = max(1, TOKENS // T), WIDTH // D
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g)
-            .requires_grad_() for _ in range(3)]
+    return [
+        torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        for _ in range(3)
+    ]
 
 
 def _kwargs(case: str, T: int, B: int) -> dict:
@@ -67,7 +70,7 @@ def _flash(case: str, q, k, v):
     import torch.nn.functional as F
 
     if case == "document":
-        ids = (torch.arange(q.shape[2], device="cuda") // 1024)
+        ids = torch.arange(q.shape[2], device="cuda") // 1024
         mask = ids[:, None] == ids[None, :]  # (T, S)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, is_causal=case == "causal")
@@ -77,6 +80,7 @@ def _time(fn, mode: str, q, k, v) -> float:
     from triton.testing import do_bench
 
     if mode == "fwd":
+
         def step():
             with torch.no_grad():
                 fn(q, k, v)
@@ -85,6 +89,7 @@ def _time(fn, mode: str, q, k, v) -> float:
 
         def step():
             torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
     return do_bench(step, warmup=10, rep=40, return_mode="median")
 
 
@@ -119,27 +124,65 @@ def defaults(args) -> list[dict]:
                 err = _error(fn, case, q, k, v)
                 for mode in ("fwd", "fwdbwd"):
                     ms = _time(fn, mode, q, k, v)
-                    flops = 4 * B * H * T * T * D * _density(case, T) * (3.5 if mode == "fwdbwd"
-                                                                       else 1)
-                    recs.append(_record(args.out, job="defaults", label=args.label, case=case,
-                                        T=T, D=D, mode=mode, ms=ms, tflops=flops / ms / 1e9,
-                                        rel_err_vs_sdpa=err))
+                    flops = (
+                        4 * B * H * T * T * D * _density(case, T) * (3.5 if mode == "fwdbwd" else 1)
+                    )
+                    recs.append(
+                        _record(
+                            args.out,
+                            job="defaults",
+                            label=args.label,
+                            case=case,
+                            T=T,
+                            D=D,
+                            mode=mode,
+                            ms=ms,
+                            tflops=flops / ms / 1e9,
+                            rel_err_vs_sdpa=err,
+                        )
+                    )
     return recs
 
 
 def _grid(which: str) -> list[dict]:
     """Candidate changes to Blocks for one kernel (the others stay at their defaults)."""
     if which == "fwd":
-        return [dict(m=m, n=n, warps=w, stages=s) for m, n, w, s in [
-            (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
-            (64, 64, 4, 3), (64, 128, 4, 3), (128, 32, 4, 4), (256, 64, 8, 2)]]
+        return [
+            dict(m=m, n=n, warps=w, stages=s)
+            for m, n, w, s in [
+                (128, 64, 8, 3),
+                (128, 64, 4, 3),
+                (128, 128, 8, 2),
+                (128, 128, 8, 3),
+                (64, 64, 4, 3),
+                (64, 128, 4, 3),
+                (128, 32, 4, 4),
+                (256, 64, 8, 2),
+            ]
+        ]
     if which == "dkdv":
-        return [dict(m1=m, n1=n, warps=w, stages=s) for m, n, w, s in [
-            (32, 128, 8, 3), (32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3),
-            (32, 64, 4, 3), (64, 128, 8, 3)]]
-    return [dict(m2=m, n2=n, warps=w, stages=s) for m, n, w, s in [
-        (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2),
-        (64, 32, 4, 3), (128, 64, 8, 3)]]
+        return [
+            dict(m1=m, n1=n, warps=w, stages=s)
+            for m, n, w, s in [
+                (32, 128, 8, 3),
+                (32, 128, 4, 3),
+                (64, 128, 8, 2),
+                (64, 64, 4, 3),
+                (32, 64, 4, 3),
+                (64, 128, 8, 3),
+            ]
+        ]
+    return [
+        dict(m2=m, n2=n, warps=w, stages=s)
+        for m, n, w, s in [
+            (128, 32, 8, 3),
+            (128, 32, 4, 3),
+            (64, 64, 4, 3),
+            (128, 64, 8, 2),
+            (64, 32, 4, 3),
+            (128, 64, 8, 3),
+        ]
+    ]
 
 
 def _blocks(D: int, which: str, change: dict) -> Blocks:
@@ -168,10 +211,22 @@ def tune(args) -> list[dict]:
                         why = None if ms is not None else "wrong"
                     except Exception as e:  # a configuration that does not fit: say why
                         err, ms, why = None, None, f"{type(e).__name__}: {str(e)[:120]}"
-                    recs.append(_record(args.out, job="tune", case=case, T=T, D=D,
-                                        kernel=which, mode=mode, blocks=change, ms=ms,
-                                        rel_err_vs_sdpa=err, failed=why,
-                                        seconds=round(time.time() - t0, 1)))
+                    recs.append(
+                        _record(
+                            args.out,
+                            job="tune",
+                            case=case,
+                            T=T,
+                            D=D,
+                            kernel=which,
+                            mode=mode,
+                            blocks=change,
+                            ms=ms,
+                            rel_err_vs_sdpa=err,
+                            failed=why,
+                            seconds=round(time.time() - t0, 1),
+                        )
+                    )
     return recs
 
 
@@ -179,13 +234,17 @@ def _table(recs: list[dict]) -> str:
     lines = []
     for r in recs:
         if r["job"] == "defaults":
-            lines.append(f"{r['label']:6s} {r['case']:9s} T={r['T']:5d} D={r['D']:3d} "
-                         f"{r['mode']:6s} {r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s "
-                         f"err {r['rel_err_vs_sdpa']:.1e}")
+            lines.append(
+                f"{r['label']:6s} {r['case']:9s} T={r['T']:5d} D={r['D']:3d} "
+                f"{r['mode']:6s} {r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s "
+                f"err {r['rel_err_vs_sdpa']:.1e}"
+            )
         else:
             ms = "-" if r["ms"] is None else f"{r['ms']:8.3f} ms"
-            lines.append(f"tune {r['case']:9s} D={r['D']:3d} {r['kernel']:5s} {r['blocks']} "
-                         f"{ms} {r['failed'] or ''}")
+            lines.append(
+                f"tune {r['case']:9s} D={r['D']:3d} {r['kernel']:5s} {r['blocks']} "
+                f"{ms} {r['failed'] or ''}"
+            )
     return "\n".join(lines)
 
 
@@ -194,12 +253,19 @@ def main(argv=None) -> int:
     p.add_argument("--defaults", action="store_true")
     p.add_argument("--tune", action="store_true")
     p.add_argument("--label", default="")
-    p.add_argument("--baseline", action="store_true",
-                   help="--defaults at the first, untuned blocks (first_blocks)")
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help="--defaults at the first, untuned blocks (first_blocks)",
+    )
     p.add_argument("--lengths", type=int, nargs="+", default=[4096])
     p.add_argument("--dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--cases", nargs="+", default=["none", "causal", "document"],
-                   choices=["none", "causal", "document"])
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=["none", "causal", "document"],
+        choices=["none", "causal", "document"],
+    )
     p.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

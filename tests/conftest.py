@@ -4,6 +4,7 @@
 the tests make land there, and so do generators they make without a device); unset, or ``cpu``,
 nothing changes. tests/test_cuda.py holds the CUDA tests that name the device themselves.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,10 +37,12 @@ def pytest_configure(config):
     if TEST_DEVICE == "cpu":
         return
     if TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available():
-        raise pytest.UsageError(f"QKV_TEST_DEVICE={TEST_DEVICE} but torch.cuda.is_available() "
-                                f"is False")
+        raise pytest.UsageError(
+            f"QKV_TEST_DEVICE={TEST_DEVICE} but torch.cuda.is_available() is False"
+        )
     torch.set_default_device(TEST_DEVICE)
     torch.Generator = _DefaultDeviceGenerator
+
 
 BACKENDS = ["reference", "torch", "tiled", "auto"]
 DROPOUT_BACKENDS = [b for b in BACKENDS if b != "tiled"]  # tiled refuses dropout (test_tiled.py)

@@ -20,26 +20,37 @@ scalars, is evaluated here as its author meant it.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, Dv value head dim.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 __all__ = [
-    "attention64", "causal_allowed", "window_allowed", "document_allowed", "key_lengths_allowed",
-    "elementwise_mask", "elementwise_score", "alibi64", "softcap64", "repeat_kv_heads",
+    "alibi64",
+    "attention64",
+    "causal_allowed",
+    "document_allowed",
+    "elementwise_mask",
+    "elementwise_score",
+    "key_lengths_allowed",
+    "repeat_kv_heads",
+    "softcap64",
+    "window_allowed",
 ]
 
 
 def _indices(B: int, H: int, T: int, S: int, device=None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """b ``(B,1,1,1)``, h ``(1,H,1,1)``, q ``(1,1,T,1)``, kv ``(1,1,1,S)``; int64."""
-    return (torch.arange(B, device=device).view(B, 1, 1, 1),
-            torch.arange(H, device=device).view(1, H, 1, 1),
-            torch.arange(T, device=device).view(1, 1, T, 1),
-            torch.arange(S, device=device).view(1, 1, 1, S))
+    return (
+        torch.arange(B, device=device).view(B, 1, 1, 1),
+        torch.arange(H, device=device).view(1, H, 1, 1),
+        torch.arange(T, device=device).view(1, 1, T, 1),
+        torch.arange(S, device=device).view(1, 1, 1, S),
+    )
 
 
 def _full(x: Tensor, B: int, H: int, T: int, S: int) -> Tensor:
@@ -47,6 +58,7 @@ def _full(x: Tensor, B: int, H: int, T: int, S: int) -> Tensor:
 
 
 # --- masks from descriptions ------------------------------------------------------------------
+
 
 def causal_allowed(B: int, H: int, T: int, S: int, *, offset: int = 0) -> Tensor:
     """Key ``j`` allowed for query ``i`` iff ``j <= i + offset`` (0 top-left, S - T bottom-right).
@@ -58,8 +70,9 @@ def causal_allowed(B: int, H: int, T: int, S: int, *, offset: int = 0) -> Tensor
     return _full(kv <= q + offset, B, H, T, S)
 
 
-def window_allowed(B: int, H: int, T: int, S: int, left: int, right: int, *,
-                   offset: int = 0) -> Tensor:
+def window_allowed(
+    B: int, H: int, T: int, S: int, left: int, right: int, *, offset: int = 0
+) -> Tensor:
     """Key ``j`` allowed iff ``p - left <= j <= p + right`` with ``p = i + offset``.
 
     Shape:
@@ -151,6 +164,7 @@ def softcap64(scores: Tensor, cap: float) -> Tensor:
 
 # --- attention --------------------------------------------------------------------------------
 
+
 def repeat_kv_heads(x: Tensor, H: int) -> Tensor:
     """Each of G heads repeated ``H // G`` times, consecutively (head h reads kv head h // (H/G)).
 
@@ -164,10 +178,17 @@ def repeat_kv_heads(x: Tensor, H: int) -> Tensor:
     return x[:, idx]
 
 
-def attention64(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None,
-                allowed: Tensor | None = None, bias: Tensor | None = None,
-                score_mod: Callable[[Tensor], Tensor] | None = None,
-                sinks: Tensor | None = None) -> Tensor:
+def attention64(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    allowed: Tensor | None = None,
+    bias: Tensor | None = None,
+    score_mod: Callable[[Tensor], Tensor] | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Exact attention in float64 under qkv's mask contract.
 
     Args:

@@ -10,25 +10,45 @@ Every part has a readable ``repr`` so a falsifying example can be pasted back as
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, Dv value head dim.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from hypothesis import strategies as st
+from reference64 import (
+    alibi64,
+    causal_allowed,
+    document_allowed,
+    elementwise_mask,
+    elementwise_score,
+    key_lengths_allowed,
+    softcap64,
+    window_allowed,
+)
 from torch import Tensor
 
 import qkv
-from reference64 import (alibi64, causal_allowed, document_allowed, elementwise_mask,
-                         elementwise_score, key_lengths_allowed, softcap64, window_allowed)
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 # Layouts of a (B, X, L, E) input: every one holds the same logical values.
-LAYOUTS = ("contiguous", "transposed", "strided", "column_major", "offset", "expand_batch",
-           "expand_heads")
+LAYOUTS = (
+    "contiguous",
+    "transposed",
+    "strided",
+    "column_major",
+    "offset",
+    "expand_batch",
+    "expand_heads",
+)
 COPYING_FREE_LAYOUTS = ("contiguous", "transposed", "strided", "column_major", "offset")
 
 
@@ -36,8 +56,9 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def make_input(shape: tuple, layout: str, dtype: torch.dtype, seed: int,
-               requires_grad: bool = False) -> Tensor:
+def make_input(
+    shape: tuple, layout: str, dtype: torch.dtype, seed: int, requires_grad: bool = False
+) -> Tensor:
     """A ``shape = (B, X, L, E)`` tensor of standard-normal values stored in ``layout``, a view
     of a leaf (that requires grad when asked, as a user's parameter would):
 
@@ -64,7 +85,7 @@ def make_input(shape: tuple, layout: str, dtype: torch.dtype, seed: int,
     if layout == "column_major":
         return leaf(B, X, E, L).transpose(-1, -2)
     if layout == "offset":
-        return leaf(B, X, L + 2, E)[:, :, 1:L + 1]
+        return leaf(B, X, L + 2, E)[:, :, 1 : L + 1]
     if layout == "expand_batch":
         return leaf(1, X, L, E).expand(B, X, L, E)
     if layout == "expand_heads":
@@ -78,9 +99,18 @@ MASK_SHAPES = ("TS", "1TS", "B11S", "HTS", "BHTS", "B1TS", "S", "1S", "T1", "sca
 
 
 def mask_shape(name: str, B: int, H: int, T: int, S: int) -> tuple:
-    return {"TS": (T, S), "1TS": (1, T, S), "B11S": (B, 1, 1, S), "HTS": (H, T, S),
-            "BHTS": (B, H, T, S), "B1TS": (B, 1, T, S), "S": (S,), "1S": (1, S), "T1": (T, 1),
-            "scalar": ()}[name]
+    return {
+        "TS": (T, S),
+        "1TS": (1, T, S),
+        "B11S": (B, 1, 1, S),
+        "HTS": (H, T, S),
+        "BHTS": (B, H, T, S),
+        "B1TS": (B, 1, T, S),
+        "S": (S,),
+        "1S": (1, S),
+        "T1": (T, 1),
+        "scalar": (),
+    }[name]
 
 
 @dataclass(frozen=True)
@@ -115,14 +145,15 @@ class MaskSpec:
 
 # --- mask_mod descriptions ---------------------------------------------------------------------
 
+
 class ModSpec:
     """A mask_mod description: ``build(ctx)`` gives what qkv is called with, ``dense(ctx)`` the
     ``(B, H, T, S)`` bool mask it stands for, computed without qkv."""
 
-    def build(self, ctx: "Ctx"):
+    def build(self, ctx: Ctx):
         raise NotImplementedError
 
-    def dense(self, ctx: "Ctx") -> Tensor:
+    def dense(self, ctx: Ctx) -> Tensor:
         raise NotImplementedError
 
 
@@ -253,6 +284,7 @@ class Combine(ModSpec):
 
 # --- score_mod descriptions --------------------------------------------------------------------
 
+
 class ScoreSpec:
     """A score_mod description. ``tensors(ctx)`` makes the tensors it captures (in the inputs'
     dtype, maybe requiring grad); ``build(tensors)`` the score_mod qkv is called with;
@@ -302,12 +334,14 @@ def _halve(score, b, h, q_idx, kv_idx):
 def _rel_bias(bias: Tensor, S: int):
     def rel_bias(score, b, h, q_idx, kv_idx):
         return score + bias[h, q_idx - kv_idx + S]
+
     return rel_bias
 
 
 def _chained(bias: Tensor):
     def per_query_bias(score, b, h, q_idx, kv_idx):
         return score + bias[b][q_idx]
+
     return per_query_bias
 
 
@@ -356,6 +390,7 @@ class ScoreFn(ScoreSpec):
 
 # --- the call ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Case:
     """One attention call: q ``(B, H, T, D)``, k/v ``(B, G, S, D/Dv)`` (G = H unless gqa)."""
@@ -389,22 +424,33 @@ class Case:
         """The tensors of the call: q, k, v in their layouts (views of leaves that require
         grad when ``grad``), the attn_mask, the score_mod's tensors and an upstream gradient."""
         dt = self.torch_dtype
-        shapes = ((self.B, self.H, self.T, self.D), (self.B, self.G, self.S, self.D),
-                  (self.B, self.G, self.S, self.Dv))
+        shapes = (
+            (self.B, self.H, self.T, self.D),
+            (self.B, self.G, self.S, self.D),
+            (self.B, self.G, self.S, self.Dv),
+        )
         qkv_ = []
         for i, (shape, layout) in enumerate(zip(shapes, self.layouts)):
             qkv_.append(make_input(shape, layout, dt, self.seed * 3 + i, grad))
         mask = None if self.mask is None else self.mask.make(self.B, self.H, self.T, self.S, dt)
         score_tensors = {} if self.score_mod is None else self.score_mod.tensors(self.ctx)
-        dout = torch.randn(self.B, self.H, self.T, self.Dv, generator=_gen(self.seed + 11),
-                           dtype=torch.float64).to(dt)
-        return {"q": qkv_[0], "k": qkv_[1], "v": qkv_[2], "mask": mask,
-                "score_tensors": score_tensors, "dout": dout}
+        dout = torch.randn(
+            self.B, self.H, self.T, self.Dv, generator=_gen(self.seed + 11), dtype=torch.float64
+        ).to(dt)
+        return {
+            "q": qkv_[0],
+            "k": qkv_[1],
+            "v": qkv_[2],
+            "mask": mask,
+            "score_tensors": score_tensors,
+            "dout": dout,
+        }
 
     def qkv_kwargs(self, inp: dict) -> dict:
         """Keyword arguments of ``qkv.scaled_dot_product_attention`` besides q, k, v."""
-        kw = dict(attn_mask=inp["mask"], is_causal=self.is_causal, scale=self.scale,
-                  enable_gqa=self.gqa)
+        kw = dict(
+            attn_mask=inp["mask"], is_causal=self.is_causal, scale=self.scale, enable_gqa=self.gqa
+        )
         if self.mask_mod is not None:
             kw["mask_mod"] = self.mask_mod.build(self.ctx)
         if self.score_mod is not None:
@@ -445,8 +491,11 @@ small_len = st.sampled_from([1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 31, 33, 40]
 @st.composite
 def mask_specs(draw, B: int, H: int, T: int, S: int, dtype: str) -> MaskSpec:
     kind = draw(st.sampled_from(["bool", "float"]))
-    shape = draw(st.sampled_from(["TS", "1TS", "B11S", "HTS", "BHTS", "TS", "B1TS", "S", "1S",
-                                  "T1", "scalar"]))
+    shape = draw(
+        st.sampled_from(
+            ["TS", "1TS", "B11S", "HTS", "BHTS", "TS", "B1TS", "S", "1S", "T1", "scalar"]
+        )
+    )
     p_keep = draw(st.sampled_from([0.7, 0.3, 1.0, 0.9, 0.0]))
     dead = draw(st.lists(st.integers(0, max(T - 1, 0)), max_size=2, unique=True)) if T else []
     mdtype = "same"
@@ -465,8 +514,13 @@ def leaf_mods(draw, T: int, S: int) -> ModSpec:
     if which == "window":
         return Window(draw(st.integers(0, 6)), draw(st.integers(0, 3)), align)
     if which == "document":
-        return Document(draw(st.integers(1, 4)), draw(st.booleans()), draw(st.booleans()),
-                        draw(st.booleans()) and T == S, draw(st.integers(0, 2**16)))
+        return Document(
+            draw(st.integers(1, 4)),
+            draw(st.booleans()),
+            draw(st.booleans()),
+            draw(st.booleans()) and T == S,
+            draw(st.integers(0, 2**16)),
+        )
     if which == "key_lengths":
         one = st.integers(0, S + 1)
         n = draw(one | st.tuples(one, one, one))
@@ -484,8 +538,9 @@ def mod_specs(draw, T: int, S: int) -> ModSpec:
 
 @st.composite
 def score_specs(draw) -> ScoreSpec:
-    which = draw(st.sampled_from(["alibi", "softcap", "halve", "rel_bias", "chained",
-                                  "score_mask"]))
+    which = draw(
+        st.sampled_from(["alibi", "softcap", "halve", "rel_bias", "chained", "score_mask"])
+    )
     if which == "alibi":
         return Alibi(draw(st.booleans()), draw(st.integers(0, 2**16)))
     if which == "softcap":
@@ -524,8 +579,24 @@ def cases(draw, *, dtypes=tuple(DTYPES), layouts=LAYOUTS, structured=True, need_
             score_mod = draw(score_specs())
     if need_mask and mask is None and mask_mod is None and not is_causal:
         mask = draw(mask_specs(B, H, T, S, dtype))
-    return Case(B, H, G, T, S, D, Dv, dtype, lay, gqa, scale, is_causal, mask, mask_mod,
-                score_mod, draw(st.integers(0, 2**16)))
+    return Case(
+        B,
+        H,
+        G,
+        T,
+        S,
+        D,
+        Dv,
+        dtype,
+        lay,
+        gqa,
+        scale,
+        is_causal,
+        mask,
+        mask_mod,
+        score_mod,
+        draw(st.integers(0, 2**16)),
+    )
 
 
 FLOAT_MASK_SHAPES = ("BHTS", "B1TS", "HTS", "1TS", "TS", "B11S", "S", "1S", "T1", "scalar")
@@ -549,5 +620,21 @@ def learned_bias_cases(draw) -> Case:
     mask = MaskSpec("float", shape, p_keep, (), mdtype, True, draw(st.integers(0, 2**16)))
     T = base.T or 1
     S = base.S or 1
-    return Case(B, H, G, T, S, base.D, base.Dv, base.dtype, base.layouts, G != H, base.scale,
-                base.is_causal, mask, base.mask_mod, base.score_mod, base.seed)
+    return Case(
+        B,
+        H,
+        G,
+        T,
+        S,
+        base.D,
+        base.Dv,
+        base.dtype,
+        base.layouts,
+        G != H,
+        base.scale,
+        base.is_causal,
+        mask,
+        base.mask_mod,
+        base.score_mod,
+        base.seed,
+    )

@@ -6,6 +6,7 @@ equal an Edmonds-Karp written here, flows stay under their capacities. Head scor
 built to attend to the previous token, the first token, themselves, everything, and a
 2-layer induction circuit, each top of its score; bounded captures say the rows they used.
 """
+
 import itertools
 import math
 import subprocess
@@ -38,6 +39,7 @@ def augmented(A, residual=0.5):
 
 # --- rollout -------------------------------------------------------------------------------
 
+
 def test_rollout_two_layers_by_hand():
     """A1 = [[1, 0], [1/2, 1/2]], A2 = [[1/2, 1/2], [0, 1]]; with the residual at 1/2:
     Â1 = [[1, 0], [1/4, 3/4]], Â2 = [[3/4, 1/4], [0, 1]];
@@ -54,8 +56,9 @@ def test_rollout_two_layers_by_hand():
     torch.testing.assert_close(per[0, 0], augmented(A2) @ torch.eye(2, **F64))
     # residual 0: the plain product; residual 1: the identity
     torch.testing.assert_close(rollout([A1[None, None], A2[None, None]], residual=0.0)[0], A2 @ A1)
-    torch.testing.assert_close(rollout([A1[None, None], A2[None, None]], residual=1.0)[0],
-                               torch.eye(2, **F64))
+    torch.testing.assert_close(
+        rollout([A1[None, None], A2[None, None]], residual=1.0)[0], torch.eye(2, **F64)
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
@@ -106,7 +109,7 @@ def test_padding_equals_the_truncated_sequence(causal):
     Fl = flow(cap, key_mask=key_mask)
     for b, n in enumerate(lengths):
         with qkv.capture(model) as alone:
-            model(x[b:b + 1, :n], is_causal=causal)
+            model(x[b : b + 1, :n], is_causal=causal)
         torch.testing.assert_close(R[b, :n, :n], rollout(alone)[0])
         torch.testing.assert_close(Fl[b, :n, :n], flow(alone)[0])
         assert (R[b, n:] == 0).all() and (R[b, :, n:] == 0).all() and (Fl[b, n:] == 0).all()
@@ -175,13 +178,14 @@ def test_bounded_rows_and_cross_attention_refused():
 
 # --- flow ----------------------------------------------------------------------------------
 
+
 def edmonds_karp(cap: dict, s, t) -> float:
     """The slow twin: shortest augmenting paths on a dict {(u, v): capacity}."""
     res = dict(cap)
-    for (u, v) in cap:
+    for u, v in cap:
         res.setdefault((v, u), 0.0)
     nbrs = {}
-    for (u, v) in res:
+    for u, v in res:
         nbrs.setdefault(u, []).append(v)
     total = 0.0
     while True:
@@ -209,10 +213,16 @@ def slow_flows(maps, residual=0.5):
     """Every (output j, input i) max-flow of head-mean maps of batch element 0."""
     aug = [augmented(A[0].mean(0), residual) for A in maps]
     L, T = len(aug), aug[0].shape[-1]
-    cap = {((l, i), (l + 1, j)): float(aug[l][j, i])
-           for l in range(L) for j in range(T) for i in range(T) if aug[l][j, i] > 0}
-    return torch.tensor([[edmonds_karp(cap, (0, i), (L, j)) for i in range(T)]
-                         for j in range(T)], **F64), aug
+    cap = {
+        ((l, i), (l + 1, j)): float(aug[l][j, i])
+        for l in range(L)
+        for j in range(T)
+        for i in range(T)
+        if aug[l][j, i] > 0
+    }
+    return torch.tensor(
+        [[edmonds_karp(cap, (0, i), (L, j)) for i in range(T)] for j in range(T)], **F64
+    ), aug
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
@@ -223,7 +233,7 @@ def test_flow_equals_edmonds_karp_twin_and_stays_under_capacity(causal):
     torch.testing.assert_close(nx_flow, slow)
     edges = sum(int((A > 0).sum()) for A in aug)
     sp_flow = flow(maps, normalize=False, solver="scipy")[0]
-    assert (sp_flow - slow).abs().max() <= edges * 2.0 ** -25  # the rounding bound stated
+    assert (sp_flow - slow).abs().max() <= edges * 2.0**-25  # the rounding bound stated
     out_of_source = aug[0].sum(0)  # (T,): capacity leaving input i
     assert (nx_flow <= out_of_source[None, :] + 1e-12).all()
     assert (nx_flow <= 1 + 1e-12).all()  # capacity into an output: its row of Â_L, 1
@@ -249,13 +259,16 @@ def test_flow_says_which_extra_is_missing(monkeypatch):
 
 
 def test_import_qkv_loads_no_graph_library():
-    code = ("import sys, qkv; qkv.analysis.rollout; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'networkx', 'scipy'}))")
+    code = (
+        "import sys, qkv; qkv.analysis.rollout; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'networkx', 'scipy'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 # --- head scores ---------------------------------------------------------------------------
+
 
 class Positional(nn.Module):
     """One causal qkv.MultiHeadAttention over one-hot positions, its 4 heads forced by hand:
@@ -318,8 +331,9 @@ class Induction(nn.Module):
         self.V, self.T = V, T
         C = 2 * V + T
         tok, pos, prev = slice(0, V), slice(V, V + T), slice(V + T, C)
-        self.layers = nn.ModuleList(qkv.MultiHeadAttention(C, 1, bias=False, **F64)
-                                    for _ in range(2))
+        self.layers = nn.ModuleList(
+            qkv.MultiHeadAttention(C, 1, bias=False, **F64) for _ in range(2)
+        )
         w = torch.zeros(2, 4, C, C, **F64)  # (layer, q/k/v/o, out, in)
         for t in range(T):
             w[0, 0, V + t, V + t] = sharp  # layer 0: q_t = e_t, k_s = e_{s+1}: previous token
@@ -337,9 +351,14 @@ class Induction(nn.Module):
 
     def forward(self, tokens):
         B, T = tokens.shape
-        x = torch.cat([nn.functional.one_hot(tokens, self.V).double(),
-                       torch.eye(T, **F64).expand(B, -1, -1),
-                       torch.zeros(B, T, self.V, **F64)], -1)  # (B, T, C)
+        x = torch.cat(
+            [
+                nn.functional.one_hot(tokens, self.V).double(),
+                torch.eye(T, **F64).expand(B, -1, -1),
+                torch.zeros(B, T, self.V, **F64),
+            ],
+            -1,
+        )  # (B, T, C)
         for m in self.layers:
             x = x + m(x, is_causal=True)
         return x
@@ -392,5 +411,6 @@ def test_head_scores_leave_padded_rows_out():
         model(x[1:, :3], is_causal=True)
     with qkv.capture(model, batch=[1]) as one:
         model(x, key_mask=key_mask, is_causal=True)
-    torch.testing.assert_close(head_scores(one, key_mask=key_mask).values,
-                               head_scores(short).values, equal_nan=True)
+    torch.testing.assert_close(
+        head_scores(one, key_mask=key_mask).values, head_scores(short).values, equal_nan=True
+    )

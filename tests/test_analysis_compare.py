@@ -7,6 +7,7 @@ ranks first, the unchanged ones last with 0. Then a real model's captures (the d
 the subtraction, batch= picks one element), and every mismatch refused by a ValueError that
 names it.
 """
+
 import pytest
 import torch
 
@@ -29,9 +30,21 @@ def captured(layers: list[torch.Tensor], *, rows=None, batch=(0,), name="blocks.
     for l, p in enumerate(layers):
         nb, nh, nr, S = p.shape
         kept_rows = torch.arange(nr) if rows is None else torch.tensor(rows)
-        records.append(CapturedAttention(
-            name.format(l), l, 0, p, torch.zeros(nb, nh, nr, **F64), None,
-            torch.tensor(batch), torch.arange(nh), kept_rows, (len(batch), nh, S, S), "hand"))
+        records.append(
+            CapturedAttention(
+                name.format(l),
+                l,
+                0,
+                p,
+                torch.zeros(nb, nh, nr, **F64),
+                None,
+                torch.tensor(batch),
+                torch.arange(nh),
+                kept_rows,
+                (len(batch), nh, S, S),
+                "hand",
+            )
+        )
     return Captured(records, [name.format(l) for l in range(len(layers))], {"model": "hand"})
 
 
@@ -63,8 +76,13 @@ def test_the_changed_head_ranks_first_with_its_worked_out_numbers():
     torch.testing.assert_close(cmp.diff(1, 2), (torch.eye(T, **F64) - uniform_causal())[None])
     assert cmp.diff(1, 2).dtype == torch.float64  # float64 in, float64 out
     rows = cmp.to_rows()
-    assert rows[0] == {"layer": 1, "head": 2, "site": "blocks.1", "mean": pytest.approx(23 / 96),
-                       "max": 0.75}
+    assert rows[0] == {
+        "layer": 1,
+        "head": 2,
+        "site": "blocks.1",
+        "mean": pytest.approx(23 / 96),
+        "max": 0.75,
+    }
     text = str(cmp).splitlines()
     assert text[0].split() == ["layer", "head", "mean", "|d|", "max", "|d|"]
     assert text[1].split() == ["1", "2", "0.2396", "0.7500"]
@@ -100,29 +118,41 @@ def test_two_inputs_of_a_model_and_one_batch_element():
 def test_mismatched_captures_are_refused_by_name():
     after, before = before_after()
     other_layers = captured([uniform_causal().expand(1, 3, T, T).clone()])
-    with pytest.raises(ValueError, match=r"record different layers \(call 0\): a has 2 "
-                                         r"\(layer 0 blocks.0, layer 1 blocks.1\), b has 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"record different layers \(call 0\): a has 2 "
+        r"\(layer 0 blocks.0, layer 1 blocks.1\), b has 1",
+    ):
         compare(after, other_layers)
     renamed = captured([r.probs for r in before], name="encoder.{}")
     with pytest.raises(ValueError, match="record different layers"):
         compare(after, renamed)
     short = captured([uniform_causal()[:3, :3].expand(1, 3, 3, 3).clone()] * 2)
-    with pytest.raises(ValueError, match=r"layer 0 \('blocks.0'\): a's call is \(B, H, T, S\) "
-                                         r"\(1, 3, 4, 4\) and b's \(1, 3, 3, 3\); compare "
-                                         r"captures of the same architecture and input length"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0 \('blocks.0'\): a's call is \(B, H, T, S\) "
+        r"\(1, 3, 4, 4\) and b's \(1, 3, 3, 3\); compare "
+        r"captures of the same architecture and input length",
+    ):
         compare(after, short)
     two_heads = captured([r.probs[:, :2] for r in before])
     with pytest.raises(ValueError, match=r"\(1, 3, 4, 4\) and b's \(1, 2, 4, 4\)"):
         compare(after, two_heads)
     rows = captured([r.probs[:, :, 1:3] for r in before], rows=[1, 2])
-    with pytest.raises(ValueError, match=r"a kept rows \[0, 1, 2, 3\] and b \[1, 2\]; capture "
-                                         r"both with the same rows="):
+    with pytest.raises(
+        ValueError,
+        match=r"a kept rows \[0, 1, 2, 3\] and b \[1, 2\]; capture "
+        r"both with the same rows=",
+    ):
         compare(after, rows)
     other_batch = captured([r.probs for r in before], batch=(1,))
     with pytest.raises(ValueError, match=r"a kept batch \[0\] and b \[1\]"):
         compare(after, other_batch)
-    with pytest.raises(ValueError, match=r"batch=3 was not kept by the captures \(kept batch "
-                                         r"elements \[0\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch=3 was not kept by the captures \(kept batch "
+        r"elements \[0\]\)",
+    ):
         compare(after, before, batch=3)
     with pytest.raises(ValueError, match=r"capture a holds no call 1 \(its calls: \[0\]\)"):
         compare(after, before, call=1)
@@ -154,15 +184,22 @@ def test_the_page_of_a_comparison_shows_its_numbers(tmp_path):
         qkv.viz.html(a, path, **kw)
         text = path.read_text()
         meta = json.loads(re.search(r'id="qkv-meta">(.*?)</script>', text, re.S).group(1))
-        return [(meta["entries"][c["entry"]]["layer"], c["head"], c["mean"], c["max"])
-                for c in meta["changes"]]
+        return [
+            (meta["entries"][c["entry"]]["layer"], c["head"], c["mean"], c["max"])
+            for c in meta["changes"]
+        ]
 
     cmp = compare(a, b, batch=0)
     want = [(lay, h, cmp[lay, h]["mean"], cmp[lay, h]["max"]) for lay, h in cmp.ranked()]
     assert changes(tmp_path / "c.html", against=cmp) == want
     assert changes(tmp_path / "b.html", against=b) == want
-    assert changes(tmp_path / "1.html", against=compare(a, b, batch=1), batch=1)[0][:2] == \
-        compare(a, b, batch=1).top()[0]
-    with pytest.raises(ValueError, match=r"the comparison covers batch elements \[0, 1\] and the "
-                                         r"page shows batch element 0: compare\(a, b, batch=0\)"):
+    assert (
+        changes(tmp_path / "1.html", against=compare(a, b, batch=1), batch=1)[0][:2]
+        == compare(a, b, batch=1).top()[0]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the comparison covers batch elements \[0, 1\] and the "
+        r"page shows batch element 0: compare\(a, b, batch=0\)",
+    ):
         qkv.viz.html(a, tmp_path / "x.html", against=compare(a, b))

@@ -6,6 +6,7 @@ of the full forward; hooks, the recorder and grad mode are left as they were (af
 too); nothing kept holds a gradient or the calls' inputs; save/load round-trips through
 ``torch.load(weights_only=True)``; bad requests say the numbers.
 """
+
 import gc
 import math
 import os
@@ -30,8 +31,9 @@ class Stack(nn.Module):
 
     def __init__(self, layers=3, C=16, H=4, backend="auto", **kw):
         super().__init__()
-        self.blocks = nn.ModuleList(qkv.MultiHeadAttention(C, H, backend=backend, **kw)
-                                    for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            qkv.MultiHeadAttention(C, H, backend=backend, **kw) for _ in range(layers)
+        )
 
     def forward(self, x, *, is_causal=True, return_trace=False):
         traces = []
@@ -72,6 +74,7 @@ def probs64(q, k, *, causal):
 
 # --- the weights are right -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stack_capture_equals_module_traces_and_float64(backend):
     model = Stack(backend=backend, **F64)
@@ -111,8 +114,14 @@ def test_selected_layers_heads_rows_equal_slice_of_full(backend):
     x = torch.randint(0, 23, (3, 17))
     with qkv.capture(model) as full:
         model(x)
-    with qkv.capture(model, layers=[2, "blocks.layers.0"], heads=[3, 1], rows=range(5, 9),
-                     batch=[2, 0], scores=True) as part:
+    with qkv.capture(
+        model,
+        layers=[2, "blocks.layers.0"],
+        heads=[3, 1],
+        rows=range(5, 9),
+        batch=[2, 0],
+        scores=True,
+    ) as part:
         model(x)
     assert [r.layer for r in part] == [0, 2]  # call order; layer 1 not recorded
     for rec in part:
@@ -123,7 +132,10 @@ def test_selected_layers_heads_rows_equal_slice_of_full(backend):
         assert rec.scores.shape == rec.probs.shape
         assert torch.isneginf(rec.scores[:, :, 0, 6:]).all()  # causal: row 5 sees keys 0..5
         assert (rec.batch.tolist(), rec.heads.tolist(), rec.rows.tolist()) == (
-            [2, 0], [3, 1], [5, 6, 7, 8])
+            [2, 0],
+            [3, 1],
+            [5, 6, 7, 8],
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -146,9 +158,14 @@ def test_seq2seq_sites_in_call_order_and_cross_attention():
     src_mask[1, 8:] = False
     with qkv.capture(model) as cap:
         model(src, tgt, src_key_mask=src_mask)
-    assert cap.sites == ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn",
-                         "decoder.layers.0.self_attn", "decoder.layers.0.cross_attn",
-                         "decoder.layers.1.self_attn", "decoder.layers.1.cross_attn"]
+    assert cap.sites == [
+        "encoder.layers.0.self_attn",
+        "encoder.layers.1.self_attn",
+        "decoder.layers.0.self_attn",
+        "decoder.layers.0.cross_attn",
+        "decoder.layers.1.self_attn",
+        "decoder.layers.1.cross_attn",
+    ]
     _, maps = model(src, tgt, src_key_mask=src_mask, return_attention=True)
     own = maps.encoder + [t for pair in zip(maps.decoder, maps.cross) for t in pair]
     for rec, trace in zip(cap, own):
@@ -176,7 +193,9 @@ def test_linear_attention_and_single_head_calls_are_recorded():
         sa(x)
     _, trace = sa(x, return_trace=True)
     assert cap.sites == [""] and cap.records[0].shape == (1, 3, 5, 5)
-    torch.testing.assert_close(cap.records[0].probs[0], trace.probs[[1]][:, [0, 4]], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        cap.records[0].probs[0], trace.probs[[1]][:, [0, 4]], rtol=0, atol=1e-6
+    )
 
 
 class FiveDims(nn.Module):
@@ -199,6 +218,7 @@ def test_calls_with_more_leading_dims_fold_them_into_batch():
 
 # --- decoding ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_generate_records_one_call_per_step_equal_to_the_full_forward(backend):
     model = lm(backend, **F64)
@@ -219,7 +239,7 @@ def test_generate_records_one_call_per_step_equal_to_the_full_forward(backend):
             T = 5 if step == 0 else 1
             pos = 4 + step  # the query position of the call's last row
             assert rec.shape == (2, 4, T, pos + 1) and rec.rows.tolist() == [T - 1]
-            want = maps.decoder[layer].probs[:, [0, 2], pos:pos + 1, :pos + 1]
+            want = maps.decoder[layer].probs[:, [0, 2], pos : pos + 1, : pos + 1]
             torch.testing.assert_close(rec.probs, want)
 
 
@@ -233,10 +253,13 @@ def test_decode_steps_keep_the_rows_they_have():
 
 # --- cost, memory and gradients ---------------------------------------------------------------
 
+
 def test_unwanted_layers_run_without_a_trace(monkeypatch):
     seen = []
     run = qkv.dispatch.run
-    monkeypatch.setattr(qkv.dispatch, "run", lambda call, b: seen.append(call.return_trace) or run(call, b))
+    monkeypatch.setattr(
+        qkv.dispatch, "run", lambda call, b: seen.append(call.return_trace) or run(call, b)
+    )
     model = lm("tiled")
     x = torch.randint(0, 23, (1, 8))
     model(x)
@@ -316,6 +339,7 @@ def test_capture_keeps_no_inputs_alive(backend, bounded):
 
 # --- state: hooks, recorder, threads ----------------------------------------------------------
 
+
 def test_hooks_and_recorder_removed_after_exit_and_after_an_error():
     model = lm()
     user = model.blocks.layers[0].register_forward_hook(lambda *a: None)  # the user's stays
@@ -327,6 +351,7 @@ def test_hooks_and_recorder_removed_after_exit_and_after_an_error():
 
     def fail(module, args):
         raise RuntimeError("boom")
+
     bad = model.blocks.layers[1].ffn.register_forward_pre_hook(fail)
     before = _hook_counts(model)
     with pytest.raises(RuntimeError, match="boom"), qkv.capture(model, layers=[5]) as cap:
@@ -372,9 +397,8 @@ def test_calls_outside_the_model_or_after_exit_are_not_recorded():
 
 def test_nested_captures_of_different_models_both_record():
     model = lm()
-    with qkv.capture(model, layers=[0]) as outer:
-        with qkv.capture(model.blocks.layers[2]) as inner:
-            model(torch.randint(0, 23, (1, 5)))
+    with qkv.capture(model, layers=[0]) as outer, qkv.capture(model.blocks.layers[2]) as inner:
+        model(torch.randint(0, 23, (1, 5)))
     assert [r.name for r in outer] == ["blocks.layers.0.self_attn"]
     assert [r.name for r in inner] == ["self_attn"]
     torch.testing.assert_close(inner.records[0].probs.sum(-1), torch.ones(1, 4, 5))
@@ -382,12 +406,16 @@ def test_nested_captures_of_different_models_both_record():
 
 def test_autocast_records_each_call_once():
     model = lm()
-    with torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16), qkv.capture(model) as cap:
+    with (
+        torch.autocast(torch.get_default_device().type, dtype=torch.bfloat16),
+        qkv.capture(model) as cap,
+    ):
         model(torch.randint(0, 23, (1, 7)))
     assert len(cap) == 3 and cap.records[0].probs.dtype == torch.bfloat16
 
 
 # --- save and load ----------------------------------------------------------------------------
+
 
 def test_save_load_round_trip_with_weights_only(tmp_path):
     model = lm()
@@ -403,7 +431,13 @@ def test_save_load_round_trip_with_weights_only(tmp_path):
     assert back.settings["rows"] == "range(2, 4)"
     for a, b in zip(cap, back):
         assert isinstance(b, CapturedAttention)
-        assert (a.name, a.layer, a.call, a.shape, a.backend) == (b.name, b.layer, b.call, b.shape, b.backend)
+        assert (a.name, a.layer, a.call, a.shape, a.backend) == (
+            b.name,
+            b.layer,
+            b.call,
+            b.shape,
+            b.backend,
+        )
         for field in ("probs", "lse", "scores", "batch", "heads", "rows"):
             assert torch.equal(getattr(a, field), getattr(b, field))
     assert repr(back) == repr(cap)
@@ -420,6 +454,7 @@ def test_interrupted_save_leaves_the_old_file(tmp_path, monkeypatch):
     def interrupted(obj, f, *a, **kw):
         f.write(b"half a file")
         raise KeyboardInterrupt
+
     monkeypatch.setattr(torch, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cap.save(path)
@@ -444,10 +479,14 @@ def test_load_refuses_other_files(tmp_path):
 
 # --- errors and empty captures ----------------------------------------------------------------
 
+
 def test_layer_beyond_the_sites_raises_at_exit_with_the_names():
     model = lm()
-    with pytest.raises(ValueError, match=r"layers \[20\] asked for, but attention was called "
-                       r"from 3 sites \(layers 0..2\).*'blocks.layers.0.self_attn'"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers \[20\] asked for, but attention was called "
+        r"from 3 sites \(layers 0..2\).*'blocks.layers.0.self_attn'",
+    ):
         with qkv.capture(model, layers=[1, 20]):
             model(torch.randint(0, 23, (1, 4)))
     assert _hook_counts(model) == _hook_counts(lm())
@@ -456,18 +495,31 @@ def test_layer_beyond_the_sites_raises_at_exit_with_the_names():
 def test_bad_requests_say_the_numbers():
     model = lm()
     x = torch.randint(0, 23, (1, 4))
-    with pytest.raises(ValueError, match=r"no submodule named 'blocks.layer.1'; did you mean "
-                                         r"'blocks.layers.1'"):
+    with pytest.raises(
+        ValueError,
+        match=r"no submodule named 'blocks.layer.1'; did you mean "
+        r"'blocks.layers.1'",
+    ):
         qkv.capture(model, layers="blocks.layer.1")
-    with pytest.raises(ValueError, match=r"heads \[4\] asked for, but the attention call of "
-                                         r"'blocks.layers.0.self_attn' \(layer 0\) has heads "
-                                         r"0..3 \(4 in all\)"):
-        with qkv.capture(model, heads=[0, 4]):
-            model(x)
-    with pytest.raises(ValueError, match=r"rows=\[9\] matched no query row: the recorded "
-                                         r"calls had at most T=4"):
-        with qkv.capture(model, rows=[9]):
-            model(x)
+    with (
+        pytest.raises(
+            ValueError,
+            match=r"heads \[4\] asked for, but the attention call of "
+            r"'blocks.layers.0.self_attn' \(layer 0\) has heads "
+            r"0..3 \(4 in all\)",
+        ),
+        qkv.capture(model, heads=[0, 4]),
+    ):
+        model(x)
+    with (
+        pytest.raises(
+            ValueError,
+            match=r"rows=\[9\] matched no query row: the recorded "
+            r"calls had at most T=4",
+        ),
+        qkv.capture(model, rows=[9]),
+    ):
+        model(x)
     with pytest.raises(ValueError, match="ints >= 0"):
         qkv.capture(model, layers=[-1])
     with pytest.raises(TypeError, match="sorted"):
@@ -482,13 +534,11 @@ def test_bad_requests_say_the_numbers():
 def test_nested_capture_of_one_model_and_reentry_refused():
     model = lm()
     session = qkv.capture(model)
-    with session:
-        with pytest.raises(ValueError, match="already inside a qkv.capture"):
-            with qkv.capture(model):
-                pass
-    with pytest.raises(RuntimeError, match="entered once"):
-        with session:
+    with session, pytest.raises(ValueError, match="already inside a qkv.capture"):
+        with qkv.capture(model):
             pass
+    with pytest.raises(RuntimeError, match="entered once"), session:
+        pass
     with qkv.capture(model):  # free again after exit
         pass
 
@@ -496,8 +546,11 @@ def test_nested_capture_of_one_model_and_reentry_refused():
 def test_empty_capture_warns_and_says_so_on_access():
     model = nn.Sequential(nn.Linear(4, 4))
     q = torch.randn(1, 1, 3, 4)
-    with pytest.warns(UserWarning, match=r"no qkv attention call ran inside the model.*"
-                                          r"1 qkv attention calls ran outside"):
+    with pytest.warns(
+        UserWarning,
+        match=r"no qkv attention call ran inside the model.*"
+        r"1 qkv attention calls ran outside",
+    ):
         with qkv.capture(model) as cap:
             model(torch.randn(2, 4))
             qkv.scaled_dot_product_attention(q, q, q)
@@ -516,8 +569,11 @@ def test_lookup_errors_name_the_sites():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(cap.layer(1)) == 1 and len(cap["blocks.layers.1.self_attn"]) == 1
-    with pytest.raises(IndexError, match=r"layer 0 called attention but was not recorded "
-                                         r"\(layers=\[1\]\)"):
+    with pytest.raises(
+        IndexError,
+        match=r"layer 0 called attention but was not recorded "
+        r"\(layers=\[1\]\)",
+    ):
         cap.layer(0)
     with pytest.raises(IndexError, match="3 sites that did"):
         cap.layer(7)
@@ -529,12 +585,15 @@ def test_lookup_errors_name_the_sites():
 
 # --- models that reach qkv from elsewhere -----------------------------------------------------
 
+
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # torch's own
 def test_torch_encoder_patched_by_torch_compat():
     import qkv.torch_compat
 
     layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
-    model = qkv.torch_compat.patch(nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)).eval()
+    model = qkv.torch_compat.patch(
+        nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+    ).eval()
     x = torch.randn(2, 9, 16)
     pad = torch.zeros(2, 9, dtype=torch.bool)
     pad[1, 6:] = True  # torch's polarity: True = padding
@@ -554,9 +613,15 @@ def test_hugging_face_model_with_attn_implementation_qkv():
     import qkv.integrations.transformers as qkv_hf
 
     qkv_hf.register()
-    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.set_attn_implementation("qkv")
     ids = torch.randint(0, 50, (2, 7))
@@ -567,4 +632,6 @@ def test_hugging_face_model_with_attn_implementation_qkv():
     assert cap.sites == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert [r.call for r in cap.layer(1)] == [0, 1, 2]  # prefill, then one call per new token
     for layer in range(2):
-        torch.testing.assert_close(cap.layer(layer)[0].probs, own[layer][:, :, -1:], rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            cap.layer(layer)[0].probs, own[layer][:, :, -1:], rtol=0, atol=1e-6
+        )

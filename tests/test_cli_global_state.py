@@ -2,6 +2,7 @@
 settings leave them as they found them: threads, default dtype, grad mode, the deterministic
 flag and the random number generator. (``bench-decode --threads 1`` once left the whole test
 session on one thread, and a later training test saw another loss.)"""
+
 import pytest
 import torch
 
@@ -19,17 +20,65 @@ def _argv(command: str, tmp_path) -> list[str]:
     return {
         "seeds": ["seeds", "--example", "seed004"],
         "explain": ["explain", "--example", "seed004", "--heads", "3"],
-        "bench": ["bench", "--cases", "none", "--lengths", "16", "--dtypes", "fp32", "--modes",
-                  "fwd", "--impls", "tiled", *fast],
-        "bench-decode": ["bench-decode", "--positions", "8", "--impls", "recurrent",
-                         "--tokens-per-block", "2", *fast],
-        "train": ["train", "reverse", "--steps", "2", "--batch-size", "4", "--quiet",
-                  "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "run")],
-        "lra": ["lra", "--variant", "tiny", "--tasks", "pathfinder", "--attention", "local",
-                "--steps", "2", "--quiet", "--cache-dir", str(tmp_path / "cache"), "--out",
-                str(tmp_path / "lra")],
-        "view": ["view", str(_saved_capture(tmp_path / "capture.pt")), "--out",
-                 str(tmp_path / "page.html")],
+        "bench": [
+            "bench",
+            "--cases",
+            "none",
+            "--lengths",
+            "16",
+            "--dtypes",
+            "fp32",
+            "--modes",
+            "fwd",
+            "--impls",
+            "tiled",
+            *fast,
+        ],
+        "bench-decode": [
+            "bench-decode",
+            "--positions",
+            "8",
+            "--impls",
+            "recurrent",
+            "--tokens-per-block",
+            "2",
+            *fast,
+        ],
+        "train": [
+            "train",
+            "reverse",
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--quiet",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        "lra": [
+            "lra",
+            "--variant",
+            "tiny",
+            "--tasks",
+            "pathfinder",
+            "--attention",
+            "local",
+            "--steps",
+            "2",
+            "--quiet",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--out",
+            str(tmp_path / "lra"),
+        ],
+        "view": [
+            "view",
+            str(_saved_capture(tmp_path / "capture.pt")),
+            "--out",
+            str(tmp_path / "page.html"),
+        ],
     }[command]
 
 
@@ -62,10 +111,13 @@ def settings():
 
 
 def _snapshot() -> dict:
-    return dict(threads=torch.get_num_threads(), dtype=torch.get_default_dtype(),
-                grad=torch.is_grad_enabled(),
-                deterministic=torch.are_deterministic_algorithms_enabled(),
-                rng=torch.get_rng_state())
+    return dict(
+        threads=torch.get_num_threads(),
+        dtype=torch.get_default_dtype(),
+        grad=torch.is_grad_enabled(),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        rng=torch.get_rng_state(),
+    )
 
 
 def _assert_unchanged(before: dict) -> None:

@@ -21,6 +21,7 @@ Graphs are counted with dynamo's counters (or a backend that keeps them), and re
 compared with eager qkv. Static-cache ``generate()`` and sinks: ``test_hf_mask_tensor.py``,
 ``test_sinks.py``. Not here: the triton kernels (GPU).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -40,9 +41,11 @@ def _ids() -> torch.Tensor:
 
 
 CASES = {
-    "plain": lambda: {},
+    "plain": dict,
     "causal": lambda: dict(is_causal=True),
-    "bool-mask": lambda: dict(attn_mask=torch.rand(T, T, generator=torch.Generator().manual_seed(1)) > 0.3),
+    "bool-mask": lambda: dict(
+        attn_mask=torch.rand(T, T, generator=torch.Generator().manual_seed(1)) > 0.3
+    ),
     "float-mask": lambda: dict(attn_mask=torch.randn(B, H, T, T)),
     "window": lambda: dict(mask_mod=M.sliding_window(4)),
     "document": lambda: dict(mask_mod=M.document(_ids())),
@@ -88,8 +91,9 @@ def test_multi_head_attention_compiles_whole_under_inductor(kind):
     x = torch.randn(2, 10, 32)
     key_mask = torch.arange(10) < torch.tensor([[10], [6]])  # (B, S)
     kw = {"plain": {}, "causal": dict(is_causal=True), "key_mask": dict(key_mask=key_mask)}[kind]
-    compiled, counter = _compiled(lambda x: mha(x, **kw),
-                                  backend="inductor" if kind == "causal" else "aot_eager")
+    compiled, counter = _compiled(
+        lambda x: mha(x, **kw), backend="inductor" if kind == "causal" else "aot_eager"
+    )
     with torch.no_grad():
         got, want = compiled(x), mha(x, **kw)
     assert counter.frame_count == 1
@@ -102,20 +106,23 @@ def test_mask_contract_holds_in_the_graph():
     q, k, v = (torch.randn(1, 1, 4, 8) for _ in range(3))
     k[0, 0, 3] = float("nan")  # seen only by row 3 under is_causal
     compiled, counter = _compiled(
-        lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, is_causal=True))
+        lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
     out = compiled(q, k, v)
     assert counter.frame_count == 1
     assert not out[0, 0, :3].isnan().any() and out[0, 0, 3].isnan().all()
-    torch.testing.assert_close(out[..., :3, :], qkv.scaled_dot_product_attention(
-        q, k, v, is_causal=True)[..., :3, :])
+    torch.testing.assert_close(
+        out[..., :3, :], qkv.scaled_dot_product_attention(q, k, v, is_causal=True)[..., :3, :]
+    )
 
     keep = torch.zeros(4, 4, dtype=torch.bool)
     keep[1] = True  # rows 0, 2, 3 may attend to nothing
     qg, kg, vg = (torch.randn(1, 1, 4, 8, requires_grad=True) for _ in range(3))
     compiled, counter = _compiled(
-        lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+        lambda q, k, v: qkv.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    )
     out = compiled(qg, kg, vg)
-    dq, = torch.autograd.grad(out.sum(), qg)
+    (dq,) = torch.autograd.grad(out.sum(), qg)
     assert counter.frame_count == 1
     assert torch.equal(out[0, 0, [0, 2, 3]], torch.zeros(3, 8))
     assert torch.equal(dq[0, 0, [0, 2, 3]], torch.zeros(3, 8))
@@ -154,8 +161,11 @@ def test_six_lengths_compile_at_most_twice(kind, dynamic):
     torch's automatic dynamic shapes (the first length is specialised), each equal to eager."""
     torch.manual_seed(0)
     mha = qkv.MultiHeadAttention(32, 4).eval()
-    kw = {"plain": {}, "causal": dict(is_causal=True),
-          "window": dict(mask_mod=M.sliding_window(8))}[kind]
+    kw = {
+        "plain": {},
+        "causal": dict(is_causal=True),
+        "window": dict(mask_mod=M.sliding_window(8)),
+    }[kind]
     dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(lambda x: mha(x, **kw), backend=counter, dynamic=dynamic)
@@ -170,15 +180,15 @@ def test_document_ids_changed_in_place_recompile_nothing():
     ids = (torch.arange(T) // 5).expand(B, T).clone()
     doc = M.document(ids)
     q = torch.randn(B, H, T, D)
-    compiled, counter = _compiled(lambda q: qkv.scaled_dot_product_attention(q, q, q,
-                                                                             mask_mod=doc))
+    compiled, counter = _compiled(lambda q: qkv.scaled_dot_product_attention(q, q, q, mask_mod=doc))
     with torch.no_grad():
         compiled(q)
         ids.copy_((torch.arange(T) // 3).expand(B, T))  # new documents, same shape
         got = compiled(q)
     assert counter.frame_count == 1
-    torch.testing.assert_close(got, qkv.scaled_dot_product_attention(
-        q, q, q, mask_mod=M.document(ids.clone())))
+    torch.testing.assert_close(
+        got, qkv.scaled_dot_product_attention(q, q, q, mask_mod=M.document(ids.clone()))
+    )
 
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
@@ -187,8 +197,12 @@ def test_export_with_a_dynamic_length_runs_at_another_length(strict, kind):
     wrapped = _exportable_mha(kind)
     length = torch.export.Dim("T", min=2, max=512)
     x, key_mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool)
-    program = torch.export.export(wrapped, (x, key_mask), strict=strict,
-                                  dynamic_shapes={"x": {1: length}, "key_mask": {1: length}})
+    program = torch.export.export(
+        wrapped,
+        (x, key_mask),
+        strict=strict,
+        dynamic_shapes={"x": {1: length}, "key_mask": {1: length}},
+    )
     x = torch.randn(2, 40, 32)
     key_mask = torch.arange(40) < torch.tensor([[40], [25]])
     with torch.no_grad():
@@ -218,9 +232,11 @@ def _exportable_mha(kind: str) -> torch.nn.Module:
 # --- torch.func ----------------------------------------------------------------------------------
 
 FUNC_CASES = {
-    "plain": lambda: {},
+    "plain": dict,
     "causal": lambda: dict(is_causal=True),
-    "bool-mask": lambda: dict(attn_mask=torch.rand(6, 6, generator=torch.Generator().manual_seed(3)) > 0.4),
+    "bool-mask": lambda: dict(
+        attn_mask=torch.rand(6, 6, generator=torch.Generator().manual_seed(3)) > 0.4
+    ),
     "window": lambda: dict(mask_mod=M.sliding_window(2)),
 }
 
@@ -259,6 +275,7 @@ def test_grad_jacrev_and_per_sample_gradients_equal_autograd(name):
 
 # --- linear and local attention, modules, decoding, training steps ------------------------------
 
+
 def _mod_near(b, h, i, j):  # a plain-function mask_mod, as users write them
     return (i - j).abs() <= 3
 
@@ -267,8 +284,9 @@ def _score_tilt(s, b, h, i, j):  # a plain-function score_mod
     return s - 0.1 * (i - j).abs()
 
 
-@pytest.mark.parametrize("name", ["linear", "linear-causal", "favor", "plain-mask-mod",
-                                  "plain-score-mod"])
+@pytest.mark.parametrize(
+    "name", ["linear", "linear-causal", "favor", "plain-mask-mod", "plain-score-mod"]
+)
 def test_more_functional_paths_are_one_graph(name):
     q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
     attend = {
@@ -276,29 +294,35 @@ def test_more_functional_paths_are_one_graph(name):
         "linear-causal": lambda q, k, v: qkv.linear_attention(q, k, v, is_causal=True),
         "favor": lambda q, k, v: qkv.linear_attention(q, k, v, feature_map="favor"),
         "plain-mask-mod": lambda q, k, v: qkv.scaled_dot_product_attention(
-            q, k, v, mask_mod=_mod_near),
+            q, k, v, mask_mod=_mod_near
+        ),
         "plain-score-mod": lambda q, k, v: qkv.scaled_dot_product_attention(
-            q, k, v, is_causal=True, score_mod=_score_tilt),
+            q, k, v, is_causal=True, score_mod=_score_tilt
+        ),
     }[name]
     compiled, counter = _compiled(attend)
     got = compiled(q, k, v)
     want = attend(q, k, v)
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.square().sum(), (q, k, v)),
-                               torch.autograd.grad(want.square().sum(), (q, k, v)))
+    torch.testing.assert_close(
+        torch.autograd.grad(got.square().sum(), (q, k, v)),
+        torch.autograd.grad(want.square().sum(), (q, k, v)),
+    )
     assert counter.frame_count == 1
 
 
 def test_a_redrawing_favor_map_costs_one_named_break_and_draws_as_eager():
     import copy
+
     fav = qkv.Favor(D, redraw=True)
     twin = copy.deepcopy(fav)
     q = torch.randn(B, H, T, D)
     with pytest.raises(Exception, match="FAVOR\\+ redraws its projection on the host"):
         _compiled(lambda q: qkv.linear_attention(q, q, q, feature_map=fav))[0](q)
     dynamo.reset()
-    loose = torch.compile(lambda q: qkv.linear_attention(q, q, q, feature_map=fav),
-                          backend="aot_eager")
+    loose = torch.compile(
+        lambda q: qkv.linear_attention(q, q, q, feature_map=fav), backend="aot_eager"
+    )
     got = [loose(q) for _ in range(3)]
     want = [qkv.linear_attention(q, q, q, feature_map=twin) for _ in range(3)]
     assert int(fav.draws) == int(twin.draws) == 2
@@ -309,10 +333,14 @@ def test_a_redrawing_favor_map_costs_one_named_break_and_draws_as_eager():
 MODULES = {
     "linear": lambda: (qkv.LinearMultiHeadAttention(32, 4), {}),
     "linear-causal": lambda: (qkv.LinearMultiHeadAttention(32, 4), dict(is_causal=True)),
-    "local-key-mask": lambda: (qkv.LocalMultiHeadAttention(32, 4, window=3),
-                               dict(key_mask=torch.arange(10) < torch.tensor([[10], [6]]))),
-    "local-causal": lambda: (qkv.LocalMultiHeadAttention(32, 4, window=(3, 0)),
-                             dict(is_causal=True)),
+    "local-key-mask": lambda: (
+        qkv.LocalMultiHeadAttention(32, 4, window=3),
+        dict(key_mask=torch.arange(10) < torch.tensor([[10], [6]])),
+    ),
+    "local-causal": lambda: (
+        qkv.LocalMultiHeadAttention(32, 4, window=(3, 0)),
+        dict(is_causal=True),
+    ),
 }
 
 
@@ -324,8 +352,9 @@ def test_linear_and_local_modules_compile_whole(name):
     compiled, counter = _compiled(lambda x: module(x, **kw))
     got, want = compiled(x), module(x, **kw)
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), x),
-                               torch.autograd.grad(want.sum(), x))
+    torch.testing.assert_close(
+        torch.autograd.grad(got.sum(), x), torch.autograd.grad(want.sum(), x)
+    )
     assert counter.frame_count == 1
 
 
@@ -356,6 +385,7 @@ def test_kv_cache_decoding_compiles_twice_in_all(dynamic):
 
 def _models():
     from qkv.models import DecoderLM, Seq2SeqTransformer, ViT
+
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
     images = torch.randn(2, 3, 16, 16)
     labels = torch.tensor([1, 7])
@@ -371,7 +401,8 @@ def _models():
         "DecoderLM-performer": lambda: lm("performer"),
         "Seq2SeqTransformer": lambda: (
             Seq2SeqTransformer(50, 32, 4, 1),
-            lambda m: F.cross_entropy(m(tokens, tokens).flatten(0, 1), tokens.flatten())),
+            lambda m: F.cross_entropy(m(tokens, tokens).flatten(0, 1), tokens.flatten()),
+        ),
         "ViT": lambda: (ViT(16, 4, 10, 32, 4, 2), lambda m: F.cross_entropy(m(images), labels)),
     }
 
@@ -395,6 +426,7 @@ def test_a_training_step_of_each_model_is_one_graph(name):
 @pytest.mark.parametrize("mode", ["train", "eval-padding"])
 def test_a_patched_nn_transformer_encoder_is_one_graph(mode):
     from qkv import torch_compat
+
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
     encoder = torch_compat.patch(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
@@ -415,18 +447,28 @@ def test_a_patched_nn_transformer_encoder_is_one_graph(mode):
 
 # --- Hugging Face models with attn_implementation="qkv" -----------------------------------------
 
+
 def _hf_model(arch: str):
     transformers = pytest.importorskip("transformers")
     import qkv.integrations.transformers as qkv_hf
+
     qkv_hf.register()
     torch.manual_seed(0)
-    common = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    common = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     if arch == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
-        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common,
-                                                                           sliding_window=4))
+        model = transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, sliding_window=4)
+        )
     model.eval().set_attn_implementation("qkv")
     return model
 
@@ -454,22 +496,30 @@ def test_hugging_face_models_with_padding_are_one_graph(arch, weights):
 
 # --- ONNX ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["plain", "causal", "key_mask"])
 def test_onnx_export_runs_in_onnxruntime_at_another_length(kind):
     for name in ("onnx", "onnxscript"):
         pytest.importorskip(name, reason=f"{name} (in the test extras) is not installed")
-    ort = pytest.importorskip("onnxruntime", reason="onnxruntime (in the test extras) is not "
-                                                    "installed")
+    ort = pytest.importorskip(
+        "onnxruntime", reason="onnxruntime (in the test extras) is not installed"
+    )
     wrapped = _exportable_mha(kind)
     length = torch.export.Dim("T", min=2, max=512)
     x, key_mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.bool)
-    program = torch.onnx.export(wrapped, (x, key_mask), dynamo=True, verbose=False,
-                                dynamic_shapes={"x": {1: length}, "key_mask": {1: length}})
-    session = ort.InferenceSession(program.model_proto.SerializeToString(),
-                                   providers=["CPUExecutionProvider"])
+    program = torch.onnx.export(
+        wrapped,
+        (x, key_mask),
+        dynamo=True,
+        verbose=False,
+        dynamic_shapes={"x": {1: length}, "key_mask": {1: length}},
+    )
+    session = ort.InferenceSession(
+        program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
     x = torch.randn(2, 40, 32)
     key_mask = torch.arange(40) < torch.tensor([[40], [25]])
-    got, = session.run(None, {"x": x.numpy(), "key_mask": key_mask.numpy()})
+    (got,) = session.run(None, {"x": x.numpy(), "key_mask": key_mask.numpy()})
     with torch.no_grad():
         want = wrapped(x, key_mask)
     torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-5, rtol=1e-5)
@@ -477,9 +527,14 @@ def test_onnx_export_runs_in_onnxruntime_at_another_length(kind):
 
 # --- structured masks keep the tiled kernel (its custom ops) in the graph ----------------------
 
+
 def _ops_in(counter_backend_graphs) -> set[str]:
-    return {str(n.target) for gm in counter_backend_graphs for n in gm.graph.nodes
-            if n.op == "call_function" and "qkv" in str(n.target)}
+    return {
+        str(n.target)
+        for gm in counter_backend_graphs
+        for n in gm.graph.nodes
+        if n.op == "call_function" and "qkv" in str(n.target)
+    }
 
 
 class _Graphs:
@@ -497,10 +552,13 @@ TILED_CASES = {
     "window": lambda: dict(mask_mod=M.sliding_window(20)),
     "document": lambda: dict(mask_mod=M.document((torch.arange(96) // 30).expand(2, 96))),
     "bottom-right-window-lengths": lambda: dict(
-        mask_mod=M.sliding_window(9, align="bottom_right") & M.key_lengths(torch.tensor([96, 50]))),
+        mask_mod=M.sliding_window(9, align="bottom_right") & M.key_lengths(torch.tensor([96, 50]))
+    ),
     "causal-alibi": lambda: dict(is_causal=True, score_mod=M.alibi(2)),
-    "bool-mask-window": lambda: dict(attn_mask=torch.rand(96, 96, generator=torch.Generator().manual_seed(2)) > 0.2,
-                                     mask_mod=M.sliding_window(30, 30)),
+    "bool-mask-window": lambda: dict(
+        attn_mask=torch.rand(96, 96, generator=torch.Generator().manual_seed(2)) > 0.2,
+        mask_mod=M.sliding_window(30, 30),
+    ),
 }
 
 
@@ -519,8 +577,10 @@ def test_structured_masks_run_the_tiled_custom_op_in_the_graph(name):
     compiled = torch.compile(attend, backend=graphs, fullgraph=True)
     got, want = compiled(q, k, v), attend(q, k, v)
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.square().sum(), (q, k, v)),
-                               torch.autograd.grad(want.square().sum(), (q, k, v)))
+    torch.testing.assert_close(
+        torch.autograd.grad(got.square().sum(), (q, k, v)),
+        torch.autograd.grad(want.square().sum(), (q, k, v)),
+    )
     assert "qkv.tiled_forward" in _ops_in(graphs.graphs) and len(graphs.graphs) == 1
     with torch.no_grad():
         bad = k.detach().clone()
@@ -536,9 +596,13 @@ def test_structured_masks_run_the_tiled_custom_op_in_the_graph(name):
 def test_the_tiled_op_compiles_at_most_twice_over_six_lengths(kind, dynamic):
     """Structured masks through the tiled op over 6 lengths: one graph with ``dynamic=True``,
     two with automatic dynamic shapes; new document ids each call recompile nothing."""
+
     def attend(q, ids):
-        mask = (M.sliding_window(16, align="bottom_right") if kind == "bottom-right-window"
-                else M.document(ids) & M.causal())
+        mask = (
+            M.sliding_window(16, align="bottom_right")
+            if kind == "bottom-right-window"
+            else M.document(ids) & M.causal()
+        )
         return qkv.scaled_dot_product_attention(q, q, q, mask_mod=mask)
 
     dynamo.reset()
@@ -557,6 +621,7 @@ def test_capture_around_a_compiled_model_is_one_graph_and_records_as_eager():
     capture); what it keeps equals an eager capture's, and the graph without capture is
     used again afterwards."""
     from qkv.models import DecoderLM
+
     torch.manual_seed(0)
     lm = DecoderLM(50, 32, 4, 2).eval()
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -572,7 +637,10 @@ def test_capture_around_a_compiled_model_is_one_graph_and_records_as_eager():
         compiled(tokens)
     assert counter.frame_count == 2  # the model, then the model with the capture's hooks
     torch.testing.assert_close(out, lm(tokens))
-    assert [r.name for r in got.records] == [r.name for r in want.records] == [
-        "blocks.layers.1.self_attn"]
+    assert (
+        [r.name for r in got.records]
+        == [r.name for r in want.records]
+        == ["blocks.layers.1.self_attn"]
+    )
     torch.testing.assert_close(got.layer(1)[0].probs, want.layer(1)[0].probs)
     assert got.layer(1)[0].probs.shape == (2, 2, 4, 12)

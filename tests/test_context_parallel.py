@@ -14,6 +14,7 @@ sliding windows, ALiBi, GQA/MQA, key_mask padding with a fully padded sequence,
 cross-attention T != S, traces; then the calls that cannot run context-parallel and their
 errors.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,42 +46,62 @@ MHA_CASES = {
     "B2-T9-S14-cross-causal-balanced": dict(T=9, S=14, causal=True, layout="balanced"),
     "unbatched-T9": dict(T=9, B=0),
     "B2-T2-causal-tiny": dict(T=2, causal=True),  # on 3 ranks one holds nothing
-    "B3-T10-trace-keymask-balanced": dict(T=10, B=3, causal=True, pad="rows", trace=True,
-                                          layout="balanced"),
+    "B3-T10-trace-keymask-balanced": dict(
+        T=10, B=3, causal=True, pad="rows", trace=True, layout="balanced"
+    ),
 }
 MODEL_CASES = {
     "lm-B2-T13": dict(model="lm", T=13),
-    "lm-B3-T14-keymask-sinusoidal-balanced": dict(model="lm", T=14, B=3, pad="rows",
-                                                  positions="sinusoidal", layout="balanced"),
-    "lm-B2-T15-local-postnorm-balanced": dict(model="lm", T=15, attention="local",
-                                              norm_first=False, layout="balanced"),
+    "lm-B3-T14-keymask-sinusoidal-balanced": dict(
+        model="lm", T=14, B=3, pad="rows", positions="sinusoidal", layout="balanced"
+    ),
+    "lm-B2-T15-local-postnorm-balanced": dict(
+        model="lm", T=15, attention="local", norm_first=False, layout="balanced"
+    ),
     "lm-B2-T12-gqa": dict(model="lm", T=12, G=2),
-    "seq2seq-B3-S11-T8-keymask-balanced": dict(model="seq2seq", S=11, T=8, B=3, pad="rows",
-                                               layout="balanced"),
+    "seq2seq-B3-S11-T8-keymask-balanced": dict(
+        model="seq2seq", S=11, T=8, B=3, pad="rows", layout="balanced"
+    ),
 }
 CASES = {**MHA_CASES, **MODEL_CASES}
-SEQ_DIM = {"x": -2, "memory": -2, "w": -2, "key_mask": -1, "tokens": -1, "src": -1, "tgt": -1,
-           "src_key_mask": -1, "tgt_key_mask": -1}
+SEQ_DIM = {
+    "x": -2,
+    "memory": -2,
+    "w": -2,
+    "key_mask": -1,
+    "tokens": -1,
+    "src": -1,
+    "tgt": -1,
+    "src_key_mask": -1,
+    "tgt_key_mask": -1,
+}
 
 
 # --- the same modules, inputs and calls on both sides --------------------------------------
+
 
 def _build(spec, group=None):
     layout = spec.get("layout", "contiguous")
     common = dict(dtype=DT, context_group=group, context_layout=layout)
     model = spec.get("model")
     if model is None:
-        kw = dict(num_kv_heads=spec.get("G"), kdim=spec.get("kdim"), vdim=spec.get("kdim"),
-                  **common)
+        kw = dict(
+            num_kv_heads=spec.get("G"), kdim=spec.get("kdim"), vdim=spec.get("kdim"), **common
+        )
         if spec.get("local"):
             return qkv.LocalMultiHeadAttention(C, H, window=spec["local"], **kw)
         return qkv.MultiHeadAttention(C, H, **kw)
     options = {"num_kv_heads": spec["G"]} if spec.get("G") else {}
     if spec.get("attention") == "local":
         options["window"] = 3
-    kw = dict(attention=spec.get("attention", "exact"), attention_options=options,
-              norm_first=spec.get("norm_first", True), positions=spec.get("positions", "learned"),
-              max_len=32, **common)
+    kw = dict(
+        attention=spec.get("attention", "exact"),
+        attention_options=options,
+        norm_first=spec.get("norm_first", True),
+        positions=spec.get("positions", "learned"),
+        max_len=32,
+        **common,
+    )
     if model == "lm":
         return DecoderLM(V, C, H, 2, **kw)
     return Seq2SeqTransformer(V, C, H, 1, num_decoder_layers=2, **kw)
@@ -104,19 +125,25 @@ def _inputs(spec, g):
     lead = (B,) if B else ()
     model = spec.get("model")
     if model == "lm":
-        out = dict(tokens=torch.randint(V, (B, T), generator=g),
-                   w=torch.randn(B, T, V, generator=g, dtype=DT))
+        out = dict(
+            tokens=torch.randint(V, (B, T), generator=g),
+            w=torch.randn(B, T, V, generator=g, dtype=DT),
+        )
         if spec.get("pad"):
             out["key_mask"] = _key_mask(B, T, spec["pad"])
         return out
     if model == "seq2seq":
-        return dict(src=torch.randint(V, (B, S), generator=g),
-                    tgt=torch.randint(V, (B, T), generator=g),
-                    src_key_mask=_key_mask(B, S, spec["pad"]),
-                    tgt_key_mask=_key_mask(B, T, spec["pad"]).flip(-1),
-                    w=torch.randn(B, T, V, generator=g, dtype=DT))
-    out = dict(x=torch.randn(*lead, T, C, generator=g, dtype=DT),
-               w=torch.randn(*lead, T, C, generator=g, dtype=DT))
+        return dict(
+            src=torch.randint(V, (B, S), generator=g),
+            tgt=torch.randint(V, (B, T), generator=g),
+            src_key_mask=_key_mask(B, S, spec["pad"]),
+            tgt_key_mask=_key_mask(B, T, spec["pad"]).flip(-1),
+            w=torch.randn(B, T, V, generator=g, dtype=DT),
+        )
+    out = dict(
+        x=torch.randn(*lead, T, C, generator=g, dtype=DT),
+        w=torch.randn(*lead, T, C, generator=g, dtype=DT),
+    )
     if "S" in spec:
         out["memory"] = torch.randn(*lead, S, spec.get("kdim", C), generator=g, dtype=DT)
     if spec.get("pad"):
@@ -130,13 +157,23 @@ def _forward(m, spec, inp):
     if model == "lm":
         return m(inp["tokens"], key_mask=inp.get("key_mask")), None
     if model == "seq2seq":
-        return m(inp["src"], inp["tgt"], src_key_mask=inp["src_key_mask"],
-                 tgt_key_mask=inp["tgt_key_mask"]), None
+        return m(
+            inp["src"],
+            inp["tgt"],
+            src_key_mask=inp["src_key_mask"],
+            tgt_key_mask=inp["tgt_key_mask"],
+        ), None
     mask = {"window": qkv.masks.sliding_window(3, 2)}.get(spec.get("mask"))
     score = qkv.masks.alibi(H) if spec.get("score") == "alibi" else None
     args = (inp["x"], inp["memory"], inp["memory"]) if "memory" in inp else (inp["x"],)
-    res = m(*args, key_mask=inp.get("key_mask"), is_causal=spec.get("causal", False),
-            mask_mod=mask, score_mod=score, return_trace=spec.get("trace", False))
+    res = m(
+        *args,
+        key_mask=inp.get("key_mask"),
+        is_causal=spec.get("causal", False),
+        mask_mod=mask,
+        score_mod=score,
+        return_trace=spec.get("trace", False),
+    )
     return res if spec.get("trace") else (res, None)
 
 
@@ -148,10 +185,13 @@ def _run(m, spec, inp):
             inp[k] = inp[k].detach().clone().requires_grad_()
     y, trace = _forward(m, spec, inp)
     (y * inp["w"]).sum().backward()
-    return dict(y=y.detach(), dx=inp["x"].grad if "x" in inp else None,
-                dmemory=inp["memory"].grad if "memory" in inp else None,
-                grads={n: p.grad for n, p in m.named_parameters()},
-                probs=None if trace is None else trace.probs)
+    return dict(
+        y=y.detach(),
+        dx=inp["x"].grad if "x" in inp else None,
+        dmemory=inp["memory"].grad if "memory" in inp else None,
+        grads={n: p.grad for n, p in m.named_parameters()},
+        probs=None if trace is None else trace.probs,
+    )
 
 
 def _take(t, runs, dim):
@@ -164,6 +204,7 @@ def _put(parts, runs_by_rank, dim):
 
 
 # --- on the ranks ---------------------------------------------------------------------------
+
 
 def _ranks(rank, world, cases):
     """Every case on the 3 ranks, then on the group of ranks 1 and 2: ``{R: results}``."""
@@ -185,8 +226,10 @@ def _cases(rank, R, group, cases):
         m = _build(spec, group)
         m.load_state_dict(state)
         layout = spec.get("layout", "contiguous")
-        mine = {k: _take(t, segments(t.shape[SEQ_DIM[k]], R, layout)[rank], SEQ_DIM[k])
-                for k, t in whole.items()}
+        mine = {
+            k: _take(t, segments(t.shape[SEQ_DIM[k]], R, layout)[rank], SEQ_DIM[k])
+            for k, t in whole.items()
+        }
         with comm_log() as log:
             results[name] = _run(m, spec, mine)
         results[name]["received"] = sorted(log.peers("recv", "forward"))
@@ -237,7 +280,7 @@ def _refusals(group):
         try:
             call()
             out[name] = ("no error", "")
-        except Exception as err:  # noqa: BLE001 - the parent checks type and message
+        except Exception as err:
             out[name] = (type(err).__name__, str(err))
     out["dropout-eval-shape"] = tuple(mha(dropout=0.1).eval()(x).shape)
     return out
@@ -256,13 +299,17 @@ def _copies(group):
     buf = io.BytesIO()
     torch.save(lm, buf)
     loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
-    return dict(shared=(twin.context_group is group
-                        and twin.blocks.layers[0].self_attn.context_group is group),
-                same=torch.equal(twin(tokens), lm(tokens)),
-                loaded=(loaded.context_group, loaded.blocks.layers[0].self_attn.context_group))
+    return dict(
+        shared=(
+            twin.context_group is group and twin.blocks.layers[0].self_attn.context_group is group
+        ),
+        same=torch.equal(twin(tokens), lm(tokens)),
+        loaded=(loaded.context_group, loaded.blocks.layers[0].self_attn.context_group),
+    )
 
 
 # --- in the parent --------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def ran():

@@ -5,6 +5,7 @@ Half inputs are multiplied by torch in half only where the CPU has native bfloat
 have either kind, so the decision is tested with the capability given, and both routes are
 held to the tolerance policy whatever the machine.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,17 +23,29 @@ ICE_LAKE = frozenset({"avx2", "avx512f", "avx512_vnni"})  # AVX-512 without BF16
 ZEN3 = frozenset({"avx2", "fma"})
 
 
-@pytest.mark.parametrize("features, capability, onednn, native", [
-    (ZEN4, "AVX512", "", True),
-    (SAPPHIRE_RAPIDS, "AVX512", "", True),
-    (ICE_LAKE, "AVX512", "", False),
-    (ZEN3, "AVX2", "", False),
-    (ZEN4, "AVX2", "", False),              # ATEN_CPU_CAPABILITY=avx2 holds torch to AVX2
-    (ZEN4, "AVX512", "AVX2", False),        # ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN to AVX2
-    (ZEN4, "AVX512", "AVX512_CORE_BF16", True),
-    (frozenset(), "AVX512", "", False),     # flags unreadable: the safe route
-], ids=["zen4", "sapphire-rapids", "ice-lake", "zen3", "zen4-aten-avx2", "zen4-onednn-avx2",
-        "zen4-onednn-bf16", "unknown"])
+@pytest.mark.parametrize(
+    "features, capability, onednn, native",
+    [
+        (ZEN4, "AVX512", "", True),
+        (SAPPHIRE_RAPIDS, "AVX512", "", True),
+        (ICE_LAKE, "AVX512", "", False),
+        (ZEN3, "AVX2", "", False),
+        (ZEN4, "AVX2", "", False),  # ATEN_CPU_CAPABILITY=avx2 holds torch to AVX2
+        (ZEN4, "AVX512", "AVX2", False),  # ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN to AVX2
+        (ZEN4, "AVX512", "AVX512_CORE_BF16", True),
+        (frozenset(), "AVX512", "", False),  # flags unreadable: the safe route
+    ],
+    ids=[
+        "zen4",
+        "sapphire-rapids",
+        "ice-lake",
+        "zen3",
+        "zen4-aten-avx2",
+        "zen4-onednn-avx2",
+        "zen4-onednn-bf16",
+        "unknown",
+    ],
+)
 def test_native_bf16_from_capability(features, capability, onednn, native):
     assert cpu_isa.native_bf16(features, capability, onednn) is native
 
@@ -57,22 +70,30 @@ def test_both_routes_of_the_weights_meet_the_tolerance_policy(route, dtype, monk
     the float64 reference, and the output equal to the returned weights times the values."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", route)
     asked = []
-    monkeypatch.setattr(reference, "half_gemm_route",
-                        lambda: asked.append(cpu_isa.half_gemm_route()) or asked[-1])
+    monkeypatch.setattr(
+        reference, "half_gemm_route", lambda: asked.append(cpu_isa.half_gemm_route()) or asked[-1]
+    )
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 3, 97, 32, generator=g, dtype=torch.float64) for _ in range(3))
     mask = qkv.masks.sliding_window(20)
-    out, probs, _ = attention_with_weights(AttentionCall.build(
-        q.to(dtype), k.to(dtype), v.to(dtype), mask_mod=mask, return_trace=True))
-    golden, golden_t = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask,
-                                                        backend="reference", return_trace=True)
-    base, base_t = qkv.scaled_dot_product_attention(q.to(dtype), k.to(dtype), v.to(dtype),
-                                                    mask_mod=mask, backend="reference",
-                                                    return_trace=True)
+    out, probs, _ = attention_with_weights(
+        AttentionCall.build(q.to(dtype), k.to(dtype), v.to(dtype), mask_mod=mask, return_trace=True)
+    )
+    golden, golden_t = qkv.scaled_dot_product_attention(
+        q, k, v, mask_mod=mask, backend="reference", return_trace=True
+    )
+    base, base_t = qkv.scaled_dot_product_attention(
+        q.to(dtype), k.to(dtype), v.to(dtype), mask_mod=mask, backend="reference", return_trace=True
+    )
     assert asked == [route] and out.dtype == probs.dtype == dtype
     assert_tolerance(out, golden, base, factor=OUTPUT_FACTOR, name=f"{route} out")
-    assert_tolerance(probs, golden_t.probs, base_t.probs, factor=OUTPUT_FACTOR,
-                     name=f"{route} probs")
+    assert_tolerance(
+        probs, golden_t.probs, base_t.probs, factor=OUTPUT_FACTOR, name=f"{route} probs"
+    )
     again = (probs.float() @ v.to(dtype).float()).to(dtype)
-    torch.testing.assert_close(out.float(), again.float(), rtol=0, atol=float(
-        torch.finfo(dtype).eps) * float(again.abs().max()))
+    torch.testing.assert_close(
+        out.float(),
+        again.float(),
+        rtol=0,
+        atol=float(torch.finfo(dtype).eps) * float(again.abs().max()),
+    )

@@ -15,6 +15,7 @@ may not see changes nothing) and whether a call synchronises the host with the d
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,17 +46,20 @@ def _cases(B: int, H: int, T: int, S: int) -> dict:
     dead[:, :, : T // 4] = False  # a quarter of the rows may see no key at all
     bias = torch.randn(B, H, T, S, generator=g, dtype=torch.float64)
     return {
-        "none": lambda: {},
+        "none": dict,
         "causal": lambda: dict(is_causal=True),
         "bottom-right": lambda: dict(mask_mod=M.causal("bottom_right")),
         "window": lambda: dict(mask_mod=M.sliding_window(40, 7)),
-        "keylen": lambda: dict(mask_mod=M.key_lengths(torch.tensor([S, max(1, S // 3)])[:B]
-                                                      .to(CUDA))),
+        "keylen": lambda: dict(
+            mask_mod=M.key_lengths(torch.tensor([S, max(1, S // 3)])[:B].to(CUDA))
+        ),
         "causal-alibi": lambda: dict(is_causal=True, score_mod=M.alibi(H)),
-        "window-softcap-scale": lambda: dict(mask_mod=M.sliding_window(30),
-                                             score_mod=M.softcap(2.0), is_causal=True, scale=0.7),
-        "document": lambda: dict(mask_mod=M.document(_ids(B, T, 1).to(CUDA),
-                                                     _ids(B, S, 1).to(CUDA))),
+        "window-softcap-scale": lambda: dict(
+            mask_mod=M.sliding_window(30), score_mod=M.softcap(2.0), is_causal=True, scale=0.7
+        ),
+        "document": lambda: dict(
+            mask_mod=M.document(_ids(B, T, 1).to(CUDA), _ids(B, S, 1).to(CUDA))
+        ),
         "bool-dead-rows": lambda: dict(attn_mask=dead.to(CUDA)),
         "learned-bias": lambda: dict(attn_mask=bias.to(CUDA)),
     }
@@ -92,13 +96,15 @@ def _check(backend: str, name: str, dtype, B, H, G, T, S, D, seed=0):
         got = _run(backend, q, k, v, dout, dtype, CUDA, {**make(), **gqa})
     except BackendUnsupportedError as e:
         pytest.skip(f"{backend} refuses {name} in {dtype}: {e}")
-    golden = _run("reference", q, k, v, dout, torch.float64, "cpu",
-                  _to_cpu_case(B, H, T, S, name, gqa))
+    golden = _run(
+        "reference", q, k, v, dout, torch.float64, "cpu", _to_cpu_case(B, H, T, S, name, gqa)
+    )
     baseline = _run("reference", q, k, v, dout, dtype, CUDA, {**make(), **gqa})
     where = f"{backend} {name} {dtype} B{B}-H{H}-G{G}-T{T}-S{S}-D{D}"
     assert got[0].device.type == "cuda" and got[0].dtype == dtype, where
-    assert_tolerance(got[0].cpu(), golden[0], baseline[0].cpu(), factor=OUTPUT_FACTOR,
-                     name=f"{where} out")
+    assert_tolerance(
+        got[0].cpu(), golden[0], baseline[0].cpu(), factor=OUTPUT_FACTOR, name=f"{where} out"
+    )
     for a, b, c, what in zip(got[1], golden[1], baseline[1], ("dq", "dk", "dv", "dmask")):
         assert_tolerance(a.cpu(), b, c.cpu(), factor=GRAD_FACTOR, name=f"{where} {what}")
 
@@ -137,12 +143,15 @@ def test_rows_with_no_key_are_zero_and_masked_nan_keys_change_nothing(backend, d
     bottom-right causal with T = 17 > S = 5 see none; keys past the length are NaN."""
     B, H, T, S, D = 2, 2, 17, 5, 64
     g = torch.Generator(device="cpu").manual_seed(3)
-    q, k, v, dout = (torch.randn(s, generator=g).to(CUDA, dtype)
-                     for s in ((B, H, T, D), (B, H, S, D), (B, H, S, D), (B, H, T, D)))
+    q, k, v, dout = (
+        torch.randn(s, generator=g).to(CUDA, dtype)
+        for s in ((B, H, T, D), (B, H, S, D), (B, H, S, D), (B, H, T, D))
+    )
     k[1, :, 3:] = float("nan")
     v[1, :, 3:] = float("nan")
-    mask_mod = M.and_masks(M.causal("bottom_right"),
-                           M.key_lengths(torch.tensor([0, 3], device=CUDA)))
+    mask_mod = M.and_masks(
+        M.causal("bottom_right"), M.key_lengths(torch.tensor([0, 3], device=CUDA))
+    )
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     try:
         out = qkv.scaled_dot_product_attention(*ins, mask_mod=mask_mod, backend=backend)
@@ -154,7 +163,9 @@ def test_rows_with_no_key_are_zero_and_masked_nan_keys_change_nothing(backend, d
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert torch.equal(out[:, :, :12], torch.zeros_like(out[:, :, :12]))
     assert torch.equal(dq[0], torch.zeros_like(dq[0]))
-    assert torch.equal(dk[0], torch.zeros_like(dk[0])) and torch.equal(dv[0], torch.zeros_like(dv[0]))
+    assert torch.equal(dk[0], torch.zeros_like(dk[0])) and torch.equal(
+        dv[0], torch.zeros_like(dv[0])
+    )
     k_ok, v_ok = k.clone(), v.clone()
     k_ok[1, :, 3:] = 0
     v_ok[1, :, 3:] = 0
@@ -163,7 +174,7 @@ def test_rows_with_no_key_are_zero_and_masked_nan_keys_change_nothing(backend, d
 
 
 SYNC_CASES = {
-    "none": lambda: {},
+    "none": dict,
     "causal": lambda: dict(is_causal=True),
     "window": lambda: dict(mask_mod=M.sliding_window(64)),
 }
@@ -175,8 +186,10 @@ def test_a_call_does_not_synchronise_the_device(backend, name):
     """DESIGN.md: nothing on the hot path syncs the device. torch's sync debug mode raises on
     any synchronising operation inside the call (a ``.item()``, ``bool(tensor)``, a copy to the
     host). Forward, and forward plus backward."""
-    q, k, v = (torch.randn(2, 4, 256, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(2, 4, 256, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
     kw = SYNC_CASES[name]()
     try:
         qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)  # warm: compile, plan
@@ -214,8 +227,9 @@ def test_triton_block_lists_are_reused_and_follow_ids_changed_in_place():
     assert len(tb._block_list_cache) == 3
     tb.clear_block_list_cache()
     assert len(tb._block_list_cache) == 0
-    fresh = qkv.scaled_dot_product_attention(q, k, v, mask_mod=M.document(ids.clone()),
-                                             backend="triton")  # planned anew
+    fresh = qkv.scaled_dot_product_attention(
+        q, k, v, mask_mod=M.document(ids.clone()), backend="triton"
+    )  # planned anew
     assert torch.equal(out, fresh)
     tb.clear_block_list_cache()
 
@@ -229,25 +243,32 @@ def test_cpu_calls_stay_on_the_cpu_under_a_cuda_default_device(backend):
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(2, 2, 37, 16, generator=g) for _ in range(3))
     ids = (torch.arange(37) // 10).expand(2, 37)
-    calls = {"window": dict(mask_mod=M.sliding_window(5)), "document": dict(mask_mod=M.document(ids)),
-             "bool": dict(attn_mask=torch.rand(37, 37, generator=g) > 0.3),
-             "rank0": dict(attn_mask=torch.tensor(True))}
+    calls = {
+        "window": dict(mask_mod=M.sliding_window(5)),
+        "document": dict(mask_mod=M.document(ids)),
+        "bool": dict(attn_mask=torch.rand(37, 37, generator=g) > 0.3),
+        "rank0": dict(attn_mask=torch.tensor(True)),
+    }
     want = {}
     for name, kw in calls.items():
         try:
-            want[name] = qkv.scaled_dot_product_attention(q, k, v, backend=backend,
-                                                          return_trace=True, **kw)
+            want[name] = qkv.scaled_dot_product_attention(
+                q, k, v, backend=backend, return_trace=True, **kw
+            )
         except BackendUnsupportedError:
             continue
     before = torch.get_default_device()
     torch.set_default_device("cuda")
     try:
         for name, (out_w, trace_w) in want.items():
-            out, trace = qkv.scaled_dot_product_attention(q, k, v, backend=backend,
-                                                          return_trace=True, **calls[name])
+            out, trace = qkv.scaled_dot_product_attention(
+                q, k, v, backend=backend, return_trace=True, **calls[name]
+            )
             assert out.device.type == "cpu" and torch.equal(out, out_w), name
-            torch.testing.assert_close(trace.select(heads=[1], rows=[0, 5]).probs,
-                                       trace_w.select(heads=[1], rows=[0, 5]).probs)
+            torch.testing.assert_close(
+                trace.select(heads=[1], rows=[0, 5]).probs,
+                trace_w.select(heads=[1], rows=[0, 5]).probs,
+            )
     finally:
         torch.set_default_device(before)
 
@@ -257,8 +278,11 @@ def test_broadcast_masks_of_rank_0_and_1_on_cuda(backend):
     """torch's CUDA kernel raises "(*bias): last dimension must be contiguous" for a mask
     broadcast along keys (a rank-0 mask expanded, a (T, 1) column): qkv hands it a copy."""
     q, k, v = (torch.randn(1, 2, 7, 16, device=CUDA) for _ in range(3))
-    for mask in (torch.tensor(0.5, device=CUDA), torch.randn(7, 1, device=CUDA),
-                 torch.tensor(True, device=CUDA)):
+    for mask in (
+        torch.tensor(0.5, device=CUDA),
+        torch.randn(7, 1, device=CUDA),
+        torch.tensor(True, device=CUDA),
+    ):
         out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
         want = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="reference")
         torch.testing.assert_close(out, want)

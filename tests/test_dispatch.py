@@ -1,11 +1,11 @@
 """The dispatcher: backend choice, reasons, and the errors when a named backend refuses."""
+
 import pytest
 import torch
 
 import qkv
 from qkv import dispatch
-from qkv.ops import AttentionCall, BackendResult, BackendUnsupportedError
-from qkv.ops import torch_sdpa
+from qkv.ops import AttentionCall, BackendResult, BackendUnsupportedError, torch_sdpa
 
 
 class Float32Only:
@@ -53,10 +53,12 @@ def test_auto_takes_fastest_that_supports(f32only):
 
 
 def test_named_backend_refuses_with_reason(f32only):
-    with pytest.raises(BackendUnsupportedError,
-                       match=r"backend 'f32only' cannot take this call: needs float32 inputs, got "
-                       r"torch.float64\. Backends that can: torch, tiled, reference; or pass "
-                       r"backend='auto'"):
+    with pytest.raises(
+        BackendUnsupportedError,
+        match=r"backend 'f32only' cannot take this call: needs float32 inputs, got "
+        r"torch.float64\. Backends that can: torch, tiled, reference; or pass "
+        r"backend='auto'",
+    ):
         qkv.scaled_dot_product_attention(*_qkv(torch.float64), backend="f32only")
     assert issubclass(BackendUnsupportedError, ValueError)
 
@@ -66,8 +68,11 @@ def test_check_backends_reports_every_answer(f32only):
     answers = dispatch.check_backends(call)
     assert "CUDA" in answers.pop("triton")  # its kernels take CUDA tensors only
     assert answers == {
-        "f32only": "needs float32 inputs, got torch.float64", "torch": None, "tiled": None,
-        "reference": None}
+        "f32only": "needs float32 inputs, got torch.float64",
+        "torch": None,
+        "tiled": None,
+        "reference": None,
+    }
 
 
 def test_register_rejects_duplicates_and_auto():
@@ -87,16 +92,20 @@ def test_trace_uses_kernel_lse_when_it_fits(monkeypatch):
     plain torch SDPA. (q requires grad: without, auto forms output and weights in one pass.)"""
     seen = []
     real = torch_sdpa.flash_forward
-    monkeypatch.setattr(torch_sdpa, "flash_forward", lambda *a, **kw: seen.append(1) or real(*a, **kw))
+    monkeypatch.setattr(
+        torch_sdpa, "flash_forward", lambda *a, **kw: seen.append(1) or real(*a, **kw)
+    )
     q, k, v = _qkv()
     q.requires_grad_()
     _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True)
     assert seen == [1]
-    out, trace = qkv.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True,
-                                                  return_trace=True)
+    out, trace = qkv.scaled_dot_product_attention(
+        q, k[:, :2], v[:, :2], enable_gqa=True, return_trace=True
+    )
     assert seen == [1, 1]
-    ref, ref_trace = qkv.scaled_dot_product_attention(q, k[:, :2], v[:, :2], enable_gqa=True,
-                                                      return_trace=True, backend="reference")
+    ref, ref_trace = qkv.scaled_dot_product_attention(
+        q, k[:, :2], v[:, :2], enable_gqa=True, return_trace=True, backend="reference"
+    )
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(trace.lse, ref_trace.lse)
     torch.testing.assert_close(trace.probs, ref_trace.probs)

@@ -17,6 +17,7 @@ a run of its code (how they were made: never type them in).
 broken links, missing pages and unresolved references fail); it skips, naming the reason, where
 the ``docs`` extra is not installed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,11 @@ import pytest
 ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(p for p in DOCS.glob("*.md"))
-_BLOCK = re.compile(r"(?:<!-- readme-test: skip \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)```\n"
-                    r"(?:\n?<!-- output -->\n```text\n(?P<out>.*?)```\n)?", re.S)
+_BLOCK = re.compile(
+    r"(?:<!-- readme-test: skip \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)```\n"
+    r"(?:\n?<!-- output -->\n```text\n(?P<out>.*?)```\n)?",
+    re.S,
+)
 # pages whose code needs an optional library of the test extras
 _NEEDS = {"integrations.md": "transformers"}
 
@@ -42,9 +46,16 @@ def blocks(page: Path) -> list[dict]:
     """line, code, why (reason to skip or None), out (the printed output shown, or None) and
     the span of the output text, of each python block of ``page``, in order."""
     text = page.read_text()
-    return [dict(line=text.count("\n", 0, m.start("code")) + 1, code=m.group("code"),
-                 why=m.group("why"), out=m.group("out"), out_span=m.span("out"))
-            for m in _BLOCK.finditer(text)]
+    return [
+        dict(
+            line=text.count("\n", 0, m.start("code")) + 1,
+            code=m.group("code"),
+            why=m.group("why"),
+            out=m.group("out"),
+            out_span=m.span("out"),
+        )
+        for m in _BLOCK.finditer(text)
+    ]
 
 
 def run_page(page: Path) -> list[tuple[dict, str]]:
@@ -59,8 +70,10 @@ def run_page(page: Path) -> list[tuple[dict, str]]:
             with contextlib.redirect_stdout(buf):
                 exec(compile(b["code"], f"{page.name}:{b['line']}", "exec"), namespace)
         except Exception as e:
-            raise AssertionError(f"docs/{page.name} block at line {b['line']} fails as written: "
-                                 f"{type(e).__name__}: {e}") from e
+            raise AssertionError(
+                f"docs/{page.name} block at line {b['line']} fails as written: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         printed.append((b, buf.getvalue()))
     return printed
 
@@ -68,6 +81,7 @@ def run_page(page: Path) -> list[tuple[dict, str]]:
 def _same(shown: str, printed: str) -> bool:
     def lines(s):
         return [line.rstrip() for line in s.rstrip().splitlines()]
+
     return lines(shown) == lines(printed)
 
 
@@ -88,18 +102,30 @@ def test_page_python_blocks_run_in_order(page, tmp_path, monkeypatch):
             assert _same(b["out"], printed), (
                 f"docs/{page.name} block at line {b['line']} prints other numbers than the page "
                 f"shows; rerun `python tests/test_docs.py docs/{page.name}`.\n"
-                f"shown:\n{b['out']}\nprinted:\n{printed}")
+                f"shown:\n{b['out']}\nprinted:\n{printed}"
+            )
 
 
 def test_mkdocs_build_strict(tmp_path):
-    pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')")
-    pytest.importorskip("mkdocstrings_handlers.python",
-                        reason="mkdocstrings-python is not installed (pip install -e '.[docs]')")
-    pytest.importorskip("material", reason="mkdocs-material is not installed (pip install -e '.[docs]')")
+    pytest.importorskip(
+        "mkdocs", reason="the docs extra is not installed (pip install -e '.[docs]')"
+    )
+    pytest.importorskip(
+        "mkdocstrings_handlers.python",
+        reason="mkdocstrings-python is not installed (pip install -e '.[docs]')",
+    )
+    pytest.importorskip(
+        "material", reason="mkdocs-material is not installed (pip install -e '.[docs]')"
+    )
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
-                           str(tmp_path / "site")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert (tmp_path / "site" / "tutorials" / "index.html").stat().st_size > 0
     assert (tmp_path / "site" / "api" / "masks" / "index.html").stat().st_size > 0

@@ -4,6 +4,7 @@ Equivalences: cached (or recurrent) decoding equals the full causal forward, for
 attention module; the modules are interchangeable in one Transformer block; linear and local
 modules equal their functional twins (linear_attention; MHA with a dense window mask).
 """
+
 import pytest
 import torch
 from torch import nn
@@ -115,7 +116,9 @@ def test_local_module_equals_dense_window_mask_and_runs_tiled():
         out, trace = local(x, is_causal=causal, return_trace=True)
         torch.testing.assert_close(out, mha(x, attn_mask=dense, is_causal=causal))
         assert trace.backend == "tiled"
-        assert torch.all(trace.probs[..., 100, :93] == 0) and torch.all(trace.probs[..., 100, 103:] == 0)
+        assert torch.all(trace.probs[..., 100, :93] == 0) and torch.all(
+            trace.probs[..., 100, 103:] == 0
+        )
 
 
 def test_linear_module_favor_is_its_own_buffer_and_redraws_in_training_only():
@@ -148,7 +151,9 @@ def test_kv_cache_buffers_mask_and_capacity():
     assert key_mask is None and keys.shape == (2, 3, 2, 4) and torch.equal(values, v)
     _, _, key_mask = cache.append(k[:, :, :1], v[:, :, :1], torch.tensor([[True], [False]]))
     assert key_mask.tolist() == [[True, True, True], [True, True, False]]
-    with pytest.raises(ValueError, match="KVCache is full: it holds 3 of 5 positions and cannot take 3"):
+    with pytest.raises(
+        ValueError, match="KVCache is full: it holds 3 of 5 positions and cannot take 3"
+    ):
         cache.append(torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 6))
     with pytest.raises(ValueError, match=r"need key \(B, G, T, D\)"):
         cache.append(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 6))
@@ -182,8 +187,10 @@ def test_efficient_module_argument_errors():
         qkv.LinearMultiHeadAttention(16, 2, feature_map=qkv.Favor(16))
     lin = qkv.LinearMultiHeadAttention(16, 2)
     x = torch.randn(1, 3, 16)
-    for kw in (dict(attn_mask=torch.ones(3, 3, dtype=torch.bool)),
-               dict(mask_mod=masks.sliding_window(2))):
+    for kw in (
+        dict(attn_mask=torch.ones(3, 3, dtype=torch.bool)),
+        dict(mask_mod=masks.sliding_window(2)),
+    ):
         with pytest.raises(ValueError, match="no \\(T, S\\) scores"):
             lin(x, **kw)
     with pytest.raises(ValueError, match="left must be an int >= 0"):
@@ -194,11 +201,17 @@ def test_efficient_module_argument_errors():
 def test_efficient_modules_name_a_wrong_input_dtype(kind):
     """Issue 12, item 16a: qkv's message with the fix, not torch's raw matmul error."""
     m = KINDS[kind](16, 2)
-    with pytest.raises(TypeError, match=r"query has dtype torch.int64 but the module's weights "
-                                        r"are torch.float32: .*embed token ids first"):
+    with pytest.raises(
+        TypeError,
+        match=r"query has dtype torch.int64 but the module's weights "
+        r"are torch.float32: .*embed token ids first",
+    ):
         m(torch.randint(0, 10, (1, 3)))
     x = torch.randn(1, 3, 16, dtype=torch.float64)
-    with pytest.raises(TypeError, match=r"query has dtype torch.float64 .* module.to\(torch.float64\)"):
+    with pytest.raises(
+        TypeError, match=r"query has dtype torch.float64 .* module.to\(torch.float64\)"
+    ):
         m(x)
-    torch.testing.assert_close(m.to(torch.float64)(x), m.float()(x.float()).double(), rtol=1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        m.to(torch.float64)(x), m.float()(x.float()).double(), rtol=1e-5, atol=1e-6
+    )

@@ -7,6 +7,7 @@ call is compared with the reference backend (shapes, values, the trace, gradient
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim, Dv value dim.
 """
+
 from __future__ import annotations
 
 import signal
@@ -68,10 +69,12 @@ SWEEP = textwrap.dedent("""
 
 @pytest.mark.parametrize("backend", ["torch", "auto", "tiled", "reference"])
 def test_empty_sizes_never_kill_the_process(backend):
-    run = subprocess.run([sys.executable, "-c", SWEEP, backend], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", SWEEP, backend], capture_output=True, text=True, timeout=300
+    )
     last = run.stdout.strip().splitlines()[-1:] or ["(nothing printed)"]
     assert run.returncode >= 0, (
-        f"killed by {signal.Signals(-run.returncode).name} during: {last[0]}\n{run.stderr[-2000:]}")
+        f"killed by {signal.Signals(-run.returncode).name} during: {last[0]}\n{run.stderr[-2000:]}"
+    )
     assert run.returncode == 0, f"{last[0]}\n{run.stderr[-3000:]}"
     assert "BAD []" in run.stdout

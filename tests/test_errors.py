@@ -1,4 +1,5 @@
 """Every bad input gets a ValueError/TypeError that names the numbers and the fix."""
+
 import re
 
 import pytest
@@ -15,54 +16,120 @@ def sdpa(q=None, k=None, v=None, **kw):
 
 
 BAD = {
-    "batch-mismatch": (ValueError, r"batch mismatch.*\(2, 4\).*\(3, 4\).*equal or 1",
-                       dict(k=torch.randn(3, 4, 6, 8), v=torch.randn(3, 4, 6, 8))),
-    "head-mismatch": (ValueError, r"head mismatch.*H=4 heads but key .* has 3.*give key and value 4",
-                      dict(k=torch.randn(2, 3, 6, 8), v=torch.randn(2, 3, 6, 8))),
-    "head-mismatch-hint-gqa": (ValueError, r"H=4 heads but key .* has 2; .* pass enable_gqa=True",
-                               dict(k=torch.randn(2, 2, 6, 8), v=torch.randn(2, 2, 6, 8))),
-    "head-dim-mismatch": (ValueError, r"head-dim mismatch.*D=8 but key .* has D=7",
-                          dict(k=torch.randn(2, 4, 6, 7))),
-    "kv-length-mismatch": (ValueError, r"key .* has S=6 positions but value .* has 5",
-                           dict(v=torch.randn(2, 4, 5, 8))),
-    "gqa-not-multiple": (ValueError, r"got H=12 query heads and G=5 key/value heads; H must be a "
-                         r"multiple of G", dict(q=torch.randn(2, 12, 5, 8),
-                                                k=torch.randn(2, 5, 6, 8),
-                                                v=torch.randn(2, 5, 6, 8), enable_gqa=True)),
-    "gqa-kv-heads-differ": (ValueError, r"key has G=2 heads but value has 4",
-                            dict(k=torch.randn(2, 2, 6, 8), enable_gqa=True)),
-    "gqa-2d": (ValueError, r"enable_gqa=True needs a heads dim",
-               dict(q=torch.randn(5, 8), k=torch.randn(6, 8), v=torch.randn(6, 8),
-                    enable_gqa=True)),
-    "int-mask": (TypeError, r"attn_mask has dtype torch.int64; use a bool mask.*attn_mask.bool\(\)",
-                 dict(attn_mask=torch.ones(5, 6, dtype=torch.int64))),
-    "uint8-mask": (TypeError, r"attn_mask has dtype torch.uint8",
-                   dict(attn_mask=torch.ones(5, 6, dtype=torch.uint8))),
-    "mask-no-broadcast": (ValueError, r"attn_mask of shape \(5, 5\) does not broadcast to the "
-                          r"scores' shape \(\*batch, T, S\) = \(2, 4, 5, 6\)",
-                          dict(attn_mask=torch.ones(5, 6 - 1, dtype=torch.bool))),
-    "mask-grows-batch": (ValueError, r"attn_mask of shape \(3, 4, 5, 6\) does not broadcast",
-                         dict(attn_mask=torch.ones(3, 4, 5, 6, dtype=torch.bool))),
-    "mask-not-tensor": (TypeError, r"attn_mask must be a torch.Tensor or None, got list",
-                        dict(attn_mask=[[True]])),
-    "dtype-mismatch": (TypeError, r"share a dtype, got query torch.float32, key torch.float64.*"
-                       r"\.to\(torch.float32\)", dict(k=torch.randn(2, 4, 6, 8).double())),
-    "int-inputs": (TypeError, r"query has dtype torch.int64; attention needs floating point",
-                   dict(q=torch.ones(2, 4, 5, 8, dtype=torch.int64))),
+    "batch-mismatch": (
+        ValueError,
+        r"batch mismatch.*\(2, 4\).*\(3, 4\).*equal or 1",
+        dict(k=torch.randn(3, 4, 6, 8), v=torch.randn(3, 4, 6, 8)),
+    ),
+    "head-mismatch": (
+        ValueError,
+        r"head mismatch.*H=4 heads but key .* has 3.*give key and value 4",
+        dict(k=torch.randn(2, 3, 6, 8), v=torch.randn(2, 3, 6, 8)),
+    ),
+    "head-mismatch-hint-gqa": (
+        ValueError,
+        r"H=4 heads but key .* has 2; .* pass enable_gqa=True",
+        dict(k=torch.randn(2, 2, 6, 8), v=torch.randn(2, 2, 6, 8)),
+    ),
+    "head-dim-mismatch": (
+        ValueError,
+        r"head-dim mismatch.*D=8 but key .* has D=7",
+        dict(k=torch.randn(2, 4, 6, 7)),
+    ),
+    "kv-length-mismatch": (
+        ValueError,
+        r"key .* has S=6 positions but value .* has 5",
+        dict(v=torch.randn(2, 4, 5, 8)),
+    ),
+    "gqa-not-multiple": (
+        ValueError,
+        r"got H=12 query heads and G=5 key/value heads; H must be a "
+        r"multiple of G",
+        dict(
+            q=torch.randn(2, 12, 5, 8),
+            k=torch.randn(2, 5, 6, 8),
+            v=torch.randn(2, 5, 6, 8),
+            enable_gqa=True,
+        ),
+    ),
+    "gqa-kv-heads-differ": (
+        ValueError,
+        r"key has G=2 heads but value has 4",
+        dict(k=torch.randn(2, 2, 6, 8), enable_gqa=True),
+    ),
+    "gqa-2d": (
+        ValueError,
+        r"enable_gqa=True needs a heads dim",
+        dict(q=torch.randn(5, 8), k=torch.randn(6, 8), v=torch.randn(6, 8), enable_gqa=True),
+    ),
+    "int-mask": (
+        TypeError,
+        r"attn_mask has dtype torch.int64; use a bool mask.*attn_mask.bool\(\)",
+        dict(attn_mask=torch.ones(5, 6, dtype=torch.int64)),
+    ),
+    "uint8-mask": (
+        TypeError,
+        r"attn_mask has dtype torch.uint8",
+        dict(attn_mask=torch.ones(5, 6, dtype=torch.uint8)),
+    ),
+    "mask-no-broadcast": (
+        ValueError,
+        r"attn_mask of shape \(5, 5\) does not broadcast to the "
+        r"scores' shape \(\*batch, T, S\) = \(2, 4, 5, 6\)",
+        dict(attn_mask=torch.ones(5, 6 - 1, dtype=torch.bool)),
+    ),
+    "mask-grows-batch": (
+        ValueError,
+        r"attn_mask of shape \(3, 4, 5, 6\) does not broadcast",
+        dict(attn_mask=torch.ones(3, 4, 5, 6, dtype=torch.bool)),
+    ),
+    "mask-not-tensor": (
+        TypeError,
+        r"attn_mask must be a torch.Tensor or None, got list",
+        dict(attn_mask=[[True]]),
+    ),
+    "dtype-mismatch": (
+        TypeError,
+        r"share a dtype, got query torch.float32, key torch.float64.*"
+        r"\.to\(torch.float32\)",
+        dict(k=torch.randn(2, 4, 6, 8).double()),
+    ),
+    "int-inputs": (
+        TypeError,
+        r"query has dtype torch.int64; attention needs floating point",
+        dict(q=torch.ones(2, 4, 5, 8, dtype=torch.int64)),
+    ),
     "not-a-tensor": (TypeError, r"value must be a torch.Tensor, got list", dict(v=[[1.0]])),
-    "1-dim": (ValueError, r"query must have at least 2 dims \(\.\.\., L, E\), got shape \(8,\)",
-              dict(q=torch.randn(8))),
-    "nan-scale": (ValueError, r"scale must be finite, got nan; pass None for the default "
-                  r"1/sqrt\(D\) = 0.353553", dict(scale=float("nan"))),
+    "1-dim": (
+        ValueError,
+        r"query must have at least 2 dims \(\.\.\., L, E\), got shape \(8,\)",
+        dict(q=torch.randn(8)),
+    ),
+    "nan-scale": (
+        ValueError,
+        r"scale must be finite, got nan; pass None for the default "
+        r"1/sqrt\(D\) = 0.353553",
+        dict(scale=float("nan")),
+    ),
     "inf-scale": (ValueError, r"scale must be finite, got inf", dict(scale=float("inf"))),
     "str-scale": (TypeError, r"scale must be a float or None, got str", dict(scale="0.1")),
     "dropout-1": (ValueError, r"dropout_p must be in \[0, 1\), got 1.0", dict(dropout_p=1.0)),
-    "dropout-negative": (ValueError, r"dropout_p must be in \[0, 1\), got -0.1",
-                         dict(dropout_p=-0.1)),
-    "causal-not-bool": (TypeError, r"is_causal must be True or False, got 'yes'",
-                        dict(is_causal="yes")),
-    "unknown-backend": (ValueError, r"unknown backend 'flash'; choose 'auto' or one of torch, triton, "
-                        r"tiled, reference", dict(backend="flash")),
+    "dropout-negative": (
+        ValueError,
+        r"dropout_p must be in \[0, 1\), got -0.1",
+        dict(dropout_p=-0.1),
+    ),
+    "causal-not-bool": (
+        TypeError,
+        r"is_causal must be True or False, got 'yes'",
+        dict(is_causal="yes"),
+    ),
+    "unknown-backend": (
+        ValueError,
+        r"unknown backend 'flash'; choose 'auto' or one of torch, triton, "
+        r"tiled, reference",
+        dict(backend="flash"),
+    ),
 }
 
 
@@ -75,8 +142,11 @@ def test_bad_input_message(case):
 
 def test_device_mismatch_message(monkeypatch):
     """No second device here: the check compares devices, so a meta tensor stands in."""
-    with pytest.raises(ValueError, match=r"one device, got query on cpu, key on meta, value on "
-                       r"cpu; move them with .to\('cpu'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"one device, got query on cpu, key on meta, value on "
+        r"cpu; move them with .to\('cpu'\)",
+    ):
         sdpa(k=torch.randn(2, 4, 6, 8, device="meta"))
     with pytest.raises(ValueError, match=r"attn_mask is on meta but query is on cpu"):
         sdpa(attn_mask=torch.ones(5, 6, dtype=torch.bool, device="meta"))

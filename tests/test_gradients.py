@@ -1,11 +1,11 @@
 """gradcheck in float64 for every backend, and float64 gradients equal torch's."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BACKENDS
 
 import qkv
-
-from conftest import BACKENDS
 
 
 def _leaves(*shapes):
@@ -42,8 +42,9 @@ def test_gradcheck_gqa_and_float_mask(backend):
     bias = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
 
     def f(q, k, v, bias):
-        return qkv.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True,
-                                               backend=backend)
+        return qkv.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, enable_gqa=True, backend=backend
+        )
 
     assert torch.autograd.gradcheck(f, (q, k, v, bias))
 
@@ -68,8 +69,10 @@ def test_float64_gradients_equal_torch(backend):
     keep = torch.rand(2, 1, 97, 113) < 0.8
     cotangent = torch.randn(2, 4, 97, 17, dtype=torch.float64)
     grads = []
-    for fn in (F.scaled_dot_product_attention,
-               lambda *a, **kw: qkv.scaled_dot_product_attention(*a, backend=backend, **kw)):
+    for fn in (
+        F.scaled_dot_product_attention,
+        lambda *a, **kw: qkv.scaled_dot_product_attention(*a, backend=backend, **kw),
+    ):
         out = fn(q, k, v, attn_mask=keep, enable_gqa=True)
         grads.append(torch.autograd.grad(out, (q, k, v), cotangent))
     for want, got in zip(*grads):

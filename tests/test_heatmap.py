@@ -1,4 +1,5 @@
 """qkv.viz heatmaps: one panel per head, labelled axes, weights in the cells, a real PNG."""
+
 import subprocess
 import sys
 
@@ -62,15 +63,20 @@ def test_takes_a_trace():
     _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True)
     panels = heatmap_axes(heatmap_figure(trace))
     assert len(panels) == 2
-    torch.testing.assert_close(torch.as_tensor(panels[1].images[0].get_array().data),
-                               trace.probs[1])
+    torch.testing.assert_close(
+        torch.as_tensor(panels[1].images[0].get_array().data), trace.probs[1]
+    )
 
 
 def test_plot_attention_writes_a_png(tmp_path):
     from matplotlib.image import imread
 
-    path = plot_attention(probs(2, 3, 3), tmp_path / "deep" / "er" / "attn.png",
-                          query_labels=["x1", "x2", "x3"], key_labels=["x1", "x2", "x3"])
+    path = plot_attention(
+        probs(2, 3, 3),
+        tmp_path / "deep" / "er" / "attn.png",
+        query_labels=["x1", "x2", "x3"],
+        key_labels=["x1", "x2", "x3"],
+    )
     assert path == tmp_path / "deep" / "er" / "attn.png"
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -80,15 +86,36 @@ def test_plot_attention_writes_a_png(tmp_path):
     assert img[..., :3].std() > 0.05  # not a blank canvas
 
 
-@pytest.mark.parametrize("bad, kw, err, match", [
-    (torch.rand(1, 2, 3, 3), {}, ValueError, r"\(H, T, S\) or \(T, S\).*got shape \(1, 2, 3, 3\)"),
-    (torch.rand(2, 3, 3), dict(query_labels=["a"]), ValueError,
-     r"query_labels has 1 entries, need 3"),
-    (torch.rand(2, 3, 4), dict(key_labels=list("abc")), ValueError,
-     r"key_labels has 3 entries, need 4"),
-    (torch.rand(2, 3, 3), dict(titles=["one"]), ValueError, r"titles has 1 entries, need 2"),
-    ([[0.5, 0.5]], {}, TypeError, r"probs must be a torch.Tensor or an AttentionTrace, got list"),
-])
+@pytest.mark.parametrize(
+    "bad, kw, err, match",
+    [
+        (
+            torch.rand(1, 2, 3, 3),
+            {},
+            ValueError,
+            r"\(H, T, S\) or \(T, S\).*got shape \(1, 2, 3, 3\)",
+        ),
+        (
+            torch.rand(2, 3, 3),
+            dict(query_labels=["a"]),
+            ValueError,
+            r"query_labels has 1 entries, need 3",
+        ),
+        (
+            torch.rand(2, 3, 4),
+            dict(key_labels=list("abc")),
+            ValueError,
+            r"key_labels has 3 entries, need 4",
+        ),
+        (torch.rand(2, 3, 3), dict(titles=["one"]), ValueError, r"titles has 1 entries, need 2"),
+        (
+            [[0.5, 0.5]],
+            {},
+            TypeError,
+            r"probs must be a torch.Tensor or an AttentionTrace, got list",
+        ),
+    ],
+)
 def test_bad_arguments(bad, kw, err, match):
     with pytest.raises(err, match=match):
         heatmap_figure(bad, **kw)
@@ -102,8 +129,13 @@ def test_viz_imports_matplotlib_lazily_and_never_pyplot(tmp_path):
         f"qkv.viz.plot_attention(torch.eye(2), {str(tmp_path / 'a.png')!r})\n"
         "print('matplotlib.pyplot' in sys.modules)\n"
     )
-    env_free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              check=True, env={"PATH": "/usr/bin:/bin", "MPLBACKEND": ""})
+    env_free = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "MPLBACKEND": ""},
+    )
     assert env_free.stdout.split() == ["False", "False"]
     assert (tmp_path / "a.png").stat().st_size > 1000
 

@@ -6,6 +6,7 @@ finite; where it is not (float64 eager rounds its -1.8e308 mask to -inf in a flo
 so rows with no real key are NaN), float32 runs are held to the tolerance policy against
 transformers' sdpa in float64.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,9 +28,15 @@ V = 97  # vocabulary
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -39,69 +46,137 @@ def _gpt2():
 
 
 def _mistral():
-    cfg = transformers.MistralConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, max_position_embeddings=64,
-                                     sliding_window=4)
+    cfg = transformers.MistralConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=4,
+    )
     return transformers.MistralForCausalLM(cfg)
 
 
 def _qwen2():
-    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=1, max_position_embeddings=64,
-                                   use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    cfg = transformers.Qwen2Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
+    )
     return transformers.Qwen2ForCausalLM(cfg)
 
 
 def _qwen3():
-    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    cfg = transformers.Qwen3Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
     return transformers.Qwen3ForCausalLM(cfg)
 
 
 def _gemma3():
-    cfg = transformers.Gemma3TextConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
-                                        num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, head_dim=16, sliding_window=4,
-                                        max_position_embeddings=64,
-                                        layer_types=["sliding_attention", "full_attention"])
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     return transformers.Gemma3ForCausalLM(cfg)
 
 
 def _bert():
-    cfg = transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=96,
-                                  max_position_embeddings=64)
+    cfg = transformers.BertConfig(
+        vocab_size=V,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=64,
+    )
     return transformers.BertModel(cfg, add_pooling_layer=False)
 
 
 def _bart():
-    cfg = transformers.BartConfig(vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2,
-                                  encoder_attention_heads=4, decoder_attention_heads=4,
-                                  encoder_ffn_dim=96, decoder_ffn_dim=96,
-                                  max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
-                                  eos_token_id=2, decoder_start_token_id=2)
+    cfg = transformers.BartConfig(
+        vocab_size=V,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=96,
+        decoder_ffn_dim=96,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        decoder_start_token_id=2,
+    )
     return transformers.BartForConditionalGeneration(cfg)
 
 
 def _t5():
-    cfg = transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=2,
-                                num_decoder_layers=2, num_heads=4, decoder_start_token_id=0,
-                                pad_token_id=0, eos_token_id=1)
+    cfg = transformers.T5Config(
+        vocab_size=V,
+        d_model=64,
+        d_kv=16,
+        d_ff=96,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return transformers.T5ForConditionalGeneration(cfg)
 
 
 def _vit():
-    cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4, intermediate_size=96)
+    cfg = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+    )
     return transformers.ViTModel(cfg, add_pooling_layer=False)
 
 
-MODELS = {"llama": _llama, "gpt2": _gpt2, "mistral": _mistral, "qwen2": _qwen2,
-          "qwen3": _qwen3, "gemma3": _gemma3, "bert": _bert, "bart": _bart, "t5": _t5,
-          "vit": _vit}
+MODELS = {
+    "llama": _llama,
+    "gpt2": _gpt2,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma3": _gemma3,
+    "bert": _bert,
+    "bart": _bart,
+    "t5": _t5,
+    "vit": _vit,
+}
 CAUSAL_LMS = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma3")
 SEQ2SEQ = ("bart", "t5")
 
@@ -123,7 +198,7 @@ def _inputs(name: str, *, left: bool, B: int = 3, T: int = 11, dtype=torch.float
         if left:
             mask[b, :n] = 0
         else:
-            mask[b, T - n:] = 0
+            mask[b, T - n :] = 0
     kw = {"input_ids": ids, "attention_mask": mask}
     real = mask.bool()
     if name in SEQ2SEQ:
@@ -206,8 +281,11 @@ def test_attention_weights_equal_eager(name):
     kw, real = _inputs(name, left=False, dtype=torch.float32)
     _, ours = _last_hidden(model, name, "qkv", kw, output_attentions=True)
     _, eager = _last_hidden(model, name, "eager", kw, output_attentions=True)
-    kinds = ["attentions"] if name not in SEQ2SEQ else [
-        "encoder_attentions", "decoder_attentions", "cross_attentions"]
+    kinds = (
+        ["attentions"]
+        if name not in SEQ2SEQ
+        else ["encoder_attentions", "decoder_attentions", "cross_attentions"]
+    )
     for kind in kinds:
         a, e = getattr(ours, kind), getattr(eager, kind)
         assert len(a) == len(e) == 2 and all(t is not None for t in a), kind
@@ -222,8 +300,14 @@ def test_weights_only_when_asked():
     kw, _ = _inputs("llama", left=False)
     model.set_attn_implementation("qkv")
     assert model(**kw).attentions is None
-    out = model.generate(**kw, max_new_tokens=2, do_sample=False, pad_token_id=0,
-                         output_attentions=True, return_dict_in_generate=True)
+    out = model.generate(
+        **kw,
+        max_new_tokens=2,
+        do_sample=False,
+        pad_token_id=0,
+        output_attentions=True,
+        return_dict_in_generate=True,
+    )
     prefill, step = out.attentions  # per step, per layer
     assert len(prefill) == 2 and prefill[0].shape == (3, 4, 11, 11)
     assert step[1].shape == (3, 4, 1, 12)
@@ -238,8 +322,9 @@ def test_generate_gives_eagers_tokens(name):
     tokens = {}
     for impl in ("eager", "qkv"):
         model.set_attn_implementation(impl)
-        tokens[impl] = model.generate(**kw, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                                      pad_token_id=0)
+        tokens[impl] = model.generate(
+            **kw, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
+        )
     assert tokens["qkv"].shape[-1] >= 8
     torch.testing.assert_close(tokens["qkv"], tokens["eager"], rtol=0, atol=0)
 
@@ -266,11 +351,13 @@ class _Spy:
     def __init__(self, monkeypatch):
         self.calls = []
         from qkv.integrations.transformers import attention as hf_attention
+
         real = hf_attention.scaled_dot_product_attention
 
         def spy(*args, **kwargs):
             self.calls.append(kwargs)
             return real(*args, **kwargs)
+
         monkeypatch.setattr(hf_attention, "scaled_dot_product_attention", spy)
 
 
@@ -296,13 +383,21 @@ def test_plain_causal_stays_on_torchs_causal_kernel(monkeypatch):
     spy = _Spy(monkeypatch)
     model.set_attn_implementation("qkv")
     model(torch.randint(3, V, (2, 9)))
-    assert [(c["is_causal"], c["mask_mod"], c["attn_mask"]) for c in spy.calls] == [(True, None, None)] * 2
+    assert [(c["is_causal"], c["mask_mod"], c["attn_mask"]) for c in spy.calls] == [
+        (True, None, None)
+    ] * 2
 
 
 def test_dropout_is_passed_in_training_only(monkeypatch):
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=1, num_attention_heads=4,
-                                   num_key_value_heads=2, attention_dropout=0.25)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.25,
+    )
     model = transformers.LlamaModel(cfg)
     model.set_attn_implementation("qkv")
     spy = _Spy(monkeypatch)
@@ -323,11 +418,23 @@ def test_from_config_and_unknown_features():
     q = torch.randn(1, 2, 3, 8)
     # never dropped: dense attention is wrong there (tests/test_hf_sparse_selection.py)
     with pytest.raises(ValueError, match="block_indices= needs the key block size"):
-        qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
-                                 block_indices=torch.zeros(1, 2, 3, 1, dtype=torch.long))
+        qkv_hf.attention_forward(
+            model.model.layers[0].self_attn,
+            q,
+            q,
+            q,
+            None,
+            block_indices=torch.zeros(1, 2, 3, 1, dtype=torch.long),
+        )
     with pytest.raises(ValueError, match=r"indices= must be \(B, T, k\)"):
-        qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, None,
-                                 indices=torch.zeros(1, 2, 3, 1, dtype=torch.long))
+        qkv_hf.attention_forward(
+            model.model.layers[0].self_attn,
+            q,
+            q,
+            q,
+            None,
+            indices=torch.zeros(1, 2, 3, 1, dtype=torch.long),
+        )
     with pytest.raises(TypeError, match="attention_mask of type"):
         qkv_hf.attention_forward(model.model.layers[0].self_attn, q, q, q, "causal")
 
@@ -339,18 +446,23 @@ def test_every_mask_function_equals_transformers_dense_mask(fn, offsets):
     transformers' own dense sdpa mask allows, at any cache offsets."""
     from transformers import masking_utils as mu
 
-    if fn == "window4_bidirectional" and not hasattr(mu, "sliding_window_bidirectional_mask_function"):
+    if fn == "window4_bidirectional" and not hasattr(
+        mu, "sliding_window_bidirectional_mask_function"
+    ):
         pytest.skip(f"transformers {transformers.__version__} has no bidirectional sliding window")
-    fns = {"causal": lambda: mu.causal_mask_function,
-           "window4": lambda: mu.sliding_window_causal_mask_function(4),
-           "window4_bidirectional": lambda: mu.sliding_window_bidirectional_mask_function(4),
-           "chunked3": lambda: mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))}
+    fns = {
+        "causal": lambda: mu.causal_mask_function,
+        "window4": lambda: mu.sliding_window_causal_mask_function(4),
+        "window4_bidirectional": lambda: mu.sliding_window_bidirectional_mask_function(4),
+        "chunked3": lambda: mu.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
+    }
     T, S = 6, 13
     q_off, kv_off = offsets
     pad = torch.ones(2, kv_off + S, dtype=torch.bool)
-    pad[1, kv_off: kv_off + 2] = False
-    args = dict(batch_size=2, kv_length=S, kv_offset=kv_off, mask_function=fns[fn](),
-                attention_mask=pad)
+    pad[1, kv_off : kv_off + 2] = False
+    args = dict(
+        batch_size=2, kv_length=S, kv_offset=kv_off, mask_function=fns[fn](), attention_mask=pad
+    )
     if "cache_position" in inspect.signature(mu.sdpa_mask).parameters:  # transformers < 5.4
         args.update(cache_position=torch.arange(q_off, q_off + T))
     else:
@@ -370,10 +482,18 @@ def test_gemma2_softcap_and_alternating_windows_equal_eager():
     """Gemma 2: logit softcapping (a score_mod) and sliding-window layers between global ones.
     transformers has no sdpa path for it: qkv's reference backend (plain float64 math) is the
     golden, and eager agrees to its float32 softmax's error (relative to the largest value)."""
-    cfg = transformers.Gemma2Config(vocab_size=V, hidden_size=64, intermediate_size=96,
-                                    num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=16, sliding_window=4,
-                                    attn_logit_softcapping=5.0, query_pre_attn_scalar=16)
+    cfg = transformers.Gemma2Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        attn_logit_softcapping=5.0,
+        query_pre_attn_scalar=16,
+    )
     torch.manual_seed(0)
     model = transformers.Gemma2Model(cfg).double().eval()
     ids = torch.randint(3, V, (2, 13), generator=torch.Generator().manual_seed(3))
@@ -384,16 +504,18 @@ def test_gemma2_softcap_and_alternating_windows_equal_eager():
         out[impl] = model(ids, output_attentions=True)
         out[impl].last_hidden_state.square().sum().backward()
         grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    torch.testing.assert_close(out["qkv"].last_hidden_state, out["eager"].last_hidden_state,
-                               **EAGER_TOL)
+    torch.testing.assert_close(
+        out["qkv"].last_hidden_state, out["eager"].last_hidden_state, **EAGER_TOL
+    )
     for ours, eager in zip(out["qkv"].attentions, out["eager"].attentions):
         torch.testing.assert_close(ours, eager, **EAGER_TOL)
     assert (out["qkv"].attentions[0][..., 12, :8] == 0).all()  # outside the window of 4
     scale = max(g.abs().max().item() for g in grads["eager"].values())  # of the whole model
     for n in grads["eager"]:
         torch.testing.assert_close(grads["qkv"][n], grads["qkv_reference"][n])
-        torch.testing.assert_close(grads["qkv"][n], grads["eager"][n], rtol=1.3e-6,
-                                   atol=1e-6 * scale)
+        torch.testing.assert_close(
+            grads["qkv"][n], grads["eager"][n], rtol=1.3e-6, atol=1e-6 * scale
+        )
 
 
 @pytest.mark.parametrize("version", ["4.57.1", "5.2.0", "6.0.0"])
@@ -408,12 +530,25 @@ def test_register_refuses_transformers_outside_the_tested_range(monkeypatch, ver
 def test_whisper_equals_eager():
     """Whisper (audio encoder, text decoder with cross-attention): decoder hidden states and
     every gradient in float64, and generate()'s tokens in float32, against eager."""
-    cfg = transformers.WhisperConfig(vocab_size=V, d_model=64, encoder_layers=2, decoder_layers=2,
-                                     encoder_attention_heads=4, decoder_attention_heads=4,
-                                     encoder_ffn_dim=96, decoder_ffn_dim=96, num_mel_bins=8,
-                                     max_source_positions=16, max_target_positions=32,
-                                     decoder_start_token_id=1, pad_token_id=0, eos_token_id=2,
-                                     bos_token_id=1, suppress_tokens=[], begin_suppress_tokens=[])
+    cfg = transformers.WhisperConfig(
+        vocab_size=V,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=96,
+        decoder_ffn_dim=96,
+        num_mel_bins=8,
+        max_source_positions=16,
+        max_target_positions=32,
+        decoder_start_token_id=1,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=1,
+        suppress_tokens=[],
+        begin_suppress_tokens=[],
+    )
     torch.manual_seed(0)
     model = transformers.WhisperForConditionalGeneration(cfg).double().eval()
     g = torch.Generator().manual_seed(1)
@@ -425,21 +560,28 @@ def test_whisper_equals_eager():
         model.zero_grad()
         res = model(input_features=feats, decoder_input_ids=dec, output_hidden_states=True)
         h = res.decoder_hidden_states[-1]
-        (h * torch.randn(h.shape, generator=torch.Generator().manual_seed(2),
-                         dtype=h.dtype)).sum().backward()
+        (
+            h * torch.randn(h.shape, generator=torch.Generator().manual_seed(2), dtype=h.dtype)
+        ).sum().backward()
         out[impl] = h.detach()
         grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.testing.assert_close(out["qkv"], out["eager"], **EAGER_TOL)
     assert grads["qkv"].keys() == grads["eager"].keys()
     for name in grads["eager"]:
-        torch.testing.assert_close(grads["qkv"][name], grads["eager"][name], rtol=1e-5, atol=1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads["qkv"][name],
+            grads["eager"][name],
+            rtol=1e-5,
+            atol=1e-5,
+            msg=lambda m: f"{name}: {m}",
+        )
     model.float()
     tokens = {}
     for impl in ("eager", "qkv"):
         model.set_attn_implementation(impl)
-        tokens[impl] = model.generate(input_features=feats.float(), max_new_tokens=6,
-                                      min_new_tokens=6, do_sample=False)
+        tokens[impl] = model.generate(
+            input_features=feats.float(), max_new_tokens=6, min_new_tokens=6, do_sample=False
+        )
     assert torch.equal(tokens["qkv"], tokens["eager"])
 
 
@@ -449,23 +591,42 @@ def test_models_with_their_own_attention_tables_say_why_not():
     before register() and in those imported after (through the finder register() adds)."""
     import subprocess
     import sys
+
     from transformers.models.git import modeling_git
+
     assert "qkv" in modeling_git.GIT_SELF_ATTENTION_CLASSES
     cfg = transformers.GitConfig(
-        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                           intermediate_size=48, image_size=32, patch_size=8),
-        vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
-    with pytest.raises(NotImplementedError, match=r"git picks its attention classes from its "
-                                                  r"own table GIT_SELF_ATTENTION_CLASSES"):
+        vision_config=dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=48,
+            image_size=32,
+            patch_size=8,
+        ),
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    with pytest.raises(
+        NotImplementedError,
+        match=r"git picks its attention classes from its "
+        r"own table GIT_SELF_ATTENTION_CLASSES",
+    ):
         transformers.GitModel._from_config(cfg, attn_implementation="qkv")
-    code = ("import sys, qkv.integrations.transformers as h; h.register(); "
-            "assert 'transformers.models.superglue.modeling_superglue' not in sys.modules; "
-            "from transformers.models.superglue import modeling_superglue as m\n"
-            "try:\n    m.SUPERGLUE_SELF_ATTENTION_CLASSES['qkv'](None)\n"
-            "except NotImplementedError as e:\n    print(e)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
+    code = (
+        "import sys, qkv.integrations.transformers as h; h.register(); "
+        "assert 'transformers.models.superglue.modeling_superglue' not in sys.modules; "
+        "from transformers.models.superglue import modeling_superglue as m\n"
+        "try:\n    m.SUPERGLUE_SELF_ATTENTION_CLASSES['qkv'](None)\n"
+        "except NotImplementedError as e:\n    print(e)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "superglue picks its attention classes from its own table" in done.stdout
 
@@ -476,6 +637,7 @@ def test_every_keyword_transformers_passes_is_implemented_ignored_as_eager_or_re
     must be implemented, ignored as transformers' eager attention ignores it, or refused."""
     import pathlib
     import re
+
     root = pathlib.Path(transformers.__file__).parent / "models"
     seen: dict[str, str] = {}
     for path in sorted(root.glob("*/modeling_*.py")):
@@ -485,10 +647,13 @@ def test_every_keyword_transformers_passes_is_implemented_ignored_as_eager_or_re
             while depth and end < len(text):
                 depth += {"(": 1, ")": -1}.get(text[end], 0)
                 end += 1
-            for word in re.findall(r"\b([a-z_][a-z_0-9]*)\s*=(?!=)", text[match.end():end - 1]):
+            for word in re.findall(r"\b([a-z_][a-z_0-9]*)\s*=(?!=)", text[match.end() : end - 1]):
                 seen.setdefault(word, path.parent.name)
-    known = (qkv_hf.KEYWORDS_IMPLEMENTED | qkv_hf.KEYWORDS_IGNORED_AS_EAGER
-             | set(qkv_hf.attention._REFUSED))
+    known = (
+        qkv_hf.KEYWORDS_IMPLEMENTED
+        | qkv_hf.KEYWORDS_IGNORED_AS_EAGER
+        | set(qkv_hf.attention._REFUSED)
+    )
     assert len(seen) > 10
     unknown = {w: model for w, model in seen.items() if w not in known}
     assert not unknown, f"keywords passed to the attention function with no decision: {unknown}"

@@ -7,6 +7,7 @@ eager mask, its values formed only when model code reads them. qkv's attention f
 the description instead. Compared with transformers' own ``eager_mask`` and eager attention,
 models built tiny from configs (nothing downloaded).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ import torch._dynamo.testing
 
 transformers = pytest.importorskip("transformers")
 
-import qkv.integrations.transformers as qkv_hf  # noqa: E402
 from transformers import masking_utils as mu  # noqa: E402
+
+import qkv.integrations.transformers as qkv_hf  # noqa: E402
 
 qkv_hf.register()
 V = 97
@@ -25,10 +27,17 @@ V = 97
 def _args(dtype=torch.float32):
     pad = torch.ones(2, 9, dtype=torch.bool)
     pad[1, :3] = False  # left padding
-    return dict(batch_size=2, q_length=9, kv_length=9, q_offset=0, kv_offset=0,
-                mask_function=mu.and_masks(mu.causal_mask_function,
-                                           mu.sliding_window_overlay(4)),
-                attention_mask=pad, dtype=dtype, device="cpu")
+    return dict(
+        batch_size=2,
+        q_length=9,
+        kv_length=9,
+        q_offset=0,
+        kv_offset=0,
+        mask_function=mu.and_masks(mu.causal_mask_function, mu.sliding_window_overlay(4)),
+        attention_mask=pad,
+        dtype=dtype,
+        device="cpu",
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -44,14 +53,21 @@ def test_the_mask_reads_as_transformers_eager_mask(dtype):
     assert type(got) is torch.Tensor and torch.equal(got, want)
     scores = torch.randn(2, 4, 9, 9, dtype=dtype)
     torch.testing.assert_close(scores + mask, scores + want)
-    assert torch.equal(mask.contiguous(), want) and torch.equal(mask.to(torch.float64),
-                                                                 want.to(torch.float64))
+    assert torch.equal(mask.contiguous(), want) and torch.equal(
+        mask.to(torch.float64), want.to(torch.float64)
+    )
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -71,17 +87,31 @@ def test_qkv_attention_never_forms_the_dense_mask(monkeypatch):
 
 
 def _doge():
-    cfg = transformers.DogeConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
-                                  num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.DogeConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.DogeForCausalLM(cfg)
 
 
 def _bigbird_pegasus():
     cfg = transformers.BigBirdPegasusConfig(
-        vocab_size=V, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48,
-        max_position_embeddings=64, attention_type="original_full")
+        vocab_size=V,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        max_position_embeddings=64,
+        attention_type="original_full",
+    )
     return transformers.BigBirdPegasusForCausalLM(cfg)
 
 
@@ -115,13 +145,19 @@ def test_generate_with_a_static_cache_equals_eager_attention(compiled):
     ids = torch.randint(3, V, (2, 7), generator=torch.Generator().manual_seed(2))
     pad = torch.ones(2, 7, dtype=torch.long)
     pad[1, :2] = 0
-    kw = dict(attention_mask=pad, max_new_tokens=6, do_sample=False,
-              cache_implementation="static", pad_token_id=0)
+    kw = dict(
+        attention_mask=pad,
+        max_new_tokens=6,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=0,
+    )
     with torch.no_grad():
         want = model.generate(ids, **kw)
         model.set_attn_implementation("qkv")
         if compiled:
             from torch._dynamo.testing import CompileCounterWithBackend
+
             torch._dynamo.reset()
             counter = CompileCounterWithBackend("aot_eager")
             model.forward = torch.compile(model.forward, backend=counter, fullgraph=True)
@@ -136,8 +172,15 @@ def test_a_one_key_mask_is_broadcast_over_the_keys_as_eager_does(padded):
     """BERT without ``is_decoder`` under ``generate()``: its cache grows, but transformers
     builds the mask for one key. Eager and sdpa broadcast it over every key; qkv raised."""
     from transformers import BertConfig, BertLMHeadModel
-    cfg = BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=48, pad_token_id=0)
+
+    cfg = BertConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = BertLMHeadModel(cfg).eval()
     ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -148,18 +191,24 @@ def test_a_one_key_mask_is_broadcast_over_the_keys_as_eager_does(padded):
     with torch.no_grad():
         for impl in ("eager", "qkv"):
             model.set_attn_implementation(impl)
-            tokens[impl] = model.generate(ids, attention_mask=pad, max_new_tokens=5,
-                                          do_sample=False, pad_token_id=0)
+            tokens[impl] = model.generate(
+                ids, attention_mask=pad, max_new_tokens=5, do_sample=False, pad_token_id=0
+            )
     assert torch.equal(tokens["qkv"], tokens["eager"])
     T, S = 1, 9
     one_key = qkv_hf.HFMask(mu.bidirectional_mask_function, 1, 1, 8, 0, None)
     q = torch.randn(1, 2, T, 8)
     with pytest.raises(ValueError, match="built the mask for T=1, S=3"):
-        qkv_hf.attention_forward(torch.nn.Module(), q, torch.randn(1, 2, S, 8),
-                                 torch.randn(1, 2, S, 8),
-                                 qkv_hf.HFMask(mu.bidirectional_mask_function, 1, 3, 0, 0, None))
-    out, _ = qkv_hf.attention_forward(torch.nn.Module(), q, q.expand(1, 2, S, 8),
-                                      q.expand(1, 2, S, 8), one_key)
+        qkv_hf.attention_forward(
+            torch.nn.Module(),
+            q,
+            torch.randn(1, 2, S, 8),
+            torch.randn(1, 2, S, 8),
+            qkv_hf.HFMask(mu.bidirectional_mask_function, 1, 3, 0, 0, None),
+        )
+    out, _ = qkv_hf.attention_forward(
+        torch.nn.Module(), q, q.expand(1, 2, S, 8), q.expand(1, 2, S, 8), one_key
+    )
     torch.testing.assert_close(out, q.transpose(1, 2))  # every key equal: output = the value
 
 

@@ -3,6 +3,7 @@ attention passes ``indices=`` (top-k keys per query) and MiniMax-M3 ``block_indi
 key blocks per query and indexer head). qkv once dropped ``block_indices`` and computed dense
 attention; now it masks the unselected keys as transformers' eager attention does. Checked
 against plain index arithmetic, and against eager on the models built tiny."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,12 +46,13 @@ def test_indices_keep_exactly_the_listed_keys_for_every_head():
 
 def test_block_indices_keep_whole_blocks_per_indexer_head_group():
     B, H, H_idx, T, S, size = 1, 4, 2, 3, 10, 4  # blocks [0-3], [4-7], [8-9]
-    blocks = torch.tensor([[[[0, -1], [2, 1], [-1, -1]],
-                            [[1, 2], [0, -1], [2, -1]]]])  # (B, H_idx, T, k)
+    blocks = torch.tensor(
+        [[[[0, -1], [2, 1], [-1, -1]], [[1, 2], [0, -1], [2, -1]]]]
+    )  # (B, H_idx, T, k)
     q = torch.randn(B, H, T, 4)
     keep = hf_attention._selected_keys(_module(size), q, S, {"block_indices": blocks})
     assert keep.shape == (B, H, T, S)
-    keys = {0: range(0, 4), 1: range(4, 8), 2: range(8, 10)}
+    keys = {0: range(4), 1: range(4, 8), 2: range(8, 10)}
     for h in range(H):
         g = h // (H // H_idx)  # heads 0,1 -> indexer head 0; heads 2,3 -> 1
         for t in range(T):
@@ -68,7 +70,7 @@ def test_a_selection_composes_with_the_mask_and_a_row_left_with_no_key_gives_zer
     for t in range(T):
         allowed[t, idx[0, t]] = True
     allowed &= torch.ones(T, T, dtype=torch.bool).tril()
-    s = (q @ k.transpose(-1, -2)) / D ** 0.5
+    s = (q @ k.transpose(-1, -2)) / D**0.5
     p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
     want = (p @ v).transpose(1, 2)
     torch.testing.assert_close(out, want)  # every row here keeps a causal key
@@ -78,34 +80,71 @@ def test_both_selections_at_once_or_no_block_size_are_refused_by_name():
     q = torch.randn(1, 2, 3, 4)
     idx = torch.zeros(1, 3, 1, dtype=torch.long)
     with pytest.raises(ValueError, match="both indices= and block_indices="):
-        qkv_hf.attention_forward(_module(2), q, q, q, None, indices=idx,
-                                 block_indices=idx.view(1, 1, 3, 1))
+        qkv_hf.attention_forward(
+            _module(2), q, q, q, None, indices=idx, block_indices=idx.view(1, 1, 3, 1)
+        )
     with pytest.raises(ValueError, match="block size"):
         qkv_hf.attention_forward(_module(), q, q, q, None, block_indices=idx.view(1, 1, 3, 1))
 
 
 def _deepseek_v32():
     return transformers.AutoConfig.for_model(
-        "deepseek_v32", vocab_size=97, hidden_size=32, intermediate_size=32,
-        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, kv_lora_rank=16,
-        q_lora_rank=16, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8, n_group=1,
-        topk_group=1, num_experts_per_tok=2, index_topk=6, index_head_dim=8, index_n_heads=2,
-        head_dim=4, qk_head_dim=12, first_k_dense_replace=1, pad_token_id=0,
-        max_position_embeddings=64, layer_types=["indexed_attention"] * 2)
+        "deepseek_v32",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        qk_nope_head_dim=8,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        index_topk=6,
+        index_head_dim=8,
+        index_n_heads=2,
+        head_dim=4,
+        qk_head_dim=12,
+        first_k_dense_replace=1,
+        pad_token_id=0,
+        max_position_embeddings=64,
+        layer_types=["indexed_attention"] * 2,
+    )
 
 
 def _minimax_m3():
     # A sparse layer (blocks of 4 keys, 2 kept per query: the local one and the best other)
     # beside a full one; default configs have no sparse layer, so a default build hides it.
     return transformers.AutoConfig.for_model(
-        "minimax_m3_vl_text", vocab_size=97, hidden_size=32, intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_local_experts=4, num_experts_per_tok=2, dense_intermediate_size=32,
-        shared_intermediate_size=16, rotary_dim=4, index_n_heads=2, index_head_dim=8,
-        index_block_size=4, index_topk_blocks=2, index_local_blocks=1,
-        layer_types=["minimax_m3_sparse", "full_attention"], mlp_layer_types=["dense", "sparse"],
-        pad_token_id=0)
+        "minimax_m3_vl_text",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        dense_intermediate_size=32,
+        shared_intermediate_size=16,
+        rotary_dim=4,
+        index_n_heads=2,
+        index_head_dim=8,
+        index_block_size=4,
+        index_topk_blocks=2,
+        index_local_blocks=1,
+        layer_types=["minimax_m3_sparse", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        pad_token_id=0,
+    )
 
 
 MODELS = {"deepseek_v32": _deepseek_v32, "minimax_m3_vl_text": _minimax_m3}
@@ -124,6 +163,7 @@ def _run(model, ids, pad, impl):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sparse_models_equal_eager_logits_weights_and_gradients(name, side, monkeypatch):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     if name not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     torch.manual_seed(0)
@@ -138,8 +178,9 @@ def test_sparse_models_equal_eager_logits_weights_and_gradients(name, side, monk
     torch.testing.assert_close(mine[0][real], eager[0][real], atol=1e-5, rtol=1e-4)
     assert len(mine[1]) == len(eager[1]) == 2
     for a, b in zip(mine[1], eager[1]):  # (B, H, T, S): compare real query rows
-        torch.testing.assert_close(a.transpose(1, 2)[real], b.transpose(1, 2)[real],
-                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            a.transpose(1, 2)[real], b.transpose(1, 2)[real], atol=1e-5, rtol=1e-4
+        )
     assert mine[2].keys() == eager[2].keys()
     for n in eager[2]:  # an absolute floor: some true gradients are ~0
         torch.testing.assert_close(mine[2][n], eager[2][n], atol=1e-4, rtol=1e-3, msg=n)
@@ -152,6 +193,7 @@ def test_sparse_models_equal_eager_logits_weights_and_gradients(name, side, monk
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sparse_models_generate_eagers_tokens(name):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     if name not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ model of each failure kind issue 30 found (mask read as a tensor: doge, bigbird_
 per-head sinks: gpt_oss; per-token sinks: inkling2_text; sparse selections: deepseek_v32,
 minimax_m3_vl_text; own attention tables: git) beside common ones, and one model per input
 kind (images: vit, clip; mel features: whisper; encoder-decoder: t5, bart)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,20 +20,40 @@ _spec = importlib.util.spec_from_file_location("hf_sweep", _PATH)
 hf_sweep = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(hf_sweep)
 
-SUBSET = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", "bert",
-          "doge", "bigbird_pegasus", "gpt_oss", "inkling2_text", "deepseek_v32",
-          "minimax_m3_vl_text", "t5", "bart", "whisper", "vit", "clip"]
+SUBSET = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "gpt2",
+    "bert",
+    "doge",
+    "bigbird_pegasus",
+    "gpt_oss",
+    "inkling2_text",
+    "deepseek_v32",
+    "minimax_m3_vl_text",
+    "t5",
+    "bart",
+    "whisper",
+    "vit",
+    "clip",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _registered():
     import qkv.integrations.transformers as qkv_hf
+
     qkv_hf.register()
 
 
 @pytest.mark.parametrize("model_type", SUBSET)
 def test_the_tiny_model_equals_eager(model_type):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
     result = hf_sweep.one(model_type)

@@ -5,6 +5,7 @@ isinstance check): 1.1 s beyond ``import torch``, and ``qkv --help`` took 2.5 s.
 documented submodules raised AttributeError until imported by hand. Each check runs in a fresh
 interpreter, since this test process has imported everything already.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -15,8 +16,9 @@ import pytest
 
 
 def _run(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -30,10 +32,18 @@ def test_import_qkv_loads_no_compiler_plotting_or_hub_library():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("path", ["viz.html", "torch_compat.MultiheadAttention",
-                                  "torch_compat.patch", "testing.assert_tolerance",
-                                  "distributed.ring_attention", "integrations.transformers.register",
-                                  "masks.sliding_window"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "viz.html",
+        "torch_compat.MultiheadAttention",
+        "torch_compat.patch",
+        "testing.assert_tolerance",
+        "distributed.ring_attention",
+        "integrations.transformers.register",
+        "masks.sliding_window",
+    ],
+)
 def test_documented_submodules_are_reached_after_import_qkv_alone(path):
     out = _run(f"""
         import qkv

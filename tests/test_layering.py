@@ -1,15 +1,37 @@
 """Dependencies run one way (STYLE.md 17): masks/trace -> ops -> dispatch -> functional -> nn
 -> models/tasks/capture -> training/analysis/bench -> cli; viz reads traces only."""
+
 import ast
 from pathlib import Path
 
 import qkv
 
 SRC = Path(qkv.__file__).parent
-LAYER = {"_files": 0, "_progress": 0, "masks": 0, "trace": 0, "testing": 0, "examples": 0, "recording": 0, "ops": 1,
-         "dispatch": 2, "functional": 3, "nn": 4, "models": 5, "tasks": 5, "viz": 5,
-         "distributed": 3, "capture": 5, "torch_compat": 5, "integrations": 5, "training": 6, "bench": 6, "cli": 7,
-         "__main__": 8, "analysis": 6}
+LAYER = {
+    "_files": 0,
+    "_progress": 0,
+    "masks": 0,
+    "trace": 0,
+    "testing": 0,
+    "examples": 0,
+    "recording": 0,
+    "ops": 1,
+    "dispatch": 2,
+    "functional": 3,
+    "nn": 4,
+    "models": 5,
+    "tasks": 5,
+    "viz": 5,
+    "distributed": 3,
+    "capture": 5,
+    "torch_compat": 5,
+    "integrations": 5,
+    "training": 6,
+    "bench": 6,
+    "cli": 7,
+    "__main__": 8,
+    "analysis": 6,
+}
 VIZ_MAY_IMPORT = {"trace", "viz"}
 
 
@@ -22,8 +44,12 @@ def _display_hooks(tree: ast.AST) -> set[int]:
     """id()s of the nodes inside a ``_repr_html_``: Jupyter's display hook of a trace or a
     capture imports viz there, on first display, and nowhere else (the one way up allowed:
     nothing in the object's own module needs viz, and ``import qkv`` loads none of it)."""
-    return {id(n) for f in ast.walk(tree)
-            if isinstance(f, ast.FunctionDef) and f.name == "_repr_html_" for n in ast.walk(f)}
+    return {
+        id(n)
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef) and f.name == "_repr_html_"
+        for n in ast.walk(f)
+    }
 
 
 def _qkv_imports(path: Path) -> set[str]:
@@ -33,8 +59,13 @@ def _qkv_imports(path: Path) -> set[str]:
     found = set()
     hooks = _display_hooks(tree)
     for node in ast.walk(tree):
-        if id(node) in hooks and isinstance(node, ast.ImportFrom) and \
-                node.module and node.module.split(".")[0] == "viz" and node.level == 1:
+        if (
+            id(node) in hooks
+            and isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "viz"
+            and node.level == 1
+        ):
             continue
         if isinstance(node, ast.ImportFrom):
             if node.level == 0:
@@ -48,8 +79,7 @@ def _qkv_imports(path: Path) -> set[str]:
             target = base + (node.module.split(".") if node.module else [])
             found.update([target[0]] if target else [a.name for a in node.names])
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names
-                         if a.name.startswith("qkv."))
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("qkv."))
     return found
 
 
@@ -91,8 +121,14 @@ def test_import_qkv_needs_only_torch():
 
     optional = ("matplotlib", "triton", "transformers", "networkx", "scipy")
     code = "import sys, {}; print(sorted(m for m in sys.modules if m.split('.')[0] in {!r}))"
+
     def loaded(imports):
-        out = subprocess.run([sys.executable, "-c", code.format(imports, optional)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code.format(imports, optional)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return set(eval(out.stdout))  # a printed list of module names
+
     assert loaded("qkv") - loaded("torch, torch._dynamo") == set()

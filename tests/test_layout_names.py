@@ -2,6 +2,7 @@
 ``qkv.torch_compat`` became a package. Every name of the previous ``__all__`` lists still
 resolves where it did, to the same object as at its new home, and a pickled patched model
 still names ``qkv.torch_compat``."""
+
 import importlib
 import pickle
 
@@ -10,13 +11,46 @@ import torch
 
 # ``qkv.cli.bench.__all__`` before the move (commit 03aa0de).
 CLI_BENCH_ALL = [
-    "add_parser", "run_bench_cli", "BenchConfig", "Spec", "bench_config", "grid",
-    "attention_flops", "mask_density", "document_lengths", "document_ids", "skip_reason",
-    "mask_mod_for", "spec_flops", "dense_bytes", "available_bytes", "measure",
-    "run_measurement", "worker_main", "run_specs", "add_ratios", "markdown_table",
-    "environment", "write_json_atomic", "linear_attention_flops", "num_features", "run_name",
-    "load_previous", "crossovers", "crossover_marks", "Crossover", "ratio_of", "out_folder",
-    "CASES", "IMPLS", "DTYPES", "MODES", "PEER", "LINEAR_IMPLS", "ALL_IMPLS", "PEERS",
+    "add_parser",
+    "run_bench_cli",
+    "BenchConfig",
+    "Spec",
+    "bench_config",
+    "grid",
+    "attention_flops",
+    "mask_density",
+    "document_lengths",
+    "document_ids",
+    "skip_reason",
+    "mask_mod_for",
+    "spec_flops",
+    "dense_bytes",
+    "available_bytes",
+    "measure",
+    "run_measurement",
+    "worker_main",
+    "run_specs",
+    "add_ratios",
+    "markdown_table",
+    "environment",
+    "write_json_atomic",
+    "linear_attention_flops",
+    "num_features",
+    "run_name",
+    "load_previous",
+    "crossovers",
+    "crossover_marks",
+    "Crossover",
+    "ratio_of",
+    "out_folder",
+    "CASES",
+    "IMPLS",
+    "DTYPES",
+    "MODES",
+    "PEER",
+    "LINEAR_IMPLS",
+    "ALL_IMPLS",
+    "PEERS",
 ]
 # ``qkv.torch_compat.__all__`` before it became a package.
 TORCH_COMPAT_ALL = ["MultiheadAttention", "patch"]
@@ -42,8 +76,11 @@ def test_the_cli_keeps_parsing_only():
     """STYLE.md 16: ``qkv.cli.bench`` defines its parser and command and nothing of the
     harness (its other names are the library's)."""
     cli = importlib.import_module("qkv.cli.bench")
-    own = {n for n, v in vars(cli).items()
-           if callable(v) and getattr(v, "__module__", None) == cli.__name__}
+    own = {
+        n
+        for n, v in vars(cli).items()
+        if callable(v) and getattr(v, "__module__", None) == cli.__name__
+    }
     assert own == {"add_parser", "run_bench_cli", "out_folder", "_plot"}
 
 

@@ -11,6 +11,7 @@ layouts and dtypes, the trace, errors, empty inputs.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, M features, N = B x H flattened.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,9 +21,14 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.ops.linear import (LinearAttentionState, linear_attention_chunked,
-                            linear_attention_loop, linear_attention_quadratic, prepare,
-                            resolve_feature_map)
+from qkv.ops.linear import (
+    LinearAttentionState,
+    linear_attention_chunked,
+    linear_attention_loop,
+    linear_attention_quadratic,
+    prepare,
+    resolve_feature_map,
+)
 from qkv.ops.linear.feature_maps import orthogonal_gaussian
 from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance
 
@@ -50,8 +56,9 @@ def _quadratic(q, k, v, feature_map="elu", *, is_causal=False, key_mask=None, ep
     """The slow twin with the public function's layout: the quadratic normalised form."""
     inp = prepare(q, k, v, key_mask, is_causal=is_causal)
     phi = resolve_feature_map(feature_map, q.shape[-1])
-    out, _, _ = linear_attention_quadratic(phi(inp.q), phi(inp.k), inp.v, is_causal=is_causal,
-                                           key_mask=inp.key_mask, eps=eps)
+    out, _, _ = linear_attention_quadratic(
+        phi(inp.q), phi(inp.k), inp.v, is_causal=is_causal, key_mask=inp.key_mask, eps=eps
+    )
     return inp.restore(out)
 
 
@@ -59,8 +66,9 @@ def _loop(q, k, v, feature_map="elu", *, key_mask=None, eps=1e-6):
     """The slow twin of the causal forms: one position at a time, features written out."""
     inp = prepare(q, k, v, key_mask, is_causal=True)
     phi = resolve_feature_map(feature_map, q.shape[-1])
-    return inp.restore(linear_attention_loop(phi(inp.q), phi(inp.k), inp.v,
-                                             key_mask=inp.key_mask, eps=eps))
+    return inp.restore(
+        linear_attention_loop(phi(inp.q), phi(inp.k), inp.v, key_mask=inp.key_mask, eps=eps)
+    )
 
 
 def _key_mask(B: int, S: int, seed: int = 0) -> torch.Tensor:
@@ -143,9 +151,13 @@ def test_fast_matches_quadratic_twin(T, D, fm, causal, masked):
     key_mask = _key_mask(B, S) if masked else None
     phi = _feature_map(fm, D)
     kw = dict(feature_map=phi, is_causal=causal, key_mask=key_mask)
-    _assert_twins(lambda *x: qkv.linear_attention(*x, **kw), lambda *x: _quadratic(*x, **kw),
-                  (q, k, v), f"{fm} T={T} S={S} D={D}",
-                  qk_grads_are_noise=_at_most_one_key(T, S, causal, key_mask))
+    _assert_twins(
+        lambda *x: qkv.linear_attention(*x, **kw),
+        lambda *x: _quadratic(*x, **kw),
+        (q, k, v),
+        f"{fm} T={T} S={S} D={D}",
+        qk_grads_are_noise=_at_most_one_key(T, S, causal, key_mask),
+    )
 
 
 def test_fast_matches_quadratic_twin_two_blocks():
@@ -155,18 +167,30 @@ def test_fast_matches_quadratic_twin_two_blocks():
     key_mask = _key_mask(B, T)
     for fm in ("elu", "favor"):
         kw = dict(feature_map=_feature_map(fm, D), is_causal=True, key_mask=key_mask)
-        _assert_twins(lambda *x: qkv.linear_attention(*x, **kw), lambda *x: _quadratic(*x, **kw),
-                      (q, k, v), f"{fm} T={T}")
+        _assert_twins(
+            lambda *x: qkv.linear_attention(*x, **kw),
+            lambda *x: _quadratic(*x, **kw),
+            (q, k, v),
+            f"{fm} T={T}",
+        )
 
 
 # The loop twin is a Python loop over positions (slow): T = 1025 for two maps only.
-LOOP_CASES = ([(T, D, fm, m) for T, D in [(1, 16), (17, 59), (97, 16), (113, 59)]
-               for fm in FEATURE_MAPS for m in (False, True)]
-              + [(1025, 59, "elu", True), (1025, 59, "favor", True)])
+LOOP_CASES = [
+    (T, D, fm, m)
+    for T, D in [(1, 16), (17, 59), (97, 16), (113, 59)]
+    for fm in FEATURE_MAPS
+    for m in (False, True)
+] + [(1025, 59, "elu", True), (1025, 59, "favor", True)]
 
 
-@pytest.mark.parametrize("T,D,fm,masked", LOOP_CASES, ids=[
-    f"B2-T{t}-H1-D{d}-causal-{fm}-{'keymask' if m else 'nomask'}" for t, d, fm, m in LOOP_CASES])
+@pytest.mark.parametrize(
+    "T,D,fm,masked",
+    LOOP_CASES,
+    ids=[
+        f"B2-T{t}-H1-D{d}-causal-{fm}-{'keymask' if m else 'nomask'}" for t, d, fm, m in LOOP_CASES
+    ],
+)
 def test_chunked_causal_matches_loop_twin(T, D, fm, masked):
     """linear_attention(is_causal=True) vs naive.linear_attention_loop, float32."""
     B, H = 2, 1
@@ -175,23 +199,29 @@ def test_chunked_causal_matches_loop_twin(T, D, fm, masked):
     phi = _feature_map(fm, D)
     _assert_twins(
         lambda *x: qkv.linear_attention(*x, feature_map=phi, is_causal=True, key_mask=key_mask),
-        lambda *x: _loop(*x, feature_map=phi, key_mask=key_mask), (q, k, v), f"{fm} T={T}",
-        qk_grads_are_noise=_at_most_one_key(T, T, True, key_mask))
+        lambda *x: _loop(*x, feature_map=phi, key_mask=key_mask),
+        (q, k, v),
+        f"{fm} T={T}",
+        qk_grads_are_noise=_at_most_one_key(T, T, True, key_mask),
+    )
 
 
 @pytest.mark.parametrize("fm", FEATURE_MAPS)
-@pytest.mark.parametrize("chunk_size,block", [(1, 1), (5, 7), (16, 16), (64, 40), (200, 1024)],
-                         ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "chunk_size,block", [(1, 1), (5, 7), (16, 16), (64, 40), (200, 1024)], ids=lambda x: str(x)
+)
 def test_chunk_sizes_and_blocks_agree(chunk_size, block, fm):
     """The chunked kernel's chunk and block lengths change the arithmetic, not the result."""
     N, T, D = 3, 97, 16
     q, k, v = (torch.randn(N, T, D, dtype=torch.float64) for _ in range(3))
     key_mask = _key_mask(N, T)
     phi = resolve_feature_map(_feature_map(fm, D), D)
-    out, _ = linear_attention_chunked(phi, q, k, v, key_mask, 1e-6, chunk_size=chunk_size,
-                                      block=block)
-    ref, _, _ = linear_attention_quadratic(phi(q), phi(k), v, is_causal=True, key_mask=key_mask,
-                                           eps=1e-6)
+    out, _ = linear_attention_chunked(
+        phi, q, k, v, key_mask, 1e-6, chunk_size=chunk_size, block=block
+    )
+    ref, _, _ = linear_attention_quadratic(
+        phi(q), phi(k), v, is_causal=True, key_mask=key_mask, eps=1e-6
+    )
     torch.testing.assert_close(out, ref)
 
 
@@ -205,13 +235,19 @@ def test_gradcheck_float64(causal, fm):
     key_mask = torch.tensor([[True, False, True, True, True]])
     phi = qkv.Favor(D, 5, seed=2, dtype=torch.float64) if fm == "favor" else fm
     assert torch.autograd.gradcheck(
-        lambda q, k, v: qkv.linear_attention(q, k, v, feature_map=phi, is_causal=causal,
-                                             key_mask=key_mask), (q, k, v))
+        lambda q, k, v: qkv.linear_attention(
+            q, k, v, feature_map=phi, is_causal=causal, key_mask=key_mask
+        ),
+        (q, k, v),
+    )
     if causal:
         fn = resolve_feature_map(phi, D)
         assert torch.autograd.gradcheck(
-            lambda q, k, v: linear_attention_chunked(fn, q, k, v, key_mask, 1e-6, chunk_size=2,
-                                                     block=4)[0], (q[0], k[0], v[0]))
+            lambda q, k, v: linear_attention_chunked(
+                fn, q, k, v, key_mask, 1e-6, chunk_size=2, block=4
+            )[0],
+            (q[0], k[0], v[0]),
+        )
 
 
 # --- causal equals recurrent ----------------------------------------------------------------
@@ -233,9 +269,15 @@ def test_step_equals_causal_forward(fm, masked):
     phi = _state_map(fm, D)
     full = qkv.linear_attention(q, k, v, feature_map=phi, is_causal=True, key_mask=key_mask)
     state = LinearAttentionState(phi)
-    steps = torch.stack([
-        state.step(q[:, :, t], k[:, :, t], v[:, :, t],
-                   None if key_mask is None else key_mask[:, t]) for t in range(T)], -2)
+    steps = torch.stack(
+        [
+            state.step(
+                q[:, :, t], k[:, :, t], v[:, :, t], None if key_mask is None else key_mask[:, t]
+            )
+            for t in range(T)
+        ],
+        -2,
+    )
     assert state.position == T
     assert _rel_err(steps, full) < TWIN_RTOL
     loop = _loop(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), phi, key_mask=key_mask)
@@ -277,8 +319,9 @@ def test_state_reset_and_gradients():
     full = qkv.linear_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(steps, full)
     cot = torch.randn_like(full)
-    for a, b in zip(torch.autograd.grad(steps, (q, k, v), cot),
-                    torch.autograd.grad(full, (q, k, v), cot)):
+    for a, b in zip(
+        torch.autograd.grad(steps, (q, k, v), cot), torch.autograd.grad(full, (q, k, v), cot)
+    ):
         torch.testing.assert_close(a, b)
 
 
@@ -298,8 +341,11 @@ def test_padded_keys_cannot_leak(fm, causal):
     pad = ~key_mask[:, None, :, None]  # (B, 1, T, 1)
     runs = []
     for poison in (None, math.inf, math.nan, 1e4):
-        ins = [q.clone(), k.masked_fill(pad, poison) if poison else k.clone(),
-               v.masked_fill(pad, poison) if poison else v.clone()]
+        ins = [
+            q.clone(),
+            k.masked_fill(pad, poison) if poison else k.clone(),
+            v.masked_fill(pad, poison) if poison else v.clone(),
+        ]
         ins = [t.requires_grad_() for t in ins]
         out = qkv.linear_attention(*ins, **kw)
         assert out.isfinite().all(), f"poison {poison}"
@@ -331,8 +377,9 @@ def test_key_mask_equals_dropping_the_keys(fm):
         keep = key_mask[b]
         ref = qkv.linear_attention(q[b], k[b][:, keep], v[b][:, keep], feature_map=phi)
         torch.testing.assert_close(out[b], ref)
-        ref = qkv.linear_attention(qc[b][:, keep], k[b][:, keep], v[b][:, keep], feature_map=phi,
-                                   is_causal=True)
+        ref = qkv.linear_attention(
+            qc[b][:, keep], k[b][:, keep], v[b][:, keep], feature_map=phi, is_causal=True
+        )
         torch.testing.assert_close(causal[b][:, keep], ref)
 
 
@@ -347,8 +394,9 @@ def test_rows_with_nothing_to_attend_are_zero(fm, causal, dtype):
     key_mask = torch.ones(B, T, dtype=torch.bool)
     key_mask[0] = False
     key_mask[1, :3] = False
-    out = qkv.linear_attention(q, k, v, feature_map=_feature_map(fm, D), is_causal=causal,
-                               key_mask=key_mask)
+    out = qkv.linear_attention(
+        q, k, v, feature_map=_feature_map(fm, D), is_causal=causal, key_mask=key_mask
+    )
     out.backward(torch.randn_like(out))
     assert out.dtype == dtype
     for t in (out, q.grad, k.grad, v.grad):
@@ -403,8 +451,14 @@ def test_favor_error_against_softmax_falls_with_features(causal):
     exact = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     errs = []
     for M in (16, 64, 256, 1024):
-        e = [(qkv.linear_attention(q, k, v, feature_map=qkv.Favor(D, M, seed=s), is_causal=causal)
-              - exact).norm() / exact.norm() for s in range(4)]
+        e = [
+            (
+                qkv.linear_attention(q, k, v, feature_map=qkv.Favor(D, M, seed=s), is_causal=causal)
+                - exact
+            ).norm()
+            / exact.norm()
+            for s in range(4)
+        ]
         errs.append(float(sum(e) / len(e)))
     for small, big in zip(errs, errs[1:]):
         assert big < 0.8 * small, errs
@@ -430,7 +484,7 @@ def test_favor_kernel_estimate_is_unbiased():
 
 
 def test_favor_by_name_is_favor_seed_0():
-    """"favor" and "performer" name FAVOR+ with M = round(D ln D) features and seed 0; the
+    """ "favor" and "performer" name FAVOR+ with M = round(D ln D) features and seed 0; the
     named map is never redrawn, however often it is called."""
     D = 16
     q, k, v = (torch.randn(2, 3, 40, D) for _ in range(3))
@@ -447,7 +501,7 @@ def test_favor_projection_is_orthogonal_blocks_and_seeded():
     W = qkv.Favor(D, M, seed=5).projection  # (M, D)
     assert W.shape == (M, D)
     for start in range(0, M, D):  # rows of one block are mutually orthogonal
-        blk = W[start:start + D].double()
+        blk = W[start : start + D].double()
         gram = blk @ blk.T
         off = gram - torch.diag(torch.diagonal(gram))
         assert off.abs().max() < 1e-4 * gram.diagonal().max()
@@ -455,7 +509,7 @@ def test_favor_projection_is_orthogonal_blocks_and_seeded():
     assert norms.std() > 0.1  # chi(D) lengths, not unit rows
     assert torch.equal(W, qkv.Favor(D, M, seed=5).projection)
     assert not torch.equal(W, qkv.Favor(D, M, seed=6).projection)
-    assert qkv.Favor(D).M == round(D * math.log(D))
+    assert round(D * math.log(D)) == qkv.Favor(D).M
 
 
 def _run_favor(f, x):
@@ -512,8 +566,12 @@ def test_favor_state_dict_round_trip():
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.projection, b.projection)
     x = torch.randn(2, 40, 16)
-    torch.testing.assert_close(qkv.linear_attention(x, x, x, feature_map=a),
-                               qkv.linear_attention(x, x, x, feature_map=b), rtol=0, atol=0)
+    torch.testing.assert_close(
+        qkv.linear_attention(x, x, x, feature_map=a),
+        qkv.linear_attention(x, x, x, feature_map=b),
+        rtol=0,
+        atol=0,
+    )
     assert set(a.state_dict()) == {"projection", "draws", "calls"}
 
 
@@ -556,11 +614,13 @@ def test_favor_padded_key_gradient_is_zero_with_large_norms(form):
     f = qkv.Favor(8, seed=0)
     if form == "step":
         state = LinearAttentionState(f)
-        out = torch.stack([state.step(q[:, :, t], k[:, :, t], v[:, :, t], key_mask[:, t])
-                           for t in range(4)], -2)
+        out = torch.stack(
+            [state.step(q[:, :, t], k[:, :, t], v[:, :, t], key_mask[:, t]) for t in range(4)], -2
+        )
     else:
-        out = qkv.linear_attention(q, k, v, feature_map=f, key_mask=key_mask,
-                                   is_causal=form == "causal")
+        out = qkv.linear_attention(
+            q, k, v, feature_map=f, key_mask=key_mask, is_causal=form == "causal"
+        )
     out.sum().backward()
     assert (k.grad[..., 3, :] == 0).all(), k.grad  # got NaN
 
@@ -627,12 +687,14 @@ def test_gqa_equals_repeated_heads_and_value_dim(fm):
     phi = qkv.Favor(D, seed=1, dtype=torch.float64) if fm == "favor" else fm
     out = qkv.linear_attention(q, k, v, feature_map=phi, key_mask=km)
     assert out.shape == (B, H, T, Dv)
-    ref = qkv.linear_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
-                               feature_map=phi, key_mask=km)
+    ref = qkv.linear_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), feature_map=phi, key_mask=km
+    )
     torch.testing.assert_close(out, ref)
     cot = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, (q, k, v), cot),
-                    torch.autograd.grad(ref, (q, k, v), cot)):
+    for a, b in zip(
+        torch.autograd.grad(out, (q, k, v), cot), torch.autograd.grad(ref, (q, k, v), cot)
+    ):
         torch.testing.assert_close(a, b)
 
 
@@ -644,14 +706,16 @@ def test_half_inputs(fm, causal, dtype):
     and gradients within the tolerance policy (golden: quadratic twin in float64; baseline:
     the twin on the half inputs)."""
     B, H, T, D = 2, 2, 97, 16
-    golden_in = [torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True)
-                 for _ in range(3)]
+    golden_in = [torch.randn(B, H, T, D, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     phi = _feature_map(fm, D)
     kw = dict(feature_map=phi, is_causal=causal, key_mask=_key_mask(B, T))
     outs, grads = {}, {}
     for which, dt in (("golden", torch.float64), ("baseline", dtype), ("fast", dtype)):
-        ins = golden_in if dt == torch.float64 else [t.detach().to(dt).requires_grad_()
-                                                     for t in golden_in]
+        ins = (
+            golden_in
+            if dt == torch.float64
+            else [t.detach().to(dt).requires_grad_() for t in golden_in]
+        )
         out = (qkv.linear_attention if which == "fast" else _quadratic)(*ins, **kw)
         assert out.dtype == dt
         grads[which] = torch.autograd.grad(out, ins, torch.ones_like(out) / T)
@@ -659,8 +723,13 @@ def test_half_inputs(fm, causal, dtype):
     assert_tolerance(outs["fast"], outs["golden"], outs["baseline"], factor=OUTPUT_FACTOR)
     for i, g in enumerate("qkv"):
         assert grads["fast"][i].dtype == dtype
-        assert_tolerance(grads["fast"][i], grads["golden"][i], grads["baseline"][i],
-                         factor=GRAD_FACTOR, name=f"d{g}")
+        assert_tolerance(
+            grads["fast"][i],
+            grads["golden"][i],
+            grads["baseline"][i],
+            factor=GRAD_FACTOR,
+            name=f"d{g}",
+        )
     # computed in float32: exactly the float32 result on the rounded inputs, rounded
     rounded = [t.detach().to(dtype).float() for t in golden_in]
     assert torch.equal(outs["fast"], qkv.linear_attention(*rounded, **kw).to(dtype))
@@ -677,10 +746,12 @@ def test_trace(fm, causal):
     km = _key_mask(B, S)
     phi = qkv.Favor(D, seed=1, dtype=torch.float64) if fm == "favor" else fm
     eps = 1e-3
-    out, trace = qkv.linear_attention(q, k, v, feature_map=phi, is_causal=causal, key_mask=km,
-                                      eps=eps, return_trace=True)
-    assert torch.equal(out, qkv.linear_attention(q, k, v, feature_map=phi, is_causal=causal,
-                                                 key_mask=km, eps=eps))
+    out, trace = qkv.linear_attention(
+        q, k, v, feature_map=phi, is_causal=causal, key_mask=km, eps=eps, return_trace=True
+    )
+    assert torch.equal(
+        out, qkv.linear_attention(q, k, v, feature_map=phi, is_causal=causal, key_mask=km, eps=eps)
+    )
     assert trace.backend == "linear"
     assert trace.scores.shape == trace.probs.shape == (B, H, T, S)
     assert trace.lse.shape == (B, H, T)
@@ -708,39 +779,89 @@ def _la(q=None, k=None, v=None, **kw):
 
 
 BAD = {
-    "unknown-name": (ValueError, r"unknown feature_map 'softmax'; choose one of \['elu', "
-                     r"'favor', 'performer', 'relu'\].*qkv\.Favor", dict(feature_map="softmax")),
-    "not-callable": (TypeError, r"feature_map must be a name, a FeatureMap or a function, got int",
-                     dict(feature_map=3)),
-    "favor-head-dim": (ValueError, r"built for head_dim=16, got inputs with D=8; build Favor\(8",
-                       dict(feature_map=qkv.Favor(16))),
-    "feature-fn-shape": (ValueError, r"feature_map function must map \(\.\.\., L, D\)",
-                         dict(feature_map=lambda x: x.sum(-2))),
-    "head-dim": (ValueError, r"same head dim D.*query \(2, 4, 5, 8\), key \(2, 4, 6, 7\)",
-                 dict(k=torch.randn(2, 4, 6, 7))),
-    "key-value-length": (ValueError, r"key and value need the same length S",
-                         dict(v=torch.randn(2, 4, 7, 8))),
-    "dims-count": (ValueError, r"same number of dims",
-                   dict(k=torch.randn(4, 6, 8), v=torch.randn(4, 6, 8))),
-    "one-dim": (ValueError, r"same number of dims \(2 or more",
-                dict(q=torch.randn(8), k=torch.randn(8), v=torch.randn(8))),
-    "batch-dims": (ValueError, r"same batch dims",
-                   dict(k=torch.randn(3, 4, 6, 8), v=torch.randn(3, 4, 6, 8))),
-    "gqa-not-multiple": (ValueError, r"got H=4 query heads and G=3 key/value heads; H must be a "
-                         r"multiple of G",
-                         dict(k=torch.randn(2, 3, 6, 8), v=torch.randn(2, 3, 6, 8))),
-    "causal-T-ne-S": (ValueError, r"is_causal needs T == S.*got T=5, S=6.*LinearAttentionState",
-                      dict(is_causal=True)),
-    "key-mask-shape": (ValueError, r"key_mask must have shape \(\*batch, S\) = \(2, 6\).*got "
-                       r"\(2, 4, 6\)", dict(key_mask=torch.ones(2, 4, 6, dtype=torch.bool))),
-    "key-mask-dtype": (TypeError, r"key_mask must be a bool tensor.*got torch.float32",
-                       dict(key_mask=torch.ones(2, 6))),
-    "key-mask-list": (TypeError, r"key_mask must be a bool tensor.*got list",
-                      dict(key_mask=[True] * 6)),
-    "int-inputs": (TypeError, r"query must be a floating tensor",
-                   dict(q=torch.ones(2, 4, 5, 8, dtype=torch.long))),
-    "dtype-mix": (TypeError, r"share a dtype",
-                  dict(v=torch.randn(2, 4, 6, 8, dtype=torch.float64))),
+    "unknown-name": (
+        ValueError,
+        r"unknown feature_map 'softmax'; choose one of \['elu', "
+        r"'favor', 'performer', 'relu'\].*qkv\.Favor",
+        dict(feature_map="softmax"),
+    ),
+    "not-callable": (
+        TypeError,
+        r"feature_map must be a name, a FeatureMap or a function, got int",
+        dict(feature_map=3),
+    ),
+    "favor-head-dim": (
+        ValueError,
+        r"built for head_dim=16, got inputs with D=8; build Favor\(8",
+        dict(feature_map=qkv.Favor(16)),
+    ),
+    "feature-fn-shape": (
+        ValueError,
+        r"feature_map function must map \(\.\.\., L, D\)",
+        dict(feature_map=lambda x: x.sum(-2)),
+    ),
+    "head-dim": (
+        ValueError,
+        r"same head dim D.*query \(2, 4, 5, 8\), key \(2, 4, 6, 7\)",
+        dict(k=torch.randn(2, 4, 6, 7)),
+    ),
+    "key-value-length": (
+        ValueError,
+        r"key and value need the same length S",
+        dict(v=torch.randn(2, 4, 7, 8)),
+    ),
+    "dims-count": (
+        ValueError,
+        r"same number of dims",
+        dict(k=torch.randn(4, 6, 8), v=torch.randn(4, 6, 8)),
+    ),
+    "one-dim": (
+        ValueError,
+        r"same number of dims \(2 or more",
+        dict(q=torch.randn(8), k=torch.randn(8), v=torch.randn(8)),
+    ),
+    "batch-dims": (
+        ValueError,
+        r"same batch dims",
+        dict(k=torch.randn(3, 4, 6, 8), v=torch.randn(3, 4, 6, 8)),
+    ),
+    "gqa-not-multiple": (
+        ValueError,
+        r"got H=4 query heads and G=3 key/value heads; H must be a "
+        r"multiple of G",
+        dict(k=torch.randn(2, 3, 6, 8), v=torch.randn(2, 3, 6, 8)),
+    ),
+    "causal-T-ne-S": (
+        ValueError,
+        r"is_causal needs T == S.*got T=5, S=6.*LinearAttentionState",
+        dict(is_causal=True),
+    ),
+    "key-mask-shape": (
+        ValueError,
+        r"key_mask must have shape \(\*batch, S\) = \(2, 6\).*got "
+        r"\(2, 4, 6\)",
+        dict(key_mask=torch.ones(2, 4, 6, dtype=torch.bool)),
+    ),
+    "key-mask-dtype": (
+        TypeError,
+        r"key_mask must be a bool tensor.*got torch.float32",
+        dict(key_mask=torch.ones(2, 6)),
+    ),
+    "key-mask-list": (
+        TypeError,
+        r"key_mask must be a bool tensor.*got list",
+        dict(key_mask=[True] * 6),
+    ),
+    "int-inputs": (
+        TypeError,
+        r"query must be a floating tensor",
+        dict(q=torch.ones(2, 4, 5, 8, dtype=torch.long)),
+    ),
+    "dtype-mix": (
+        TypeError,
+        r"share a dtype",
+        dict(v=torch.randn(2, 4, 6, 8, dtype=torch.float64)),
+    ),
     "negative-eps": (ValueError, r"eps must be a finite number >= 0, got -1e-06", dict(eps=-1e-6)),
     "nan-eps": (ValueError, r"eps must be a finite number >= 0, got nan", dict(eps=math.nan)),
     "str-eps": (ValueError, r"eps must be a finite number", dict(eps="1e-6")),
@@ -754,13 +875,17 @@ def test_bad_input_gets_a_clear_error(case):
         _la(**kw)
 
 
-@pytest.mark.parametrize("kwargs,pattern", [
-    (dict(head_dim=0), r"head_dim must be a positive int, got 0"),
-    (dict(head_dim=8, num_features=0), r"num_features must be a positive int, got 0"),
-    (dict(head_dim=8, redraw=-1), r"redraw must be True, False or a positive int.*got -1"),
-    (dict(head_dim=8, scale=0.0), r"scale must be a positive finite number or None, got 0.0"),
-    (dict(head_dim=8, scale=math.inf), r"scale must be a positive finite number"),
-], ids=["head_dim", "num_features", "redraw", "scale-zero", "scale-inf"])
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (dict(head_dim=0), r"head_dim must be a positive int, got 0"),
+        (dict(head_dim=8, num_features=0), r"num_features must be a positive int, got 0"),
+        (dict(head_dim=8, redraw=-1), r"redraw must be True, False or a positive int.*got -1"),
+        (dict(head_dim=8, scale=0.0), r"scale must be a positive finite number or None, got 0.0"),
+        (dict(head_dim=8, scale=math.inf), r"scale must be a positive finite number"),
+    ],
+    ids=["head_dim", "num_features", "redraw", "scale-zero", "scale-inf"],
+)
 def test_bad_favor_settings(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         qkv.Favor(**kwargs)
@@ -773,20 +898,27 @@ def test_state_errors():
         LinearAttentionState("softmax").step(*(torch.randn(1, 2, 8) for _ in range(3)))
     state = LinearAttentionState()
     state.step(*(torch.randn(2, 4, 8) for _ in range(3)))
-    with pytest.raises(ValueError, match=r"holds \(\*batch, H\) = \(2, 4\), got inputs with "
-                       r"\(3, 4\).*reset\(\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds \(\*batch, H\) = \(2, 4\), got inputs with "
+        r"\(3, 4\).*reset\(\)",
+    ):
         state.step(*(torch.randn(3, 4, 8) for _ in range(3)))
     with pytest.raises(ValueError, match=r"holds \(\*batch, H\) = \(2, 4\), got .*\(2, 2\)"):
         state.extend(*(torch.randn(2, 2, 5, 8) for _ in range(3)))
     assert state.position == 1  # the refused calls changed nothing
-    with pytest.raises(ValueError, match=r"step takes one token, \(\*batch, H, D\); query is "
-                       r"\(8,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"step takes one token, \(\*batch, H, D\); query is "
+        r"\(8,\)",
+    ):
         state.step(torch.randn(8), torch.randn(8), torch.randn(8))
     with pytest.raises(ValueError, match=r"extend takes \(\*batch, H, T, D\) inputs"):
         state.extend(*(torch.randn(5, 8) for _ in range(3)))
     with pytest.raises(ValueError, match=r"key_mask must have shape"):
-        state.step(*(torch.randn(2, 4, 8) for _ in range(3)),
-                   key_mask=torch.ones(3, dtype=torch.bool))
+        state.step(
+            *(torch.randn(2, 4, 8) for _ in range(3)), key_mask=torch.ones(3, dtype=torch.bool)
+        )
     with pytest.raises(ValueError, match=r"built for head_dim=16, got inputs with D=8"):
         LinearAttentionState(qkv.Favor(16)).step(*(torch.randn(1, 2, 8) for _ in range(3)))
 
@@ -802,8 +934,9 @@ def test_empty_inputs(fm):
     q = torch.randn(2, 3, 5, D, requires_grad=True)
     k = torch.randn(2, 3, 0, D, requires_grad=True)
     v = torch.randn(2, 3, 0, 4, requires_grad=True)
-    out = qkv.linear_attention(q, k, v, feature_map=phi,
-                               key_mask=torch.ones(2, 0, dtype=torch.bool))
+    out = qkv.linear_attention(
+        q, k, v, feature_map=phi, key_mask=torch.ones(2, 0, dtype=torch.bool)
+    )
     assert out.shape == (2, 3, 5, 4) and (out == 0).all()
     out.sum().backward()
     assert (q.grad == 0).all()

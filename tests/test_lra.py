@@ -2,6 +2,7 @@
 lra_table.md/json with the right cells; --resume skips finished cells and continues an
 interrupted one; bad arguments fail with one clear line; Pathfinder is read as 1,024 pixel
 tokens; ``qkv train pathfinder`` is wired like ListOps."""
+
 import json
 import os
 import signal
@@ -12,8 +13,17 @@ import torch
 from qkv.cli.main import main
 from qkv.training import lra
 
-TINY = ["--variant", "tiny", "--tasks", "listops", "pathfinder", "--attention", "exact",
-        "linear", "--quiet"]
+TINY = [
+    "--variant",
+    "tiny",
+    "--tasks",
+    "listops",
+    "pathfinder",
+    "--attention",
+    "exact",
+    "linear",
+    "--quiet",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +36,8 @@ def _table(out):
 
 
 def test_tiny_table_has_every_cell_with_values_in_range_and_resume_skips_them(
-        tmp_path, cache, capsys):
+    tmp_path, cache, capsys
+):
     out = tmp_path / "lra"
     args = ["lra", *TINY, "--cache-dir", cache, "--out", str(out)]
     assert main(args) == 0
@@ -34,10 +45,18 @@ def test_tiny_table_has_every_cell_with_values_in_range_and_resume_skips_them(
     data, md = _table(out)
     assert data["variant"] == "tiny" and data["seed"] == 0
     cells = {(c["task"], c["attention"]): c for c in data["cells"]}
-    assert list(cells) == [("listops", "exact"), ("listops", "linear"),
-                           ("pathfinder", "exact"), ("pathfinder", "linear")]
-    paper = {("listops", "exact"): 36.37, ("listops", "linear"): 16.13,
-             ("pathfinder", "exact"): 71.40, ("pathfinder", "linear"): 75.30}
+    assert list(cells) == [
+        ("listops", "exact"),
+        ("listops", "linear"),
+        ("pathfinder", "exact"),
+        ("pathfinder", "linear"),
+    ]
+    paper = {
+        ("listops", "exact"): 36.37,
+        ("listops", "linear"): 16.13,
+        ("pathfinder", "exact"): 71.40,
+        ("pathfinder", "linear"): 75.30,
+    }
     for key, c in cells.items():
         assert c["status"] == "done" and c["steps"] == 3 and c["seed"] == 0
         assert 0.0 <= c["accuracy"] <= 1.0 and 0.0 < c["majority"] <= 1.0
@@ -60,10 +79,26 @@ def test_tiny_table_has_every_cell_with_values_in_range_and_resume_skips_them(
 
 
 def test_ctrl_c_keeps_finished_cells_and_resume_continues_the_interrupted_one(
-        tmp_path, cache, monkeypatch, capsys):
+    tmp_path, cache, monkeypatch, capsys
+):
     out = tmp_path / "lra"
-    args = ["lra", "--variant", "tiny", "--tasks", "pathfinder", "listops", "--attention",
-            "local", "--steps", "4", "--quiet", "--cache-dir", cache, "--out", str(out)]
+    args = [
+        "lra",
+        "--variant",
+        "tiny",
+        "--tasks",
+        "pathfinder",
+        "listops",
+        "--attention",
+        "local",
+        "--steps",
+        "4",
+        "--quiet",
+        "--cache-dir",
+        cache,
+        "--out",
+        str(out),
+    ]
     real_train = lra.train
 
     def ctrl_c_at_step_2_of_listops(recipe, config, out_dir, **kw):
@@ -89,20 +124,26 @@ def test_ctrl_c_keeps_finished_cells_and_resume_continues_the_interrupted_one(
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     assert data["cells"][1]["wall_s"] >= cut["wall_s"]
     # other settings on --resume are refused, naming what differs
-    assert main([*args[:-4], "--steps", "5", "--cache-dir", cache, "--out", str(out),
-                 "--resume"]) == 2
+    assert (
+        main([*args[:-4], "--steps", "5", "--cache-dir", cache, "--out", str(out), "--resume"]) == 2
+    )
     assert "other settings" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--tasks", "text"], "unknown task 'text'; qkv lra knows listops, pathfinder"),
-    (["--attention", "exact", "reformer", "sinkhorn"],
-     "unknown attention kinds 'reformer', 'sinkhorn'; qkv lra knows exact"),
-    (["--variant", "gpu"], "unknown variant 'gpu'; the variants are cpu, lra, tiny"),
-    (["--attention", "exact", "exact"], "attention kind 'exact' given twice"),
-    (["--steps", "0"], "steps must be a positive int"),
-    (["--device", "cdua"], "did you mean 'cuda'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tasks", "text"], "unknown task 'text'; qkv lra knows listops, pathfinder"),
+        (
+            ["--attention", "exact", "reformer", "sinkhorn"],
+            "unknown attention kinds 'reformer', 'sinkhorn'; qkv lra knows exact",
+        ),
+        (["--variant", "gpu"], "unknown variant 'gpu'; the variants are cpu, lra, tiny"),
+        (["--attention", "exact", "exact"], "attention kind 'exact' given twice"),
+        (["--steps", "0"], "steps must be a positive int"),
+        (["--device", "cdua"], "did you mean 'cuda'"),
+    ],
+)
 def test_bad_arguments_fail_with_one_clear_line(tmp_path, capsys, argv, message):
     out = tmp_path / "x"
     assert main(["lra", *argv, "--out", str(out)]) == 2
@@ -113,6 +154,7 @@ def test_bad_arguments_fail_with_one_clear_line(tmp_path, capsys, argv, message)
 
 def test_pathfinder_model_reads_32x32_as_1024_pixel_tokens(cache):
     from qkv.training.recipes import PixelRecipe, make_recipe, pixel_tokens
+
     settings = lra.cell_settings("pathfinder", "exact", "tiny")
     recipe = make_recipe(**settings["recipe"], cache_dir=cache)
     assert isinstance(recipe, PixelRecipe)
@@ -120,8 +162,10 @@ def test_pathfinder_model_reads_32x32_as_1024_pixel_tokens(cache):
     assert batch["tokens"].shape == (4, 1024) and batch["tokens"].dtype == torch.int64
     images = recipe.train_data.images[:4]  # (4, 1, 32, 32)
     assert torch.equal(batch["tokens"], (images.flatten(1) * 255).round().long())
-    assert torch.equal(pixel_tokens(images)[0, 32 * 5 + 7], pixel_tokens(images[:1, :, 5, 7]
-                                                                          .reshape(1, 1, 1, 1))[0, 0])
+    assert torch.equal(
+        pixel_tokens(images)[0, 32 * 5 + 7],
+        pixel_tokens(images[:1, :, 5, 7].reshape(1, 1, 1, 1))[0, 0],
+    )
     model = recipe.build_model()
     logits, maps = model(batch["tokens"], return_attention=True)
     assert logits.shape == (4, 2)
@@ -133,6 +177,7 @@ def _args(*argv):
     import argparse
 
     from qkv.cli import train as train_cli
+
     parser = argparse.ArgumentParser()
     train_cli.add_parser(parser.add_subparsers())
     return parser.parse_args(["train", *argv])
@@ -141,15 +186,17 @@ def _args(*argv):
 def test_qkv_train_pathfinder_is_wired_like_listops():
     from qkv.cli.train import DEFAULTS, plan
     from qkv.training.recipes import ClassifierRecipe, PixelRecipe
+
     recipe, config = plan(_args("pathfinder", "--attention", "linear", "--out", "x"))
     assert recipe["task"] == "pathfinder" and recipe["attention"] == "linear"
     cpu = lra.VARIANTS["cpu"]
     assert config.steps == cpu["pathfinder"]["train"]["steps"]
-    assert PixelRecipe.MODEL == cpu["pathfinder"]["model"]  # qkv train = qkv lra's cell
+    assert cpu["pathfinder"]["model"] == PixelRecipe.MODEL  # qkv train = qkv lra's cell
     assert DEFAULTS["listops"] == cpu["listops"]["train"]
-    assert ClassifierRecipe.MODEL == cpu["listops"]["model"]
-    recipe, config = plan(_args("pathfinder", "--preset", "lra", "--difficulty", "easy",
-                                "--out", "x"))
+    assert cpu["listops"]["model"] == ClassifierRecipe.MODEL
+    recipe, config = plan(
+        _args("pathfinder", "--preset", "lra", "--difficulty", "easy", "--out", "x")
+    )
     assert recipe["model"]["embed_dim"] == 128 and config.batch_size == 512
     assert recipe["data"]["difficulty"] == "easy" and config.grad_clip is None
     with pytest.raises(ValueError, match="--difficulty is a Pathfinder option"):

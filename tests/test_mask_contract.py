@@ -1,14 +1,14 @@
 """The mask contract: True = may attend; a row with nothing to attend gives exactly 0,
 0 gradients and no NaN, on every backend, every dtype, with dropout too."""
+
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BACKENDS, DROPOUT_BACKENDS
 
 import qkv
 from qkv.masks import causal_bool
 from qkv.ops.torch_sdpa import _guard_empty_rows
-
-from conftest import BACKENDS, DROPOUT_BACKENDS
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -47,8 +47,9 @@ def test_fully_masked_rows(backend, dtype, kind, dropout_p):
         pytest.skip("tiled has no dropout; test_tiled.py checks that it says so")
     q, k, v = _inputs(dtype)
     mask, keep = _row_masked(kind, dtype)
-    out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                           backend=backend)
+    out = qkv.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, backend=backend
+    )
     _check_empty_rows(out, q, k, v, ~keep.any(-1))
 
 
@@ -71,8 +72,7 @@ def test_fully_masked_rows_with_causal(backend):
     q, k, v = _inputs(torch.float32, T=8, S=8)
     keep = torch.ones(8, 8, dtype=torch.bool)
     keep[3, :4] = False
-    out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=True,
-                                           backend=backend)
+    out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=True, backend=backend)
     empty = torch.zeros(2, 3, 8, dtype=torch.bool)
     empty[..., 3] = True
     _check_empty_rows(out, q, k, v, empty)
@@ -82,8 +82,9 @@ def test_fully_masked_rows_with_causal(backend):
 def test_trace_of_fully_masked_row(backend):
     q, k, v = _inputs(torch.float32)
     mask, keep = _row_masked("bool", torch.float32)
-    out, trace = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend,
-                                                  return_trace=True)
+    out, trace = qkv.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, backend=backend, return_trace=True
+    )
     empty = ~keep.any(-1)
     assert bool((trace.probs[empty] == 0).all())
     assert bool(torch.isneginf(trace.lse[empty]).all())
@@ -100,10 +101,12 @@ def test_mask_with_is_causal_combines(backend, kind, T, S):
     """attn_mask + is_causal=True: a key must pass both (torch itself refuses the pair)."""
     q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (T, S, S))
     keep = torch.rand(2, 1, T, S) < 0.7
-    mask = keep if kind == "bool" else torch.zeros(2, 1, T, S, dtype=torch.float64).masked_fill(
-        ~keep, float("-inf"))
-    got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True,
-                                           backend=backend)
+    mask = (
+        keep
+        if kind == "bool"
+        else torch.zeros(2, 1, T, S, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    )
+    got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True, backend=backend)
     merged = keep & causal_bool(T, S)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=merged)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -7,6 +7,7 @@ index bounds alone. Float64 comparisons use torch.testing.assert_close defaults 
 
 Shape alphabet: B batch, H query heads, T query length, S key length, D head dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,13 +16,29 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import rand
 
 import qkv
-from qkv.masks import (EMPTY, FULL, PARTIAL, Grid, alibi, alibi_slopes, and_masks, block_states,
-                       block_summary, causal, document, index_grid, key_lengths, or_masks,
-                       prefix_lm, sliding_window, softcap, to_dense)
-
-from conftest import rand
+from qkv.masks import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    Grid,
+    alibi,
+    alibi_slopes,
+    and_masks,
+    block_states,
+    block_summary,
+    causal,
+    document,
+    index_grid,
+    key_lengths,
+    or_masks,
+    prefix_lm,
+    sliding_window,
+    softcap,
+    to_dense,
+)
 
 B, H = 2, 3
 SIZES = [(1, 1), (5, 5), (17, 17), (33, 33), (5, 17), (17, 33), (33, 17)]
@@ -33,6 +50,7 @@ def sdpa(q, k, v, **kw):
 
 
 # --- dense twins, by hand ---------------------------------------------------------------------
+
 
 def band(T: int, S: int, lo: int | None, hi: int | None) -> torch.Tensor:
     """Keys j with ``i + lo <= j <= i + hi`` (None = unbounded), via tril/triu.
@@ -55,8 +73,13 @@ def loops(shape_bh: tuple[int, int], T: int, S: int, rule) -> torch.Tensor:
         ``(Bm, Hm, T, S)`` for ``shape_bh = (Bm, Hm)``, bool.
     """
     Bm, Hm = shape_bh
-    return torch.tensor([[[[bool(rule(b, h, i, j)) for j in range(S)] for i in range(T)]
-                          for h in range(Hm)] for b in range(Bm)], dtype=torch.bool).view(Bm, Hm, T, S)
+    return torch.tensor(
+        [
+            [[[bool(rule(b, h, i, j)) for j in range(S)] for i in range(T)] for h in range(Hm)]
+            for b in range(Bm)
+        ],
+        dtype=torch.bool,
+    ).view(Bm, Hm, T, S)
 
 
 def sorted_ids(n: int, docs: int = 3) -> torch.Tensor:
@@ -67,6 +90,7 @@ def sorted_ids(n: int, docs: int = 3) -> torch.Tensor:
 # --- the catalogue: name -> (mod, twin, expected to_dense shape, blocks exact?) ----------------
 # Each builder takes (T, S) and returns (mod, twin (Bm, Hm, T, S), allowed shapes, exact).
 # Random ids come from the per-test seed (conftest), so a case is the same in every test.
+
 
 def _causal(T, S):
     return causal("top_left"), band(T, S, None, 0), {(1, 1, T, S)}, True
@@ -86,12 +110,21 @@ def _window_right(T, S):
 
 def _window_br(T, S):
     off = S - T
-    return (sliding_window(4, 2, align="bottom_right"), band(T, S, off - 4, off + 2),
-            {(1, 1, T, S)}, True)
+    return (
+        sliding_window(4, 2, align="bottom_right"),
+        band(T, S, off - 4, off + 2),
+        {(1, 1, T, S)},
+        True,
+    )
 
 
 def _prefix_int(T, S):
-    return prefix_lm(3), loops((1, 1), T, S, lambda b, h, i, j: j < 3 or j <= i), {(1, 1, T, S)}, False
+    return (
+        prefix_lm(3),
+        loops((1, 1), T, S, lambda b, h, i, j: j < 3 or j <= i),
+        {(1, 1, T, S)},
+        False,
+    )
 
 
 def _prefix_tensor(T, S):
@@ -126,7 +159,12 @@ def _doc_cross(T, S):
 
 def _keys_int(T, S):
     n = S // 2  # 0 when S = 1: every row empty
-    return key_lengths(n), loops((1, 1), T, S, lambda b, h, i, j: j < n), {(1, 1, 1, S)}, True  # independent of the query too
+    return (
+        key_lengths(n),
+        loops((1, 1), T, S, lambda b, h, i, j: j < n),
+        {(1, 1, 1, S)},
+        True,
+    )  # independent of the query too
 
 
 def _keys_tensor(T, S):
@@ -138,12 +176,22 @@ def _keys_tensor(T, S):
 def _and(T, S):
     n = [S - 1, 2]
     mod = and_masks(sliding_window(4), key_lengths(torch.tensor(n)))
-    return mod, loops((B, 1), T, S, lambda b, h, i, j: i - 4 <= j <= i and j < n[b]), {(B, 1, T, S)}, False
+    return (
+        mod,
+        loops((B, 1), T, S, lambda b, h, i, j: i - 4 <= j <= i and j < n[b]),
+        {(B, 1, T, S)},
+        False,
+    )
 
 
 def _or(T, S):
     mod = or_masks(sliding_window(0, 2), key_lengths(2))
-    return mod, loops((1, 1), T, S, lambda b, h, i, j: i <= j <= i + 2 or j < 2), {(1, 1, T, S)}, False
+    return (
+        mod,
+        loops((1, 1), T, S, lambda b, h, i, j: i <= j <= i + 2 or j < 2),
+        {(1, 1, T, S)},
+        False,
+    )
 
 
 def _amp(T, S):
@@ -162,6 +210,7 @@ def _pipe(T, S):
 def _lambda_h(T, S):
     def striped(b, h, q_idx, kv_idx):
         return (q_idx + kv_idx + h) % 3 != 0
+
     twin = loops((1, H), T, S, lambda b, h, i, j: (i + j + h) % 3 != 0)
     return striped, twin, {(1, H, T, S)}, True  # blocks found by evaluation: exact
 
@@ -172,26 +221,42 @@ def _lambda_b(T, S):
 
 
 MASKS = {
-    "causal": (_causal, False), "causal-br": (_causal_br, False), "window": (_window, False),
-    "window-right": (_window_right, False), "window-br": (_window_br, False),
-    "prefix-int": (_prefix_int, False), "prefix-tensor": (_prefix_tensor, False),
-    "doc-sorted": (_doc_sorted, True), "doc-unsorted": (_doc_unsorted, True),
-    "doc-batch": (_doc_batch, True), "doc-cross": (_doc_cross, False),
-    "keys-int": (_keys_int, False), "keys-tensor": (_keys_tensor, False),
-    "and": (_and, False), "or": (_or, False), "amp": (_amp, False), "pipe": (_pipe, False),
-    "lambda-h": (_lambda_h, False), "lambda-b": (_lambda_b, False),
+    "causal": (_causal, False),
+    "causal-br": (_causal_br, False),
+    "window": (_window, False),
+    "window-right": (_window_right, False),
+    "window-br": (_window_br, False),
+    "prefix-int": (_prefix_int, False),
+    "prefix-tensor": (_prefix_tensor, False),
+    "doc-sorted": (_doc_sorted, True),
+    "doc-unsorted": (_doc_unsorted, True),
+    "doc-batch": (_doc_batch, True),
+    "doc-cross": (_doc_cross, False),
+    "keys-int": (_keys_int, False),
+    "keys-tensor": (_keys_tensor, False),
+    "and": (_and, False),
+    "or": (_or, False),
+    "amp": (_amp, False),
+    "pipe": (_pipe, False),
+    "lambda-h": (_lambda_h, False),
+    "lambda-b": (_lambda_b, False),
 }  # name -> (builder, needs T == S: self-attention document ids)
 
 
 def _cases(marks_for=lambda name: ()):
-    return [pytest.param(name, T, S, id=f"T{T}-S{S}-{name}", marks=marks_for(name))
-            for name, (_, square) in MASKS.items() for T, S in SIZES if T == S or not square]
+    return [
+        pytest.param(name, T, S, id=f"T{T}-S{S}-{name}", marks=marks_for(name))
+        for name, (_, square) in MASKS.items()
+        for T, S in SIZES
+        if T == S or not square
+    ]
 
 
 CASES = _cases()
 
 
 # --- 1. ready-made mask_mods equal their dense twins -------------------------------------------
+
 
 @pytest.mark.parametrize("name, T, S", CASES)
 def test_to_dense_equals_twin(name, T, S):
@@ -209,9 +274,9 @@ def test_causal_bottom_right_rows_by_hand():
     assert wide.tolist() == [[True, True, True, False], [True, True, True, True]]
 
 
-@pytest.mark.parametrize("name, T, S", [
-    p for p in _cases(lambda n: ())
-    if p.values[1:] in ((5, 5), (17, 33))])
+@pytest.mark.parametrize(
+    "name, T, S", [p for p in _cases(lambda n: ()) if p.values[1:] in ((5, 5), (17, 33))]
+)
 def test_to_dense_keeps_unused_dims_at_one(name, T, S):
     """sliding_window gives (1, 1, T, S), per-batch document/key_lengths (B, 1, T, S)."""
     mod, _, shapes, _ = MASKS[name][0](T, S)
@@ -239,7 +304,9 @@ def _naive_attention(q, k, v, allowed=None, bias=None, cap=None, scale=None):
     return (w / torch.where(total == 0, 1.0, total)) @ v  # (B, H, T, D)
 
 
-@pytest.mark.parametrize("name, T, S", [p for p in CASES if p.values[1:] in ((5, 5), (17, 33), (33, 17))])
+@pytest.mark.parametrize(
+    "name, T, S", [p for p in CASES if p.values[1:] in ((5, 5), (17, 33), (33, 17))]
+)
 def test_mask_mod_through_reference_backend(name, T, S):
     """mask_mod= on the reference backend equals attention under the twin, empty rows 0."""
     mod, twin, _, _ = MASKS[name][0](T, S)
@@ -251,6 +318,7 @@ def test_mask_mod_through_reference_backend(name, T, S):
 
 
 # --- 2. block classification: exact or conservative ---------------------------------------------
+
 
 def _twin_blocks(twin: torch.Tensor, bq: int, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(all allowed, none allowed) per block of the twin, padding ragged blocks by hand.
@@ -320,7 +388,9 @@ def test_block_summary_long_sequence_is_quick():
     assert s.counts() == {"full": 0, "partial": 32 + 31, "empty": 32 * 32 - 63}
     rows = text.splitlines()[1:]
     assert len(rows) == 32
-    assert rows[0] == "+" + "." * 31 and rows[5] == "....++" + "." * 26 and rows[31] == "." * 30 + "++"
+    assert (
+        rows[0] == "+" + "." * 31 and rows[5] == "....++" + "." * 26 and rows[31] == "." * 30 + "++"
+    )
 
 
 # --- 3. score mods against dense twins ---------------------------------------------------------
@@ -330,8 +400,9 @@ SCORE_SIZES = [pytest.param(T, S, id=f"T{T}-S{S}") for T, S in [(1, 1), (5, 5), 
 
 def _alibi_bias(slopes: list[float], T: int, S: int) -> torch.Tensor:
     """``slopes[h] * (j - i)`` by hand. Shape: ``(1, H, T, S)``, float64."""
-    return torch.tensor([[[s * (j - i) for j in range(S)] for i in range(T)] for s in slopes],
-                        dtype=torch.float64)[None]
+    return torch.tensor(
+        [[[s * (j - i) for j in range(S)] for i in range(T)] for s in slopes], dtype=torch.float64
+    )[None]
 
 
 @pytest.mark.parametrize("T, S", SCORE_SIZES)
@@ -350,17 +421,19 @@ def test_alibi_one_slope_is_shared_by_every_head():
 
 
 PAPER_SLOPES = {  # Press et al. 2022: 2^(-8i/n); else the 2^k-head slopes + every other 2^(k+1)
-    1: [2.0 ** -8],
-    2: [2.0 ** -4, 2.0 ** -8],
-    6: [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3],
-    8: [2.0 ** -i for i in range(1, 9)],
-    12: [2.0 ** -i for i in range(1, 9)] + [2.0 ** -0.5, 2.0 ** -1.5, 2.0 ** -2.5, 2.0 ** -3.5],
+    1: [2.0**-8],
+    2: [2.0**-4, 2.0**-8],
+    6: [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3],
+    8: [2.0**-i for i in range(1, 9)],
+    12: [2.0**-i for i in range(1, 9)] + [2.0**-0.5, 2.0**-1.5, 2.0**-2.5, 2.0**-3.5],
 }
 
 
 @pytest.mark.parametrize("n", list(PAPER_SLOPES), ids=lambda n: f"H{n}")
 def test_alibi_slopes_paper_values(n):
-    torch.testing.assert_close(alibi_slopes(n).double(), torch.tensor(PAPER_SLOPES[n], dtype=torch.float64))
+    torch.testing.assert_close(
+        alibi_slopes(n).double(), torch.tensor(PAPER_SLOPES[n], dtype=torch.float64)
+    )
 
 
 def test_alibi_of_H_uses_the_paper_slopes():
@@ -382,9 +455,16 @@ def test_softcap_equals_hand_written(T, S):
 
 def test_plain_lambda_score_mod():
     q, k, v = rand(B, H, 17, 8), rand(B, H, 33, 8), rand(B, H, 33, 8)
-    bias = torch.tensor([[[[0.5 * (h + 1) - 0.1 * abs(i - j) + 0.2 * b for j in range(33)]
-                           for i in range(17)] for h in range(H)] for b in range(B)],
-                        dtype=torch.float64)  # (B, H, T, S)
+    bias = torch.tensor(
+        [
+            [
+                [[0.5 * (h + 1) - 0.1 * abs(i - j) + 0.2 * b for j in range(33)] for i in range(17)]
+                for h in range(H)
+            ]
+            for b in range(B)
+        ],
+        dtype=torch.float64,
+    )  # (B, H, T, S)
 
     def bias_mod(score, b, h, q_idx, kv_idx):
         return score + 0.5 * (h + 1) - 0.1 * (q_idx - kv_idx).abs() + 0.2 * b
@@ -415,20 +495,33 @@ def test_alibi_with_float_attn_mask_mask_mod_and_causal(T, S):
     kv_ids = torch.randint(0, 2, (B, S))
     allowed = loops((B, 1), T, S, lambda b, h, i, j: ids[b, i] == kv_ids[b, j] and j <= i)
     q, k, v = rand(B, H, T, 8), rand(B, H, S, 8), rand(B, H, S, 8)
-    out = sdpa(q, k, v, attn_mask=float_mask, is_causal=True, mask_mod=document(ids, kv_ids),
-               score_mod=alibi(slopes))
-    expected = _naive_attention(q, k, v, allowed=allowed,
-                                bias=_alibi_bias(slopes.tolist(), T, S) + float_mask)
+    out = sdpa(
+        q,
+        k,
+        v,
+        attn_mask=float_mask,
+        is_causal=True,
+        mask_mod=document(ids, kv_ids),
+        score_mod=alibi(slopes),
+    )
+    expected = _naive_attention(
+        q, k, v, allowed=allowed, bias=_alibi_bias(slopes.tolist(), T, S) + float_mask
+    )
     torch.testing.assert_close(out, expected)
 
 
 # --- 4. gradients reach score_mod tensors ---------------------------------------------------------
 
-@pytest.mark.parametrize("mask_mod", [None, causal("bottom_right")], ids=["T3-S4-alibi",
-                                                                         "T3-S4-alibi-causal-br"])
+
+@pytest.mark.parametrize(
+    "mask_mod", [None, causal("bottom_right")], ids=["T3-S4-alibi", "T3-S4-alibi-causal-br"]
+)
 def test_gradcheck_alibi_slopes(mask_mod):
-    q, k, v = rand(1, 2, 3, 3, requires_grad=True), rand(1, 2, 4, 3, requires_grad=True), \
-        rand(1, 2, 4, 2, requires_grad=True)
+    q, k, v = (
+        rand(1, 2, 3, 3, requires_grad=True),
+        rand(1, 2, 4, 3, requires_grad=True),
+        rand(1, 2, 4, 2, requires_grad=True),
+    )
     slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
 
     def f(q, k, v, slopes):
@@ -441,72 +534,157 @@ def test_gradcheck_alibi_slopes(mask_mod):
 
 # --- 5. errors name the numbers and the fix ----------------------------------------------------
 
+
 def _sdpa_small(B_=2, H_=4, T=5, S=6, **kw):
-    return sdpa(torch.randn(B_, H_, T, 8), torch.randn(B_, H_, S, 8), torch.randn(B_, H_, S, 8), **kw)
+    return sdpa(
+        torch.randn(B_, H_, T, 8), torch.randn(B_, H_, S, 8), torch.randn(B_, H_, S, 8), **kw
+    )
 
 
 ERRORS = {
-    "window-negative": (ValueError, r"sliding_window: left must be an int >= 0, got -1",
-                        lambda: sliding_window(-1)),
-    "window-right-float": (ValueError, r"sliding_window: right must be an int >= 0, got 1.5",
-                           lambda: sliding_window(2, 1.5)),
-    "align-middle": (ValueError, r"align must be 'top_left' or 'bottom_right', got 'middle'",
-                     lambda: causal(align="middle")),
-    "doc-float-ids": (ValueError, r"document: ids must be an integer tensor \(B, T\) or \(T,\), got "
-                      r"torch.float32", lambda: document(torch.zeros(5))),
-    "doc-wrong-T": (ValueError, r"document: ids has shape \(1, 4\) but the call has B=2 and T=5; "
-                    r"give \(2, 5\) or \(1, 5\) ids",
-                    lambda: _sdpa_small(T=5, S=5, mask_mod=document(torch.zeros(4, dtype=torch.long)))),
-    "doc-wrong-B": (ValueError, r"document: ids has shape \(3, 5\) but the call has B=2",
-                    lambda: _sdpa_small(T=5, S=5, mask_mod=document(torch.zeros(3, 5, dtype=torch.long)))),
-    "doc-wrong-S": (ValueError, r"document: kv_ids has shape \(1, 5\) but the call has B=2 and S=6",
-                    lambda: _sdpa_small(mask_mod=document(torch.zeros(5, dtype=torch.long),
-                                                          torch.zeros(5, dtype=torch.long)))),
-    "keys-wrong-count": (ValueError, r"key_lengths: got 3 lengths for a batch of B=2; give one per "
-                         r"batch element, shape \(2,\)",
-                         lambda: _sdpa_small(mask_mod=key_lengths(torch.tensor([1, 2, 3])))),
-    "keys-float": (ValueError, r"key_lengths: lengths must be an int or a 1-D integer tensor",
-                   lambda: key_lengths(torch.tensor([1.0, 2.0]))),
+    "window-negative": (
+        ValueError,
+        r"sliding_window: left must be an int >= 0, got -1",
+        lambda: sliding_window(-1),
+    ),
+    "window-right-float": (
+        ValueError,
+        r"sliding_window: right must be an int >= 0, got 1.5",
+        lambda: sliding_window(2, 1.5),
+    ),
+    "align-middle": (
+        ValueError,
+        r"align must be 'top_left' or 'bottom_right', got 'middle'",
+        lambda: causal(align="middle"),
+    ),
+    "doc-float-ids": (
+        ValueError,
+        r"document: ids must be an integer tensor \(B, T\) or \(T,\), got "
+        r"torch.float32",
+        lambda: document(torch.zeros(5)),
+    ),
+    "doc-wrong-T": (
+        ValueError,
+        r"document: ids has shape \(1, 4\) but the call has B=2 and T=5; "
+        r"give \(2, 5\) or \(1, 5\) ids",
+        lambda: _sdpa_small(T=5, S=5, mask_mod=document(torch.zeros(4, dtype=torch.long))),
+    ),
+    "doc-wrong-B": (
+        ValueError,
+        r"document: ids has shape \(3, 5\) but the call has B=2",
+        lambda: _sdpa_small(T=5, S=5, mask_mod=document(torch.zeros(3, 5, dtype=torch.long))),
+    ),
+    "doc-wrong-S": (
+        ValueError,
+        r"document: kv_ids has shape \(1, 5\) but the call has B=2 and S=6",
+        lambda: _sdpa_small(
+            mask_mod=document(torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long))
+        ),
+    ),
+    "keys-wrong-count": (
+        ValueError,
+        r"key_lengths: got 3 lengths for a batch of B=2; give one per "
+        r"batch element, shape \(2,\)",
+        lambda: _sdpa_small(mask_mod=key_lengths(torch.tensor([1, 2, 3]))),
+    ),
+    "keys-float": (
+        ValueError,
+        r"key_lengths: lengths must be an int or a 1-D integer tensor",
+        lambda: key_lengths(torch.tensor([1.0, 2.0])),
+    ),
     "keys-negative": (ValueError, r"key_lengths: expected an int >= 0", lambda: key_lengths(-2)),
-    "prefix-negative": (ValueError, r"prefix_lm: expected an int >= 0 or a \(B,\) integer tensor, "
-                        r"got -1", lambda: prefix_lm(-1)),
+    "prefix-negative": (
+        ValueError,
+        r"prefix_lm: expected an int >= 0 or a \(B,\) integer tensor, "
+        r"got -1",
+        lambda: prefix_lm(-1),
+    ),
     "and-masks-empty": (ValueError, r"and_masks needs at least one mask_mod", lambda: and_masks()),
     "or-masks-empty": (ValueError, r"or_masks needs at least one mask_mod", lambda: or_masks()),
-    "block-0": (ValueError, r"block sizes must be >= 1, got 0",
-                lambda: block_summary(causal(), 1, 1, 4, 4, block=0)),
-    "alibi-wrong-count": (ValueError, r"alibi: got 3 slopes for H=4 heads; give one per query head, "
-                          r"e\.g\. qkv\.masks\.alibi_slopes\(4\)",
-                          lambda: _sdpa_small(score_mod=alibi(torch.ones(3)))),
-    "alibi-2d": (ValueError, r"alibi: slopes must be a 1-D float tensor", lambda: alibi(torch.ones(2, 2))),
-    "alibi-slopes-0": (ValueError, r"alibi_slopes: num_heads must be an int >= 1, got 0",
-                       lambda: alibi_slopes(0)),
-    "softcap-0": (ValueError, r"softcap: cap must be a finite number > 0, got 0", lambda: softcap(0)),
-    "softcap-inf": (ValueError, r"softcap: cap must be a finite number > 0, got inf",
-                    lambda: softcap(float("inf"))),
-    "mask-returns-float": (TypeError, r"returned torch.float32; it must return a bool tensor "
-                           r"\(True = may attend\)",
-                           lambda: _sdpa_small(mask_mod=lambda b, h, q, kv: (q >= kv).float())),
-    "mask-returns-5d": (ValueError, r"returned shape \(1,\) for a single \(b, h, q_idx, kv_idx\); "
-                        r"mask_mod and score_mod are evaluated per element",
-                        lambda: _sdpa_small(mask_mod=lambda b, h, q, kv: (q >= kv)[None])),
-    "mask-not-callable": (TypeError, r"mask_mod must be a function \(b, h, q_idx, kv_idx\) -> bool "
-                          r"tensor or a qkv.masks mask, got Tensor",
-                          lambda: _sdpa_small(mask_mod=torch.ones(5, 6, dtype=torch.bool))),
-    "score-not-callable": (TypeError, r"score_mod must be a function \(score, b, h, q_idx, kv_idx\) "
-                           r"-> score or a qkv.masks score mod, got float",
-                           lambda: _sdpa_small(score_mod=0.5)),
-    "score-returns-bool": (TypeError, r"score_mod .* must return a float tensor, got torch.bool",
-                           lambda: _sdpa_small(score_mod=lambda s, b, h, q, kv: s > 0)),
-    "mask-5d-inputs": (ValueError, r"inputs must have at most 4 dims \(B, H, T, D\); got leading "
-                       r"dims \(2, 3, 4\): reshape to \(B \* X, H, T, D\)",
-                       lambda: sdpa(torch.randn(2, 3, 4, 5, 8), torch.randn(2, 3, 4, 5, 8),
-                                    torch.randn(2, 3, 4, 5, 8), mask_mod=causal())),
-    "unbound-bottom-right": (ValueError, r"causal\(align='bottom_right'\) needs the lengths T and S "
-                             r"to align bottom-right: pass it as mask_mod=",
-                             lambda: causal("bottom_right")(*index_grid(1, 1, 2, 4))),
-    "unbound-bottom-right-blocks": (ValueError, r"needs the lengths T and S to align bottom-right",
-                                    lambda: sliding_window(2, align="bottom_right").blocks(
-                                        Grid(1, 1, 2, 4, 1, 1, torch.device("cpu")))),
+    "block-0": (
+        ValueError,
+        r"block sizes must be >= 1, got 0",
+        lambda: block_summary(causal(), 1, 1, 4, 4, block=0),
+    ),
+    "alibi-wrong-count": (
+        ValueError,
+        r"alibi: got 3 slopes for H=4 heads; give one per query head, "
+        r"e\.g\. qkv\.masks\.alibi_slopes\(4\)",
+        lambda: _sdpa_small(score_mod=alibi(torch.ones(3))),
+    ),
+    "alibi-2d": (
+        ValueError,
+        r"alibi: slopes must be a 1-D float tensor",
+        lambda: alibi(torch.ones(2, 2)),
+    ),
+    "alibi-slopes-0": (
+        ValueError,
+        r"alibi_slopes: num_heads must be an int >= 1, got 0",
+        lambda: alibi_slopes(0),
+    ),
+    "softcap-0": (
+        ValueError,
+        r"softcap: cap must be a finite number > 0, got 0",
+        lambda: softcap(0),
+    ),
+    "softcap-inf": (
+        ValueError,
+        r"softcap: cap must be a finite number > 0, got inf",
+        lambda: softcap(float("inf")),
+    ),
+    "mask-returns-float": (
+        TypeError,
+        r"returned torch.float32; it must return a bool tensor "
+        r"\(True = may attend\)",
+        lambda: _sdpa_small(mask_mod=lambda b, h, q, kv: (q >= kv).float()),
+    ),
+    "mask-returns-5d": (
+        ValueError,
+        r"returned shape \(1,\) for a single \(b, h, q_idx, kv_idx\); "
+        r"mask_mod and score_mod are evaluated per element",
+        lambda: _sdpa_small(mask_mod=lambda b, h, q, kv: (q >= kv)[None]),
+    ),
+    "mask-not-callable": (
+        TypeError,
+        r"mask_mod must be a function \(b, h, q_idx, kv_idx\) -> bool "
+        r"tensor or a qkv.masks mask, got Tensor",
+        lambda: _sdpa_small(mask_mod=torch.ones(5, 6, dtype=torch.bool)),
+    ),
+    "score-not-callable": (
+        TypeError,
+        r"score_mod must be a function \(score, b, h, q_idx, kv_idx\) "
+        r"-> score or a qkv.masks score mod, got float",
+        lambda: _sdpa_small(score_mod=0.5),
+    ),
+    "score-returns-bool": (
+        TypeError,
+        r"score_mod .* must return a float tensor, got torch.bool",
+        lambda: _sdpa_small(score_mod=lambda s, b, h, q, kv: s > 0),
+    ),
+    "mask-5d-inputs": (
+        ValueError,
+        r"inputs must have at most 4 dims \(B, H, T, D\); got leading "
+        r"dims \(2, 3, 4\): reshape to \(B \* X, H, T, D\)",
+        lambda: sdpa(
+            torch.randn(2, 3, 4, 5, 8),
+            torch.randn(2, 3, 4, 5, 8),
+            torch.randn(2, 3, 4, 5, 8),
+            mask_mod=causal(),
+        ),
+    ),
+    "unbound-bottom-right": (
+        ValueError,
+        r"causal\(align='bottom_right'\) needs the lengths T and S "
+        r"to align bottom-right: pass it as mask_mod=",
+        lambda: causal("bottom_right")(*index_grid(1, 1, 2, 4)),
+    ),
+    "unbound-bottom-right-blocks": (
+        ValueError,
+        r"needs the lengths T and S to align bottom-right",
+        lambda: sliding_window(2, align="bottom_right").blocks(
+            Grid(1, 1, 2, 4, 1, 1, torch.device("cpu"))
+        ),
+    ),
 }
 
 
@@ -523,6 +701,7 @@ def test_prefix_lm_wrong_count_names_prefix_lm():
 
 
 # --- a piece of a call (ring attention's shards): offset_mask / offset_score -----------------
+
 
 @pytest.mark.parametrize("name, T, S", CASES)
 def test_offset_mask_is_the_piece_of_the_whole_mask(name, T, S):
@@ -546,13 +725,16 @@ def test_offset_mask_is_the_piece_of_the_whole_mask(name, T, S):
             assert not bool((state == FULL)[~all_].any()), (q0, k0, bq, bk)
             assert not bool((state == EMPTY)[~none].any()), (q0, k0, bq, bk)
             if exact:
-                expected = torch.where(all_, FULL, torch.where(none, EMPTY, PARTIAL)).to(state.dtype)
+                expected = torch.where(all_, FULL, torch.where(none, EMPTY, PARTIAL)).to(
+                    state.dtype
+                )
                 assert torch.equal(state, expected), (q0, k0, bq, bk)
 
 
 def test_offset_mask_of_a_subclass_with_its_own_blocks_classifies_by_evaluation():
     """A user MaskMod whose ``blocks`` ignores Grid's offsets cannot be trusted on a piece:
     the piece is classified by evaluating it (exact), never by that ``blocks``."""
+
     class FirstKeys(qkv.masks.MaskMod):
         def __call__(self, b, h, q_idx, kv_idx):
             return kv_idx < 4

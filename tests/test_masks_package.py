@@ -4,6 +4,7 @@ Every name of the single-file module's ``__all__``, and every other name that qk
 or the tests take from ``qkv.masks``, still resolves from ``qkv.masks``, as the same object
 the job's file defines.
 """
+
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +16,52 @@ import qkv.masks
 
 # ``__all__`` of src/qkv/masks.py before the split, in its order.
 OLD_ALL = [
-    "MaskMod", "ScoreMod", "causal", "sliding_window", "prefix_lm", "document", "key_lengths",
-    "and_masks", "or_masks", "alibi", "alibi_slopes", "softcap", "to_dense", "block_summary",
-    "BlockSummary", "as_mask_mod", "as_score_mod", "evaluate_mask", "evaluate_score", "index_grid",
-    "per_element", "score_mod_gradient_inputs", "shift_invariant", "structure_key",
-    "apply_mask_", "causal_bool", "merge_causal", "merge_key_mask",
+    "MaskMod",
+    "ScoreMod",
+    "causal",
+    "sliding_window",
+    "prefix_lm",
+    "document",
+    "key_lengths",
+    "and_masks",
+    "or_masks",
+    "alibi",
+    "alibi_slopes",
+    "softcap",
+    "to_dense",
+    "block_summary",
+    "BlockSummary",
+    "as_mask_mod",
+    "as_score_mod",
+    "evaluate_mask",
+    "evaluate_score",
+    "index_grid",
+    "per_element",
+    "score_mod_gradient_inputs",
+    "shift_invariant",
+    "structure_key",
+    "apply_mask_",
+    "causal_bool",
+    "merge_causal",
+    "merge_key_mask",
 ]
 # Names outside ``__all__`` that src/ or tests/ import or read from qkv.masks.
 USED_ELSEWHERE = [
-    "EMPTY", "PARTIAL", "FULL", "Grid", "block_states", "offset_mask", "offset_score",
-    "_Alibi", "_Combined", "_Document", "_KeysBefore", "_Softcap", "_Window",
-    "_blocks_take_offsets", "_captured_tensors",
+    "EMPTY",
+    "PARTIAL",
+    "FULL",
+    "Grid",
+    "block_states",
+    "offset_mask",
+    "offset_score",
+    "_Alibi",
+    "_Combined",
+    "_Document",
+    "_KeysBefore",
+    "_Softcap",
+    "_Window",
+    "_blocks_take_offsets",
+    "_captured_tensors",
 ]
 JOBS = ["vocabulary", "blocks", "structure", "evaluation", "dense"]
 
@@ -40,14 +76,27 @@ def test_name_resolves(name):
     exec(f"from qkv.masks import {name}", {})
 
 
-@pytest.mark.parametrize("name, job", [
-    ("causal", "vocabulary"), ("MaskMod", "vocabulary"), ("_Window", "vocabulary"),
-    ("alibi", "vocabulary"), ("block_summary", "blocks"), ("Grid", "blocks"),
-    ("FULL", "blocks"), ("structure_key", "structure"), ("_blocks_take_offsets", "structure"),
-    ("offset_mask", "structure"), ("per_element", "evaluation"),
-    ("_captured_tensors", "evaluation"), ("index_grid", "evaluation"), ("to_dense", "dense"),
-    ("causal_bool", "dense"), ("apply_mask_", "dense"),
-])
+@pytest.mark.parametrize(
+    "name, job",
+    [
+        ("causal", "vocabulary"),
+        ("MaskMod", "vocabulary"),
+        ("_Window", "vocabulary"),
+        ("alibi", "vocabulary"),
+        ("block_summary", "blocks"),
+        ("Grid", "blocks"),
+        ("FULL", "blocks"),
+        ("structure_key", "structure"),
+        ("_blocks_take_offsets", "structure"),
+        ("offset_mask", "structure"),
+        ("per_element", "evaluation"),
+        ("_captured_tensors", "evaluation"),
+        ("index_grid", "evaluation"),
+        ("to_dense", "dense"),
+        ("causal_bool", "dense"),
+        ("apply_mask_", "dense"),
+    ],
+)
 def test_name_is_the_jobs_object(name, job):
     module = getattr(qkv.masks, job)
     assert getattr(qkv.masks, name) is getattr(module, name)

@@ -4,15 +4,26 @@ generation (greedy = argmax of repeated full forwards; seeded sampling), ViT pat
 Every equivalence runs in float64 with torch.testing.assert_close defaults, for every attention
 kind (exact, linear, performer, local) and for pre- and post-norm.
 """
+
 import math
 
 import pytest
 import torch
 
 from qkv import MultiHeadTrace
-from qkv.models import (DecoderLM, EncoderClassifier, EncoderLayer, PatchEmbedding,
-                        Seq2SeqTransformer, SinusoidalPositions, ViT, attention_kinds, kinds,
-                        make_attention, register_attention)
+from qkv.models import (
+    DecoderLM,
+    EncoderClassifier,
+    EncoderLayer,
+    PatchEmbedding,
+    Seq2SeqTransformer,
+    SinusoidalPositions,
+    ViT,
+    attention_kinds,
+    kinds,
+    make_attention,
+    register_attention,
+)
 
 F64 = dict(dtype=torch.float64)
 OPTIONS = {"exact": {}, "linear": {}, "performer": {"num_features": 16}, "local": {"window": 3}}
@@ -51,6 +62,7 @@ def test_kinds_are_the_four_and_all_are_checked_here():
 
 # --- shapes -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_model_shapes(kind):
     x, y = tokens(2, 7), tokens(2, 5)
@@ -83,7 +95,7 @@ def test_patch_embedding_is_a_linear_map_of_each_patch_in_raster_order():
     w, b = pe.proj.weight.flatten(1), pe.proj.bias  # (C, 3 * 2 * 2)
     for r in range(2):
         for c in range(3):
-            patch = img[:, :, 2 * r:2 * r + 2, 2 * c:2 * c + 2].flatten(1)  # (B, 12)
+            patch = img[:, :, 2 * r : 2 * r + 2, 2 * c : 2 * c + 2].flatten(1)  # (B, 12)
             torch.testing.assert_close(out[:, 3 * r + c], patch @ w.T + b)
 
 
@@ -113,6 +125,7 @@ def test_encoder_layer_norm_order(norm_first):
 
 # --- padding never leaks ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_classifier_padding_never_leaks(kind, pooling):
@@ -127,13 +140,18 @@ def test_classifier_padding_never_leaks(kind, pooling):
 @pytest.mark.parametrize("norm_first", [True, False], ids=["pre-norm", "post-norm"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_seq2seq_padding_never_leaks(kind, norm_first):
-    model = seq2seq(kind, norm_first=norm_first, cross_attention=kind,
-                    cross_attention_options=OPTIONS[kind])
+    model = seq2seq(
+        kind, norm_first=norm_first, cross_attention=kind, cross_attention_options=OPTIONS[kind]
+    )
     src, src_mask = tokens(2, 8), right_padded([8, 5], 8)
     tgt, tgt_mask = tokens(2, 6), right_padded([4, 6], 6)
     out = model(src, tgt, src_key_mask=src_mask, tgt_key_mask=tgt_mask)
-    out2 = model(scramble(src, src_mask), scramble(tgt, tgt_mask), src_key_mask=src_mask,
-                 tgt_key_mask=tgt_mask)
+    out2 = model(
+        scramble(src, src_mask),
+        scramble(tgt, tgt_mask),
+        src_key_mask=src_mask,
+        tgt_key_mask=tgt_mask,
+    )
     torch.testing.assert_close(out[tgt_mask], out2[tgt_mask])
 
 
@@ -146,6 +164,7 @@ def test_lm_left_padding_never_leaks(kind):
 
 
 # --- cached decoding equals the full causal forward ---------------------------------------
+
 
 def _feed(run, x, key_mask, prompt):
     """Logits of x fed as a prompt of ``prompt`` tokens, then one token at a time."""
@@ -177,8 +196,12 @@ def test_seq2seq_cached_decoding_equals_full_forward(kind, norm_first):
     full = model(src, tgt, src_key_mask=src_mask)
     memory = model.encode(src, src_key_mask=src_mask)
     cache = model.new_cache(2, 10)
-    dec = _feed(lambda t, km: model.decode(t, memory, src_key_mask=src_mask, cache=cache),
-                tgt, None, prompt=1)
+    dec = _feed(
+        lambda t, km: model.decode(t, memory, src_key_mask=src_mask, cache=cache),
+        tgt,
+        None,
+        prompt=1,
+    )
     torch.testing.assert_close(dec, full)
 
 
@@ -188,8 +211,12 @@ def test_seq2seq_decoding_with_linear_cross_attention(cross):
     src, src_mask, tgt = tokens(2, 9), right_padded([9, 6], 9), tokens(2, 7)
     memory = model.encode(src, src_key_mask=src_mask)
     cache = model.new_cache(2, 7)
-    dec = _feed(lambda t, km: model.decode(t, memory, src_key_mask=src_mask, cache=cache),
-                tgt, None, prompt=3)
+    dec = _feed(
+        lambda t, km: model.decode(t, memory, src_key_mask=src_mask, cache=cache),
+        tgt,
+        None,
+        prompt=3,
+    )
     torch.testing.assert_close(dec, model(src, tgt, src_key_mask=src_mask))
 
 
@@ -202,6 +229,7 @@ def test_sinusoidal_positions_decode_like_the_full_forward():
 
 
 # --- generation ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_lm_greedy_generate_is_argmax_of_repeated_full_forwards(kind):
@@ -265,7 +293,7 @@ def test_generate_stops_each_sequence_at_eos_and_pads_after_it():
         hits = (row == eos).nonzero()
         want = row.clone()
         if len(hits):
-            want[int(hits[0]) + 1:] = pad
+            want[int(hits[0]) + 1 :] = pad
         assert torch.equal(new, want)
 
 
@@ -289,6 +317,7 @@ def test_generate_past_learned_positions_raises_before_decoding():
 
 
 # --- attention maps -----------------------------------------------------------------------
+
 
 def test_attention_maps_are_returned_per_layer_and_never_stored():
     model = seq2seq(num_decoder_layers=3)
@@ -328,9 +357,13 @@ def test_models_train(kind):
 
 # --- the kind registry and errors ---------------------------------------------------------
 
+
 def test_unknown_kind_lists_the_kinds():
-    with pytest.raises(ValueError, match="unknown attention kind 'flash'; the kinds are "
-                                         "'exact', 'linear', 'performer', 'local'"):
+    with pytest.raises(
+        ValueError,
+        match="unknown attention kind 'flash'; the kinds are "
+        "'exact', 'linear', 'performer', 'local'",
+    ):
         lm("exact", attention="flash")
 
 
@@ -370,8 +403,11 @@ def test_model_argument_errors():
     with pytest.raises(ValueError, match=r"image size 8x8 is not divisible by patch_size=3"):
         ViT(8, 3, 2, C, H, L)
     vit = ViT((8, 4), 2, 2, C, H, L, in_channels=1)
-    with pytest.raises(ValueError, match=r"images must be \(B, in_channels, height, width\) = "
-                                         r"\(B, 1, 8, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"images must be \(B, in_channels, height, width\) = "
+        r"\(B, 1, 8, 4\)",
+    ):
         vit(torch.randn(2, 1, 4, 8))
     with pytest.raises(ValueError, match="unknown pooling 'max'"):
         EncoderClassifier(V, 2, C, H, L, pooling="max")

@@ -1,5 +1,6 @@
 """Modules: SelfAttention in the seeds' terms, MultiHeadAttention equal to torch's module,
 GQA equal to repeated K/V heads, traces consistent with outputs, AdditiveAttention."""
+
 import itertools
 
 import pytest
@@ -16,14 +17,16 @@ def _copy_grads(module):
 
 # --- SelfAttention -------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_self_attention_from_weights_gives_seed_numbers(name):
     ex = EXAMPLES[name]
     t = ex.tensors()
     sa = qkv.SelfAttention.from_weights(t["w_q"], t["w_k"], t["w_v"], scale=ex.scale)
     out, trace = sa(t["x"], return_trace=True)
-    torch.testing.assert_close(out, torch.tensor(ex.expected["outputs"], dtype=torch.float64),
-                               rtol=0, atol=5e-7)
+    torch.testing.assert_close(
+        out, torch.tensor(ex.expected["outputs"], dtype=torch.float64), rtol=0, atol=5e-7
+    )
     torch.testing.assert_close(trace.q, t["x"] @ t["w_q"])
     assert trace.probs.shape == (3, 3) if name.startswith("seed004") else (2, 2)
 
@@ -51,9 +54,9 @@ def test_self_attention_from_weights_rejects_bad_shapes():
 GRID = [
     pytest.param(*c, id="-".join(map(str, c)))
     for c in itertools.product(
-        ["self", "cross"],             # self-attention (fused projection) or S != T
+        ["self", "cross"],  # self-attention (fused projection) or S != T
         ["bias", "nobias"],
-        ["kvdim", "samedim"],          # kdim/vdim differ from embed_dim
+        ["kvdim", "samedim"],  # kdim/vdim differ from embed_dim
         ["batch_first", "seq_first"],
         ["nomask", "attn_mask", "key_mask", "both"],
     )
@@ -63,8 +66,14 @@ GRID = [
 
 def _torch_mha(bias, kvdim, batch_first):
     kw = dict(kdim=12, vdim=10) if kvdim == "kvdim" else {}
-    return nn.MultiheadAttention(16, 4, bias=bias == "bias", batch_first=batch_first == "batch_first",
-                                 dtype=torch.float64, **kw)
+    return nn.MultiheadAttention(
+        16,
+        4,
+        bias=bias == "bias",
+        batch_first=batch_first == "batch_first",
+        dtype=torch.float64,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("mode,bias,kvdim,layout,masks", GRID)
@@ -131,7 +140,9 @@ def test_to_torch_round_trip():
     q = torch.randn(2, 5, 16, dtype=torch.float64)
     k, v = torch.randn(2, 6, 12, dtype=torch.float64), torch.randn(2, 6, 10, dtype=torch.float64)
     tm = ours.to_torch()
-    torch.testing.assert_close(tm(q, k, v, need_weights=False)[0], ours(q, k, v), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        tm(q, k, v, need_weights=False)[0], ours(q, k, v), rtol=0, atol=1e-12
+    )
     back = qkv.MultiHeadAttention.from_torch(tm)
     torch.testing.assert_close(back(q, k, v), ours(q, k, v), rtol=0, atol=0)
 
@@ -151,6 +162,7 @@ def test_to_torch_refuses_gqa():
 
 # --- GQA, traces, masks, config errors -------------------------------------------------------
 
+
 @pytest.mark.parametrize("G", [1, 2, 4])
 def test_gqa_equals_repeated_kv_heads(G):
     gqa = qkv.MultiHeadAttention(16, 4, num_kv_heads=G, dtype=torch.float64)
@@ -160,7 +172,9 @@ def test_gqa_equals_repeated_kv_heads(G):
         gqa.in_proj_bias.normal_()
         w_q, w_k, w_v = gqa.in_proj_weight.split([16, G * D, G * D])
         b_q, b_k, b_v = gqa.in_proj_bias.split([16, G * D, G * D])
-        expand = lambda w: w.reshape(G, D, *w.shape[1:]).repeat_interleave(rep, 0).reshape(16, *w.shape[1:])  # noqa: E731
+        expand = lambda w: (
+            w.reshape(G, D, *w.shape[1:]).repeat_interleave(rep, 0).reshape(16, *w.shape[1:])
+        )  # noqa: E731
         full.in_proj_weight.copy_(torch.cat([w_q, expand(w_k), expand(w_v)]))
         full.in_proj_bias.copy_(torch.cat([b_q, expand(b_k), expand(b_v)]))
         full.out_proj.load_state_dict(gqa.out_proj.state_dict())
@@ -180,8 +194,9 @@ def test_trace_consistent_with_output():
     torch.testing.assert_close(tr.probs @ v, tr.heads)
     concat = tr.heads.transpose(1, 2).reshape(2, 6, 16)  # (B, T, H*D)
     torch.testing.assert_close(concat @ mha.W_O + mha.out_proj.bias, out)
-    torch.testing.assert_close(x @ mha.W_Q + mha.in_proj_bias[:16],
-                               tr.q.transpose(1, 2).reshape(2, 6, 16))
+    torch.testing.assert_close(
+        x @ mha.W_Q + mha.in_proj_bias[:16], tr.q.transpose(1, 2).reshape(2, 6, 16)
+    )
     assert bool((tr.probs[1, ..., 4:] == 0).all())
 
 
@@ -202,12 +217,21 @@ def test_dropout_only_in_training():
     assert (mha(x) - mha(x)).abs().max() > 0
 
 
-@pytest.mark.parametrize("kw,pattern", [
-    (dict(embed_dim=10, num_heads=3), r"embed_dim=10 is not a multiple of num_heads=3.*\[1, 2, 5, 10\]"),
-    (dict(embed_dim=16, num_heads=4, num_kv_heads=3), r"num_heads must be a multiple of num_kv_heads"),
-    (dict(embed_dim=16, num_heads=0), r"num_heads must be a positive int, got 0"),
-    (dict(embed_dim=16, num_heads=4, dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
-])
+@pytest.mark.parametrize(
+    "kw,pattern",
+    [
+        (
+            dict(embed_dim=10, num_heads=3),
+            r"embed_dim=10 is not a multiple of num_heads=3.*\[1, 2, 5, 10\]",
+        ),
+        (
+            dict(embed_dim=16, num_heads=4, num_kv_heads=3),
+            r"num_heads must be a multiple of num_kv_heads",
+        ),
+        (dict(embed_dim=16, num_heads=0), r"num_heads must be a positive int, got 0"),
+        (dict(embed_dim=16, num_heads=4, dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
+    ],
+)
 def test_config_errors(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
         qkv.MultiHeadAttention(**kw)
@@ -215,11 +239,15 @@ def test_config_errors(kw, pattern):
 
 def test_forward_errors():
     mha = qkv.MultiHeadAttention(8, 2)
-    with pytest.raises(ValueError, match=r"query must be \(B, L, 8\) or unbatched \(L, 8\), got shape \(2, 5, 7\)"):
+    with pytest.raises(
+        ValueError, match=r"query must be \(B, L, 8\) or unbatched \(L, 8\), got shape \(2, 5, 7\)"
+    ):
         mha(torch.randn(2, 5, 7))
     with pytest.raises(TypeError, match=r"key_mask must be a bool tensor.*pass ~key_padding_mask"):
         mha(torch.randn(2, 5, 8), key_mask=torch.ones(2, 5))
-    with pytest.raises(ValueError, match=r"key_mask must have shape \(B, S\) = \(2, 5\), got \(2, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"key_mask must have shape \(B, S\) = \(2, 5\), got \(2, 4\)"
+    ):
         mha(torch.randn(2, 5, 8), key_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"must share the batch size"):
         mha(torch.randn(2, 5, 8), torch.randn(3, 5, 8))
@@ -238,26 +266,35 @@ def test_wrong_input_dtype_named_with_the_fix(name):
     mat2 must have the same dtype" (issue 12, item 16a)."""
     module = DTYPE_MODULES[name]()
     tokens = torch.randint(0, 100, (2, 5))  # (B, T): ids not yet embedded
-    with pytest.raises(TypeError, match=r"query has dtype torch.int64 but the module's weights "
-                                        r"are torch.float32: .*embed token ids first"):
+    with pytest.raises(
+        TypeError,
+        match=r"query has dtype torch.int64 but the module's weights "
+        r"are torch.float32: .*embed token ids first",
+    ):
         module(tokens)
     with pytest.raises(TypeError, match=r"query has dtype torch.int64.*nn.Embedding"):
         module(torch.zeros(2, 5, 8, dtype=torch.long))
     x64 = torch.randn(2, 5, 8, dtype=torch.float64)
-    with pytest.raises(TypeError, match=r"query has dtype torch.float64 but the module's weights "
-                                        r"are torch.float32: cast the input with "
-                                        r"query.to\(torch.float32\), or the module with "
-                                        r"module.to\(torch.float64\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"query has dtype torch.float64 but the module's weights "
+        r"are torch.float32: cast the input with "
+        r"query.to\(torch.float32\), or the module with "
+        r"module.to\(torch.float64\)",
+    ):
         module(x64)
-    torch.testing.assert_close(module.to(torch.float64)(x64), module.float()(x64.float()).double(),
-                               rtol=1e-5, atol=1e-6)  # either fix works
+    torch.testing.assert_close(
+        module.to(torch.float64)(x64), module.float()(x64.float()).double(), rtol=1e-5, atol=1e-6
+    )  # either fix works
 
 
 @pytest.mark.parametrize("kvdim", [8, 6], ids=["fused", "kdim-vdim"])
 def test_wrong_key_dtype_named(kvdim):
     mha = qkv.MultiHeadAttention(8, 2, kdim=kvdim, vdim=kvdim)
     x, kv = torch.randn(2, 5, 8), torch.randn(2, 4, kvdim)
-    with pytest.raises(TypeError, match=r"^key has dtype torch.float16 but the module's weights are torch.float32"):
+    with pytest.raises(
+        TypeError, match=r"^key has dtype torch.float16 but the module's weights are torch.float32"
+    ):
         mha(x, kv.half(), kv)
     with pytest.raises(TypeError, match=r"^value has dtype torch.float64"):
         mha(x, kv, kv.double())
@@ -282,6 +319,7 @@ def test_autocast_input_dtypes_are_left_to_autocast():
 
 # --- AdditiveAttention ------------------------------------------------------------------------
 
+
 def test_additive_matches_formula_and_masks():
     add = qkv.AdditiveAttention(6, 5, key_dim=4, dtype=torch.float64)
     q = torch.randn(2, 3, 6, dtype=torch.float64)
@@ -289,9 +327,17 @@ def test_additive_matches_formula_and_masks():
     v = torch.randn(2, 4, 7, dtype=torch.float64)
     out, tr = add(q, k, v, return_trace=True)
     Wq, Wk, w = add.W_q.weight, add.W_k.weight, add.v.weight[0]
-    scores = torch.stack([torch.stack([torch.stack([
-        w @ torch.tanh(Wq @ q[b, i] + Wk @ k[b, j]) for j in range(4)]) for i in range(3)])
-        for b in range(2)])  # (B, T, S), one score at a time
+    scores = torch.stack(
+        [
+            torch.stack(
+                [
+                    torch.stack([w @ torch.tanh(Wq @ q[b, i] + Wk @ k[b, j]) for j in range(4)])
+                    for i in range(3)
+                ]
+            )
+            for b in range(2)
+        ]
+    )  # (B, T, S), one score at a time
     torch.testing.assert_close(tr.scores, scores)
     torch.testing.assert_close(out, torch.softmax(scores, -1) @ v)
     keep = torch.tensor([[True, True, False, False], [False] * 4])

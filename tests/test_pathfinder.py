@@ -1,4 +1,5 @@
 """qkv.tasks.pathfinder: determinism, disjoint balanced splits, the label check, the cache."""
+
 from __future__ import annotations
 
 import random
@@ -32,18 +33,23 @@ def _draws(resolution: int, difficulty: str, n: int, seed: int = 0):
 
 # ---------------------------------------------------------------- the flood fill
 
+
 def _grid(rows: list[str]):
     return np.array([[c == "#" for c in r] for r in rows], dtype=np.float32)
 
 
-@pytest.mark.parametrize("rows, reach, joined", [
-    (["#....", "###..", "..###"], 1.0, True),    # a 4-connected path
-    (["#....", ".#...", "..#.#"], 1.5, False),   # diagonal steps join, the gap at col 3 not
-    (["#....", ".#...", "..#.#"], 2.0, True),    # ...unless reach bridges one pixel
-    (["#....", ".#...", "..#.#"], 1.0, False),   # 4-connectivity: diagonal pixels don't touch
-    (["#.#.#", ".....", "#.#.#"], 1.5, False),
-    (["#..#.", ".....", "...##"], 3.2, True),    # a 3 px jump then a 2.0 one
-], ids=["path", "diagonal-8", "gap-2", "diagonal-4", "dots", "jumps"])
+@pytest.mark.parametrize(
+    "rows, reach, joined",
+    [
+        (["#....", "###..", "..###"], 1.0, True),  # a 4-connected path
+        (["#....", ".#...", "..#.#"], 1.5, False),  # diagonal steps join, the gap at col 3 not
+        (["#....", ".#...", "..#.#"], 2.0, True),  # ...unless reach bridges one pixel
+        (["#....", ".#...", "..#.#"], 1.0, False),  # 4-connectivity: diagonal pixels don't touch
+        (["#.#.#", ".....", "#.#.#"], 1.5, False),
+        (["#..#.", ".....", "...##"], 3.2, True),  # a 3 px jump then a 2.0 one
+    ],
+    ids=["path", "diagonal-8", "gap-2", "diagonal-4", "dots", "jumps"],
+)
 def test_connected_on_hand_drawn_arrays(rows, reach, joined):
     image = _grid(rows)
     b = (len(rows) - 1, len(rows[0]) - 1)
@@ -64,6 +70,7 @@ def test_connected_needs_ink_at_both_points_and_a_threshold():
 
 
 # ---------------------------------------------------------------- the generator
+
 
 @pytest.mark.parametrize("difficulty", ["easy", "intermediate", "hard"])
 def test_target_contours_have_the_difficultys_length_and_paddle_gaps(difficulty):
@@ -106,8 +113,11 @@ def _disc_centres(image, radius):
     r = int(radius)
     padded = np.pad(image, r)
     side = image.shape[0]
-    total = sum(padded[r + dy:r + dy + side, r + dx:r + dx + side]
-                for dy in range(-r, r + 1) for dx in range(-r, r + 1))
+    total = sum(
+        padded[r + dy : r + dy + side, r + dx : r + dx + side]
+        for dy in range(-r, r + 1)
+        for dx in range(-r, r + 1)
+    )
     first = np.unravel_index(np.argmax(total), total.shape)
     yy, xx = np.mgrid[:side, :side]
     total[(yy - first[0]) ** 2 + (xx - first[1]) ** 2 <= (2 * radius + 1) ** 2] = -1
@@ -119,7 +129,7 @@ def test_shapes_dtypes_and_balance(tmp_path, resolution):
     d = pathfinder("test", resolution=resolution, cache_dir=tmp_path, grid=False, **SMALL)
     assert d.images.shape == (8, 1, resolution, resolution) and d.images.dtype == torch.float32
     assert d.labels.dtype == torch.int64 and d.num_classes == 2 and d.task == "pathfinder"
-    assert 0 <= d.images.min() and d.images.max() == 1  # the markers are full white
+    assert d.images.min() >= 0 and d.images.max() == 1  # the markers are full white
     assert int(d.labels.sum()) == 4
     for k in range(0, 8, 2):  # every pair holds one image of each label
         assert d.labels[k] + d.labels[k + 1] == 1
@@ -142,8 +152,16 @@ def test_deterministic_seeded_disjoint_and_balanced_splits(tmp_path):
 
 
 def test_load_names_it_and_checks_its_options(tmp_path):
-    d = tasks.load("pathfinder", split="valid", size=2, cache_dir=tmp_path, valid_size=2,
-                   test_size=2, progress=False, grid=False)
+    d = tasks.load(
+        "pathfinder",
+        split="valid",
+        size=2,
+        cache_dir=tmp_path,
+        valid_size=2,
+        test_size=2,
+        progress=False,
+        grid=False,
+    )
     assert len(d) == 2
     with pytest.raises(ValueError, match="one of \\(32, 64, 128\\)"):
         pathfinder(resolution=48, cache_dir=tmp_path)
@@ -154,6 +172,7 @@ def test_load_names_it_and_checks_its_options(tmp_path):
 
 
 # ---------------------------------------------------------------- the cache and the grid
+
 
 def test_cache_round_trip_and_a_damaged_file_regenerated(tmp_path):
     kw = dict(split="valid", cache_dir=tmp_path, grid=False, **SMALL)

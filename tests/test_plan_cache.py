@@ -2,6 +2,7 @@
 ``qkv.masks.structure_key``: the same structure and sizes reuse a plan, anything else plans
 anew, and a reused plan gives the answer of a fresh one (float64, compared with the reference).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -68,9 +69,11 @@ def test_masks_without_a_structure_key_are_never_cached(name):
         def __call__(self, b, h, q_idx, kv_idx):
             return (kv_idx - q_idx).abs() <= 9
 
-    kw = {"function": dict(mask_mod=lambda b, h, qi, ki: (ki - qi).abs() <= 9),
-          "subclass": dict(mask_mod=Band()),
-          "dense": dict(attn_mask=M.to_dense(M.sliding_window(9, 9), 1, 1, 200, 200)[0, 0])}[name]
+    kw = {
+        "function": dict(mask_mod=lambda b, h, qi, ki: (ki - qi).abs() <= 9),
+        "subclass": dict(mask_mod=Band()),
+        "dense": dict(attn_mask=M.to_dense(M.sliding_window(9, 9), 1, 1, 200, 200)[0, 0]),
+    }[name]
     if "mask_mod" in kw:
         assert M.structure_key(M.as_mask_mod(kw["mask_mod"])) is None
     _check(q, k, v, **kw)
@@ -80,13 +83,16 @@ def test_masks_without_a_structure_key_are_never_cached(name):
 
 def test_structure_keys_of_combinations_and_offsets():
     w, c = M.sliding_window(4), M.causal()
-    assert M.structure_key(M.and_masks(w, c)) == M.structure_key(M.and_masks(M.sliding_window(4), M.causal()))
+    assert M.structure_key(M.and_masks(w, c)) == M.structure_key(
+        M.and_masks(M.sliding_window(4), M.causal())
+    )
     assert M.structure_key(M.and_masks(w, c)) != M.structure_key(M.or_masks(w, c))
     assert M.structure_key(M.and_masks(w, lambda b, h, q, kv: q >= kv)) is None
     bound = M.causal("bottom_right")
     assert M.structure_key(bound.bind(1, 1, 3, 5)) != M.structure_key(bound.bind(1, 1, 5, 5))
     assert M.structure_key(M.offset_mask(w.bind(1, 1, 9, 9), 2, 0)) != M.structure_key(
-        M.offset_mask(w.bind(1, 1, 9, 9), 3, 0))
+        M.offset_mask(w.bind(1, 1, 9, 9), 3, 0)
+    )
 
 
 def test_a_reused_plan_serves_other_inputs_score_mods_and_gradients():
@@ -96,7 +102,9 @@ def test_a_reused_plan_serves_other_inputs_score_mods_and_gradients():
         q, k, v = (t.requires_grad_() for t in _qkv(T=T, S=T, seed=seed))
         out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm, score_mod=sm)
         grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-        ref = qkv.scaled_dot_product_attention(q, k, v, backend="reference", mask_mod=mm, score_mod=sm)
+        ref = qkv.scaled_dot_product_attention(
+            q, k, v, backend="reference", mask_mod=mm, score_mod=sm
+        )
         ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
         for g, r in zip(grads, ref_grads):

@@ -24,6 +24,7 @@ random): ``QKV_HYPOTHESIS_PROFILE=long pytest tests/test_properties.py``.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, Dv value head dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,20 +38,44 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
+from reference64 import attention64
+from strategies import (
+    COPYING_FREE_LAYOUTS,
+    FLOAT_MASK_SHAPES,
+    Case,
+    Causal,
+    Combine,
+    KeyLengths,
+    MaskFn,
+    MaskSpec,
+    ScoreFn,
+    Softcap,
+    Window,
+    cases,
+    learned_bias_cases,
+)
 
 import qkv
-from reference64 import attention64
-from strategies import (COPYING_FREE_LAYOUTS, FLOAT_MASK_SHAPES, Case, Causal, Combine, KeyLengths,
-                        MaskFn, MaskSpec, ScoreFn, Softcap, Window, cases, learned_bias_cases)
 
-_COMMON = dict(deadline=None, print_blob=True,
-               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                      HealthCheck.data_too_large])
+_COMMON = dict(
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
 settings.register_profile("ci", max_examples=36, derandomize=True, database=None, **_COMMON)
 settings.register_profile(  # failures saved under the (git-ignored) .pytest_cache, replayed first
-    "long", max_examples=5000, derandomize=False, **_COMMON,
+    "long",
+    max_examples=5000,
+    derandomize=False,
+    **_COMMON,
     database=DirectoryBasedExampleDatabase(
-        Path(__file__).parents[1] / ".pytest_cache" / "hypothesis"))
+        Path(__file__).parents[1] / ".pytest_cache" / "hypothesis"
+    ),
+)
 PROFILE = settings.get_profile(os.environ.get("QKV_HYPOTHESIS_PROFILE", "ci"))
 LONG = PROFILE.max_examples > 100
 
@@ -66,6 +91,7 @@ OUTPUT_FACTOR, GRAD_FACTOR, ATOL = 2.0, 3.0, 1e-5
 
 # --- running a case ---------------------------------------------------------------------------
 
+
 @contextmanager
 def small_tiles(case: Case, bq: int, bk: int, chunk_blocks: int, full_run: int):
     """The tiled backend with ``bq``-row tiles, ``bk``-key blocks, chunks of at most
@@ -77,8 +103,10 @@ def small_tiles(case: Case, bq: int, bk: int, chunk_blocks: int, full_run: int):
     kw = getattr(fn, "__kwdefaults__", None) or {}
     names = ("CHUNK_ELEMENTS", "MIN_FULL_RUN")
     if "block_q" not in kw or "block_k" not in kw or not all(hasattr(tiled_mod, n) for n in names):
-        pytest.skip("qkv.ops.tiled no longer has block_q/block_k defaults or CHUNK_ELEMENTS/"
-                    "MIN_FULL_RUN: update small_tiles() to shrink its tiles")
+        pytest.skip(
+            "qkv.ops.tiled no longer has block_q/block_k defaults or CHUNK_ELEMENTS/"
+            "MIN_FULL_RUN: update small_tiles() to shrink its tiles"
+        )
     saved = dict(kw), {n: getattr(tiled_mod, n) for n in names}
     fn.__kwdefaults__ = {**kw, "block_q": bq, "block_k": bk}
     tiled_mod.MIN_FULL_RUN = full_run
@@ -108,8 +136,9 @@ def run_qkv(case: Case, inp: dict, backend: str, tiles=None):
     try:
         if backend == "tiled-small":
             with small_tiles(case, *tiles):
-                return qkv.scaled_dot_product_attention(inp["q"], inp["k"], inp["v"],
-                                                        backend=name, **kw)
+                return qkv.scaled_dot_product_attention(
+                    inp["q"], inp["k"], inp["v"], backend=name, **kw
+                )
         return qkv.scaled_dot_product_attention(inp["q"], inp["k"], inp["v"], backend=name, **kw)
     except qkv.BackendUnsupportedError:
         if backend == "auto":
@@ -130,17 +159,20 @@ def grad_inputs(inp: dict) -> dict:
     return out
 
 
-def grads(out: torch.Tensor, wrt: dict, dout: torch.Tensor, case: Case | None = None,
-          tiles=None) -> dict:
+def grads(
+    out: torch.Tensor, wrt: dict, dout: torch.Tensor, case: Case | None = None, tiles=None
+) -> dict:
     """Gradients of ``(out * dout).sum()``; zeros for inputs the output does not depend on.
     With ``tiles``, the backward runs with the tiled backend's blocks shrunk as in forward."""
     assert out.requires_grad, (
         f"the output {tuple(out.shape)} does not require grad although its inputs do: "
-        f"out.sum().backward() would raise")
+        f"out.sum().backward() would raise"
+    )
     ctx = small_tiles(case, *tiles) if tiles is not None else _nothing()
     with ctx:
-        got = torch.autograd.grad(out, list(wrt.values()), dout, allow_unused=True,
-                                  materialize_grads=True)
+        got = torch.autograd.grad(
+            out, list(wrt.values()), dout, allow_unused=True, materialize_grads=True
+        )
     return dict(zip(wrt, got))
 
 
@@ -151,6 +183,7 @@ def _nothing():
 
 def golden_run(case: Case, inp: dict):
     """reference64 on the float64 upcast of the inputs: output and gradients by name."""
+
     def up(t):
         return t.detach().to(torch.float64).contiguous().clone().requires_grad_(True)
 
@@ -161,8 +194,16 @@ def golden_run(case: Case, inp: dict):
         bias = up(mask)
     tensors64 = {n: up(t) for n, t in inp["score_tensors"].items()}
     sinks = None if inp.get("sinks") is None else up(inp["sinks"])
-    out = attention64(q, k, v, scale=case.scale, allowed=case.golden_allowed(), bias=bias,
-                      score_mod=case.golden_score_mod(tensors64), sinks=sinks)
+    out = attention64(
+        q,
+        k,
+        v,
+        scale=case.scale,
+        allowed=case.golden_allowed(),
+        bias=bias,
+        score_mod=case.golden_score_mod(tensors64),
+        sinks=sinks,
+    )
     wrt = {"q": q, "k": k, "v": v}
     if mask is not None and mask.requires_grad:
         wrt["attn_mask"] = bias
@@ -171,12 +212,18 @@ def golden_run(case: Case, inp: dict):
             wrt[f"score_mod.{name}"] = tensors64[name]
     if sinks is not None:
         wrt["sinks"] = sinks
-    g = torch.autograd.grad(out, list(wrt.values()), inp["dout"].to(torch.float64),
-                            allow_unused=True, materialize_grads=True)
+    g = torch.autograd.grad(
+        out,
+        list(wrt.values()),
+        inp["dout"].to(torch.float64),
+        allow_unused=True,
+        materialize_grads=True,
+    )
     return out.detach(), dict(zip(wrt, g))
 
 
 # --- the tolerance policy ---------------------------------------------------------------------
+
 
 def max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:
     """``max|actual - golden|`` in float64; a NaN or an infinity counts as infinite error."""
@@ -205,20 +252,24 @@ def flash_floor(case: Case, backend: str) -> float:
     if backend == "reference" or case.dtype == "float64" or case.scale is None:
         return ATOL
     sharp = abs(case.scale) * math.sqrt(case.D)
-    return ATOL * sharp ** 2 if sharp > 8 else ATOL
+    return ATOL * sharp**2 if sharp > 8 else ATOL
 
 
-def check(name: str, actual, golden: torch.Tensor, baseline, factor: float, where: str,
-          atol: float = ATOL):
+def check(
+    name: str, actual, golden: torch.Tensor, baseline, factor: float, where: str, atol: float = ATOL
+):
     """DESIGN.md's tolerance policy for one tensor (float64: assert_close defaults)."""
     assert actual is not None, f"{where}: {name} has no gradient"
     assert tuple(actual.shape) == tuple(golden.shape), (
-        f"{where}: {name} has shape {tuple(actual.shape)}, expected {tuple(golden.shape)}")
+        f"{where}: {name} has shape {tuple(actual.shape)}, expected {tuple(golden.shape)}"
+    )
     nan = torch.isnan(actual.detach())
     if bool(nan.any()):
         first = tuple(nan.nonzero()[0].tolist())
-        raise AssertionError(f"{where}: {name} is NaN at {first} ({int(nan.sum())} NaNs) where "
-                             f"the golden is {golden[first].item():.6g}")
+        raise AssertionError(
+            f"{where}: {name} is NaN at {first} ({int(nan.sum())} NaNs) where "
+            f"the golden is {golden[first].item():.6g}"
+        )
     if actual.dtype == torch.float64:
         torch.testing.assert_close(actual.detach(), golden, msg=lambda m: f"{where}: {name}: {m}")
         return
@@ -226,11 +277,13 @@ def check(name: str, actual, golden: torch.Tensor, baseline, factor: float, wher
     bound = factor * base + atol
     assert err <= bound, (
         f"{where}: {name}: max|out - golden| = {err:.3e} exceeds {factor:g} * "
-        f"max|baseline - golden| ({base:.3e}) + {atol:g} = {bound:.3e} (dtype {actual.dtype})")
+        f"max|baseline - golden| ({base:.3e}) + {atol:g} = {bound:.3e} (dtype {actual.dtype})"
+    )
 
 
-def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True,
-               sinks: bool = False):
+def check_call(
+    case: Case, backend: str, tiles=None, *, with_grads: bool = True, sinks: bool = False
+):
     """Run ``case`` on ``backend`` and on the reference, compare both with the golden
     (``sinks``: with attention sinks, one logit per query head drawn from the case's seed)."""
     inp = case.inputs()
@@ -245,7 +298,8 @@ def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True,
     gold_out, gold_grads = golden_run(case, inp)
     base_out = run_qkv(case, inp, "reference")
     assert out.dtype == inp["q"].dtype, (
-        f"{where}: output dtype {out.dtype}, inputs {inp['q'].dtype}")
+        f"{where}: output dtype {out.dtype}, inputs {inp['q'].dtype}"
+    )
     check("output", out, gold_out, base_out, OUTPUT_FACTOR, where, flash_floor(case, backend))
     if not with_grads:
         return
@@ -254,11 +308,19 @@ def check_call(case: Case, backend: str, tiles=None, *, with_grads: bool = True,
     base = grads(base_out, wrt, inp["dout"])
     for name in wrt:
         assert got[name].dtype == wrt[name].dtype
-        check(f"grad {name}", got[name], gold_grads[name], base[name], GRAD_FACTOR, where,
-              flash_floor(case, backend))
+        check(
+            f"grad {name}",
+            got[name],
+            gold_grads[name],
+            base[name],
+            GRAD_FACTOR,
+            where,
+            flash_floor(case, backend),
+        )
 
 
 # --- properties -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @budget(24)
@@ -298,17 +360,32 @@ def test_learned_bias_gradient_matches_float64_reference(backend, case, data):
 
 
 @pytest.mark.parametrize("shape", FLOAT_MASK_SHAPES)
-@pytest.mark.parametrize("backend, flavour", [
-    (b, f) for b in ("reference", "torch", "tiled", "auto", "tiled-small")
-    for f in ("plain", "causal", "window") if (b, f) != ("torch", "window")])  # torch: no mask_mod
+@pytest.mark.parametrize(
+    "backend, flavour",
+    [
+        (b, f)
+        for b in ("reference", "torch", "tiled", "auto", "tiled-small")
+        for f in ("plain", "causal", "window")
+        if (b, f) != ("torch", "window")
+    ],
+)  # torch: no mask_mod
 def test_learned_bias_gradient_every_shape(backend, shape, flavour):
     """Issue 25's repro, B, H, T, D = 2, 2, 16, 16, on every broadcast shape of the bias. The
     full-rank (B, H, T, S) bias got every tile's total gradient in each entry on tiled (an
     empty list of broadcast dims handed to ``Tensor.sum`` sums them all)."""
-    case = Case(B=2, H=2, G=2, T=16, S=16, D=16, Dv=16, dtype="float64",
-                is_causal=flavour == "causal",
-                mask=MaskSpec("float", shape, 1.0, grad=True, seed=3),
-                mask_mod=Window(4, 0, "top_left") if flavour == "window" else None)
+    case = Case(
+        B=2,
+        H=2,
+        G=2,
+        T=16,
+        S=16,
+        D=16,
+        Dv=16,
+        dtype="float64",
+        is_causal=flavour == "causal",
+        mask=MaskSpec("float", shape, 1.0, grad=True, seed=3),
+        mask_mod=Window(4, 0, "top_left") if flavour == "window" else None,
+    )
     check_call(case, backend, (4, 4, 2, 1) if backend == "tiled-small" else None)
 
 
@@ -317,8 +394,16 @@ def _kv_view(allowed: torch.Tensor, G: int) -> torch.Tensor:
     return allowed.reshape(B, G, H // G, T, S)  # (B, G, H/G, T, S)
 
 
-def check_poisoned(case: Case, backend: str, tiles, mode: str, poison: float, *,
-                   key: tuple | None = None, poison_queries: bool = False):
+def check_poisoned(
+    case: Case,
+    backend: str,
+    tiles,
+    mode: str,
+    poison: float,
+    *,
+    key: tuple | None = None,
+    poison_queries: bool = False,
+):
     """Run ``case`` with NaN/inf (``poison``) in masked keys; compare with the clean golden.
 
     ``mode="dead"``: every key no row may attend to (per batch element and kv head) holds
@@ -353,13 +438,27 @@ def check_poisoned(case: Case, backend: str, tiles, mode: str, poison: float, *,
     out = run_qkv(case, inp, backend, tiles)
     if out is None:
         return
-    check("output of rows that may not see the poison", out[rows], gold_out[rows],
-          base_out[rows], OUTPUT_FACTOR, where, flash_floor(case, backend))
+    check(
+        "output of rows that may not see the poison",
+        out[rows],
+        gold_out[rows],
+        base_out[rows],
+        OUTPUT_FACTOR,
+        where,
+        flash_floor(case, backend),
+    )
     if mode == "dead":
         got = grads(out, wrt, inp["dout"], case, tiles if backend == "tiled-small" else None)
         for name in wrt:
-            check(f"grad {name}", got[name], gold_grads[name], base_grads[name], GRAD_FACTOR,
-                  where, flash_floor(case, backend))
+            check(
+                f"grad {name}",
+                got[name],
+                gold_grads[name],
+                base_grads[name],
+                GRAD_FACTOR,
+                where,
+                flash_floor(case, backend),
+            )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -404,10 +503,16 @@ def check_autocast(case: Case, backend: str, low: str):
     expect = _torch_autocast_dtype(dt)
     assert out.dtype == expect, (
         f"backend={backend}: under autocast({low}) the output is {out.dtype}; torch's SDPA "
-        f"gives {expect}")
+        f"gives {expect}"
+    )
     low_case = replace(case, dtype=low)
-    low_inp = {**inp, "q": inp["q"].to(dt), "k": inp["k"].to(dt), "v": inp["v"].to(dt),
-               "dout": inp["dout"].to(dt)}
+    low_inp = {
+        **inp,
+        "q": inp["q"].to(dt),
+        "k": inp["k"].to(dt),
+        "v": inp["v"].to(dt),
+        "dout": inp["dout"].to(dt),
+    }
     gold_out, _ = golden_run(low_case, low_inp)
     base_out = run_qkv(low_case, low_inp, "reference")
     check("output", out, gold_out, base_out, OUTPUT_FACTOR, f"backend={backend} autocast={low}")
@@ -431,14 +536,26 @@ _F64 = dict(dtype="float64")
 _CHAINED = ScoreFn("chained")
 REGRESSIONS = [
     # strided inputs (a [..., ::2] slice) on tiled: wrong output
-    ("tiled-strided-v", Case(T=3, S=5, layouts=("contiguous", "contiguous", "strided"), **_F64),
-     "tiled", None),
-    ("tiled-strided-q-gqa", Case(H=2, G=1, gqa=True, T=1, S=2, **_F64,
-                                 layouts=("strided", "contiguous", "contiguous")), "tiled", None),
+    (
+        "tiled-strided-v",
+        Case(T=3, S=5, layouts=("contiguous", "contiguous", "strided"), **_F64),
+        "tiled",
+        None,
+    ),
+    (
+        "tiled-strided-q-gqa",
+        Case(H=2, G=1, gqa=True, T=1, S=2, **_F64, layouts=("strided", "contiguous", "contiguous")),
+        "tiled",
+        None,
+    ),
     # B = 0 on tiled: ZeroDivisionError / IndexError
     ("tiled-B0-causal", Case(B=0, is_causal=True, **_F64), "tiled", None),
-    ("tiled-B0-keypad-mask", Case(B=0, T=1, S=1, mask=MaskSpec("bool", "B11S"), **_F64), "tiled",
-     None),
+    (
+        "tiled-B0-keypad-mask",
+        Case(B=0, T=1, S=1, mask=MaskSpec("bool", "B11S"), **_F64),
+        "tiled",
+        None,
+    ),
     # rank-0 and rank-1 masks on torch: IndexError
     ("torch-rank0-mask", Case(mask=MaskSpec("bool", "scalar")), "torch", None),
     ("torch-rank1-mask", Case(T=3, S=5, mask=MaskSpec("bool", "S")), "torch", None),
@@ -446,46 +563,94 @@ REGRESSIONS = [
     ("torch-scale0-causal", Case(T=3, S=5, scale=0.0, is_causal=True), "torch", None),
     ("torch-negative-scale-causal", Case(T=3, S=5, scale=-0.5, is_causal=True), "torch", None),
     # gradient of a float attn_mask under a non-additive score_mod on tiled: wrong
-    ("tiled-mask-grad-softcap", Case(T=3, S=5, mask=MaskSpec("float", "TS", 1.0, grad=True),
-                                     score_mod=Softcap(2.0)), "tiled", None),
+    (
+        "tiled-mask-grad-softcap",
+        Case(T=3, S=5, mask=MaskSpec("float", "TS", 1.0, grad=True), score_mod=Softcap(2.0)),
+        "tiled",
+        None,
+    ),
     # score_mod with chained subscripts bias[b][q_idx]: IndexError
     ("reference-chained-subscript", Case(B=2, T=3, S=5, score_mod=_CHAINED), "reference", None),
     ("tiled-chained-subscript", Case(B=2, T=3, S=5, score_mod=_CHAINED), "tiled", None),
     # a score_mod on a call with no keys or no queries: IndexError
-    ("reference-score-mod-S0", Case(T=1, S=0, score_mod=ScoreFn("halve"), **_F64), "reference",
-     None),
+    (
+        "reference-score-mod-S0",
+        Case(T=1, S=0, score_mod=ScoreFn("halve"), **_F64),
+        "reference",
+        None,
+    ),
     ("auto-score-mod-S0", Case(T=1, S=0, score_mod=ScoreFn("rel_bias"), **_F64), "auto", None),
     ("tiled-score-mod-T0", Case(T=0, S=2, score_mod=ScoreFn("halve"), **_F64), "tiled", None),
     # a plain-function mask_mod on a call with no queries; key_lengths with B = 0: errors
-    ("reference-mask-fn-T0", Case(T=0, S=1, mask_mod=MaskFn("band2"), **_F64), "reference",
-     None),
-    ("reference-key-lengths-B0", Case(B=0, T=1, S=1, mask_mod=KeyLengths((0,)), **_F64),
-     "reference", None),
+    ("reference-mask-fn-T0", Case(T=0, S=1, mask_mod=MaskFn("band2"), **_F64), "reference", None),
+    (
+        "reference-key-lengths-B0",
+        Case(B=0, T=1, S=1, mask_mod=KeyLengths((0,)), **_F64),
+        "reference",
+        None,
+    ),
     # tiled with D != Dv (matmul inner kernel), T = S = 1, scale 50: grad k 1.3e-5 where the
     # reference's is exactly 0 (the softmax of one key is 1)
     ("tiled-scale50-one-key-grad-k", Case(T=1, S=1, D=4, Dv=5, scale=50.0), "tiled", None),
     # tiled, several chunks merged by log-sum-exp, peaked softmax (scale 50): grad q 27x the
     # reference's error
-    ("tiled-chunks-scale50-grad-q", Case(T=1, S=31, D=4, Dv=1, scale=50.0), "tiled-small",
-     (4, 4, 1, 1)),
+    (
+        "tiled-chunks-scale50-grad-q",
+        Case(T=1, S=31, D=4, Dv=1, scale=50.0),
+        "tiled-small",
+        (4, 4, 1, 1),
+    ),
     # bfloat16 inputs with a float32 attn_mask: gradients beyond 3x the reference's error
-    ("tiled-bf16-float32-mask", Case(T=1, S=4, dtype="bfloat16", seed=1,
-                                     mask=MaskSpec("float", "TS", 1.0, dtype="float32", seed=1)),
-     "tiled", None),
-    ("torch-bf16-float32-mask", Case(T=1, S=4, dtype="bfloat16", seed=1,
-                                     mask=MaskSpec("float", "TS", 1.0, dtype="float32", seed=1)),
-     "torch", None),
-    ("tiled-bf16-float32-mask-gqa-mods", Case(
-        B=2, H=2, G=1, T=5, S=7, D=4, Dv=3, dtype="bfloat16", gqa=True,
-        layouts=("transposed", "strided", "expand_batch"),
-        mask=MaskSpec("float", "HTS", 0.7, (1,), "float32", True, 3),
-        mask_mod=Combine("and", (Window(2, 1, "bottom_right"), MaskFn("checker"))),
-        score_mod=ScoreFn("rel_bias", True, 1)), "tiled", None),
+    (
+        "tiled-bf16-float32-mask",
+        Case(
+            T=1,
+            S=4,
+            dtype="bfloat16",
+            seed=1,
+            mask=MaskSpec("float", "TS", 1.0, dtype="float32", seed=1),
+        ),
+        "tiled",
+        None,
+    ),
+    (
+        "torch-bf16-float32-mask",
+        Case(
+            T=1,
+            S=4,
+            dtype="bfloat16",
+            seed=1,
+            mask=MaskSpec("float", "TS", 1.0, dtype="float32", seed=1),
+        ),
+        "torch",
+        None,
+    ),
+    (
+        "tiled-bf16-float32-mask-gqa-mods",
+        Case(
+            B=2,
+            H=2,
+            G=1,
+            T=5,
+            S=7,
+            D=4,
+            Dv=3,
+            dtype="bfloat16",
+            gqa=True,
+            layouts=("transposed", "strided", "expand_batch"),
+            mask=MaskSpec("float", "HTS", 0.7, (1,), "float32", True, 3),
+            mask_mod=Combine("and", (Window(2, 1, "bottom_right"), MaskFn("checker"))),
+            score_mod=ScoreFn("rel_bias", True, 1),
+        ),
+        "tiled",
+        None,
+    ),
 ]
 
 
-@pytest.mark.parametrize("case, backend, tiles",
-                         [pytest.param(c, b, t, id=i) for i, c, b, t in REGRESSIONS])
+@pytest.mark.parametrize(
+    "case, backend, tiles", [pytest.param(c, b, t, id=i) for i, c, b, t in REGRESSIONS]
+)
 def test_regression(case, backend, tiles):
     check_call(case, backend, tiles)
 
@@ -493,18 +658,31 @@ def test_regression(case, backend, tiles):
 POISON_REGRESSIONS = [
     # NaN in the value of a key masked by is_causal leaks into the rows that may not see it
     ("causal-dead-key-nan", Case(T=1, S=2, is_causal=True, **_F64), "dead", math.nan, None, False),
-    ("causal-row-key-nan", Case(T=2, S=2, is_causal=True, Dv=1, **_F64), "row", math.nan,
-     (0, 0, 1), False),
+    (
+        "causal-row-key-nan",
+        Case(T=2, S=2, is_causal=True, Dv=1, **_F64),
+        "row",
+        math.nan,
+        (0, 0, 1),
+        False,
+    ),
     ("causal-dead-key-inf", Case(T=1, S=2, is_causal=True, **_F64), "dead", math.inf, None, False),
     # NaN in the query of a row that may attend to nothing (bottom-right causal, T > S)
-    ("bottom-right-dead-query-nan", Case(T=2, S=1, mask_mod=Causal("bottom_right"), **_F64),
-     "dead", math.nan, None, True),
+    (
+        "bottom-right-dead-query-nan",
+        Case(T=2, S=1, mask_mod=Causal("bottom_right"), **_F64),
+        "dead",
+        math.nan,
+        None,
+        True,
+    ),
 ]
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "auto"])
-@pytest.mark.parametrize("case, mode, poison, key, queries",
-                         [pytest.param(*r[1:], id=r[0]) for r in POISON_REGRESSIONS])
+@pytest.mark.parametrize(
+    "case, mode, poison, key, queries", [pytest.param(*r[1:], id=r[0]) for r in POISON_REGRESSIONS]
+)
 def test_poison_regression(backend, case, mode, poison, key, queries):
     check_poisoned(case, backend, None, mode, poison, key=key, poison_queries=queries)
 

@@ -4,21 +4,25 @@ A block preceded by ``<!-- readme-test: skip (reason) -->`` is left out with its
 needs torchrun, a GPU or a network). The blocks run in a temporary working directory (they
 write files) with the task cache there too, and stay small enough for CI.
 """
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 README = Path(__file__).parents[1] / "README.md"
-_BLOCK = re.compile(r"(<!-- readme-test: skip \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)```",
-                    re.S)
+_BLOCK = re.compile(
+    r"(<!-- readme-test: skip \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)```", re.S
+)
 
 
 def blocks() -> list[tuple[int, str, str | None]]:
     """(line, code, reason to skip or None) of each python block, in order."""
     text = README.read_text()
-    return [(text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("why"))
-            for m in _BLOCK.finditer(text)]
+    return [
+        (text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("why"))
+        for m in _BLOCK.finditer(text)
+    ]
 
 
 def test_readme_has_python_blocks_and_runs_most():
@@ -45,6 +49,7 @@ def test_readme_python_blocks_run_in_order(tmp_path, monkeypatch):
         try:
             exec(compile(code, f"README.md:{line}", "exec"), namespace)
         except Exception as e:
-            raise AssertionError(f"README.md block at line {line} fails as written: "
-                                 f"{type(e).__name__}: {e}") from e
+            raise AssertionError(
+                f"README.md block at line {line} fails as written: {type(e).__name__}: {e}"
+            ) from e
     assert (tmp_path / "attention.html").stat().st_size > 0  # the viewer block wrote its page

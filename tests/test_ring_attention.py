@@ -8,6 +8,7 @@ with no positions, cross-attention T != S, GQA, both layouts, windows, documents
 score mods, plain-function masks, fully masked rows. The message logs show that a shard the
 mask leaves empty for a rank is never sent to it.
 """
+
 from __future__ import annotations
 
 import time
@@ -62,8 +63,14 @@ CASES = {
 
 def _sizes(case):
     T = case["T"]
-    return dict(B=case.get("B", 2), H=case.get("H", 2), G=case.get("G", case.get("H", 2)), T=T,
-                S=case.get("S", T), Dv=case.get("Dv", D))
+    return dict(
+        B=case.get("B", 2),
+        H=case.get("H", 2),
+        G=case.get("G", case.get("H", 2)),
+        T=T,
+        S=case.get("S", T),
+        Dv=case.get("Dv", D),
+    )
 
 
 def _lengths(L: int, R: int) -> list[int]:
@@ -89,8 +96,10 @@ def _inputs(name, case):
     s = _sizes(case)
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     dt = case.get("dtype", torch.float64)
+
     def r(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(dt)
+
     q, k = r(s["B"], s["H"], s["T"], D), r(s["B"], s["G"], s["S"], D)
     v, dout = r(s["B"], s["G"], s["S"], s["Dv"]), r(s["B"], s["H"], s["T"], s["Dv"])
     # documents 0, 1, 2 in runs: on 3 ranks of 16, the first and last shards share none
@@ -103,8 +112,9 @@ def _inputs(name, case):
 def _call_args(case, ids, slopes=None):
     """The keyword arguments both sides pass (masks over whole-sequence positions)."""
     s = _sizes(case)
-    kw = dict(is_causal=case.get("causal", False), enable_gqa=s["H"] != s["G"],
-              scale=case.get("scale"))
+    kw = dict(
+        is_causal=case.get("causal", False), enable_gqa=s["H"] != s["G"], scale=case.get("scale")
+    )
     mask = case.get("mask")
     masks = {
         "window5": lambda: qkv.masks.sliding_window(5),
@@ -132,27 +142,36 @@ def _slopes():
 
 def _run_cases(rank, R, names):
     from qkv.distributed import comm_log, ring_attention
+
     results = {}
     for name in names:
         case = CASES[name]
         q, k, v, dout, ids = _inputs(name, case)
         layout = case.get("layout", "contiguous")
         q_runs, kv_runs = _runs(case, q.shape[2], R)[rank], _runs(case, k.shape[2], R)[rank]
-        ql, kl, vl = (_take(t, runs).requires_grad_() for t, runs in
-                      ((q, q_runs), (k, kv_runs), (v, kv_runs)))
+        ql, kl, vl = (
+            _take(t, runs).requires_grad_() for t, runs in ((q, q_runs), (k, kv_runs), (v, kv_runs))
+        )
         slopes = _slopes().requires_grad_() if case.get("score") == "learned_alibi" else None
         kw = _call_args(case, ids, slopes)
         with comm_log() as log:
-            res = ring_attention(ql, kl, vl, layout=layout, return_trace=case.get("trace", False),
-                                 timeout=60, **kw)
+            res = ring_attention(
+                ql, kl, vl, layout=layout, return_trace=case.get("trace", False), timeout=60, **kw
+            )
             out, trace = res if case.get("trace") else (res, None)
             out.backward(_take(dout, q_runs))
         results[name] = dict(
-            out=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad,
+            out=out.detach(),
+            dq=ql.grad,
+            dk=kl.grad,
+            dv=vl.grad,
             dslopes=None if slopes is None else slopes.grad,
-            probs=None if trace is None else trace.probs, lse=None if trace is None else trace.lse,
+            probs=None if trace is None else trace.probs,
+            lse=None if trace is None else trace.lse,
             sent={ph: sorted(log.peers("send", ph)) for ph in ("forward", "backward", "gradients")},
-            received={ph: sorted(log.peers("recv", ph)) for ph in ("forward", "backward", "gradients")},
+            received={
+                ph: sorted(log.peers("recv", ph)) for ph in ("forward", "backward", "gradients")
+            },
             bytes_sent=log.bytes("send", "forward"),
         )
     return results
@@ -169,10 +188,19 @@ def _reference(name, case):
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     slopes = _slopes().requires_grad_() if case.get("score") == "learned_alibi" else None
     kw = _call_args(case, ids, slopes)
-    out, trace = qkv.scaled_dot_product_attention(q, k, v, backend="reference", return_trace=True, **kw)
+    out, trace = qkv.scaled_dot_product_attention(
+        q, k, v, backend="reference", return_trace=True, **kw
+    )
     out.backward(dout.double())
-    return dict(out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad, probs=trace.probs,
-                lse=trace.lse, dslopes=None if slopes is None else slopes.grad)
+    return dict(
+        out=out.detach(),
+        dq=q.grad,
+        dk=k.grad,
+        dv=v.grad,
+        probs=trace.probs,
+        lse=trace.lse,
+        dslopes=None if slopes is None else slopes.grad,
+    )
 
 
 def _baseline(name, case):
@@ -195,8 +223,10 @@ def _whole(results, name, key, case, R, which="q"):
 @pytest.mark.parametrize("name", list(CASES))
 def test_ring_equals_single_process(ran, name, R):
     case = CASES[name]
-    got = {key: _whole(ran[R], name, key, case, R, which)
-           for key, which in (("out", "q"), ("dq", "q"), ("dk", "kv"), ("dv", "kv"))}
+    got = {
+        key: _whole(ran[R], name, key, case, R, which)
+        for key, which in (("out", "q"), ("dq", "q"), ("dk", "kv"), ("dv", "kv"))
+    }
     ref = _reference(name, case)
     dt = case.get("dtype", torch.float64)
     if dt == torch.float64:
@@ -206,8 +236,13 @@ def test_ring_equals_single_process(ran, name, R):
         base = _baseline(name, case)
         for key in got:
             assert got[key].dtype == dt
-            assert_tolerance(got[key], ref[key], base[key], name=f"{name} {key}",
-                             factor=OUTPUT_FACTOR if key == "out" else GRAD_FACTOR)
+            assert_tolerance(
+                got[key],
+                ref[key],
+                base[key],
+                name=f"{name} {key}",
+                factor=OUTPUT_FACTOR if key == "out" else GRAD_FACTOR,
+            )
     if name == "fully-masked-rows":  # batch element 0 has no key: 0 out, 0 gradients
         assert torch.equal(got["out"][0], torch.zeros_like(got["out"][0]))
         assert torch.equal(got["dq"][0], torch.zeros_like(got["dq"][0]))
@@ -231,7 +266,9 @@ def test_trace_gives_this_ranks_rows_of_the_whole_weights(ran, R):
     for r in range(R):
         mine = ran[R][r]["trace"]
         torch.testing.assert_close(mine["probs"], _take(ref["probs"], runs[r]))
-        torch.testing.assert_close(mine["lse"], _take(ref["lse"].unsqueeze(-1), runs[r]).squeeze(-1))
+        torch.testing.assert_close(
+            mine["lse"], _take(ref["lse"].unsqueeze(-1), runs[r]).squeeze(-1)
+        )
         assert mine["probs"].shape[-1] == case["T"]  # every key, from every rank
 
 
@@ -275,8 +312,10 @@ def test_documents_send_only_to_ranks_sharing_a_document(ran):
 
 # --- refusals and failures ---------------------------------------------------------------------
 
+
 def _refusals(rank, R):
     from qkv.distributed import ring_attention
+
     q = torch.randn(1, 2, 5, D, dtype=torch.float64)
     found = {}
 
@@ -288,13 +327,19 @@ def _refusals(rank, R):
             found[name] = f"{type(err).__name__}: {err}"
 
     # every rank raises the same error, so none is left waiting
-    attempt("dtype", lambda: ring_attention(q if rank else q.float(), q if rank else q.float(),
-                                            q if rank else q.float(), timeout=20))
+    attempt(
+        "dtype",
+        lambda: ring_attention(
+            q if rank else q.float(), q if rank else q.float(), q if rank else q.float(), timeout=20
+        ),
+    )
     bad = q.clone()
     bad[0, 0, 0, 0] = float("nan") if rank == R - 1 else 0.0
     attempt("nan", lambda: ring_attention(bad, bad, bad, timeout=20))
     uneven = torch.randn(1, 2, 4 + rank, D)
-    attempt("balanced", lambda: ring_attention(uneven, uneven, uneven, layout="balanced", timeout=20))
+    attempt(
+        "balanced", lambda: ring_attention(uneven, uneven, uneven, layout="balanced", timeout=20)
+    )
     attempt("layout", lambda: ring_attention(q, q, q, layout="zigzag"))
     attempt("3d", lambda: ring_attention(q[0], q[0], q[0]))
     attempt("heads", lambda: ring_attention(q, q[:, :1], q[:, :1]))
@@ -308,7 +353,10 @@ def test_bad_calls_raise_the_same_clear_error_on_every_rank():
     for rank, found in enumerate(results):
         assert "disagree on dtype" in found["dtype"] and "float32" in found["dtype"]
         assert "NaN or inf" in found["nan"] and "ranks [1]" in found["nan"]
-        assert "balanced" in found["balanced"] and "shard(x, group, layout='balanced')" in found["balanced"]
+        assert (
+            "balanced" in found["balanced"]
+            and "shard(x, group, layout='balanced')" in found["balanced"]
+        )
         assert found["layout"].startswith("ValueError") and "zigzag" in found["layout"]
         assert "4-D" in found["3d"]
         assert "enable_gqa=True" in found["heads"]
@@ -317,6 +365,7 @@ def test_bad_calls_raise_the_same_clear_error_on_every_rank():
 
 def _one_rank_stays_away(rank, R):
     from qkv.distributed import PeerError, ring_attention
+
     if rank == 1:
         time.sleep(8)  # never calls ring_attention
         return "away"
@@ -339,6 +388,7 @@ def _dies(rank, R):
     import os
 
     from qkv.distributed import ring_attention
+
     if rank == 1:
         os._exit(7)
     q = torch.randn(1, 1, 6, D)
@@ -365,8 +415,10 @@ def test_without_a_process_group_the_error_says_how_to_start_one():
 
 # --- shard / unshard ----------------------------------------------------------------------------
 
+
 def _shard_roundtrip(rank, R):
     from qkv.distributed import shard, unshard
+
     x = torch.arange(2 * 11 * 3, dtype=torch.float64).view(2, 11, 3)
     out = {}
     for layout in ("contiguous", "balanced"):

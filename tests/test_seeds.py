@@ -1,14 +1,14 @@
 """Closed-form values: the seeds' worked examples (SEEDS.md 5a, 5b) through the public API."""
+
 import math
 
 import pytest
 import torch
+from conftest import BACKENDS
 
 import qkv
 from qkv.cli import main
 from qkv.examples import EXAMPLES
-
-from conftest import BACKENDS
 
 
 def _qkv(ex, dtype):
@@ -27,8 +27,13 @@ def test_seed_example_exact(name, backend):
     got = {"scores": trace.scores, "probs": trace.probs, "outputs": out}
     for key, want in ex.expected.items():
         # SEEDS.md prints 6 decimals (or 7 significant digits): half a unit of the last digit.
-        torch.testing.assert_close(got[key], torch.tensor(want, dtype=torch.float64),
-                                   rtol=0, atol=5e-7, msg=f"{name} {key}")
+        torch.testing.assert_close(
+            got[key],
+            torch.tensor(want, dtype=torch.float64),
+            rtol=0,
+            atol=5e-7,
+            msg=f"{name} {key}",
+        )
 
 
 def test_seed004_projections_match_seed():
@@ -59,8 +64,9 @@ def test_equinox_closed_form():
 def test_float32_seed000():
     q, k, v = _qkv(EXAMPLES["seed000"], torch.float32)
     out = qkv.scaled_dot_product_attention(q, k, v)
-    torch.testing.assert_close(out, torch.tensor([[0.330238, 0.669762], [0.5, 0.5]]),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        out, torch.tensor([[0.330238, 0.669762], [0.5, 0.5]]), rtol=0, atol=1e-6
+    )
 
 
 def test_cli_seeds_passes(capsys):

@@ -2,6 +2,7 @@
 softmax as a key with no value. Checked against plain float64 math written here (softmax over
 the scores with the sink as one more column), on every backend that takes them, forward,
 weights and gradients (the sink's too), and against transformers' eager gpt-oss."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,10 @@ B, H, G, T, D = 2, 4, 2, 29, 8
 CASES = {
     "none": lambda: ({}, torch.ones(T, T, dtype=torch.bool)),
     "causal": lambda: (dict(is_causal=True), torch.ones(T, T).tril().bool()),
-    "window": lambda: (dict(mask_mod=M.sliding_window(5)),
-                       M.to_dense(M.sliding_window(5), 1, 1, T, T)[0, 0]),
+    "window": lambda: (
+        dict(mask_mod=M.sliding_window(5)),
+        M.to_dense(M.sliding_window(5), 1, 1, T, T)[0, 0],
+    ),
     "empty-rows": lambda: (dict(attn_mask=_lengths()), _lengths()),  # batch 0 sees no key
     "alibi": lambda: (dict(is_causal=True, score_mod=M.alibi(H)), torch.ones(T, T).tril().bool()),
 }
@@ -29,7 +32,7 @@ def _lengths() -> torch.Tensor:
 def _plain(q, k, v, sinks, keep, case):
     """softmax([q k^T * scale (+ bias), sink]) without the sink's column, times v."""
     k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
-    s = q @ k.transpose(-2, -1) / D ** 0.5  # (B, H, T, T)
+    s = q @ k.transpose(-2, -1) / D**0.5  # (B, H, T, T)
     if case == "alibi":
         pos = torch.arange(T)
         s = s + M.alibi_slopes(H).double().view(1, H, 1, 1) * (pos.view(1, -1) - pos.view(-1, 1))
@@ -48,13 +51,16 @@ def test_sinks_equal_plain_math_in_float64(case, backend, per):
     kw, keep = CASES[case]()
     gen = torch.Generator().manual_seed(7)
     q = torch.randn(B, H, T, D, dtype=torch.float64, generator=gen, requires_grad=True)
-    k, v = (torch.randn(B, G, T, D, dtype=torch.float64, generator=gen, requires_grad=True)
-            for _ in range(2))
+    k, v = (
+        torch.randn(B, G, T, D, dtype=torch.float64, generator=gen, requires_grad=True)
+        for _ in range(2)
+    )
     shape = (H,) if per == "head" else (B, H, T)
     sinks = torch.randn(shape, dtype=torch.float64, generator=gen, requires_grad=True)
     want, want_p = _plain(q, k, v, sinks, keep, case)
-    out, trace = qkv.scaled_dot_product_attention(q, k, v, enable_gqa=True, sinks=sinks,
-                                                  backend=backend, return_trace=True, **kw)
+    out, trace = qkv.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True, sinks=sinks, backend=backend, return_trace=True, **kw
+    )
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(trace.probs, want_p)  # the real keys' share only
     got_g = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
@@ -69,13 +75,15 @@ def test_sinks_equal_plain_math_in_float64(case, backend, per):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_sinks_hold_the_tolerance_policy_against_float64(dtype):
     from qkv.testing import assert_tolerance
+
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(B, H, 200, 32, generator=gen).to(dtype) for _ in range(3))
     sinks = torch.randn(H, generator=gen)
     kw = dict(mask_mod=M.sliding_window(40), sinks=sinks)
     got = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
-    golden = qkv.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                              backend="reference", **{**kw, "sinks": sinks.double()})
+    golden = qkv.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), backend="reference", **{**kw, "sinks": sinks.double()}
+    )
     baseline = qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw)
     assert_tolerance(got, golden, baseline)
 
@@ -92,6 +100,7 @@ def test_sinks_are_checked_and_torch_says_it_has_none():
 
 def test_sinks_compile_as_one_graph():
     from torch._dynamo.testing import CompileCounterWithBackend
+
     q = torch.randn(B, H, T, D, requires_grad=True)
     sinks = torch.randn(H, requires_grad=True)
 
@@ -103,8 +112,9 @@ def test_sinks_compile_as_one_graph():
     got = torch.compile(attend, backend=counter, fullgraph=True)(q, sinks)
     want = attend(q, sinks)
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), sinks),
-                               torch.autograd.grad(want.sum(), sinks))
+    torch.testing.assert_close(
+        torch.autograd.grad(got.sum(), sinks), torch.autograd.grad(want.sum(), sinks)
+    )
     assert counter.frame_count == 1
 
 
@@ -115,12 +125,22 @@ def test_gpt_oss_equals_transformers_eager():
     if not hasattr(transformers, "GptOssForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no gpt-oss")
     import qkv.integrations.transformers as qkv_hf
+
     qkv_hf.register()
     cfg = transformers.GptOssConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        sliding_window=4, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"])
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        sliding_window=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -136,8 +156,11 @@ def test_gpt_oss_equals_transformers_eager():
         model.zero_grad()
         out = model(input_ids=ids, attention_mask=pad, output_attentions=True)
         out.logits[real].square().sum().backward()
-        got[impl] = (out.logits[real].detach(), [a[0].detach() for a in out.attentions],
-                     [layer.self_attn.sinks.grad.clone() for layer in model.model.layers])
+        got[impl] = (
+            out.logits[real].detach(),
+            [a[0].detach() for a in out.attentions],
+            [layer.self_attn.sinks.grad.clone() for layer in model.model.layers],
+        )
     torch.testing.assert_close(got["qkv"][0], got["eager"][0], atol=1e-5, rtol=1e-5)
     for a, b in zip(got["qkv"][1], got["eager"][1]):  # batch 0: no padded rows
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
@@ -152,8 +175,7 @@ def test_sinks_keep_the_tiled_custom_op_under_compile():
     sinks = torch.randn(H, requires_grad=True)
 
     def attend(q, k, v, sinks):
-        return qkv.scaled_dot_product_attention(q, k, v, mask_mod=M.sliding_window(20),
-                                                sinks=sinks)
+        return qkv.scaled_dot_product_attention(q, k, v, mask_mod=M.sliding_window(20), sinks=sinks)
 
     graphs = []
 
@@ -165,7 +187,9 @@ def test_sinks_keep_the_tiled_custom_op_under_compile():
     got = torch.compile(attend, backend=keep, fullgraph=True)(q, k, v, sinks)
     want = attend(q, k, v, sinks)
     torch.testing.assert_close(got, want)
-    torch.testing.assert_close(torch.autograd.grad(got.square().sum(), (q, k, v, sinks)),
-                               torch.autograd.grad(want.square().sum(), (q, k, v, sinks)))
+    torch.testing.assert_close(
+        torch.autograd.grad(got.square().sum(), (q, k, v, sinks)),
+        torch.autograd.grad(want.square().sum(), (q, k, v, sinks)),
+    )
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert "qkv.tiled_forward" in ops and len(graphs) == 1

@@ -1,4 +1,5 @@
 """qkv.tasks: determinism, disjoint splits, the conventions, the ListOps grammar, the cache."""
+
 from __future__ import annotations
 
 import os
@@ -36,23 +37,38 @@ def _equal(a, b) -> bool:
 
 # ---------------------------------------------------------------- the entry point
 
+
 def test_tasks_are_named():
     assert tasks.TASKS == ("reverse", "copy", "sort", "listops", "digits", "pathfinder")
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda d: tasks.load("reversed", cache_dir=d), "unknown task 'reversed'.*'reverse'"),
-    (lambda d: tasks.load("reverse", cache_dir=d, max_length=9), "unknown option.*'max_len'"),
-    (lambda d: tasks.load("listops", cache_dir=d, min_len=3), "options are.*'variant'"),
-    (lambda d: tasks.load("copy", split="validation", cache_dir=d), "'train', 'valid', 'test'"),
-    (lambda d: tasks.load("listops", variant="big", cache_dir=d), "'full', 'cpu'"),
-    (lambda d: tasks.load("sort", seed=-1, cache_dir=d), "seed must be an int >= 0"),
-    (lambda d: tasks.load("sort", min_len=5, max_len=4, cache_dir=d), "max_len must be"),
-    (lambda d: tasks.load("copy", split="test", size=2000, cache_dir=d), "test_size=2000"),
-    (lambda d: tasks.load("copy", min_len=1, max_len=1, size=20, cache_dir=d), "only 10"),
-    (lambda d: tasks.load("digits", test_fraction=0.95), "test_fraction"),
-], ids=["task", "seq-option", "listops-option", "split", "variant", "seed", "lengths", "size",
-        "too-few-inputs", "fraction"])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda d: tasks.load("reversed", cache_dir=d), "unknown task 'reversed'.*'reverse'"),
+        (lambda d: tasks.load("reverse", cache_dir=d, max_length=9), "unknown option.*'max_len'"),
+        (lambda d: tasks.load("listops", cache_dir=d, min_len=3), "options are.*'variant'"),
+        (lambda d: tasks.load("copy", split="validation", cache_dir=d), "'train', 'valid', 'test'"),
+        (lambda d: tasks.load("listops", variant="big", cache_dir=d), "'full', 'cpu'"),
+        (lambda d: tasks.load("sort", seed=-1, cache_dir=d), "seed must be an int >= 0"),
+        (lambda d: tasks.load("sort", min_len=5, max_len=4, cache_dir=d), "max_len must be"),
+        (lambda d: tasks.load("copy", split="test", size=2000, cache_dir=d), "test_size=2000"),
+        (lambda d: tasks.load("copy", min_len=1, max_len=1, size=20, cache_dir=d), "only 10"),
+        (lambda d: tasks.load("digits", test_fraction=0.95), "test_fraction"),
+    ],
+    ids=[
+        "task",
+        "seq-option",
+        "listops-option",
+        "split",
+        "variant",
+        "seed",
+        "lengths",
+        "size",
+        "too-few-inputs",
+        "fraction",
+    ],
+)
 def test_bad_arguments_name_the_valid_ones(tmp_path, call, match):
     with pytest.raises(ValueError, match=match):
         call(tmp_path)
@@ -71,6 +87,7 @@ def test_vocab_conventions():
 
 
 # ---------------------------------------------------------------- reverse, copy, sort
+
 
 @pytest.mark.parametrize("task", SEQ)
 def test_seq2seq_targets_and_masks(tmp_path, task):
@@ -103,10 +120,15 @@ def test_seq2seq_splits_are_disjoint_and_shared_across_tasks(tmp_path):
         d = tasks.reverse(split, size=40, cache_dir=tmp_path, **SMALL)
         rows[split] = set(_rows(d.src, d.src_mask))
     assert all(len(r) == 40 for r in rows.values())
-    assert not (rows["train"] & rows["valid"] or rows["train"] & rows["test"]
-                or rows["valid"] & rows["test"])
-    assert torch.equal(tasks.sort("test", cache_dir=tmp_path, **SMALL).src,
-                       tasks.copy("test", cache_dir=tmp_path, **SMALL).src)
+    assert not (
+        rows["train"] & rows["valid"]
+        or rows["train"] & rows["test"]
+        or rows["valid"] & rows["test"]
+    )
+    assert torch.equal(
+        tasks.sort("test", cache_dir=tmp_path, **SMALL).src,
+        tasks.copy("test", cache_dir=tmp_path, **SMALL).src,
+    )
 
 
 def test_a_size_is_a_prefix_and_train_does_not_move_the_evaluation_splits(tmp_path):
@@ -125,19 +147,24 @@ def test_longer_inputs_for_the_transformers_are_rnns_copy_task(tmp_path):
 
 # ---------------------------------------------------------------- ListOps: semantics
 
-@pytest.mark.parametrize("expr, value", [
-    ("[MED 1 2 3 4 ]", 2),  # int(np.median) truncates the mean 2.5
-    ("[MED 2 3 X", 2),
-    ("[MED 1 9 X", 5),
-    ("[MED 7 1 4 X", 4),
-    ("[SM 5 7 ]", 2),
-    ("[SM 9 9 9 X", 7),
-    ("[MIN 3 1 8 X", 1),
-    ("[MAX 2 9 [MIN 4 7 X 0 X", 9),
-    ("[SM [MAX 9 8 X [MIN 3 5 X X", 2),
-    ("<cls> [MIN 6 [MED 8 9 X X <pad> <pad>", 6),
-    ("4", 4),
-], ids=lambda v: str(v).replace(" ", "_"))
+
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("[MED 1 2 3 4 ]", 2),  # int(np.median) truncates the mean 2.5
+        ("[MED 2 3 X", 2),
+        ("[MED 1 9 X", 5),
+        ("[MED 7 1 4 X", 4),
+        ("[SM 5 7 ]", 2),
+        ("[SM 9 9 9 X", 7),
+        ("[MIN 3 1 8 X", 1),
+        ("[MAX 2 9 [MIN 4 7 X 0 X", 9),
+        ("[SM [MAX 9 8 X [MIN 3 5 X X", 2),
+        ("<cls> [MIN 6 [MED 8 9 X X <pad> <pad>", 6),
+        ("4", 4),
+    ],
+    ids=lambda v: str(v).replace(" ", "_"),
+)
 def test_listops_operators_closed_form(expr, value):
     assert parse_and_eval(expr) == value
     assert parse_and_eval(expr.split()) == value
@@ -145,10 +172,17 @@ def test_listops_operators_closed_form(expr, value):
     assert parse_and_eval(torch.tensor(ids)) == value
 
 
-@pytest.mark.parametrize("expr, match", [
-    ("[MAX 1 2", "left open"), ("X", "closes nothing"), ("[MIN X", "no arguments"),
-    ("1 2", "found 2 top-level"), ("[FIRST 1 X", "not a ListOps token"), ("", "found 0"),
-])
+@pytest.mark.parametrize(
+    "expr, match",
+    [
+        ("[MAX 1 2", "left open"),
+        ("X", "closes nothing"),
+        ("[MIN X", "no arguments"),
+        ("1 2", "found 2 top-level"),
+        ("[FIRST 1 X", "not a ListOps token"),
+        ("", "found 0"),
+    ],
+)
 def test_listops_parser_rejects_malformed_streams(expr, match):
     with pytest.raises(ValueError, match=match):
         parse_and_eval(expr)
@@ -177,16 +211,28 @@ def test_listops_generator_draws_in_the_reference_order():
     # root: r = 0.25 is not > 0.25, so an operator; 2 children, drawn before the operator
     rng = ScriptedRng([0.25, 2, 0.9, 7, 0.2500001, 3, 3])
     tree, length = generate_tree(rng)
-    assert rng.calls == ["random", "randint(2,10)", "random", "choice(range(0, 10))",
-                         "random", "choice(range(0, 10))", "choice(ops)"]
+    assert rng.calls == [
+        "random",
+        "randint(2,10)",
+        "random",
+        "choice(range(0, 10))",
+        "random",
+        "choice(range(0, 10))",
+        "choice(ops)",
+    ]
     assert tree == ("[SM", (7, 3)) and length == 4 and not rng.script
 
 
 def test_listops_generator_makes_leaves_at_max_depth_without_drawing_r():
     rng = ScriptedRng([0.0, 2, 5, 6, 1])  # root operator at depth 9, children at depth 10
     tree, length = generate_tree(rng, depth=9)
-    assert rng.calls == ["random", "randint(2,10)", "choice(range(0, 10))",
-                         "choice(range(0, 10))", "choice(ops)"]
+    assert rng.calls == [
+        "random",
+        "randint(2,10)",
+        "choice(range(0, 10))",
+        "choice(range(0, 10))",
+        "choice(ops)",
+    ]
     assert tree == ("[MAX", (5, 6)) and length == 4
 
 
@@ -210,6 +256,7 @@ def _nodes(tree):
 
 # ---------------------------------------------------------------- ListOps: the data
 
+
 def test_listops_cpu_examples_parse_back_to_their_labels(tmp_path):
     d = tasks.load("listops", split="train", size=60, cache_dir=tmp_path, **SMALL)
     assert d.tokens.shape == (60, 499) and d.labels.shape == (60,) and d.num_classes == 10
@@ -223,8 +270,15 @@ def test_listops_cpu_examples_parse_back_to_their_labels(tmp_path):
 
 
 def test_listops_full_variant_length_bounds(tmp_path):
-    d = tasks.listops("valid", variant="full", size=3, valid_size=3, test_size=0,
-                      cache_dir=tmp_path, progress=False)
+    d = tasks.listops(
+        "valid",
+        variant="full",
+        size=3,
+        valid_size=3,
+        test_size=0,
+        cache_dir=tmp_path,
+        progress=False,
+    )
     lengths = d.mask.sum(1)
     assert d.tokens.shape == (3, 1999) and lengths.min() > 500 and lengths.max() < 2000
     assert [parse_and_eval(row) for row in d.tokens] == d.labels.tolist()
@@ -237,7 +291,8 @@ def test_listops_is_deterministic_and_splits_are_disjoint(tmp_path):
     c = tasks.listops("train", seed=4, cache_dir=tmp_path / "a", **kw)
     assert _equal(a["train"], b) and not torch.equal(a["train"].tokens, c.tokens)
     assert not set(_rows(a["train"].tokens, a["train"].mask)) & set(
-        _rows(a["test"].tokens, a["test"].mask))
+        _rows(a["test"].tokens, a["test"].mask)
+    )
 
 
 def test_listops_progress_on_stderr_with_qkvs_one_bar(tmp_path, monkeypatch, capsys):
@@ -247,12 +302,14 @@ def test_listops_progress_on_stderr_with_qkvs_one_bar(tmp_path, monkeypatch, cap
     tasks.listops("valid", size=5, valid_size=5, test_size=0, cache_dir=tmp_path)
     err = capsys.readouterr().err
     assert "listops-cpu [########################] 5/5 sampled=" in err and "ex/s" in err
-    tasks.listops("valid", size=5, valid_size=5, test_size=0, cache_dir=tmp_path / "quiet",
-                  progress=False)
+    tasks.listops(
+        "valid", size=5, valid_size=5, test_size=0, cache_dir=tmp_path / "quiet", progress=False
+    )
     assert capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------- the cache
+
 
 def _only_file(d):
     (path,) = [p for p in d.iterdir() if p.suffix == ".pt"]
@@ -301,11 +358,19 @@ def test_growing_and_interrupted_streams_resume_to_the_same_examples(tmp_path):
                 raise KeyboardInterrupt
             x = rng.randint(0, 99)
             return (bytes([x]), x % 7) if x % 3 else None  # some rejected, some repeated
+
         return sample
 
     def run(d, n, fail_at=None):
-        return _cache.stream("toy", n, seed=5, sample=sampler(fail_at), check=lambda *a: None,
-                             cache_dir=d, progress=False)
+        return _cache.stream(
+            "toy",
+            n,
+            seed=5,
+            sample=sampler(fail_at),
+            check=lambda *a: None,
+            cache_dir=d,
+            progress=False,
+        )
 
     whole = run(tmp_path / "whole", 40)
     with pytest.raises(KeyboardInterrupt):
@@ -331,21 +396,28 @@ def test_default_cache_dir_follows_qkv_cache(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- digits
 
+
 def test_digits_stratified_deterministic_split():
     pytest.importorskip("sklearn", reason="digits needs scikit-learn: pip install 'qkv[train]'")
     parts = {s: tasks.load("digits", split=s) for s in ("train", "valid", "test")}
     assert sum(len(p) for p in parts.values()) == 1797
     for p in parts.values():
         assert p.images.shape[1:] == (1, 8, 8) and p.images.dtype == torch.float32
-        assert 0 <= p.images.min() and p.images.max() <= 1 and p.num_classes == 10
+        assert p.images.min() >= 0 and p.images.max() <= 1 and p.num_classes == 10
         assert set(p.labels.tolist()) == set(range(10))
     assert abs(len(parts["test"]) - 0.2 * 1797) < 10 and abs(len(parts["valid"]) - 180) < 10
-    everything = sorted(tuple(x.flatten().tolist()) + (int(y),) for p in parts.values()
-                        for x, y in zip(p.images, p.labels))
+    everything = sorted(
+        tuple(x.flatten().tolist()) + (int(y),)
+        for p in parts.values()
+        for x, y in zip(p.images, p.labels)
+    )
     from sklearn.datasets import load_digits
+
     bunch = load_digits()
-    original = sorted(tuple((torch.tensor(x, dtype=torch.float32) / 16).flatten().tolist())
-                      + (int(y),) for x, y in zip(bunch.images, bunch.target))
+    original = sorted(
+        tuple((torch.tensor(x, dtype=torch.float32) / 16).flatten().tolist()) + (int(y),)
+        for x, y in zip(bunch.images, bunch.target)
+    )
     assert everything == original  # the splits partition the dataset
     again, other = tasks.digits("test"), tasks.digits("test", seed=1)
     assert _equal(parts["test"], again) and not torch.equal(again.labels, other.labels)
@@ -361,8 +433,10 @@ def test_digits_without_scikit_learn_names_the_extra(monkeypatch):
 
 def test_import_qkv_tasks_needs_only_torch():
     # torch itself imports tqdm when it is installed (torch.hub): count only what qkv adds
-    code = ("import sys, torch; before = set(sys.modules); import qkv.tasks; "
-            "print([m for m in ('sklearn', 'tqdm') if m in sys.modules and m not in before])")
+    code = (
+        "import sys, torch; before = set(sys.modules); import qkv.tasks; "
+        "print([m for m in ('sklearn', 'tqdm') if m in sys.modules and m not in before])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -4,13 +4,14 @@ Awkward sizes (1, 17, 97, 113, 1025 and the tile boundaries 2047/2048/2049), eve
 score_mod, both inner kernels (``flash``: torch's CPU kernel per chunk; ``matmul``: plain ops),
 gradients, fully masked rows and blocks, non-contiguous inputs, GQA, block skipping, dispatch.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 import qkv
-from conftest import TEST_DEVICE
 from qkv import masks as M
 from qkv.ops.call import AttentionCall
 from qkv.ops.tiled import MIN_FULL_RUN, _plan, tiled_attention
@@ -48,8 +49,17 @@ def _run(q, k, v, backend, **kw):
     return qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
 
 
-SIZES = [(1, 1), (17, 17), (97, 113), (113, 97), (1025, 1025), (17, 1025), (2047, 2047),
-         (2048, 2048), (2049, 2049)]
+SIZES = [
+    (1, 1),
+    (17, 17),
+    (97, 113),
+    (113, 97),
+    (1025, 1025),
+    (17, 1025),
+    (2047, 2047),
+    (2048, 2048),
+    (2049, 2049),
+]
 
 
 @pytest.mark.parametrize("T,S", SIZES, ids=[f"T{t}-S{s}" for t, s in SIZES])
@@ -64,10 +74,12 @@ def test_tiled_matches_reference_float64(T, S):
 
 
 @pytest.mark.parametrize("inner", INNERS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("T,S", [(97, 113), (1025, 1025), (2049, 2049)],
-                         ids=["T97-S113", "T1025", "T2049"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"]
+)
+@pytest.mark.parametrize(
+    "T,S", [(97, 113), (1025, 1025), (2049, 2049)], ids=["T97-S113", "T1025", "T2049"]
+)
 def test_tiled_tolerance_policy(T, S, dtype, inner):
     """Outputs within 2x and gradients within 3x the error of plain math in the same dtype."""
     B, H, D = 1, 2, 32
@@ -87,11 +99,21 @@ def test_tiled_tolerance_policy(T, S, dtype, inner):
             dout = torch.ones_like(out) / out.shape[-2]
             grads[which] = torch.autograd.grad(out, ins, dout)
             outs[which] = out.detach()
-        assert_tolerance(outs["tiled"], outs["golden"], outs["baseline"], factor=OUTPUT_FACTOR,
-                         name=f"{name} out")
+        assert_tolerance(
+            outs["tiled"],
+            outs["golden"],
+            outs["baseline"],
+            factor=OUTPUT_FACTOR,
+            name=f"{name} out",
+        )
         for i, g in enumerate("qkv"):
-            assert_tolerance(grads["tiled"][i], grads["golden"][i], grads["baseline"][i],
-                             factor=GRAD_FACTOR, name=f"{name} d{g}")
+            assert_tolerance(
+                grads["tiled"][i],
+                grads["golden"][i],
+                grads["baseline"][i],
+                factor=GRAD_FACTOR,
+                name=f"{name} d{g}",
+            )
 
 
 @pytest.mark.parametrize("inner", INNERS)
@@ -106,7 +128,9 @@ def test_flash_and_matmul_inner_kernels_agree_with_gradients(inner):
         out = tiled_attention(call, inner=inner, block_q=64, block_k=32)[0]
         ref = _run(q, k, v, "reference", is_causal=causal, mask_mod=mm, score_mod=sm)
         g = torch.randn_like(ref)
-        for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        for a, b in zip(
+            torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)
+        ):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=name)
 
 
@@ -124,8 +148,14 @@ def test_gradcheck_tiled_with_score_mod_tensors_and_float_mask():
         return score + table[h, ki - qi + T]
 
     def f(q, k, v, bias, slopes, table):
-        call = AttentionCall.build(q, k, v, bias, mask_mod=M.sliding_window(4, 2),
-                                   score_mod=lambda s, b, h, qi, ki: rel(M.alibi(slopes)(s, b, h, qi, ki), b, h, qi, ki))
+        call = AttentionCall.build(
+            q,
+            k,
+            v,
+            bias,
+            mask_mod=M.sliding_window(4, 2),
+            score_mod=lambda s, b, h, qi, ki: rel(M.alibi(slopes)(s, b, h, qi, ki), b, h, qi, ki),
+        )
         return tiled_attention(call, block_q=4, block_k=3)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, bias, slopes, table))
@@ -139,8 +169,7 @@ def test_fully_masked_rows_and_blocks_give_zero_and_zero_grads():
         # batch 0 has no key at all; queries past 150 see only keys past S (none)
         mm = M.and_masks(M.key_lengths(torch.tensor([0, S])), M.sliding_window(T, 0))
         mm = M.or_masks(mm, lambda b, h, qi, ki: (qi > 1000) & (ki >= 0))
-        shifted = M.and_masks(M.key_lengths(torch.tensor([0, S])),
-                              lambda b, h, qi, ki: qi < 150)
+        shifted = M.and_masks(M.key_lengths(torch.tensor([0, S])), lambda b, h, qi, ki: qi < 150)
         for mod in (mm, shifted):
             out = _run(q, k, v, "tiled", mask_mod=mod)
             assert not out.isnan().any()
@@ -164,8 +193,9 @@ def test_non_contiguous_inputs_and_gqa():
     assert not q.is_contiguous() and not v.is_contiguous()
     for mm in (None, M.sliding_window(20, 20), M.document(_ids(B, T), _ids(B, S, seed=1))):
         kw = dict(mask_mod=mm, enable_gqa=True)
-        torch.testing.assert_close(_run(q, k, v, "tiled", **kw), _run(q, k, v, "reference", **kw),
-                                   rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            _run(q, k, v, "tiled", **kw), _run(q, k, v, "reference", **kw), rtol=0, atol=1e-12
+        )
 
 
 @pytest.mark.parametrize("kind", ["bool", "float", "keypad-bool", "float-with-causal"])
@@ -175,17 +205,22 @@ def test_dense_masks_and_leading_dims(kind):
     q = torch.randn(2, 3, 2, T, 8, dtype=torch.float64)
     k = torch.randn(2, 1, 2, S, 8, dtype=torch.float64)
     v = torch.randn(2, 1, 2, S, 8, dtype=torch.float64)
-    mask = {"bool": torch.rand(T, S) < 0.3,
-            "float": torch.randn(3, 1, T, S, dtype=torch.float64),
-            "keypad-bool": torch.arange(S).view(1, 1, 1, 1, S) < torch.tensor([3, 70]).view(2, 1, 1, 1, 1),
-            "float-with-causal": torch.randn(1, T, 1, dtype=torch.float64)}[kind]
+    mask = {
+        "bool": torch.rand(T, S) < 0.3,
+        "float": torch.randn(3, 1, T, S, dtype=torch.float64),
+        "keypad-bool": torch.arange(S).view(1, 1, 1, 1, S)
+        < torch.tensor([3, 70]).view(2, 1, 1, 1, 1),
+        "float-with-causal": torch.randn(1, T, 1, dtype=torch.float64),
+    }[kind]
     kw = dict(attn_mask=mask, is_causal=kind == "float-with-causal")
-    torch.testing.assert_close(_run(q, k, v, "tiled", **kw), _run(q, k, v, "reference", **kw),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        _run(q, k, v, "tiled", **kw), _run(q, k, v, "reference", **kw), rtol=0, atol=1e-12
+    )
     q3, k3, v3 = q[0, 0], k[0, 0], v[0, 0]  # (H, T, D)
     kw3 = dict(attn_mask=torch.rand(T, S) < 0.5)
-    torch.testing.assert_close(_run(q3, k3, v3, "tiled", **kw3), _run(q3, k3, v3, "reference", **kw3),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        _run(q3, k3, v3, "tiled", **kw3), _run(q3, k3, v3, "reference", **kw3), rtol=0, atol=1e-12
+    )
 
 
 def _visited(call: AttentionCall, bq=128, bk=64):
@@ -204,7 +239,9 @@ def test_empty_blocks_are_skipped_and_full_blocks_unmasked():
     assert pairs <= T * (100 + 128 + 64)  # per tile: window + tile + one block
     # the band's tiles past the first are one diagonal group: one kernel call for them all
     assert [(u.t0, u.n, u.chunks) for u in plan.units] == [
-        (0, 1, ((0, 128, True),)), (128, T // 128 - 1, ((-128, 128, True),))]
+        (0, 1, ((0, 128, True),)),
+        (128, T // 128 - 1, ((-128, 128, True),)),
+    ]
     _, pairs, masked = _visited(AttentionCall.build(q, k, v, is_causal=True))
     assert pairs == 128 * sum(min(T, (i + 1) * 128) for i in range(T // 128))  # lower triangle
     # only the diagonal blocks carry a mask, with full runs shorter than MIN_FULL_RUN blocks
@@ -215,8 +252,11 @@ def test_empty_blocks_are_skipped_and_full_blocks_unmasked():
     assert pairs == 1024 * 1024 + 512 * 512 + 2048 * 2048 + 512 * 512  # documents align to tiles
     # each document's rows are one tall tile: one kernel call per document
     assert [(u.t0, u.tq, u.n, u.chunks) for u in plan.units] == [
-        (0, 1024, 1, ((0, 1024, False),)), (1024, 512, 1, ((0, 512, False),)),
-        (1536, 2048, 1, ((0, 2048, False),)), (3584, 512, 1, ((0, 512, False),))]
+        (0, 1024, 1, ((0, 1024, False),)),
+        (1024, 512, 1, ((0, 512, False),)),
+        (1536, 2048, 1, ((0, 2048, False),)),
+        (3584, 512, 1, ((0, 512, False),)),
+    ]
     # a dense bool mask is classified too: an empty half of the keys is never visited
     dense = torch.arange(T) < T // 2
     _, pairs, masked = _visited(AttentionCall.build(q, k, v, dense.view(1, T)))
@@ -230,23 +270,30 @@ def test_auto_routes_structured_masks_to_tiled_and_plain_calls_to_torch():
     assert trace.backend == "tiled"
     _, trace = _run(q, k, v, "auto", score_mod=M.softcap(5.0), return_trace=True)
     assert trace.backend == "tiled"
-    for kw in ({}, {"is_causal": True}, {"mask_mod": M.causal()},
-               {"mask_mod": M.causal("bottom_right")}):  # T == S: the same as top-left
+    for kw in (
+        {},
+        {"is_causal": True},
+        {"mask_mod": M.causal()},
+        {"mask_mod": M.causal("bottom_right")},
+    ):  # T == S: the same as top-left
         _, trace = _run(q, k, v, "auto", return_trace=True, **kw)
         assert trace.backend == "torch", kw
     with pytest.raises(qkv.BackendUnsupportedError, match="tiled has no dropout"):
         _run(q, k, v, "tiled", dropout_p=0.1)
     with pytest.raises(qkv.BackendUnsupportedError, match=r"to_dense\(mask_mod"):
         _run(q, k, v, "torch", mask_mod=M.sliding_window(5))
-    out, trace = _run(q, k, v, "auto", mask_mod=M.sliding_window(5), dropout_p=0.2,
-                      return_trace=True)
+    out, trace = _run(
+        q, k, v, "auto", mask_mod=M.sliding_window(5), dropout_p=0.2, return_trace=True
+    )
     assert trace.backend == "reference"  # the only one that takes both
 
 
 def test_trace_select_recomputes_only_the_rows_asked_for():
     B, H, T, S = 2, 3, 300, 280
     q, k, v = (torch.randn(B, H, n, 16, dtype=torch.float64) for n in (T, S, S))
-    kw = dict(mask_mod=M.sliding_window(50), score_mod=M.alibi(H), attn_mask=torch.rand(B, 1, T, S) < 0.9)
+    kw = dict(
+        mask_mod=M.sliding_window(50), score_mod=M.alibi(H), attn_mask=torch.rand(B, 1, T, S) < 0.9
+    )
     _, fast = _run(q, k, v, "tiled", return_trace=True, **kw)
     _, ref = _run(q, k, v, "reference", return_trace=True, **kw)
     part = fast.select(batch=1, heads=[0, 2], rows=range(100, 110))
@@ -275,8 +322,9 @@ def test_multihead_module_takes_mask_mod_and_score_mod():
     mha = qkv.MultiHeadAttention(32, 4, dtype=torch.float64)
     x = torch.randn(2, 70, 32, dtype=torch.float64)
     keep = torch.arange(70) < torch.tensor([[70], [50]])  # (B, S): True = a real key
-    y, trace = mha(x, key_mask=keep, mask_mod=M.sliding_window(8, 8), score_mod=M.alibi(4),
-                   return_trace=True)
+    y, trace = mha(
+        x, key_mask=keep, mask_mod=M.sliding_window(8, 8), score_mod=M.alibi(4), return_trace=True
+    )
     assert trace.backend == "tiled"
     dense = M.to_dense(M.sliding_window(8, 8), 2, 4, 70, 70)
     bias = M.alibi(4)(torch.zeros(()), *M.index_grid(2, 4, 70, 70)).double()
@@ -288,12 +336,17 @@ def test_multihead_module_takes_mask_mod_and_score_mod():
 def _layouts(B, H, T, S, D, G):
     """q, k, v float64 in three layouts: contiguous, (B, T, H, D) transposed (B and H cannot
     be read as one dim) and k/v heads broadcast by GQA."""
+
     def make(n, heads, transposed):
         if transposed:
             return torch.randn(B, n, heads, D, dtype=torch.float64).transpose(1, 2)
         return torch.randn(B, heads, n, D, dtype=torch.float64)
-    for name, transposed, kv_heads in (("contiguous", False, H), ("transposed", True, H),
-                                       ("gqa", False, G)):
+
+    for name, transposed, kv_heads in (
+        ("contiguous", False, H),
+        ("transposed", True, H),
+        ("gqa", False, G),
+    ):
         ins = [make(T, H, transposed), make(S, kv_heads, transposed), make(S, kv_heads, transposed)]
         yield name, [t.requires_grad_() for t in ins], kv_heads != H
 
@@ -311,23 +364,32 @@ def test_diagonal_groups_match_reference_with_gradients(B):
         ("band", 700, 700, M.sliding_window(40, 90), None, False),
         ("window-bottom-right", 500, 777, M.sliding_window(70, align="bottom_right"), None, False),
         ("window-causal-alibi", 640, 640, M.sliding_window(100, 100), M.alibi(H), True),
-        ("or-windows", 600, 600, M.or_masks(M.sliding_window(10), M.sliding_window(0, 10)), None,
-         False),
+        (
+            "or-windows",
+            600,
+            600,
+            M.or_masks(M.sliding_window(10), M.sliding_window(0, 10)),
+            None,
+            False,
+        ),
     ]
     for name, T, S, mm, sm, causal in cases:
         for layout, (q, k, v), gqa in _layouts(B, H, T, S, D, G):
-            call = AttentionCall.build(q, k, v, is_causal=causal, mask_mod=mm, score_mod=sm,
-                                       enable_gqa=gqa)
+            call = AttentionCall.build(
+                q, k, v, is_causal=causal, mask_mod=mm, score_mod=sm, enable_gqa=gqa
+            )
             plan = _plan(call, *call.BH, None, 64, 64, call.dtype)
             assert max(u.n for u in plan.units) >= 5, (name, plan.units)  # groups were formed
             out = tiled_attention(call, block_q=64, block_k=64)[0]
-            ref = _run(q, k, v, "reference", is_causal=causal, mask_mod=mm, score_mod=sm,
-                       enable_gqa=gqa)
+            ref = _run(
+                q, k, v, "reference", is_causal=causal, mask_mod=mm, score_mod=sm, enable_gqa=gqa
+            )
             msg = f"{name} {layout}"
             torch.testing.assert_close(out, ref, rtol=0, atol=1e-12, msg=msg)
             g = torch.randn_like(ref)
-            for a, b in zip(torch.autograd.grad(out, (q, k, v), g),
-                            torch.autograd.grad(ref, (q, k, v), g)):
+            for a, b in zip(
+                torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)
+            ):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=msg)
 
 
@@ -336,8 +398,13 @@ def test_shift_invariance_is_claimed_only_for_masks_that_have_it():
     mask is checked on shifted grids, and the others (documents, lengths, user functions,
     subclasses) are not claimed."""
     T = S = 40
-    claimed = [M.causal(), M.sliding_window(5, 3), M.causal("bottom_right").bind(1, 1, 30, S),
-               M.and_masks(M.causal(), M.sliding_window(7)), M.offset_mask(M.sliding_window(4), 8, 3)]
+    claimed = [
+        M.causal(),
+        M.sliding_window(5, 3),
+        M.causal("bottom_right").bind(1, 1, 30, S),
+        M.and_masks(M.causal(), M.sliding_window(7)),
+        M.offset_mask(M.sliding_window(4), 8, 3),
+    ]
     for m in claimed:
         assert M.shift_invariant(m)
         dense = M.to_dense(m, 1, 1, T, S)[0, 0]
@@ -345,9 +412,14 @@ def test_shift_invariance_is_claimed_only_for_masks_that_have_it():
             assert torch.equal(dense[d:, d:], dense[:-d, :-d]), m
     assert M.shift_invariant(M.alibi(4)) and M.shift_invariant(None)
     # a user subclass of a window may read absolute positions in its __call__
-    not_claimed = [M.document(_ids(1, T)), M.key_lengths(10), M.prefix_lm(5),
-                   M.as_mask_mod(lambda b, h, q, kv: kv <= q), M.softcap(3.0),
-                   type("MyWindow", (type(M.causal()),), {})(None, 0, "top_left", "causal")]
+    not_claimed = [
+        M.document(_ids(1, T)),
+        M.key_lengths(10),
+        M.prefix_lm(5),
+        M.as_mask_mod(lambda b, h, q, kv: kv <= q),
+        M.softcap(3.0),
+        type("MyWindow", (type(M.causal()),), {})(None, 0, "top_left", "causal"),
+    ]
     for m in not_claimed:
         assert not M.shift_invariant(m), m
 
@@ -364,16 +436,20 @@ def test_documents_are_one_unmasked_call_each():
     call = AttentionCall.build(q, q, q, mask_mod=M.document(ids))
     plan = _plan(call, 1, 2, None, 64, 64, call.dtype)
     assert [(u.t0, u.tq, u.n, u.chunks) for u in plan.units] == [
-        (0, 300, 1, ((0, 300, False),)), (300, 700, 1, ((0, 700, False),)),
-        (1000, 350, 1, ((0, 350, False),))]
+        (0, 300, 1, ((0, 300, False),)),
+        (300, 700, 1, ((0, 700, False),)),
+        (1000, 350, 1, ((0, 350, False),)),
+    ]
     for mm in (M.document(ids), M.and_masks(M.document(ids), M.causal())):
         ref = _run(q, q, q, "reference", mask_mod=mm)
         torch.testing.assert_close(_run(q, q, q, "tiled", mask_mod=mm), ref)
     # rows that differ by batch element keep their mask (and stay exact)
     ids2 = torch.cat([ids, ids.roll(100, -1).sort(-1).values])
     q2 = torch.randn(2, 2, T, 16)
-    torch.testing.assert_close(_run(q2, q2, q2, "tiled", mask_mod=M.document(ids2)),
-                               _run(q2, q2, q2, "reference", mask_mod=M.document(ids2)))
+    torch.testing.assert_close(
+        _run(q2, q2, q2, "tiled", mask_mod=M.document(ids2)),
+        _run(q2, q2, q2, "reference", mask_mod=M.document(ids2)),
+    )
 
 
 def test_dense_masks_broadcast_along_keys_or_queries_are_cut_right():
@@ -389,5 +465,7 @@ def test_dense_masks_broadcast_along_keys_or_queries_are_cut_right():
     edge[:, 3:77] = True  # consecutive keys, not on block boundaries: cut to them, no mask
     for mask in (rows, keys, edge, rows & edge):
         out = _run(q, k, v, "tiled", attn_mask=mask)
-        torch.testing.assert_close(out, _run(q, k, v, "reference", attn_mask=mask), rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            out, _run(q, k, v, "reference", attn_mask=mask), rtol=0, atol=1e-12
+        )
     assert _run(q, k, v, "tiled", attn_mask=rows)[..., 70:90, :].abs().max() == 0

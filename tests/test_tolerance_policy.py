@@ -1,5 +1,6 @@
 """Low-precision outputs and gradients of every backend by the tolerance policy of DESIGN.md,
 and the policy helper itself."""
+
 import pytest
 import torch
 
@@ -7,7 +8,9 @@ import qkv
 from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance, golden_dtype, max_error
 
 CASES = [
-    pytest.param(T, S, D, causal, mask, id=f"B2-T{T}-S{S}-H4-D{D}-{'causal' if causal else 'full'}-{mask}")
+    pytest.param(
+        T, S, D, causal, mask, id=f"B2-T{T}-S{S}-H4-D{D}-{'causal' if causal else 'full'}-{mask}"
+    )
     for T, S, D in [(17, 17, 59), (97, 113, 64), (113, 97, 8), (1, 97, 64)]
     for causal in (False, True)
     for mask in ("none", "bool")
@@ -17,8 +20,9 @@ CASES = [
 def _run(backend, dtype, q, k, v, mask, causal):
     """Output and (q, k, v) gradients of one backend with inputs cast to ``dtype``."""
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out = qkv.scaled_dot_product_attention(*leaves, attn_mask=mask, is_causal=causal,
-                                           backend=backend)
+    out = qkv.scaled_dot_product_attention(
+        *leaves, attn_mask=mask, is_causal=causal, backend=backend
+    )
     out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1], dtype=dtype))
     return out, [t.grad for t in leaves]
 

@@ -8,6 +8,7 @@ Cases marked "ported" carry facts and inputs over from PyTorch's own tests
 
 Shape alphabet: B batch, H heads, T query length, S key length, E embed_dim.
 """
+
 import copy
 import itertools
 import math
@@ -32,8 +33,18 @@ CONFIGS = {  # module keyword arguments; "self" calls with query is key is value
     "zero_attn": dict(add_zero_attn=True),
     "bias_kv+zero_attn+kvdim": dict(add_bias_kv=True, add_zero_attn=True, kdim=6, vdim=5),
 }
-MASKS = ["none", "bool_am2", "bool_am3", "float_am2", "float_am3", "bool_kpm", "float_kpm",
-         "bool_am2+kpm", "float_am3+kpm", "mixed_am2+kpm"]
+MASKS = [
+    "none",
+    "bool_am2",
+    "bool_am3",
+    "float_am2",
+    "float_am3",
+    "bool_kpm",
+    "float_kpm",
+    "bool_am2+kpm",
+    "float_am3+kpm",
+    "mixed_am2+kpm",
+]
 LAYOUTS = ["batch_first", "seq_first", "unbatched"]
 
 
@@ -54,11 +65,15 @@ def _inputs(layout, config, m, B=3, T=4):
     """query, key, value as leaves in the module's layout (one tensor for "self")."""
     B = 1 if layout == "unbatched" else B
     S = T if config == "self" else 5
-    move = {"batch_first": lambda t: t, "seq_first": lambda t: t.transpose(0, 1),
-            "unbatched": lambda t: t[0]}[layout]
+    move = {
+        "batch_first": lambda t: t,
+        "seq_first": lambda t: t.transpose(0, 1),
+        "unbatched": lambda t: t[0],
+    }[layout]
 
     def leaf(*shape):
         return move(torch.randn(*shape, dtype=DT)).detach().requires_grad_()
+
     q = leaf(B, T, E)
     if config == "self":
         return q, q, q
@@ -75,6 +90,7 @@ def _masks(kind, B, T, S, unbatched):
 
     def additive(hidden):
         return torch.randn(hidden.shape, generator=g, dtype=DT).masked_fill(hidden, -math.inf)
+
     am = {"am2": hidden2, "am3": hidden3}
     kw = {}
     for part in kind.split("+"):
@@ -102,12 +118,17 @@ def _grads(out, module, inputs, cot):
     names, params = zip(*module.named_parameters())
     leaves = list(dict.fromkeys(inputs))  # "self": one tensor
     grads = torch.autograd.grad(out, params + tuple(leaves), cot)
-    return dict(zip(names, grads)), grads[len(params):]
+    return dict(zip(names, grads)), grads[len(params) :]
 
 
 GRID = [
-    pytest.param(layout, config, mask, id=f"{'T4' if layout == 'unbatched' else 'B3-T4'}-"
-                 f"{'S4' if config == 'self' else 'S5'}-{layout}-{config}-{mask}")
+    pytest.param(
+        layout,
+        config,
+        mask,
+        id=f"{'T4' if layout == 'unbatched' else 'B3-T4'}-"
+        f"{'S4' if config == 'self' else 'S5'}-{layout}-{config}-{mask}",
+    )
     for layout, config, mask in itertools.product(LAYOUTS, CONFIGS, MASKS)
 ]
 
@@ -121,10 +142,12 @@ def test_same_outputs_weights_and_gradients_as_torch(layout, config, masks):
     T, S = q.shape[-2 if layout != "seq_first" else 0], k.shape[-2 if layout != "seq_first" else 0]
     kw = _masks(masks, B, T, S, unbatched)
     for need_weights, average in ((True, True), (True, False), (False, True)):
-        (want, w_want), warned_t = _call(theirs, q, k, v, need_weights=need_weights,
-                                         average_attn_weights=average, **kw)
-        (got, w_got), warned_o = _call(ours, q, k, v, need_weights=need_weights,
-                                       average_attn_weights=average, **kw)
+        (want, w_want), warned_t = _call(
+            theirs, q, k, v, need_weights=need_weights, average_attn_weights=average, **kw
+        )
+        (got, w_got), warned_o = _call(
+            ours, q, k, v, need_weights=need_weights, average_attn_weights=average, **kw
+        )
         torch.testing.assert_close(got, want)
         assert warned_o == warned_t  # the mixed-mask deprecation warning, as torch gives it
         if need_weights:
@@ -147,7 +170,7 @@ def test_weights_of_a_closed_form_case():
     with torch.no_grad():
         m.in_proj_weight.copy_(torch.eye(2).repeat(3, 1))
         m.out_proj.weight.copy_(torch.eye(2))
-    q = torch.tensor([[[0.0, 2 ** 0.5]]], dtype=DT)  # (B=1, T=1, E=2)
+    q = torch.tensor([[[0.0, 2**0.5]]], dtype=DT)  # (B=1, T=1, E=2)
     kv = torch.eye(2, dtype=DT)[None]  # (1, S=2, 2)
     out, w = m(q, kv, kv)
     e = math.e
@@ -164,6 +187,7 @@ def test_weights_come_from_a_fast_backend_trace(monkeypatch):
         res = inner(*args, **kwargs)
         backends.append(res[1].backend if kwargs["return_trace"] else None)
         return res
+
     monkeypatch.setattr(tc.module, "scaled_dot_product_attention", spy)
     theirs, ours = _pair(batch_first=True)
     x = torch.randn(2, 6, E, dtype=DT)
@@ -246,6 +270,7 @@ def test_is_causal_without_attn_mask_raises_as_torch():
 
 # --- rows with nothing to attend: 0, not NaN --------------------------------------------------
 
+
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("layout", ["batch_first", "seq_first"])
 def test_fully_masked_rows_give_zero_heads_where_torch_gives_nan(layout, kind):
@@ -256,8 +281,9 @@ def test_fully_masked_rows_give_zero_heads_where_torch_gives_nan(layout, kind):
     hidden = torch.zeros(4, 5, dtype=torch.bool)
     hidden[2] = True  # query 2: every key hidden, in every batch element
     if kind == "float":
-        padding, hidden = (torch.zeros(t.shape, dtype=DT).masked_fill(t, -math.inf)
-                           for t in (padding, hidden))
+        padding, hidden = (
+            torch.zeros(t.shape, dtype=DT).masked_fill(t, -math.inf) for t in (padding, hidden)
+        )
     kw = dict(key_padding_mask=padding, attn_mask=hidden, average_attn_weights=False)
     want, w_want = theirs(q, k, v, **kw)
     got, w_got = ours(q, k, v, **kw)
@@ -278,6 +304,7 @@ def test_fully_masked_rows_give_zero_heads_where_torch_gives_nan(layout, kind):
 
 
 # --- dropout ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("layout", ["batch_first", "seq_first"])
 def test_dropout_draws_as_torch_in_training_and_is_off_in_eval(layout):
@@ -319,12 +346,13 @@ def test_ported_multihead_attn_test_helper(case, average):
     kpm_on, same = opts.pop("kpm", False), opts.pop("same_embed_dim", False)
     rng = torch.Generator().manual_seed(7)
     for _ in range(10):
-        B, S, D = (int(torch.randint(lo, hi, (), generator=rng))
-                   for lo, hi in ((2, 11), (2, 11), (3, 11)))
+        B, S, D = (
+            int(torch.randint(lo, hi, (), generator=rng)) for lo, hi in ((2, 11), (2, 11), (3, 11))
+        )
         heads = 2 * int(torch.randint(1, 3, (), generator=rng))
         C = D * heads
         kv_dim = C if same else int(torch.randint(5, 21, (), generator=rng))
-        torch.manual_seed(int(torch.randint(0, 2 ** 31, (), generator=rng)))
+        torch.manual_seed(int(torch.randint(0, 2**31, (), generator=rng)))
         theirs = nn.MultiheadAttention(C, heads, kdim=kv_dim, vdim=kv_dim, dtype=DT, **opts)
         ours = tc.MultiheadAttention(C, heads, kdim=kv_dim, vdim=kv_dim, dtype=DT, **opts)
         ours.load_state_dict(theirs.state_dict())
@@ -333,10 +361,12 @@ def test_ported_multihead_attn_test_helper(case, average):
         keep = torch.randint(0, 2, (1, S), generator=rng)
         am = torch.zeros(1, S, dtype=DT).masked_fill(keep == 0, -math.inf)  # (T, S)
         kpm = (torch.randint(0, 2, (1, S), generator=rng) == 1).expand(B, S) if kpm_on else None
-        want, w_want = theirs(q, kv, kv, key_padding_mask=kpm, attn_mask=am,
-                              average_attn_weights=average)
-        got, w_got = ours(q, kv, kv, key_padding_mask=kpm, attn_mask=am,
-                          average_attn_weights=average)
+        want, w_want = theirs(
+            q, kv, kv, key_padding_mask=kpm, attn_mask=am, average_attn_weights=average
+        )
+        got, w_got = ours(
+            q, kv, kv, key_padding_mask=kpm, attn_mask=am, average_attn_weights=average
+        )
         assert not got.isnan().any() and not w_got.isnan().any()
         ok = ~want.isnan().any(-1)  # (T, B): torch's rows with something to attend
         torch.testing.assert_close(got[ok], want[ok])
@@ -353,45 +383,114 @@ def test_ported_3d_attn_mask_equals_per_batch_2d_masks():
     keep = torch.randint(0, 2, (B, T, S))
     keep[..., 0] = 1
     mask = torch.zeros(B, T, S, dtype=DT).masked_fill(keep == 0, -math.inf)  # (B, T, S)
-    out3 = m(query.transpose(0, 1), key.transpose(0, 1), key.transpose(0, 1),
-             attn_mask=mask.repeat_interleave(heads, 0))[0]  # (T, B, E)
+    out3 = m(
+        query.transpose(0, 1),
+        key.transpose(0, 1),
+        key.transpose(0, 1),
+        attn_mask=mask.repeat_interleave(heads, 0),
+    )[0]  # (T, B, E)
     for i in range(B):
         out2 = m(query[i, :, None], key[i, :, None], key[i, :, None], attn_mask=mask[i])[0]
-        torch.testing.assert_close(out3[:, i:i + 1], out2)
+        torch.testing.assert_close(out3[:, i : i + 1], out2)
 
 
 INVALID = {  # ported: _test_multihead_attn_invalid_shape_impl, plus the rest of torch's checks
-    "3d_query-2d_key": ((4, 4, 4), (4, 4), (4, 4, 4), {}, AssertionError,
-                        "expected `key` and `value` to be 3-D but found 2-D and 3-D"),
-    "3d_query-2d_value": ((4, 4, 4), (4, 4, 4), (4, 4), {}, AssertionError,
-                          "expected `key` and `value` to be 3-D but found 3-D and 2-D"),
-    "3d_query-1d_kpm": ((4, 4, 4), (4, 4, 4), (4, 4, 4),
-                        dict(key_padding_mask=torch.tensor([False, False, True, True])),
-                        AssertionError, "expected `key_padding_mask` to be `None` or 2-D"),
-    "3d_query-1d_attn_mask": ((4, 4, 4), (4, 4, 4), (4, 4, 4),
-                              dict(attn_mask=torch.tensor([False, False, True, True])),
-                              AssertionError, "expected `attn_mask` to be `None`, 2-D or 3-D"),
-    "2d_query-3d_key": ((4, 4), (4, 4, 4), (4, 4), {}, AssertionError,
-                        "expected `key` and `value` to be 2-D but found 3-D and 2-D"),
-    "2d_query-2d_kpm": ((4, 4), (4, 4), (4, 4),
-                        dict(key_padding_mask=torch.tensor([[False, False, True, True] * 2])),
-                        AssertionError, "expected `key_padding_mask` to be `None` or 1-D"),
-    "2d_query-bad_3d_attn_mask": ((4, 4), (4, 4), (4, 4),
-                                  dict(attn_mask=torch.zeros(5, 4, 4, dtype=torch.bool)),
-                                  AssertionError, r"Expected `attn_mask` shape to be \(4, 4, 4\)"),
-    "4d_query": ((1, 4, 4, 4), (4, 4, 4), (4, 4, 4), {}, AssertionError,
-                 "query should be unbatched 2D or batched 3D tensor but received 4-D"),
-    "int_kpm": ((4, 4, 4), (4, 4, 4), (4, 4, 4),
-                dict(key_padding_mask=torch.zeros(4, 4, dtype=torch.int64)),
-                AssertionError, "only bool and floating types of key_padding_mask"),
-    "bad_2d_attn_mask": ((4, 4, 4), (5, 4, 4), (5, 4, 4),
-                         dict(attn_mask=torch.zeros(4, 4, dtype=torch.bool)),
-                         RuntimeError, r"2D attn_mask is .*, but should be \(4, 5\)"),
-    "bad_3d_attn_mask": ((4, 4, 4), (4, 4, 4), (4, 4, 4),
-                         dict(attn_mask=torch.zeros(4, 4, 4, dtype=torch.bool)),
-                         RuntimeError, r"3D attn_mask is .*, but should be \(16, 4, 4\)"),
-    "embed_dim": ((4, 4, 3), (4, 4, 3), (4, 4, 3), {}, AssertionError,
-                  "was expecting embedding dimension of 4, but got 3"),
+    "3d_query-2d_key": (
+        (4, 4, 4),
+        (4, 4),
+        (4, 4, 4),
+        {},
+        AssertionError,
+        "expected `key` and `value` to be 3-D but found 2-D and 3-D",
+    ),
+    "3d_query-2d_value": (
+        (4, 4, 4),
+        (4, 4, 4),
+        (4, 4),
+        {},
+        AssertionError,
+        "expected `key` and `value` to be 3-D but found 3-D and 2-D",
+    ),
+    "3d_query-1d_kpm": (
+        (4, 4, 4),
+        (4, 4, 4),
+        (4, 4, 4),
+        dict(key_padding_mask=torch.tensor([False, False, True, True])),
+        AssertionError,
+        "expected `key_padding_mask` to be `None` or 2-D",
+    ),
+    "3d_query-1d_attn_mask": (
+        (4, 4, 4),
+        (4, 4, 4),
+        (4, 4, 4),
+        dict(attn_mask=torch.tensor([False, False, True, True])),
+        AssertionError,
+        "expected `attn_mask` to be `None`, 2-D or 3-D",
+    ),
+    "2d_query-3d_key": (
+        (4, 4),
+        (4, 4, 4),
+        (4, 4),
+        {},
+        AssertionError,
+        "expected `key` and `value` to be 2-D but found 3-D and 2-D",
+    ),
+    "2d_query-2d_kpm": (
+        (4, 4),
+        (4, 4),
+        (4, 4),
+        dict(key_padding_mask=torch.tensor([[False, False, True, True] * 2])),
+        AssertionError,
+        "expected `key_padding_mask` to be `None` or 1-D",
+    ),
+    "2d_query-bad_3d_attn_mask": (
+        (4, 4),
+        (4, 4),
+        (4, 4),
+        dict(attn_mask=torch.zeros(5, 4, 4, dtype=torch.bool)),
+        AssertionError,
+        r"Expected `attn_mask` shape to be \(4, 4, 4\)",
+    ),
+    "4d_query": (
+        (1, 4, 4, 4),
+        (4, 4, 4),
+        (4, 4, 4),
+        {},
+        AssertionError,
+        "query should be unbatched 2D or batched 3D tensor but received 4-D",
+    ),
+    "int_kpm": (
+        (4, 4, 4),
+        (4, 4, 4),
+        (4, 4, 4),
+        dict(key_padding_mask=torch.zeros(4, 4, dtype=torch.int64)),
+        AssertionError,
+        "only bool and floating types of key_padding_mask",
+    ),
+    "bad_2d_attn_mask": (
+        (4, 4, 4),
+        (5, 4, 4),
+        (5, 4, 4),
+        dict(attn_mask=torch.zeros(4, 4, dtype=torch.bool)),
+        RuntimeError,
+        r"2D attn_mask is .*, but should be \(4, 5\)",
+    ),
+    "bad_3d_attn_mask": (
+        (4, 4, 4),
+        (4, 4, 4),
+        (4, 4, 4),
+        dict(attn_mask=torch.zeros(4, 4, 4, dtype=torch.bool)),
+        RuntimeError,
+        r"3D attn_mask is .*, but should be \(16, 4, 4\)",
+    ),
+    "embed_dim": (
+        (4, 4, 3),
+        (4, 4, 3),
+        (4, 4, 3),
+        {},
+        AssertionError,
+        "was expecting embedding dimension of 4, but got 3",
+    ),
 }
 
 
@@ -416,11 +515,13 @@ def test_wrong_key_channels_name_the_fix():
 
 # --- nested tensors ---------------------------------------------------------------------------
 
+
 def _nested(lengths, C=E, layout=torch.strided):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch: "nested tensors are in prototype stage"
-        return torch.nested.as_nested_tensor([torch.randn(n, C, dtype=DT) for n in lengths],
-                                             layout=layout)
+        return torch.nested.as_nested_tensor(
+            [torch.randn(n, C, dtype=DT) for n in lengths], layout=layout
+        )
 
 
 @pytest.mark.parametrize("average", [True, False], ids=["average", "per_head"])
@@ -463,6 +564,7 @@ def test_nested_input_refuses_masks():
 
 # --- patch() -----------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def qkv_calls(monkeypatch):
     """Counts the attention calls the drop-in makes into qkv."""
@@ -472,6 +574,7 @@ def qkv_calls(monkeypatch):
     def spy(*args, **kwargs):
         calls.append(kwargs.get("backend"))
         return inner(*args, **kwargs)
+
     monkeypatch.setattr(tc.module, "scaled_dot_product_attention", spy)
     return calls
 
@@ -486,24 +589,30 @@ def fused_calls(monkeypatch):
         def spy(*args, _inner=inner, _name=name, **kwargs):
             calls.append(_name)
             return _inner(*args, **kwargs)
+
         monkeypatch.setattr(torch, name, spy)
     return calls
 
 
 def _encoder(batch_first=True, layers=2, **kw):
     torch.manual_seed(4)
-    layer = nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=batch_first,
-                                       dtype=DT, **kw)
+    layer = nn.TransformerEncoderLayer(
+        E, H, 16, dropout=0.0, batch_first=batch_first, dtype=DT, **kw
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "enable_nested_tensor is True, but ..."
         return nn.TransformerEncoder(layer, layers)
 
 
 ENCODER_CALLS = {
-    "kpm": dict(src_key_padding_mask=torch.tensor([[False] * 5, [False] * 3 + [True] * 2,
-                                                    [False] + [True] * 4])),
-    "causal_mask": dict(mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=DT),
-                        is_causal=True),
+    "kpm": dict(
+        src_key_padding_mask=torch.tensor(
+            [[False] * 5, [False] * 3 + [True] * 2, [False] + [True] * 4]
+        )
+    ),
+    "causal_mask": dict(
+        mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=DT), is_causal=True
+    ),
     "bool_mask": dict(mask=torch.rand(5, 5, generator=torch.Generator().manual_seed(0)) < 0.3),
     "none": {},
 }
@@ -529,8 +638,7 @@ def test_layer_patched_before_building_the_encoder_still_runs_qkv(qkv_calls, fus
     # TransformerEncoder deep-copies its layer and, in eval without grad, hands the layers
     # nested tensors: the copies keep the hook and take them.
     torch.manual_seed(4)
-    layer = tc.patch(nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=True,
-                                                dtype=DT))
+    layer = tc.patch(nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=True, dtype=DT))
     model = nn.TransformerEncoder(layer, 3, enable_nested_tensor=True).eval()
     reference = copy.deepcopy(model)
     for m in reference.modules():  # the same model computed by torch alone
@@ -586,9 +694,11 @@ def test_patched_decoder_layer_same_outputs(batch_first, mode, qkv_calls):
     tgt, memory = torch.randn(3, 4, E, dtype=DT), torch.randn(3, 6, E, dtype=DT)
     if not batch_first:
         tgt, memory = tgt.transpose(0, 1), memory.transpose(0, 1)
-    kw = dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(4, dtype=DT),
-              tgt_is_causal=True,
-              memory_key_padding_mask=torch.arange(6) >= torch.tensor([6, 4, 1])[:, None])
+    kw = dict(
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(4, dtype=DT),
+        tgt_is_causal=True,
+        memory_key_padding_mask=torch.arange(6) >= torch.tensor([6, 4, 1])[:, None],
+    )
     for m in (layer, patched):
         m.train(mode == "train")
     with torch.set_grad_enabled(mode == "train"):
@@ -599,13 +709,23 @@ def test_patched_decoder_layer_same_outputs(batch_first, mode, qkv_calls):
 
 def test_patched_transformer_same_outputs_in_train_and_eval(qkv_calls, fused_calls):
     torch.manual_seed(6)
-    model = nn.Transformer(E, H, num_encoder_layers=2, num_decoder_layers=2,
-                           dim_feedforward=16, dropout=0.0, batch_first=True, dtype=DT)
+    model = nn.Transformer(
+        E,
+        H,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dim_feedforward=16,
+        dropout=0.0,
+        batch_first=True,
+        dtype=DT,
+    )
     patched = tc.patch(copy.deepcopy(model))
     src, tgt = torch.randn(2, 6, E, dtype=DT), torch.randn(2, 4, E, dtype=DT)
-    kw = dict(tgt_mask=nn.Transformer.generate_square_subsequent_mask(4, dtype=DT),
-              tgt_is_causal=True,
-              src_key_padding_mask=torch.tensor([[False] * 6, [False] * 4 + [True] * 2]))
+    kw = dict(
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(4, dtype=DT),
+        tgt_is_causal=True,
+        src_key_padding_mask=torch.tensor([[False] * 6, [False] * 4 + [True] * 2]),
+    )
     kw["memory_key_padding_mask"] = kw["src_key_padding_mask"]
     torch.testing.assert_close(patched(src, tgt, **kw), model(src, tgt, **kw))
     assert len(qkv_calls) == 2 + 2 * 2  # encoder self; decoder self and cross
@@ -624,9 +744,12 @@ def test_ported_transformerencoder_square_input():
     # cos(0..n-1), a bool src_mask; torch's recorded output, in every mode, after patching.
     torch.manual_seed(0)
     model = nn.TransformerEncoder(
-        nn.TransformerEncoderLayer(d_model=4, nhead=2, dim_feedforward=16, dropout=0.0,
-                                   batch_first=True),
-        num_layers=2, enable_nested_tensor=False)
+        nn.TransformerEncoderLayer(
+            d_model=4, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True
+        ),
+        num_layers=2,
+        enable_nested_tensor=False,
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.cos(torch.arange(p.numel()).float().view(p.shape)))
@@ -634,10 +757,17 @@ def test_ported_transformerencoder_square_input():
     x = torch.arange(0, 16).reshape(2, 2, 4).float()
     src_mask = torch.tensor([[0, 1], [0, 0]]).bool()
     want = torch.tensor(
-        [[[2.420306205749512, 0.017629241570830, -0.607857942581177, -0.085519507527351],
-          [2.420306205749512, 0.017629241570830, -0.607857942581177, -0.085519507527351]],
-         [[2.419836044311523, 0.017548924311996, -0.608187675476074, -0.085347734391689],
-          [2.419836044311523, 0.017548924311996, -0.608187675476074, -0.085347734391689]]])
+        [
+            [
+                [2.420306205749512, 0.017629241570830, -0.607857942581177, -0.085519507527351],
+                [2.420306205749512, 0.017629241570830, -0.607857942581177, -0.085519507527351],
+            ],
+            [
+                [2.419836044311523, 0.017548924311996, -0.608187675476074, -0.085347734391689],
+                [2.419836044311523, 0.017548924311996, -0.608187675476074, -0.085347734391689],
+            ],
+        ]
+    )
     for training, no_grad in itertools.product((True, False), (True, False)):
         model.train(training)
         with torch.set_grad_enabled(not no_grad):
@@ -647,8 +777,13 @@ def test_ported_transformerencoder_square_input():
 def test_patch_keeps_parameters_and_an_optimizer_built_before():
     torch.manual_seed(7)
     shared = nn.MultiheadAttention(E, H, batch_first=True, dtype=DT)
-    model = nn.ModuleDict(dict(a=shared, b=shared, layer=nn.TransformerEncoderLayer(
-        E, H, 16, dropout=0.0, batch_first=True, dtype=DT)))
+    model = nn.ModuleDict(
+        dict(
+            a=shared,
+            b=shared,
+            layer=nn.TransformerEncoderLayer(E, H, 16, dropout=0.0, batch_first=True, dtype=DT),
+        )
+    )
     params = list(model.parameters())
     keys = list(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -679,6 +814,7 @@ def test_patch_of_a_module_returns_it_and_twice_changes_nothing():
 def test_patch_refusals():
     class Mine(nn.MultiheadAttention):
         pass
+
     with pytest.raises(TypeError, match=r"inner \(.*Mine\) subclass it"):
         tc.patch(nn.ModuleDict(dict(inner=Mine(E, H))))
     with pytest.raises(ValueError, match="found no torch.nn.MultiheadAttention in Linear"):
@@ -701,18 +837,24 @@ def test_capture_sees_the_weights_inside_patched_layers():
 
 # --- from_torch: batch_first=False is refused ---------------------------------------------------
 
+
 def test_from_torch_refuses_batch_first_false_and_names_both_fixes():
     tm = nn.MultiheadAttention(16, 4)
-    with pytest.raises(ValueError, match=r"batch_first=False and takes \(T, B, 16\).*"
-                                         r"qkv.torch_compat.MultiheadAttention.*"
-                                         r"from_torch\(m, batch_first=True\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch_first=False and takes \(T, B, 16\).*"
+        r"qkv.torch_compat.MultiheadAttention.*"
+        r"from_torch\(m, batch_first=True\)",
+    ):
         qkv.MultiHeadAttention.from_torch(tm)
     with pytest.raises(ValueError, match=r"never \(T, B, 16\)"):
-        qkv.MultiHeadAttention.from_torch(nn.MultiheadAttention(16, 4, batch_first=True),
-                                          batch_first=False)
+        qkv.MultiHeadAttention.from_torch(
+            nn.MultiheadAttention(16, 4, batch_first=True), batch_first=False
+        )
     ours = qkv.MultiHeadAttention.from_torch(tm, batch_first=True)
     x = torch.randn(2, 3, 16)
-    torch.testing.assert_close(ours(x), tm(x.transpose(0, 1), x.transpose(0, 1),
-                                           x.transpose(0, 1))[0].transpose(0, 1))
+    torch.testing.assert_close(
+        ours(x), tm(x.transpose(0, 1), x.transpose(0, 1), x.transpose(0, 1))[0].transpose(0, 1)
+    )
     dropin = tc.MultiheadAttention(16, 4, batch_first=True)  # a drop-in converts too
     torch.testing.assert_close(qkv.MultiHeadAttention.from_torch(dropin)(x), dropin(x, x, x)[0])

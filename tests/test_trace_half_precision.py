@@ -4,6 +4,7 @@ A fast backend's lse comes from float32 scores; half scores minus it scaled whol
 summed to 1 +- 0.13 in bfloat16 at scale=3). The weights are now formed in float32 and
 returned in the inputs' dtype, for the full trace and for select().
 """
+
 import pytest
 import torch
 
@@ -26,10 +27,12 @@ def _row_sum_error(probs):
 
 def _traces(low, **kw):
     """(golden float64 trace, baseline trace in the low dtype) of the reference backend."""
-    _, golden = qkv.scaled_dot_product_attention(*(t.double() for t in low), backend="reference",
-                                                 return_trace=True, **kw)
-    _, baseline = qkv.scaled_dot_product_attention(*low, backend="reference", return_trace=True,
-                                                   **kw)
+    _, golden = qkv.scaled_dot_product_attention(
+        *(t.double() for t in low), backend="reference", return_trace=True, **kw
+    )
+    _, baseline = qkv.scaled_dot_product_attention(
+        *low, backend="reference", return_trace=True, **kw
+    )
     return golden, baseline
 
 
@@ -38,8 +41,7 @@ def _traces(low, **kw):
 def test_half_trace_rows_sum_to_one_at_large_scale(dtype, backend):
     low = _inputs(dtype)
     golden, baseline = _traces(low, scale=3.0)
-    _, trace = qkv.scaled_dot_product_attention(*low, scale=3.0, backend=backend,
-                                                return_trace=True)
+    _, trace = qkv.scaled_dot_product_attention(*low, scale=3.0, backend=backend, return_trace=True)
     assert trace.probs.dtype == dtype and trace.scores.dtype == dtype
     assert _row_sum_error(trace.probs) <= _row_sum_error(baseline.probs)
     assert_tolerance(trace.probs, golden.probs, baseline.probs, name="probs")
@@ -51,12 +53,13 @@ def test_half_trace_rows_sum_to_one_at_large_scale(dtype, backend):
 def test_half_select_is_formed_in_float32_too(dtype, backend):
     low = _inputs(dtype)
     golden, baseline = _traces(low, scale=3.0, is_causal=True)
-    _, trace = qkv.scaled_dot_product_attention(*low, scale=3.0, is_causal=True,
-                                                backend=backend, return_trace=True)
+    _, trace = qkv.scaled_dot_product_attention(
+        *low, scale=3.0, is_causal=True, backend=backend, return_trace=True
+    )
     rows, heads = [63, 0, 40], [2, 0]
     part = trace.select(heads=heads, rows=rows)
     assert part.probs.dtype == dtype
-    pick = (lambda t: t[:, heads][:, :, rows])
+    pick = lambda t: t[:, heads][:, :, rows]
     assert _row_sum_error(part.probs) <= _row_sum_error(baseline.probs)
     assert_tolerance(part.probs, pick(golden.probs), pick(baseline.probs), name="select probs")
     torch.testing.assert_close(part.probs, trace.probs[:, heads][:, :, rows], rtol=0, atol=0)
@@ -78,13 +81,27 @@ def test_half_trace_without_backend_lse(dtype):
 
 
 BLOCK_CASES = {
-    "4D-causal-bool": ((2, 3, 37, 8), (2, 3, 29, 8), {"is_causal": True, "attn_mask": torch.rand(37, 29) < 0.7}),
-    "3D-float-mask": ((3, 37, 8), (3, 29, 8), {"attn_mask": torch.randn(3, 37, 29, dtype=torch.float64)}),
+    "4D-causal-bool": (
+        (2, 3, 37, 8),
+        (2, 3, 29, 8),
+        {"is_causal": True, "attn_mask": torch.rand(37, 29) < 0.7},
+    ),
+    "3D-float-mask": (
+        (3, 37, 8),
+        (3, 29, 8),
+        {"attn_mask": torch.randn(3, 37, 29, dtype=torch.float64)},
+    ),
     "5D": ((2, 2, 3, 37, 8), (2, 2, 3, 29, 8), {}),
     "2D": ((37, 8), (29, 8), {"is_causal": True}),
     "gqa": ((2, 4, 37, 8), (2, 2, 29, 8), {"enable_gqa": True}),
-    "window-alibi": ((2, 2, 37, 8), (2, 2, 29, 8), {"mask_mod": qkv.masks.sliding_window(5),
-                                                    "score_mod": qkv.masks.alibi(torch.tensor([-0.5, -1.0]))}),
+    "window-alibi": (
+        (2, 2, 37, 8),
+        (2, 2, 29, 8),
+        {
+            "mask_mod": qkv.masks.sliding_window(5),
+            "score_mod": qkv.masks.alibi(torch.tensor([-0.5, -1.0])),
+        },
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 Inference tensors have no version counter, so the stale-input check must skip them; the
 trace is read inside inference mode and after leaving it.
 """
+
 import pytest
 import torch
 
@@ -22,7 +23,7 @@ def test_functional_trace_under_inference_mode(read_inside):
             probs, part = trace.probs, trace.select(heads=[2], rows=[10, 0])
     if not read_inside:
         probs, part = trace.probs, trace.select(heads=[2], rows=[10, 0])
-    expected = _expected_probs(q, k, 8 ** -0.5)  # (2, 3, 11, 13)
+    expected = _expected_probs(q, k, 8**-0.5)  # (2, 3, 11, 13)
     torch.testing.assert_close(probs, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(part.probs, expected[:, [2]][:, :, [10, 0]], rtol=0, atol=1e-12)
     torch.testing.assert_close(probs @ v, out, rtol=0, atol=1e-12)
@@ -38,7 +39,7 @@ def test_module_trace_under_inference_mode(read_inside):
             probs, part = trace.probs, trace.select(batch=[1], rows=range(6, 3, -1))
     if not read_inside:
         probs, part = trace.probs, trace.select(batch=[1], rows=range(6, 3, -1))
-    expected = _expected_probs(trace.q, trace.k, 8 ** -0.5)  # (3, 2, 7, 7)
+    expected = _expected_probs(trace.q, trace.k, 8**-0.5)  # (3, 2, 7, 7)
     torch.testing.assert_close(probs, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(part.probs, expected[[1]][:, :, [6, 5, 4]], rtol=0, atol=1e-12)
     torch.testing.assert_close(probs @ trace.v, trace.heads, rtol=0, atol=1e-12)

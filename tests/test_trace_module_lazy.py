@@ -4,6 +4,7 @@ MultiHeadTrace used to read trace.probs when built (the whole (B, H, T, S) weigh
 at T=8192) and dropped the trace's row-wise recomputation, so select() recomputed every
 score. Shown by behaviour: the largest tensor any op makes stays below one (T, S) matrix.
 """
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,10 +64,15 @@ def test_module_select_equals_rows_of_full_probs(causal):
     part = trace.select(batch=[2, 0], heads=[3, 1], rows=[10, 4])
     _, again = mha(x, key_mask=keep, is_causal=causal, return_trace=True)
     full = again.probs  # (3, 4, 11, 11)
-    torch.testing.assert_close(part.probs, full[[2, 0]][:, [3, 1]][:, :, [10, 4]], rtol=0, atol=1e-12)
-    torch.testing.assert_close(part.scores, again.scores[[2, 0]][:, [3, 1]][:, :, [10, 4]],
-                               rtol=0, atol=1e-12)
-    torch.testing.assert_close(full @ trace.v.repeat_interleave(2, 1), trace.heads, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        part.probs, full[[2, 0]][:, [3, 1]][:, :, [10, 4]], rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        part.scores, again.scores[[2, 0]][:, [3, 1]][:, :, [10, 4]], rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        full @ trace.v.repeat_interleave(2, 1), trace.heads, rtol=0, atol=1e-12
+    )
 
 
 def test_unbatched_module_trace_selects_lazily(monkeypatch):
@@ -92,8 +98,13 @@ def test_self_attention_trace_selects_rows(batched):
     sa = qkv.SelfAttention(8, 4, dtype=torch.float64)
     x = torch.randn(2, 9, 8, dtype=torch.float64)
     x = x if batched else x[1]
-    _, trace = sa(x, key_mask=torch.ones(x.shape[:-1], dtype=torch.bool).index_fill(-1, torch.tensor([3]), False),
-                  return_trace=True)
+    _, trace = sa(
+        x,
+        key_mask=torch.ones(x.shape[:-1], dtype=torch.bool).index_fill(
+            -1, torch.tensor([3]), False
+        ),
+        return_trace=True,
+    )
     part = trace.select(heads=[1], rows=[8, 0]) if batched else trace.select(rows=[8, 0])
     q, k = (trace.q[1], trace.k[1]) if batched else (trace.q, trace.k)
     keep = torch.arange(9) != 3
@@ -115,7 +126,7 @@ def test_decode_step_trace_stays_readable_after_the_cache_appends(lazy, monkeypa
         mha(x[:, :5], cache=cache)  # the prompt
         _, trace = mha(x[:, 5:6], cache=cache, return_trace=True)  # step 6 sees keys 0..5
         for t in range(6, 9):
-            mha(x[:, t:t + 1], cache=cache)  # later steps overwrite nothing it saw, but bump
+            mha(x[:, t : t + 1], cache=cache)  # later steps overwrite nothing it saw, but bump
         probs = trace.probs  # the cache's version counter
     assert probs.shape == (1, 2, 1, 6)
     want = _rows_of_softmax(trace.q, trace.k, (16 // 2) ** -0.5, [0])

@@ -1,5 +1,6 @@
 """trace.select takes every ordered index and refuses the rest with a TypeError/ValueError
 that says what to pass (issue 12, item 16c)."""
+
 import pytest
 import torch
 
@@ -39,7 +40,9 @@ def test_select_rows_in_the_order_given(trace, case):
 
 def test_select_generator_of_heads_and_batch(trace):
     part = trace.select(batch=(b for b in [1]), heads=reversed(range(3)), rows=[0])
-    torch.testing.assert_close(part.probs, trace.probs[[1]][:, [2, 1, 0]][:, :, [0]], rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        part.probs, trace.probs[[1]][:, [2, 1, 0]][:, :, [0]], rtol=0, atol=1e-12
+    )
 
 
 REFUSED = {

@@ -1,5 +1,6 @@
 """A lazy trace refuses to recompute after a tensor its mask_mod/score_mod reads changed in
 place (issue 12, item 16d), as it already did for query, key and value."""
+
 import pytest
 import torch
 
@@ -34,8 +35,13 @@ def _captured_by_score_function():
     return dict(score_mod=lambda s, b, h, q, kv: s + bias[q, kv]), bias
 
 
-MODS = {"alibi-slopes": _alibi, "key_lengths": _key_lengths, "document-ids": _document,
-        "mask-closure": _captured_by_mask_function, "score-closure": _captured_by_score_function}
+MODS = {
+    "alibi-slopes": _alibi,
+    "key_lengths": _key_lengths,
+    "document-ids": _document,
+    "mask-closure": _captured_by_mask_function,
+    "score-closure": _captured_by_score_function,
+}
 
 
 def _change(t):
@@ -51,7 +57,9 @@ def test_reading_after_a_mod_tensor_changed_raises(mod):
     q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64) for _ in range(3))
     _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="tiled", **kw)
     _, ref = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="reference", **kw)
-    torch.testing.assert_close(trace.select(rows=[3]).probs, ref.probs[:, :, [3]], rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        trace.select(rows=[3]).probs, ref.probs[:, :, [3]], rtol=0, atol=1e-12
+    )
     _change(tensor)
     with pytest.raises(RuntimeError, match="modified in place"):
         trace.probs
@@ -75,6 +83,8 @@ def test_mod_tensors_made_under_inference_mode_are_skipped():
     q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64) for _ in range(3))
     with torch.inference_mode():
         kw, _ = _alibi()
-        _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="tiled", **kw)
+        _, trace = qkv.scaled_dot_product_attention(
+            q, k, v, return_trace=True, backend="tiled", **kw
+        )
     _, ref = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="reference", **kw)
     torch.testing.assert_close(trace.probs, ref.probs, rtol=0, atol=1e-12)

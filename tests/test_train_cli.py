@@ -1,5 +1,6 @@
 """``qkv train``: a short run writes its checkpoint, metrics and cross-attention picture;
 an existing run is refused without --resume; bad options fail with one clear line."""
+
 import json
 
 import pytest
@@ -9,8 +10,19 @@ from qkv.cli.main import main
 
 def test_short_reverse_run_writes_metrics_checkpoint_and_picture(tmp_path, capsys):
     out = tmp_path / "run"
-    args = ["train", "reverse", "--steps", "30", "--batch-size", "16", "--quiet",
-            "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+    args = [
+        "train",
+        "reverse",
+        "--steps",
+        "30",
+        "--batch-size",
+        "16",
+        "--quiet",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     metrics = json.loads((out / "metrics.json").read_text())
@@ -25,12 +37,15 @@ def test_short_reverse_run_writes_metrics_checkpoint_and_picture(tmp_path, capsy
     assert main(args + ["--resume"]) == 0  # nothing left to train: evaluates again
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--window", "4"], "--window is for --attention local"),
-    (["--preset", "lra"], "--preset lra is for listops"),
-    (["--variant", "full"], "--variant is a ListOps option"),
-    (["--steps", "0"], "steps must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--window", "4"], "--window is for --attention local"),
+        (["--preset", "lra"], "--preset lra is for listops"),
+        (["--variant", "full"], "--variant is a ListOps option"),
+        (["--steps", "0"], "steps must be a positive int"),
+    ],
+)
 def test_bad_options(tmp_path, capsys, extra, message):
     assert main(["train", "reverse", "--out", str(tmp_path / "x"), *extra]) == 2
     assert message in capsys.readouterr().err
@@ -40,6 +55,7 @@ def _args(*argv):
     import argparse
 
     from qkv.cli import train as train_cli
+
     parser = argparse.ArgumentParser()
     train_cli.add_parser(parser.add_subparsers())
     return parser.parse_args(["train", *argv])
@@ -47,19 +63,35 @@ def _args(*argv):
 
 def test_lra_preset_is_lras_released_listops_config():
     from qkv.cli.train import plan
+
     recipe, config = plan(_args("listops", "--preset", "lra", "--out", "x"))
     assert recipe["task"] == "listops" and recipe["data"] == {"variant": "full"}
-    assert recipe["model"] == dict(embed_dim=512, num_heads=8, num_layers=4, ffn_dim=1024,
-                                   dropout=0.1)
+    assert recipe["model"] == dict(
+        embed_dim=512, num_heads=8, num_layers=4, ffn_dim=1024, dropout=0.1
+    )
     assert (config.steps, config.batch_size, config.lr) == (5000, 32, 0.05)
     assert (config.warmup_steps, config.schedule, config.weight_decay) == (1000, "rsqrt", 0.1)
     # options given on the command line win over the preset; the preset is not changed
-    recipe, config = plan(_args("listops", "--preset", "lra", "--steps", "7", "--attention",
-                                "local", "--window", "16", "--variant", "cpu", "--out", "x"))
+    recipe, config = plan(
+        _args(
+            "listops",
+            "--preset",
+            "lra",
+            "--steps",
+            "7",
+            "--attention",
+            "local",
+            "--window",
+            "16",
+            "--variant",
+            "cpu",
+            "--out",
+            "x",
+        )
+    )
     assert config.steps == 7 and config.lr == 0.05 and recipe["data"] == {"variant": "cpu"}
     assert recipe["attention"] == "local" and recipe["attention_options"] == {"window": 16}
-    assert plan(_args("listops", "--preset", "lra", "--out", "x"))[0]["data"] == {
-        "variant": "full"}
+    assert plan(_args("listops", "--preset", "lra", "--out", "x"))[0]["data"] == {"variant": "full"}
 
 
 def test_ctrl_c_on_the_command_leaves_a_checkpoint_that_resumes_to_the_same_result(tmp_path):
@@ -72,13 +104,25 @@ def test_ctrl_c_on_the_command_leaves_a_checkpoint_that_resumes_to_the_same_resu
 
     import torch
 
-    common = ["reverse", "--steps", "60", "--batch-size", "8", "--checkpoint-every", "5",
-              "--cache-dir", str(tmp_path / "cache")]
+    common = [
+        "reverse",
+        "--steps",
+        "60",
+        "--batch-size",
+        "8",
+        "--checkpoint-every",
+        "5",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     cut = tmp_path / "cut"
     code = "import sys; from qkv.cli.main import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "train", *common, "--quiet",
-                             "--out", str(cut)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "train", *common, "--quiet", "--out", str(cut)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (cut / "checkpoint.pt").exists():  # training has started: the handler is set
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -100,18 +144,38 @@ def test_ctrl_c_on_the_command_leaves_a_checkpoint_that_resumes_to_the_same_resu
 
 
 def test_without_matplotlib_the_results_are_written_and_one_warning_line_says_why(
-        tmp_path, capsys, monkeypatch):
+    tmp_path, capsys, monkeypatch
+):
     import sys
+
     for name in [m for m in sys.modules if m.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib...` raises ImportError
     out = tmp_path / "run"
-    assert main(["train", "reverse", "--steps", "3", "--batch-size", "8", "--quiet",
-                 "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "reverse",
+                "--steps",
+                "3",
+                "--batch-size",
+                "8",
+                "--quiet",
+                "--cache-dir",
+                str(tmp_path / "cache"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed, err = capsys.readouterr()
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["step"] == json.loads(printed)["steps"] == 3
     assert 0.0 <= metrics["evaluation"]["exact_match"] <= 1.0
     assert metrics["pictures"] == json.loads(printed)["pictures"] == []
-    assert err == (f"reverse: warning: no pictures (plotting attention needs matplotlib: pip "
-                   f"install 'qkv[viz]'); the results are in {out / 'metrics.json'}\n")
+    assert err == (
+        f"reverse: warning: no pictures (plotting attention needs matplotlib: pip "
+        f"install 'qkv[viz]'); the results are in {out / 'metrics.json'}\n"
+    )
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "metrics.json"]

@@ -12,6 +12,7 @@
 * bad input (a batch the processes cannot share, ``--nproc 0``, ``--nproc`` under torchrun)
   fails before any process starts, exit 2.
 """
+
 import json
 import os
 import re
@@ -31,8 +32,9 @@ from qkv.cli.main import main
 from qkv.training import CHECKPOINT, METRICS, TrainConfig, train
 from qkv.training.recipes import make_recipe
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
-                                reason="this torch build has no torch.distributed")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
 
 LIMIT = 120  # seconds any one command may take before the test fails (and kills it)
 TAG = uuid.uuid4().hex  # marks the processes these tests start
@@ -95,8 +97,9 @@ WORKER = textwrap.dedent("""
                                rng_kept=torch.equal(torch.get_rng_state(), rng)))
         os.write(1, (line + "\\n").encode())  # one write: the ranks' lines do not interleave
 """)
-CONFIG = TrainConfig(steps=20, batch_size=16, lr=3e-3, warmup_steps=5, schedule="cosine",
-                     checkpoint_every=10, seed=3)
+CONFIG = TrainConfig(
+    steps=20, batch_size=16, lr=3e-3, warmup_steps=5, schedule="cosine", checkpoint_every=10, seed=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,14 +116,28 @@ def torchrun(tmp_path_factory, cache) -> tuple[Path, dict[tuple[int, int], dict]
     seconds): reverse, then the toy uninterrupted, interrupted (Ctrl-C on rank 1 after step 6)
     and resumed. Returns the folder of the runs and ``{(job, rank): result}``."""
     root = tmp_path_factory.mktemp("torchrun")
-    (root / "worker.py").write_text(f"SMALL = {SMALL!r}\nfrom qkv.training import TrainConfig\n"
-                                    f"CONFIG = TrainConfig(**{CONFIG.__dict__!r})\n{WORKER}")
-    jobs = [dict(task="reverse", out=str(root / "reverse"), cache=str(cache)),
-            dict(task="toy", out=str(root / "full")),
-            dict(task="toy", out=str(root / "cut"), sigint_at=6, sigint_rank=1),
-            dict(task="toy", out=str(root / "cut"), resume=True)]
-    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc_per_node", "2", str(root / "worker.py"), json.dumps(jobs)])
+    (root / "worker.py").write_text(
+        f"SMALL = {SMALL!r}\nfrom qkv.training import TrainConfig\n"
+        f"CONFIG = TrainConfig(**{CONFIG.__dict__!r})\n{WORKER}"
+    )
+    jobs = [
+        dict(task="reverse", out=str(root / "reverse"), cache=str(cache)),
+        dict(task="toy", out=str(root / "full")),
+        dict(task="toy", out=str(root / "cut"), sigint_at=6, sigint_rank=1),
+        dict(task="toy", out=str(root / "cut"), resume=True),
+    ]
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(root / "worker.py"),
+            json.dumps(jobs),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return root, {(r["job"], r["rank"]): r for r in found}
@@ -129,15 +146,18 @@ def torchrun(tmp_path_factory, cache) -> tuple[Path, dict[tuple[int, int], dict]
 def _env(**extra) -> dict:
     """The environment of a command a test starts: no torchrun variables of its own, one
     thread a process, and a tag that finds every process it starts (:func:`_kill`)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return dict(env, OMP_NUM_THREADS="1", QKV_TEST_TAG=TAG,
-                **{k: str(v) for k, v in extra.items()})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    return dict(env, OMP_NUM_THREADS="1", QKV_TEST_TAG=TAG, **{k: str(v) for k, v in extra.items()})
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         out, err = proc.communicate(timeout=LIMIT)
     finally:
@@ -208,7 +228,7 @@ def test_two_processes_end_where_one_process_ends(torchrun, cache, tmp_path):
     for name in p1:
         a, b = p1[name], p2[name]
         if name.endswith("in_proj_bias"):  # (3E,): q, k, v biases; leave k out
-            a, b = torch.cat([a[:E], a[2 * E:]]), torch.cat([b[:E], b[2 * E:]])
+            a, b = torch.cat([a[:E], a[2 * E :]]), torch.cat([b[:E], b[2 * E :]])
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
     assert json.loads((root / "reverse" / METRICS).read_text())["world_size"] == 2
     assert all(not r["group_left"] and r["rng_kept"] for r in runs.values())
@@ -236,11 +256,29 @@ def test_nproc_2_ctrl_c_then_resume_one_result_only_rank_0_writes(tmp_path, cach
     130 with one line and a checkpoint; ``--resume`` finishes: one JSON result, and in --out
     only rank 0's files."""
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "qkv", "train", "reverse", "--nproc", "2", "--steps", "60",
-            "--batch-size", "8", "--checkpoint-every", "2", "--quiet", "--cache-dir",
-            str(cache), "--out", str(out)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env())
+    argv = [
+        sys.executable,
+        "-m",
+        "qkv",
+        "train",
+        "reverse",
+        "--nproc",
+        "2",
+        "--steps",
+        "60",
+        "--batch-size",
+        "8",
+        "--checkpoint-every",
+        "2",
+        "--quiet",
+        "--cache-dir",
+        str(cache),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         _wait_for(out / CHECKPOINT, proc)
         proc.send_signal(signal.SIGINT)
@@ -250,8 +288,10 @@ def test_nproc_2_ctrl_c_then_resume_one_result_only_rank_0_writes(tmp_path, cach
     assert proc.returncode == 130 and stdout == "", stderr
     step = torch.load(out / CHECKPOINT, weights_only=False)["step"]
     assert 2 <= step < 60
-    assert stderr == (f"qkv train: interrupted at step {step}; checkpoint in "
-                      f"{out / CHECKPOINT}; continue with the same command and --resume\n")
+    assert stderr == (
+        f"qkv train: interrupted at step {step}; checkpoint in "
+        f"{out / CHECKPOINT}; continue with the same command and --resume\n"
+    )
     assert sorted(p.name for p in out.iterdir()) == [CHECKPOINT]
     rest = _run(argv + ["--resume"])
     assert rest.returncode == 0, rest.stderr
@@ -259,7 +299,11 @@ def test_nproc_2_ctrl_c_then_resume_one_result_only_rank_0_writes(tmp_path, cach
     assert printed["steps"] == 60 and 0.0 <= printed["evaluation"]["exact_match"] <= 1.0
     assert "Traceback" not in rest.stderr and "rank 1" not in rest.stderr
     assert sorted(p.name for p in out.iterdir()) == [
-        CHECKPOINT, "cross_attention.html", "cross_attention.png", METRICS]
+        CHECKPOINT,
+        "cross_attention.html",
+        "cross_attention.png",
+        METRICS,
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
     metrics = json.loads((out / METRICS).read_text())
     assert metrics["world_size"] == 2 and metrics["config"]["batch_size"] == 8
@@ -278,12 +322,37 @@ def test_a_rank_that_hangs_makes_the_other_fail_within_the_timeout(tmp_path, cac
     """Two ranks started as torchrun starts them, but without its agent to stop them: rank 1
     stops (SIGSTOP) mid-run; rank 0 fails after --dist-timeout (3 s) with one line, exit 2."""
     out, port = tmp_path / "run", _free_port()
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "qkv", "train", "reverse", "--steps", "5000", "--batch-size",
-         "8", "--checkpoint-every", "1", "--quiet", "--dist-timeout", "3", "--cache-dir",
-         str(cache), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=_env(WORLD_SIZE=2, RANK=rank, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=port)) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "qkv",
+                "train",
+                "reverse",
+                "--steps",
+                "5000",
+                "--batch-size",
+                "8",
+                "--checkpoint-every",
+                "1",
+                "--quiet",
+                "--dist-timeout",
+                "3",
+                "--cache-dir",
+                str(cache),
+                "--out",
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(
+                WORLD_SIZE=2, RANK=rank, LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            ),
+        )
+        for rank in (0, 1)
+    ]
     try:
         _wait_for(out / CHECKPOINT, procs[0])
         procs[1].send_signal(signal.SIGSTOP)
@@ -294,9 +363,12 @@ def test_a_rank_that_hangs_makes_the_other_fail_within_the_timeout(tmp_path, cac
         _kill(*procs)
     assert procs[0].returncode == 2 and stdout == "", stderr
     assert stderr.count("\n") == 1, stderr
-    assert re.match(r"qkv train: error: rank 0 of 2, (checkpoint of )?step \d+: another process "
-                    r"of the run died or did not answer within 3 s \(.+\); the checkpoint of "
-                    r"step \d+ continues the run with resume=True \(--resume\)$", stderr), stderr
+    assert re.match(
+        r"qkv train: error: rank 0 of 2, (checkpoint of )?step \d+: another process "
+        r"of the run died or did not answer within 3 s \(.+\); the checkpoint of "
+        r"step \d+ continues the run with resume=True \(--resume\)$",
+        stderr,
+    ), stderr
     assert 3 <= waited < 3 + 10
 
 
@@ -305,9 +377,13 @@ def _children(pid: int) -> dict[int, int]:
     found = {}
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0")
-                           if "=" in kv)
+            if (
+                d.name.isdigit()
+                and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
+            ):
+                env = dict(
+                    kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv
+                )
                 found[int(env["RANK"])] = int(d.name)
         except (OSError, KeyError, ValueError, IndexError):
             continue
@@ -318,10 +394,31 @@ def _children(pid: int) -> dict[int, int]:
 def test_nproc_reports_a_killed_rank_and_stops_the_other(tmp_path, cache):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "qkv", "train", "reverse", "--nproc", "2", "--steps", "5000",
-         "--batch-size", "8", "--checkpoint-every", "1", "--quiet", "--cache-dir", str(cache),
-         "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=_env())
+        [
+            sys.executable,
+            "-m",
+            "qkv",
+            "train",
+            "reverse",
+            "--nproc",
+            "2",
+            "--steps",
+            "5000",
+            "--batch-size",
+            "8",
+            "--checkpoint-every",
+            "1",
+            "--quiet",
+            "--cache-dir",
+            str(cache),
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     try:
         _wait_for(out / CHECKPOINT, proc)
         ranks = _children(proc.pid)
@@ -331,19 +428,26 @@ def test_nproc_reports_a_killed_rank_and_stops_the_other(tmp_path, cache):
     finally:
         _kill(proc)
     assert proc.returncode == 128 + signal.SIGKILL and stdout == "", stderr
-    assert stderr.endswith("qkv train: error: rank 1 was killed by SIGKILL; the other processes "
-                           "were stopped\n")
+    assert stderr.endswith(
+        "qkv train: error: rank 1 was killed by SIGKILL; the other processes were stopped\n"
+    )
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks.values())
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nproc", "0"], "--nproc must be at least 1, got 0"),
-    (["--nproc", "2", "--batch-size", "7"],
-     "the batch size is the global batch, shared equally by the 2 processes: 7 is not a "
-     "multiple of 2; use 6 or 8"),
-    (["--nproc", "4", "--batch-size", "2"], "2 is not a multiple of 4; use 4"),
-    (["--nproc", "2", "--dist-timeout", "0"], "--dist-timeout must be a positive number"),
-], ids=["nproc-0", "batch-7-of-2", "batch-2-of-4", "timeout-0"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+        (
+            ["--nproc", "2", "--batch-size", "7"],
+            "the batch size is the global batch, shared equally by the 2 processes: 7 is not a "
+            "multiple of 2; use 6 or 8",
+        ),
+        (["--nproc", "4", "--batch-size", "2"], "2 is not a multiple of 4; use 4"),
+        (["--nproc", "2", "--dist-timeout", "0"], "--dist-timeout must be a positive number"),
+    ],
+    ids=["nproc-0", "batch-7-of-2", "batch-2-of-4", "timeout-0"],
+)
 def test_bad_input_fails_before_any_process_starts(tmp_path, capsys, argv, message):
     out = tmp_path / "run"
     assert main(["train", "reverse", "--out", str(out), *argv]) == 2
@@ -359,12 +463,15 @@ def test_under_torchrun_the_batch_and_nproc_are_checked_too(tmp_path, capsys, mo
     assert main(["train", "reverse", "--batch-size", "5", "--out", str(out)]) == 2
     assert "5 is not a multiple of 2; use 4 or 6" in capsys.readouterr().err
     assert main(["train", "reverse", "--nproc", "2", "--out", str(out)]) == 2
-    assert ("--nproc 2 starts torchrun itself, but this process already runs under torchrun "
-            "(WORLD_SIZE=2): leave --nproc out") in capsys.readouterr().err
+    assert (
+        "--nproc 2 starts torchrun itself, but this process already runs under torchrun "
+        "(WORLD_SIZE=2): leave --nproc out"
+    ) in capsys.readouterr().err
     monkeypatch.delenv("RANK")
     assert main(["train", "reverse", "--out", str(out)]) == 2
     assert "WORLD_SIZE='2' is set but RANK=None is not an int: run under torchrun" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     assert not out.exists()
 
 
@@ -372,13 +479,45 @@ def test_each_process_runs_the_command_as_given_without_nproc():
     import argparse
 
     from qkv.cli import train as train_cli
+
     parser = argparse.ArgumentParser()
     train_cli.add_parser(parser.add_subparsers())
-    given = ["train", "listops", "--attention", "local", "--window", "8", "--steps", "7",
-             "--batch-size", "6", "--lr", "0.0003", "--device", "cpu", "--seed", "5",
-             "--checkpoint-every", "3", "--variant", "cpu", "--cache-dir", "c", "--out", "o",
-             "--resume", "--quiet", "--nproc", "3", "--dist-timeout", "9.5",
-             "--difficulty", "hard", "--resolution", "64"]  # pathfinder's, parsed alike
+    given = [
+        "train",
+        "listops",
+        "--attention",
+        "local",
+        "--window",
+        "8",
+        "--steps",
+        "7",
+        "--batch-size",
+        "6",
+        "--lr",
+        "0.0003",
+        "--device",
+        "cpu",
+        "--seed",
+        "5",
+        "--checkpoint-every",
+        "3",
+        "--variant",
+        "cpu",
+        "--cache-dir",
+        "c",
+        "--out",
+        "o",
+        "--resume",
+        "--quiet",
+        "--nproc",
+        "3",
+        "--dist-timeout",
+        "9.5",
+        "--difficulty",
+        "hard",
+        "--resolution",
+        "64",
+    ]  # pathfinder's, parsed alike
     args = parser.parse_args(given)
     argv = train_cli.worker_argv(args)
     assert "--nproc" not in argv and argv[:2] == ["train", "listops"]
@@ -386,4 +525,5 @@ def test_each_process_runs_the_command_as_given_without_nproc():
     assert again == dict(vars(args), nproc=None)
     flags = {a.dest for a in parser._subparsers._group_actions[0].choices["train"]._actions}
     assert flags - {"help", "nproc", "task", "func", "preset", "features"} <= {
-        k for k, v in vars(args).items() if v is not None}  # every option is exercised
+        k for k, v in vars(args).items() if v is not None
+    }  # every option is exercised

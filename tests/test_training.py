@@ -1,5 +1,6 @@
 """The training loop: resume equals an uninterrupted run to the bit, Ctrl-C leaves a usable
 checkpoint, checkpoints are written atomically, and runs are refused rather than overwritten."""
+
 import json
 import os
 import signal
@@ -47,8 +48,9 @@ class Toy:
         return []
 
 
-CONFIG = TrainConfig(steps=12, batch_size=16, lr=0.05, warmup_steps=3, schedule="rsqrt",
-                     checkpoint_every=5, seed=7)
+CONFIG = TrainConfig(
+    steps=12, batch_size=16, lr=0.05, warmup_steps=3, schedule="rsqrt", checkpoint_every=5, seed=7
+)
 
 
 def _params(path):
@@ -57,9 +59,14 @@ def _params(path):
 
 def test_resume_equals_uninterrupted_to_the_bit(tmp_path):
     full = train(Toy(), CONFIG, tmp_path / "full", progress=False)
-    half = TrainConfig(**{**CONFIG.__dict__})
-    first = train(Toy(), half, tmp_path / "cut", progress=False,
-                  on_step=lambda s: s == 6 and os.kill(os.getpid(), signal.SIGINT))
+    half = TrainConfig(**CONFIG.__dict__)
+    first = train(
+        Toy(),
+        half,
+        tmp_path / "cut",
+        progress=False,
+        on_step=lambda s: s == 6 and os.kill(os.getpid(), signal.SIGINT),
+    )
     assert first.interrupted and first.step == 6
     assert torch.load(tmp_path / "cut" / CHECKPOINT, weights_only=False)["step"] == 6
     rest = train(Toy(), half, tmp_path / "cut", resume=True, progress=False)
@@ -74,8 +81,9 @@ def test_resume_equals_uninterrupted_to_the_bit(tmp_path):
 
 
 def test_training_learns_the_toy_task(tmp_path):
-    res = train(Toy(), TrainConfig(steps=60, batch_size=32, lr=0.03, seed=0), tmp_path,
-                progress=False)
+    res = train(
+        Toy(), TrainConfig(steps=60, batch_size=32, lr=0.03, seed=0), tmp_path, progress=False
+    )
     first = sum(h["loss"] for h in res.history[:5]) / 5
     last = sum(h["loss"] for h in res.history[-5:]) / 5
     assert last < 0.5 * first
@@ -122,23 +130,29 @@ def test_learning_rate_schedules():
     assert [c.lr_factor(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert c.lr_factor(15) == pytest.approx((4 / 16) ** 0.5)
     cos = TrainConfig(steps=10, warmup_steps=0, schedule="cosine")
-    assert cos.lr_factor(4) == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi * 0.5)).item()))
+    assert cos.lr_factor(4) == pytest.approx(
+        0.5 * (1 + torch.cos(torch.tensor(torch.pi * 0.5)).item())
+    )
     assert cos.lr_factor(9) == pytest.approx(0.0, abs=1e-12)
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(steps=0), "steps must be a positive int"),
-    (dict(lr=-1.0), "lr must be a positive number"),
-    (dict(schedule="linear"), "schedule must be one of"),
-    (dict(grad_clip=0.0), "grad_clip must be > 0"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(steps=0), "steps must be a positive int"),
+        (dict(lr=-1.0), "lr must be a positive number"),
+        (dict(schedule="linear"), "schedule must be one of"),
+        (dict(grad_clip=0.0), "grad_clip must be > 0"),
+    ],
+)
 def test_config_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**bad)
 
 
-@pytest.mark.parametrize("umask, mode", [(0o027, 0o640), (0o002, 0o664)],
-                         ids=["umask-027", "umask-002"])
+@pytest.mark.parametrize(
+    "umask, mode", [(0o027, 0o640), (0o002, 0o664)], ids=["umask-027", "umask-002"]
+)
 def test_checkpoint_and_metrics_get_the_umasks_permissions(tmp_path, umask, mode):
     old = os.umask(umask)
     try:
@@ -175,6 +189,7 @@ def test_file_mode_without_proc(monkeypatch):
 
     def no_proc(*args, **kwargs):
         raise FileNotFoundError("/proc/self/status")  # macOS, BSD: the umask is set and reset
+
     monkeypatch.setattr(files, "open", no_proc, raising=False)
     old = os.umask(0o027)
     try:

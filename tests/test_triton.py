@@ -9,6 +9,7 @@ softcap, ALiBi, custom scale), head dims 32/64 and the padded 59, fully masked r
 skipping, and the refusals ``supports(call)`` gives. Nothing of the interpreter leaks out of a
 test: the environment variable and triton's settings are checked after.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,17 +17,20 @@ import types
 
 import pytest
 import torch
-
-from conftest import TEST_DEVICE  # noqa: E402
+from conftest import TEST_DEVICE
 
 if TEST_DEVICE != "cpu":
-    pytest.skip("these tests run the kernels under triton's CPU interpreter; with "
-                "QKV_TEST_DEVICE set, tests/test_cuda.py runs the compiled kernels on the GPU",
-                allow_module_level=True)
+    pytest.skip(
+        "these tests run the kernels under triton's CPU interpreter; with "
+        "QKV_TEST_DEVICE set, tests/test_cuda.py runs the compiled kernels on the GPU",
+        allow_module_level=True,
+    )
 
 triton = pytest.importorskip(
-    "triton", reason="triton is not installed (pip install 'qkv[triton]'): the triton backend's "
-                     "kernels cannot run, not even under the CPU interpreter")
+    "triton",
+    reason="triton is not installed (pip install 'qkv[triton]'): the triton backend's "
+    "kernels cannot run, not even under the CPU interpreter",
+)
 
 import qkv  # noqa: E402
 from qkv import masks as M  # noqa: E402
@@ -55,10 +59,20 @@ def _cases(B: int, H: int, T: int, S: int) -> list[tuple[str, dict]]:
         ("window-bottom-right", dict(mask_mod=M.sliding_window(20, 3, align="bottom_right"))),
         ("keylen", dict(mask_mod=M.key_lengths(torch.tensor([S, max(1, S // 3)])[:B]))),
         ("causal-alibi", dict(is_causal=True, score_mod=M.alibi(H))),
-        ("window-softcap-scale", dict(mask_mod=M.sliding_window(30), score_mod=M.softcap(2.0),
-                                      is_causal=True, scale=0.7)),
-        ("document-keylen", dict(mask_mod=M.and_masks(
-            M.document(_ids(B, T, 1), _ids(B, S, 1)), M.key_lengths(max(1, S - 5))))),
+        (
+            "window-softcap-scale",
+            dict(
+                mask_mod=M.sliding_window(30), score_mod=M.softcap(2.0), is_causal=True, scale=0.7
+            ),
+        ),
+        (
+            "document-keylen",
+            dict(
+                mask_mod=M.and_masks(
+                    M.document(_ids(B, T, 1), _ids(B, S, 1)), M.key_lengths(max(1, S - 5))
+                )
+            ),
+        ),
     ]
     return cases
 
@@ -76,12 +90,14 @@ def _results(q, k, v, dout, dtype, backend, **kw):
     ins = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     if backend == "triton":
         with interpreter():
-            out, trace = qkv.scaled_dot_product_attention(*ins, backend="triton",
-                                                          return_trace=True, **kw)
+            out, trace = qkv.scaled_dot_product_attention(
+                *ins, backend="triton", return_trace=True, **kw
+            )
             grads = torch.autograd.grad(out, ins, dout.to(dtype))
     else:
-        out, trace = qkv.scaled_dot_product_attention(*ins, backend=backend, return_trace=True,
-                                                      **kw)
+        out, trace = qkv.scaled_dot_product_attention(
+            *ins, backend=backend, return_trace=True, **kw
+        )
         grads = torch.autograd.grad(out, ins, dout.to(dtype))
     return out.detach(), trace.lse, grads
 
@@ -94,8 +110,9 @@ def _check(q, k, v, dout, dtype, name, **kw):
     got = _results(q, k, v, dout, dtype, "triton", **kw)
     assert got[0].dtype == dtype and got[1].dtype == torch.float32
     for i, what in enumerate(("out", "lse")):
-        assert_tolerance(got[i], golden[i], baseline[i], factor=OUTPUT_FACTOR,
-                         name=f"{name} {what}")
+        assert_tolerance(
+            got[i], golden[i], baseline[i], factor=OUTPUT_FACTOR, name=f"{name} {what}"
+        )
     for g_got, g_gold, g_base, what in zip(got[2], golden[2], baseline[2], "qkv"):
         assert_tolerance(g_got, g_gold, g_base, factor=GRAD_FACTOR, name=f"{name} d{what}")
     return got
@@ -133,8 +150,9 @@ def test_head_dims_64_59_and_value_dim_unlike_query_dim():
     """D = 64 fills its block; D = 59 and Dv = 40 are padded to 64 inside the kernel."""
     for D, Dv in ((64, 64), (59, 59), (32, 40)):
         q, k, v, dout = _inputs(1, 2, 2, 49, 70, D, Dv)
-        _check(q, k, v, dout, torch.float32, f"D{D}-Dv{Dv}-window",
-               mask_mod=M.sliding_window(25, 10))
+        _check(
+            q, k, v, dout, torch.float32, f"D{D}-Dv{Dv}-window", mask_mod=M.sliding_window(25, 10)
+        )
 
 
 @pytest.mark.parametrize("T,S", [(17, 113), (113, 17)], ids=["T17-S113", "T113-S17"])
@@ -142,8 +160,12 @@ def test_and_masks_of_both_alignments_and_two_key_lengths_merge(T, S):
     """Windows of different alignments AND into one band lo <= kv - q <= hi; two key
     lengths (an int and a tensor) into their minimum."""
     q, k, v, dout = _inputs(2, 2, 2, T, S, 32)
-    mask_mod = M.and_masks(M.causal("bottom_right"), M.sliding_window(60, 5),
-                           M.key_lengths(S - 2), M.key_lengths(torch.tensor([S, S // 2])))
+    mask_mod = M.and_masks(
+        M.causal("bottom_right"),
+        M.sliding_window(60, 5),
+        M.key_lengths(S - 2),
+        M.key_lengths(torch.tensor([S, S // 2])),
+    )
     _check(q, k, v, dout, torch.float32, f"T{T}-S{S}-and", mask_mod=mask_mod)
 
 
@@ -151,8 +173,15 @@ def test_long_sequence_1025_window_and_documents():
     T = S = 1025
     q, k, v, dout = _inputs(1, 1, 1, T, S, 32)
     _check(q, k, v, dout, torch.float32, "T1025-window", mask_mod=M.sliding_window(100, 20))
-    _check(q, k, v, dout, torch.float32, "T1025-document",
-           mask_mod=M.document(_ids(1, T, 3) * 0 + torch.arange(T) // 300))
+    _check(
+        q,
+        k,
+        v,
+        dout,
+        torch.float32,
+        "T1025-document",
+        mask_mod=M.document(_ids(1, T, 3) * 0 + torch.arange(T) // 300),
+    )
 
 
 def test_small_blocks_and_broadcast_kv_heads_and_3d_inputs():
@@ -221,15 +250,16 @@ def test_block_lists_follow_the_tiled_classification():
     """The kernels visit exactly the FULL and PARTIAL blocks ``qkv.masks.block_summary``
     reports (the classification the tiled backend skips by), except that the last key block,
     cut short by S = 190, is visited as PARTIAL (its mask checks kv < S)."""
-    from qkv.ops.triton.backend import _Plan, _kernel_mask
+    from qkv.ops.triton.backend import _kernel_mask, _Plan
 
     B, H, T, S = 2, 1, 200, 190
     mask_mod = M.and_masks(M.sliding_window(50, 10), M.document(_ids(B, T, 2), _ids(B, S, 2)))
     q, k, v = (torch.randn(B, H, n, 32) for n in (T, S, S))
     call = AttentionCall.build(q, k, v, mask_mod=mask_mod)
     with interpreter():
-        plan = _Plan(B, H, H, T, S, call.scale, _kernel_mask(call), None, None, SMALL, True,
-                     call.device)
+        plan = _Plan(
+            B, H, H, T, S, call.scale, _kernel_mask(call), None, None, SMALL, True, call.device
+        )
         full_num, full_idx, part_num, part_idx = plan.lists(32, 32)
     state = M.block_summary(mask_mod, B, H, T, S, block=32).state.clone()  # (B, 1, nq, nk)
     counts = {kind: int((state == kind).sum()) for kind in (M.FULL, M.PARTIAL)}
@@ -238,9 +268,9 @@ def test_block_lists_follow_the_tiled_classification():
     assert int(full_num.sum()) + int(part_num.sum()) == counts[M.FULL] + counts[M.PARTIAL]
     for b in range(B):
         for i in range(state.shape[2]):
-            full = full_idx[b, 0, i, :full_num[b, 0, i]].tolist()
+            full = full_idx[b, 0, i, : full_num[b, 0, i]].tolist()
             assert full == torch.nonzero(state[b, 0, i] == M.FULL).flatten().tolist()
-            part = part_idx[b, 0, i, :part_num[b, 0, i]].tolist()
+            part = part_idx[b, 0, i, : part_num[b, 0, i]].tolist()
             assert part == torch.nonzero(state[b, 0, i] == M.PARTIAL).flatten().tolist()
 
 
@@ -249,12 +279,14 @@ def test_trace_from_the_kernels_lse_matches_reference_weights():
     q, k, v = q.float(), k.float(), v.float()
     kw = dict(mask_mod=M.sliding_window(10, 5), score_mod=M.softcap(3.0))
     with interpreter():
-        _, trace = qkv.scaled_dot_product_attention(q, k, v, backend="triton", return_trace=True,
-                                                    **kw)
+        _, trace = qkv.scaled_dot_product_attention(
+            q, k, v, backend="triton", return_trace=True, **kw
+        )
         probs = trace.probs
     assert trace.backend == "triton"
-    _, ref = qkv.scaled_dot_product_attention(q.double(), k.double(), v.double(),
-                                              backend="reference", return_trace=True, **kw)
+    _, ref = qkv.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), backend="reference", return_trace=True, **kw
+    )
     torch.testing.assert_close(probs.double(), ref.probs, rtol=0, atol=1e-5)
 
 
@@ -265,19 +297,39 @@ def _call(**kw):
     return AttentionCall.build(q, q, q, **kw)
 
 
-@pytest.mark.parametrize("kw,words", [
-    (dict(dropout_p=0.1), "dropout"),
-    (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), "attn_mask"),
-    (dict(dtype=torch.float64), "float64"),
-    (dict(shape=(1, 2, 8, 200)), "D=200"),
-    (dict(mask_mod=lambda b, h, q, kv: q >= kv), "not <lambda>"),
-    (dict(mask_mod=M.prefix_lm(3)), "prefix_lm"),
-    (dict(mask_mod=M.and_masks(M.document(torch.zeros(8, dtype=torch.long)),
-                               M.document(torch.ones(8, dtype=torch.long)))), "one document"),
-    (dict(score_mod=lambda s, b, h, q, kv: s * 2), "softcap and qkv.masks.alibi"),
-    (dict(score_mod=M.alibi(torch.ones(2, requires_grad=True))), "slopes"),
-], ids=["dropout", "attn_mask", "float64", "D200", "function-mask", "or-mask", "two-documents",
-        "function-score", "alibi-grad"])
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        (dict(dropout_p=0.1), "dropout"),
+        (dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)), "attn_mask"),
+        (dict(dtype=torch.float64), "float64"),
+        (dict(shape=(1, 2, 8, 200)), "D=200"),
+        (dict(mask_mod=lambda b, h, q, kv: q >= kv), "not <lambda>"),
+        (dict(mask_mod=M.prefix_lm(3)), "prefix_lm"),
+        (
+            dict(
+                mask_mod=M.and_masks(
+                    M.document(torch.zeros(8, dtype=torch.long)),
+                    M.document(torch.ones(8, dtype=torch.long)),
+                )
+            ),
+            "one document",
+        ),
+        (dict(score_mod=lambda s, b, h, q, kv: s * 2), "softcap and qkv.masks.alibi"),
+        (dict(score_mod=M.alibi(torch.ones(2, requires_grad=True))), "slopes"),
+    ],
+    ids=[
+        "dropout",
+        "attn_mask",
+        "float64",
+        "D200",
+        "function-mask",
+        "or-mask",
+        "two-documents",
+        "function-score",
+        "alibi-grad",
+    ],
+)
 def test_refusals_say_why(kw, words):
     with interpreter():
         reason = TritonBackend().supports(_call(**kw))
@@ -325,8 +377,9 @@ def _record_launches(monkeypatch, call: AttentionCall) -> list:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
 
-    recorders = types.SimpleNamespace(**{n: Recorder(getattr(kernels, n))
-                                         for n in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")})
+    recorders = types.SimpleNamespace(
+        **{n: Recorder(getattr(kernels, n)) for n in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")}
+    )
     monkeypatch.setattr(backend, "_kernels", lambda interpret: recorders)
     with interpreter():  # CPU tensors stand in for CUDA ones: only their dtypes matter here
         out, _ = triton_attention(call)
@@ -342,19 +395,31 @@ def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch):
     specialize = pytest.importorskip("triton._C.libtriton").native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
+
     from qkv.ops.triton.backend import default_blocks
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this triton has no NVIDIA backend to compile for")
     B, H, G, T, S = 2, 4, 2, 300, 280
     for dtype, D, kw in [
-        (torch.bfloat16, 128, dict(mask_mod=M.and_masks(
-            M.sliding_window(100, 20, align="bottom_right"), M.document(_ids(B, T), _ids(B, S)),
-            M.key_lengths(torch.tensor([200, 280]))), score_mod=M.softcap(20.0))),
+        (
+            torch.bfloat16,
+            128,
+            dict(
+                mask_mod=M.and_masks(
+                    M.sliding_window(100, 20, align="bottom_right"),
+                    M.document(_ids(B, T), _ids(B, S)),
+                    M.key_lengths(torch.tensor([200, 280])),
+                ),
+                score_mod=M.softcap(20.0),
+            ),
+        ),
         (torch.float16, 64, dict(is_causal=True, score_mod=M.alibi(H))),
     ]:
-        q, k, v = (torch.randn(B, n, L, D, dtype=dtype, requires_grad=True)
-                   for n, L in ((H, T), (G, S), (G, S)))
+        q, k, v = (
+            torch.randn(B, n, L, D, dtype=dtype, requires_grad=True)
+            for n, L in ((H, T), (G, S), (G, S))
+        )
         call = AttentionCall.build(q, k, v, enable_gqa=True, **kw)
         blocks = default_blocks(D, banded=True)  # both cases have an upper band
         launches = _record_launches(monkeypatch, call)
@@ -372,7 +437,12 @@ def test_kernels_compile_for_hopper_without_a_gpu(monkeypatch):
             signature.update({n: "constexpr" for n in constexprs})
             signature = {n: signature[n] for n in fn.arg_names}
             compiled = triton.compile(
-                ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                options=dict(num_warps=blocks.warps[which], num_stages=blocks.stages[which],
-                             enable_fp_fusion=True))
+                ASTSource(fn, signature, constexprs, attrs),
+                target=GPUTarget("cuda", 90, 32),
+                options=dict(
+                    num_warps=blocks.warps[which],
+                    num_stages=blocks.stages[which],
+                    enable_fp_fusion=True,
+                ),
+            )
             assert "ptx" in compiled.asm and compiled.metadata.shared <= 232448, fn.__name__

@@ -3,6 +3,7 @@
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,6 +43,7 @@ def tril(T, S, offset=0):
 
 # --- 1: strided layouts ---------------------------------------------------------------------
 
+
 def _layout(name, B=2, H=3, T=37, D=8):
     """``(base, view)``: a base tensor and the strided view of it that attention is fed."""
     return {
@@ -53,8 +55,13 @@ def _layout(name, B=2, H=3, T=37, D=8):
     }[name]
 
 
-LAYOUTS = ["last-dim-step", "transposed-storage", "last-dim-transposed", "channels-last",
-           "expanded-heads"]
+LAYOUTS = [
+    "last-dim-step",
+    "transposed-storage",
+    "last-dim-transposed",
+    "channels-last",
+    "expanded-heads",
+]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -72,7 +79,9 @@ def test_any_stride_layout_gives_the_contiguous_answer(layout, how):
     ref = base.double().requires_grad_(True)
     want = plain(view(ref), view(ref), view(ref), allowed)
     if kind == "trace":
-        got, trace = qkv.scaled_dot_product_attention(y, y, y, backend=backend, return_trace=True, **kw)
+        got, trace = qkv.scaled_dot_product_attention(
+            y, y, y, backend=backend, return_trace=True, **kw
+        )
         eye = torch.eye(T).expand(y.shape[0], y.shape[1], T, T)
         assert (trace.probs.double() - plain(y, y, eye, allowed)).abs().max() < 1e-5
     else:
@@ -85,17 +94,22 @@ def test_any_stride_layout_gives_the_contiguous_answer(layout, how):
 
 # --- 2: float64 q/k/v with a float32 mask -----------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T, S", [(4, 8), (8, 4), (8, 8)])
 def test_float64_inputs_with_a_float32_mask_are_exact(backend, T, S):
     q = torch.randn(2, 3, T, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 3, S, 8, dtype=torch.float64), torch.randn(2, 3, S, 8, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, 3, S, 8, dtype=torch.float64),
+        torch.randn(2, 3, S, 8, dtype=torch.float64),
+    )
     mask = torch.randn(T, S)  # float32
     got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
     torch.testing.assert_close(got, plain(q, k, v, bias=mask))
 
 
 # --- 3: the gradient of a float mask beside a non-additive score_mod ---------------------------
+
 
 @pytest.mark.parametrize("mod", ["softcap", "times-half"])
 def test_float_mask_gradient_with_a_non_additive_score_mod(mod):
@@ -105,8 +119,9 @@ def test_float_mask_gradient_with_a_non_additive_score_mod(mod):
         "softcap": (masks.softcap(2.0), lambda s: torch.tanh(s / 2.0) * 2.0),
         "times-half": (lambda s, b, h, qi, ki: s * 0.5, lambda s: s * 0.5),
     }[mod]
-    qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, score_mod=score_mod,
-                                     backend="tiled").square().sum().backward()
+    qkv.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, score_mod=score_mod, backend="tiled"
+    ).square().sum().backward()
     got = mask.grad.clone()
     mask.grad = None
     plain(q, k, v, bias=mask, score_fn=fn).square().sum().backward()
@@ -144,19 +159,27 @@ def _captures():
 
     return {
         "module-level": (_global_bias, GLOBAL_BIAS, lambda s, B, H, T, S: s + GLOBAL_BIAS),
-        "bound-method-parameter": (m.per_head, m.bias, lambda s, B, H, T, S: s + m.bias[None, :, None, :]),
+        "bound-method-parameter": (
+            m.per_head,
+            m.bias,
+            lambda s, B, H, T, S: s + m.bias[None, :, None, :],
+        ),
         "partial": (functools.partial(m, bias=t), t, lambda s, B, H, T, S: s + t[:, None, :, None]),
         "list-in-closure": (in_list, held[0], lambda s, B, H, T, S: s * held[0]),
     }
 
 
-@pytest.mark.parametrize("case", ["module-level", "bound-method-parameter", "partial", "list-in-closure"])
+@pytest.mark.parametrize(
+    "case", ["module-level", "bound-method-parameter", "partial", "list-in-closure"]
+)
 @pytest.mark.parametrize("backend", ["tiled", "reference"])
 def test_every_tensor_a_score_mod_reads_gets_its_gradient(case, backend):
     score_mod, tensor, dense = _captures()[case]
     q, k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64) for _ in range(3))
     tensor.grad = None
-    qkv.scaled_dot_product_attention(q, k, v, score_mod=score_mod, backend=backend).square().sum().backward()
+    qkv.scaled_dot_product_attention(
+        q, k, v, score_mod=score_mod, backend=backend
+    ).square().sum().backward()
     got = tensor.grad
     assert got is not None
     tensor.grad = None
@@ -174,7 +197,9 @@ def test_a_tensor_the_tiled_backend_cannot_find_raises_with_the_reason():
     def hidden(score, b, h, q_idx, kv_idx):
         return score + _Hidden.weight[kv_idx]
 
-    with pytest.raises(ValueError, match=r"reads tensors that require grad \(\(8,\)\).*backend='reference'"):
+    with pytest.raises(
+        ValueError, match=r"reads tensors that require grad \(\(8,\)\).*backend='reference'"
+    ):
         qkv.scaled_dot_product_attention(q, k, v, score_mod=hidden, backend="tiled")
     with torch.no_grad():  # no gradient wanted: nothing to lose
         out = qkv.scaled_dot_product_attention(q, k, v, score_mod=hidden, backend="tiled")
@@ -183,23 +208,31 @@ def test_a_tensor_the_tiled_backend_cannot_find_raises_with_the_reason():
 
 # --- 5: torch's CausalBias objects ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T, S", [(3, 5), (5, 3), (4, 4)])
 def test_torch_causal_bias_objects_keep_their_meaning(backend, T, S):
     q, k, v = torch.randn(1, 2, T, 4), torch.randn(1, 2, S, 4), torch.randn(1, 2, S, 4)
-    upper = qkv.scaled_dot_product_attention(q, k, v, attn_mask=causal_upper_left(T, S), backend=backend)
-    lower = qkv.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), backend=backend)
+    upper = qkv.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_upper_left(T, S), backend=backend
+    )
+    lower = qkv.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(T, S), backend=backend
+    )
     assert (upper.double() - plain(q, k, v, tril(T, S))).abs().max() < 1e-5
     assert (lower.double() - plain(q, k, v, tril(T, S, S - T))).abs().max() < 1e-5
 
 
 def test_a_causal_bias_of_other_lengths_is_refused():
     q = torch.randn(1, 1, 3, 4)
-    with pytest.raises(ValueError, match=r"CausalBias for \(T, S\) = \(3, 6\) but the call has \(T, S\) = \(3, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"CausalBias for \(T, S\) = \(3, 6\) but the call has \(T, S\) = \(3, 3\)"
+    ):
         qkv.scaled_dot_product_attention(q, q, q, attn_mask=causal_lower_right(3, 6))
 
 
 # --- 6: keys a row may not attend to have no effect on it --------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad", ["nan-key", "inf-value", "neg-inf-key", "nan-value"])
@@ -208,16 +241,23 @@ def test_masked_keys_holding_nan_or_inf_do_not_reach_rows_that_cannot_see_them(b
     q, k, v = torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
     j = 60
     clean = plain(q, k, v, tril(T, T))
-    t, val = {"nan-key": (k, math.nan), "inf-value": (v, math.inf), "neg-inf-key": (k, -math.inf),
-              "nan-value": (v, math.nan)}[bad]
+    t, val = {
+        "nan-key": (k, math.nan),
+        "inf-value": (v, math.inf),
+        "neg-inf-key": (k, -math.inf),
+        "nan-value": (v, math.nan),
+    }[bad]
     t[0, 1, j, 3] = val
     out = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, backend=backend)
-    assert (out[:, :, :j].double() - clean[:, :, :j]).abs().max() < 1e-5  # rows before j cannot see it
+    assert (
+        out[:, :, :j].double() - clean[:, :, :j]
+    ).abs().max() < 1e-5  # rows before j cannot see it
     assert (out[:, 0].double() - clean[:, 0]).abs().max() < 1e-5  # head 0 holds no bad key
     assert out[0, 1, j:].isnan().all()  # rows that may attend to it: not finite, as in plain math
 
 
 # --- 7: scale <= 0 and large scales ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("T, S", [(3, 5), (64, 64)])
@@ -236,12 +276,15 @@ def test_any_finite_scale_with_is_causal_is_finite_and_exact(backend, T, S, scal
 
 # --- 9: a 3-D mask with return_trace -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
 def test_three_dim_mask_with_a_trace(backend, mask_kind):
     q, k, v = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4)
     mask = torch.rand(3, 5, 6) < 0.7 if mask_kind == "bool" else torch.randn(3, 5, 6)
-    out, trace = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, return_trace=True, backend=backend)
+    out, trace = qkv.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, return_trace=True, backend=backend
+    )
     allowed, bias = (mask, None) if mask_kind == "bool" else (None, mask)
     assert (out.double() - plain(q, k, v, allowed, bias)).abs().max() < 1e-5
     want = plain(q, k, torch.eye(6).expand(2, 3, 6, 6), allowed, bias)  # probs, by v = I
@@ -249,6 +292,7 @@ def test_three_dim_mask_with_a_trace(backend, mask_kind):
 
 
 # --- 11: empty batch, rank-0 and rank-1 masks --------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch(backend):
@@ -263,9 +307,12 @@ def test_empty_batch(backend):
 @pytest.mark.parametrize("mask", ["bool-0d", "float-0d", "bool-1d", "float-1d"])
 def test_masks_of_rank_0_and_1_broadcast_as_in_torch(backend, mask):
     q, k, v = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
-    m = {"bool-0d": torch.tensor(True), "float-0d": torch.tensor(0.5),
-         "bool-1d": torch.tensor([True, False, True, True, False, True]),
-         "float-1d": torch.randn(6)}[mask]
+    m = {
+        "bool-0d": torch.tensor(True),
+        "float-0d": torch.tensor(0.5),
+        "bool-1d": torch.tensor([True, False, True, True, False, True]),
+        "float-1d": torch.randn(6),
+    }[mask]
     out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=m, backend=backend)
     want = plain(q, k, v, m) if m.dtype == torch.bool else plain(q, k, v, bias=m)  # broadcast
     assert (out.double() - want).abs().max() < 1e-5
@@ -273,15 +320,20 @@ def test_masks_of_rank_0_and_1_broadcast_as_in_torch(backend, mask):
 
 # --- 12: meta tensors --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", ["tiled", "auto", "reference"])
 @pytest.mark.parametrize("kw", ["window", "document", "is_causal", "bool-mask"])
 def test_meta_tensors_give_shapes_and_a_backward(backend, kw):
     q = torch.empty(2, 4, 16, 8, device="meta", requires_grad=True)
     kv = torch.empty(2, 2, 16, 8, device="meta")
-    extra = {"window": dict(mask_mod=masks.sliding_window(3)),
-             "document": dict(mask_mod=masks.document(torch.zeros(2, 16, dtype=torch.long, device="meta"))),
-             "is_causal": dict(is_causal=True),
-             "bool-mask": dict(attn_mask=torch.empty(16, 16, dtype=torch.bool, device="meta"))}[kw]
+    extra = {
+        "window": dict(mask_mod=masks.sliding_window(3)),
+        "document": dict(
+            mask_mod=masks.document(torch.zeros(2, 16, dtype=torch.long, device="meta"))
+        ),
+        "is_causal": dict(is_causal=True),
+        "bool-mask": dict(attn_mask=torch.empty(16, 16, dtype=torch.bool, device="meta")),
+    }[kw]
     out = qkv.scaled_dot_product_attention(q, kv, kv, enable_gqa=True, backend=backend, **extra)
     assert out.shape == (2, 4, 16, 8) and out.device.type == "meta"
     (grad,) = torch.autograd.grad(out.sum(), q)
@@ -296,16 +348,21 @@ def test_meta_tensors_give_a_trace_of_the_right_shapes(backend, kw):
     tensors' device)."""
     q = torch.empty(2, 4, 16, 8, device="meta")
     kv = torch.empty(2, 4, 12, 8, device="meta")
-    extra = {"plain": {}, "is_causal": dict(is_causal=True),
-             "bool-mask": dict(attn_mask=torch.empty(16, 12, dtype=torch.bool, device="meta"))}[kw]
-    out, trace = qkv.scaled_dot_product_attention(q, kv, kv, backend=backend, return_trace=True,
-                                                  **extra)
+    extra = {
+        "plain": {},
+        "is_causal": dict(is_causal=True),
+        "bool-mask": dict(attn_mask=torch.empty(16, 12, dtype=torch.bool, device="meta")),
+    }[kw]
+    out, trace = qkv.scaled_dot_product_attention(
+        q, kv, kv, backend=backend, return_trace=True, **extra
+    )
     assert out.shape == (2, 4, 16, 8) and out.device.type == "meta"
     assert trace.probs.shape == trace.scores.shape == (2, 4, 16, 12)
     assert trace.lse.shape == (2, 4, 16) and trace.probs.device.type == "meta"
 
 
 # --- 13: autocast --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
@@ -322,18 +379,21 @@ def test_autocast_gives_torchs_dtype_on_every_backend(backend, amp):
 
 # --- 14: score_mod/mask_mod per element, scores in float32 ---------------------------------------
 
+
 @pytest.mark.parametrize("backend", ["tiled", "reference", "auto"])
 def test_chained_subscripts_in_a_score_mod_mean_what_they_say(backend):
     B, H, T = 3, 2, 7
     bias = torch.randn(B, T)
     q, k, v = torch.randn(B, H, T, 4), torch.randn(B, H, T, 4), torch.randn(B, H, T, 4)
-    out = qkv.scaled_dot_product_attention(q, k, v, backend=backend,
-                                           score_mod=lambda s, b, h, qi, ki: s + bias[b][qi])
+    out = qkv.scaled_dot_product_attention(
+        q, k, v, backend=backend, score_mod=lambda s, b, h, qi, ki: s + bias[b][qi]
+    )
     assert (out.double() - plain(q, k, v, bias=bias[:, None, :, None])).abs().max() < 1e-5
     ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2]] * B)
-    doc = qkv.scaled_dot_product_attention(q, k, v, backend=backend,
-                                           mask_mod=lambda b, h, qi, ki: ids[b][qi] == ids[b][ki])
-    allowed = (ids[:, None, :, None] == ids[:, None, None, :])
+    doc = qkv.scaled_dot_product_attention(
+        q, k, v, backend=backend, mask_mod=lambda b, h, qi, ki: ids[b][qi] == ids[b][ki]
+    )
+    allowed = ids[:, None, :, None] == ids[:, None, None, :]
     assert (doc.double() - plain(q, k, v, allowed)).abs().max() < 1e-5
 
 

@@ -12,21 +12,21 @@ profile, every request but the file blocked and counted):
   ``HeadScores.sorted_by``; a click on a row opens that head in the matrix view;
 * and on each page: no request besides the file, no console or page error.
 """
+
 from __future__ import annotations
 
 import pytest
+import test_viewer_browser as harness
 import torch
+from test_viewer_browser import Opened, _quiet
 
 import qkv
-
-import test_viewer_browser as harness
-from test_viewer_browser import Opened, _quiet
 
 browser = harness.browser  # fixture: the module's headless Chromium, network off
 opened = harness.opened  # fixture: opened(path) -> Opened, loaded; closed after the test
 
 L, H, T = 2, 4, 12
-WORDS = "the cat sat on the mat because it was warm and soft".split()
+WORDS = ["the", "cat", "sat", "on", "the", "mat", "because", "it", "was", "warm", "and", "soft"]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +48,15 @@ def _matrix_pixel(o: Opened, q: int, k: int) -> list[int]:
     a = o.js("([q, k]) => window.qkvViewer.cellCenter(q, k)", [q, k])
     b = o.js("([q, k]) => window.qkvViewer.cellCenter(q, k)", [q + 1, k + 1])
     x, y = a["x"] + 0.4 * (b["x"] - a["x"]), a["y"] + 0.4 * (b["y"] - a["y"])
-    return o.js("""([x, y]) => {
+    return o.js(
+        """([x, y]) => {
         const c = document.getElementById('matrix-canvas'), r = c.getBoundingClientRect();
         const copy = document.createElement('canvas'); copy.width = c.width; copy.height = c.height;
         const cx = copy.getContext('2d', { willReadFrequently: true }); cx.drawImage(c, 0, 0);
         const px = Math.floor((x - r.left) * c.width / r.width), py = Math.floor((y - r.top) * c.height / r.height);
-        return [...cx.getImageData(px, py, 1, 1).data].slice(0, 3); }""", [x, y])
+        return [...cx.getImageData(px, py, 1, 1).data].slice(0, 3); }""",
+        [x, y],
+    )
 
 
 def test_rollout_and_flow_in_the_page_equal_the_python_result(captures, tmp_path, opened):
@@ -64,12 +67,19 @@ def test_rollout_and_flow_in_the_page_equal_the_python_result(captures, tmp_path
     path = tmp_path / "rollout.html"
     qkv.viz.html(cap, path, WORDS, rollout=R, flow=(F, [T - 1, 0]))
     o = opened(path)
-    kinds = o.js("() => JSON.parse(document.getElementById('qkv-meta').textContent)"
-                 ".entries.map(e => e.kind)")
+    kinds = o.js(
+        "() => JSON.parse(document.getElementById('qkv-meta').textContent).entries.map(e => e.kind)"
+    )
     assert kinds == ["attention"] * L + ["rollout", "flow"]
-    got = torch.tensor(o.js("([li, T]) => { const out = []; for (let q = 0; q < T; q++)"
-                            " for (let k = 0; k < T; k++) out.push(window.qkvViewer.value(li, 0, q, k));"
-                            " return out; }", [L, T]), dtype=torch.float64).view(T, T)
+    got = torch.tensor(
+        o.js(
+            "([li, T]) => { const out = []; for (let q = 0; q < T; q++)"
+            " for (let k = 0; k < T; k++) out.push(window.qkvViewer.value(li, 0, q, k));"
+            " return out; }",
+            [L, T],
+        ),
+        dtype=torch.float64,
+    ).view(T, T)
     assert torch.equal(got, R[0].float().double())  # float32 exactly
     assert torch.allclose(got.sum(-1), torch.ones(T, dtype=torch.float64), atol=1e-6)
     # The saliency view: output position q's row, as numbers and as shaded tokens.
@@ -77,18 +87,28 @@ def test_rollout_and_flow_in_the_page_equal_the_python_result(captures, tmp_path
     o.page.select_option("#saliency-of", str(L))
     for q in (T - 1, 3):
         o.page.select_option("#saliency-pos", str(q))
-        shown = o.js("() => [...document.querySelectorAll('#saliency span.tok')]"
-                     ".map(s => [s.textContent, s.title])")
+        shown = o.js(
+            "() => [...document.querySelectorAll('#saliency span.tok')]"
+            ".map(s => [s.textContent, s.title])"
+        )
         assert [w for w, _ in shown] == WORDS
-        assert [t for _, t in shown] == [f"k={k} " + o.to_precision4(float(R[0, q, k].float()))
-                                         for k in range(T)]
-        assert o.js("q => window.qkvViewer.saliency(" + str(L) + ", q)", q) == \
-            R[0, q].float().tolist()
+        assert [t for _, t in shown] == [
+            f"k={k} " + o.to_precision4(float(R[0, q, k].float())) for k in range(T)
+        ]
+        assert (
+            o.js("q => window.qkvViewer.saliency(" + str(L) + ", q)", q) == R[0, q].float().tolist()
+        )
     # Flow: its own entry, rows = the positions asked for (sorted), values as computed.
     for p, q in ((0, T - 1), (1, 0)):
-        assert torch.allclose(torch.tensor(o.js("q => window.qkvViewer.saliency(" + str(L + 1)
-                                                + ", q)", q), dtype=torch.float32),
-                              F[0, p].float(), rtol=0, atol=0)
+        assert torch.allclose(
+            torch.tensor(
+                o.js("q => window.qkvViewer.saliency(" + str(L + 1) + ", q)", q),
+                dtype=torch.float32,
+            ),
+            F[0, p].float(),
+            rtol=0,
+            atol=0,
+        )
     o.page.select_option("#saliency-of", str(L + 1))
     assert o.state()["view"] == "saliency"
     _quiet(o)
@@ -105,10 +125,14 @@ def test_per_head_rollout_in_the_page_equals_the_python_result(captures, tmp_pat
     o = opened(path)
     entry = o.js("() => JSON.parse(document.getElementById('qkv-meta').textContent).entries[2]")
     assert entry["kind"] == "rollout" and [h["head"] for h in entry["heads"]] == list(range(H))
-    got = torch.tensor(o.js(
-        "([li, H, T]) => { const out = []; for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
-        " for (let k = 0; k < T; k++) out.push(window.qkvViewer.value(li, h, q, k)); return out; }",
-        [L, H, T]), dtype=torch.float64).view(H, T, T)
+    got = torch.tensor(
+        o.js(
+            "([li, H, T]) => { const out = []; for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
+            " for (let k = 0; k < T; k++) out.push(window.qkvViewer.value(li, h, q, k)); return out; }",
+            [L, H, T],
+        ),
+        dtype=torch.float64,
+    ).view(H, T, T)
     assert torch.equal(got, R[0].float().double())
     assert not torch.equal(got[0], got[1])  # the chains differ
     o.page.click("#tab-saliency")
@@ -117,11 +141,16 @@ def test_per_head_rollout_in_the_page_equals_the_python_result(captures, tmp_pat
         o.page.select_option("#saliency-pos", str(q))
         o.page.select_option("#saliency-head", str(h))
         shown = o.js("() => [...document.querySelectorAll('#saliency span.tok')].map(s => s.title)")
-        assert shown == [f"k={k} " + o.to_precision4(float(R[0, h, q, k].float())) for k in range(T)]
-        assert o.js("([q, h]) => window.qkvViewer.saliency(" + str(L) + ", q, h)", [q, h]) == \
-            R[0, h, q].float().tolist()
+        assert shown == [
+            f"k={k} " + o.to_precision4(float(R[0, h, q, k].float())) for k in range(T)
+        ]
+        assert (
+            o.js("([q, h]) => window.qkvViewer.saliency(" + str(L) + ", q, h)", [q, h])
+            == R[0, h, q].float().tolist()
+        )
         assert f"through head {h} of every layer" in o.js(
-            "() => document.getElementById('saliency-note').textContent")
+            "() => document.getElementById('saliency-note').textContent"
+        )
     _quiet(o)
     # A head-mean rollout has no head selector.
     qkv.viz.html(cap, tmp_path / "mean.html", WORDS, rollout=qkv.analysis.rollout(cap))
@@ -135,26 +164,35 @@ def test_difference_colours_are_signed_and_heads_ranked(captures, tmp_path, open
     a, b = captures
     path = tmp_path / "diff.html"
     qkv.viz.html(a, path, against=b)
-    d = torch.stack([a.layer(i)[0].probs[0] - b.layer(i)[0].probs[0] for i in range(L)])  # (L, H, T, T)
+    d = torch.stack(
+        [a.layer(i)[0].probs[0] - b.layer(i)[0].probs[0] for i in range(L)]
+    )  # (L, H, T, T)
     o = opened(path)
     assert o.state()["view"] == "matrix"  # a difference page opens on the matrix
     layer, head = 1, 2
-    o.js("([l, h]) => { window.qkvViewer.setLayer(l); window.qkvViewer.setHead(h); }", [layer, head])
+    o.js(
+        "([l, h]) => { window.qkvViewer.setLayer(l); window.qkvViewer.setHead(h); }", [layer, head]
+    )
     dd = d[layer, head]
     big = dd.abs().max()
     pos = (dd == dd.max()).nonzero()[0].tolist()
     neg = (dd == dd.min()).nonzero()[0].tolist()
     assert dd.max() > 0.3 * big and dd.min() < -0.3 * big  # both signs are strong here
     for q, k in (pos, neg):
-        assert o.js("([l, h, q, k]) => window.qkvViewer.value(l, h, q, k)", [layer, head, q, k]) \
-            == float(dd[q, k])
+        assert o.js(
+            "([l, h, q, k]) => window.qkvViewer.value(l, h, q, k)", [layer, head, q, k]
+        ) == float(dd[q, k])
     p_rgb, n_rgb = _matrix_pixel(o, *pos), _matrix_pixel(o, *neg)
     assert p_rgb[2] > p_rgb[0] + 40, f"a positive difference is drawn blue, got {p_rgb}"
     assert n_rgb[0] > n_rgb[2] + 40, f"a negative difference is drawn red, got {n_rgb}"
-    assert o.js("([l, h, q, k]) => window.qkvViewer.colourOf(l, h, q, k)",
-                [layer, head, *pos]) == p_rgb
-    assert o.js("([l, h, q, k]) => window.qkvViewer.colourOf(l, h, q, k)",
-                [layer, head, *neg]) == n_rgb
+    assert (
+        o.js("([l, h, q, k]) => window.qkvViewer.colourOf(l, h, q, k)", [layer, head, *pos])
+        == p_rgb
+    )
+    assert (
+        o.js("([l, h, q, k]) => window.qkvViewer.colourOf(l, h, q, k)", [layer, head, *neg])
+        == n_rgb
+    )
     zero = o.js("([l, h]) => window.qkvViewer.colourOf(l, h, 0, 5)", [layer, head])  # causal: 0
     assert zero == [255, 255, 255]
     assert o.hover(*neg).startswith(f"q={neg[0]} k={neg[1]} d=-")
@@ -184,24 +222,29 @@ def test_sorting_by_a_score_reorders_the_heads(captures, tmp_path, opened):
         o.page.select_option("#score", name)
         order = [tuple(x) for x in o.js("() => window.qkvViewer.scoreOrder()")]
         assert order == list(table.sorted_by(name).keys), name
-        dom = o.js("() => [...document.querySelectorAll('#scores-table tbody tr')]"
-                   ".map(tr => [+tr.dataset.layer, +tr.dataset.head])")
+        dom = o.js(
+            "() => [...document.querySelectorAll('#scores-table tbody tr')]"
+            ".map(tr => [+tr.dataset.layer, +tr.dataset.head])"
+        )
         assert [tuple(x) for x in dom] == order
         rows_text = o.js("() => document.getElementById('scores-rows').textContent")
         assert f"Rows “{name}” used" in rows_text and "layer 0: " in rows_text
         orders[name] = order
     assert len(set(map(tuple, orders.values()))) > 1  # the scores order the heads differently
-    assert "layer 0: 6..11 (6 rows)" in o.js("() => { window.qkvViewer.setScore('induction');"
-                                            " return document.getElementById('scores-rows')"
-                                            ".textContent; }")
+    assert "layer 0: 6..11 (6 rows)" in o.js(
+        "() => { window.qkvViewer.setScore('induction');"
+        " return document.getElementById('scores-rows')"
+        ".textContent; }"
+    )
     # The three best heads are highlighted in the table and in the overview.
     assert o.page.locator("#scores-table tr.best").count() == 3
     best = orders["induction"][:3]
     o.page.click("#tab-overview")
     for layer in range(L):
         o.js("l => window.qkvViewer.setLayer(l)", layer)
-        outlined = o.js("() => [...document.querySelectorAll('canvas.thumb.best')]"
-                        ".map(c => +c.dataset.head)")
+        outlined = o.js(
+            "() => [...document.querySelectorAll('canvas.thumb.best')].map(c => +c.dataset.head)"
+        )
         assert outlined == [h for lay, h in best if lay == layer]
     # A click on a row opens that head in the matrix view.
     o.page.click("#tab-scores")
@@ -219,19 +262,27 @@ def test_model_view_shows_every_layer_and_head_and_opens_a_cell(captures, tmp_pa
     o = opened(path)
     o.page.click("#tab-model")
     assert o.active_views() == ["view-model"] and o.state()["view"] == "model"
-    cells = o.js("() => [...document.querySelectorAll('#model-grid canvas.mthumb')]"
-                 ".map(c => [+c.dataset.layer, +c.dataset.head])")
+    cells = o.js(
+        "() => [...document.querySelectorAll('#model-grid canvas.mthumb')]"
+        ".map(c => [+c.dataset.layer, +c.dataset.head])"
+    )
     assert cells == [[li, h] for li in range(L) for h in range(H)]
     # Every cell's values, through value(): the capture's, exactly.
-    got = torch.tensor(o.js(
-        "([L, H, T]) => { const v = window.qkvViewer, out = [];"
-        "  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
-        "    for (let k = 0; k < T; k++) out.push(v.value(l, h, q, k)); return out; }",
-        [L, H, T]), dtype=torch.float64).view(L, H, T, T)
+    got = torch.tensor(
+        o.js(
+            "([L, H, T]) => { const v = window.qkvViewer, out = [];"
+            "  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
+            "    for (let k = 0; k < T; k++) out.push(v.value(l, h, q, k)); return out; }",
+            [L, H, T],
+        ),
+        dtype=torch.float64,
+    ).view(L, H, T, T)
     assert torch.equal(got, probs)
     # Thumbnails differ from each other (each draws its own head), none is blank.
-    digests = o.js("() => [...document.querySelectorAll('#model-grid canvas.mthumb')].map((c, i) => {"
-                   " c.id = 'mthumb-' + i; return window.qkvViewer.digest(c.id); })")
+    digests = o.js(
+        "() => [...document.querySelectorAll('#model-grid canvas.mthumb')].map((c, i) => {"
+        " c.id = 'mthumb-' + i; return window.qkvViewer.digest(c.id); })"
+    )
     assert len(set(digests)) == L * H
     o.page.click("#model-grid canvas.mthumb[data-layer='1'][data-head='2']")
     assert o.state() == {"layer": 1, "head": 2, "view": "matrix"}
@@ -239,6 +290,7 @@ def test_model_view_shows_every_layer_and_head_and_opens_a_cell(captures, tmp_pa
 
 
 # ---- the docs walkthrough's pages and pictures ------------------------------------------------
+
 
 def _run_docs_page(page, cwd) -> dict:
     """Run docs/PAGE's python blocks in ``cwd``, as tests/test_docs.py does; their namespace."""
@@ -276,8 +328,9 @@ def test_docs_walkthrough_pages(tmp_path, opened):
     o = opened(tmp_path / "scores.html")
     o.page.click("#tab-scores")
     o.page.select_option("#score", "induction")
-    assert [tuple(x) for x in o.js("() => window.qkvViewer.scoreOrder()")] == \
-        list(table.sorted_by("induction").keys)
+    assert [tuple(x) for x in o.js("() => window.qkvViewer.scoreOrder()")] == list(
+        table.sorted_by("induction").keys
+    )
     shots["scores"] = o.page.locator("#view-scores").screenshot(type="png")
     _quiet(o)
 
@@ -286,7 +339,9 @@ def test_docs_walkthrough_pages(tmp_path, opened):
     T = len(words)
     o.page.select_option("#saliency-pos", str(T - 1))
     o.page.select_option("#saliency-head", "0")
-    assert o.js("q => window.qkvViewer.saliency(2, q, 0)", T - 1) == per[0, 0, T - 1].float().tolist()
+    assert (
+        o.js("q => window.qkvViewer.saliency(2, q, 0)", T - 1) == per[0, 0, T - 1].float().tolist()
+    )
     shots["rollout"] = o.page.locator("#view-saliency").screenshot(type="png")
     _quiet(o)
 
@@ -309,11 +364,14 @@ def test_docs_walkthrough_pages(tmp_path, opened):
 def _stacked(o: Opened) -> bytes:
     """The Changes table above the matrix of the head it opened, as one picture (the table is
     put back, above the matrix, for the shot)."""
-    o.js("() => { const t = document.getElementById('view-changes'); t.classList.add('active');"
-         " document.getElementById('view-matrix').before(t); }")
+    o.js(
+        "() => { const t = document.getElementById('view-changes'); t.classList.add('active');"
+        " document.getElementById('view-matrix').before(t); }"
+    )
     box_t = o.page.locator("#view-changes").bounding_box()
     box_m = o.page.locator("#view-matrix").bounding_box()
     top = min(box_t["y"], box_m["y"])
     bottom = max(box_t["y"] + box_t["height"], box_m["y"] + min(box_m["height"], 560))
-    return o.page.screenshot(type="png", full_page=True,
-                             clip={"x": 0, "y": top, "width": 900, "height": bottom - top})
+    return o.page.screenshot(
+        type="png", full_page=True, clip={"x": 0, "y": top, "width": 900, "height": bottom - top}
+    )

@@ -19,6 +19,7 @@ The module skips, saying why, when Playwright or a Chromium executable is missin
 ``QKV_WRITE_SCREENSHOT=1`` also saves the small page's screenshot to ``docs/viewer.png``
 (the README's picture); CI leaves it unset so it does not rewrite repo files.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,11 +36,13 @@ import torch
 
 import qkv
 
-pytest.importorskip("playwright.sync_api",
-                    reason="the viewer's browser tests need Playwright's Python package "
-                           "(pip install playwright; it is in qkv[test])")
-from playwright.sync_api import Error as PlaywrightError  # noqa: E402
-from playwright.sync_api import sync_playwright  # noqa: E402
+pytest.importorskip(
+    "playwright.sync_api",
+    reason="the viewer's browser tests need Playwright's Python package "
+    "(pip install playwright; it is in qkv[test])",
+)
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import sync_playwright
 
 
 def _find_chromium() -> str | None:
@@ -51,13 +54,22 @@ def _find_chromium() -> str | None:
 
 CHROMIUM = _find_chromium()
 if CHROMIUM is None:
-    pytest.skip("the viewer's browser tests need a Chromium executable: none at $QKV_CHROMIUM "
-                f"({os.environ.get('QKV_CHROMIUM')!r}), `chromium` on PATH or /usr/bin/chromium "
-                "(Debian: apt-get install chromium; .ci/run does this)", allow_module_level=True)
+    pytest.skip(
+        "the viewer's browser tests need a Chromium executable: none at $QKV_CHROMIUM "
+        f"({os.environ.get('QKV_CHROMIUM')!r}), `chromium` on PATH or /usr/bin/chromium "
+        "(Debian: apt-get install chromium; .ci/run does this)",
+        allow_module_level=True,
+    )
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 VIEWPORT = {"width": 1280, "height": 960}
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +81,7 @@ READY_LIMIT_S = 5.0  # page ready; and, separately, the first matrix view drawn
 HOVER_LIMIT_S = 1.0  # mouse move -> tooltip text
 
 L, H, T = 2, 4, 12
-WORDS = "the cat sat on the mat because it was warm and soft".split()
+WORDS = ["the", "cat", "sat", "on", "the", "mat", "because", "it", "was", "warm", "and", "soft"]
 assert len(WORDS) == T
 
 
@@ -81,8 +93,13 @@ def browser(tmp_path_factory):
     with sync_playwright() as pw:
         try:
             context = pw.chromium.launch_persistent_context(
-                str(profile), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-                viewport=VIEWPORT, device_scale_factor=1)
+                str(profile),
+                executable_path=CHROMIUM,
+                headless=True,
+                args=CHROMIUM_ARGS,
+                viewport=VIEWPORT,
+                device_scale_factor=1,
+            )
         except PlaywrightError as e:
             pytest.fail(f"{CHROMIUM} found but it did not start under Playwright: {e}")
         try:
@@ -97,8 +114,8 @@ class Opened:
     def __init__(self, context, path: Path):
         self.url = path.resolve().as_uri()
         self.page = page = context.new_page()
-        self.requests: list[str] = []     # every request the page made (before routing)
-        self.routed: list[str] = []       # every request that reached the route (http, file...)
+        self.requests: list[str] = []  # every request the page made (before routing)
+        self.routed: list[str] = []  # every request that reached the route (http, file...)
         self.websockets: list[str] = []
         self.console_errors: list[str] = []
         self.page_errors: list[str] = []
@@ -108,8 +125,9 @@ class Opened:
         self.context, self._ctx_request = context, lambda r: self.ctx_requests.append(r.url)
         self.ctx_requests: list[str] = []
         context.on("request", self._ctx_request)
-        page.on("console", lambda m: self.console_errors.append(m.text) if m.type == "error"
-                else None)
+        page.on(
+            "console", lambda m: self.console_errors.append(m.text) if m.type == "error" else None
+        )
         page.on("pageerror", lambda e: self.page_errors.append(str(e)))
 
         def only_the_file(route):
@@ -118,11 +136,14 @@ class Opened:
                 route.continue_()
             else:
                 route.abort()
+
         page.route("**/*", only_the_file)
         if hasattr(page, "route_web_socket"):  # Playwright >= 1.48
+
             def no_socket(ws):
                 self.websockets.append(ws.url)
                 ws.close()
+
             page.route_web_socket("**/*", no_socket)
         page.on("websocket", lambda ws: self.websockets.append(ws.url))
 
@@ -130,14 +151,16 @@ class Opened:
         """Go to the file and wait until the viewer says it drew; seconds that took."""
         t0 = time.perf_counter()
         self.page.goto(self.url, wait_until="load", timeout=timeout_s * 1000)
-        self.page.wait_for_function("() => document.body && document.body.dataset.ready === '1'",
-                                    timeout=timeout_s * 1000)
+        self.page.wait_for_function(
+            "() => document.body && document.body.dataset.ready === '1'", timeout=timeout_s * 1000
+        )
         return time.perf_counter() - t0
 
     def others(self) -> list[str]:
         """Requests for anything but the file itself (all blocked, none should be tried)."""
-        return ([u for u in self.requests + self.routed + self.ctx_requests if u != self.url]
-                + self.websockets)
+        return [
+            u for u in self.requests + self.routed + self.ctx_requests if u != self.url
+        ] + self.websockets
 
     def close(self):
         self.context.remove_listener("request", self._ctx_request)
@@ -154,13 +177,15 @@ class Opened:
         return self.js("id => window.qkvViewer.digest(id)", canvas_id)
 
     def wait_digest_change(self, canvas_id: str, old, timeout_s: float = 5.0):
-        self.page.wait_for_function("([id, old]) => window.qkvViewer.digest(id) !== old",
-                                    arg=[canvas_id, old], timeout=timeout_s * 1000)
+        self.page.wait_for_function(
+            "([id, old]) => window.qkvViewer.digest(id) !== old",
+            arg=[canvas_id, old],
+            timeout=timeout_s * 1000,
+        )
         return self.digest(canvas_id)
 
     def active_views(self) -> list[str]:
-        return self.js("() => [...document.querySelectorAll('[id^=view-].active')]"
-                       ".map(e => e.id)")
+        return self.js("() => [...document.querySelectorAll('[id^=view-].active')].map(e => e.id)")
 
     def tooltip(self) -> str:
         return self.js("() => document.getElementById('tooltip').textContent.trim()")
@@ -170,12 +195,15 @@ class Opened:
         c = self.js("([q, k]) => window.qkvViewer.cellCenter(q, k)", [q, k])
         assert c is not None, f"cell ({q}, {k}) is not in the matrix view"
         x, y = round(c["x"]), round(c["y"])  # a mouse event's clientX/Y are whole pixels
-        assert self.js("([x, y]) => window.qkvViewer.cellAt(x, y)", [x, y]) == \
-            {"q": q, "k": k}, f"cellAt(cellCenter({q}, {k})) = cellAt({x}, {y}) is another cell"
+        assert self.js("([x, y]) => window.qkvViewer.cellAt(x, y)", [x, y]) == {"q": q, "k": k}, (
+            f"cellAt(cellCenter({q}, {k})) = cellAt({x}, {y}) is another cell"
+        )
         self.page.mouse.move(x, y)
         self.page.wait_for_function(
             "p => document.getElementById('tooltip').textContent.trim().startsWith(p)",
-            arg=f"q={q} k={k} ", timeout=timeout_s * 1000)
+            arg=f"q={q} k={k} ",
+            timeout=timeout_s * 1000,
+        )
         return self.tooltip()
 
     def meta(self) -> dict:
@@ -201,6 +229,7 @@ def opened(browser):
         if load:
             o.load()
         return o
+
     yield open_
     for o in pages:
         o.close()
@@ -208,6 +237,7 @@ def opened(browser):
 
 def _write(obj, path: Path, **kw) -> Path:
     from qkv.viz import html
+
     html(obj, path, **kw)
     assert path.is_file() and path.stat().st_size > 0
     return path
@@ -225,8 +255,12 @@ def small(tmp_path_factory):
         model(ids)
     probs = torch.stack([cap.layer(i)[0].probs[0] for i in range(L)])  # (L, H, T, T)
     assert probs.shape == (L, H, T, T)
-    path = _write(cap, tmp_path_factory.mktemp("small") / "viewer.html", tokens=WORDS,
-                  title="DecoderLM, 2 layers x 4 heads")
+    path = _write(
+        cap,
+        tmp_path_factory.mktemp("small") / "viewer.html",
+        tokens=WORDS,
+        title="DecoderLM, 2 layers x 4 heads",
+    )
     return path, probs.double()
 
 
@@ -262,8 +296,9 @@ def _half(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32).half())
 
 
-def _check_tooltip(o: Opened, text: str, q: int, k: int, true: float, *, layer: int, head: int,
-                   where: str) -> str:
+def _check_tooltip(
+    o: Opened, text: str, q: int, k: int, true: float, *, layer: int, head: int, where: str
+) -> str:
     """The tooltip ``text`` of cell (q, k) against its true weight ``true``, under the storage
     the page states for that head (qkv.viz.html's docstring; its ``qkv-meta``):
 
@@ -284,8 +319,9 @@ def _check_tooltip(o: Opened, text: str, q: int, k: int, true: float, *, layer: 
     assert m[4] == o.to_precision4(shown), f"{where}: tooltip {text!r}, value() = {shown!r}"
     if m[3] == "≤":
         assert mode == "top" and not exact, f"{where}: a bound shown for a stored cell ({mode})"
-        assert true <= shown * (1 + 2**-11) + 2**-25, \
+        assert true <= shown * (1 + 2**-11) + 2**-25, (
             f"{where}: the true weight {true!r} is above the bound shown, {shown!r}"
+        )
         return "≤"
     assert exact, f"{where}: w= shown for a cell exact() says is not stored"
     stored = true if mode == "f4" else _half(true)
@@ -293,7 +329,8 @@ def _check_tooltip(o: Opened, text: str, q: int, k: int, true: float, *, layer: 
     assert shown == stored, f"{where}: value() {shown!r}, stored weight {stored!r} ({mode})"
     assert m[4] == o.to_precision4(stored), (
         f"{where}: tooltip says w={m[4]}, the true weight is {true!r} ({mode}: "
-        f"toPrecision(4) of {stored!r} is {o.to_precision4(stored)})")
+        f"toPrecision(4) of {stored!r} is {o.to_precision4(stored)})"
+    )
     return "="
 
 
@@ -329,6 +366,7 @@ def _png_rgb(data: bytes) -> tuple[int, int, list[tuple[int, int, int]]]:
     except ImportError:
         return _png_rgb_zlib(data)
     import io
+
     im = Image.open(io.BytesIO(data)).convert("RGB")
     b = im.tobytes()
     return im.width, im.height, list(zip(b[0::3], b[1::3], b[2::3]))
@@ -338,8 +376,8 @@ def _png_rgb_zlib(data: bytes) -> tuple[int, int, list[tuple[int, int, int]]]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat, hdr = 8, b"", None
     while pos < len(data):
-        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + n]
+        n, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + n]
         pos += 12 + n
         if kind == b"IHDR":
             hdr = struct.unpack(">IIBBBBB", body)
@@ -353,7 +391,7 @@ def _png_rgb_zlib(data: bytes) -> tuple[int, int, list[tuple[int, int, int]]]:
     raw, stride = zlib.decompress(idat), w * bpp
     prev, pixels, i = bytearray(stride), [], 0
     for _ in range(h):
-        ftype, line = raw[i], bytearray(raw[i + 1:i + 1 + stride])
+        ftype, line = raw[i], bytearray(raw[i + 1 : i + 1 + stride])
         i += 1 + stride
         for x in range(stride):
             a = line[x - bpp] if x >= bpp else 0
@@ -369,7 +407,7 @@ def _png_rgb_zlib(data: bytes) -> tuple[int, int, list[tuple[int, int, int]]]:
                 p = a + b - c
                 pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
                 line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        pixels += [tuple(line[x:x + 3]) for x in range(0, stride, bpp)]
+        pixels += [tuple(line[x : x + 3]) for x in range(0, stride, bpp)]
         prev = line
     return w, h, pixels
 
@@ -385,13 +423,18 @@ def _quiet(o: Opened) -> None:
 def test_the_harness_sees_and_blocks_requests(tmp_path, opened):
     """What the viewer tests count on: a page that reaches out is seen doing so, and blocked."""
     page = tmp_path / "leaky.html"
-    page.write_text("<!doctype html><html><head><link rel='stylesheet' href='https://example.com"
-                    "/a.css'></head><body><img src='other.png'><script>fetch('http://127.0.0.1:9"
-                    "/x').then(() => { document.title = 'reached'; }, () => {});"
-                    "document.body.dataset.ready = '1';</script></body></html>")
+    page.write_text(
+        "<!doctype html><html><head><link rel='stylesheet' href='https://example.com"
+        "/a.css'></head><body><img src='other.png'><script>fetch('http://127.0.0.1:9"
+        "/x').then(() => { document.title = 'reached'; }, () => {});"
+        "document.body.dataset.ready = '1';</script></body></html>"
+    )
     o = opened(page)
-    wanted = {"https://example.com/a.css", (tmp_path / "other.png").as_uri(),
-              "http://127.0.0.1:9/x"}
+    wanted = {
+        "https://example.com/a.css",
+        (tmp_path / "other.png").as_uri(),
+        "http://127.0.0.1:9/x",
+    }
     deadline = time.monotonic() + 5
     while not wanted <= set(o.others()) and time.monotonic() < deadline:
         o.page.wait_for_timeout(50)
@@ -420,11 +463,15 @@ def test_small_page_loads_offline_with_no_error(small, opened):
     assert [[hd["mode"] for hd in e["heads"]] for e in o.meta()["entries"]] == [["f4"] * H] * L
 
     # Every weight the page holds is exactly the capture's.
-    got = torch.tensor(o.js(
-        "([L, H, T]) => { const v = window.qkvViewer, out = [];"
-        "  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
-        "    for (let k = 0; k < T; k++) out.push(v.value(l, h, q, k)); return out; }",
-        [L, H, T]), dtype=torch.float64).view(L, H, T, T)
+    got = torch.tensor(
+        o.js(
+            "([L, H, T]) => { const v = window.qkvViewer, out = [];"
+            "  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
+            "    for (let k = 0; k < T; k++) out.push(v.value(l, h, q, k)); return out; }",
+            [L, H, T],
+        ),
+        dtype=torch.float64,
+    ).view(L, H, T, T)
     assert torch.equal(got, probs), (got - probs).abs().max()
     assert o.meta()["tokens"] == [WORDS]  # the head view's labels
     _quiet(o)
@@ -481,19 +528,33 @@ def test_hovering_a_matrix_cell_shows_its_true_weight(small, opened, layer, head
     path, probs = small
     o = opened(path)
     o.page.click("#tab-matrix")
-    o.js("([l, h]) => { window.qkvViewer.setLayer(l); window.qkvViewer.setHead(h); }",
-         [layer, head])
+    o.js(
+        "([l, h]) => { window.qkvViewer.setLayer(l); window.qkvViewer.setHead(h); }", [layer, head]
+    )
     cells = [(0, 0), (1, 0), (5, 3), (7, 2), (11, 0), (11, 6), (11, 11), (3, 9)]
     assert probs[layer, head, 3, 9] == 0  # causal: a masked cell
     for q, k in cells:
         text = o.hover(q, k)
         assert text.startswith(f"q={q} k={k} w=")
-        _check_tooltip(o, text, q, k, float(probs[layer, head, q, k]), layer=layer, head=head,
-                       where=f"layer {layer} head {head}")
+        _check_tooltip(
+            o,
+            text,
+            q,
+            k,
+            float(probs[layer, head, q, k]),
+            layer=layer,
+            head=head,
+            where=f"layer {layer} head {head}",
+        )
     # Off the matrix: no cell.
     box = o.page.locator("#matrix-canvas").bounding_box()
-    assert o.js("([x, y]) => window.qkvViewer.cellAt(x, y)",
-                [box["x"] + box["width"] + 40, box["y"] + box["height"] / 2]) is None
+    assert (
+        o.js(
+            "([x, y]) => window.qkvViewer.cellAt(x, y)",
+            [box["x"] + box["width"] + 40, box["y"] + box["height"] / 2],
+        )
+        is None
+    )
     _quiet(o)
 
 
@@ -502,8 +563,9 @@ def test_screenshot_is_not_blank(small, opened):
     o = opened(path)
     o.page.click("#tab-matrix")
     o.js("() => { window.qkvViewer.setLayer(1); window.qkvViewer.setHead(2); }")
-    _check_tooltip(o, o.hover(9, 4), 9, 4, float(probs[1, 2, 9, 4]), layer=1, head=2,
-                   where="screenshot")  # the picture shows a tooltip
+    _check_tooltip(
+        o, o.hover(9, 4), 9, 4, float(probs[1, 2, 9, 4]), layer=1, head=2, where="screenshot"
+    )  # the picture shows a tooltip
     png = o.page.screenshot(type="png")
     w, h, pixels = _png_rgb(png)
     assert (w, h) == (VIEWPORT["width"], VIEWPORT["height"])
@@ -543,8 +605,10 @@ def test_4k_page_is_interactive_in_time(big, opened):
     o = opened(path, load=False)
     ready_s = o.load(timeout_s=60)
     _quiet(o)
-    print(f"\n4k page: {path.stat().st_size / 2**20:.1f} MiB written in {written_s:.1f} s, "
-          f"ready in {ready_s:.2f} s")
+    print(
+        f"\n4k page: {path.stat().st_size / 2**20:.1f} MiB written in {written_s:.1f} s, "
+        f"ready in {ready_s:.2f} s"
+    )
     assert ready_s < READY_LIMIT_S, f"4096-token page ready in {ready_s:.1f} s"
     # 2 x 4096 x 4096 cells: stored as block maxima + each row's top k (qkv.viz.html "top").
     assert [hd["mode"] for hd in o.meta()["entries"][0]["heads"]] == ["top", "top"]
@@ -564,13 +628,22 @@ def test_4k_page_is_interactive_in_time(big, opened):
     x, y = round(box["x"] + box["width"] * 0.6), round(box["y"] + box["height"] * 0.7)
     t0 = time.perf_counter()
     o.page.mouse.move(x, y)
-    o.page.wait_for_function("() => /^q=\\d+ k=\\d+ w/.test("
-                             "document.getElementById('tooltip').textContent.trim())",
-                             timeout=10_000)
+    o.page.wait_for_function(
+        "() => /^q=\\d+ k=\\d+ w/.test(document.getElementById('tooltip').textContent.trim())",
+        timeout=10_000,
+    )
     hover_s = time.perf_counter() - t0
     cell = o.js("([x, y]) => window.qkvViewer.cellAt(x, y)", [x, y])
-    _check_tooltip(o, o.tooltip(), cell["q"], cell["k"], float(w[0, cell["q"], cell["k"]]),
-                   layer=0, head=0, where=f"unzoomed {cell}")
+    _check_tooltip(
+        o,
+        o.tooltip(),
+        cell["q"],
+        cell["k"],
+        float(w[0, cell["q"], cell["k"]]),
+        layer=0,
+        head=0,
+        where=f"unzoomed {cell}",
+    )
     print(f"4k page: first hover answered in {hover_s * 1000:.0f} ms")
     assert hover_s < HOVER_LIMIT_S, f"hover answered in {hover_s:.2f} s"
     whole = o.digest("matrix-canvas")
@@ -580,24 +653,47 @@ def test_4k_page_is_interactive_in_time(big, opened):
     assert cell_px(o, 3000, 2950) >= 4, cell_px(o, 3000, 2950)
     # Head 0's band is 64 keys wide: every weight of a row is among its 64 largest, stored
     # exactly (float16); outside the band, outside the row's support, exact zeros.
-    for q, k, how in [(3000, 3000, "="), (3000, 2950, "="), (3000, 2937, "="),
-                      (2990, 2960, "="), (3000, 2936, "="), (2997, 2999, "=")]:
+    for q, k, how in [
+        (3000, 3000, "="),
+        (3000, 2950, "="),
+        (3000, 2937, "="),
+        (2990, 2960, "="),
+        (3000, 2936, "="),
+        (2997, 2999, "="),
+    ]:
         t0 = time.perf_counter()
         text = o.hover(q, k)
         hover_s = time.perf_counter() - t0
-        assert _check_tooltip(o, text, q, k, float(w[0, q, k]), layer=0, head=0,
-                              where="head 0 zoomed") == how, text
+        assert (
+            _check_tooltip(o, text, q, k, float(w[0, q, k]), layer=0, head=0, where="head 0 zoomed")
+            == how
+        ), text
         assert hover_s < HOVER_LIMIT_S, f"zoomed hover on ({q}, {k}) took {hover_s:.2f} s"
     assert w[0, 3000, 2936] == 0 and w[0, 2997, 2999] == 0  # outside the band; causal
     # Head 1's band is 512 wide: its 64 largest weights a row are exact, the rest bounded.
     o.js("() => window.qkvViewer.setHead(1)")
     if o.js("() => window.qkvViewer.cellCenter(3000, 2950)") is None:  # the zoom was reset
         drag_zoom(o, (2925, 2925), (3005, 3005))
-    shown = [_check_tooltip(o, o.hover(3000, k), 3000, k, float(w[1, 3000, k]), layer=0, head=1,
-                            where="head 1 zoomed") for k in range(2940, 3001, 3)]
+    shown = [
+        _check_tooltip(
+            o,
+            o.hover(3000, k),
+            3000,
+            k,
+            float(w[1, 3000, k]),
+            layer=0,
+            head=1,
+            where="head 1 zoomed",
+        )
+        for k in range(2940, 3001, 3)
+    ]
     assert "=" in shown and "≤" in shown, shown
-    assert _check_tooltip(o, o.hover(2997, 2999), 2997, 2999, 0.0, layer=0, head=1,
-                          where="head 1 zoomed, causal") == "="
+    assert (
+        _check_tooltip(
+            o, o.hover(2997, 2999), 2997, 2999, 0.0, layer=0, head=1, where="head 1 zoomed, causal"
+        )
+        == "="
+    )
     zoomed = o.digest("matrix-canvas")
     o.page.click("#zoom-reset")
     o.wait_digest_change("matrix-canvas", zoomed)
@@ -615,15 +711,24 @@ def test_overview_thumbnail_opens_its_head_in_the_matrix(small, opened):
     assert o.active_views() == ["view-overview"] and o.state()["view"] == "overview"
     thumbs = o.page.locator("canvas.thumb")
     assert thumbs.count() == H
-    assert [thumbs.nth(i).get_attribute("data-head") for i in range(H)] == \
-        [str(h) for h in range(H)]
+    assert [thumbs.nth(i).get_attribute("data-head") for i in range(H)] == [
+        str(h) for h in range(H)
+    ]
     o.page.click("canvas.thumb[data-head='2']")
     o.page.wait_for_function("() => window.qkvViewer.state.view === 'matrix'", timeout=5000)
     assert o.active_views() == ["view-matrix"]
     assert (o.state()["layer"], o.state()["head"]) == (1, 2)
     assert o.page.input_value("#head") == "2"
-    _check_tooltip(o, o.hover(6, 2), 6, 2, float(probs[1, 2, 6, 2]), layer=1, head=2,
-                   where="after the thumbnail")
+    _check_tooltip(
+        o,
+        o.hover(6, 2),
+        6,
+        2,
+        float(probs[1, 2, 6, 2]),
+        layer=1,
+        head=2,
+        where="after the thumbnail",
+    )
     _quiet(o)
 
 
@@ -632,8 +737,9 @@ def _close_to_4(text: str, true: float, where: str) -> None:
     millionth more: the page keeps explain numbers to 6 digits before it writes 4)."""
     shown = float(text)
     unit = 10.0 ** (math.floor(math.log10(abs(true))) - 3) if true else 0.0
-    assert abs(shown - true) <= 0.5 * unit + 1e-6 * abs(true) + 1e-300, \
+    assert abs(shown - true) <= 0.5 * unit + 1e-6 * abs(true) + 1e-300, (
         f"{where}: shown {text}, true {true!r}"
+    )
     assert re.fullmatch(r"-?\d\.\d{3}(e[+-]\d+)?|-?0\.0*\d{4}|-?\d+\.\d+|0\.000", text), text
 
 
@@ -650,8 +756,7 @@ def test_explain_tab_shows_the_steps_numbers(tmp_path, opened):
     words = ["I", "love", "attention", "a", "lot"]
     mha = qkv.MultiHeadAttention(8, 2).double().eval()
     with torch.no_grad():
-        _, trace = mha(torch.randn(1, 5, 8, dtype=torch.float64), is_causal=True,
-                       return_trace=True)
+        _, trace = mha(torch.randn(1, 5, 8, dtype=torch.float64), is_causal=True, return_trace=True)
     assert isinstance(trace, qkv.trace.MultiHeadTrace) and trace.probs.shape == (1, 2, 5, 5)
 
     # A small MultiHeadTrace explains itself: Q, K, V, scores, softmax, output per head.
@@ -664,9 +769,14 @@ def test_explain_tab_shows_the_steps_numbers(tmp_path, opened):
         o.js("h => window.qkvViewer.setHead(h)", head)
         tables = _explain_tables(o)
         assert list(tables) == ["Q", "K", "V", "scores", "softmax", "output"], list(tables)
-        truth = {"Q": trace.q[0, head], "K": trace.k[0, head], "V": trace.v[0, head],
-                 "scores": trace.scores[0, head], "softmax": trace.probs[0, head],
-                 "output": trace.heads[0, head]}
+        truth = {
+            "Q": trace.q[0, head],
+            "K": trace.k[0, head],
+            "V": trace.v[0, head],
+            "scores": trace.scores[0, head],
+            "softmax": trace.probs[0, head],
+            "output": trace.heads[0, head],
+        }
         for name, t in truth.items():
             assert [len(r) for r in tables[name]] == [t.shape[1]] * t.shape[0], name
             for i, row in enumerate(tables[name]):
@@ -678,8 +788,13 @@ def test_explain_tab_shows_the_steps_numbers(tmp_path, opened):
                         _close_to_4(text, v, f"head {head} {name}[{i}, {j}]")
         assert tables["scores"][0][1] == "−∞" and tables["softmax"][0][1] == "0.000"
     # The row labels are the tokens.
-    assert o.js("() => [...document.querySelectorAll('#view-explain .step')][4]"
-                ".querySelectorAll('tr')[2].querySelector('th').textContent") == "love"
+    assert (
+        o.js(
+            "() => [...document.querySelectorAll('#view-explain .step')][4]"
+            ".querySelectorAll('tr')[2].querySelector('th').textContent"
+        )
+        == "love"
+    )
     _quiet(o)
 
     # Steps given by the caller: their tables, in the order given; {} shows none.
@@ -687,11 +802,14 @@ def test_explain_tab_shows_the_steps_numbers(tmp_path, opened):
     given = {"weights of head 1": w[1], "scores of head 1": trace.scores[0, 1].clamp(min=-99)}
     o2 = opened(_write(w, tmp_path / "given.html", steps=given))
     o2.page.click("#tab-explain")
-    titles = o2.js("() => [...document.querySelectorAll('#view-explain .step h3')]"
-                   ".map(h => h.textContent)")
+    titles = o2.js(
+        "() => [...document.querySelectorAll('#view-explain .step h3')].map(h => h.textContent)"
+    )
     assert [t.split("  (")[0] for t in titles] == list(given), titles
-    cells = o2.js("() => [...document.querySelector('#view-explain .step')"
-                  ".querySelectorAll('td')].map(td => td.textContent)")
+    cells = o2.js(
+        "() => [...document.querySelector('#view-explain .step')"
+        ".querySelectorAll('td')].map(td => td.textContent)"
+    )
     assert len(cells) == 25
     for text, v in zip(cells, w[1].reshape(-1).tolist()):
         _close_to_4(text, v, "given weights")

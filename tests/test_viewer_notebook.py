@@ -15,6 +15,7 @@
 
 Skips, saying why, without nbclient/nbformat/ipykernel (``qkv[test]``), Playwright or Chromium.
 """
+
 from __future__ import annotations
 
 import html
@@ -69,11 +70,13 @@ def test_iframe_holds_the_file_page_and_nothing_else(tmp_path):
     assert [t for t, _ in _Tags(out).tags] == ["iframe"]  # no script, style or id outside
     shown = qkv.viz.show(trace, ["a", "b", "c", "d"], title='a "quoted" <title>', height=500)
     out = shown._repr_html_()
-    (tag, attrs), = _Tags(out).tags
+    ((tag, attrs),) = _Tags(out).tags
     assert attrs["sandbox"] == "allow-scripts" and "height: 500px" in attrs["style"]
     assert attrs["title"] == 'qkv viewer: a "quoted" <title>'
-    assert _page_of(out) == shown.page and "<title>a &quot;quoted&quot; &lt;title&gt;</title>" \
-        in shown.page
+    assert (
+        _page_of(out) == shown.page
+        and "<title>a &quot;quoted&quot; &lt;title&gt;</title>" in shown.page
+    )
 
 
 def test_bad_sizes_and_a_path_are_refused():
@@ -89,11 +92,13 @@ def test_bad_sizes_and_a_path_are_refused():
 def test_bare_display_of_a_huge_trace_says_so_without_computing_it():
     def never():
         raise AssertionError("the weights were computed")
+
     T = 8192
     lse = torch.zeros(1, 2, T)  # (B, H, T)
     probs_row = torch.full((1, 1, 1, T), 1 / T)  # (nb, nh, nr, S)
-    huge = qkv.AttentionTrace(never, never, lse, "tiled",
-                              subset=lambda b, h, r: (probs_row, probs_row))
+    huge = qkv.AttentionTrace(
+        never, never, lse, "tiled", subset=lambda b, h, r: (probs_row, probs_row)
+    )
     out = huge._repr_html_()
     assert "iframe" not in out and "not drawn" in out and f"{2 * T * T:,} weights" in out
     empty = qkv.Captured()._repr_html_()  # nothing to show: a note, not a traceback
@@ -106,8 +111,9 @@ def test_import_qkv_loads_no_viz():
         print("qkv.viz" in sys.modules, hasattr(qkv.AttentionTrace, "_repr_html_"),
               hasattr(qkv.Captured, "_repr_html_"))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     assert out.split() == ["False", "True", "True"]
 
 
@@ -138,17 +144,32 @@ def _run_notebook(folder: Path, monkeypatch) -> tuple[list[str], str]:
     pytest.importorskip("ipykernel", reason="needs ipykernel (in qkv[test])")
 
     jupyter = folder / "jupyter"
-    for var, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_DATA_DIR", "data"),
-                     ("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython")):
+    for var, sub in (
+        ("JUPYTER_CONFIG_DIR", "config"),
+        ("JUPYTER_DATA_DIR", "data"),
+        ("JUPYTER_RUNTIME_DIR", "runtime"),
+        ("IPYTHONDIR", "ipython"),
+    ):
         monkeypatch.setenv(var, str(jupyter / sub))  # the user's stay untouched
     spec = jupyter / "data" / "kernels" / KERNEL  # found first: the user data dir is ours
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "qkv tests (this Python)", "language": "python"}))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "qkv tests (this Python)",
+                "language": "python",
+            }
+        )
+    )
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
-    client = nbclient.NotebookClient(nb, timeout=60, startup_timeout=60, kernel_name=KERNEL,
-                                     resources={"metadata": {"path": str(folder)}})
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=60,
+        startup_timeout=60,
+        kernel_name=KERNEL,
+        resources={"metadata": {"path": str(folder)}},
+    )
     client.execute()  # starts the kernel, runs every cell, shuts the kernel down
     nbformat.write(nb, folder / "run.ipynb")
     printed = "".join(o.get("text", "") for o in nb.cells[0].outputs)
@@ -169,11 +190,16 @@ def chromium(tmp_path_factory):
     (IsolateSandboxedIframes), whose requests Playwright neither reports nor routes (seen with
     Chromium 156: an image in a sandboxed srcdoc frame went to the network unseen)."""
     import test_viewer_browser as harness  # skips, saying why, without Playwright or Chromium
+
     with harness.sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=harness.CHROMIUM,
-            headless=True, args=harness.CHROMIUM_ARGS + [_IN_PROCESS_FRAMES],
-            viewport=harness.VIEWPORT, device_scale_factor=1)
+            str(tmp_path_factory.mktemp("chromium-profile")),
+            executable_path=harness.CHROMIUM,
+            headless=True,
+            args=harness.CHROMIUM_ARGS + [_IN_PROCESS_FRAMES],
+            viewport=harness.VIEWPORT,
+            device_scale_factor=1,
+        )
         try:
             yield harness, context
         finally:
@@ -182,9 +208,11 @@ def chromium(tmp_path_factory):
 
 def _notebook_page(path: Path, outputs: list[str]) -> Path:
     cells = "\n".join(f'<div class="output">{o}</div>' for o in outputs)
-    path.write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>outputs</title>'
-                    f'<link rel="icon" href="data:,"></head><body>{cells}</body></html>',
-                    encoding="utf-8")
+    path.write_text(
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>outputs</title>'
+        f'<link rel="icon" href="data:,"></head><body>{cells}</body></html>',
+        encoding="utf-8",
+    )
     return path
 
 
@@ -193,7 +221,8 @@ def _values(frame, L: int, H: int, T: int, S: int) -> torch.Tensor:
         "([L, H, T, S]) => { const v = window.qkvViewer, out = [];"
         "  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
         "    for (let k = 0; k < S; k++) out.push(v.value(l, h, q, k)); return out; }",
-        [L, H, T, S])
+        [L, H, T, S],
+    )
     return torch.tensor(got, dtype=torch.float64).view(L, H, T, S)
 
 
@@ -204,7 +233,7 @@ def test_notebook_outputs_show_their_weights_in_chromium(tmp_path, monkeypatch, 
     # The kernel ran this Python, and the display hooks (not the setup) imported viz.
     assert printed == f"{sys.executable}\nviz imported: False\n"
     for out in outputs:
-        (tag, attrs), = _Tags(out).tags  # one iframe, nothing else in the notebook's page
+        ((tag, attrs),) = _Tags(out).tags  # one iframe, nothing else in the notebook's page
         assert tag == "iframe" and attrs["sandbox"] == "allow-scripts", attrs
     truth = torch.load(tmp_path / "truth.pt")
     want = [truth["cap"].double(), truth["mh"].double(), truth["tr"].double()]  # (L, H, T, S)
@@ -213,23 +242,29 @@ def test_notebook_outputs_show_their_weights_in_chromium(tmp_path, monkeypatch, 
     o = harness.Opened(context, _notebook_page(tmp_path / "outputs.html", outputs))
     try:
         o.page.goto(o.url, wait_until="load", timeout=30_000)
-        frames = [o.page.locator("iframe").nth(i).element_handle().content_frame()
-                  for i in range(len(outputs))]
+        frames = [
+            o.page.locator("iframe").nth(i).element_handle().content_frame()
+            for i in range(len(outputs))
+        ]
         for f in frames:
-            f.wait_for_function("() => document.body && document.body.dataset.ready === '1'",
-                                timeout=30_000)
+            f.wait_for_function(
+                "() => document.body && document.body.dataset.ready === '1'", timeout=30_000
+            )
         for f, w in zip(frames, want):
             assert torch.equal(_values(f, *w.shape), w)
         assert frames[2].evaluate("() => document.title") == "shown"
-        assert frames[2].evaluate("() => JSON.parse(document.getElementById('qkv-meta')"
-                                  ".textContent).tokens") == [["a", "b", "c", "d"]]
+        assert frames[2].evaluate(
+            "() => JSON.parse(document.getElementById('qkv-meta').textContent).tokens"
+        ) == [["a", "b", "c", "d"]]
 
         # One view changed leaves the others as they were: each iframe has its own state.
         fresh = {"layer": 0, "head": "all", "view": "head"}
         state = "() => ({...window.qkvViewer.state})"
         assert [f.evaluate(state) for f in frames] == [fresh] * 3
-        frames[0].evaluate("() => { const v = window.qkvViewer; v.setView('matrix');"
-                           " v.setLayer(1); v.setHead(1); }")
+        frames[0].evaluate(
+            "() => { const v = window.qkvViewer; v.setView('matrix');"
+            " v.setLayer(1); v.setHead(1); }"
+        )
         assert frames[0].evaluate(state) == {"layer": 1, "head": 1, "view": "matrix"}
         assert [f.evaluate(state) for f in frames[1:]] == [fresh] * 2
         for f, w in zip(frames, want):
@@ -237,33 +272,47 @@ def test_notebook_outputs_show_their_weights_in_chromium(tmp_path, monkeypatch, 
 
         # Nothing reaches the notebook's page: no id, script or global of the viewer's, and
         # the sandboxed page cannot reach out of its frame.
-        assert o.js("() => [typeof window.qkvViewer, document.querySelectorAll('[id]').length,"
-                    " document.scripts.length]") == ["undefined", 0, 0]
-        assert frames[0].evaluate("() => { try { return window.parent.document.title; }"
-                                  " catch (e) { return e.name; } }") == "SecurityError"
+        assert o.js(
+            "() => [typeof window.qkvViewer, document.querySelectorAll('[id]').length,"
+            " document.scripts.length]"
+        ) == ["undefined", 0, 0]
+        assert (
+            frames[0].evaluate(
+                "() => { try { return window.parent.document.title; }"
+                " catch (e) { return e.name; } }"
+            )
+            == "SecurityError"
+        )
         harness._quiet(o)
     finally:
         o.close()
-    print(f"kernel and notebook {t_kernel:.1f} s, browser {time.perf_counter() - t0 - t_kernel:.1f} s")
+    print(
+        f"kernel and notebook {t_kernel:.1f} s, browser {time.perf_counter() - t0 - t_kernel:.1f} s"
+    )
 
 
 def test_the_harness_sees_what_a_sandboxed_frame_does(tmp_path, chromium):
     """What the test above counts on: the requests and errors of a sandboxed srcdoc iframe
     reach the page's counters, and its requests are blocked."""
     harness, context = chromium
-    inner = ("<link rel='stylesheet' href='https://example.com/a.css'>"
-             "<img src='https://example.com/a.png'><script>console.error('from the frame');"
-             "fetch('http://127.0.0.1:9/x').catch(() => {});</script>")
-    path = _notebook_page(tmp_path / "leaky.html", [
-        f'<iframe srcdoc="{html.escape(inner, quote=True)}" sandbox="allow-scripts"></iframe>'])
+    inner = (
+        "<link rel='stylesheet' href='https://example.com/a.css'>"
+        "<img src='https://example.com/a.png'><script>console.error('from the frame');"
+        "fetch('http://127.0.0.1:9/x').catch(() => {});</script>"
+    )
+    path = _notebook_page(
+        tmp_path / "leaky.html",
+        [f'<iframe srcdoc="{html.escape(inner, quote=True)}" sandbox="allow-scripts"></iframe>'],
+    )
     o = harness.Opened(context, path)
     try:
         o.page.goto(o.url, wait_until="load")
-        wanted = {"https://example.com/a.css", "https://example.com/a.png",
-                  "http://127.0.0.1:9/x"}
+        wanted = {"https://example.com/a.css", "https://example.com/a.png", "http://127.0.0.1:9/x"}
         deadline = time.monotonic() + 5
-        while not (wanted <= set(o.routed) and "from the frame" in o.console_errors) \
-                and time.monotonic() < deadline:
+        while (
+            not (wanted <= set(o.routed) and "from the frame" in o.console_errors)
+            and time.monotonic() < deadline
+        ):
             o.page.wait_for_timeout(50)
         assert wanted <= set(o.routed) and wanted <= set(o.others()), o.others()
         assert "from the frame" in o.console_errors, o.console_errors

@@ -8,6 +8,7 @@ docstring's bound at 4k and 16k tokens and for a real capture of 4 layers x 4 he
 tokens; errors that name the fix; atomic writes. Browser behaviour is tested elsewhere
 (tests/test_viewer_browser.py).
 """
+
 import base64
 import importlib
 import json
@@ -28,24 +29,37 @@ M = importlib.import_module("qkv.viz.html")  # the module (qkv.viz.html is the f
 
 # ---------------------------------------------------------------- a reader of the page
 
+
 def read_page(path):
     """(meta, {blob id: bytes}) of a page written by html()."""
     text = open(path, encoding="utf-8").read()
-    meta = json.loads(re.search(r'<script type="application/json" id="qkv-meta">(.*?)</script>',
-                                text, re.S).group(1))
-    blobs = {m.group(1): base64.b64decode(m.group(2)) for m in re.finditer(
-        r'<script type="application/octet-stream" id="(qkv-blob-\d+)">([A-Za-z0-9+/=]*)</script>',
-        text)}
+    meta = json.loads(
+        re.search(
+            r'<script type="application/json" id="qkv-meta">(.*?)</script>', text, re.S
+        ).group(1)
+    )
+    blobs = {
+        m.group(1): base64.b64decode(m.group(2))
+        for m in re.finditer(
+            r'<script type="application/octet-stream" id="(qkv-blob-\d+)">([A-Za-z0-9+/=]*)</script>',
+            text,
+        )
+    }
     return meta, blobs
 
 
 def arrays(info, raw, nr, S):
     """The arrays of one head's payload, as torch tensors."""
+
     def take(dtype, n, off):
         size = torch.empty(0, dtype=dtype).element_size()
-        t = torch.frombuffer(bytearray(raw[off:off + n * size]), dtype=dtype) if n else \
-            torch.empty(0, dtype=dtype)
+        t = (
+            torch.frombuffer(bytearray(raw[off : off + n * size]), dtype=dtype)
+            if n
+            else torch.empty(0, dtype=dtype)
+        )
         return t, off + n * size
+
     if info["mode"] in ("f4", "f2"):
         dtype = torch.float32 if info["mode"] == "f4" else torch.float16
         t, end = take(dtype, nr * S, 0)
@@ -59,8 +73,12 @@ def arrays(info, raw, nr, S):
     grid, off = take(torch.float16, info["gr"] * info["gc"], off)
     assert off == len(raw)
     unsigned = (lambda t: t.long() & 0xFFFF) if ib == 2 else (lambda t: t.long())
-    return {"idx": unsigned(idx).reshape(nr, k), "span": unsigned(span).reshape(nr, 2),
-            "val": val.reshape(nr, k), "grid": grid.reshape(info["gr"], info["gc"])}
+    return {
+        "idx": unsigned(idx).reshape(nr, k),
+        "span": unsigned(span).reshape(nr, 2),
+        "val": val.reshape(nr, k),
+        "grid": grid.reshape(info["gr"], info["gc"]),
+    }
 
 
 def rows_of(entry):
@@ -68,7 +86,7 @@ def rows_of(entry):
 
 
 def f16_err(w):
-    return torch.maximum(w.abs() * 2.0 ** -11, torch.full_like(w, 2.0 ** -25))
+    return torch.maximum(w.abs() * 2.0**-11, torch.full_like(w, 2.0**-25))
 
 
 def check_head(info, raw, w):
@@ -101,16 +119,29 @@ def check_head(info, raw, w):
     assert (got >= kth).all()  # they are the top k (ties aside: none with random weights)
     # every dropped cell lies under the bound the page shows: min(block max, row's k-th)
     dropped = torch.ones_like(w, dtype=torch.bool).scatter_(1, a["idx"], False)
-    bound = torch.minimum(a["grid"].double().repeat_interleave(b, 0).repeat_interleave(b, 1)
-                          [:nr, :S], a["val"].double().amin(1, keepdim=True))
+    bound = torch.minimum(
+        a["grid"].double().repeat_interleave(b, 0).repeat_interleave(b, 1)[:nr, :S],
+        a["val"].double().amin(1, keepdim=True),
+    )
     assert (w[dropped] <= (bound + f16_err(bound))[dropped]).all()
     return a
 
 
 def self_contained(text):
     lower = text.lower()
-    for bad in ("http://", "https://", "//cdn", "fetch(", "xmlhttprequest", "import(",
-                "websocket", "eventsource", "sendbeacon", "@import", "url("):
+    for bad in (
+        "http://",
+        "https://",
+        "//cdn",
+        "fetch(",
+        "xmlhttprequest",
+        "import(",
+        "websocket",
+        "eventsource",
+        "sendbeacon",
+        "@import",
+        "url(",
+    ):
         assert bad not in lower, bad
     assert not re.search(r"\ssrc\s*=", lower)
     assert all(h.startswith("data:") for h in re.findall(r'\shref\s*=\s*"([^"]*)"', lower))
@@ -127,6 +158,7 @@ def causal_probs(H, T, S=None, seed=0, dtype=torch.float64):
 
 # ---------------------------------------------------------------- small pages
 
+
 def test_small_page_is_self_contained_and_exact(tmp_path):
     w = causal_probs(2, 7)
     path = html(w, tmp_path / "attn", tokens=list("abcdefg"), title="seven <tokens>")
@@ -134,10 +166,21 @@ def test_small_page_is_self_contained_and_exact(tmp_path):
     text = path.read_text(encoding="utf-8")
     assert text.startswith("<!DOCTYPE html>") and "<title>seven &lt;tokens&gt;</title>" in text
     self_contained(text)
-    for needle in ('id="layer"', 'id="head"', 'id="tab-head"', 'id="tab-matrix"',
-                   'id="tab-overview"', 'id="view-head"', 'id="view-matrix"',
-                   'id="view-overview"', 'id="matrix-canvas"', 'id="head-canvas"',
-                   'id="tooltip"', 'id="zoom-reset"', "window.qkvViewer"):
+    for needle in (
+        'id="layer"',
+        'id="head"',
+        'id="tab-head"',
+        'id="tab-matrix"',
+        'id="tab-overview"',
+        'id="view-head"',
+        'id="view-matrix"',
+        'id="view-overview"',
+        'id="matrix-canvas"',
+        'id="head-canvas"',
+        'id="tooltip"',
+        'id="zoom-reset"',
+        "window.qkvViewer",
+    ):
         assert needle in text, needle
     assert 'id="tab-explain"' not in text  # no steps given, a tensor has none
     meta, blobs = read_page(path)
@@ -183,8 +226,11 @@ def test_float16_storage_within_stated_error(tmp_path):
     check_head(info, blobs[info["blob"]], w[0])
 
 
-@pytest.mark.parametrize("T,S,budget", [(97, 1025, 8192), (300, 300, 4096), (1025, 33, 16384)],
-                         ids=["T97-S1025", "T300-S300", "T1025-S33"])
+@pytest.mark.parametrize(
+    "T,S,budget",
+    [(97, 1025, 8192), (300, 300, 4096), (1025, 33, 16384)],
+    ids=["T97-S1025", "T300-S300", "T1025-S33"],
+)
 def test_over_budget_keeps_block_maxima_support_and_top_k(tmp_path, T, S, budget):
     w = causal_probs(2, T, S)
     meta, blobs = read_page(html(w, tmp_path / "a.html", max_cells=2 * budget))
@@ -197,6 +243,7 @@ def test_over_budget_keeps_block_maxima_support_and_top_k(tmp_path, T, S, budget
 
 
 # ---------------------------------------------------------------- captures
+
 
 class Stack(torch.nn.Module):
     def __init__(self, layers=2, C=16, H=4):
@@ -237,8 +284,9 @@ def test_capture_of_generate_steps(tmp_path):
     assert len(calls) > 1
     meta, _ = read_page(html(cap, tmp_path / "a.html"))
     assert len(meta["entries"]) == 2  # call 0 of each layer
-    meta, _ = read_page(html(cap, tmp_path / "b.html", call="all",
-                             tokens=[f"w{i}" for i in range(8)]))
+    meta, _ = read_page(
+        html(cap, tmp_path / "b.html", call="all", tokens=[f"w{i}" for i in range(8)])
+    )
     assert len(meta["entries"]) == len(cap.records)
     assert meta["entries"][-1]["label"].endswith(f"call {calls[-1]}")
     for e in meta["entries"]:  # keys tokens[:S], the query row end-aligned
@@ -248,6 +296,7 @@ def test_capture_of_generate_steps(tmp_path):
 
 
 # ---------------------------------------------------------------- tokens
+
 
 def test_tokens_pair_and_escaping(tmp_path):
     w = causal_probs(1, 3, 4)
@@ -267,8 +316,11 @@ def test_viewer_script_parses():
     node = shutil.which("node")
     if node is None:
         pytest.skip("node is not installed")
-    out = subprocess.run([node, "--check", str(M.resources.files("qkv.viz") / "viewer.js")],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [node, "--check", str(M.resources.files("qkv.viz") / "viewer.js")],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
 
 
@@ -291,9 +343,13 @@ def test_token_errors(tmp_path):
 
 # ---------------------------------------------------------------- steps
 
+
 def test_explain_steps_in_order(tmp_path):
-    steps = {"Q": torch.ones(3, 2), "scores": [[0.5, float("-inf")], [1, 2], [3, 4]],
-             "softmax": torch.tensor([[1.0, 0.0], [0.25, 0.75], [0.5, 0.5]])}
+    steps = {
+        "Q": torch.ones(3, 2),
+        "scores": [[0.5, float("-inf")], [1, 2], [3, 4]],
+        "softmax": torch.tensor([[1.0, 0.0], [0.25, 0.75], [0.5, 0.5]]),
+    }
     path = html(causal_probs(1, 3, 2), tmp_path / "a.html", tokens=["a", "b", "c"], steps=steps)
     assert 'id="tab-explain"' in path.read_text() and 'id="view-explain"' in path.read_text()
     meta, _ = read_page(path)
@@ -313,7 +369,13 @@ def test_multihead_trace_explains_itself_when_small(tmp_path):
     meta, _ = read_page(html(trace, tmp_path / "a.html", batch=1))
     steps = meta["entries"][0]["steps"]
     assert [(s["name"], s["head"]) for s in steps[:6]] == [
-        ("Q", 0), ("K", 0), ("V", 0), ("scores", 0), ("softmax", 0), ("output", 0)]
+        ("Q", 0),
+        ("K", 0),
+        ("V", 0),
+        ("scores", 0),
+        ("softmax", 0),
+        ("output", 0),
+    ]
     soft = torch.tensor(steps[4]["data"])
     assert torch.allclose(soft, trace.probs[1, 0].float(), atol=1e-6)
     assert steps[3]["data"][0][1] == "-inf"  # causal mask
@@ -323,16 +385,21 @@ def test_multihead_trace_explains_itself_when_small(tmp_path):
 
 # ---------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("bad,err,match", [
-    ("weights", TypeError, r"html takes a qkv.capture result.*got str"),
-    ([torch.ones(2, 2), 3], TypeError, r"item 'layer 1' is a int"),
-    ([], ValueError, r"empty list"),
-    (torch.ones(5), ValueError, r"got shape \(5,\)"),
-    (torch.ones(1, 1, 1, 2, 2) / 2, ValueError, r"fold the extra dims into B"),
-    (torch.randn(2, 3, 3), ValueError, r"\[0, 1\].*not scores"),
-    (torch.full((2, 2), float("nan")), ValueError, r"NaN"),
-    (torch.ones(0, 3), ValueError, r"empty"),
-], ids=["str", "list-int", "empty-list", "1d", "5d", "scores", "nan", "empty"])
+
+@pytest.mark.parametrize(
+    "bad,err,match",
+    [
+        ("weights", TypeError, r"html takes a qkv.capture result.*got str"),
+        ([torch.ones(2, 2), 3], TypeError, r"item 'layer 1' is a int"),
+        ([], ValueError, r"empty list"),
+        (torch.ones(5), ValueError, r"got shape \(5,\)"),
+        (torch.ones(1, 1, 1, 2, 2) / 2, ValueError, r"fold the extra dims into B"),
+        (torch.randn(2, 3, 3), ValueError, r"\[0, 1\].*not scores"),
+        (torch.full((2, 2), float("nan")), ValueError, r"NaN"),
+        (torch.ones(0, 3), ValueError, r"empty"),
+    ],
+    ids=["str", "list-int", "empty-list", "1d", "5d", "scores", "nan", "empty"],
+)
 def test_bad_input(tmp_path, bad, err, match):
     with pytest.raises(err, match=match):
         html(bad, tmp_path / "a.html")
@@ -350,6 +417,7 @@ def test_bad_batch_and_call(tmp_path):
 
 
 # ---------------------------------------------------------------- atomic writes
+
 
 def test_write_is_atomic(tmp_path, monkeypatch):
     path = tmp_path / "a.html"
@@ -370,12 +438,14 @@ def test_write_is_atomic(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- size at 4k and 16k
 
+
 def size_bound(meta, blobs):
     """The docstring's bound: 112 KiB + 400 per head + 4/3 payload + J."""
     n_heads = sum(len(e["heads"]) for e in meta["entries"])
     payload = sum(len(b) for b in blobs.values())
     labels = len(json.dumps(meta["tokens"])) + sum(
-        12 * len(e["rows"]) + len(json.dumps(e["steps"])) for e in meta["entries"])
+        12 * len(e["rows"]) + len(json.dumps(e["steps"])) for e in meta["entries"]
+    )
     labels += len(json.dumps(meta["steps"]))
     return 112 * 1024 + 400 * n_heads + math.ceil(payload / 3) * 4 + labels
 
@@ -390,7 +460,7 @@ def banded(T, H, seed=0):
             r = torch.arange(r0, min(T, r0 + 1024))[:, None]
             s = -(r - c).float() * (0.3 + h) + torch.randn(len(r), T, generator=g)
             s[:, 0] += 8
-            out[h, r0:r0 + len(r)] = s.masked_fill(c > r, float("-inf")).softmax(-1).half()
+            out[h, r0 : r0 + len(r)] = s.masked_fill(c > r, float("-inf")).softmax(-1).half()
     return out
 
 

@@ -1,13 +1,13 @@
 """Agreement with torch.nn.functional.scaled_dot_product_attention, float64, to 1e-12."""
+
 import itertools
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BACKENDS, make_mask, rand
 
 import qkv
-
-from conftest import BACKENDS, make_mask, rand
 
 SIZES = [1, 2, 17, 97, 113]
 MASKS = ["none", "bool-TS", "bool-keypad", "float-BHTS", "causal"]
@@ -64,10 +64,14 @@ def test_leading_dims_as_torch(name, causal):
     _assert_all_backends_match(q, k, v, attn_mask=torch.rand(17, 13) < 0.8)
 
 
-@pytest.mark.parametrize("shapes", [
-    ((6, 17, 8), (2, 13, 8), (2, 13, 8)),
-    ((2, 3, 8, 17, 8), (2, 3, 4, 13, 8), (2, 3, 4, 13, 8)),
-], ids=["3D", "5D"])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((6, 17, 8), (2, 13, 8), (2, 13, 8)),
+        ((2, 3, 8, 17, 8), (2, 3, 4, 13, 8), (2, 3, 4, 13, 8)),
+    ],
+    ids=["3D", "5D"],
+)
 def test_gqa_other_ranks(shapes):
     q, k, v = (rand(*s) for s in shapes)
     _assert_all_backends_match(q, k, v, enable_gqa=True)
@@ -95,8 +99,12 @@ def test_float32_mask_with_bfloat16_inputs_as_torch_or_closer():
     than torch's own bfloat16 kernel."""
     q, k, v = (rand(2, 3, 17, 8, dtype=torch.bfloat16) for _ in range(3))
     bias = torch.randn(17, 17)
-    golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias.double())
-    torch_err = (F.scaled_dot_product_attention(q, k, v, attn_mask=bias).double() - golden).abs().max()
+    golden = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=bias.double()
+    )
+    torch_err = (
+        (F.scaled_dot_product_attention(q, k, v, attn_mask=bias).double() - golden).abs().max()
+    )
     for backend in ["torch", "auto", "tiled"]:
         got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=bias, backend=backend)
         assert got.dtype == torch.bfloat16
@@ -108,6 +116,7 @@ def test_empty_keys_and_queries():
     for backend in BACKENDS:
         out = qkv.scaled_dot_product_attention(q, k, v, backend=backend)
         assert out.shape == (2, 3, 5, 4) and bool((out == 0).all())
-        out = qkv.scaled_dot_product_attention(q[:, :, :0], v[:, :, :0].new_zeros(2, 3, 4, 8),
-                                               rand(2, 3, 4, 4), backend=backend)
+        out = qkv.scaled_dot_product_attention(
+            q[:, :, :0], v[:, :, :0].new_zeros(2, 3, 4, 8), rand(2, 3, 4, 4), backend=backend
+        )
         assert out.shape == (2, 3, 0, 4)

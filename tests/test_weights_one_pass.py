@@ -6,6 +6,7 @@ in half precision, the mask contract on rows with no key, and a trace whose ``se
 ``scores`` behave as a lazy trace's. It must not be taken when a gradient is wanted, when a
 backend is named, or when the weights would be too large to hold.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,9 @@ def _cases(B, H, T, S):
     """(name, kwargs) of calls covering every way a mask reaches the scores."""
     lengths = torch.tensor([0, S // 2])[-B:]  # batch element 0 has no key at all
     dense_bool = torch.rand(B, 1, T, S, generator=torch.Generator().manual_seed(1)) > 0.3
-    dense_float = torch.randn(1, H, T, S, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    dense_float = torch.randn(
+        1, H, T, S, dtype=torch.float64, generator=torch.Generator().manual_seed(2)
+    )
     return [
         ("none", {}),
         ("causal", dict(is_causal=True)),
@@ -52,8 +55,9 @@ def test_one_pass_equals_reference_float64(T, S):
         if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
             kw = dict(kw, attn_mask=kw["attn_mask"].to(q.dtype))
         out, trace = _one_pass(q, k, v, **kw)
-        ref, rtrace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True,
-                                                       backend="reference", **kw)
+        ref, rtrace = qkv.scaled_dot_product_attention(
+            q, k, v, return_trace=True, backend="reference", **kw
+        )
         torch.testing.assert_close(out, ref, msg=name)
         torch.testing.assert_close(trace.probs, rtrace.probs, msg=name)
         torch.testing.assert_close(trace.lse, rtrace.lse, msg=name)  # -inf where no key
@@ -63,8 +67,9 @@ def test_one_pass_equals_reference_float64(T, S):
             assert torch.isneginf(trace.lse[0]).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
-                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"]
+)
 def test_one_pass_tolerance_policy(dtype):
     """Half inputs are multiplied in float32 and rounded once: within 2x the error of plain
     math in the same dtype, for the output and the weights."""
@@ -73,31 +78,44 @@ def test_one_pass_tolerance_policy(dtype):
     for name, kw in _cases(B, H, T, S):
         if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
             kw = dict(kw, attn_mask=kw["attn_mask"].to(dtype))
-        golden = qkv.scaled_dot_product_attention(*golden_in, return_trace=True,
-                                                  backend="reference", **kw)
-        baseline = qkv.scaled_dot_product_attention(*(t.to(dtype) for t in golden_in),
-                                                    return_trace=True, backend="reference", **kw)
+        golden = qkv.scaled_dot_product_attention(
+            *golden_in, return_trace=True, backend="reference", **kw
+        )
+        baseline = qkv.scaled_dot_product_attention(
+            *(t.to(dtype) for t in golden_in), return_trace=True, backend="reference", **kw
+        )
         out, trace = _one_pass(*(t.to(dtype) for t in golden_in), **kw)
         assert out.dtype == trace.probs.dtype == dtype
         assert_tolerance(out, golden[0], baseline[0], factor=OUTPUT_FACTOR, name=f"{name} out")
-        assert_tolerance(trace.probs, golden[1].probs, baseline[1].probs, factor=OUTPUT_FACTOR,
-                         name=f"{name} probs")
+        assert_tolerance(
+            trace.probs,
+            golden[1].probs,
+            baseline[1].probs,
+            factor=OUTPUT_FACTOR,
+            name=f"{name} probs",
+        )
 
 
 def test_one_pass_gqa_leading_dims_and_select():
     """GQA and 5-D inputs; select() gives the stored weights and recomputed scores of the
     rows asked for."""
     q = torch.randn(2, 3, 4, 50, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 3, 2, 70, 8, dtype=torch.float64), torch.randn(2, 3, 2, 70, 5, dtype=torch.float64)
+    k, v = (
+        torch.randn(2, 3, 2, 70, 8, dtype=torch.float64),
+        torch.randn(2, 3, 2, 70, 5, dtype=torch.float64),
+    )
     out, trace = _one_pass(q, k, v, enable_gqa=True, is_causal=True)
-    ref, rtrace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="reference",
-                                                   enable_gqa=True, is_causal=True)
+    ref, rtrace = qkv.scaled_dot_product_attention(
+        q, k, v, return_trace=True, backend="reference", enable_gqa=True, is_causal=True
+    )
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(trace.probs, rtrace.probs)
     q, k, v = q[0], k[0], v[0]  # (B, H, T, D) with a mask_mod
     kw = dict(enable_gqa=True, mask_mod=M.sliding_window(9))
     _, trace = _one_pass(q, k, v, **kw)
-    _, rtrace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, backend="reference", **kw)
+    _, rtrace = qkv.scaled_dot_product_attention(
+        q, k, v, return_trace=True, backend="reference", **kw
+    )
     part = trace.select(batch=[1], heads=[0, 3], rows=[0, 17, 49])
     rpart = rtrace.select(batch=[1], heads=[0, 3], rows=[0, 17, 49])
     torch.testing.assert_close(part.probs, rpart.probs)
@@ -155,8 +173,9 @@ def test_blocks_of_rows_and_of_heads_equal_reference(monkeypatch, budget):
             kw = dict(kw, attn_mask=kw["attn_mask"].to(torch.float64))
         monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", budget)
         out, trace = _one_pass(*golden_in, **kw)
-        ref, rtrace = qkv.scaled_dot_product_attention(*golden_in, return_trace=True,
-                                                       backend="reference", **kw)
+        ref, rtrace = qkv.scaled_dot_product_attention(
+            *golden_in, return_trace=True, backend="reference", **kw
+        )
         torch.testing.assert_close(out, ref, msg=name)
         torch.testing.assert_close(trace.probs, rtrace.probs, msg=name)
         torch.testing.assert_close(trace.lse, rtrace.lse, msg=name)
@@ -164,12 +183,14 @@ def test_blocks_of_rows_and_of_heads_equal_reference(monkeypatch, budget):
             kw = dict(kw, attn_mask=kw["attn_mask"].to(torch.bfloat16))
         half = [t.to(torch.bfloat16) for t in golden_in]
         monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", 4 * budget)  # half: a quarter of it
-        base, btrace = qkv.scaled_dot_product_attention(*half, return_trace=True,
-                                                        backend="reference", **kw)
+        base, btrace = qkv.scaled_dot_product_attention(
+            *half, return_trace=True, backend="reference", **kw
+        )
         out, trace = _one_pass(*half, **kw)
         assert_tolerance(out, ref, base, factor=OUTPUT_FACTOR, name=f"{name} out")
-        assert_tolerance(trace.probs, rtrace.probs, btrace.probs, factor=OUTPUT_FACTOR,
-                         name=f"{name} probs")
+        assert_tolerance(
+            trace.probs, rtrace.probs, btrace.probs, factor=OUTPUT_FACTOR, name=f"{name} probs"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

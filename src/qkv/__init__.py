@@ -5,23 +5,42 @@ The documented submodules (``qkv.viz``, ``qkv.analysis``, ``qkv.torch_compat``,
 after a plain ``import qkv``; the ones not imported here load on first use, so ``import qkv``
 stays fast and needs nothing beyond torch.
 """
+
 import importlib as _importlib
+
 from . import models, tasks
 from .capture import Captured, capture, load_capture
 from .dispatch import backend_names
 from .functional import linear_attention, scaled_dot_product_attention
-from .nn import (AdditiveAttention, KVCache, LinearMultiHeadAttention, LocalMultiHeadAttention,
-                 MultiHeadAttention, SelfAttention)
+from .models import DecoderLM, EncoderClassifier, Seq2SeqTransformer, ViT, attention_kinds
+from .nn import (
+    AdditiveAttention,
+    KVCache,
+    LinearMultiHeadAttention,
+    LocalMultiHeadAttention,
+    MultiHeadAttention,
+    SelfAttention,
+)
 from .ops import BackendUnsupportedError
 from .ops.linear import Favor, FeatureMap, LinearAttentionState
-from .models import (DecoderLM, EncoderClassifier, Seq2SeqTransformer, ViT, attention_kinds)
 from .trace import AttentionTrace, MultiHeadTrace
 
 __version__ = "0.1.0"
 
 # loaded on first attribute access (module __getattr__, PEP 562)
-_LAZY_SUBMODULES = ("analysis", "cli", "distributed", "examples", "integrations", "masks",
-                    "ops", "testing", "torch_compat", "training", "viz")
+_LAZY_SUBMODULES = (
+    "analysis",
+    "cli",
+    "distributed",
+    "examples",
+    "integrations",
+    "masks",
+    "ops",
+    "testing",
+    "torch_compat",
+    "training",
+    "viz",
+)
 
 
 def __getattr__(name: str):
@@ -33,15 +52,10 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY_SUBMODULES))
 
+
 __all__ = [
     "AdditiveAttention",
     "AttentionTrace",
-    "MultiHeadAttention",
-    "MultiHeadTrace",
-    "SelfAttention",
-    "Seq2SeqTransformer",
-    "ViT",
-    "attention_kinds",
     "BackendUnsupportedError",
     "Captured",
     "DecoderLM",
@@ -52,11 +66,17 @@ __all__ = [
     "LinearAttentionState",
     "LinearMultiHeadAttention",
     "LocalMultiHeadAttention",
+    "MultiHeadAttention",
+    "MultiHeadTrace",
+    "SelfAttention",
+    "Seq2SeqTransformer",
+    "ViT",
+    "attention_kinds",
     "backend_names",
     "capture",
     "linear_attention",
     "load_capture",
     "models",
-    "tasks",
     "scaled_dot_product_attention",
+    "tasks",
 ]

@@ -1,4 +1,5 @@
 """``python -m qkv ...``: the ``qkv`` command, for environments without its script on PATH."""
+
 import sys
 
 from qkv.cli import main

@@ -4,6 +4,7 @@ the task cache and the training loop both write through it).
 ``tempfile.mkstemp`` creates its file with mode 0600 whatever the umask, so the file is given
 ``0666 & ~umask`` before the rename, as ``open()`` would have given it.
 """
+
 from __future__ import annotations
 
 import os

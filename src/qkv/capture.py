@@ -29,6 +29,7 @@ modules patched by ``qkv.torch_compat``, Hugging Face models with
 Shape alphabet: B batch, H query heads, T query length, S key length; nb, nh, nr the batch
 elements, heads and query rows kept.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -37,9 +38,9 @@ import os
 import secrets
 import threading
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -47,14 +48,15 @@ from torch import Tensor, nn
 from . import recording
 from .trace import AttentionTrace
 
-__all__ = ["capture", "load_capture", "Captured", "CapturedAttention"]
+__all__ = ["Captured", "CapturedAttention", "capture", "load_capture"]
 
 _FORMAT, _VERSION = "qkv.capture", 1
 _CAPTURED_MODELS: set[int] = set()  # id() of the models inside a capture now
 
 
-def capture(model: nn.Module, layers=None, heads=None, rows=None, *, batch=None,
-            scores: bool = False) -> "_Capture":
+def capture(
+    model: nn.Module, layers=None, heads=None, rows=None, *, batch=None, scores: bool = False
+) -> _Capture:
     """Record the attention weights of every qkv attention call inside ``model``.
 
     A context manager: ``with qkv.capture(model, ...) as cap:`` gives a :class:`Captured`
@@ -135,22 +137,42 @@ class CapturedAttention:
     def __repr__(self) -> str:
         B, H, T, S = self.shape
         kept = lambda t, n: "all" if len(t) == n else f"{len(t)} of {n}"  # noqa: E731
-        return (f"CapturedAttention({self.name!r}, layer={self.layer}, call={self.call}, "
-                f"probs{tuple(self.probs.shape)}, batch {kept(self.batch, B)}, heads "
-                f"{kept(self.heads, H)}, rows {kept(self.rows, T)}, backend={self.backend!r})")
+        return (
+            f"CapturedAttention({self.name!r}, layer={self.layer}, call={self.call}, "
+            f"probs{tuple(self.probs.shape)}, batch {kept(self.batch, B)}, heads "
+            f"{kept(self.heads, H)}, rows {kept(self.rows, T)}, backend={self.backend!r})"
+        )
 
     def _to_dict(self) -> dict:
-        return {"name": self.name, "layer": self.layer, "call": self.call,
-                "probs": _compact(self.probs), "lse": _compact(self.lse),
-                "scores": None if self.scores is None else _compact(self.scores),
-                "batch": self.batch, "heads": self.heads, "rows": self.rows,
-                "shape": list(self.shape), "backend": self.backend}
+        return {
+            "name": self.name,
+            "layer": self.layer,
+            "call": self.call,
+            "probs": _compact(self.probs),
+            "lse": _compact(self.lse),
+            "scores": None if self.scores is None else _compact(self.scores),
+            "batch": self.batch,
+            "heads": self.heads,
+            "rows": self.rows,
+            "shape": list(self.shape),
+            "backend": self.backend,
+        }
 
     @classmethod
-    def _from_dict(cls, d: dict) -> "CapturedAttention":
-        return cls(d["name"], int(d["layer"]), int(d["call"]), d["probs"], d["lse"],
-                   d["scores"], d["batch"], d["heads"], d["rows"],
-                   tuple(int(n) for n in d["shape"]), d["backend"])
+    def _from_dict(cls, d: dict) -> CapturedAttention:
+        return cls(
+            d["name"],
+            int(d["layer"]),
+            int(d["call"]),
+            d["probs"],
+            d["lse"],
+            d["scores"],
+            d["batch"],
+            d["heads"],
+            d["rows"],
+            tuple(int(n) for n in d["shape"]),
+            d["backend"],
+        )
 
 
 class Captured:
@@ -164,8 +186,12 @@ class Captured:
             ``scores``, ``model``), as text.
     """
 
-    def __init__(self, records: list[CapturedAttention] | None = None,
-                 sites: list[str] | None = None, settings: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        records: list[CapturedAttention] | None = None,
+        sites: list[str] | None = None,
+        settings: dict[str, str] | None = None,
+    ) -> None:
         self.records = list(records or [])
         self.sites = list(sites or [])
         self.settings = dict(settings or {})
@@ -182,8 +208,10 @@ class Captured:
     def __getitem__(self, name: str) -> list[CapturedAttention]:
         """The records of the site ``name``, in call order."""
         if not isinstance(name, str):
-            raise TypeError(f"index a Captured by site name (str), got {type(name).__name__} "
-                            f"{name!r}; use cap.layer(i) for layer i, or cap.records[i]")
+            raise TypeError(
+                f"index a Captured by site name (str), got {type(name).__name__} "
+                f"{name!r}; use cap.layer(i) for layer i, or cap.records[i]"
+            )
         found = [r for r in self.records if r.name == name]
         if not found:
             raise KeyError(self._missing(f"site {name!r}", name in self.sites))
@@ -192,8 +220,10 @@ class Captured:
     def layer(self, i: int) -> list[CapturedAttention]:
         """The records of layer ``i`` (the i-th site to call attention), in call order."""
         if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"layer takes an int, got {type(i).__name__} {i!r}; "
-                            f"look a site up by name with cap[name]")
+            raise TypeError(
+                f"layer takes an int, got {type(i).__name__} {i!r}; "
+                f"look a site up by name with cap[name]"
+            )
         found = [r for r in self.records if r.layer == i]
         if not found:
             raise IndexError(self._missing(f"layer {i}", 0 <= i < len(self.sites)))
@@ -203,18 +233,27 @@ class Captured:
         if not self.sites:
             return f"{what}: this capture recorded nothing ({_NOTHING})"
         if seen:
-            return (f"{what} called attention but was not recorded (layers="
-                    f"{self.settings.get('layers', 'None')}); recorded layers: "
-                    f"{sorted({r.layer for r in self.records})}")
-        return (f"{what} did not call attention during the capture; the "
-                f"{len(self.sites)} sites that did, in layer order: {_list(self.sites)}")
+            return (
+                f"{what} called attention but was not recorded (layers="
+                f"{self.settings.get('layers', 'None')}); recorded layers: "
+                f"{sorted({r.layer for r in self.records})}"
+            )
+        return (
+            f"{what} did not call attention during the capture; the "
+            f"{len(self.sites)} sites that did, in layer order: {_list(self.sites)}"
+        )
 
     def __repr__(self) -> str:
-        asked = ", ".join(f"{k}={v}" for k, v in self.settings.items()
-                          if k not in ("model", "scores") and v != "None")
-        head = (f"Captured({self.settings.get('model', 'model')}: {len(self.records)} records "
-                f"from {len({r.layer for r in self.records})} of {len(self.sites)} sites"
-                f"{'; ' + asked if asked else ''})")
+        asked = ", ".join(
+            f"{k}={v}"
+            for k, v in self.settings.items()
+            if k not in ("model", "scores") and v != "None"
+        )
+        head = (
+            f"Captured({self.settings.get('model', 'model')}: {len(self.records)} records "
+            f"from {len({r.layer for r in self.records})} of {len(self.sites)} sites"
+            f"{'; ' + asked if asked else ''})"
+        )
         lines = [head] if self.sites else [head, f"  nothing recorded: {_NOTHING}"]
         for layer, name in enumerate(self.sites[:16]):
             recs = [r for r in self.records if r.layer == layer]
@@ -223,9 +262,11 @@ class Captured:
                 continue
             shapes = sorted({tuple(r.probs.shape) for r in recs})
             shown = str(shapes[0]) + ("" if len(shapes) == 1 else f" .. {shapes[-1]}")
-            lines.append(f"  layer {layer:>2}  {name or '(model)'}: {len(recs)} call"
-                         f"{'s' if len(recs) != 1 else ''}, probs {shown} "
-                         f"{recs[0].probs.dtype}, {recs[0].backend}")
+            lines.append(
+                f"  layer {layer:>2}  {name or '(model)'}: {len(recs)} call"
+                f"{'s' if len(recs) != 1 else ''}, probs {shown} "
+                f"{recs[0].probs.dtype}, {recs[0].backend}"
+            )
         if len(self.sites) > 16:
             lines.append(f"  ... {len(self.sites) - 16} more sites")
         return "\n".join(lines)
@@ -234,6 +275,7 @@ class Captured:
         """Jupyter shows a capture as the viewer, inline (``qkv.viz.show``; one sandboxed
         iframe). viz is imported here, on first display: ``import qkv`` loads none of it."""
         from .viz.notebook import repr_html
+
         return repr_html(self)
 
     def save(self, path: str | os.PathLike) -> None:
@@ -241,9 +283,13 @@ class Captured:
         renamed over it: an interrupted save leaves ``path`` as it was). Plain tensors,
         lists and dicts only: :func:`load_capture` reads it with ``weights_only=True``."""
         path = Path(path)
-        data = {"format": _FORMAT, "version": _VERSION, "sites": list(self.sites),
-                "settings": dict(self.settings),
-                "records": [r._to_dict() for r in self.records]}
+        data = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "sites": list(self.sites),
+            "settings": dict(self.settings),
+            "records": [r._to_dict() for r in self.records],
+        }
         tmp, f = _new_temp_beside(path)
         try:
             with f:
@@ -261,20 +307,24 @@ def load_capture(path: str | os.PathLike, *, map_location=None) -> Captured:
     from the file runs). ``map_location`` as in ``torch.load``."""
     data = torch.load(path, map_location=map_location, weights_only=True)
     if not isinstance(data, dict) or data.get("format") != _FORMAT:
-        raise ValueError(f"{os.fspath(path)!r} is not a qkv capture (write one with "
-                         f"Captured.save)")
+        raise ValueError(f"{os.fspath(path)!r} is not a qkv capture (write one with Captured.save)")
     if data.get("version") != _VERSION:
-        raise ValueError(f"{os.fspath(path)!r} is a qkv capture of format version "
-                         f"{data.get('version')!r}; this qkv reads version {_VERSION}")
-    return Captured([CapturedAttention._from_dict(d) for d in data["records"]],
-                    data["sites"], data["settings"])
+        raise ValueError(
+            f"{os.fspath(path)!r} is a qkv capture of format version "
+            f"{data.get('version')!r}; this qkv reads version {_VERSION}"
+        )
+    return Captured(
+        [CapturedAttention._from_dict(d) for d in data["records"]], data["sites"], data["settings"]
+    )
 
 
-_NOTHING = ("no qkv attention call ran inside the model: capture sees calls of "
-            "qkv.scaled_dot_product_attention and qkv.linear_attention made while a "
-            "submodule of the model runs. Run the model inside the with block; for torch "
-            "modules use qkv.torch_compat.patch, for Hugging Face models "
-            "attn_implementation='qkv'")
+_NOTHING = (
+    "no qkv attention call ran inside the model: capture sees calls of "
+    "qkv.scaled_dot_product_attention and qkv.linear_attention made while a "
+    "submodule of the model runs. Run the model inside the with block; for torch "
+    "modules use qkv.torch_compat.patch, for Hugging Face models "
+    "attn_implementation='qkv'"
+)
 
 
 @dataclass
@@ -297,9 +347,14 @@ class _Capture(recording.Recorder):
         self._batch, self._heads = _Index("batch", batch), _Index("heads", heads)
         self._rows = _Index("rows", rows)
         self._bounded = not (self._batch.all and self._heads.all and self._rows.all)
-        settings = {"model": type(model).__name__, "layers": self._layers.text,
-                    "heads": self._heads.text, "rows": self._rows.text,
-                    "batch": self._batch.text, "scores": str(scores)}
+        settings = {
+            "model": type(model).__name__,
+            "layers": self._layers.text,
+            "heads": self._heads.text,
+            "rows": self._rows.text,
+            "batch": self._batch.text,
+            "scores": str(scores),
+        }
         self._captured = Captured(settings=settings)
         self._sites: dict[str, _Site] = {}
         self._stack: list[str] = []
@@ -311,19 +366,24 @@ class _Capture(recording.Recorder):
 
     def __enter__(self) -> Captured:
         if self._state != "new":
-            raise RuntimeError("a qkv.capture(...) is entered once; make a new one for "
-                               "another capture")
+            raise RuntimeError(
+                "a qkv.capture(...) is entered once; make a new one for another capture"
+            )
         if id(self._model) in _CAPTURED_MODELS:
-            raise ValueError(f"this {type(self._model).__name__} is already inside a "
-                             f"qkv.capture; nested captures of one model are refused (ask "
-                             f"the outer capture for the layers, heads and rows you want)")
+            raise ValueError(
+                f"this {type(self._model).__name__} is already inside a "
+                f"qkv.capture; nested captures of one model are refused (ask "
+                f"the outer capture for the layers, heads and rows you want)"
+            )
         self._state, self._thread = "entered", threading.get_ident()
         try:
             for name, module in self._model.named_modules():
-                self._handles.append(module.register_forward_pre_hook(
-                    self._push(name), prepend=True))
-                self._handles.append(module.register_forward_hook(
-                    self._pop(name), always_call=True))
+                self._handles.append(
+                    module.register_forward_pre_hook(self._push(name), prepend=True)
+                )
+                self._handles.append(
+                    module.register_forward_hook(self._pop(name), always_call=True)
+                )
             _CAPTURED_MODELS.add(id(self._model))
             self._token = recording.start(self)
         except BaseException:
@@ -356,6 +416,7 @@ class _Capture(recording.Recorder):
         def hook(module, args):
             if self._mine():
                 self._stack.append(name)
+
         return hook
 
     def _pop(self, name: str):
@@ -367,6 +428,7 @@ class _Capture(recording.Recorder):
                 if stack[i] == name:
                     del stack[i:]
                     break
+
         return hook
 
     # recording.Recorder
@@ -403,31 +465,49 @@ class _Capture(recording.Recorder):
         self._most_rows = max(self._most_rows, T)
         self._kept_rows = self._kept_rows or len(r) > 0
         record = CapturedAttention(
-            name, layer, call, _compact(probs), _compact(lse),
-            None if scores is None else _compact(scores), b, h, r,
-            (B, H, T, probs.shape[-1]), trace.backend)
+            name,
+            layer,
+            call,
+            _compact(probs),
+            _compact(lse),
+            None if scores is None else _compact(scores),
+            b,
+            h,
+            r,
+            (B, H, T, probs.shape[-1]),
+            trace.backend,
+        )
         self._captured.records.append(record)
 
     def _check(self) -> None:
         """After a block that raised nothing: say when what was asked for matched nothing."""
         sites = self._captured.sites
         if not sites:
-            outside = (f" ({self._outside} qkv attention calls ran outside the model's "
-                       f"submodules and were not recorded)" if self._outside else "")
-            warnings.warn(f"qkv.capture of {type(self._model).__name__}: {_NOTHING}{outside}",
-                          UserWarning, stacklevel=3)
+            outside = (
+                f" ({self._outside} qkv attention calls ran outside the model's "
+                f"submodules and were not recorded)"
+                if self._outside
+                else ""
+            )
+            warnings.warn(
+                f"qkv.capture of {type(self._model).__name__}: {_NOTHING}{outside}",
+                UserWarning,
+                stacklevel=3,
+            )
             return
         missing = self._layers.missing(sites)
         if missing:
             raise ValueError(
                 f"qkv.capture: layers {missing} asked for, but attention was called from "
                 f"{len(sites)} sites (layers 0..{len(sites) - 1}), in layer order: "
-                f"{_list(sites)}")
+                f"{_list(sites)}"
+            )
         if not self._rows.all and self._captured.records and not self._kept_rows:
             raise ValueError(
                 f"qkv.capture: rows={self._captured.settings['rows']} matched no query row: "
                 f"the recorded calls had at most T={self._most_rows} query rows (rows index "
-                f"each call's query positions 0..T-1; negative ones count from the end)")
+                f"each call's query positions 0..T-1; negative ones count from the end)"
+            )
 
 
 class _Layers:
@@ -435,8 +515,11 @@ class _Layers:
 
     def __init__(self, layers, model: nn.Module) -> None:
         self.all = layers is None
-        items = [] if layers is None else (
-            [layers] if isinstance(layers, (int, str)) else _as_list("layers", layers))
+        items = (
+            []
+            if layers is None
+            else ([layers] if isinstance(layers, (int, str)) else _as_list("layers", layers))
+        )
         self.text = _text(layers, items)
         self.numbers, self.names = [], []
         for item in items:
@@ -447,7 +530,8 @@ class _Layers:
             else:
                 raise ValueError(
                     f"layers holds layer numbers (ints >= 0, counted in the order the sites "
-                    f"first call attention) and module names (str), got {item!r}")
+                    f"first call attention) and module names (str), got {item!r}"
+                )
         if not self.all and not items:
             raise ValueError("layers=[] records nothing; pass None for every layer")
         known = dict(model.named_modules())
@@ -455,16 +539,18 @@ class _Layers:
             if name not in known:
                 close = difflib.get_close_matches(name, list(known), n=3)
                 hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
-                raise ValueError(f"layers: {type(model).__name__} has no submodule named "
-                                 f"{name!r}{hint}")
+                raise ValueError(
+                    f"layers: {type(model).__name__} has no submodule named {name!r}{hint}"
+                )
 
     def wants(self, layer: int, name: str) -> bool:
         return self.all or layer in self.numbers or any(_under(name, n) for n in self.names)
 
     def missing(self, sites: list[str]) -> list:
         """Asked-for numbers and names that matched no site."""
-        return ([n for n in self.numbers if n >= len(sites)]
-                + [n for n in self.names if not any(_under(s, n) for s in sites)])
+        return [n for n in self.numbers if n >= len(sites)] + [
+            n for n in self.names if not any(_under(s, n) for s in sites)
+        ]
 
 
 def _under(name: str, prefix: str) -> bool:
@@ -488,9 +574,16 @@ class _Index:
         elif isinstance(index, int) and not isinstance(index, bool):
             self.items = [index]
         elif isinstance(index, Tensor):
-            if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool or index.dim() > 1:
-                raise ValueError(f"{name} must be an integer tensor of at most 1 dim, got "
-                                 f"{index.dtype} of shape {tuple(index.shape)}")
+            if (
+                index.dtype.is_floating_point
+                or index.dtype.is_complex
+                or index.dtype == torch.bool
+                or index.dim() > 1
+            ):
+                raise ValueError(
+                    f"{name} must be an integer tensor of at most 1 dim, got "
+                    f"{index.dtype} of shape {tuple(index.shape)}"
+                )
             self.items = index.reshape(-1).tolist()
         else:
             self.items = _as_list(name, index)
@@ -510,8 +603,10 @@ class _Index:
         inside = [i % n for i in self.items if -n <= i < n] if n else []
         if self.name != "rows" and len(inside) != len(self.items):
             outside = [i for i in self.items if not -n <= i < n]
-            raise ValueError(f"qkv.capture: {self.name} {outside} asked for, but {where} has "
-                             f"{self.name} 0..{n - 1} ({n} in all)")
+            raise ValueError(
+                f"qkv.capture: {self.name} {outside} asked for, but {where} has "
+                f"{self.name} 0..{n - 1} ({n} in all)"
+            )
         return torch.tensor(inside, dtype=torch.long, device="cpu")
 
 
@@ -520,8 +615,10 @@ def _as_list(name: str, index) -> list:
     if isinstance(index, (set, frozenset)):
         raise TypeError(f"{name} has no order as a set; pass sorted({index!r})")
     if isinstance(index, (str, bytes, dict)) or not isinstance(index, Iterable):
-        raise TypeError(f"{name} must be None, an int, a slice, a range or a list of ints, "
-                        f"got {type(index).__name__} {index!r}")
+        raise TypeError(
+            f"{name} must be None, an int, a slice, a range or a list of ints, "
+            f"got {type(index).__name__} {index!r}"
+        )
     return list(index)
 
 
@@ -535,8 +632,9 @@ def _batch_heads(lead: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(lead[:-1]), lead[-1]
 
 
-def _selected(trace: AttentionTrace, lead: tuple[int, ...], b: Tensor, h: Tensor, r: Tensor,
-              keep_scores: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+def _selected(
+    trace: AttentionTrace, lead: tuple[int, ...], b: Tensor, h: Tensor, r: Tensor, keep_scores: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(probs, lse, scores or None)`` of batch elements ``b``, heads ``h``, rows ``r``.
 
     Shape:
@@ -545,8 +643,11 @@ def _selected(trace: AttentionTrace, lead: tuple[int, ...], b: Tensor, h: Tensor
     if len(lead) > 2:  # trace.select takes at most (B, H): pick from the full weights
         B, H = _batch_heads(lead)
         pick = lambda t: t.reshape(B, H, *t.shape[-2:])[b][:, h][:, :, r]  # noqa: E731
-        return (pick(trace.probs), pick(trace.lse.unsqueeze(-1))[..., 0],
-                pick(trace.scores) if keep_scores else None)
+        return (
+            pick(trace.probs),
+            pick(trace.lse.unsqueeze(-1))[..., 0],
+            pick(trace.scores) if keep_scores else None,
+        )
     kwargs = {"rows": r, "heads": h if lead else None, "batch": b if len(lead) == 2 else None}
     part = trace.select(**{k: v for k, v in kwargs.items() if v is not None})
 

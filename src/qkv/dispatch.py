@@ -6,6 +6,7 @@
 
 Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,15 +14,29 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from .ops import (AttentionCall, Backend, BackendUnsupportedError, ReferenceBackend, TiledBackend,
-                  TorchBackend)
+from .ops import (
+    AttentionCall,
+    Backend,
+    BackendUnsupportedError,
+    ReferenceBackend,
+    TiledBackend,
+    TorchBackend,
+)
 from .ops.base import tracing
 from .ops.reference import attention_scores_at, attention_with_weights, take, widened
 from .ops.triton import TritonBackend
 from .trace import AttentionTrace, probs_from_lse_
 
-__all__ = ["register_backend", "unregister_backend", "backend_names", "get_backend", "check_backends", "select", "run",
-           "keeps_nonfinite_contract"]
+__all__ = [
+    "backend_names",
+    "check_backends",
+    "get_backend",
+    "keeps_nonfinite_contract",
+    "register_backend",
+    "run",
+    "select",
+    "unregister_backend",
+]
 
 _REGISTRY: dict[str, Backend] = {}
 _ORDER: list[Backend] = []  # fastest first; rebuilt on registration (auto walks it every call)
@@ -135,7 +150,7 @@ def run(call: AttentionCall, backend: str = "auto"):
 # gradient is wanted (512 MiB in float32: 8 heads at T=S=4096, what torch's module holds for
 # need_weights=True too); beyond, they stay lazy, so that a trace of a long sequence computes
 # only the rows read (trace.select) instead of holding every weight.
-ONE_PASS_MAX_ELEMENTS = 2 ** 27
+ONE_PASS_MAX_ELEMENTS = 2**27
 
 
 def _weights_in_one_pass(call: AttentionCall) -> bool:
@@ -144,8 +159,13 @@ def _weights_in_one_pass(call: AttentionCall) -> bool:
     is, no dropout, and the weights are small enough to hold at once (a longer call keeps its
     lazy trace, computed only for the rows read). Faster than a kernel followed by a second
     pass for the weights, and as exact (the tolerance policy holds for both)."""
-    if (call.dropout_p > 0 or call.device.type == "meta" or call.T == 0 or call.S == 0
-            or call.sinks is not None):
+    if (
+        call.dropout_p > 0
+        or call.device.type == "meta"
+        or call.T == 0
+        or call.S == 0
+        or call.sinks is not None
+    ):
         return False
     B, H = call.BH
     if B * H * call.T * call.S > ONE_PASS_MAX_ELEMENTS:
@@ -163,16 +183,22 @@ def _weights_in_one_pass(call: AttentionCall) -> bool:
 def _trace_of_weights(call: AttentionCall, probs: Tensor, lse: Tensor) -> AttentionTrace:
     """The trace of :func:`attention_with_weights`: its weights, and scores recomputed when
     first read."""
-    call = dataclasses.replace(call, query=call.query.detach(), key=call.key.detach(),
-                               value=call.value.detach())
+    call = dataclasses.replace(
+        call, query=call.query.detach(), key=call.key.detach(), value=call.value.detach()
+    )
     probs4 = probs.reshape(call.BH + (call.T, call.S))  # (B, H, T, S)
 
     def subset(b, h, rows):
         scores = attention_scores_at(widened(call), b, h, rows)  # (nb, nh, nr, S)
         return scores.to(call.dtype), take(probs4, b, h, rows)
 
-    return AttentionTrace(_recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
-                          probs, lse, "reference", subset=_recompute(call, subset))
+    return AttentionTrace(
+        _recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
+        probs,
+        lse,
+        "reference",
+        subset=_recompute(call, subset),
+    )
 
 
 def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
@@ -188,8 +214,9 @@ def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
     and half scores (bfloat16 keeps 8 bits: +-0.125 at a score of 40) minus it would scale
     whole rows by up to e^0.125. Reading after the inputs were modified in place raises.
     """
-    call = dataclasses.replace(call, query=call.query.detach(), key=call.key.detach(),
-                               value=call.value.detach())
+    call = dataclasses.replace(
+        call, query=call.query.detach(), key=call.key.detach(), value=call.value.detach()
+    )
     lse = _lse_by_blocks(call) if lse is None else lse.detach()  # (*batch, T)
     lse4 = lse.reshape(call.BH + (call.T,))  # (B, H, T)
 
@@ -202,18 +229,23 @@ def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
         probs = probs_from_lse_(scores.clone(), take(lse4, b, h, rows))
         return scores.to(call.dtype), probs.to(call.dtype)
 
-    return AttentionTrace(_recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
-                          _recompute(call, lambda: _by_row_blocks(call, probs_at)), lse,
-                          backend, subset=_recompute(call, subset))
+    return AttentionTrace(
+        _recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
+        _recompute(call, lambda: _by_row_blocks(call, probs_at)),
+        lse,
+        backend,
+        subset=_recompute(call, subset),
+    )
 
 
 # A block of trace rows holds about 2^24 scores (64 MiB in float32), and at least 16 rows, so
 # that the per-block indexing of keys stays small beside the block's matmul.
-_BLOCK_ELEMENTS, _BLOCK_ROWS_MIN = 2 ** 24, 16
+_BLOCK_ELEMENTS, _BLOCK_ROWS_MIN = 2**24, 16
 
 
-def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
-                   tail: tuple[int, ...] | None = None) -> Tensor:
+def _by_row_blocks(
+    call: AttentionCall, fn, dtype: torch.dtype | None = None, tail: tuple[int, ...] | None = None
+) -> Tensor:
     """``fn(wide_call, b, h, rows)`` for every query row, a block of rows at a time, in one
     buffer of ``dtype`` (default the inputs'): the float32 scores of a half call never exist
     at full size, only a block of them.
@@ -228,12 +260,14 @@ def _by_row_blocks(call: AttentionCall, fn, dtype: torch.dtype | None = None,
     b, h = torch.arange(B, device=dev), torch.arange(H, device=dev)  # the default device
     step = max(_BLOCK_ROWS_MIN, _BLOCK_ELEMENTS // max(B * H * call.S, 1))
     if step >= call.T:  # one block: its result is the buffer
-        whole = fn(wide, b, h, torch.arange(call.T, device=dev)).to(dtype or call.dtype)  # (B, H, T, *tail)
+        whole = fn(wide, b, h, torch.arange(call.T, device=dev)).to(
+            dtype or call.dtype
+        )  # (B, H, T, *tail)
         return whole.reshape(call.batch + (call.T,) + tail)
     out = torch.empty((B, H, call.T) + tail, dtype=dtype or call.dtype, device=call.device)
     for start in range(0, call.T, step):
         rows = torch.arange(start, min(start + step, call.T), device=dev)
-        out[:, :, start:start + len(rows)] = fn(wide, b, h, rows)  # (B, H, nr, *tail)
+        out[:, :, start : start + len(rows)] = fn(wide, b, h, rows)  # (B, H, nr, *tail)
     return out.reshape(call.batch + (call.T,) + tail)
 
 
@@ -243,6 +277,7 @@ def _lse_by_blocks(call: AttentionCall) -> Tensor:
     Shape:
         ``(*batch, T)``; ``-inf`` for a row with no key.
     """
+
     def lse_at(wide: AttentionCall, b, h, rows) -> Tensor:
         return torch.logsumexp(attention_scores_at(wide, b, h, rows), dim=-1)  # (B, H, nr)
 
@@ -263,6 +298,7 @@ def _recompute(call: AttentionCall, fn):
             )
         with torch.no_grad():
             return fn(*args)
+
     return run
 
 

@@ -2,6 +2,7 @@
 
 Convention of the seeds: rows are tokens and ``Q = X @ W_Q`` (not ``W_Q @ x``).
 """
+
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["SeedExample", "EXAMPLES", "get_example"]
+__all__ = ["EXAMPLES", "SeedExample", "get_example"]
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim of query/key, Dv head dim of value.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ from .ops import AttentionCall, nonfinite
 from .ops import linear as _linear
 from .trace import AttentionTrace
 
-__all__ = ["scaled_dot_product_attention", "linear_attention"]
+__all__ = ["linear_attention", "scaled_dot_product_attention"]
 
 
 def scaled_dot_product_attention(
@@ -113,16 +114,37 @@ def scaled_dot_product_attention(
     if record is not None:
         with recording.paused():
             out, trace = scaled_dot_product_attention(
-                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                backend=backend, return_trace=True, mask_mod=mask_mod, score_mod=score_mod,
-                sinks=sinks)
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa,
+                backend=backend,
+                return_trace=True,
+                mask_mod=mask_mod,
+                score_mod=score_mod,
+                sinks=sinks,
+            )
         record(trace)
         return (out, trace) if return_trace else out
     amp = _autocast_dtype(query)
     if amp is None:
         call = AttentionCall.build(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace,
-            mask_mod, score_mod, sinks,
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            return_trace,
+            mask_mod,
+            score_mod,
+            sinks,
         )
         if dispatch.keeps_nonfinite_contract(call, backend):  # compiled tiled custom op
             return dispatch.run(call, backend)
@@ -133,9 +155,20 @@ def scaled_dot_product_attention(
     query, key, value = (_amp_cast(t, amp) for t in (query, key, value))
     with torch.autocast(query.device.type, enabled=False):
         return scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            backend=backend, return_trace=return_trace, mask_mod=mask_mod, score_mod=score_mod,
-            sinks=sinks)
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            backend=backend,
+            return_trace=return_trace,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            sinks=sinks,
+        )
 
 
 def _autocast_dtype(query) -> torch.dtype | None:
@@ -221,9 +254,16 @@ def linear_attention(
     record = recording.wanted()  # None unless a qkv.capture wants this call's weights
     if record is not None:
         with recording.paused():
-            out, trace = linear_attention(query, key, value, feature_map=feature_map,
-                                          is_causal=is_causal, key_mask=key_mask, eps=eps,
-                                          return_trace=True)
+            out, trace = linear_attention(
+                query,
+                key,
+                value,
+                feature_map=feature_map,
+                is_causal=is_causal,
+                key_mask=key_mask,
+                eps=eps,
+                return_trace=True,
+            )
         record(trace)
         return (out, trace) if return_trace else out
     inp = _linear.prepare(query, key, value, key_mask, is_causal=bool(is_causal))
@@ -239,8 +279,8 @@ def linear_attention(
         return inp.restore(out)
     with torch.no_grad():
         _, scores, lse = _linear.linear_attention_quadratic(
-            phi(inp.q), phi(inp.k), inp.v, is_causal=bool(is_causal), key_mask=inp.key_mask,
-            eps=eps)
+            phi(inp.q), phi(inp.k), inp.v, is_causal=bool(is_causal), key_mask=inp.key_mask, eps=eps
+        )
     lead = inp.out_shape[:-1]  # (*batch, T)
     scores = scores.reshape(lead + (scores.shape[-1],))
     trace = AttentionTrace(scores, _probs(scores, lse.reshape(lead)), lse.reshape(lead), "linear")

@@ -14,17 +14,18 @@ active, a second started inside it is asked too (each answers for the calls it w
 This module sits at layer 0 (it imports only torch and the trace): the functional API
 imports it, and ``qkv.capture`` (layer 5) builds on it.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextvars import ContextVar, Token
-from typing import Callable, Optional
 
 import torch
 
 from .trace import AttentionTrace
 
-__all__ = ["Recorder", "wanted", "start", "stop", "paused", "TraceSink"]
+__all__ = ["Recorder", "TraceSink", "paused", "start", "stop", "wanted"]
 
 TraceSink = Callable[[AttentionTrace], None]
 
@@ -32,7 +33,7 @@ TraceSink = Callable[[AttentionTrace], None]
 class Recorder:
     """Takes the traces of the attention calls it wants (subclassed by ``qkv.capture``)."""
 
-    def want(self) -> Optional[TraceSink]:
+    def want(self) -> TraceSink | None:
         """Called at the start of every attention call while active: None to let the call
         run untraced, or a function that takes its trace (called once, after the call)."""
         raise NotImplementedError
@@ -44,28 +45,28 @@ class _Both(Recorder):
     def __init__(self, outer: Recorder, inner: Recorder) -> None:
         self.outer, self.inner = outer, inner
 
-    def want(self) -> Optional[TraceSink]:
+    def want(self) -> TraceSink | None:
         a, b = self.outer.want(), self.inner.want()
         if a is None or b is None:
             return a if b is None else b
         return lambda trace: (a(trace), b(trace))
 
 
-_ACTIVE: ContextVar[Optional[Recorder]] = ContextVar("qkv_recorder", default=None)
+_ACTIVE: ContextVar[Recorder | None] = ContextVar("qkv_recorder", default=None)
 _LOCK = threading.Lock()
 _STARTED = [0]  # recorders started and not yet stopped, in all threads together
 # What torch.compile reads instead of the ContextVar (which it cannot trace): the recorder
 # made active by the last start() or stop() in any thread, and the depth of paused() blocks
 # being traced. A compiled call sees the capture of the thread that last entered or left one.
-_LATEST: list[Optional[Recorder]] = [None]
+_LATEST: list[Recorder | None] = [None]
 _PAUSED_IN_GRAPH = [0]
 
 
-def wanted() -> Optional[TraceSink]:
+def wanted() -> TraceSink | None:
     """Where the trace of the attention call now starting should go; None (almost always)
     when no recorder wants it."""
     if not _STARTED[0]:  # no recorder in any thread: no ContextVar to read (torch.compile
-        return None      # cannot trace ContextVar.get, and reads this count as a constant)
+        return None  # cannot trace ContextVar.get, and reads this count as a constant)
     if torch.compiler.is_compiling():
         recorder = None if _PAUSED_IN_GRAPH[0] else _LATEST[0]
     else:

@@ -8,12 +8,13 @@ Require ``max|out - golden| <= F * max|baseline - golden| + atol`` with F = 2 fo
 be at most F times as wrong as plain math in the same dtype: the bound follows the dtype,
 never a constant picked until a test goes green.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["OUTPUT_FACTOR", "GRAD_FACTOR", "ATOL", "golden_dtype", "max_error", "assert_tolerance"]
+__all__ = ["ATOL", "GRAD_FACTOR", "OUTPUT_FACTOR", "assert_tolerance", "golden_dtype", "max_error"]
 
 OUTPUT_FACTOR = 2.0
 GRAD_FACTOR = 3.0

@@ -3,9 +3,10 @@
 Shape alphabet: B batch, H query heads, T query length, S key length. ``*batch`` stands for
 whatever leading dims the call had (``()``, ``(H,)``, ``(B, H)``, ``(B, X, H)``).
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -39,9 +40,15 @@ class AttentionTrace:
         scores, probs: ``(*batch, T, S)``; lse: ``(*batch, T)``.
     """
 
-    def __init__(self, scores: Tensor | Callable[[], Tensor], probs: Tensor | Callable[[], Tensor],
-                 lse: Tensor, backend: str, *,
-                 subset: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        scores: Tensor | Callable[[], Tensor],
+        probs: Tensor | Callable[[], Tensor],
+        lse: Tensor,
+        backend: str,
+        *,
+        subset: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+    ) -> None:
         """``scores``/``probs`` may be functions computing them on first read; ``subset(b, h,
         rows)`` returns ``(scores, probs)`` of those indices, shape ``(nb, nh, nr, S)``."""
         self._scores, self._probs, self._subset = scores, probs, subset
@@ -64,7 +71,7 @@ class AttentionTrace:
         value = getattr(self, "_" + name)
         return (lambda: fn(getattr(self, name))) if callable(value) else fn(value)
 
-    def select(self, *, batch=None, heads=None, rows=None) -> "AttentionTrace":
+    def select(self, *, batch=None, heads=None, rows=None) -> AttentionTrace:
         """The trace of some batch elements, heads and query rows only.
 
         On a fast backend's trace this computes just those weights, from the log-sum-exp:
@@ -79,25 +86,36 @@ class AttentionTrace:
         """
         lead = self.lse.shape[:-1]
         if len(lead) > 2:
-            raise ValueError(f"select works on traces of (B, H, T, S) or fewer dims, got lse {tuple(self.lse.shape)}")
-        if len(lead) < 2 and batch is not None or len(lead) < 1 and heads is not None:
-            raise ValueError(f"this trace has dims (*{tuple(lead)}, T, S): it has no "
-                             f"{'batch' if batch is not None else 'heads'} dim to select")
+            raise ValueError(
+                f"select works on traces of (B, H, T, S) or fewer dims, got lse {tuple(self.lse.shape)}"
+            )
+        if (len(lead) < 2 and batch is not None) or (len(lead) < 1 and heads is not None):
+            raise ValueError(
+                f"this trace has dims (*{tuple(lead)}, T, S): it has no "
+                f"{'batch' if batch is not None else 'heads'} dim to select"
+            )
         shape4 = (1,) * (2 - len(lead)) + tuple(self.lse.shape)  # (B, H, T)
-        b, h, r = (_index(name, i, n) for name, i, n in
-                   zip(("batch", "heads", "rows"), (batch, heads, rows), shape4))
+        b, h, r = (
+            _index(name, i, n)
+            for name, i, n in zip(("batch", "heads", "rows"), (batch, heads, rows), shape4)
+        )
         if self._subset is not None and (callable(self._probs) or callable(self._scores)):
             scores, probs = self._subset(b, h, r)  # (nb, nh, nr, S)
         else:
+
             def pick(t: Tensor) -> Tensor:
                 t = t.reshape(shape4 + t.shape[-1:])
                 return t[b][:, h][:, :, r]  # (nb, nh, nr, S)
+
             scores, probs = pick(self.scores), pick(self.probs)
         lse = self.lse.reshape(shape4)[b][:, h][:, :, r]  # (nb, nh, nr)
         drop = 2 - len(lead)
-        return AttentionTrace(scores.flatten(0, drop) if drop else scores,
-                              probs.flatten(0, drop) if drop else probs,
-                              lse.flatten(0, drop) if drop else lse, self.backend)
+        return AttentionTrace(
+            scores.flatten(0, drop) if drop else scores,
+            probs.flatten(0, drop) if drop else probs,
+            lse.flatten(0, drop) if drop else lse,
+            self.backend,
+        )
 
     def __getstate__(self) -> dict:
         """What pickling (``torch.save``, ``copy.deepcopy``) keeps: scores and weights are
@@ -111,6 +129,7 @@ class AttentionTrace:
         """Jupyter shows a trace as the viewer, inline (``qkv.viz.show``; one sandboxed
         iframe). viz is imported here, on first display: ``import qkv`` loads none of it."""
         from .viz.notebook import repr_html
+
         return repr_html(self)
 
     def __repr__(self) -> str:
@@ -129,11 +148,15 @@ def _index(name: str, index, n: int) -> Tensor:
     """
     if index is None:
         return torch.arange(n, device="cpu")  # indices live on the CPU, whatever the default
-    want = (f"select: {name} must be an int, a slice, a range, an iterable of ints (list, "
-            f"tuple, generator) or an integer tensor")
+    want = (
+        f"select: {name} must be an int, a slice, a range, an iterable of ints (list, "
+        f"tuple, generator) or an integer tensor"
+    )
     if isinstance(index, (set, frozenset)):
-        raise TypeError(f"{want}; got a set, which has no order for the selection to come "
-                        f"back in: pass sorted({index!r})")
+        raise TypeError(
+            f"{want}; got a set, which has no order for the selection to come "
+            f"back in: pass sorted({index!r})"
+        )
     if isinstance(index, (str, bytes, dict)):
         raise TypeError(f"{want}, got {type(index).__name__} {index!r}")
     if isinstance(index, slice):
@@ -143,8 +166,11 @@ def _index(name: str, index, n: int) -> Tensor:
     if not isinstance(index, Tensor):
         index = list(index) if hasattr(index, "__iter__") else index
     try:
-        t = torch.as_tensor(index, dtype=torch.long if isinstance(index, list) and not index else None,
-                            device=None if isinstance(index, Tensor) else "cpu")
+        t = torch.as_tensor(
+            index,
+            dtype=torch.long if isinstance(index, list) and not index else None,
+            device=None if isinstance(index, Tensor) else "cpu",
+        )
     except (TypeError, ValueError, RuntimeError):
         raise TypeError(f"{want}, got {index!r}") from None
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() > 1:
@@ -170,17 +196,29 @@ class MultiHeadTrace(AttentionTrace):
         (Unbatched module calls drop the B dim.)
     """
 
-    def __init__(self, trace: AttentionTrace, *, q: Tensor, k: Tensor, v: Tensor,
-                 heads: Tensor, index: int | None = None) -> None:
+    def __init__(
+        self,
+        trace: AttentionTrace,
+        *,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        heads: Tensor,
+        index: int | None = None,
+    ) -> None:
         """Extend ``trace``; with ``index``, keep only that batch element of everything.
 
         As lazy as ``trace``: nothing is computed here, and :meth:`select` still computes only
         the rows asked for.
         """
         pick = (lambda t: t) if index is None else (lambda t: t[index])
-        super().__init__(trace._deferred("scores", pick), trace._deferred("probs", pick),
-                         pick(trace.lse), trace.backend,
-                         subset=_subset_of_element(trace, index))
+        super().__init__(
+            trace._deferred("scores", pick),
+            trace._deferred("probs", pick),
+            pick(trace.lse),
+            trace.backend,
+            subset=_subset_of_element(trace, index),
+        )
         self.q, self.k, self.v, self.heads = (pick(t).detach() for t in (q, k, v, heads))
 
 

@@ -13,9 +13,19 @@ tensors); nothing runs a model. ``flow`` needs networkx (a dependency of torch) 
 (``pip install qkv[analysis]``), imported when ``flow`` runs: ``import qkv.analysis`` needs
 torch only.
 """
+
 from .compare import Comparison, Difference, compare
 from .rollout import flow, rollout
 from .scores import HeadScores, InductionInput, head_scores, induction_input
 
-__all__ = ["Comparison", "Difference", "HeadScores", "InductionInput", "compare", "flow",
-           "head_scores", "induction_input", "rollout"]
+__all__ = [
+    "Comparison",
+    "Difference",
+    "HeadScores",
+    "InductionInput",
+    "compare",
+    "flow",
+    "head_scores",
+    "induction_input",
+    "rollout",
+]

@@ -15,6 +15,7 @@ to float32 first); ``mean`` is accumulated in float64.
 
 Shape alphabet: B batch, H heads, T query length, S key length; nb, nh, nr kept.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from ..capture import Captured
 
-__all__ = ["compare", "Comparison", "Difference"]
+__all__ = ["Comparison", "Difference", "compare"]
 
 MEASURES = ("mean", "max")
 
@@ -54,8 +55,10 @@ class Difference:
     shape: tuple[int, int, int, int]
 
     def __repr__(self) -> str:
-        return (f"Difference({self.name!r}, layer={self.layer}, call={self.call}, "
-                f"diff{tuple(self.diff.shape)})")
+        return (
+            f"Difference({self.name!r}, layer={self.layer}, call={self.call}, "
+            f"diff{tuple(self.diff.shape)})"
+        )
 
 
 @dataclass(frozen=True, repr=False)
@@ -111,13 +114,17 @@ class Comparison:
     def to_rows(self, by: str = "mean") -> list[dict]:
         """One dict per head, most changed first: ``layer``, ``head``, ``site``, ``mean``,
         ``max``."""
-        return [{"layer": k[0], "head": k[1], "site": self.sites[self.keys.index(k)],
-                 **self[k]} for k in self.ranked(by)]
+        return [
+            {"layer": k[0], "head": k[1], "site": self.sites[self.keys.index(k)], **self[k]}
+            for k in self.ranked(by)
+        ]
 
     def _index(self, key) -> int:
         if key not in self.keys:
-            raise KeyError(f"no head {key!r} in this comparison; it has {len(self.keys)} "
-                           f"heads, e.g. {list(self.keys[:4])}")
+            raise KeyError(
+                f"no head {key!r} in this comparison; it has {len(self.keys)} "
+                f"heads, e.g. {list(self.keys[:4])}"
+            )
         return self.keys.index(key)
 
     def __repr__(self) -> str:
@@ -126,8 +133,9 @@ class Comparison:
     def __str__(self) -> str:
         lines = [f"{'layer':>5} {'head':>4}  {'mean |d|':>10} {'max |d|':>10}"]
         for row in self.to_rows():
-            lines.append(f"{row['layer']:>5} {row['head']:>4}  {row['mean']:>10.4f} "
-                         f"{row['max']:>10.4f}")
+            lines.append(
+                f"{row['layer']:>5} {row['head']:>4}  {row['mean']:>10.4f} {row['max']:>10.4f}"
+            )
         return "\n".join(lines)
 
 
@@ -162,20 +170,20 @@ def compare(a: Captured, b: Captured, *, call: int = 0, batch: int | None = None
     """
     for name, cap in (("a", a), ("b", b)):
         if not isinstance(cap, Captured):
-            raise TypeError(f"compare takes two qkv.Captured, got {type(cap).__name__} for "
-                            f"{name}")
+            raise TypeError(f"compare takes two qkv.Captured, got {type(cap).__name__} for {name}")
     ra, rb = _records(a, call, "a"), _records(b, call, "b")
     sites = lambda rs: [(r.layer, r.name) for r in rs]  # noqa: E731
     if sites(ra) != sites(rb):
-        raise ValueError(f"the captures record different layers (call {call}): a has "
-                         f"{len(ra)} ({_show(ra)}), b has {len(rb)} ({_show(rb)}); compare "
-                         f"captures of the same architecture and the same layers=")
+        raise ValueError(
+            f"the captures record different layers (call {call}): a has "
+            f"{len(ra)} ({_show(ra)}), b has {len(rb)} ({_show(rb)}); compare "
+            f"captures of the same architecture and the same layers="
+        )
     keys, names, means, maxes, diffs = [], [], [], [], []
     for x, y in zip(ra, rb):
         _same_record(x, y)
         pick = _batch_positions(x, batch)  # (nb',)
-        dtype = torch.float64 if x.probs.dtype == y.probs.dtype == torch.float64 \
-            else torch.float32
+        dtype = torch.float64 if x.probs.dtype == y.probs.dtype == torch.float64 else torch.float32
         d = x.probs[pick].to("cpu", dtype) - y.probs[pick].to("cpu", dtype)  # (nb', nh, nr, S)
         for hi, h in enumerate(x.heads.tolist()):
             mag = d[:, hi].abs()  # (nb', nr, S)
@@ -183,10 +191,16 @@ def compare(a: Captured, b: Captured, *, call: int = 0, batch: int | None = None
             names.append(x.name)
             means.append(float(mag.double().mean()))
             maxes.append(float(mag.max()))
-        diffs.append(Difference(x.name, x.layer, x.call, d, x.batch[pick], x.heads, x.rows,
-                                tuple(x.shape)))
-    return Comparison(tuple(keys), tuple(names), torch.tensor(means, dtype=torch.float64),
-                      torch.tensor(maxes, dtype=torch.float64), tuple(diffs))
+        diffs.append(
+            Difference(x.name, x.layer, x.call, d, x.batch[pick], x.heads, x.rows, tuple(x.shape))
+        )
+    return Comparison(
+        tuple(keys),
+        tuple(names),
+        torch.tensor(means, dtype=torch.float64),
+        torch.tensor(maxes, dtype=torch.float64),
+        tuple(diffs),
+    )
 
 
 def _records(cap: Captured, call: int, which: str) -> list:
@@ -196,8 +210,9 @@ def _records(cap: Captured, call: int, which: str) -> list:
     recs = sorted((r for r in cap.records if r.call == call), key=lambda r: r.layer)
     if not recs:
         calls = sorted({int(r.call) for r in cap.records})
-        raise ValueError(f"capture {which} holds no call {call} (its calls: {calls}); pass "
-                         f"call= one of them")
+        raise ValueError(
+            f"capture {which} holds no call {call} (its calls: {calls}); pass call= one of them"
+        )
     return recs
 
 
@@ -209,14 +224,18 @@ def _show(recs: list) -> str:
 def _same_record(x, y) -> None:
     where = f"layer {x.layer} ({x.name!r})"
     if tuple(x.shape) != tuple(y.shape):
-        raise ValueError(f"{where}: a's call is (B, H, T, S) {tuple(x.shape)} and b's "
-                         f"{tuple(y.shape)}; compare captures of the same architecture and "
-                         f"input length")
+        raise ValueError(
+            f"{where}: a's call is (B, H, T, S) {tuple(x.shape)} and b's "
+            f"{tuple(y.shape)}; compare captures of the same architecture and "
+            f"input length"
+        )
     for what in ("heads", "rows", "batch"):
         u, v = getattr(x, what), getattr(y, what)
         if not torch.equal(u, v):
-            raise ValueError(f"{where}: a kept {what} {_few(u)} and b {_few(v)}; capture both "
-                             f"with the same {what}=")
+            raise ValueError(
+                f"{where}: a kept {what} {_few(u)} and b {_few(v)}; capture both "
+                f"with the same {what}="
+            )
 
 
 def _few(t: Tensor) -> str:
@@ -232,6 +251,8 @@ def _batch_positions(rec, batch: int | None) -> Tensor:
         return torch.arange(len(rec.batch))
     kept = rec.batch.tolist()
     if isinstance(batch, bool) or not isinstance(batch, int) or batch not in kept:
-        raise ValueError(f"batch={batch!r} was not kept by the captures (kept batch elements "
-                         f"{kept}); pass one of them, or None for all")
+        raise ValueError(
+            f"batch={batch!r} was not kept by the captures (kept batch elements "
+            f"{kept}); pass one of them, or None for all"
+        )
     return torch.tensor([kept.index(batch)])

@@ -27,10 +27,11 @@ each real row sums to 1 over the real tokens.
 
 Shape alphabet: B batch, H heads, T tokens, L layers, P output positions asked for.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -38,13 +39,20 @@ from torch import Tensor
 from ..capture import Captured
 from ..trace import AttentionTrace
 
-__all__ = ["rollout", "flow"]
+__all__ = ["flow", "rollout"]
 
-_SCIPY_SCALE = 2 ** 24  # scipy's max-flow takes int32 capacities: weights * 2^24, rounded
+_SCIPY_SCALE = 2**24  # scipy's max-flow takes int32 capacities: weights * 2^24, rounded
 
 
-def rollout(source, *, residual: float = 0.5, heads: str = "mean", key_mask: Tensor | None = None,
-            layers: Sequence[int] | None = None, call: int = 0) -> Tensor:
+def rollout(
+    source,
+    *,
+    residual: float = 0.5,
+    heads: str = "mean",
+    key_mask: Tensor | None = None,
+    layers: Sequence[int] | None = None,
+    call: int = 0,
+) -> Tensor:
     """Attention rollout: how much each input token reaches each output position.
 
     Args:
@@ -84,9 +92,18 @@ def rollout(source, *, residual: float = 0.5, heads: str = "mean", key_mask: Ten
     return (R[:, 0] if heads == "mean" else R).to(dtype)
 
 
-def flow(source, *, residual: float = 0.5, heads: str = "mean", key_mask: Tensor | None = None,
-         positions=None, normalize: bool = True, solver: str = "networkx",
-         layers: Sequence[int] | None = None, call: int = 0) -> Tensor:
+def flow(
+    source,
+    *,
+    residual: float = 0.5,
+    heads: str = "mean",
+    key_mask: Tensor | None = None,
+    positions=None,
+    normalize: bool = True,
+    solver: str = "networkx",
+    layers: Sequence[int] | None = None,
+    call: int = 0,
+) -> Tensor:
     """Attention flow: the maximum flow from each input token to each output position.
 
     The graph and its capacities are those of :func:`rollout` (see the module docstring);
@@ -160,8 +177,10 @@ def _networkx_solver():
         import networkx as nx
         from networkx.algorithms.flow import build_residual_network, preflow_push
     except ImportError:
-        raise ImportError("qkv.analysis.flow needs networkx: pip install qkv[analysis] "
-                          "(or networkx), or pass solver='scipy'") from None
+        raise ImportError(
+            "qkv.analysis.flow needs networkx: pip install qkv[analysis] "
+            "(or networkx), or pass solver='scipy'"
+        ) from None
 
     def prepare(aug: Tensor):  # (L, T, T) capacities of one chain
         L, T, _ = aug.shape
@@ -170,13 +189,17 @@ def _networkx_solver():
         for l in range(L):
             j, i = aug[l].nonzero(as_tuple=True)
             caps = aug[l][j, i].tolist()
-            G.add_edges_from((l * T + a, (l + 1) * T + c, {"capacity": w})
-                             for a, c, w in zip(i.tolist(), j.tolist(), caps))
+            G.add_edges_from(
+                (l * T + a, (l + 1) * T + c, {"capacity": w})
+                for a, c, w in zip(i.tolist(), j.tolist(), caps)
+            )
         R = build_residual_network(G, "capacity")  # built once, reset by each flow
 
         def solve(s: int, t: int) -> float:
             return preflow_push(G, s, t, residual=R, value_only=True).graph["flow_value"]
+
         return solve
+
     return prepare
 
 
@@ -186,8 +209,10 @@ def _scipy_solver():
         from scipy.sparse import csr_array
         from scipy.sparse.csgraph import maximum_flow
     except ImportError:
-        raise ImportError("qkv.analysis.flow(solver='scipy') needs scipy: pip install "
-                          "qkv[analysis] (or scipy), or use solver='networkx'") from None
+        raise ImportError(
+            "qkv.analysis.flow(solver='scipy') needs scipy: pip install "
+            "qkv[analysis] (or scipy), or use solver='networkx'"
+        ) from None
 
     def prepare(aug: Tensor):  # (L, T, T) capacities of one chain
         L, T, _ = aug.shape
@@ -198,12 +223,19 @@ def _scipy_solver():
             cols.append(j + (l + 1) * T)
             caps.append(torch.round(aug[l][j, i] * _SCIPY_SCALE))
         n = (L + 1) * T
-        graph = csr_array((torch.cat(caps).numpy().astype(np.int32),
-                           (torch.cat(rows).numpy(), torch.cat(cols).numpy())), shape=(n, n))
+        graph = csr_array(
+            (
+                torch.cat(caps).numpy().astype(np.int32),
+                (torch.cat(rows).numpy(), torch.cat(cols).numpy()),
+            ),
+            shape=(n, n),
+        )
 
         def solve(s: int, t: int) -> float:
             return maximum_flow(graph, s, t, method="dinic").flow_value / _SCIPY_SCALE
+
         return solve
+
     return prepare
 
 
@@ -216,8 +248,10 @@ def _layer_maps(source, layers, call: int) -> tuple[list[Tensor], torch.dtype]:
             raise ValueError("layers= picks layers of a capture; slice the list instead")
         maps = [item.probs if isinstance(item, AttentionTrace) else item for item in source]
     else:
-        raise TypeError(f"rollout/flow take a qkv.Captured or a list of (B, H, T, T) weights, "
-                        f"got {type(source).__name__}")
+        raise TypeError(
+            f"rollout/flow take a qkv.Captured or a list of (B, H, T, T) weights, "
+            f"got {type(source).__name__}"
+        )
     if not maps:
         raise ValueError("rollout/flow need at least one layer of weights, got none")
     out = []
@@ -226,13 +260,16 @@ def _layer_maps(source, layers, call: int) -> tuple[list[Tensor], torch.dtype]:
             raise TypeError(f"layer {l}: expected a Tensor or a trace, got {type(A).__name__}")
         A = A.unsqueeze(0) if A.dim() == 3 else A  # (H, T, T) -> (1, H, T, T)
         if A.dim() != 4 or A.shape[-1] != A.shape[-2]:
-            raise ValueError(f"layer {l}: weights must be (B, H, T, T) self-attention, got "
-                             f"{tuple(A.shape)}")
+            raise ValueError(
+                f"layer {l}: weights must be (B, H, T, T) self-attention, got {tuple(A.shape)}"
+            )
         if out and A.shape[0] != out[0].shape[0]:
             raise ValueError(f"layer {l} has B={A.shape[0]}, layer 0 B={out[0].shape[0]}")
         if out and A.shape[-1] != out[0].shape[-1]:
-            raise ValueError(f"layer {l} has T={A.shape[-1]}, layer 0 T={out[0].shape[-1]}; "
-                             f"rollout chains layers over one sequence")
+            raise ValueError(
+                f"layer {l} has T={A.shape[-1]}, layer 0 T={out[0].shape[-1]}; "
+                f"rollout chains layers over one sequence"
+            )
         out.append(A.detach().cpu())
     dtype = torch.float64 if out[0].dtype == torch.float64 else torch.float32
     return out, dtype
@@ -245,47 +282,63 @@ def _capture_records(cap: Captured, layers, call: int) -> list:
         if rec.call == call:
             by_layer.setdefault(rec.layer, rec)
     if not by_layer:
-        raise ValueError(f"the capture holds no call {call} of any layer ({len(cap.records)} "
-                         f"records)")
+        raise ValueError(
+            f"the capture holds no call {call} of any layer ({len(cap.records)} records)"
+        )
     chosen = sorted(by_layer) if layers is None else list(layers)
     recs = []
     for l in chosen:
         if l not in by_layer:
-            raise ValueError(f"layer {l} (call {call}) is not in the capture; recorded "
-                             f"layers: {sorted(by_layer)}")
+            raise ValueError(
+                f"layer {l} (call {call}) is not in the capture; recorded "
+                f"layers: {sorted(by_layer)}"
+            )
         rec = by_layer[l]
         B, H, T, S = rec.shape
         if T != S:
-            raise ValueError(f"layer {l} ({rec.name!r}) has T={T} queries and S={S} keys: "
-                             f"rollout chains self-attention over one sequence; leave it out "
-                             f"with layers=[...]")
+            raise ValueError(
+                f"layer {l} ({rec.name!r}) has T={T} queries and S={S} keys: "
+                f"rollout chains self-attention over one sequence; leave it out "
+                f"with layers=[...]"
+            )
         if len(rec.rows) != T or not torch.equal(rec.rows, torch.arange(T)):
-            raise ValueError(f"layer {l} kept {len(rec.rows)} of its {T} query rows: rollout "
-                             f"needs every row of every layer; capture with rows=None (heads= "
-                             f"and batch= may stay bounded)")
+            raise ValueError(
+                f"layer {l} kept {len(rec.rows)} of its {T} query rows: rollout "
+                f"needs every row of every layer; capture with rows=None (heads= "
+                f"and batch= may stay bounded)"
+            )
         if recs and not torch.equal(rec.batch, recs[0].batch):
-            raise ValueError(f"layer {l} kept batch {rec.batch.tolist()}, layer {chosen[0]} "
-                             f"{recs[0].batch.tolist()}")
+            raise ValueError(
+                f"layer {l} kept batch {rec.batch.tolist()}, layer {chosen[0]} "
+                f"{recs[0].batch.tolist()}"
+            )
         recs.append(rec)
     return recs
 
 
-def _augmented(maps: list[Tensor], residual: float, heads: str, key_mask: Tensor | None,
-               source) -> tuple[Tensor, Tensor]:
+def _augmented(
+    maps: list[Tensor], residual: float, heads: str, key_mask: Tensor | None, source
+) -> tuple[Tensor, Tensor]:
     """``(Â, real)``: each layer's weights with padding removed and the residual mixed in
     (float64), and which tokens are real.
 
     Shape:
         -> ``(L, B, H', T, T)`` (H' = 1 for the head mean), ``(B, T)`` bool.
     """
-    if isinstance(residual, bool) or not isinstance(residual, (int, float)) or not 0 <= residual <= 1:
+    if (
+        isinstance(residual, bool)
+        or not isinstance(residual, (int, float))
+        or not 0 <= residual <= 1
+    ):
         raise ValueError(f"residual is the weight of the identity, in [0, 1]; got {residual!r}")
     if heads not in ("mean", "per_head"):
         raise ValueError(f"heads must be 'mean' or 'per_head', got {heads!r}")
     B, T = maps[0].shape[0], maps[0].shape[-1]
     if heads == "per_head" and len({A.shape[1] for A in maps}) > 1:
-        raise ValueError(f"heads='per_head' chains head h of every layer, but the layers have "
-                         f"{[A.shape[1] for A in maps]} heads; use heads='mean'")
+        raise ValueError(
+            f"heads='per_head' chains head h of every layer, but the layers have "
+            f"{[A.shape[1] for A in maps]} heads; use heads='mean'"
+        )
     real = _real(key_mask, B, T, source)  # (B, T)
     eye = torch.eye(T, dtype=torch.float64)  # (T, T)
     out = []
@@ -306,8 +359,10 @@ def _real(key_mask: Tensor | None, B: int, T: int, source) -> Tensor:
     if key_mask is None:
         return torch.ones(B, T, dtype=torch.bool)
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
-        raise TypeError(f"key_mask must be a bool tensor (B, T), True = a real token; got "
-                        f"{getattr(key_mask, 'dtype', type(key_mask).__name__)}")
+        raise TypeError(
+            f"key_mask must be a bool tensor (B, T), True = a real token; got "
+            f"{getattr(key_mask, 'dtype', type(key_mask).__name__)}"
+        )
     key_mask = key_mask.cpu()
     if isinstance(source, Captured) and key_mask.dim() == 2:
         rec = next(r for r in source.records)

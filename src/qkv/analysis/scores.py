@@ -26,6 +26,7 @@ no row is NaN.
 
 Shape alphabet: B batch, H heads, T query length, S key length; nb, nh, nr kept.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from ..capture import Captured
 
-__all__ = ["head_scores", "HeadScores", "induction_input", "InductionInput"]
+__all__ = ["HeadScores", "InductionInput", "head_scores", "induction_input"]
 
 SCORES = ("previous_token", "self", "first_token", "local", "entropy", "induction")
 
@@ -58,8 +59,16 @@ class InductionInput:
     repeats: int
 
 
-def induction_input(vocab_size: int, period: int, *, batch: int = 1, repeats: int = 2,
-                    bos: int | None = None, seed: int = 0, device=None) -> InductionInput:
+def induction_input(
+    vocab_size: int,
+    period: int,
+    *,
+    batch: int = 1,
+    repeats: int = 2,
+    bos: int | None = None,
+    seed: int = 0,
+    device=None,
+) -> InductionInput:
     """A random token sequence of length ``period``, repeated ``repeats`` times.
 
     Tokens are drawn without repetition inside a period when the vocabulary allows (so each
@@ -83,8 +92,12 @@ def induction_input(vocab_size: int, period: int, *, batch: int = 1, repeats: in
         ...     model(ind.tokens)
         >>> qkv.analysis.head_scores(cap, induction=ind).sorted_by("induction")
     """
-    for name, n, low in (("vocab_size", vocab_size, 2), ("period", period, 2),
-                         ("batch", batch, 1), ("repeats", repeats, 2)):
+    for name, n, low in (
+        ("vocab_size", vocab_size, 2),
+        ("period", period, 2),
+        ("batch", batch, 1),
+        ("repeats", repeats, 2),
+    ):
         if isinstance(n, bool) or not isinstance(n, int) or n < low:
             raise ValueError(f"{name} must be an int >= {low}, got {n!r}")
     if bos is not None and not 0 <= bos < vocab_size:
@@ -137,8 +150,10 @@ class HeadScores:
             k = self._column(key)
             return dict(zip(self.keys, self.values[:, k].tolist()))
         if key not in self.keys:
-            raise KeyError(f"no head {key!r} in this table; it has {len(self.keys)} heads, "
-                           f"e.g. {list(self.keys[:4])}")
+            raise KeyError(
+                f"no head {key!r} in this table; it has {len(self.keys)} heads, "
+                f"e.g. {list(self.keys[:4])}"
+            )
         return dict(zip(self.names, self.values[self.keys.index(key)].tolist()))
 
     def score(self, name: str) -> Tensor:
@@ -149,18 +164,26 @@ class HeadScores:
         """The query rows that score ``name`` used in ``layer``."""
         self._column(name)
         if (layer, name) not in self.rows:
-            raise KeyError(f"layer {layer} is not in this table (layers: "
-                           f"{sorted({lay for lay, _ in self.keys})})")
+            raise KeyError(
+                f"layer {layer} is not in this table (layers: "
+                f"{sorted({lay for lay, _ in self.keys})})"
+            )
         return self.rows[layer, name]
 
-    def sorted_by(self, name: str, *, descending: bool = True) -> "HeadScores":
+    def sorted_by(self, name: str, *, descending: bool = True) -> HeadScores:
         """The table with its heads ordered by one score (NaN last)."""
         col = self.score(name)
         filled = col.nan_to_num(float("-inf") if descending else float("inf"))
         order = torch.argsort(filled, descending=descending, stable=True).tolist()
-        return HeadScores(self.names, tuple(self.keys[i] for i in order),
-                          tuple(self.sites[i] for i in order), self.values[order],
-                          self.rows, self.skipped, self.window)
+        return HeadScores(
+            self.names,
+            tuple(self.keys[i] for i in order),
+            tuple(self.sites[i] for i in order),
+            self.values[order],
+            self.rows,
+            self.skipped,
+            self.window,
+        )
 
     def top(self, name: str, k: int = 1) -> list[tuple[int, int]]:
         """The ``k`` heads ``(layer, head)`` with the highest score ``name``."""
@@ -168,8 +191,10 @@ class HeadScores:
 
     def to_rows(self) -> list[dict]:
         """One dict per head: ``layer``, ``head``, ``site``, then each score."""
-        return [{"layer": lay, "head": h, "site": s, **dict(zip(self.names, v))}
-                for (lay, h), s, v in zip(self.keys, self.sites, self.values.tolist())]
+        return [
+            {"layer": lay, "head": h, "site": s, **dict(zip(self.names, v))}
+            for (lay, h), s, v in zip(self.keys, self.sites, self.values.tolist())
+        ]
 
     def _column(self, name: str) -> int:
         if name not in self.names:
@@ -192,8 +217,14 @@ class HeadScores:
         return "\n".join(lines)
 
 
-def head_scores(capture: Captured, *, induction: InductionInput | int | None = None,
-                window: int = 3, key_mask: Tensor | None = None, call: int = 0) -> HeadScores:
+def head_scores(
+    capture: Captured,
+    *,
+    induction: InductionInput | int | None = None,
+    window: int = 3,
+    key_mask: Tensor | None = None,
+    call: int = 0,
+) -> HeadScores:
     """Score every recorded head of a capture (see the module docstring for each score).
 
     Args:
@@ -225,23 +256,35 @@ def head_scores(capture: Captured, *, induction: InductionInput | int | None = N
             continue
         B, H, T, S = rec.shape
         if T != S:
-            skipped[rec.layer] = (f"{rec.name!r} has T={T} queries and S={S} keys (the scores "
-                                  f"are about positions in one sequence)")
+            skipped[rec.layer] = (
+                f"{rec.name!r} has T={T} queries and S={S} keys (the scores "
+                f"are about positions in one sequence)"
+            )
             continue
         real = _real_rows(key_mask, rec, B, T)  # (nb, nr)
-        per_score, used = _record_scores(rec.probs.double(), rec.rows, real, window,
-                                         period, start, repeats)  # (nh, K), {name: rows}
+        per_score, used = _record_scores(
+            rec.probs.double(), rec.rows, real, window, period, start, repeats
+        )  # (nh, K), {name: rows}
         for i, h in enumerate(rec.heads.tolist()):
             keys.append((rec.layer, h))
             sites.append(rec.name)
             values.append(per_score[i])
         rows.update({(rec.layer, n): r for n, r in used.items()})
     if not keys:
-        raise ValueError(f"nothing to score: the capture holds {len(capture.records)} records"
-                         f", none a call {call} with T == S" + (f" ({skipped})" if skipped else ""))
+        raise ValueError(
+            f"nothing to score: the capture holds {len(capture.records)} records"
+            f", none a call {call} with T == S" + (f" ({skipped})" if skipped else "")
+        )
     order = sorted(range(len(keys)), key=lambda n: keys[n])
-    return HeadScores(SCORES, tuple(keys[n] for n in order), tuple(sites[n] for n in order),
-                      torch.stack([values[n] for n in order]), rows, skipped, window)
+    return HeadScores(
+        SCORES,
+        tuple(keys[n] for n in order),
+        tuple(sites[n] for n in order),
+        torch.stack([values[n] for n in order]),
+        rows,
+        skipped,
+        window,
+    )
 
 
 def _induction(induction) -> tuple[int | None, int, int]:
@@ -252,8 +295,10 @@ def _induction(induction) -> tuple[int | None, int, int]:
         return induction.period, induction.start, induction.repeats
     if isinstance(induction, int) and not isinstance(induction, bool) and induction >= 1:
         return induction, 0, 1 << 30  # every row from the second copy on
-    raise TypeError(f"induction must be an InductionInput (qkv.analysis.induction_input) or "
-                    f"the period of the repeated input (an int >= 1), got {induction!r}")
+    raise TypeError(
+        f"induction must be an InductionInput (qkv.analysis.induction_input) or "
+        f"the period of the repeated input (an int >= 1), got {induction!r}"
+    )
 
 
 def _real_rows(key_mask: Tensor | None, rec, B: int, T: int) -> Tensor:
@@ -263,13 +308,16 @@ def _real_rows(key_mask: Tensor | None, rec, B: int, T: int) -> Tensor:
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
         raise TypeError("key_mask must be a bool tensor (B, T), True = a real token")
     if tuple(key_mask.shape) != (B, T):
-        raise ValueError(f"key_mask must be the model's (B, T) = ({B}, {T}) for layer "
-                         f"{rec.layer}, got {tuple(key_mask.shape)}")
+        raise ValueError(
+            f"key_mask must be the model's (B, T) = ({B}, {T}) for layer "
+            f"{rec.layer}, got {tuple(key_mask.shape)}"
+        )
     return key_mask.cpu()[rec.batch][:, rec.rows]  # (nb, nr)
 
 
-def _record_scores(p: Tensor, q: Tensor, real: Tensor, window: int, period: int | None,
-                   start: int, repeats: int) -> tuple[Tensor, dict[str, Tensor]]:
+def _record_scores(
+    p: Tensor, q: Tensor, real: Tensor, window: int, period: int | None, start: int, repeats: int
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The scores of one record's heads and the rows each used.
 
     Shape:
@@ -298,8 +346,9 @@ def _record_scores(p: Tensor, q: Tensor, real: Tensor, window: int, period: int 
         value, rows = per_row[name]
         w = (attends & real[:, None, :] & rows).double()  # (nb, nh, nr)
         total = w.sum((0, 2))  # (nh,)
-        out.append(torch.where(total > 0, (value * w).sum((0, 2)) / total.clamp_min(1),
-                               float("nan")))
+        out.append(
+            torch.where(total > 0, (value * w).sum((0, 2)) / total.clamp_min(1), float("nan"))
+        )
         used[name] = q[(w.sum((0, 1)) > 0)]
     return torch.stack(out, -1), used  # (nh, K)
 

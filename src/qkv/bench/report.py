@@ -3,6 +3,7 @@ linear attention overtakes its peer, the run's environment and its JSON (see :mo
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -18,12 +19,34 @@ from pathlib import Path
 import torch
 
 from ..ops.linear import BLOCK, CHUNK_SIZE
-from .specs import (B, D, DOC_MAX, DOC_MIN, DOC_SEED, H, PEER, PEERS, WINDOW, BenchConfig,
-                    num_features, run_name)
+from .specs import (
+    DOC_MAX,
+    DOC_MIN,
+    DOC_SEED,
+    PEER,
+    PEERS,
+    WINDOW,
+    B,
+    BenchConfig,
+    D,
+    H,
+    num_features,
+    run_name,
+)
 
-__all__ = ["add_ratios", "ratio_of", "markdown_table", "Crossover", "crossovers",
-           "crossover_marks", "environment", "load_previous", "write_json_atomic",
-           "RESUME_MUST_MATCH"]
+__all__ = [
+    "RESUME_MUST_MATCH",
+    "Crossover",
+    "add_ratios",
+    "crossover_marks",
+    "crossovers",
+    "environment",
+    "load_previous",
+    "markdown_table",
+    "ratio_of",
+    "write_json_atomic",
+]
+
 
 def add_ratios(records: list[dict]) -> None:
     """Set ``ratio_vs_<peer>`` (time) and ``peak_ratio_vs_<peer>`` on the records whose peer
@@ -35,8 +58,9 @@ def add_ratios(records: list[dict]) -> None:
         if r["status"] == "ok" and peer:
             tag = _tag(peer["impl"])
             r[f"ratio_vs_{tag}"] = r["time_s"] / peer["time_s"]
-            r[f"peak_ratio_vs_{tag}"] = (r["peak_extra_mib"] / peer["peak_extra_mib"]
-                                         if peer["peak_extra_mib"] > 0 else None)
+            r[f"peak_ratio_vs_{tag}"] = (
+                r["peak_extra_mib"] / peer["peak_extra_mib"] if peer["peak_extra_mib"] > 0 else None
+            )
 
 
 def _tag(impl: str) -> str:
@@ -59,10 +83,13 @@ def _progress(r: dict) -> str:
         return f"{head} {r['status']}: {r['reason']}"
     ratio = ratio_of(r)
     via = f" (via {r['backend']})" if r["impl"] == "auto" else ""
-    return (f"{head} {_ms(r['time_s'])} ms  {r['peak_extra_mib']:9.1f} MiB  "
-            f"{r['gflop_per_s']:7.1f} GFLOP/s"
-            + (f"  x{ratio:.3f} vs {PEERS[r['impl']]}" if ratio else "") + via
-            + (" (earlier run)" if r.get("resumed") else ""))
+    return (
+        f"{head} {_ms(r['time_s'])} ms  {r['peak_extra_mib']:9.1f} MiB  "
+        f"{r['gflop_per_s']:7.1f} GFLOP/s"
+        + (f"  x{ratio:.3f} vs {PEERS[r['impl']]}" if ratio else "")
+        + via
+        + (" (earlier run)" if r.get("resumed") else "")
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -76,24 +103,38 @@ def markdown_table(records: list[dict]) -> str:
     (:data:`PEERS`), named in its header."""
     peers = list(dict.fromkeys(PEERS[r["impl"]] for r in records if r["impl"] in PEERS))
     header = f"vs {peers[0]}" if len(peers) == 1 else "vs peer" if peers else f"vs {PEER}"
-    lines = [f"| T | case | dtype | mode | impl | ms | MiB | GFLOP/s | {header} |",
-             "|---:|:---|:---:|:---:|:---|---:|---:|---:|---:|"]
+    lines = [
+        f"| T | case | dtype | mode | impl | ms | MiB | GFLOP/s | {header} |",
+        "|---:|:---|:---:|:---:|:---|---:|---:|---:|---:|",
+    ]
     for r in records:
         if r["status"] == "ok":
             ratio = ratio_of(r)
-            cells = [_ms(r["time_s"]).strip(), f"{r['peak_extra_mib']:.1f}",
-                     f"{r['gflop_per_s']:.1f}", f"{ratio:.3f}" if ratio else ""]
+            cells = [
+                _ms(r["time_s"]).strip(),
+                f"{r['peak_extra_mib']:.1f}",
+                f"{r['gflop_per_s']:.1f}",
+                f"{ratio:.3f}" if ratio else "",
+            ]
         else:
             cells = [r["status"], "", "", ""]
         mode = "fwd+bwd" if r["mode"] == "fwdbwd" else r["mode"]
-        lines.append("| " + " | ".join([str(r["T"]), r["case"], r["dtype"], mode, r["impl"],
-                                        *cells]) + " |")
+        lines.append(
+            "| " + " | ".join([str(r["T"]), r["case"], r["dtype"], mode, r["impl"], *cells]) + " |"
+        )
     if len(peers) > 1:
-        lines += ["", "Peers: " + "; ".join(
-            f"{', '.join(i for i in PEERS if PEERS[i] == p)} vs {p}" for p in peers) + "."]
+        lines += [
+            "",
+            "Peers: "
+            + "; ".join(f"{', '.join(i for i in PEERS if PEERS[i] == p)} vs {p}" for p in peers)
+            + ".",
+        ]
     if any(num_features(r["impl"]) for r in records):
-        lines += ["", "GFLOP/s of linear and performer count the linear form's own work "
-                  "(not comparable with exact attention's): compare time."]
+        lines += [
+            "",
+            "GFLOP/s of linear and performer count the linear form's own work "
+            "(not comparable with exact attention's): compare time.",
+        ]
     notes = {}
     for r in records:
         if r["status"] != "ok":
@@ -137,17 +178,24 @@ class Crossover:
         if not self.lengths:
             return f"{head}: not measured against {self.peer} at any T"
         if self.T is None:
-            return (f"{head} is not faster than {self.peer} at T={self.lengths[-1]}, the "
-                    f"longest measured: no crossover up to it")
+            return (
+                f"{head} is not faster than {self.peer} at T={self.lengths[-1]}, the "
+                f"longest measured: no crossover up to it"
+            )
         if self.below is None:
-            return (f"{head} is faster than {self.peer} at every measured T, from "
-                    f"T={self.T} (the shortest measured) on")
-        return (f"{head} is faster than {self.peer} from T={self.T} on ({self.peer} as fast "
-                f"or faster at T={self.below}; ratio 1 at T ~ {self.estimate:,.0f})")
+            return (
+                f"{head} is faster than {self.peer} at every measured T, from "
+                f"T={self.T} (the shortest measured) on"
+            )
+        return (
+            f"{head} is faster than {self.peer} from T={self.T} on ({self.peer} as fast "
+            f"or faster at T={self.below}; ratio 1 at T ~ {self.estimate:,.0f})"
+        )
 
 
-def crossovers(records: Iterable[dict], impl: str = "linear", peer: str = "torch"
-               ) -> list[Crossover]:
+def crossovers(
+    records: Iterable[dict], impl: str = "linear", peer: str = "torch"
+) -> list[Crossover]:
     """Where ``impl`` overtakes ``peer``, per (case, dtype, mode) where ``records`` have
     ``impl``.
 
@@ -193,7 +241,8 @@ def crossover_marks(records: Iterable[dict]) -> dict[str, list[tuple[float, str]
             if c.T is not None and c.below is not None:
                 mode = "fwd+bwd" if c.mode == "fwdbwd" else c.mode
                 marks.setdefault(c.case, []).append(
-                    (c.estimate, f"{impl} {c.dtype} {mode} ~{c.estimate:,.0f}"))
+                    (c.estimate, f"{impl} {c.dtype} {mode} ~{c.estimate:,.0f}")
+                )
     return marks
 
 
@@ -206,20 +255,42 @@ def environment(config: BenchConfig) -> dict:
     flops = "4*B*H*T*S*D*density forward; x3.5 forward+backward"
     extra = {}
     if linear:
-        flops += ("; linear, performer: the linear form's matmuls "
-                  "(qkv.bench.linear_attention_flops), x3 forward+backward")
-        extra = dict(linear_feature_map="elu", linear_features=num_features("linear"),
-                     performer_features=num_features("performer"), performer_seed=0,
-                     chunk_size=CHUNK_SIZE, block=BLOCK,
-                     peers={i: p for i, p in PEERS.items() if i in config.impls})
+        flops += (
+            "; linear, performer: the linear form's matmuls "
+            "(qkv.bench.linear_attention_flops), x3 forward+backward"
+        )
+        extra = dict(
+            linear_feature_map="elu",
+            linear_features=num_features("linear"),
+            performer_features=num_features("performer"),
+            performer_seed=0,
+            chunk_size=CHUNK_SIZE,
+            block=BLOCK,
+            peers={i: p for i, p in PEERS.items() if i in config.impls},
+        )
     return dict(
-        benchmark=run_name(config.impls), device="cpu", cpu=_cpu_model(),
-        dtypes=list(config.dtypes), threads=config.threads or torch.get_num_threads(),
-        torch=torch.__version__, qkv=_qkv_version(), python=platform.python_version(),
+        benchmark=run_name(config.impls),
+        device="cpu",
+        cpu=_cpu_model(),
+        dtypes=list(config.dtypes),
+        threads=config.threads or torch.get_num_threads(),
+        torch=torch.__version__,
+        qkv=_qkv_version(),
+        python=platform.python_version(),
         platform=platform.platform(),
-        config=dict(B=B, H=H, D=D, window=WINDOW, document_lengths=[DOC_MIN, DOC_MAX],
-                    document_seed=DOC_SEED, min_run_time=config.min_run_time,
-                    timeout_s=config.timeout, run_all=config.run_all, flops=flops, **extra),
+        config=dict(
+            B=B,
+            H=H,
+            D=D,
+            window=WINDOW,
+            document_lengths=[DOC_MIN, DOC_MAX],
+            document_seed=DOC_SEED,
+            min_run_time=config.min_run_time,
+            timeout_s=config.timeout,
+            run_all=config.run_all,
+            flops=flops,
+            **extra,
+        ),
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
 
@@ -237,13 +308,17 @@ def load_previous(path: Path, env: dict) -> list[dict]:
         data = json.loads(path.read_text())
         records = data["records"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"--resume: {path} is not a benchmark JSON ({_one_line(e)}); move it "
-                         f"away or drop --resume") from None
+        raise ValueError(
+            f"--resume: {path} is not a benchmark JSON ({_one_line(e)}); move it "
+            f"away or drop --resume"
+        ) from None
     for field in RESUME_MUST_MATCH:
         if data.get(field) != env.get(field):
-            raise ValueError(f"--resume: {path} was measured with {field}="
-                             f"{data.get(field)!r}, this run has {env.get(field)!r}; its "
-                             f"times would not compare: give another --out or drop --resume")
+            raise ValueError(
+                f"--resume: {path} was measured with {field}="
+                f"{data.get(field)!r}, this run has {env.get(field)!r}; its "
+                f"times would not compare: give another --out or drop --resume"
+            )
     return records
 
 

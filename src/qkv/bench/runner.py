@@ -7,6 +7,7 @@ that each measurement's peak memory is its own.
 
 Shape alphabet: B batch, H heads, T query length, D head dim.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,24 @@ from ..ops import AttentionCall
 from ..ops.linear import Favor
 from ..training import preserve_torch_state
 from .report import _one_line, _progress, add_ratios, environment, write_json_atomic
-from .specs import (B, D, DTYPES, H, LINEAR_IMPLS, PEER, BenchConfig, Spec, available_bytes,
-                    mask_density, mask_mod_for, num_features, skip_reason, spec_flops)
+from .specs import (
+    DTYPES,
+    LINEAR_IMPLS,
+    PEER,
+    B,
+    BenchConfig,
+    D,
+    H,
+    Spec,
+    available_bytes,
+    mask_density,
+    mask_mod_for,
+    num_features,
+    skip_reason,
+    spec_flops,
+)
 
-__all__ = ["measure", "run_measurement", "worker_main", "run_specs"]
+__all__ = ["measure", "run_measurement", "run_specs", "worker_main"]
 
 # ---- one measurement, in its own process ---------------------------------------------------
 
@@ -41,14 +56,23 @@ __all__ = ["measure", "run_measurement", "worker_main", "run_specs"]
 def measure(spec: Spec, config: BenchConfig) -> dict:
     """Run ``spec`` in a fresh process; a record with ``status`` ok, skipped, timeout, oom or
     error and, when ok, ``time_s`` and ``peak_extra_mib``."""
-    job = dict(asdict(spec), min_run_time=config.min_run_time, threads=config.threads,
-               run_all=config.run_all)
-    cmd = [sys.executable, "-c", "from qkv.bench.runner import worker_main; worker_main()",
-           json.dumps(job)]
+    job = dict(
+        asdict(spec),
+        min_run_time=config.min_run_time,
+        threads=config.threads,
+        run_all=config.run_all,
+    )
+    cmd = [
+        sys.executable,
+        "-c",
+        "from qkv.bench.runner import worker_main; worker_main()",
+        json.dumps(job),
+    ]
     started = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=config.timeout,
-                              env=_child_env())
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=config.timeout, env=_child_env()
+        )
     except subprocess.TimeoutExpired:
         return dict(status="timeout", reason=f"did not finish in {config.timeout:g} s (--timeout)")
     result = _parse_worker(proc)
@@ -69,8 +93,11 @@ def _parse_worker(proc: subprocess.CompletedProcess) -> dict:
     if proc.returncode < 0:  # killed by a signal: SIGKILL is the kernel's out-of-memory killer
         sig = -proc.returncode
         status = "oom" if sig == 9 else "error"
-        return dict(status=status, reason=f"process killed by signal {sig}"
-                    + (" (out of memory, most likely)" if sig == 9 else ""))
+        return dict(
+            status=status,
+            reason=f"process killed by signal {sig}"
+            + (" (out of memory, most likely)" if sig == 9 else ""),
+        )
     lines = proc.stdout.strip().splitlines()
     try:
         return json.loads(lines[-1])
@@ -88,22 +115,24 @@ def worker_main() -> None:
     except (MemoryError, RuntimeError) as e:
         oom = isinstance(e, MemoryError) or "allocate" in str(e)  # torch: "can't allocate memory"
         result = dict(status="oom" if oom else "error", reason=_one_line(e))
-    except Exception as e:  # noqa: BLE001  (any failure is a result to record, not a crash)
+    except Exception as e:
         result = dict(status="error", reason=_one_line(e))
     print(json.dumps(result))
 
 
 @preserve_torch_state()
-def run_measurement(spec: Spec, min_run_time: float, threads: int | None = None,
-                    run_all: bool = False) -> dict:
+def run_measurement(
+    spec: Spec, min_run_time: float, threads: int | None = None, run_all: bool = False
+) -> dict:
     """Measure ``spec`` in this process (see :func:`measure` for a fresh one). Torch's threads
     and random state are put back afterwards."""
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     grad = spec.mode == "fwdbwd"
-    q, k, v = (torch.randn(B, H, spec.T, D, dtype=DTYPES[spec.dtype], requires_grad=grad)
-               for _ in range(3))  # (B, H, T, D) each
+    q, k, v = (
+        torch.randn(B, H, spec.T, D, dtype=DTYPES[spec.dtype], requires_grad=grad) for _ in range(3)
+    )  # (B, H, T, D) each
     backend = _backend_of(spec, q, k, v)
     reason = skip_reason(spec, backend, run_all=run_all, available=available_bytes())
     if reason:  # only auto gets here skipped: the others are checked before their process
@@ -116,9 +145,16 @@ def run_measurement(spec: Spec, min_run_time: float, threads: int | None = None,
     warmup_s = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     m = _time(step, min_run_time, warmup_s)
-    return dict(status="ok", reason="", time_s=m.median, runs=m.number_per_run * len(m.times),
-                warmup_s=warmup_s, peak_extra_mib=(peak - before) / 1024, backend=backend,
-                threads=torch.get_num_threads())
+    return dict(
+        status="ok",
+        reason="",
+        time_s=m.median,
+        runs=m.number_per_run * len(m.times),
+        warmup_s=warmup_s,
+        peak_extra_mib=(peak - before) / 1024,
+        backend=backend,
+        threads=torch.get_num_threads(),
+    )
 
 
 def _time(step: Callable[[], None], min_run_time: float, warmup_s: float):
@@ -127,8 +163,7 @@ def _time(step: Callable[[], None], min_run_time: float, warmup_s: float):
     spend one more, uncounted, call on choosing its block size."""
     from torch.utils import benchmark
 
-    timer = benchmark.Timer("step()", globals={"step": step},
-                            num_threads=torch.get_num_threads())
+    timer = benchmark.Timer("step()", globals={"step": step}, num_threads=torch.get_num_threads())
     if warmup_s > min_run_time:
         return timer.timeit(1)
     return timer.blocked_autorange(min_run_time=min_run_time)
@@ -139,8 +174,10 @@ def _warm_small(spec: Spec, grad: bool, T: int = 64) -> None:
     engine's threads, lazily loaded kernels: ~40 MiB for a first backward) must not count in
     the measurement's peak."""
     small = Spec(spec.case, min(T, spec.T), spec.dtype, spec.mode, spec.impl)
-    q, k, v = (torch.randn(B, H, small.T, D, dtype=DTYPES[spec.dtype], requires_grad=grad)
-               for _ in range(3))  # (B, H, T, D) each
+    q, k, v = (
+        torch.randn(B, H, small.T, D, dtype=DTYPES[spec.dtype], requires_grad=grad)
+        for _ in range(3)
+    )  # (B, H, T, D) each
     _step(_attend(small), q, k, v, grad)()
 
 
@@ -169,8 +206,7 @@ def _attend(spec: Spec) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     if spec.impl in ("linear", "performer"):
         causal = spec.case == "causal"
         feature_map = Favor(D, seed=0) if spec.impl == "performer" else "elu"
-        return lambda q, k, v: linear_attention(q, k, v, feature_map=feature_map,
-                                                is_causal=causal)
+        return lambda q, k, v: linear_attention(q, k, v, feature_map=feature_map, is_causal=causal)
     kwargs = dict(_qkv_kwargs(spec.case, spec.T), backend=spec.impl)
     return lambda q, k, v: scaled_dot_product_attention(q, k, v, **kwargs)
 
@@ -193,6 +229,7 @@ def _step(attend: Callable, q: Tensor, k: Tensor, v: Tensor, grad: bool) -> Call
         out = attend(q, k, v)  # (B, H, T, D)
         out.backward(torch.ones_like(out))
         q.grad = k.grad = v.grad = None  # no accumulation: each call allocates as the first did
+
     return step
 
 
@@ -216,8 +253,14 @@ def _reset_peak_and_rss_kib() -> int:
 # ---- running many ---------------------------------------------------------------------------
 
 
-def run_specs(specs: list[Spec], config: BenchConfig, json_path: Path | None = None,
-              *, log: TextIO | None = None, previous: list[dict] | None = None) -> list[dict]:
+def run_specs(
+    specs: list[Spec],
+    config: BenchConfig,
+    json_path: Path | None = None,
+    *,
+    log: TextIO | None = None,
+    previous: list[dict] | None = None,
+) -> list[dict]:
     """Measure every spec (skipping the hopeless), a progress line each on ``log`` (stderr);
     rewrite ``json_path`` after each measurement, so an interrupted run keeps what it has.
 
@@ -230,15 +273,22 @@ def run_specs(specs: list[Spec], config: BenchConfig, json_path: Path | None = N
     records: list[dict] = []
     env = environment(config)
     kept = sum(_spec_key(asdict(s)) in done for s in specs)
-    print(f"qkv bench: {len(specs)} measurements"
-          + (f" ({kept} kept from the earlier run)" if kept else "")
-          + f", each in a fresh process (timeout {config.timeout:g} s)", file=log, flush=True)
+    print(
+        f"qkv bench: {len(specs)} measurements"
+        + (f" ({kept} kept from the earlier run)" if kept else "")
+        + f", each in a fresh process (timeout {config.timeout:g} s)",
+        file=log,
+        flush=True,
+    )
     for i, spec in enumerate(specs, 1):
         old = done.get(_spec_key(asdict(spec)))
         records.append(_resumed(old) if old else _record(spec, config))
         add_ratios(records)
-        print(f"[{i:>{len(str(len(specs)))}}/{len(specs)}] {_progress(records[-1])}",
-              file=log, flush=True)
+        print(
+            f"[{i:>{len(str(len(specs)))}}/{len(specs)}] {_progress(records[-1])}",
+            file=log,
+            flush=True,
+        )
         if json_path is not None:
             write_json_atomic(json_path, dict(env, records=records))
     return records
@@ -258,8 +308,9 @@ def _resumed(old: dict) -> dict:
 def _record(spec: Spec, config: BenchConfig) -> dict:
     """One record: the spec, its FLOPs, and the measurement or why it was not made."""
     flops = spec_flops(spec)
-    base = dict(asdict(spec), S=spec.T, B=B, H=H, D=D, density=mask_density(spec.case, spec.T),
-                flops=flops)
+    base = dict(
+        asdict(spec), S=spec.T, B=B, H=H, D=D, density=mask_density(spec.case, spec.T), flops=flops
+    )
     if num_features(spec.impl) is not None:
         base["features"] = num_features(spec.impl)
     reason = _skip_before_start(spec, config)

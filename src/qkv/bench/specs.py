@@ -4,6 +4,7 @@ measurements are skipped as hopeless (see :mod:`qkv.bench` for the whole benchma
 Shape alphabet: B batch, H heads, T query length, S key length (= T here), D head dim,
 M features, Dv value dim.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,11 +19,31 @@ from ..ops.linear import BLOCK, CHUNK_SIZE
 from ..ops.linear.feature_maps import default_num_features
 
 __all__ = [
-    "BenchConfig", "Spec", "bench_config", "bounded_int", "grid", "run_name",
-    "attention_flops", "linear_attention_flops", "num_features", "spec_flops",
-    "mask_density", "mask_mod_for", "document_lengths", "document_ids",
-    "dense_bytes", "skip_reason", "available_bytes",
-    "CASES", "IMPLS", "DTYPES", "MODES", "PEER", "LINEAR_IMPLS", "ALL_IMPLS", "PEERS",
+    "ALL_IMPLS",
+    "CASES",
+    "DTYPES",
+    "IMPLS",
+    "LINEAR_IMPLS",
+    "MODES",
+    "PEER",
+    "PEERS",
+    "BenchConfig",
+    "Spec",
+    "attention_flops",
+    "available_bytes",
+    "bench_config",
+    "bounded_int",
+    "dense_bytes",
+    "document_ids",
+    "document_lengths",
+    "grid",
+    "linear_attention_flops",
+    "mask_density",
+    "mask_mod_for",
+    "num_features",
+    "run_name",
+    "skip_reason",
+    "spec_flops",
 ]
 
 B, H, D = 1, 8, 64
@@ -86,20 +107,27 @@ def run_name(impls: Iterable[str]) -> str:
     return "linear" if set(impls) & set(LINEAR_IMPLS) else "tiled"
 
 
-
 # ---- configuration ------------------------------------------------------------------------
 
 
-def bench_config(*, cases: Iterable[str] = CASES, lengths: Iterable[int | str] = DEFAULT_LENGTHS,
-                 dtypes: Iterable[str] = tuple(DTYPES), modes: Iterable[str] = MODES,
-                 impls: Iterable[str] = IMPLS, min_run_time: float | str = 0.5,
-                 timeout: float | str = 600.0, threads: int | str | None = None,
-                 run_all: bool = False) -> BenchConfig:
+def bench_config(
+    *,
+    cases: Iterable[str] = CASES,
+    lengths: Iterable[int | str] = DEFAULT_LENGTHS,
+    dtypes: Iterable[str] = tuple(DTYPES),
+    modes: Iterable[str] = MODES,
+    impls: Iterable[str] = IMPLS,
+    min_run_time: float | str = 0.5,
+    timeout: float | str = 600.0,
+    threads: int | str | None = None,
+    run_all: bool = False,
+) -> BenchConfig:
     """A validated :class:`BenchConfig`; ValueError naming the bad value and the choices."""
     return BenchConfig(
         cases=_choose("case", cases, CASES),
         lengths=tuple(dict.fromkeys(_length(t) for t in lengths)),
-        dtypes=_choose("dtype", dtypes, tuple(DTYPES)), modes=_choose("mode", modes, MODES),
+        dtypes=_choose("dtype", dtypes, tuple(DTYPES)),
+        modes=_choose("mode", modes, MODES),
         impls=_choose("impl", impls, ALL_IMPLS),
         min_run_time=_positive("--min-run-time", min_run_time, float),
         timeout=_positive("--timeout", timeout, float),
@@ -146,8 +174,14 @@ def _positive(name: str, value: float | str, kind: type) -> float | int:
 
 def grid(config: BenchConfig) -> list[Spec]:
     """Every measurement of ``config``, by T, then case, dtype, mode and implementation."""
-    return [Spec(c, T, d, m, i) for T in config.lengths for c in config.cases
-            for d in config.dtypes for m in config.modes for i in config.impls]
+    return [
+        Spec(c, T, d, m, i)
+        for T in config.lengths
+        for c in config.cases
+        for d in config.dtypes
+        for m in config.modes
+        for i in config.impls
+    ]
 
 
 # ---- the cases: masks, their density, FLOPs ------------------------------------------------
@@ -173,9 +207,12 @@ def document_ids(T: int, seed: int = DOC_SEED) -> Tensor:
 
 def mask_mod_for(case: str, T: int) -> masks.MaskMod | None:
     """The structured mask of ``case`` (None for "none")."""
-    return {"none": lambda: None, "causal": masks.causal,
-            "window": lambda: masks.sliding_window(WINDOW),
-            "document": lambda: masks.document(document_ids(T))}[case]()
+    return {
+        "none": lambda: None,
+        "causal": masks.causal,
+        "window": lambda: masks.sliding_window(WINDOW),
+        "document": lambda: masks.document(document_ids(T)),
+    }[case]()
 
 
 def mask_density(case: str, T: int, *, window: int = WINDOW) -> float:
@@ -197,8 +234,9 @@ def mask_density(case: str, T: int, *, window: int = WINDOW) -> float:
     raise ValueError(f"unknown case {case!r}; choose from {', '.join(CASES)}")
 
 
-def attention_flops(B: int, H: int, T: int, S: int, D: int, *, density: float = 1.0,
-                    backward: bool = False) -> float:
+def attention_flops(
+    B: int, H: int, T: int, S: int, D: int, *, density: float = 1.0, backward: bool = False
+) -> float:
     """FLOPs of attention, counted as STYLE.md 15 does.
 
     Forward: ``4 * B * H * T * S * D`` (two matmuls of ``2 * T * S * D``) times the share of
@@ -209,10 +247,21 @@ def attention_flops(B: int, H: int, T: int, S: int, D: int, *, density: float = 
     return fwd * (1.0 + BACKWARD_FACTOR) if backward else fwd
 
 
-def linear_attention_flops(B: int, H: int, T: int, S: int, D: int, *, M: int,
-                           Dv: int | None = None, causal: bool = False, favor: bool = False,
-                           backward: bool = False, chunk_size: int = CHUNK_SIZE,
-                           block: int = BLOCK) -> float:
+def linear_attention_flops(
+    B: int,
+    H: int,
+    T: int,
+    S: int,
+    D: int,
+    *,
+    M: int,
+    Dv: int | None = None,
+    causal: bool = False,
+    favor: bool = False,
+    backward: bool = False,
+    chunk_size: int = CHUNK_SIZE,
+    block: int = BLOCK,
+) -> float:
     """FLOPs of ``qkv.linear_attention`` as its kernels compute it: the matmuls, 2 per
     multiply-add, at the sizes they are issued.
 
@@ -248,8 +297,12 @@ def linear_attention_flops(B: int, H: int, T: int, S: int, D: int, *, M: int,
             P = min(block, T - start)
             L = max(1, min(chunk_size, P))
             n = -(-P // L)
-            fwd += (2.0 * n * L * L * (M + Dv) + 2.0 * n * L * M * Dv
-                    + 2.0 * n * n * (M * Dv + M) + 2.0 * n * L * (M * Dv + M))
+            fwd += (
+                2.0 * n * L * L * (M + Dv)
+                + 2.0 * n * L * M * Dv
+                + 2.0 * n * n * (M * Dv + M)
+                + 2.0 * n * L * (M * Dv + M)
+            )
     if favor:
         fwd += 2.0 * (T + S) * D * M
     return B * H * fwd * (3.0 if backward else 1.0)
@@ -266,11 +319,26 @@ def spec_flops(spec: Spec) -> float:
     (:func:`linear_attention_flops`)."""
     M = num_features(spec.impl)
     if M is not None:
-        return linear_attention_flops(B, H, spec.T, spec.T, D, M=M, causal=spec.case == "causal",
-                                      favor=spec.impl == "performer",
-                                      backward=spec.mode == "fwdbwd")
-    return attention_flops(B, H, spec.T, spec.T, D, density=mask_density(spec.case, spec.T),
-                           backward=spec.mode == "fwdbwd")
+        return linear_attention_flops(
+            B,
+            H,
+            spec.T,
+            spec.T,
+            D,
+            M=M,
+            causal=spec.case == "causal",
+            favor=spec.impl == "performer",
+            backward=spec.mode == "fwdbwd",
+        )
+    return attention_flops(
+        B,
+        H,
+        spec.T,
+        spec.T,
+        D,
+        density=mask_density(spec.case, spec.T),
+        backward=spec.mode == "fwdbwd",
+    )
 
 
 # ---- skipping what cannot finish -----------------------------------------------------------
@@ -293,8 +361,9 @@ def dense_bytes(spec: Spec, backend: str | None) -> int:
     return 0
 
 
-def skip_reason(spec: Spec, backend: str | None, *, run_all: bool,
-                available: int | None) -> str | None:
+def skip_reason(
+    spec: Spec, backend: str | None, *, run_all: bool, available: int | None
+) -> str | None:
     """Why ``spec`` is not worth running with ``backend`` (the qkv backend that runs it, the
     impl's name for torch-dense, torch, linear and performer), or None to run it."""
     if backend in LINEAR_IMPLS and spec.case not in LINEAR_CASES:
@@ -302,22 +371,30 @@ def skip_reason(spec: Spec, backend: str | None, *, run_all: bool,
     limit = {PEER: DENSE_MAX_T, "torch": DENSE_MAX_T, "reference": REFERENCE_MAX_T}.get(backend)
     need = dense_bytes(spec, backend)
     if available is not None and need > MEMORY_SHARE * available:
-        return (f"would need ~{need / 2**30:.1f} GiB (dense T x S buffers), "
-                f"{available / 2**30:.1f} GiB available")
-    if limit is not None and spec.T > limit and not run_all:
+        return (
+            f"would need ~{need / 2**30:.1f} GiB (dense T x S buffers), "
+            f"{available / 2**30:.1f} GiB available"
+        )
+    if limit is not None and limit < spec.T and not run_all:
         dense = spec_flops(Spec("none", spec.T, spec.dtype, spec.mode, spec.impl))
         memory = f" and needs ~{need / 2**30:.1f} GiB" if need else ""
-        return (f"T={spec.T} > {limit}: {backend} computes all T*S pairs ({dense / 1e9:,.0f} "
-                f"GFLOP a call){memory}; pass --all to run it")
+        return (
+            f"T={spec.T} > {limit}: {backend} computes all T*S pairs ({dense / 1e9:,.0f} "
+            f"GFLOP a call){memory}; pass --all to run it"
+        )
     return None
 
 
 def _case_reason(impl: str, case: str) -> str:
     if impl == "torch":
-        return (f"torch is SDPA's native call with no mask or is_causal only; the {case} mask "
-                f"densely is torch-dense")
-    return (f"{impl} takes no {case} mask (linear attention has a kernel form for "
-            f"{' and '.join(LINEAR_CASES)} only)")
+        return (
+            f"torch is SDPA's native call with no mask or is_causal only; the {case} mask "
+            f"densely is torch-dense"
+        )
+    return (
+        f"{impl} takes no {case} mask (linear attention has a kernel form for "
+        f"{' and '.join(LINEAR_CASES)} only)"
+    )
 
 
 def available_bytes() -> int | None:

@@ -1,4 +1,5 @@
 """The ``qkv`` command line: thin subcommands over library functions."""
+
 from .main import main
 
 __all__ = ["main"]

@@ -5,6 +5,7 @@ fresh process, the ratios, the table, the JSON) is the library :mod:`qkv.bench`,
 docstring says what is measured and how. The names this module held before the harness moved
 there are re-exported here, for callers of ``qkv.cli.bench``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,24 +14,89 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import ContextManager
 
-from ..bench import (ALL_IMPLS, CASES, DTYPES, IMPLS, LINEAR_IMPLS, MODES, PEER, PEERS,
-                     BenchConfig, Crossover, Spec, add_ratios, attention_flops, available_bytes,
-                     bench_config, crossover_marks, crossovers, dense_bytes, document_ids,
-                     document_lengths, environment, grid, linear_attention_flops, load_previous,
-                     markdown_table, mask_density, mask_mod_for, measure, num_features, ratio_of,
-                     run_measurement, run_name, run_specs, skip_reason, spec_flops, worker_main,
-                     write_json_atomic)
+from ..bench import (
+    ALL_IMPLS,
+    CASES,
+    DTYPES,
+    IMPLS,
+    LINEAR_IMPLS,
+    MODES,
+    PEER,
+    PEERS,
+    BenchConfig,
+    Crossover,
+    Spec,
+    add_ratios,
+    attention_flops,
+    available_bytes,
+    bench_config,
+    crossover_marks,
+    crossovers,
+    dense_bytes,
+    document_ids,
+    document_lengths,
+    environment,
+    grid,
+    linear_attention_flops,
+    load_previous,
+    markdown_table,
+    mask_density,
+    mask_mod_for,
+    measure,
+    num_features,
+    ratio_of,
+    run_measurement,
+    run_name,
+    run_specs,
+    skip_reason,
+    spec_flops,
+    worker_main,
+    write_json_atomic,
+)
 from ..bench.specs import DEFAULT_LENGTHS, DENSE_MAX_T, MAX_T, REFERENCE_MAX_T
 from ..training import run_directory
 
 __all__ = [
-    "add_parser", "run_bench_cli", "BenchConfig", "Spec", "bench_config", "grid",
-    "attention_flops", "mask_density", "document_lengths", "document_ids", "skip_reason",
-    "mask_mod_for", "spec_flops", "dense_bytes", "available_bytes", "measure",
-    "run_measurement", "worker_main", "run_specs", "add_ratios", "markdown_table",
-    "environment", "write_json_atomic", "linear_attention_flops", "num_features", "run_name",
-    "load_previous", "crossovers", "crossover_marks", "Crossover", "ratio_of", "out_folder",
-    "CASES", "IMPLS", "DTYPES", "MODES", "PEER", "LINEAR_IMPLS", "ALL_IMPLS", "PEERS",
+    "ALL_IMPLS",
+    "CASES",
+    "DTYPES",
+    "IMPLS",
+    "LINEAR_IMPLS",
+    "MODES",
+    "PEER",
+    "PEERS",
+    "BenchConfig",
+    "Crossover",
+    "Spec",
+    "add_parser",
+    "add_ratios",
+    "attention_flops",
+    "available_bytes",
+    "bench_config",
+    "crossover_marks",
+    "crossovers",
+    "dense_bytes",
+    "document_ids",
+    "document_lengths",
+    "environment",
+    "grid",
+    "linear_attention_flops",
+    "load_previous",
+    "markdown_table",
+    "mask_density",
+    "mask_mod_for",
+    "measure",
+    "num_features",
+    "out_folder",
+    "ratio_of",
+    "run_bench_cli",
+    "run_measurement",
+    "run_name",
+    "run_specs",
+    "skip_reason",
+    "spec_flops",
+    "worker_main",
+    "write_json_atomic",
 ]
 
 
@@ -50,43 +116,96 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "to stdout; --out DIR writes DIR/tiled.json (after every measurement) and "
         "DIR/tiled.png, or DIR/linear.json and DIR/linear.png when a linear impl is asked for.",
     )
-    p.add_argument("--cases", nargs="+", default=list(CASES), metavar="CASE",
-                   help=f"cases to run (default: all of {', '.join(CASES)})")
-    p.add_argument("--lengths", nargs="+", default=[str(t) for t in DEFAULT_LENGTHS],
-                   metavar="T", help=f"sequence lengths, 1 to {MAX_T} (default: 1024 2048 4096)")
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), metavar="DTYPE",
-                   help="fp32 and/or bf16 (default: both)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE",
-                   help="fwd (no_grad) and/or fwdbwd (default: both)")
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), metavar="IMPL",
-                   help=f"implementations (default: {', '.join(IMPLS)}); also "
-                   f"{', '.join(LINEAR_IMPLS)}: linear attention (elu), FAVOR+ and torch's "
-                   "native SDPA, the linear ones' peer (cases none and causal only)")
-    p.add_argument("--min-run-time", default="0.5", metavar="SECONDS",
-                   help="timing budget of each measurement (default 0.5)")
-    p.add_argument("--timeout", default="600", metavar="SECONDS",
-                   help="limit on each measurement's process (default 600)")
-    p.add_argument("--threads", default=None, metavar="N",
-                   help="torch threads per measurement (default: torch's own)")
-    p.add_argument("--all", action="store_true", dest="run_all",
-                   help=f"also run torch-dense and torch beyond T={DENSE_MAX_T} and reference "
-                   f"beyond T={REFERENCE_MAX_T} (memory permitting; torch, O(T) memory, takes "
-                   "tens of seconds a call at T=65536)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write DIR/tiled.json and DIR/tiled.png (linear.json, linear.png with "
-                   "a linear impl)")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the measured records of the JSON in --out from an earlier run of "
-                   "the same machine and torch, and measure only the rest")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=list(CASES),
+        metavar="CASE",
+        help=f"cases to run (default: all of {', '.join(CASES)})",
+    )
+    p.add_argument(
+        "--lengths",
+        nargs="+",
+        default=[str(t) for t in DEFAULT_LENGTHS],
+        metavar="T",
+        help=f"sequence lengths, 1 to {MAX_T} (default: 1024 2048 4096)",
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=list(DTYPES),
+        metavar="DTYPE",
+        help="fp32 and/or bf16 (default: both)",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        metavar="MODE",
+        help="fwd (no_grad) and/or fwdbwd (default: both)",
+    )
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        default=list(IMPLS),
+        metavar="IMPL",
+        help=f"implementations (default: {', '.join(IMPLS)}); also "
+        f"{', '.join(LINEAR_IMPLS)}: linear attention (elu), FAVOR+ and torch's "
+        "native SDPA, the linear ones' peer (cases none and causal only)",
+    )
+    p.add_argument(
+        "--min-run-time",
+        default="0.5",
+        metavar="SECONDS",
+        help="timing budget of each measurement (default 0.5)",
+    )
+    p.add_argument(
+        "--timeout",
+        default="600",
+        metavar="SECONDS",
+        help="limit on each measurement's process (default 600)",
+    )
+    p.add_argument(
+        "--threads",
+        default=None,
+        metavar="N",
+        help="torch threads per measurement (default: torch's own)",
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        dest="run_all",
+        help=f"also run torch-dense and torch beyond T={DENSE_MAX_T} and reference "
+        f"beyond T={REFERENCE_MAX_T} (memory permitting; torch, O(T) memory, takes "
+        "tens of seconds a call at T=65536)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="write DIR/tiled.json and DIR/tiled.png (linear.json, linear.png with a linear impl)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the measured records of the JSON in --out from an earlier run of "
+        "the same machine and torch, and measure only the rest",
+    )
     p.set_defaults(func=run_bench_cli)
 
 
 def run_bench_cli(args: argparse.Namespace) -> int:
     """``qkv bench``: validate, measure, write, print the table; 0 when it ran to the end."""
     config = bench_config(
-        cases=args.cases, lengths=args.lengths, dtypes=args.dtypes, modes=args.modes,
-        impls=args.impls, min_run_time=args.min_run_time, timeout=args.timeout,
-        threads=args.threads, run_all=args.run_all,
+        cases=args.cases,
+        lengths=args.lengths,
+        dtypes=args.dtypes,
+        modes=args.modes,
+        impls=args.impls,
+        min_run_time=args.min_run_time,
+        timeout=args.timeout,
+        threads=args.threads,
+        run_all=args.run_all,
     )
     out = Path(args.out) if args.out else None
     if args.resume and out is None:
@@ -98,8 +217,10 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             previous = load_previous(json_path, environment(config)) if args.resume else None
             records = run_specs(grid(config), config, json_path, previous=previous)
     except KeyboardInterrupt:
-        print(f"\nqkv bench: interrupted{f'; what was measured is in {json_path}' if out else ''}",
-              file=sys.stderr)
+        print(
+            f"\nqkv bench: interrupted{f'; what was measured is in {json_path}' if out else ''}",
+            file=sys.stderr,
+        )
         return 130
     print(markdown_table(records))
     if out:

@@ -25,6 +25,7 @@ move the position. One warm-up block runs first.
 Shape alphabet: B batch, H heads (= key/value heads here), P position (tokens before the new
 one), D head dim, M features.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,16 +43,28 @@ from typing import TextIO
 
 import torch
 
+from ..bench.report import _cpu_model, _one_line, _qkv_version, load_previous, write_json_atomic
+from ..bench.specs import _choose, _positive, bounded_int, num_features
 from ..nn.cache import KVCache
 from ..ops.linear import Favor, LinearAttentionState
 from ..training import preserve_torch_state
-from ..bench.report import _cpu_model, _one_line, _qkv_version, load_previous, write_json_atomic
-from ..bench.specs import _choose, _positive, bounded_int, num_features
 from .bench import out_folder
 
-__all__ = ["add_parser", "run_decode_cli", "DecodeConfig", "decode_config", "run_decode",
-           "measure_decode", "measure_in_child", "decode_ratios", "decode_markdown", "decode_environment",
-           "DECODE_IMPLS", "DEFAULT_POSITIONS", "GROWTH_TARGET"]
+__all__ = [
+    "DECODE_IMPLS",
+    "DEFAULT_POSITIONS",
+    "GROWTH_TARGET",
+    "DecodeConfig",
+    "add_parser",
+    "decode_config",
+    "decode_environment",
+    "decode_markdown",
+    "decode_ratios",
+    "measure_decode",
+    "measure_in_child",
+    "run_decode",
+    "run_decode_cli",
+]
 
 B, H, D = 1, 8, 64
 DECODE_IMPLS = ("recurrent", "recurrent-performer", "kv-cache")
@@ -92,40 +105,68 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "goes to stderr, a Markdown table to stdout; --out DIR writes DIR/decode.json after "
         "every measurement.",
     )
-    p.add_argument("--positions", nargs="+", default=[str(t) for t in DEFAULT_POSITIONS],
-                   metavar="P", help=f"positions, 1 to {MAX_POSITION} (default: 1024 16384)")
-    p.add_argument("--impls", nargs="+", default=list(DECODE_IMPLS), metavar="IMPL",
-                   help=f"decoders (default: all of {', '.join(DECODE_IMPLS)})")
-    p.add_argument("--tokens-per-block", default="16", metavar="N",
-                   help="steps timed between rewinds to the position (default 16)")
-    p.add_argument("--min-run-time", default="0.5", metavar="SECONDS",
-                   help="timing budget of each measurement (default 0.5)")
-    p.add_argument("--threads", default=None, metavar="N",
-                   help="torch threads (default: torch's own)")
+    p.add_argument(
+        "--positions",
+        nargs="+",
+        default=[str(t) for t in DEFAULT_POSITIONS],
+        metavar="P",
+        help=f"positions, 1 to {MAX_POSITION} (default: 1024 16384)",
+    )
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        default=list(DECODE_IMPLS),
+        metavar="IMPL",
+        help=f"decoders (default: all of {', '.join(DECODE_IMPLS)})",
+    )
+    p.add_argument(
+        "--tokens-per-block",
+        default="16",
+        metavar="N",
+        help="steps timed between rewinds to the position (default 16)",
+    )
+    p.add_argument(
+        "--min-run-time",
+        default="0.5",
+        metavar="SECONDS",
+        help="timing budget of each measurement (default 0.5)",
+    )
+    p.add_argument(
+        "--threads", default=None, metavar="N", help="torch threads (default: torch's own)"
+    )
     p.add_argument("--out", default=None, metavar="DIR", help="write DIR/decode.json")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the measured records of DIR/decode.json from an earlier run of "
-                   "the same machine and torch, and measure only the rest")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the measured records of DIR/decode.json from an earlier run of "
+        "the same machine and torch, and measure only the rest",
+    )
     p.set_defaults(func=run_decode_cli)
 
 
 def run_decode_cli(args: argparse.Namespace) -> int:
     """``qkv bench-decode``: validate, measure, write, print the table."""
-    config = decode_config(positions=args.positions, impls=args.impls,
-                           tokens_per_block=args.tokens_per_block,
-                           min_run_time=args.min_run_time, threads=args.threads)
+    config = decode_config(
+        positions=args.positions,
+        impls=args.impls,
+        tokens_per_block=args.tokens_per_block,
+        min_run_time=args.min_run_time,
+        threads=args.threads,
+    )
     out = Path(args.out) if args.out else None
     if args.resume and out is None:
         raise ValueError("--resume continues the run whose JSON is in --out DIR; give --out")
     json_path = out / "decode.json" if out else None
     try:
         with out_folder(out):
-            previous = (load_previous(json_path, decode_environment(config)) if args.resume
-                        else None)
+            previous = load_previous(json_path, decode_environment(config)) if args.resume else None
             result = run_decode(config, json_path, previous=previous)
     except KeyboardInterrupt:
-        print(f"\nqkv bench-decode: interrupted"
-              f"{f'; what was measured is in {json_path}' if out else ''}", file=sys.stderr)
+        print(
+            f"\nqkv bench-decode: interrupted"
+            f"{f'; what was measured is in {json_path}' if out else ''}",
+            file=sys.stderr,
+        )
         return 130
     print(decode_markdown(result))
     if out:
@@ -133,10 +174,14 @@ def run_decode_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def decode_config(*, positions: Iterable[int | str] = DEFAULT_POSITIONS,
-                  impls: Iterable[str] = DECODE_IMPLS, tokens_per_block: int | str = 16,
-                  min_run_time: float | str = 0.5,
-                  threads: int | str | None = None) -> DecodeConfig:
+def decode_config(
+    *,
+    positions: Iterable[int | str] = DEFAULT_POSITIONS,
+    impls: Iterable[str] = DECODE_IMPLS,
+    tokens_per_block: int | str = 16,
+    min_run_time: float | str = 0.5,
+    threads: int | str | None = None,
+) -> DecodeConfig:
     """A validated :class:`DecodeConfig`; ValueError naming the bad value and the fix."""
     return DecodeConfig(
         positions=tuple(dict.fromkeys(_position(p) for p in positions)),
@@ -170,6 +215,7 @@ def _decoder(impl: str, P: int, n: int) -> tuple[Callable[[], None], Callable[[]
 
         def rewind() -> None:
             cache.position = P
+
         return step, rewind
 
     feature_map = Favor(D, seed=0).eval() if impl == "recurrent-performer" else "elu"
@@ -183,11 +229,13 @@ def _decoder(impl: str, P: int, n: int) -> tuple[Callable[[], None], Callable[[]
 
     def rewind() -> None:
         live[0] = copy.deepcopy(prefilled)
+
     return step, rewind
 
 
-def _time_blocks(step: Callable[[], None], rewind: Callable[[], None], n: int,
-                 min_run_time: float) -> list[float]:
+def _time_blocks(
+    step: Callable[[], None], rewind: Callable[[], None], n: int, min_run_time: float
+) -> list[float]:
     """Seconds a token, one entry per timed block of ``n`` steps, each from a rewind."""
     rewind()
     for _ in range(n):  # warm-up block
@@ -208,10 +256,24 @@ def measure_decode(impl: str, P: int, config: DecodeConfig) -> dict:
     """One record: per-token time of ``impl`` at position ``P`` (or why it failed). Torch's
     random state (the decoder is seeded) is put back afterwards."""
     n = config.tokens_per_block
-    rec = dict(impl=impl, position=P, B=B, H=H, D=D, dtype="fp32",
-               features=num_features(_FEATURE_MAPS.get(impl, "")),
-               positions_timed=[P, P + n - 1], tokens_per_block=n, status="", reason="",
-               us_per_token=None, us_q1=None, us_q3=None, blocks=None, prefill_s=None)
+    rec = dict(
+        impl=impl,
+        position=P,
+        B=B,
+        H=H,
+        D=D,
+        dtype="fp32",
+        features=num_features(_FEATURE_MAPS.get(impl, "")),
+        positions_timed=[P, P + n - 1],
+        tokens_per_block=n,
+        status="",
+        reason="",
+        us_per_token=None,
+        us_q1=None,
+        us_q3=None,
+        blocks=None,
+        prefill_s=None,
+    )
     try:
         with torch.no_grad():
             t0 = time.perf_counter()
@@ -223,8 +285,13 @@ def measure_decode(impl: str, P: int, config: DecodeConfig) -> dict:
         rec.update(status="oom" if oom else "error", reason=_one_line(e))
         return rec
     q1, _, q3 = statistics.quantiles(times, n=4)  # (at least MIN_BLOCKS = 5 times)
-    rec.update(status="ok", us_per_token=statistics.median(times) * 1e6, us_q1=q1 * 1e6,
-               us_q3=q3 * 1e6, blocks=len(times))
+    rec.update(
+        status="ok",
+        us_per_token=statistics.median(times) * 1e6,
+        us_q1=q1 * 1e6,
+        us_q3=q3 * 1e6,
+        blocks=len(times),
+    )
     return rec
 
 
@@ -232,25 +299,38 @@ def measure_in_child(impl: str, P: int, config: DecodeConfig) -> dict:
     """:func:`measure_decode` in a fresh Python process, so that no measurement runs on the heap
     an earlier one left behind (a 16k prefill's freed buffers moved the per-token time of a
     later decoder by up to 1.35x when all ran in one process)."""
-    code = ("import json, sys; from qkv.cli.bench_decode import DecodeConfig, measure_decode; "
-            "import torch; c = DecodeConfig(**json.loads(sys.argv[1])); "
-            "c.threads and torch.set_num_threads(c.threads); "
-            "print(json.dumps(measure_decode(sys.argv[2], int(sys.argv[3]), c)))")
+    code = (
+        "import json, sys; from qkv.cli.bench_decode import DecodeConfig, measure_decode; "
+        "import torch; c = DecodeConfig(**json.loads(sys.argv[1])); "
+        "c.threads and torch.set_num_threads(c.threads); "
+        "print(json.dumps(measure_decode(sys.argv[2], int(sys.argv[3]), c)))"
+    )
     args = json.dumps(dict(asdict(config), threads=config.threads or torch.get_num_threads()))
-    proc = subprocess.run([sys.executable, "-c", code, args, impl, str(P)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, args, impl, str(P)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return dict(impl=impl, position=P, status="error", reason=f"child exited "
-                    f"{proc.returncode}: {tail}", us_per_token=None)
+        return dict(
+            impl=impl,
+            position=P,
+            status="error",
+            reason=f"child exited {proc.returncode}: {tail}",
+            us_per_token=None,
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # ---- many, the ratios, the JSON, the table ---------------------------------------------------
 
 
-def run_decode(config: DecodeConfig, json_path: Path | None = None, *,
-               log: TextIO | None = None, previous: list[dict] | None = None) -> dict:
+def run_decode(
+    config: DecodeConfig,
+    json_path: Path | None = None,
+    *,
+    log: TextIO | None = None,
+    previous: list[dict] | None = None,
+) -> dict:
     """Measure every (position, decoder), a progress line each on ``log`` (stderr); rewrite
     ``json_path`` after each. Returns the JSON's content: the environment, ``records`` and
     ``ratios`` (:func:`decode_ratios`). ``previous``: records of an earlier run to keep."""
@@ -259,16 +339,22 @@ def run_decode(config: DecodeConfig, json_path: Path | None = None, *,
     env = decode_environment(config)
     jobs = [(impl, P) for P in config.positions for impl in config.impls]
     # The threads are the children's (measure_in_child): this process keeps its own.
-    print(f"qkv bench-decode: {len(jobs)} measurements, {env['threads']} threads",
-          file=log, flush=True)
+    print(
+        f"qkv bench-decode: {len(jobs)} measurements, {env['threads']} threads",
+        file=log,
+        flush=True,
+    )
     records: list[dict] = []
     result = dict(env, records=records, ratios=decode_ratios(records))
     for i, (impl, P) in enumerate(jobs, 1):
         old = done.get((impl, P))
         records.append(dict(old, resumed=True) if old else measure_in_child(impl, P, config))
         result["ratios"] = decode_ratios(records)
-        print(f"[{i:>{len(str(len(jobs)))}}/{len(jobs)}] {_progress(records[-1])}", file=log,
-              flush=True)
+        print(
+            f"[{i:>{len(str(len(jobs)))}}/{len(jobs)}] {_progress(records[-1])}",
+            file=log,
+            flush=True,
+        )
         if json_path is not None:
             write_json_atomic(json_path, result)
     return result
@@ -278,9 +364,11 @@ def _progress(r: dict) -> str:
     head = f"P={r['position']:<6} {r['impl']:<19}"
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r['reason']}"
-    return (f"{head} {r['us_per_token']:9.1f} us/token (quartiles {r['us_q1']:.1f}-"
-            f"{r['us_q3']:.1f}, {r['blocks']} blocks; prefill {r['prefill_s']:.2f} s)"
-            + (" (earlier run)" if r.get("resumed") else ""))
+    return (
+        f"{head} {r['us_per_token']:9.1f} us/token (quartiles {r['us_q1']:.1f}-"
+        f"{r['us_q3']:.1f}, {r['blocks']} blocks; prefill {r['prefill_s']:.2f} s)"
+        + (" (earlier run)" if r.get("resumed") else "")
+    )
 
 
 def decode_ratios(records: Iterable[dict]) -> dict:
@@ -298,31 +386,55 @@ def decode_ratios(records: Iterable[dict]) -> dict:
     growth = []
     if len(positions) > 1:
         lo, hi = positions[0], positions[-1]
-        growth = [dict(impl=i, **{"from": lo, "to": hi}, ratio=t[i, hi] / t[i, lo])
-                  for i in impls if (i, lo) in t and (i, hi) in t]
-    vs = [dict(impl=i, position=P, ratio=t[i, P] / t["kv-cache", P])
-          for i in impls if i != "kv-cache" for P in positions
-          if (i, P) in t and ("kv-cache", P) in t]
+        growth = [
+            dict(impl=i, **{"from": lo, "to": hi}, ratio=t[i, hi] / t[i, lo])
+            for i in impls
+            if (i, lo) in t and (i, hi) in t
+        ]
+    vs = [
+        dict(impl=i, position=P, ratio=t[i, P] / t["kv-cache", P])
+        for i in impls
+        if i != "kv-cache"
+        for P in positions
+        if (i, P) in t and ("kv-cache", P) in t
+    ]
     rec = next((g for g in growth if g["impl"] == "recurrent"), None)
-    target = dict(what="recurrent (elu) per-token time, last position over first",
-                  goal=f"<= {GROWTH_TARGET}", value=rec["ratio"] if rec else None,
-                  met=None if rec is None else rec["ratio"] <= GROWTH_TARGET,
-                  positions=[rec["from"], rec["to"]] if rec else None)
+    target = dict(
+        what="recurrent (elu) per-token time, last position over first",
+        goal=f"<= {GROWTH_TARGET}",
+        value=rec["ratio"] if rec else None,
+        met=None if rec is None else rec["ratio"] <= GROWTH_TARGET,
+        positions=[rec["from"], rec["to"]] if rec else None,
+    )
     return dict(growth=growth, vs_kv_cache=vs, target=target)
 
 
 def decode_environment(config: DecodeConfig) -> dict:
     """Device, versions, CPU, threads and the fixed shapes, for the JSON."""
     return dict(
-        benchmark="decode", device="cpu", cpu=_cpu_model(),
-        threads=config.threads or torch.get_num_threads(), torch=torch.__version__,
-        qkv=_qkv_version(), python=platform.python_version(), platform=platform.platform(),
-        config=dict(B=B, H=H, D=D, dtype="fp32", positions=list(config.positions),
-                    impls=list(config.impls), tokens_per_block=config.tokens_per_block,
-                    min_run_time=config.min_run_time, min_blocks=MIN_BLOCKS,
-                    performer_features=num_features("performer"), performer_seed=0,
-                    timing="median over blocks of tokens_per_block steps from position P, "
-                    "rewound to P between blocks (not timed); time.perf_counter"),
+        benchmark="decode",
+        device="cpu",
+        cpu=_cpu_model(),
+        threads=config.threads or torch.get_num_threads(),
+        torch=torch.__version__,
+        qkv=_qkv_version(),
+        python=platform.python_version(),
+        platform=platform.platform(),
+        config=dict(
+            B=B,
+            H=H,
+            D=D,
+            dtype="fp32",
+            positions=list(config.positions),
+            impls=list(config.impls),
+            tokens_per_block=config.tokens_per_block,
+            min_run_time=config.min_run_time,
+            min_blocks=MIN_BLOCKS,
+            performer_features=num_features("performer"),
+            performer_seed=0,
+            timing="median over blocks of tokens_per_block steps from position P, "
+            "rewound to P between blocks (not timed); time.perf_counter",
+        ),
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
 
@@ -336,10 +448,10 @@ def decode_markdown(result: dict) -> str:
     t = {(r["impl"], r["position"]): r for r in records}
     recurrent = [i for i in impls if i != "kv-cache"]
     vs = {(v["impl"], v["position"]): v["ratio"] for v in result["ratios"]["vs_kv_cache"]}
-    cols = [f"{i} us" for i in impls] + ([f"{i} / kv-cache" for i in recurrent]
-                                         if "kv-cache" in impls else [])
-    lines = ["| position | " + " | ".join(cols) + " |",
-             "|---:|" + "---:|" * len(cols)]
+    cols = [f"{i} us" for i in impls] + (
+        [f"{i} / kv-cache" for i in recurrent] if "kv-cache" in impls else []
+    )
+    lines = ["| position | " + " | ".join(cols) + " |", "|---:|" + "---:|" * len(cols)]
     for P in positions:
         cells = [_us(t.get((i, P))) for i in impls]
         if "kv-cache" in impls:
@@ -347,20 +459,24 @@ def decode_markdown(result: dict) -> str:
         lines.append(f"| {P} | " + " | ".join(cells) + " |")
     growth = result["ratios"]["growth"]
     if growth:
-        lines += ["", f"Per-token time at position {growth[0]['to']} over that at "
-                  f"{growth[0]['from']}:"]
+        lines += [
+            "",
+            f"Per-token time at position {growth[0]['to']} over that at {growth[0]['from']}:",
+        ]
         lines += [f"- {g['impl']}: x{g['ratio']:.3f}" for g in growth]
     target = result["ratios"]["target"]
     if target["met"] is not None:
         lo, hi = target["positions"]
-        lines += ["", f"Target, recurrent per-token time flat in the position ({hi} vs {lo}, "
-                  f"{target['goal']}): x{target['value']:.3f}, "
-                  f"{'met' if target['met'] else 'NOT met'}."]
+        lines += [
+            "",
+            f"Target, recurrent per-token time flat in the position ({hi} vs {lo}, "
+            f"{target['goal']}): x{target['value']:.3f}, "
+            f"{'met' if target['met'] else 'NOT met'}.",
+        ]
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         lines += ["", "Not measured:"]
-        lines += [f"- {r['impl']} at {r['position']}: {r['status']}, {r['reason']}"
-                  for r in failed]
+        lines += [f"- {r['impl']} at {r['position']}: {r['status']}, {r['reason']}" for r in failed]
     return "\n".join(lines)
 
 

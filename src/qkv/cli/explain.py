@@ -9,6 +9,7 @@ with ``--heads``. Says where the tutorial rounded and draws the weights with ``-
 Shape alphabet: H heads, T tokens (queries and keys alike), C model dim (d_model), D query/key
 dim (d_k), Dv value dim (d_v), O output dim of W^O.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,14 +26,41 @@ from ..functional import scaled_dot_product_attention
 from ..nn import SelfAttention
 from .tables import format_matrix
 
-__all__ = ["add_parser", "run_explain", "Problem", "Walk", "example_problem", "load_problem",
-           "parse_scale", "single_head", "multi_head", "SINGLE_STEPS", "MULTI_STEPS"]
+__all__ = [
+    "MULTI_STEPS",
+    "SINGLE_STEPS",
+    "Problem",
+    "Walk",
+    "add_parser",
+    "example_problem",
+    "load_problem",
+    "multi_head",
+    "parse_scale",
+    "run_explain",
+    "single_head",
+]
 
-SINGLE_STEPS = ("prepare inputs", "initialise weights", "derive Q, K, V", "scores", "softmax",
-                "multiply scores with values", "sum weighted values")
-MULTI_STEPS = ("prepare inputs", "initialise weights", "derive Q, K, V", "split into heads",
-               "scores", "softmax", "multiply scores with values", "sum weighted values",
-               "concat heads", "multiply by W^O")
+SINGLE_STEPS = (
+    "prepare inputs",
+    "initialise weights",
+    "derive Q, K, V",
+    "scores",
+    "softmax",
+    "multiply scores with values",
+    "sum weighted values",
+)
+MULTI_STEPS = (
+    "prepare inputs",
+    "initialise weights",
+    "derive Q, K, V",
+    "split into heads",
+    "scores",
+    "softmax",
+    "multiply scores with values",
+    "sum weighted values",
+    "concat heads",
+    "multiply by W^O",
+)
 _MATRICES = ("x", "w_q", "w_k", "w_v", "w_o")
 _KEYS = (*_MATRICES, "tokens", "scale")
 _WIDTH = 100  # tables are printed side by side while they fit in this many columns
@@ -100,19 +128,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "qkv.scaled_dot_product_attention per head). Says where the tutorial rounded.",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--example", choices=sorted(EXAMPLES), default="seed004",
-                     help="worked example to explain (default: seed004)")
-    src.add_argument("--input", metavar="FILE.json",
-                     help='your own matrices: keys "x" (T x d_model), "w_q", "w_k" '
-                     '(d_model x d_k), "w_v" (d_model x d_v); optional "w_o" (d_v x d_out), '
-                     '"tokens", "scale"')
-    p.add_argument("--scale", help="none (no scaling), 1/sqrt(d_k) (or sqrt) or a number "
-                   "(default: the example's or file's own; a file without one: 1/sqrt(d_k))")
-    p.add_argument("--heads", type=int, metavar="N",
-                   help="walk multi-head attention with N heads (contiguous column chunks)")
+    src.add_argument(
+        "--example",
+        choices=sorted(EXAMPLES),
+        default="seed004",
+        help="worked example to explain (default: seed004)",
+    )
+    src.add_argument(
+        "--input",
+        metavar="FILE.json",
+        help='your own matrices: keys "x" (T x d_model), "w_q", "w_k" '
+        '(d_model x d_k), "w_v" (d_model x d_v); optional "w_o" (d_v x d_out), '
+        '"tokens", "scale"',
+    )
+    p.add_argument(
+        "--scale",
+        help="none (no scaling), 1/sqrt(d_k) (or sqrt) or a number "
+        "(default: the example's or file's own; a file without one: 1/sqrt(d_k))",
+    )
+    p.add_argument(
+        "--heads",
+        type=int,
+        metavar="N",
+        help="walk multi-head attention with N heads (contiguous column chunks)",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="write attention-weight heatmaps here")
-    p.add_argument("--digits", type=int, default=6,
-                   help="significant digits printed (default: 6)")
+    p.add_argument("--digits", type=int, default=6, help="significant digits printed (default: 6)")
     p.set_defaults(func=run_explain)
 
 
@@ -156,8 +197,9 @@ def parse_scale(value: str | float | int, what: str = "--scale") -> float | None
     else:
         number = None
     if number is None or not math.isfinite(number):
-        raise ValueError(f"{what} must be none, 1/sqrt(d_k) (or sqrt) or a finite number, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"{what} must be none, 1/sqrt(d_k) (or sqrt) or a finite number, got {value!r}"
+        )
     return number
 
 
@@ -169,14 +211,24 @@ def example_problem(name: str, scale: str | None = None) -> Problem:
     tutorial, skipped = ex.tutorial, ""
     if ex.tutorial and used != ex.scale:  # rounded numbers of another scale: nothing to compare
         tutorial = {}
-        skipped = (f"the tutorial's numbers use scale "
-                   f"{_scale_text(ex.scale, 'd_k', len(ex.w_k[0]))}; run without --scale to "
-                   f"compare them")
+        skipped = (
+            f"the tutorial's numbers use scale "
+            f"{_scale_text(ex.scale, 'd_k', len(ex.w_k[0]))}; run without --scale to "
+            f"compare them"
+        )
     return Problem(
-        title=ex.title, x=t["x"], w_q=t["w_q"], w_k=t["w_k"], w_v=t["w_v"], w_o=None,
-        tokens=[f"x{i + 1}" for i in range(len(ex.x))], scale=used,
+        title=ex.title,
+        x=t["x"],
+        w_q=t["w_q"],
+        w_k=t["w_k"],
+        w_v=t["w_v"],
+        w_o=None,
+        tokens=[f"x{i + 1}" for i in range(len(ex.x))],
+        scale=used,
         scale_source="the example's own" if scale is None else "--scale",
-        tutorial=tutorial, tutorial_skipped=skipped, note=ex.note,
+        tutorial=tutorial,
+        tutorial_skipped=skipped,
+        note=ex.note,
     )
 
 
@@ -185,12 +237,15 @@ def load_problem(path: str, scale: str | None = None) -> Problem:
     data = _read_json(path)
     missing = [k for k in _MATRICES[:4] if k not in data]
     if missing:
-        raise ValueError(f"{path}: missing key {', '.join(map(repr, missing))}; need "
-                         f'"x", "w_q", "w_k", "w_v" (optional "w_o", "tokens", "scale")')
+        raise ValueError(
+            f"{path}: missing key {', '.join(map(repr, missing))}; need "
+            f'"x", "w_q", "w_k", "w_v" (optional "w_o", "tokens", "scale")'
+        )
     unknown = sorted(set(data) - set(_KEYS))
     if unknown:
-        raise ValueError(f"{path}: unknown key {', '.join(map(repr, unknown))}; allowed keys: "
-                         f"{', '.join(_KEYS)}")
+        raise ValueError(
+            f"{path}: unknown key {', '.join(map(repr, unknown))}; allowed keys: {', '.join(_KEYS)}"
+        )
     m = {k: _matrix(data[k], k, path) for k in _MATRICES if k in data}
     _check_shapes(m, path)
     tokens = _tokens(data.get("tokens"), m["x"].shape[0], path)
@@ -200,9 +255,17 @@ def load_problem(path: str, scale: str | None = None) -> Problem:
         used, source = parse_scale(data["scale"], f'{path}: "scale"'), f'"scale" in {path}'
     else:
         used, source = None, "the default"
-    return Problem(title=f"your input {path}", x=m["x"], w_q=m["w_q"], w_k=m["w_k"],
-                   w_v=m["w_v"], w_o=m.get("w_o"), tokens=tokens, scale=used,
-                   scale_source=source)
+    return Problem(
+        title=f"your input {path}",
+        x=m["x"],
+        w_q=m["w_q"],
+        w_k=m["w_k"],
+        w_v=m["w_v"],
+        w_o=m.get("w_o"),
+        tokens=tokens,
+        scale=used,
+        scale_source=source,
+    )
 
 
 def _read_json(path: str) -> dict:
@@ -213,28 +276,35 @@ def _read_json(path: str) -> dict:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column "
-                         f"{e.colno}") from None
+        raise ValueError(
+            f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+        ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object with keys x, w_q, w_k, w_v, got "
-                         f"{_json_type(data)}")
+        raise ValueError(
+            f"{path}: expected a JSON object with keys x, w_q, w_k, w_v, got {_json_type(data)}"
+        )
     return data
 
 
 def _matrix(value: object, name: str, path: str) -> Tensor:
     """A non-empty rectangular list of lists of finite numbers, as float64 ``(R, K)``."""
     if not isinstance(value, list) or not value or not all(isinstance(r, list) for r in value):
-        raise ValueError(f'{path}: "{name}" must be a non-empty list of rows (lists of '
-                         f"numbers), got {_json_type(value)}")
+        raise ValueError(
+            f'{path}: "{name}" must be a non-empty list of rows (lists of '
+            f"numbers), got {_json_type(value)}"
+        )
     width = len(value[0])
     for i, row in enumerate(value):
         if len(row) != width or not row:
-            raise ValueError(f'{path}: "{name}" is ragged: row {i} has {len(row)} numbers, '
-                             f"row 0 has {width}; every row needs the same length (> 0)")
+            raise ValueError(
+                f'{path}: "{name}" is ragged: row {i} has {len(row)} numbers, '
+                f"row 0 has {width}; every row needs the same length (> 0)"
+            )
         for j, x in enumerate(row):
             if not _finite_number(x):
-                raise ValueError(f'{path}: "{name}"[{i}][{j}] is {json.dumps(x)}, not a finite '
-                                 f"number")
+                raise ValueError(
+                    f'{path}: "{name}"[{i}][{j}] is {json.dumps(x)}, not a finite number'
+                )
     return torch.tensor(value, dtype=torch.float64)  # (R, K)
 
 
@@ -249,34 +319,54 @@ def _finite_number(x: object) -> bool:
 
 def _check_shapes(m: dict[str, Tensor], path: str) -> None:
     C = m["x"].shape[1]
-    for name, dims in (("w_q", "(d_model, d_k)"), ("w_k", "(d_model, d_k)"),
-                       ("w_v", "(d_model, d_v)")):
+    for name, dims in (
+        ("w_q", "(d_model, d_k)"),
+        ("w_k", "(d_model, d_k)"),
+        ("w_v", "(d_model, d_v)"),
+    ):
         if m[name].shape[0] != C:
-            raise ValueError(f'{path}: "{name}" is {_shape(m[name])} but x has d_model = {C} '
-                             f"columns; {name} must be {dims} = ({C}, ...)")
+            raise ValueError(
+                f'{path}: "{name}" is {_shape(m[name])} but x has d_model = {C} '
+                f"columns; {name} must be {dims} = ({C}, ...)"
+            )
     if m["w_k"].shape != m["w_q"].shape:
-        raise ValueError(f'{path}: "w_k" is {_shape(m["w_k"])} but "w_q" is '
-                         f"{_shape(m['w_q'])}; queries and keys need one d_k")
+        raise ValueError(
+            f'{path}: "w_k" is {_shape(m["w_k"])} but "w_q" is '
+            f"{_shape(m['w_q'])}; queries and keys need one d_k"
+        )
     d_v = m["w_v"].shape[1]
     if "w_o" in m and m["w_o"].shape[0] != d_v:
-        raise ValueError(f'{path}: "w_o" is {_shape(m["w_o"])} but d_v = {d_v}; w_o must be '
-                         f"(d_v, d_out) = ({d_v}, ...)")
+        raise ValueError(
+            f'{path}: "w_o" is {_shape(m["w_o"])} but d_v = {d_v}; w_o must be '
+            f"(d_v, d_out) = ({d_v}, ...)"
+        )
 
 
 def _tokens(value: object, T: int, path: str) -> list[str]:
     if value is None:
         return [f"x{i + 1}" for i in range(T)]
-    if (not isinstance(value, list) or len(value) != T
-            or not all(isinstance(t, str) and t and not any(c.isspace() for c in t)
-                       for t in value)):
-        raise ValueError(f'{path}: "tokens" must be a list of T = {T} non-empty strings '
-                         f"without spaces (one per row of x), got {json.dumps(value)}")
+    if (
+        not isinstance(value, list)
+        or len(value) != T
+        or not all(isinstance(t, str) and t and not any(c.isspace() for c in t) for t in value)
+    ):
+        raise ValueError(
+            f'{path}: "tokens" must be a list of T = {T} non-empty strings '
+            f"without spaces (one per row of x), got {json.dumps(value)}"
+        )
     return value
 
 
 def _json_type(value: object) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-             int: "a number", float: "a number", type(None): "null"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -292,8 +382,9 @@ def single_head(p: Problem) -> Walk:
     module = SelfAttention.from_weights(p.w_q, p.w_k, p.w_v, scale=p.scale)
     with torch.no_grad():  # numbers to print, not to train
         out, tr = module(p.x, return_trace=True)  # (T, Dv)
-    q, k, v, scores, probs, heads = (t.unsqueeze(0) for t in
-                                     (tr.q, tr.k, tr.v, tr.scores, tr.probs, out))  # (1, T, *)
+    q, k, v, scores, probs, heads = (
+        t.unsqueeze(0) for t in (tr.q, tr.k, tr.v, tr.scores, tr.probs, out)
+    )  # (1, T, *)
     weighted = probs.unsqueeze(-1) * v.unsqueeze(1)  # (1, T, T, Dv)
     return Walk(q, k, v, scores, probs, weighted, heads, out, out, _scale_value(p.scale, q))
 
@@ -305,22 +396,26 @@ def multi_head(p: Problem, heads: int) -> Walk:
     with torch.no_grad():  # numbers to print, not to train
         _, tr = SelfAttention.from_weights(p.w_q, p.w_k, p.w_v)(p.x, return_trace=True)
     q, k, v = (_split(t, heads) for t in (tr.q, tr.k, tr.v))  # (H, T, D/H) x2, (H, T, Dv/H)
-    out_h, trace = scaled_dot_product_attention(q, k, v, scale=p.scale,
-                                                return_trace=True)  # (H, T, Dv/H)
+    out_h, trace = scaled_dot_product_attention(
+        q, k, v, scale=p.scale, return_trace=True
+    )  # (H, T, Dv/H)
     weighted = trace.probs.unsqueeze(-1) * v.unsqueeze(1)  # (H, T, T, Dv/H)
     T = p.x.shape[0]
     concat = out_h.transpose(0, 1).reshape(T, d_v)  # (T, Dv)
     out = concat @ _w_o(p)  # (T, O)
-    return Walk(q, k, v, trace.scores, trace.probs, weighted, out_h, concat, out,
-                _scale_value(p.scale, q))
+    return Walk(
+        q, k, v, trace.scores, trace.probs, weighted, out_h, concat, out, _scale_value(p.scale, q)
+    )
 
 
 def _check_heads(heads: int, d_k: int, d_v: int) -> None:
     if heads < 1 or d_k % heads or d_v % heads:
         valid = [n for n in range(1, math.gcd(d_k, d_v) + 1) if d_k % n == 0 and d_v % n == 0]
-        raise ValueError(f"--heads {heads} must divide d_k = {d_k} and d_v = {d_v} (each "
-                         f"head takes d_k / N query/key and d_v / N value columns); valid N: "
-                         f"{', '.join(map(str, valid))}")
+        raise ValueError(
+            f"--heads {heads} must divide d_k = {d_k} and d_v = {d_v} (each "
+            f"head takes d_k / N query/key and d_v / N value columns); valid N: "
+            f"{', '.join(map(str, valid))}"
+        )
 
 
 def _split(t: Tensor, heads: int) -> Tensor:
@@ -365,8 +460,9 @@ class _Printer:
         print(detail)
         self.fresh = True
 
-    def table(self, title: str, m: Tensor, rows: list[str] | None = None,
-              cols: list[str] | None = None) -> str:
+    def table(
+        self, title: str, m: Tensor, rows: list[str] | None = None, cols: list[str] | None = None
+    ) -> str:
         return format_matrix(title, m, rows, cols, digits=self.digits)
 
     def show(self, *tables: str) -> None:
@@ -402,8 +498,10 @@ def _join(blocks: list[str], gap: int) -> str:
 def _print_intro(p: Problem, how: str) -> None:
     T, C = p.x.shape
     print(f"qkv explain: {p.title}")
-    print(f"T = {T} tokens ({', '.join(p.tokens)}), d_model = {C}, d_k = {p.w_q.shape[1]}, "
-          f"d_v = {p.w_v.shape[1]}; float64; {how}")
+    print(
+        f"T = {T} tokens ({', '.join(p.tokens)}), d_model = {C}, d_k = {p.w_q.shape[1]}, "
+        f"d_v = {p.w_v.shape[1]}; float64; {how}"
+    )
 
 
 def _print_inputs(out: _Printer, p: Problem, with_w_o: bool) -> None:
@@ -412,19 +510,24 @@ def _print_inputs(out: _Printer, p: Problem, with_w_o: bool) -> None:
     out.step(f"x holds one row per token: (T, d_model) = ({T}, {C})")
     out.show(out.table("x", p.x, p.tokens))
     out.step("the projections, used as Q = x W_Q (rows: input features)")
-    tables = [out.table(f"W_{n} {_shape(w)}", w) for n, w in
-              (("Q", p.w_q), ("K", p.w_k), ("V", p.w_v))]
+    tables = [
+        out.table(f"W_{n} {_shape(w)}", w) for n, w in (("Q", p.w_q), ("K", p.w_k), ("V", p.w_v))
+    ]
     if with_w_o:
-        tables.append(out.table(f"W^O {_shape(_w_o(p))}" + (" (identity)" if p.w_o is None
-                                                              else ""), _w_o(p)))
+        tables.append(
+            out.table(f"W^O {_shape(_w_o(p))}" + (" (identity)" if p.w_o is None else ""), _w_o(p))
+        )
     out.show(*tables)
 
 
 def _print_qkv(out: _Printer, p: Problem, w: Walk) -> None:
     q, k, v = (t.transpose(0, 1).flatten(1) for t in (w.q, w.k, w.v))  # (T, D), (T, D), (T, Dv)
     out.step("each token's query, key and value: its row of x times W_Q, W_K, W_V")
-    out.show(out.table("Q = x W_Q", q, p.tokens), out.table("K = x W_K", k, p.tokens),
-             out.table("V = x W_V", v, p.tokens))
+    out.show(
+        out.table("Q = x W_Q", q, p.tokens),
+        out.table("K = x W_K", k, p.tokens),
+        out.table("V = x W_V", v, p.tokens),
+    )
 
 
 def _print_single(out: _Printer, p: Problem, w: Walk) -> None:
@@ -440,10 +543,10 @@ def _print_single(out: _Printer, p: Problem, w: Walk) -> None:
     out.step("weights = softmax over each row of the scores (over the keys); rows sum to 1")
     out.show(out.table("weights", w.probs[0], toks, toks))
     out.step("weight_ij * v_j: one table per query i, one row per key j")
-    out.show(*(out.table(f"query {t}: weight * v", w.weighted[0, i], toks)
-               for i, t in enumerate(toks)))
-    out.step("output_i = sum_j weight_ij * v_j, the column sums of each table above "
-             "= weights V")
+    out.show(
+        *(out.table(f"query {t}: weight * v", w.weighted[0, i], toks) for i, t in enumerate(toks))
+    )
+    out.step("output_i = sum_j weight_ij * v_j, the column sums of each table above = weights V")
     out.show(out.table("outputs", w.out, toks))
     _print_tutorial(out, p, w)
 
@@ -463,18 +566,21 @@ def _print_tutorial(out: _Printer, p: Problem, w: Walk) -> None:
         diff = (exact[key] - r).abs()  # (T, T) or (T, Dv)
         i, j = divmod(int(diff.argmax()), diff.shape[1])
         cols = p.tokens if key != "outputs" else None
-        out.show(out.table(f"exact {names[key]}", exact[key], p.tokens, cols),
-                 out.table(f"tutorial's {names[key]} (rounded)", r, p.tokens, cols))
-        print(f"largest difference: {float(diff.max()):.{out.digits}g} (row {p.tokens[i]}, "
-              f"column {cols[j] if cols else j})")
+        out.show(
+            out.table(f"exact {names[key]}", exact[key], p.tokens, cols),
+            out.table(f"tutorial's {names[key]} (rounded)", r, p.tokens, cols),
+        )
+        print(
+            f"largest difference: {float(diff.max()):.{out.digits}g} (row {p.tokens[i]}, "
+            f"column {cols[j] if cols else j})"
+        )
     if p.note:
         print(f"\nnote: {p.note}")
 
 
 def _print_multi(out: _Printer, p: Problem, w: Walk) -> None:
     H = w.q.shape[0]
-    _print_intro(p, f"{H} heads, computed by qkv.scaled_dot_product_attention on "
-                    f"(H, T, head_dim)")
+    _print_intro(p, f"{H} heads, computed by qkv.scaled_dot_product_attention on (H, T, head_dim)")
     scale = _scale_text(p.scale, "head_dim", w.q.shape[-1])
     print(f"scale per head: {scale}, {p.scale_source}")
     out.start(MULTI_STEPS)
@@ -483,8 +589,7 @@ def _print_multi(out: _Printer, p: Problem, w: Walk) -> None:
     _print_heads(out, p, w, scale)
     out.step("the head outputs side by side, head 1's columns first: (T, d_v)")
     out.show(out.table("concat", w.concat, p.tokens))
-    out.step("output = concat W^O" + (" (W^O = identity: no \"w_o\" given)"
-                                      if p.w_o is None else ""))
+    out.step("output = concat W^O" + (' (W^O = identity: no "w_o" given)' if p.w_o is None else ""))
     out.show(out.table("outputs", w.out, p.tokens))
 
 
@@ -492,23 +597,31 @@ def _print_heads(out: _Printer, p: Problem, w: Walk, scale: str) -> None:
     """Steps 4 to 8 of the multi-head walk: split, then each head's attention."""
     hk, hv = w.q.shape[-1], w.v.shape[-1]
     toks, names = p.tokens, [f"head {h + 1}" for h in range(w.q.shape[0])]
-    out.step(f"head h takes columns h*{hk}:(h+1)*{hk} of Q and K and h*{hv}:(h+1)*{hv} of V, "
-             f"in order")
+    out.step(
+        f"head h takes columns h*{hk}:(h+1)*{hk} of Q and K and h*{hv}:(h+1)*{hv} of V, in order"
+    )
     for h, n in enumerate(names):
-        out.show(out.table(f"{n}: Q_{h + 1}", w.q[h], toks, _cols(h, hk)),
-                 out.table(f"{n}: K_{h + 1}", w.k[h], toks, _cols(h, hk)),
-                 out.table(f"{n}: V_{h + 1}", w.v[h], toks, _cols(h, hv)))
+        out.show(
+            out.table(f"{n}: Q_{h + 1}", w.q[h], toks, _cols(h, hk)),
+            out.table(f"{n}: K_{h + 1}", w.k[h], toks, _cols(h, hk)),
+            out.table(f"{n}: V_{h + 1}", w.v[h], toks, _cols(h, hv)),
+        )
     out.step(f"per head, scores = Q_h K_h^T * scale, scale = {scale}")
     out.show(*(out.table(f"{n}: scores", w.scores[h], toks, toks) for h, n in enumerate(names)))
     out.step("per head, weights = softmax over each row of the scores")
     out.show(*(out.table(f"{n}: weights", w.probs[h], toks, toks) for h, n in enumerate(names)))
     out.step("per head, weight_ij * v_j: one table per query i, one row per key j")
     for h, n in enumerate(names):
-        out.show(*(out.table(f"{n}, query {t}: weight * v", w.weighted[h, i], toks,
-                             _cols(h, hv)) for i, t in enumerate(toks)))
+        out.show(
+            *(
+                out.table(f"{n}, query {t}: weight * v", w.weighted[h, i], toks, _cols(h, hv))
+                for i, t in enumerate(toks)
+            )
+        )
     out.step("per head, output_i = sum_j weight_ij * v_j = weights_h V_h")
-    out.show(*(out.table(f"{n}: output", w.heads[h], toks, _cols(h, hv))
-               for h, n in enumerate(names)))
+    out.show(
+        *(out.table(f"{n}: output", w.heads[h], toks, _cols(h, hv)) for h, n in enumerate(names))
+    )
 
 
 def _cols(h: int, width: int) -> list[str]:
@@ -521,8 +634,7 @@ def _plot(probs: Tensor, path: str, tokens: list[str]) -> None:
 
     titles = [f"head {h + 1}" for h in range(probs.shape[0])]
     try:
-        written = plot_attention(probs, path, query_labels=tokens, key_labels=tokens,
-                                 titles=titles)
+        written = plot_attention(probs, path, query_labels=tokens, key_labels=tokens, titles=titles)
     except ImportError as e:
         raise ValueError(str(e)) from None
     except OSError as e:

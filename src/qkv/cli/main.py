@@ -1,4 +1,5 @@
 """``qkv`` entry point: argument parsing and dispatch to subcommands."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """``qkv seeds``: the seeds' worked examples through every backend, checked to the digit."""
+
 from __future__ import annotations
 
 import argparse
@@ -6,9 +7,9 @@ import argparse
 import torch
 
 from ..dispatch import backend_names, get_backend
-from ..ops import AttentionCall
 from ..examples import EXAMPLES, SeedExample
 from ..functional import scaled_dot_product_attention
+from ..ops import AttentionCall
 from .tables import format_matrix
 
 __all__ = ["add_parser", "run_seeds"]
@@ -22,8 +23,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "with qkv.scaled_dot_product_attention on each backend, print the numbers and check "
         "them against the exact values. Exit 1 if any backend is off by more than 5e-7.",
     )
-    p.add_argument("--example", choices=sorted(EXAMPLES), action="append",
-                   help="example to run (repeatable; default: all)")
+    p.add_argument(
+        "--example",
+        choices=sorted(EXAMPLES),
+        action="append",
+        help="example to run (repeatable; default: all)",
+    )
     p.add_argument("--backend", action="append", help="backend to use (repeatable; default: all)")
     p.set_defaults(func=lambda a: run_seeds(a.example or list(EXAMPLES), a.backend))
 

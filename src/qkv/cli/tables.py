@@ -1,4 +1,5 @@
 """Aligned plain-text tables of small matrices, for the CLI."""
+
 from __future__ import annotations
 
 from torch import Tensor

@@ -34,6 +34,7 @@ What the page adds (:mod:`qkv.analysis`, imported only when asked for):
   colour scale and ranks the heads by how much they changed (mean or max ``|difference|``),
   the comparison's own numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,7 @@ from ..capture import Captured, capture, load_capture
 from ..training import CHECKPOINT, run_directory
 from ..training.recipes import ClassifierRecipe, Seq2SeqRecipe, make_recipe
 
-__all__ = ["add_parser", "run_view", "parse_index", "load_run", "DEFAULT_OUT"]
+__all__ = ["DEFAULT_OUT", "add_parser", "load_run", "parse_index", "run_view"]
 
 DEFAULT_OUT = "out/view/attention.html"
 HF_CONFIG = "config.json"
@@ -56,78 +57,125 @@ HF_CONFIG = "config.json"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``qkv view``."""
     p = sub.add_parser(
-        "view", help="write a self-contained HTML page of a model's attention weights",
+        "view",
+        help="write a self-contained HTML page of a model's attention weights",
         description="Write one offline HTML page of attention weights, by layer and head, "
         "with the tokens as labels: from a capture saved with Captured.save, from a qkv train "
         "run folder and --input, or from a Hugging Face model folder and --text (qkv[hf]; "
-        "local files only, nothing is downloaded).")
-    p.add_argument("source", metavar="SOURCE",
-                   help="a saved capture (.pt), a qkv train run folder, or a Hugging Face "
-                   "model folder")
-    p.add_argument("--input", metavar="TOKENS",
-                   help='for a run folder: the input, tokens separated by spaces ("3 1 4 1 5")')
+        "local files only, nothing is downloaded).",
+    )
+    p.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a saved capture (.pt), a qkv train run folder, or a Hugging Face model folder",
+    )
+    p.add_argument(
+        "--input",
+        metavar="TOKENS",
+        help='for a run folder: the input, tokens separated by spaces ("3 1 4 1 5")',
+    )
     p.add_argument("--text", help="for a Hugging Face model folder: the text to tokenise")
-    p.add_argument("--layers", metavar="LIST",
-                   help="layers to capture: numbers (0,3 or 0:4) or module names")
+    p.add_argument(
+        "--layers", metavar="LIST", help="layers to capture: numbers (0,3 or 0:4) or module names"
+    )
     p.add_argument("--heads", metavar="LIST", help="query heads to capture (0,3 or 0:4)")
-    p.add_argument("--rows", metavar="LIST",
-                   help="query rows to capture (8000:8016, or -1 for the last)")
-    p.add_argument("--scores", action="store_true",
-                   help="add the Head scores tab: every head scored (previous-token, self, "
-                   "first-token, local, entropy, induction), sorted by a chosen score")
-    p.add_argument("--induction-period", metavar="N",
-                   help="with --scores: the input repeats every N tokens from position 0 "
-                   "(qkv.analysis.induction_input); scores induction")
-    p.add_argument("--rollout", nargs="?", const="mean", choices=("mean", "per-head"),
-                   help="add attention rollout over all layers (of the head mean, or "
-                   "'per-head': head h of every layer alone), as a matrix and as token "
-                   "saliency per output position (needs every query row: no --rows)")
-    p.add_argument("--flow", metavar="POS",
-                   help="add attention flow into one output position (-1: the last); one max "
-                   "flow per input token, slow beyond a few hundred tokens")
-    p.add_argument("--against", metavar="B.pt",
-                   help="a saved capture of the same architecture, input length and bounds: "
-                   "show the difference SOURCE - B.pt per head and rank the heads by how much "
-                   "they changed")
+    p.add_argument(
+        "--rows", metavar="LIST", help="query rows to capture (8000:8016, or -1 for the last)"
+    )
+    p.add_argument(
+        "--scores",
+        action="store_true",
+        help="add the Head scores tab: every head scored (previous-token, self, "
+        "first-token, local, entropy, induction), sorted by a chosen score",
+    )
+    p.add_argument(
+        "--induction-period",
+        metavar="N",
+        help="with --scores: the input repeats every N tokens from position 0 "
+        "(qkv.analysis.induction_input); scores induction",
+    )
+    p.add_argument(
+        "--rollout",
+        nargs="?",
+        const="mean",
+        choices=("mean", "per-head"),
+        help="add attention rollout over all layers (of the head mean, or "
+        "'per-head': head h of every layer alone), as a matrix and as token "
+        "saliency per output position (needs every query row: no --rows)",
+    )
+    p.add_argument(
+        "--flow",
+        metavar="POS",
+        help="add attention flow into one output position (-1: the last); one max "
+        "flow per input token, slow beyond a few hundred tokens",
+    )
+    p.add_argument(
+        "--against",
+        metavar="B.pt",
+        help="a saved capture of the same architecture, input length and bounds: "
+        "show the difference SOURCE - B.pt per head and rank the heads by how much "
+        "they changed",
+    )
     p.add_argument("--title", help="the page's title (default: what it shows)")
-    p.add_argument("--cache-dir", default=None,
-                   help="for a run folder: where its task's data is cached (as qkv train's)")
-    p.add_argument("--out", default=DEFAULT_OUT, metavar="FILE.html",
-                   help=f"the page to write (default {DEFAULT_OUT})")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="for a run folder: where its task's data is cached (as qkv train's)",
+    )
+    p.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        metavar="FILE.html",
+        help=f"the page to write (default {DEFAULT_OUT})",
+    )
     p.set_defaults(func=run_view)
 
 
 def run_view(args: argparse.Namespace) -> int:
     """Capture (or load) the weights ``args`` ask for, write the page, print its path."""
     source = Path(args.source)
-    bounds = dict(layers=parse_index(args.layers, "--layers", names=True),
-                  heads=parse_index(args.heads, "--heads"), rows=parse_index(args.rows, "--rows"))
+    bounds = dict(
+        layers=parse_index(args.layers, "--layers", names=True),
+        heads=parse_index(args.heads, "--heads"),
+        rows=parse_index(args.rows, "--rows"),
+    )
     extras = _extras_asked(args)
     if args.against is not None and not Path(args.against).is_file():
-        raise ValueError(f"--against {args.against} does not exist: give a second saved "
-                         f"capture (.pt)")
+        raise ValueError(
+            f"--against {args.against} does not exist: give a second saved capture (.pt)"
+        )
     if source.is_file():
-        _refuse(args, ("--input", "--text", "--layers", "--heads", "--rows", "--cache-dir"),
-                "a saved capture is shown as it was saved")
+        _refuse(
+            args,
+            ("--input", "--text", "--layers", "--heads", "--rows", "--cache-dir"),
+            "a saved capture is shown as it was saved",
+        )
         obj, tokens, title = _saved_capture(source)
     elif (source / CHECKPOINT).is_file():
         _refuse(args, ("--text",), "a qkv train run reads --input")
         if args.input is None:
-            raise ValueError(f'{source} is a qkv train run: give its model an input, e.g. '
-                             f'--input "3 1 4 1 5"')
+            raise ValueError(
+                f'{source} is a qkv train run: give its model an input, e.g. --input "3 1 4 1 5"'
+            )
         obj, tokens, title = _run(source, args.input, bounds, args.cache_dir)
     elif (source / HF_CONFIG).is_file():
         _refuse(args, ("--input", "--cache-dir"), "a Hugging Face model reads --text")
         if args.text is None:
-            raise ValueError(f'{source} is a Hugging Face model folder: give it a text, e.g. '
-                             f'--text "The cat sat on the mat"')
+            raise ValueError(
+                f"{source} is a Hugging Face model folder: give it a text, e.g. "
+                f'--text "The cat sat on the mat"'
+            )
         obj, tokens, title = _hugging_face(source, args.text, bounds)
     elif source.is_dir():
-        raise ValueError(f"{source} is neither a qkv train run (no {CHECKPOINT}) nor a Hugging "
-                         f"Face model folder (no {HF_CONFIG})")
+        raise ValueError(
+            f"{source} is neither a qkv train run (no {CHECKPOINT}) nor a Hugging "
+            f"Face model folder (no {HF_CONFIG})"
+        )
     else:
-        raise ValueError(f"{source} does not exist: give a saved capture (.pt), a qkv train "
-                         f"run folder or a Hugging Face model folder")
+        raise ValueError(
+            f"{source} does not exist: give a saved capture (.pt), a qkv train "
+            f"run folder or a Hugging Face model folder"
+        )
     if args.against is not None:
         other, _, _ = _saved_capture(Path(args.against))
         extras = dict(against=_compare(obj, other, source, Path(args.against)))
@@ -143,6 +191,7 @@ def run_view(args: argparse.Namespace) -> int:
 
 def _write_html(obj, path: Path, tokens, *, title: str, **extras) -> Path:
     from ..viz.html import html  # imported when a page is written
+
     return html(obj, path, tokens, title=title, **extras)
 
 
@@ -153,17 +202,29 @@ def _extras_asked(args: argparse.Namespace) -> dict:
     """The analyses the flags ask for, checked before anything is loaded or run."""
     if args.induction_period is not None and not args.scores:
         raise ValueError("--induction-period applies to the induction score: add --scores")
-    period = None if args.induction_period is None else \
-        _int(args.induction_period, "--induction-period", args.induction_period)
+    period = (
+        None
+        if args.induction_period is None
+        else _int(args.induction_period, "--induction-period", args.induction_period)
+    )
     if period is not None and period < 1:
         raise ValueError(f"--induction-period {period}: the period must be at least 1 token")
     flow = None if args.flow is None else _int(args.flow, "--flow", args.flow)
-    asked = [f for f, on in (("--scores", args.scores), ("--rollout", args.rollout),
-                             ("--flow", flow is not None)) if on]
+    asked = [
+        f
+        for f, on in (
+            ("--scores", args.scores),
+            ("--rollout", args.rollout),
+            ("--flow", flow is not None),
+        )
+        if on
+    ]
     if args.against is not None and asked:
-        raise ValueError(f"--against shows differences; {' and '.join(asked)} "
-                         f"{'is' if len(asked) == 1 else 'are'} of one capture: write "
-                         f"{'it' if len(asked) == 1 else 'them'} on a page of its own")
+        raise ValueError(
+            f"--against shows differences; {' and '.join(asked)} "
+            f"{'is' if len(asked) == 1 else 'are'} of one capture: write "
+            f"{'it' if len(asked) == 1 else 'them'} on a page of its own"
+        )
     return dict(scores=args.scores, period=period, rollout=args.rollout, flow=flow)
 
 
@@ -183,11 +244,14 @@ def _analyses(cap: Captured, asked: dict) -> dict:
     if asked["flow"] is not None:
         T = _rollout_length(cap)
         if not -T <= asked["flow"] < T:
-            raise ValueError(f"--flow {asked['flow']}: no output position {asked['flow']} "
-                             f"among T={T} tokens; give 0..{T - 1}, or -1 for the last")
+            raise ValueError(
+                f"--flow {asked['flow']}: no output position {asked['flow']} "
+                f"among T={T} tokens; give 0..{T - 1}, or -1 for the last"
+            )
         pos = asked["flow"] % T
         try:
             import scipy.sparse.csgraph  # noqa: F401  (Dinic: ~40x networkx's preflow-push)
+
             solver = "scipy"
         except ImportError:
             solver = "networkx"
@@ -199,14 +263,23 @@ def _self_attention(cap: Captured, asked: dict) -> None:
     """Refuse, in the CLI's words, a capture with no self-attention call for the analyses."""
     if not cap.records or any(r.call == 0 and r.shape[2] == r.shape[3] for r in cap.records):
         return
-    flags = [f for f, on in (("--scores", asked["scores"]), ("--rollout", asked["rollout"]),
-                             ("--flow", asked["flow"] is not None)) if on]
+    flags = [
+        f
+        for f, on in (
+            ("--scores", asked["scores"]),
+            ("--rollout", asked["rollout"]),
+            ("--flow", asked["flow"] is not None),
+        )
+        if on
+    ]
     r = cap.records[0]
-    raise ValueError(f"{' and '.join(flags)} read self-attention (T == S), and this capture "
-                     f"holds none (e.g. {r.name!r}: T={r.shape[2]} queries, S={r.shape[3]} "
-                     f"keys): a sequence-to-sequence run shows its cross-attention by default; "
-                     f"add --layers encoder, or decoder self-attention by name (--layers "
-                     f"decoder.layers.0.self_attn)")
+    raise ValueError(
+        f"{' and '.join(flags)} read self-attention (T == S), and this capture "
+        f"holds none (e.g. {r.name!r}: T={r.shape[2]} queries, S={r.shape[3]} "
+        f"keys): a sequence-to-sequence run shows its cross-attention by default; "
+        f"add --layers encoder, or decoder self-attention by name (--layers "
+        f"decoder.layers.0.self_attn)"
+    )
 
 
 def _rollout_length(cap: Captured) -> int:
@@ -232,8 +305,10 @@ def _compare(a: Captured, b: Captured, pa: Path, pb: Path):
 def _refuse(args: argparse.Namespace, options: tuple[str, ...], why: str) -> None:
     given = [o for o in options if getattr(args, o[2:].replace("-", "_")) is not None]
     if given:
-        raise ValueError(f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not "
-                         f"apply to {args.source}: {why}")
+        raise ValueError(
+            f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not "
+            f"apply to {args.source}: {why}"
+        )
 
 
 def parse_index(text: str | None, what: str, *, names: bool = False):
@@ -275,8 +350,10 @@ def _int(s: str, what: str, text: str) -> int:
     try:
         return int(s)
     except ValueError:
-        raise ValueError(f"{what} {text}: {s.strip()!r} is not a number; write numbers and "
-                         f"ranges like 0,3 or 8000:8016") from None
+        raise ValueError(
+            f"{what} {text}: {s.strip()!r} is not a number; write numbers and "
+            f"ranges like 0,3 or 8000:8016"
+        ) from None
 
 
 # ---- a saved capture ----------------------------------------------------------------------
@@ -284,16 +361,20 @@ def _int(s: str, what: str, text: str) -> int:
 
 def _saved_capture(path: Path) -> tuple[Captured, None, str]:
     if path.name == CHECKPOINT:
-        raise ValueError(f"{path} is a qkv train checkpoint: view its run with the folder, "
-                         f'qkv view {path.parent} --input "3 1 4 1 5"')
+        raise ValueError(
+            f"{path} is a qkv train checkpoint: view its run with the folder, "
+            f'qkv view {path.parent} --input "3 1 4 1 5"'
+        )
     try:
         cap = load_capture(path, map_location="cpu")
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001  (torch.load fails in many ways on a foreign file)
+    except Exception as e:
         first = " ".join(str(e).split()).split(". ")[0]
-        raise ValueError(f"{path} is not a readable qkv capture ({type(e).__name__}: "
-                         f"{first}); write one with Captured.save") from None
+        raise ValueError(
+            f"{path} is not a readable qkv capture ({type(e).__name__}: "
+            f"{first}); write one with Captured.save"
+        ) from None
     return cap, None, f"{path.name}: {cap.settings.get('model', 'model')}"
 
 
@@ -313,17 +394,24 @@ def load_run(folder: str | Path, *, cache_dir: str | None = None):
     path = Path(folder) / CHECKPOINT
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
-        why = "" if isinstance(ck, dict) and {"recipe", "model"} <= ck.keys() else (
-            "it holds no recipe and model")
-    except Exception as e:  # noqa: BLE001  (EOFError, RuntimeError, UnpicklingError, ...)
+        why = (
+            ""
+            if isinstance(ck, dict) and {"recipe", "model"} <= ck.keys()
+            else ("it holds no recipe and model")
+        )
+    except Exception as e:
         why = f"{type(e).__name__}: {' '.join(str(e).split()).split('. ')[0]}"
     if why:
         raise ValueError(f"{path} is not a readable qkv train checkpoint ({why})")
     desc = ck["recipe"]
-    recipe = make_recipe(desc["task"], attention=desc["attention"],
-                         attention_options=desc["attention_options"], model=desc["model"],
-                         data={**desc["data"], "train_size": 1, "test_size": 1},
-                         cache_dir=cache_dir)
+    recipe = make_recipe(
+        desc["task"],
+        attention=desc["attention"],
+        attention_options=desc["attention_options"],
+        model=desc["model"],
+        data={**desc["data"], "train_size": 1, "test_size": 1},
+        cache_dir=cache_dir,
+    )
     model = recipe.build_model()
     model.load_state_dict(ck["model"])
     return recipe, model.eval()
@@ -339,8 +427,10 @@ def _run(folder: Path, text: str, bounds: dict, cache_dir: str | None):
         with torch.no_grad(), capture(model, **bounds) as cap:
             label = int(model(x).argmax(-1))
         return cap, ["CLS", *tokens], f"{recipe.task}: {' '.join(tokens)} (predicted {label})"
-    raise ValueError(f"{folder} is a run of {recipe.task}, whose inputs are images, not "
-                     f"tokens: --input reads tokens of reverse, copy, sort or listops")
+    raise ValueError(
+        f"{folder} is a run of {recipe.task}, whose inputs are images, not "
+        f"tokens: --input reads tokens of reverse, copy, sort or listops"
+    )
 
 
 def _seq2seq(recipe: Seq2SeqRecipe, model, text: str, bounds: dict):
@@ -360,16 +450,21 @@ def _seq2seq(recipe: Seq2SeqRecipe, model, text: str, bounds: dict):
     kinds = sorted({_kind(r.name) for r in cap})
     if len(kinds) > 1:
         asked = ",".join(map(str, bounds["layers"]))
-        raise ValueError(f"--layers {asked} takes {' and '.join(_KINDS[k] for k in kinds)}; a "
-                         f"page labels one kind: ask for the cross-attention (the default), "
-                         f"--layers encoder, or decoder self-attention by name, e.g. --layers "
-                         f"decoder.layers.0.self_attn")
+        raise ValueError(
+            f"--layers {asked} takes {' and '.join(_KINDS[k] for k in kinds)}; a "
+            f"page labels one kind: ask for the cross-attention (the default), "
+            f"--layers encoder, or decoder self-attention by name, e.g. --layers "
+            f"decoder.layers.0.self_attn"
+        )
     title = f"{recipe.task}: {' '.join(src_tokens)} -> {' '.join(tgt_tokens[1:])}"
     return cap, labels[kinds[0]], f"{title}, {_KINDS[kinds[0]]}"
 
 
-_KINDS = {"cross": "cross-attention", "encoder": "encoder self-attention",
-          "decoder": "decoder self-attention"}
+_KINDS = {
+    "cross": "cross-attention",
+    "encoder": "encoder self-attention",
+    "decoder": "decoder self-attention",
+}
 
 
 def _kind(site: str) -> str:
@@ -387,11 +482,12 @@ def _tokenise(recipe, text: str, most: int) -> list[str]:
     ordinary = [t for t in vocab.tokens if not (t.startswith("<") and t.endswith(">"))]
     bad = [t for t in tokens if t not in ordinary]
     if bad:
-        raise ValueError(f"--input: token {bad[0]!r} is not in the {recipe.task} task's "
-                         f"vocabulary ({' '.join(ordinary)}); separate tokens by spaces")
+        raise ValueError(
+            f"--input: token {bad[0]!r} is not in the {recipe.task} task's "
+            f"vocabulary ({' '.join(ordinary)}); separate tokens by spaces"
+        )
     if len(tokens) > most:
-        raise ValueError(f"--input has {len(tokens)} tokens; this run's model takes at most "
-                         f"{most}")
+        raise ValueError(f"--input has {len(tokens)} tokens; this run's model takes at most {most}")
     return tokens
 
 
@@ -402,10 +498,11 @@ def _greedy(recipe: Seq2SeqRecipe, model, src) -> torch.Tensor:
     """
     vocab = recipe.train_data.vocab
     with torch.no_grad():
-        pred = recipe.predict(model, src, torch.ones_like(src, dtype=torch.bool),
-                              src.shape[1] + 2)[0]  # (S + 2,)
+        pred = recipe.predict(model, src, torch.ones_like(src, dtype=torch.bool), src.shape[1] + 2)[
+            0
+        ]  # (S + 2,)
     stops = [i for i, t in enumerate(pred.tolist()) if t in (vocab.eos, vocab.pad)]
-    return pred[:stops[0] if stops else len(pred) - 1].unsqueeze(0)  # (1, T)
+    return pred[: stops[0] if stops else len(pred) - 1].unsqueeze(0)  # (1, T)
 
 
 # ---- a Hugging Face model folder ----------------------------------------------------------
@@ -435,8 +532,10 @@ def _load(auto, folder: Path, what: str):
     try:
         return auto.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot load the {what} of the Hugging Face model folder {folder} "
-                         f"(local files only): {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"cannot load the {what} of the Hugging Face model folder {folder} "
+            f"(local files only): {type(e).__name__}: {e}"
+        ) from None
 
 
 @contextmanager

@@ -11,10 +11,22 @@
 Run under ``torchrun`` (or after ``torch.distributed.init_process_group``): gloo with CPU
 tensors, NCCL with CUDA tensors.
 """
+
 from .comm import CommLog, Message, PeerError, comm_log
 from .layout import LAYOUTS, segments, shard, unshard
 from .local import RankFailed, run_local
 from .ring import ring_attention
 
-__all__ = ["ring_attention", "shard", "unshard", "segments", "LAYOUTS", "comm_log", "CommLog",
-           "Message", "PeerError", "run_local", "RankFailed"]
+__all__ = [
+    "LAYOUTS",
+    "CommLog",
+    "Message",
+    "PeerError",
+    "RankFailed",
+    "comm_log",
+    "ring_attention",
+    "run_local",
+    "segments",
+    "shard",
+    "unshard",
+]

@@ -8,6 +8,7 @@ of hanging them. Without one, torch's process-group timeout applies (set by
 :func:`comm_log` records every message a rank sends and receives (peer, bytes, phase), for
 tests that check a skipped shard is never sent and for benchmarks of communication volume.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["PeerError", "Message", "CommLog", "comm_log", "exchange", "wait"]
+__all__ = ["CommLog", "Message", "PeerError", "comm_log", "exchange", "wait"]
 
 
 class PeerError(RuntimeError):
@@ -46,13 +47,17 @@ class CommLog:
 
     def bytes(self, kind: str = "send", phase: str | None = None) -> int:
         """Bytes sent (or received) in all, or in one phase."""
-        return sum(m.nbytes for m in self.messages
-                   if m.kind == kind and (phase is None or m.phase == phase))
+        return sum(
+            m.nbytes
+            for m in self.messages
+            if m.kind == kind and (phase is None or m.phase == phase)
+        )
 
     def peers(self, kind: str = "send", phase: str | None = None) -> set[int]:
         """The ranks this rank sent to (or received from)."""
-        return {m.peer for m in self.messages
-                if m.kind == kind and (phase is None or m.phase == phase)}
+        return {
+            m.peer for m in self.messages if m.kind == kind and (phase is None or m.phase == phase)
+        }
 
 
 _LOG: contextvars.ContextVar[CommLog | None] = contextvars.ContextVar("qkv_comm_log", default=None)
@@ -96,7 +101,8 @@ def _peer_error(what: str, timeout: float | None, err: Exception) -> PeerError:
     return PeerError(
         f"qkv.distributed: {what} did not complete {limit}: a rank died or timed out, or "
         f"not every rank of the group made the same call with the same arguments "
-        f"({type(err).__name__}: {err})")
+        f"({type(err).__name__}: {err})"
+    )
 
 
 class Pending:
@@ -111,8 +117,16 @@ class Pending:
         self.works = []
 
 
-def exchange(group, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]], *,
-             tag: int, phase: str, step: int, timeout: float | None) -> Pending:
+def exchange(
+    group,
+    sends: list[tuple[Tensor, int]],
+    recvs: list[tuple[Tensor, int]],
+    *,
+    tag: int,
+    phase: str,
+    step: int,
+    timeout: float | None,
+) -> Pending:
     """Post ``sends`` (tensor, peer) and ``recvs`` (buffer, peer) at once; peers are ranks in
     ``group``. Both sides pass the same ``tag``, and list the messages between two ranks in
     the same order: the i-th message to a peer meets the i-th one expected from it (each gets
@@ -125,8 +139,9 @@ def exchange(group, sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, i
             i = nth[peer] = nth.get(peer, -1) + 1
             ops.append(dist.P2POp(fn, tensor, group=group, group_peer=peer, tag=8 * tag + i))
             if log is not None:
-                log.messages.append(Message(kind, peer, tensor.numel() * tensor.element_size(),
-                                            phase, step))
+                log.messages.append(
+                    Message(kind, peer, tensor.numel() * tensor.element_size(), phase, step)
+                )
     what = f"the {phase} messages of ring step {step}"
     try:
         works = dist.batch_isend_irecv(ops) if ops else []

@@ -16,6 +16,7 @@ Example (L = 8, R = 2)::
     contiguous   rank 0: 0 1 2 3      rank 1: 4 5 6 7
     balanced     rank 0: 0 1 6 7      rank 1: 2 3 4 5
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from .comm import wait as _wait
 
-__all__ = ["LAYOUTS", "segments", "shard", "unshard", "assemble", "group_info"]
+__all__ = ["LAYOUTS", "assemble", "group_info", "segments", "shard", "unshard"]
 
 LAYOUTS = ("contiguous", "balanced")
 
@@ -72,8 +73,9 @@ def segments(L: int, R: int, layout: str = "contiguous") -> list[list[Segment]]:
     return [[chunks[r], chunks[2 * R - 1 - r]] for r in range(R)]
 
 
-def segments_from_lengths(lengths: list[int], layout: str, what: str,
-                          caller: str = "ring_attention") -> list[list[Segment]]:
+def segments_from_lengths(
+    lengths: list[int], layout: str, what: str, caller: str = "ring_attention"
+) -> list[list[Segment]]:
     """Each rank's runs, from the local lengths every rank holds (contiguous: any lengths, in
     rank order; balanced: the lengths :func:`shard` gives, else a ValueError naming them and
     ``caller``)."""
@@ -147,8 +149,9 @@ class _Unshard(torch.autograd.Function):
         pad[dim] = longest - x.shape[dim]
         padded = torch.cat([x, x.new_zeros(pad)], dim=dim) if pad[dim] else x.contiguous()
         parts = [torch.empty_like(padded) for _ in range(R)]
-        _wait(lambda: dist.all_gather(parts, padded, group=group, async_op=True), timeout,
-              "unshard")
+        _wait(
+            lambda: dist.all_gather(parts, padded, group=group, async_op=True), timeout, "unshard"
+        )
         out = assemble(parts, segs, dim)
         ctx.group, ctx.dim, ctx.segs, ctx.timeout = group, dim, segs[rank], timeout
         return out
@@ -156,13 +159,22 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         grad = grad.contiguous()
-        _wait(lambda: dist.all_reduce(grad, group=ctx.group, async_op=True), ctx.timeout,
-              "unshard backward")
+        _wait(
+            lambda: dist.all_reduce(grad, group=ctx.group, async_op=True),
+            ctx.timeout,
+            "unshard backward",
+        )
         return _take(grad, ctx.dim, ctx.segs), None, None, None, None
 
 
-def unshard(x: Tensor, group=None, *, dim: int = -2, layout: str = "contiguous",
-            timeout: float | None = None) -> Tensor:
+def unshard(
+    x: Tensor,
+    group=None,
+    *,
+    dim: int = -2,
+    layout: str = "contiguous",
+    timeout: float | None = None,
+) -> Tensor:
     """The whole sequence from every rank's shard (an all-gather; every rank of ``group`` must
     call it). The inverse of :func:`shard`; shards may have any lengths for ``"contiguous"``.
 
@@ -181,5 +193,3 @@ def _gather_lengths(n: int, group, R: int, device, timeout) -> list[int]:
     every = [torch.empty_like(mine) for _ in range(R)]
     _wait(lambda: dist.all_gather(every, mine, group=group, async_op=True), timeout, "unshard")
     return [int(t) for t in every]
-
-

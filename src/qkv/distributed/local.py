@@ -6,6 +6,7 @@ runs ``fn(rank, world_size, *args)`` on each and returns their results in rank o
 bounded: a process that raises makes the call raise with that process's traceback; ranks still
 running are stopped after ``grace`` seconds; nothing runs past ``timeout``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -20,15 +21,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_local", "RankFailed"]
+__all__ = ["RankFailed", "run_local"]
 
 
 class RankFailed(RuntimeError):
     """A rank of :func:`run_local` raised, died or ran out of time."""
 
 
-def run_local(fn, world_size: int, *args, timeout: float = 120.0, grace: float = 20.0,
-              threads: int = 1, backend: str = "gloo", group_timeout: float = 60.0) -> list:
+def run_local(
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 120.0,
+    grace: float = 20.0,
+    threads: int = 1,
+    backend: str = "gloo",
+    group_timeout: float = 60.0,
+) -> list:
     """``[fn(0, R, *args), ..., fn(R-1, R, *args)]``, each on its own process in one group.
 
     ``fn`` must be importable by name (a module-level function) and its arguments and result
@@ -45,9 +54,14 @@ def run_local(fn, world_size: int, *args, timeout: float = 120.0, grace: float =
     results: queue.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="qkv-ranks-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, args, store, results,
-                                                  threads, backend, group_timeout), daemon=True)
-                 for rank in range(world_size)]
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, rank, world_size, args, store, results, threads, backend, group_timeout),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
         for p in procs:
             p.start()
         try:
@@ -69,14 +83,22 @@ def _collect(procs, results, R: int, timeout: float, grace: float) -> list:
         try:
             kind, rank, payload = results.get(timeout=0.2)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0
-                    and r not in out and not any(f.startswith(f"rank {r}:") for f in failures)]
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if not p.is_alive()
+                and p.exitcode != 0
+                and r not in out
+                and not any(f.startswith(f"rank {r}:") for f in failures)
+            ]
             for r in dead:
                 failures.append(f"rank {r}: died with exit code {procs[r].exitcode}")
             if time.monotonic() > deadline:
                 missing = [r for r in range(R) if r not in out]
-                failures.append(f"ranks {missing} did not finish within the time limit "
-                                f"({timeout:g} s, or {grace:g} s after a failure)")
+                failures.append(
+                    f"ranks {missing} did not finish within the time limit "
+                    f"({timeout:g} s, or {grace:g} s after a failure)"
+                )
                 break
             continue
         if kind == "ok":
@@ -88,12 +110,26 @@ def _collect(procs, results, R: int, timeout: float, grace: float) -> list:
     return [out[r] for r in range(R)]
 
 
-def _entry(fn, rank: int, R: int, args: tuple, store: str, results, threads: int, backend: str,
-           group_timeout: float) -> None:
+def _entry(
+    fn,
+    rank: int,
+    R: int,
+    args: tuple,
+    store: str,
+    results,
+    threads: int,
+    backend: str,
+    group_timeout: float,
+) -> None:
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=R,
-                                timeout=datetime.timedelta(seconds=group_timeout))
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=R,
+            timeout=datetime.timedelta(seconds=group_timeout),
+        )
         try:
             value = fn(rank, R, *args)
         finally:
@@ -102,5 +138,5 @@ def _entry(fn, rank: int, R: int, args: tuple, store: str, results, threads: int
         buf = io.BytesIO()
         torch.save(value, buf)
         results.put(("ok", rank, buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - the parent reports it
+    except BaseException:
         results.put(("error", rank, traceback.format_exc()))

@@ -24,6 +24,7 @@ value gradients (float32) back to their owner.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length and S key length of
 the whole sequence, T_r / S_r of this rank's shard, D head dim, Dv value head dim.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,21 @@ import torch
 from torch import Tensor
 
 from .. import dispatch
-from ..masks import (EMPTY, Grid, MaskMod, ScoreMod, _blocks_take_offsets, and_masks, as_mask_mod,
-                     as_score_mod, block_states, causal, offset_mask, offset_score, score_mod_gradient_inputs)
+from ..masks import (
+    EMPTY,
+    Grid,
+    MaskMod,
+    ScoreMod,
+    _blocks_take_offsets,
+    and_masks,
+    as_mask_mod,
+    as_score_mod,
+    block_states,
+    causal,
+    offset_mask,
+    offset_score,
+    score_mod_gradient_inputs,
+)
 from ..ops import AttentionCall
 from ..ops.call import _check_scale
 from ..ops.tiled import merge_by_lse, piece_backward, piece_forward
@@ -121,12 +135,33 @@ def ring_attention(
     if amp is not None:  # as qkv.scaled_dot_product_attention: attention in the autocast dtype
         query, key, value = (_amp_cast(t, amp) for t in (query, key, value))
         with torch.autocast(query.device.type, enabled=False):
-            return ring_attention(query, key, value, group=group, is_causal=is_causal,
-                                  mask_mod=mask_mod, score_mod=score_mod, scale=scale,
-                                  enable_gqa=enable_gqa, layout=layout,
-                                  return_trace=return_trace, timeout=timeout)
-    ring = _Ring.build(query, key, value, group, bool(is_causal), mask_mod, score_mod, scale,
-                       bool(enable_gqa), check_layout(layout), timeout)
+            return ring_attention(
+                query,
+                key,
+                value,
+                group=group,
+                is_causal=is_causal,
+                mask_mod=mask_mod,
+                score_mod=score_mod,
+                scale=scale,
+                enable_gqa=enable_gqa,
+                layout=layout,
+                return_trace=return_trace,
+                timeout=timeout,
+            )
+    ring = _Ring.build(
+        query,
+        key,
+        value,
+        group,
+        bool(is_causal),
+        mask_mod,
+        score_mod,
+        scale,
+        bool(enable_gqa),
+        check_layout(layout),
+        timeout,
+    )
     grads = ()
     if ring.score is not None:  # tensors a score_mod reads that want gradients
         grads = score_mod_gradient_inputs(ring.score, dtype=_acc(query.dtype), device=query.device)
@@ -175,7 +210,7 @@ class _Link:
         """Add a message-shaped gradient ``grads`` into ``total`` at these rows."""
         at = 0
         for lo, hi in self.rows:
-            total[:, :, lo:hi] += grads[:, :, at:at + hi - lo]
+            total[:, :, lo:hi] += grads[:, :, at : at + hi - lo]
             at += hi - lo
 
 
@@ -208,13 +243,22 @@ class _Ring:
         _check_local(q, k, v, gqa)
         B, H, T_r, D = q.shape
         G, S_r, Dv = k.shape[1], k.shape[2], v.shape[3]
-        bad = not all(bool(torch.isfinite(t).all()) for t in (q, k, v)) if q.device.type != "meta" else False
-        mine = torch.tensor([T_r, S_r, B, H, G, D, Dv, _DTYPES.index(q.dtype), int(bad)],
-                            dtype=torch.int64, device=q.device)
+        bad = (
+            not all(bool(torch.isfinite(t).all()) for t in (q, k, v))
+            if q.device.type != "meta"
+            else False
+        )
+        mine = torch.tensor(
+            [T_r, S_r, B, H, G, D, Dv, _DTYPES.index(q.dtype), int(bad)],
+            dtype=torch.int64,
+            device=q.device,
+        )
         every = [torch.empty_like(mine) for _ in range(R)]
-        comm.wait(lambda: torch.distributed.all_gather(every, mine, group=group, async_op=True),
-                  timeout,
-                  "ring_attention's exchange of shard sizes")
+        comm.wait(
+            lambda: torch.distributed.all_gather(every, mine, group=group, async_op=True),
+            timeout,
+            "ring_attention's exchange of shard sizes",
+        )
         info = torch.stack(every).cpu().tolist()  # (R, 9)
         _check_agree(info, rank)
         T, S = sum(i[0] for i in info), sum(i[1] for i in info)
@@ -227,10 +271,29 @@ class _Ring:
         mask = None if mask is None else mask.bind(B, H, T, S)
         score = None if score_mod is None else as_score_mod(score_mod).bind(B, H, T, S)
         scale = _check_scale(scale, D)
-        links = [[_link(q_segs[r], kv_segs[s], mask, B, H, whole=r == s) for s in range(R)]
-                 for r in range(R)]
-        return cls(group, rank, R, B, H, G, D, Dv, q.dtype, scale, gqa, mask, score, q_segs,
-                   kv_segs, links, timeout)
+        links = [
+            [_link(q_segs[r], kv_segs[s], mask, B, H, whole=r == s) for s in range(R)]
+            for r in range(R)
+        ]
+        return cls(
+            group,
+            rank,
+            R,
+            B,
+            H,
+            G,
+            D,
+            Dv,
+            q.dtype,
+            scale,
+            gqa,
+            mask,
+            score,
+            q_segs,
+            kv_segs,
+            links,
+            timeout,
+        )
 
     def needs(self, r: int, s: int) -> bool:
         """Whether rank r computes on (so receives) keys of rank s."""
@@ -239,15 +302,23 @@ class _Ring:
     def call(self, q: Tensor, k: Tensor, v: Tensor, piece: _Piece) -> AttentionCall:
         """The attention call of one piece, its masks moved to the piece's positions."""
         mask = None if self.mask is None else offset_mask(self.mask, piece.q_start, piece.kv_start)
-        score = None if self.score is None else offset_score(self.score, piece.q_start, piece.kv_start)
-        return AttentionCall.build(q[:, :, piece.q_rows], k[:, :, piece.kv_rows],
-                                   v[:, :, piece.kv_rows], scale=self.scale,
-                                   enable_gqa=self.gqa, mask_mod=_Fixed(mask) if mask else None,
-                                   score_mod=_FixedScore(score) if score else None)
+        score = (
+            None if self.score is None else offset_score(self.score, piece.q_start, piece.kv_start)
+        )
+        return AttentionCall.build(
+            q[:, :, piece.q_rows],
+            k[:, :, piece.kv_rows],
+            v[:, :, piece.kv_rows],
+            scale=self.scale,
+            enable_gqa=self.gqa,
+            mask_mod=_Fixed(mask) if mask else None,
+            score_mod=_FixedScore(score) if score else None,
+        )
 
     # --- messages -------------------------------------------------------------------------
-    def post(self, step: int, mine: tuple[Tensor, Tensor], phase: str,
-             tag: int) -> tuple[comm.Pending, tuple[Tensor, Tensor] | None]:
+    def post(
+        self, step: int, mine: tuple[Tensor, Tensor], phase: str, tag: int
+    ) -> tuple[comm.Pending, tuple[Tensor, Tensor] | None]:
         """Step ``step`` of the ring: send ``mine`` (this rank's keys and values) to rank
         ``rank + step`` if it needs them, receive rank ``rank - step``'s if this rank does."""
         dst, src = (self.rank + step) % self.R, (self.rank - step) % self.R
@@ -257,8 +328,9 @@ class _Ring:
         if in_link is not None:
             buf = tuple(t.new_empty(self.kv_shape(in_link.length, t.shape[-1])) for t in mine)
         recvs = [] if buf is None else [(t, src) for t in buf]
-        return comm.exchange(self.group, sends, recvs, tag=tag, phase=phase, step=step,
-                             timeout=self.timeout), buf
+        return comm.exchange(
+            self.group, sends, recvs, tag=tag, phase=phase, step=step, timeout=self.timeout
+        ), buf
 
     def kv_shape(self, length: int, width: int | None = None) -> tuple[int, ...]:
         return (self.B, self.G, length, self.D + self.Dv if width is None else width)
@@ -276,7 +348,9 @@ class _Ring:
             for piece in self.links[self.rank][s].pieces:
                 o, l = piece_forward(self.call(q, kk, vv, piece))  # (B, H, n, Dv), (B, H, n)
                 rows = piece.q_rows
-                out[:, :, rows], lse[:, :, rows] = merge_by_lse(out[:, :, rows], lse[:, :, rows], o, l)
+                out[:, :, rows], lse[:, :, rows] = merge_by_lse(
+                    out[:, :, rows], lse[:, :, rows], o, l
+                )
 
         self.ring_pass(mine, absorb, "forward")
         return out, lse
@@ -309,15 +383,19 @@ class _Ring:
 
         def visit(kv: tuple[Tensor, Tensor], s: int) -> None:
             kk, vv = kv
-            d_kv = d_mine if s == self.rank else torch.zeros(
-                self.kv_shape(kk.shape[2]), dtype=acc, device=q.device)  # dk and dv, one message
+            d_kv = (
+                d_mine
+                if s == self.rank
+                else torch.zeros(self.kv_shape(kk.shape[2]), dtype=acc, device=q.device)
+            )  # dk and dv, one message
             for piece in self.links[self.rank][s].pieces:
                 rows = piece.q_rows
-                g_q, g_k, g_v, g_t = piece_backward(self.call(q, kk, vv, piece), out[:, :, rows],
-                                                    lse[:, :, rows], dout[:, :, rows])
+                g_q, g_k, g_v, g_t = piece_backward(
+                    self.call(q, kk, vv, piece), out[:, :, rows], lse[:, :, rows], dout[:, :, rows]
+                )
                 dq[:, :, rows] += g_q
-                d_kv[:, :, piece.kv_rows, :self.D] += g_k
-                d_kv[:, :, piece.kv_rows, self.D:] += g_v
+                d_kv[:, :, piece.kv_rows, : self.D] += g_k
+                d_kv[:, :, piece.kv_rows, self.D :] += g_v
                 for i, g in enumerate(g_t):
                     if i < len(dts):
                         dts[i] += g
@@ -342,13 +420,20 @@ class _Ring:
             link = self.links[dst][self.rank]  # what this rank sent dst: its gradients come back
             buf = None if link is None else d_mine.new_empty(self.kv_shape(link.length))
             recvs = [(buf, dst)] if buf is not None else []
-            work = comm.exchange(self.group, sends, recvs, tag=self.R + step, phase="gradients",
-                                 step=step, timeout=self.timeout)
+            work = comm.exchange(
+                self.group,
+                sends,
+                recvs,
+                tag=self.R + step,
+                phase="gradients",
+                step=step,
+                timeout=self.timeout,
+            )
             in_flight.append((work, buf, link))
 
         self.ring_pass(mine, visit, "backward", after=send_grads)
         settle()
-        dk, dv = d_mine[..., :self.D], d_mine[..., self.D:]
+        dk, dv = d_mine[..., : self.D], d_mine[..., self.D :]
         if len(dts) < n_score:  # a score_mod tensor no piece of this rank read
             dts += [None] * (n_score - len(dts))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dts
@@ -357,13 +442,23 @@ class _Ring:
     def trace(self, q: Tensor, k: Tensor, lse: Tensor) -> AttentionTrace:
         """This rank's rows against every key: the keys gathered, the weights lazily from lse."""
         keys = self.gather_keys(k)  # (B, G, S, D)
-        rows = torch.cat([torch.arange(a, b, device="cpu") for a, b in self.q_segs[self.rank]] or
-                         [torch.zeros(0, dtype=torch.long, device="cpu")])  # (T_r,) positions
-        value = keys.new_zeros(()).expand(self.B, self.G, keys.shape[2], self.Dv)  # no values needed
+        rows = torch.cat(
+            [torch.arange(a, b, device="cpu") for a, b in self.q_segs[self.rank]]
+            or [torch.zeros(0, dtype=torch.long, device="cpu")]
+        )  # (T_r,) positions
+        value = keys.new_zeros(()).expand(
+            self.B, self.G, keys.shape[2], self.Dv
+        )  # no values needed
         call = AttentionCall.build(
-            q.detach(), keys, value, scale=self.scale, enable_gqa=self.gqa, return_trace=True,
+            q.detach(),
+            keys,
+            value,
+            scale=self.scale,
+            enable_gqa=self.gqa,
+            return_trace=True,
             mask_mod=None if self.mask is None else _AtRows(self.mask, rows),
-            score_mod=None if self.score is None else _AtRowsScore(self.score, rows))
+            score_mod=None if self.score is None else _AtRowsScore(self.score, rows),
+        )
         return dispatch._trace_from_lse(call, lse, "ring")
 
     def gather_keys(self, k: Tensor) -> Tensor:
@@ -371,11 +466,13 @@ class _Ring:
         lengths = [sum(b - a for a, b in segs) for segs in self.kv_segs]
         longest = max(lengths)
         padded = torch.zeros(self.B, self.G, longest, self.D, dtype=k.dtype, device=k.device)
-        padded[:, :, :k.shape[2]] = k.detach()
+        padded[:, :, : k.shape[2]] = k.detach()
         parts = [torch.empty_like(padded) for _ in range(self.R)]
-        comm.wait(lambda: torch.distributed.all_gather(parts, padded, group=self.group,
-                                                       async_op=True),
-                  self.timeout, "ring_attention's gathering of keys for the trace")
+        comm.wait(
+            lambda: torch.distributed.all_gather(parts, padded, group=self.group, async_op=True),
+            self.timeout,
+            "ring_attention's gathering of keys for the trace",
+        )
         return assemble(parts, self.kv_segs, dim=2)
 
 
@@ -398,8 +495,9 @@ class _RingAttention(torch.autograd.Function):
         return (None, dq, dk, dv, *dts)
 
 
-def _link(q_segs: list[Segment], kv_segs: list[Segment], mask, B: int, H: int, *,
-          whole: bool) -> _Link | None:
+def _link(
+    q_segs: list[Segment], kv_segs: list[Segment], mask, B: int, H: int, *, whole: bool
+) -> _Link | None:
     """What a rank with keys ``kv_segs`` sends one with queries ``q_segs``: for each run of
     keys, the span of keys some query may attend (all of it, ``whole``, for a rank's own
     shard), and the pieces (query run x key span) the mask does not leave empty. None when
@@ -430,14 +528,16 @@ def _link(q_segs: list[Segment], kv_segs: list[Segment], mask, B: int, H: int, *
         rows.append((starts[j] + lo - ka, starts[j] + hi - ka))  # local rows of the sender
         message_at[j] = at - lo  # message row of position p: message_at[j] + p
         at += hi - lo
-    pieces = [_Piece(slice(q_at, q_at + qb - qa),
-                     slice(message_at[j] + lo, message_at[j] + hi), qa, lo)
-              for (qa, qb), q_at, j, (lo, hi) in spans]
+    pieces = [
+        _Piece(slice(q_at, q_at + qb - qa), slice(message_at[j] + lo, message_at[j] + hi), qa, lo)
+        for (qa, qb), q_at, j, (lo, hi) in spans
+    ]
     return _Link(rows, pieces)
 
 
-def _keys_attended(mask, qa: int, qb: int, ka: int, kb: int, B: int,
-                   H: int) -> tuple[int, int] | None:
+def _keys_attended(
+    mask, qa: int, qb: int, ka: int, kb: int, B: int, H: int
+) -> tuple[int, int] | None:
     """The span ``[lo, hi)`` of keys in ``[ka, kb)`` that some query in ``[qa, qb)`` may
     attend, from the bounds of qkv's own masks (one query block, one-key blocks); None when
     there is none. The whole run for any other mask (nothing is known without evaluating)."""
@@ -522,27 +622,38 @@ def _check_local(q, k, v, gqa: bool) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"ring_attention: {name} must be a tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"ring_attention: {name} must be 4-D (B, heads, L, dim), got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"ring_attention: {name} must be 4-D (B, heads, L, dim), got shape {tuple(t.shape)}"
+            )
         if t.dtype not in _DTYPES:
-            raise TypeError(f"ring_attention: {name} must be float16/bfloat16/float32/float64, "
-                            f"got {t.dtype}")
+            raise TypeError(
+                f"ring_attention: {name} must be float16/bfloat16/float32/float64, got {t.dtype}"
+            )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"ring_attention: query, key and value must share a dtype, got "
-                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"ring_attention: query, key and value must share a dtype, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if not (q.device == k.device == v.device):
-        raise ValueError(f"ring_attention: query, key and value must be on one device, got "
-                         f"{q.device}, {k.device}, {v.device}")
+        raise ValueError(
+            f"ring_attention: query, key and value must be on one device, got "
+            f"{q.device}, {k.device}, {v.device}"
+        )
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
             f"ring_attention: shapes do not fit: query {tuple(q.shape)}, key {tuple(k.shape)}, "
-            f"value {tuple(v.shape)}; want (B, H, T_r, D), (B, G, S_r, D), (B, G, S_r, Dv)")
+            f"value {tuple(v.shape)}; want (B, H, T_r, D), (B, G, S_r, D), (B, G, S_r, Dv)"
+        )
     H, G = q.shape[1], k.shape[1]
     if (H != G and not gqa) or (gqa and H % G):
         raise ValueError(
             f"ring_attention: {H} query heads and {G} key/value heads; "
-            + ("pass enable_gqa=True to share them" if not gqa or H % G == 0 else
-               "H must be a multiple of G"))
+            + (
+                "pass enable_gqa=True to share them"
+                if not gqa or H % G == 0
+                else "H must be a multiple of G"
+            )
+        )
 
 
 _INFO = ("query length", "key length", "B", "H", "G", "D", "Dv", "dtype")
@@ -554,11 +665,14 @@ def _check_agree(info: list[list[int]], rank: int) -> None:
         values = [i[j] for i in info]
         if len(set(values)) > 1:
             shown = [_DTYPES[x] for x in values] if name == "dtype" else values
-            raise ValueError(f"ring_attention: the ranks disagree on {name}: {shown} (rank by "
-                             f"rank); every rank must pass shards of one shape and dtype")
+            raise ValueError(
+                f"ring_attention: the ranks disagree on {name}: {shown} (rank by "
+                f"rank); every rank must pass shards of one shape and dtype"
+            )
     bad = [r for r, i in enumerate(info) if i[8]]
     if bad:
         raise ValueError(
             f"ring_attention: ranks {bad} hold NaN or inf in their query, key or value shards; "
             f"ring attention needs finite inputs (qkv.scaled_dot_product_attention handles "
-            f"them on one process)")
+            f"them on one process)"
+        )

@@ -24,6 +24,7 @@ calls back up (``_captured_tensors`` to the mod classes, ``block_summary`` to
 
 Shape alphabet: T query length, S key length.
 """
+
 from __future__ import annotations
 
 from .blocks import EMPTY as EMPTY
@@ -34,15 +35,33 @@ from .blocks import Grid as Grid
 from .blocks import block_states as block_states
 from .dense import apply_mask_, causal_bool, merge_causal, merge_key_mask, to_dense
 from .evaluation import _captured_tensors as _captured_tensors
-from .evaluation import (evaluate_mask, evaluate_score, index_grid, per_element,
-                         score_mod_gradient_inputs)
+from .evaluation import (
+    evaluate_mask,
+    evaluate_score,
+    index_grid,
+    per_element,
+    score_mod_gradient_inputs,
+)
 from .structure import _blocks_take_offsets as _blocks_take_offsets
 from .structure import offset_mask as offset_mask
 from .structure import offset_score as offset_score
 from .structure import shift_invariant, structure_key
-from .vocabulary import (MaskMod, ScoreMod, alibi, alibi_slopes, and_masks, as_mask_mod,
-                         as_score_mod, causal, document, key_lengths, or_masks, prefix_lm,
-                         sliding_window, softcap)
+from .vocabulary import (
+    MaskMod,
+    ScoreMod,
+    alibi,
+    alibi_slopes,
+    and_masks,
+    as_mask_mod,
+    as_score_mod,
+    causal,
+    document,
+    key_lengths,
+    or_masks,
+    prefix_lm,
+    sliding_window,
+    softcap,
+)
 from .vocabulary import _Alibi as _Alibi
 from .vocabulary import _Combined as _Combined
 from .vocabulary import _Document as _Document
@@ -52,10 +71,33 @@ from .vocabulary import _Window as _Window
 
 __all__ = [
     # structured masks and score changes (the public vocabulary)
-    "MaskMod", "ScoreMod", "causal", "sliding_window", "prefix_lm", "document", "key_lengths",
-    "and_masks", "or_masks", "alibi", "alibi_slopes", "softcap", "to_dense", "block_summary",
-    "BlockSummary", "as_mask_mod", "as_score_mod", "evaluate_mask", "evaluate_score", "index_grid",
-    "per_element", "score_mod_gradient_inputs", "shift_invariant", "structure_key",
+    "MaskMod",
+    "ScoreMod",
+    "causal",
+    "sliding_window",
+    "prefix_lm",
+    "document",
+    "key_lengths",
+    "and_masks",
+    "or_masks",
+    "alibi",
+    "alibi_slopes",
+    "softcap",
+    "to_dense",
+    "block_summary",
+    "BlockSummary",
+    "as_mask_mod",
+    "as_score_mod",
+    "evaluate_mask",
+    "evaluate_score",
+    "index_grid",
+    "per_element",
+    "score_mod_gradient_inputs",
+    "shift_invariant",
+    "structure_key",
     # dense masks
-    "apply_mask_", "causal_bool", "merge_causal", "merge_key_mask",
+    "apply_mask_",
+    "causal_bool",
+    "merge_causal",
+    "merge_key_mask",
 ]

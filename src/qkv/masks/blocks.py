@@ -9,6 +9,7 @@ one block row at a time (``_classify_by_evaluation``: O(T * S) work, O(bq * S) m
 
 Shape alphabet: B batch, H heads, T query length, S key length; nq, nk query and key blocks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,8 +81,15 @@ class Grid:
     def indices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Index tensors b ``(B,1,1,1)``, h ``(1,H,1,1)``, q ``(1,1,T,1)``, kv ``(1,1,1,S)``,
         the positions from ``q_start``/``kv_start``."""
-        return index_grid(self.B, self.H, self.T, self.S, device=self.device,
-                          q_start=self.q_start, kv_start=self.kv_start)
+        return index_grid(
+            self.B,
+            self.H,
+            self.T,
+            self.S,
+            device=self.device,
+            q_start=self.q_start,
+            kv_start=self.kv_start,
+        )
 
 
 def _classify_by_evaluation(mask_mod, grid: Grid) -> tuple[Tensor, Tensor]:
@@ -106,7 +114,7 @@ def _classify_by_evaluation(mask_mod, grid: Grid) -> tuple[Tensor, Tensor]:
         any_ = tiles.any(-1).any(-2)  # (B?, H?, nk)
         if pad:
             tiles = tiles.clone()
-            tiles[..., -1, grid.bk - pad:] = True
+            tiles[..., -1, grid.bk - pad :] = True
         fulls.append(tiles.all(-1).all(-2))
         empties.append(~any_)
     return torch.stack(fulls, dim=-2), torch.stack(empties, dim=-2)  # (B?, H?, nq, nk)
@@ -131,7 +139,10 @@ class BlockSummary:
     def counts(self) -> dict[str, int]:
         """Blocks of each kind, over all (b, h)."""
         n = self.state.expand(self.grid.B, self.grid.H, -1, -1)
-        return {k: int((n == v).sum()) for k, v in (("full", FULL), ("partial", PARTIAL), ("empty", EMPTY))}
+        return {
+            k: int((n == v).sum())
+            for k, v in (("full", FULL), ("partial", PARTIAL), ("empty", EMPTY))
+        }
 
     @property
     def density(self) -> float:
@@ -150,12 +161,16 @@ class BlockSummary:
         for b in range(self.state.shape[0]):
             for h in range(self.state.shape[1]):
                 if self.state.shape[0] * self.state.shape[1] > 1:
-                    lines.append(f"b={b if self.state.shape[0] > 1 else '*'} "
-                                 f"h={h if self.state.shape[1] > 1 else '*'}")
+                    lines.append(
+                        f"b={b if self.state.shape[0] > 1 else '*'} "
+                        f"h={h if self.state.shape[1] > 1 else '*'}"
+                    )
                 rows = self.state[b, h].tolist()
                 shown = rows[:64]
-                lines += ["".join(glyph[v] for v in r[:128]) + (" ..." if len(r) > 128 else "")
-                          for r in shown]
+                lines += [
+                    "".join(glyph[v] for v in r[:128]) + (" ..." if len(r) > 128 else "")
+                    for r in shown
+                ]
                 if len(rows) > 64:
                     lines.append(f"... ({len(rows) - 64} more block rows)")
         return "\n".join(lines)
@@ -176,8 +191,9 @@ def block_states(mask_mod: MaskMod, grid: Grid) -> Tensor:
     return state.reshape((1,) * (4 - state.dim()) + tuple(state.shape))
 
 
-def block_summary(mask_mod, B: int, H: int, T: int, S: int, *, block: int | tuple[int, int] = 128,
-                  device=None) -> BlockSummary:
+def block_summary(
+    mask_mod, B: int, H: int, T: int, S: int, *, block: int | tuple[int, int] = 128, device=None
+) -> BlockSummary:
     """Summarise ``mask_mod`` block by block: what the tiled backend skips and what it masks.
 
     Example:

@@ -8,6 +8,7 @@ any mask_mod into the bool tensor it stands for.
 
 Shape alphabet: B batch, H heads, T query length, S key length.
 """
+
 from __future__ import annotations
 
 import torch

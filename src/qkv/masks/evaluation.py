@@ -11,6 +11,7 @@ This module sits below the vocabulary: the one back-reference (the mod classes t
 
 Shape alphabet: B batch, H heads, T query length, S key length.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,18 +25,25 @@ if TYPE_CHECKING:
     from .vocabulary import ScoreMod
 
 
-def index_grid(B: int, H: int, T: int, S: int, *, device=None, q_start: int = 0,
-               kv_start: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def index_grid(
+    B: int, H: int, T: int, S: int, *, device=None, q_start: int = 0, kv_start: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The index tensors a mask_mod/score_mod is called with, for queries from ``q_start``
     and keys from ``kv_start``.
 
     Shape:
         b ``(B, 1, 1, 1)``, h ``(1, H, 1, 1)``, q_idx ``(1, 1, T, 1)``, kv_idx ``(1, 1, 1, S)``.
     """
+
     def ar(n, start=0):
         return torch.arange(start, start + n, device=device)
-    return (ar(B).view(B, 1, 1, 1), ar(H).view(1, H, 1, 1), ar(T, q_start).view(1, 1, T, 1),
-            ar(S, kv_start).view(1, 1, 1, S))
+
+    return (
+        ar(B).view(B, 1, 1, 1),
+        ar(H).view(1, H, 1, 1),
+        ar(T, q_start).view(1, 1, T, 1),
+        ar(S, kv_start).view(1, 1, 1, S),
+    )
 
 
 def evaluate_mask(mask_mod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -52,7 +60,7 @@ def evaluate_mask(mask_mod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor)
             f"(True = may attend), e.g. `return q_idx >= kv_idx`"
         )
     full = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
-    if out.dim() > 4 or out.shape[-2:] != full[-2:] and _broadcast_fails(out.shape, full):
+    if out.dim() > 4 or (out.shape[-2:] != full[-2:] and _broadcast_fails(out.shape, full)):
         raise ValueError(
             f"mask_mod {mask_mod!r} returned shape {tuple(out.shape)} for indices of shape "
             f"{tuple(full)}; compute it from the index tensors so it broadcasts like them"
@@ -67,8 +75,9 @@ def _broadcast_fails(shape, full) -> bool:
         return True
 
 
-def evaluate_score(score_mod, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor,
-                   kv_idx: Tensor) -> Tensor:
+def evaluate_score(
+    score_mod, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+) -> Tensor:
     """``score_mod(score, ...)``, checked to keep the scores' shape.
 
     Shape:
@@ -76,18 +85,23 @@ def evaluate_score(score_mod, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor
     """
     out = score_mod(score, b, h, q_idx, kv_idx)
     if not isinstance(out, Tensor) or not out.is_floating_point():
-        raise TypeError(f"score_mod {score_mod!r} must return a float tensor, got "
-                        f"{getattr(out, 'dtype', type(out).__name__)}")
+        raise TypeError(
+            f"score_mod {score_mod!r} must return a float tensor, got "
+            f"{getattr(out, 'dtype', type(out).__name__)}"
+        )
     if out.shape != score.shape:
         if _broadcast_fails(out.shape, score.shape):
-            raise ValueError(f"score_mod {score_mod!r} returned shape {tuple(out.shape)} for scores "
-                             f"of shape {tuple(score.shape)}")
+            raise ValueError(
+                f"score_mod {score_mod!r} returned shape {tuple(out.shape)} for scores "
+                f"of shape {tuple(score.shape)}"
+            )
         out = out.expand(score.shape)
     return out
 
 
-def per_element(fn, score: Tensor | None, b: Tensor, h: Tensor, q_idx: Tensor,
-                kv_idx: Tensor) -> Tensor:
+def per_element(
+    fn, score: Tensor | None, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+) -> Tensor:
     """``fn`` evaluated at every (b, h, q_idx, kv_idx) as if on scalars, as FlexAttention does.
 
     A plain function sees 0-d index tensors (and a 0-d score), so ``bias[b][q_idx]`` or
@@ -103,7 +117,9 @@ def per_element(fn, score: Tensor | None, b: Tensor, h: Tensor, q_idx: Tensor,
     args = idx if score is None else (score,) + idx
     shape = torch.broadcast_shapes(*(t.shape for t in args))
     if 0 in shape:  # nothing to evaluate (vmap cannot map over an empty dim)
-        return torch.empty(shape, dtype=torch.bool if score is None else score.dtype, device=b.device)
+        return torch.empty(
+            shape, dtype=torch.bool if score is None else score.dtype, device=b.device
+        )
     if len(shape) == 4 and all(_varies_only_along(t, d) for d, t in enumerate(idx)):
         vecs = [t.reshape(-1) for t in idx]  # (B,), (H,), (T,), (S,) or size 1
         f = fn
@@ -138,8 +154,9 @@ def _varies_only_along(t: Tensor, dim: int) -> bool:
     return t.dim() == 4 and all(n == 1 for i, n in enumerate(t.shape) if i != dim)
 
 
-def score_mod_gradient_inputs(score_mod: ScoreMod, *, dtype: torch.dtype,
-                              device: torch.device) -> tuple[Tensor, ...]:
+def score_mod_gradient_inputs(
+    score_mod: ScoreMod, *, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, ...]:
     """The tensors requiring grad that ``score_mod`` reads, for a backend that computes their
     gradients itself; ValueError when it reads one that cannot be found.
 
@@ -186,6 +203,7 @@ def _leaves_needing_grad(node, stops: set[int], known: set[int]) -> list[Tensor]
 def _captured_tensors(obj, depth: int = 4) -> tuple[Tensor, ...]:
     """Tensors reachable from a function: see :meth:`_ScoreFunction.tensors`."""
     from .vocabulary import MaskMod, ScoreMod, _Function, _ScoreFunction  # the layer above
+
     if isinstance(obj, Tensor):
         return (obj,)
     if isinstance(obj, (ScoreMod, MaskMod)) and not isinstance(obj, (_ScoreFunction, _Function)):
@@ -193,7 +211,9 @@ def _captured_tensors(obj, depth: int = 4) -> tuple[Tensor, ...]:
     if depth == 0 or isinstance(obj, (type, types.ModuleType, str, bytes)):
         return ()
     found: list[Tensor] = []
-    for child in _children(getattr(obj, "fn", obj) if isinstance(obj, (_ScoreFunction, _Function)) else obj):
+    for child in _children(
+        getattr(obj, "fn", obj) if isinstance(obj, (_ScoreFunction, _Function)) else obj
+    ):
         found += _captured_tensors(child, depth - 1)
     return _unique(found)
 
@@ -213,7 +233,9 @@ def _children(obj) -> list:
     if isinstance(obj, types.FunctionType):
         cells = [c.cell_contents for c in obj.__closure__ or () if _cell_filled(c)]
         named = [obj.__globals__[n] for n in _names(obj.__code__) if n in obj.__globals__]
-        return cells + named + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+        return (
+            cells + named + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+        )
     if hasattr(obj, "__dict__"):  # another object: its attributes
         return list(vars(obj).values())
     return []

@@ -8,6 +8,7 @@ same pairs, under which the tiled backend caches block plans; tensors count by c
 
 Both read exact types only: a subclass or a plain function may read anything in ``__call__``.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,8 +40,11 @@ class _Offset(MaskMod):
     def blocks(self, grid):
         if not _blocks_take_offsets(self.inner):
             return _classify_by_evaluation(self, grid)
-        return self.inner.blocks(dataclasses.replace(
-            grid, q_start=grid.q_start + self.q_start, kv_start=grid.kv_start + self.kv_start))
+        return self.inner.blocks(
+            dataclasses.replace(
+                grid, q_start=grid.q_start + self.q_start, kv_start=grid.kv_start + self.kv_start
+            )
+        )
 
     def __repr__(self):
         return f"{self.inner!r}[q+{self.q_start}, kv+{self.kv_start}]"

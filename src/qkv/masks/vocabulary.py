@@ -16,6 +16,7 @@ a tiled backend skip empty blocks and drop the mask on full ones without ever ev
 
 Shape alphabet: B batch, H heads, T query length, S key length.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,7 @@ class MaskMod:
     def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def bind(self, B: int, H: int, T: int, S: int) -> "MaskMod":
+    def bind(self, B: int, H: int, T: int, S: int) -> MaskMod:
         """This mask for a call with these sizes: validates its tensors against them and
         resolves what depends on them (the bottom-right alignment). Returns a MaskMod."""
         return self
@@ -58,10 +59,10 @@ class MaskMod:
         """
         return _classify_by_evaluation(self, grid)
 
-    def __and__(self, other) -> "MaskMod":
+    def __and__(self, other) -> MaskMod:
         return and_masks(self, other)
 
-    def __or__(self, other) -> "MaskMod":
+    def __or__(self, other) -> MaskMod:
         return or_masks(self, other)
 
 
@@ -76,10 +77,12 @@ class ScoreMod:
 
     additive = False
 
-    def __call__(self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    def __call__(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor:
         raise NotImplementedError
 
-    def bind(self, B: int, H: int, T: int, S: int) -> "ScoreMod":
+    def bind(self, B: int, H: int, T: int, S: int) -> ScoreMod:
         return self
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -100,8 +103,9 @@ def _check_align(align: str) -> str:
 class _Window(MaskMod):
     """Keys within ``[q - left, q + right]`` of the (aligned) query position; None = unbounded."""
 
-    def __init__(self, left: int | None, right: int | None, align: str, name: str,
-                 offset: int | None = None) -> None:
+    def __init__(
+        self, left: int | None, right: int | None, align: str, name: str, offset: int | None = None
+    ) -> None:
         self.left, self.right, self.align, self.name, self.offset = left, right, align, name, offset
 
     def bind(self, B, H, T, S):
@@ -222,8 +226,10 @@ class _KeysBefore(MaskMod):
 def _as_lengths(name: str, n) -> int | Tensor:
     if isinstance(n, Tensor):
         if n.dtype.is_floating_point or n.dtype == torch.bool or n.dim() > 1:
-            raise ValueError(f"{name}: lengths must be an int or a 1-D integer tensor (B,), "
-                             f"got {n.dtype} of shape {tuple(n.shape)}")
+            raise ValueError(
+                f"{name}: lengths must be an int or a 1-D integer tensor (B,), "
+                f"got {n.dtype} of shape {tuple(n.shape)}"
+            )
         return n.long()
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{name}: expected an int >= 0 or a (B,) integer tensor, got {n!r}")
@@ -285,8 +291,8 @@ class _Document(MaskMod):
         return ids.amin(-1), ids.amax(-1)  # (B, n), (B, n)
 
     def blocks(self, grid):
-        q_ids = self.q_ids[:, grid.q_start:grid.q_start + grid.T].to(grid.device)  # (B, T)
-        kv_ids = self.kv_ids[:, grid.kv_start:grid.kv_start + grid.S].to(grid.device)  # (B, S)
+        q_ids = self.q_ids[:, grid.q_start : grid.q_start + grid.T].to(grid.device)  # (B, T)
+        kv_ids = self.kv_ids[:, grid.kv_start : grid.kv_start + grid.S].to(grid.device)  # (B, S)
         qmin, qmax = self._block_range(q_ids, grid.bq)  # (B, nq)
         kmin, kmax = self._block_range(kv_ids, grid.bk)  # (B, nk)
         qmin, qmax = qmin[:, None, :, None], qmax[:, None, :, None]  # (B, 1, nq, 1)
@@ -309,11 +315,15 @@ def document(ids: Tensor, kv_ids: Tensor | None = None) -> MaskMod:
     Shape:
         ids ``(B, T)`` or ``(T,)`` (shared by the batch); kv_ids ``(B, S)`` or ``(S,)``.
     """
+
     def check(name, t):
         if not isinstance(t, Tensor) or t.dtype.is_floating_point or t.dim() not in (1, 2):
-            raise ValueError(f"document: {name} must be an integer tensor (B, T) or (T,), got "
-                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            raise ValueError(
+                f"document: {name} must be an integer tensor (B, T) or (T,), got "
+                f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+            )
         return (t if t.dim() == 2 else t[None]).long()
+
     ids = check("ids", ids)
     return _Document(ids, ids if kv_ids is None else check("kv_ids", kv_ids))
 
@@ -372,8 +382,13 @@ class _Function(MaskMod):
 
 def as_mask_mod(mask_mod) -> MaskMod:
     """A MaskMod for ``mask_mod`` (wrapping a plain function); TypeError if not callable."""
-    return _wrap("mask_mod", mask_mod, MaskMod, _Function,
-                 "(b, h, q_idx, kv_idx) -> bool tensor or a qkv.masks mask")
+    return _wrap(
+        "mask_mod",
+        mask_mod,
+        MaskMod,
+        _Function,
+        "(b, h, q_idx, kv_idx) -> bool tensor or a qkv.masks mask",
+    )
 
 
 def _wrap(name: str, obj, kind: type, wrapper: type, signature: str):
@@ -462,7 +477,9 @@ def alibi(slopes: Tensor | int) -> ScoreMod:
     if isinstance(slopes, int) and not isinstance(slopes, bool):
         slopes = alibi_slopes(slopes)
     if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.is_floating_point():
-        raise ValueError(f"alibi: slopes must be a 1-D float tensor (H,) or an int H, got {slopes!r}")
+        raise ValueError(
+            f"alibi: slopes must be a 1-D float tensor (H,) or an int H, got {slopes!r}"
+        )
     return _Alibi(slopes)
 
 
@@ -507,5 +524,10 @@ class _ScoreFunction(ScoreMod):
 
 def as_score_mod(score_mod) -> ScoreMod:
     """A ScoreMod for ``score_mod`` (wrapping a plain function); TypeError if not callable."""
-    return _wrap("score_mod", score_mod, ScoreMod, _ScoreFunction,
-                 "(score, b, h, q_idx, kv_idx) -> score or a qkv.masks score mod")
+    return _wrap(
+        "score_mod",
+        score_mod,
+        ScoreMod,
+        _ScoreFunction,
+        "(score, b, h, q_idx, kv_idx) -> score or a qkv.masks score mod",
+    )

@@ -5,11 +5,19 @@ The attention kind is a constructor argument of every model (``attention="exact"
 "performer" | "local"``, ``attention_options={...}``); :func:`make_attention` is the only
 place that maps it to a module.
 """
+
 from .embeddings import LearnedPositions, PatchEmbedding, SinusoidalPositions, TokenEmbedding
 from .generate import TokenChooser
 from .kinds import attention_kinds, make_attention, register_attention
-from .layers import (AttentionMaps, Decoder, DecoderLayer, DecodingCache, Encoder, EncoderLayer,
-                     FeedForward)
+from .layers import (
+    AttentionMaps,
+    Decoder,
+    DecoderLayer,
+    DecodingCache,
+    Encoder,
+    EncoderLayer,
+    FeedForward,
+)
 from .transformer import DecoderLM, EncoderClassifier, Seq2SeqTransformer
 from .vit import ViT
 

@@ -7,6 +7,7 @@ shard of a context-parallel sequence gets the positions it holds in the whole se
 
 Shape alphabet: B batch, T tokens, P patches, C model dim.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,13 @@ import math
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LearnedPositions", "PatchEmbedding", "SinusoidalPositions", "TokenEmbedding",
-           "POSITIONS"]
+__all__ = [
+    "POSITIONS",
+    "LearnedPositions",
+    "PatchEmbedding",
+    "SinusoidalPositions",
+    "TokenEmbedding",
+]
 
 
 class LearnedPositions(nn.Module):
@@ -34,10 +40,12 @@ class LearnedPositions(nn.Module):
 
     def forward(self, start: int, length: int) -> Tensor:
         if start + length > self.max_len:
-            raise ValueError(f"positions {start}..{start + length - 1} do not fit learned "
-                             f"position embeddings of max_len={self.max_len}; build the model "
-                             f"with max_len >= {start + length} (or positions='sinusoidal')")
-        return self.weight[start:start + length]  # (length, C)
+            raise ValueError(
+                f"positions {start}..{start + length - 1} do not fit learned "
+                f"position embeddings of max_len={self.max_len}; build the model "
+                f"with max_len >= {start + length} (or positions='sinusoidal')"
+            )
+        return self.weight[start : start + length]  # (length, C)
 
 
 class SinusoidalPositions(nn.Module):
@@ -48,21 +56,26 @@ class SinusoidalPositions(nn.Module):
         ``forward(start, length)`` -> ``(length, C)``; C must be even.
     """
 
-    def __init__(self, embed_dim: int, *, max_len: int | None = None, device=None,
-                 dtype=None) -> None:
+    def __init__(
+        self, embed_dim: int, *, max_len: int | None = None, device=None, dtype=None
+    ) -> None:
         super().__init__()
         if embed_dim % 2:
-            raise ValueError(f"sinusoidal positions pair a sin and a cos per frequency: "
-                             f"embed_dim must be even, got {embed_dim}")
+            raise ValueError(
+                f"sinusoidal positions pair a sin and a cos per frequency: "
+                f"embed_dim must be even, got {embed_dim}"
+            )
         self.max_len = None  # any position; max_len is accepted for a common signature
         i = torch.arange(0, embed_dim, 2, dtype=torch.float64, device=device)  # (C/2,)
         inv_freq = torch.exp(-math.log(10000.0) * i / embed_dim)  # (C/2,)
-        self.register_buffer("inv_freq", inv_freq.to(dtype or torch.get_default_dtype()),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", inv_freq.to(dtype or torch.get_default_dtype()), persistent=False
+        )
 
     def forward(self, start: int, length: int) -> Tensor:
-        p = torch.arange(start, start + length, device=self.inv_freq.device,
-                         dtype=self.inv_freq.dtype)  # (length,)
+        p = torch.arange(
+            start, start + length, device=self.inv_freq.device, dtype=self.inv_freq.dtype
+        )  # (length,)
         angles = p[:, None] * self.inv_freq  # (length, C/2)
         return torch.stack((angles.sin(), angles.cos()), -1).flatten(-2)  # (length, C)
 
@@ -88,18 +101,29 @@ class TokenEmbedding(nn.Module):
         (their lengths sum to T).
     """
 
-    def __init__(self, vocab_size: int, embed_dim: int, *, positions: str = "learned",
-                 max_len: int = 512, dropout: float = 0.0, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_dim: int,
+        *,
+        positions: str = "learned",
+        max_len: int = 512,
+        dropout: float = 0.0,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         _check_positive("vocab_size", vocab_size)
         _check_positive("embed_dim", embed_dim)
         if positions not in POSITIONS:
-            raise ValueError(f"unknown positions {positions!r}; choose one of "
-                             f"{', '.join(map(repr, POSITIONS))}")
+            raise ValueError(
+                f"unknown positions {positions!r}; choose one of {', '.join(map(repr, POSITIONS))}"
+            )
         self.tokens = nn.Embedding(vocab_size, embed_dim, device=device, dtype=dtype)
         nn.init.normal_(self.tokens.weight, std=0.02)
-        self.positions = POSITIONS[positions](embed_dim, max_len=max_len, device=device,
-                                              dtype=dtype)
+        self.positions = POSITIONS[positions](
+            embed_dim, max_len=max_len, device=device, dtype=dtype
+        )
         self.dropout = nn.Dropout(dropout)
 
     @property
@@ -107,15 +131,18 @@ class TokenEmbedding(nn.Module):
         """The most positions it embeds (None: any)."""
         return self.positions.max_len
 
-    def forward(self, tokens: Tensor, *, start: int = 0,
-                segments: list[tuple[int, int]] | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, *, start: int = 0, segments: list[tuple[int, int]] | None = None
+    ) -> Tensor:
         x = self.tokens(tokens)  # (B, T, C)
-        x = x + self.position_embeddings(tokens.shape[1], start=start,
-                                         segments=segments).to(x.dtype)  # (B, T, C)
+        x = x + self.position_embeddings(tokens.shape[1], start=start, segments=segments).to(
+            x.dtype
+        )  # (B, T, C)
         return self.dropout(x)
 
-    def position_embeddings(self, length: int, *, start: int = 0,
-                            segments: list[tuple[int, int]] | None = None) -> Tensor:
+    def position_embeddings(
+        self, length: int, *, start: int = 0, segments: list[tuple[int, int]] | None = None
+    ) -> Tensor:
         """The position embeddings of ``length`` tokens from ``start``, or of the runs
         ``segments`` (a context-parallel shard's whole-sequence positions).
 
@@ -125,8 +152,10 @@ class TokenEmbedding(nn.Module):
         if segments is None:
             return self.positions(start, length)  # (length, C)
         if start or sum(b - a for a, b in segments) != length:
-            raise ValueError(f"segments {segments} must cover the {length} tokens given, "
-                             f"with start=0 (got start={start})")
+            raise ValueError(
+                f"segments {segments} must cover the {length} tokens given, "
+                f"with start=0 (got start={start})"
+            )
         parts = [self.positions(a, b - a) for a, b in segments] or [self.positions(0, 0)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # (length, C)
 
@@ -148,30 +177,47 @@ class PatchEmbedding(nn.Module):
         ``P = (height / patch_size) * (width / patch_size)``.
     """
 
-    def __init__(self, image_size: int | tuple[int, int], patch_size: int, in_channels: int,
-                 embed_dim: int, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        image_size: int | tuple[int, int],
+        patch_size: int,
+        in_channels: int,
+        embed_dim: int,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         height, width = (image_size, image_size) if isinstance(image_size, int) else image_size
-        for name, n in (("image height", height), ("image width", width),
-                        ("patch_size", patch_size), ("in_channels", in_channels)):
+        for name, n in (
+            ("image height", height),
+            ("image width", width),
+            ("patch_size", patch_size),
+            ("in_channels", in_channels),
+        ):
             _check_positive(name, n)
         if height % patch_size or width % patch_size:
             fits = [p for p in range(1, min(height, width) + 1) if height % p == 0 == width % p]
-            raise ValueError(f"image size {height}x{width} is not divisible by patch_size="
-                             f"{patch_size}; choose a patch size dividing both sides: {fits}")
+            raise ValueError(
+                f"image size {height}x{width} is not divisible by patch_size="
+                f"{patch_size}; choose a patch size dividing both sides: {fits}"
+            )
         self.image_size, self.patch_size = (height, width), patch_size
         self.in_channels = in_channels
         self.grid = (height // patch_size, width // patch_size)
         self.num_patches = self.grid[0] * self.grid[1]
-        self.proj = nn.Conv2d(in_channels, embed_dim, patch_size, stride=patch_size,
-                              device=device, dtype=dtype)
+        self.proj = nn.Conv2d(
+            in_channels, embed_dim, patch_size, stride=patch_size, device=device, dtype=dtype
+        )
 
     def forward(self, images: Tensor) -> Tensor:
         want = (self.in_channels, *self.image_size)
         if not isinstance(images, Tensor) or images.dim() != 4 or tuple(images.shape[1:]) != want:
             got = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
-            raise ValueError(f"images must be (B, in_channels, height, width) = (B, {want[0]}, "
-                             f"{want[1]}, {want[2]}) as built, got {got}")
+            raise ValueError(
+                f"images must be (B, in_channels, height, width) = (B, {want[0]}, "
+                f"{want[1]}, {want[2]}) as built, got {got}"
+            )
         x = self.proj(images)  # (B, C, height / patch, width / patch)
         return x.flatten(2).transpose(1, 2)  # (B, P, C)
 

@@ -6,10 +6,11 @@ restricted to the ``top_k`` largest logits when given, with a ``torch.Generator`
 
 Shape alphabet: B batch, V vocabulary, N new tokens.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -30,17 +31,29 @@ class TokenChooser:
         ``chooser(logits)``: ``(B, V)`` -> ``(B,)`` int64.
     """
 
-    def __init__(self, *, greedy: bool = True, temperature: float = 1.0,
-                 top_k: int | None = None, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+    ) -> None:
         if greedy and (temperature != 1.0 or top_k is not None or seed is not None):
-            raise ValueError("greedy decoding takes the argmax: temperature, top_k and seed "
-                             "apply to sampling only; pass greedy=False to sample")
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature)
-                and temperature > 0):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r} "
-                             f"(for the argmax use greedy=True)")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
-                                  or top_k <= 0):
+            raise ValueError(
+                "greedy decoding takes the argmax: temperature, top_k and seed "
+                "apply to sampling only; pass greedy=False to sample"
+            )
+        if not (
+            isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0
+        ):
+            raise ValueError(
+                f"temperature must be a finite number > 0, got {temperature!r} "
+                f"(for the argmax use greedy=True)"
+            )
+        if top_k is not None and (
+            isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0
+        ):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
@@ -71,8 +84,15 @@ class TokenChooser:
 
 
 @torch.no_grad()
-def decode_loop(step: Callable[[Tensor], Tensor], logits: Tensor, max_new_tokens: int, *,
-                choose: TokenChooser, eos: int | None, pad: int) -> Tensor:
+def decode_loop(
+    step: Callable[[Tensor], Tensor],
+    logits: Tensor,
+    max_new_tokens: int,
+    *,
+    choose: TokenChooser,
+    eos: int | None,
+    pad: int,
+) -> Tensor:
     """Choose ``max_new_tokens`` tokens, feeding each back through ``step``.
 
     ``logits`` are those of the last prompt position; ``step(tokens (B, 1))`` returns the
@@ -96,11 +116,15 @@ def decode_loop(step: Callable[[Tensor], Tensor], logits: Tensor, max_new_tokens
     return out
 
 
-def check_generate(max_new_tokens: int, eos: int | None, pad: int, vocab_size: int, *,
-                   bos: int | None = None) -> None:
+def check_generate(
+    max_new_tokens: int, eos: int | None, pad: int, vocab_size: int, *, bos: int | None = None
+) -> None:
     """Validate the arguments every ``generate`` shares (token ids: eos and bos may be None)."""
-    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-            or max_new_tokens <= 0):
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens <= 0
+    ):
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     for name, t in (("eos", eos), ("pad", pad), ("bos", bos)):
         if t is None and name != "pad":

@@ -25,18 +25,27 @@ shard ``(B, S_r, C)``) gives this rank's rows of the whole sequence's output.
 
 Shape alphabet: B batch, T (target) length, S source (memory) length, C model dim.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from torch import Tensor, nn
 
 from ..trace import MultiHeadTrace
 from .kinds import make_attention
 
-__all__ = ["AttentionMaps", "Decoder", "DecoderLayer", "DecodingCache", "Encoder",
-           "EncoderLayer", "FeedForward"]
+__all__ = [
+    "AttentionMaps",
+    "Decoder",
+    "DecoderLayer",
+    "DecodingCache",
+    "Encoder",
+    "EncoderLayer",
+    "FeedForward",
+]
 
 
 @dataclass(frozen=True)
@@ -97,8 +106,9 @@ class FeedForward(nn.Sequential):
 
     def __init__(self, embed_dim: int, ffn_dim: int, *, device=None, dtype=None) -> None:
         kw = dict(device=device, dtype=dtype)
-        super().__init__(nn.Linear(embed_dim, ffn_dim, **kw), nn.GELU(),
-                         nn.Linear(ffn_dim, embed_dim, **kw))
+        super().__init__(
+            nn.Linear(embed_dim, ffn_dim, **kw), nn.GELU(), nn.Linear(ffn_dim, embed_dim, **kw)
+        )
 
 
 class _Residual(nn.Module):
@@ -111,8 +121,9 @@ class _Residual(nn.Module):
         self.norm_first = bool(norm_first)
         self.dropout = nn.Dropout(dropout)
 
-    def _sublayer(self, x: Tensor, norm: nn.LayerNorm,
-                  branch: Callable[[Tensor], tuple[Tensor, Any]]) -> tuple[Tensor, Any]:
+    def _sublayer(
+        self, x: Tensor, norm: nn.LayerNorm, branch: Callable[[Tensor], tuple[Tensor, Any]]
+    ) -> tuple[Tensor, Any]:
         """Pre-norm ``x + drop(f(norm(x)))`` or post-norm ``norm(x + drop(f(x)))``; ``branch``
         returns ``(f(x), trace or None)``."""
         y, trace = branch(norm(x) if self.norm_first else x)  # (B, T, C)
@@ -146,28 +157,61 @@ class EncoderLayer(_Residual):
         Context parallel: this rank's shards ``(B, T_r, C)`` and ``(B, T_r)``.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, ffn_dim: int | None = None,
-                 dropout: float = 0.0, norm_first: bool = True, attention: str = "exact",
-                 attention_options: Mapping[str, Any] | None = None, context_group=None,
-                 context_layout: str = "contiguous", device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        ffn_dim: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        attention: str = "exact",
+        attention_options: Mapping[str, Any] | None = None,
+        context_group=None,
+        context_layout: str = "contiguous",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__(dropout, norm_first)
         kw = dict(device=device, dtype=dtype)
-        self.self_attn = make_attention(attention, embed_dim, num_heads,
-                                        options=attention_options, context_group=context_group,
-                                        context_layout=context_layout, **kw)
+        self.self_attn = make_attention(
+            attention,
+            embed_dim,
+            num_heads,
+            options=attention_options,
+            context_group=context_group,
+            context_layout=context_layout,
+            **kw,
+        )
         self.ffn = FeedForward(embed_dim, ffn_dim or 4 * embed_dim, **kw)
         self.norm1, self.norm2 = nn.LayerNorm(embed_dim, **kw), nn.LayerNorm(embed_dim, **kw)
 
-    def forward(self, x: Tensor, *, key_mask: Tensor | None = None, is_causal: bool = False,
-                cache=None, return_attention: bool = False):
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache=None,
+        return_attention: bool = False,
+    ):
         """Returns ``x`` or, with ``return_attention``, ``(x, self-attention trace)``.
 
         With ``cache`` (this layer's entry of a :class:`DecodingCache`), ``x`` holds the next
         positions; they attend causally to the cached ones and are appended.
         """
-        x, trace = self._sublayer(x, self.norm1, lambda h: _attend(
-            self.self_attn, return_attention, h, key_mask=key_mask, is_causal=is_causal,
-            cache=cache))  # (B, T, C)
+        x, trace = self._sublayer(
+            x,
+            self.norm1,
+            lambda h: _attend(
+                self.self_attn,
+                return_attention,
+                h,
+                key_mask=key_mask,
+                is_causal=is_causal,
+                cache=cache,
+            ),
+        )  # (B, T, C)
         x, _ = self._sublayer(x, self.norm2, lambda h: (self.ffn(h), None))  # (B, T, C)
         return (x, trace) if return_attention else x
 
@@ -193,36 +237,65 @@ class DecoderLayer(_Residual):
         ``(B, T_r, C)``, ``(B, S_r, C)``, ``(B, T_r)``, ``(B, S_r)``.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, ffn_dim: int | None = None,
-                 dropout: float = 0.0, norm_first: bool = True, attention: str = "exact",
-                 attention_options: Mapping[str, Any] | None = None,
-                 cross_attention: str = "exact",
-                 cross_attention_options: Mapping[str, Any] | None = None,
-                 context_group=None, context_layout: str = "contiguous", device=None,
-                 dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        ffn_dim: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        attention: str = "exact",
+        attention_options: Mapping[str, Any] | None = None,
+        cross_attention: str = "exact",
+        cross_attention_options: Mapping[str, Any] | None = None,
+        context_group=None,
+        context_layout: str = "contiguous",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__(dropout, norm_first)
-        kw = dict(device=device, dtype=dtype, context_group=context_group,
-                  context_layout=context_layout)
-        self.self_attn = make_attention(attention, embed_dim, num_heads,
-                                        options=attention_options, **kw)
-        self.cross_attn = make_attention(cross_attention, embed_dim, num_heads,
-                                         options=cross_attention_options, **kw)
+        kw = dict(
+            device=device, dtype=dtype, context_group=context_group, context_layout=context_layout
+        )
+        self.self_attn = make_attention(
+            attention, embed_dim, num_heads, options=attention_options, **kw
+        )
+        self.cross_attn = make_attention(
+            cross_attention, embed_dim, num_heads, options=cross_attention_options, **kw
+        )
         kw = dict(device=device, dtype=dtype)
         self.ffn = FeedForward(embed_dim, ffn_dim or 4 * embed_dim, **kw)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(embed_dim, **kw) for _ in range(3))
 
-    def forward(self, x: Tensor, memory: Tensor, *, key_mask: Tensor | None = None,
-                memory_mask: Tensor | None = None, cache=None, return_attention: bool = False):
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        *,
+        key_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        cache=None,
+        return_attention: bool = False,
+    ):
         """Returns ``x`` or, with ``return_attention``, ``(x, self trace, cross trace)``.
 
         The self-attention is causal; with ``cache`` ``x`` holds the next positions.
         """
-        x, self_trace = self._sublayer(x, self.norm1, lambda h: _attend(
-            self.self_attn, return_attention, h, key_mask=key_mask, is_causal=True,
-            cache=cache))  # (B, T, C)
-        x, cross_trace = self._sublayer(x, self.norm2, lambda h: _attend(
-            self.cross_attn, return_attention, h, memory, memory,
-            key_mask=memory_mask))  # (B, T, C)
+        x, self_trace = self._sublayer(
+            x,
+            self.norm1,
+            lambda h: _attend(
+                self.self_attn, return_attention, h, key_mask=key_mask, is_causal=True, cache=cache
+            ),
+        )  # (B, T, C)
+        x, cross_trace = self._sublayer(
+            x,
+            self.norm2,
+            lambda h: _attend(
+                self.cross_attn, return_attention, h, memory, memory, key_mask=memory_mask
+            ),
+        )  # (B, T, C)
         x, _ = self._sublayer(x, self.norm3, lambda h: (self.ffn(h), None))  # (B, T, C)
         return (x, self_trace, cross_trace) if return_attention else x
 
@@ -230,29 +303,34 @@ class DecoderLayer(_Residual):
 class _Stack(nn.Module):
     """Layers, then the final LayerNorm of a pre-norm stack (post-norm ends normalised)."""
 
-    def __init__(self, layers: list[_Residual], embed_dim: int, *, device=None,
-                 dtype=None) -> None:
+    def __init__(self, layers: list[_Residual], embed_dim: int, *, device=None, dtype=None) -> None:
         super().__init__()
         if not layers:
             raise ValueError("a stack needs num_layers >= 1")
         self.layers = nn.ModuleList(layers)
-        self.norm = (nn.LayerNorm(embed_dim, device=device, dtype=dtype)
-                     if layers[0].norm_first else nn.Identity())
+        self.norm = (
+            nn.LayerNorm(embed_dim, device=device, dtype=dtype)
+            if layers[0].norm_first
+            else nn.Identity()
+        )
 
     def new_cache(self, batch_size: int, capacity: int) -> DecodingCache:
         """Empty self-attention caches for decoding ``capacity`` positions of ``batch_size``
         sequences (each layer's attention module makes its own)."""
-        return DecodingCache([layer.self_attn.new_cache(batch_size, capacity)
-                              for layer in self.layers])
+        return DecodingCache(
+            [layer.self_attn.new_cache(batch_size, capacity) for layer in self.layers]
+        )
 
     def _layer_caches(self, cache: DecodingCache | None) -> list:
         if cache is None:
             return [None] * len(self.layers)
         if not isinstance(cache, DecodingCache) or len(cache) != len(self.layers):
-            got = (f"{len(cache)} layers" if isinstance(cache, DecodingCache)
-                   else type(cache).__name__)
-            raise ValueError(f"cache must be this stack's new_cache() ({len(self.layers)} "
-                             f"layers), got {got}")
+            got = (
+                f"{len(cache)} layers" if isinstance(cache, DecodingCache) else type(cache).__name__
+            )
+            raise ValueError(
+                f"cache must be this stack's new_cache() ({len(self.layers)} layers), got {got}"
+            )
         return cache.layers
 
 
@@ -272,17 +350,30 @@ class Encoder(_Stack):
 
     def __init__(self, num_layers: int, embed_dim: int, num_heads: int, **layer_kwargs) -> None:
         layers = [EncoderLayer(embed_dim, num_heads, **layer_kwargs) for _ in range(num_layers)]
-        super().__init__(layers, embed_dim, device=layer_kwargs.get("device"),
-                         dtype=layer_kwargs.get("dtype"))
+        super().__init__(
+            layers, embed_dim, device=layer_kwargs.get("device"), dtype=layer_kwargs.get("dtype")
+        )
 
-    def forward(self, x: Tensor, *, key_mask: Tensor | None = None, is_causal: bool = False,
-                cache: DecodingCache | None = None, return_attention: bool = False):
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache: DecodingCache | None = None,
+        return_attention: bool = False,
+    ):
         """Returns ``x`` or ``(x, [trace per layer])``; ``is_causal=True`` makes it a decoder
         without cross-attention (DecoderLM); ``cache`` as :meth:`EncoderLayer.forward`."""
         traces = []
         for layer, layer_cache in zip(self.layers, self._layer_caches(cache)):
-            x = layer(x, key_mask=key_mask, is_causal=is_causal, cache=layer_cache,
-                      return_attention=return_attention)  # (B, T, C)
+            x = layer(
+                x,
+                key_mask=key_mask,
+                is_causal=is_causal,
+                cache=layer_cache,
+                return_attention=return_attention,
+            )  # (B, T, C)
             if return_attention:
                 x, trace = x
                 traces.append(trace)
@@ -306,17 +397,31 @@ class Decoder(_Stack):
 
     def __init__(self, num_layers: int, embed_dim: int, num_heads: int, **layer_kwargs) -> None:
         layers = [DecoderLayer(embed_dim, num_heads, **layer_kwargs) for _ in range(num_layers)]
-        super().__init__(layers, embed_dim, device=layer_kwargs.get("device"),
-                         dtype=layer_kwargs.get("dtype"))
+        super().__init__(
+            layers, embed_dim, device=layer_kwargs.get("device"), dtype=layer_kwargs.get("dtype")
+        )
 
-    def forward(self, x: Tensor, memory: Tensor, *, key_mask: Tensor | None = None,
-                memory_mask: Tensor | None = None, cache: DecodingCache | None = None,
-                return_attention: bool = False):
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        *,
+        key_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        cache: DecodingCache | None = None,
+        return_attention: bool = False,
+    ):
         """Returns ``x`` or ``(x, [self trace per layer], [cross trace per layer])``."""
         self_traces, cross_traces = [], []
         for layer, layer_cache in zip(self.layers, self._layer_caches(cache)):
-            x = layer(x, memory, key_mask=key_mask, memory_mask=memory_mask, cache=layer_cache,
-                      return_attention=return_attention)  # (B, T, C)
+            x = layer(
+                x,
+                memory,
+                key_mask=key_mask,
+                memory_mask=memory_mask,
+                cache=layer_cache,
+                return_attention=return_attention,
+            )  # (B, T, C)
             if return_attention:
                 x, self_trace, cross_trace = x
                 self_traces.append(self_trace)

@@ -25,9 +25,11 @@ over the sequence and refuse a context_group.
 Shape alphabet: B batch, T (target) length, S source length, C model dim, V vocabulary,
 K classes, N new tokens; T_r, S_r this rank's shard of T, S.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -74,25 +76,55 @@ class DecoderLM(nn.Module):
 
     context_group = ContextGroupAttribute()
 
-    def __init__(self, vocab_size: int, embed_dim: int, num_heads: int, num_layers: int, *,
-                 ffn_dim: int | None = None, dropout: float = 0.0, norm_first: bool = True,
-                 attention: str = "exact", attention_options: Mapping[str, Any] | None = None,
-                 positions: str = "learned", max_len: int = 512, context_group=None,
-                 context_layout: str = "contiguous", device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_dim: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        ffn_dim: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        attention: str = "exact",
+        attention_options: Mapping[str, Any] | None = None,
+        positions: str = "learned",
+        max_len: int = 512,
+        context_group=None,
+        context_layout: str = "contiguous",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.vocab_size = vocab_size
         self.context_group, self.context_layout = context_group, context_layout
-        self.embed = TokenEmbedding(vocab_size, embed_dim, positions=positions, max_len=max_len,
-                                    dropout=dropout, **kw)
-        self.blocks = Encoder(num_layers, embed_dim, num_heads, ffn_dim=ffn_dim, dropout=dropout,
-                              norm_first=norm_first, attention=attention,
-                              attention_options=attention_options, context_group=context_group,
-                              context_layout=context_layout, **kw)  # run causally
+        self.embed = TokenEmbedding(
+            vocab_size, embed_dim, positions=positions, max_len=max_len, dropout=dropout, **kw
+        )
+        self.blocks = Encoder(
+            num_layers,
+            embed_dim,
+            num_heads,
+            ffn_dim=ffn_dim,
+            dropout=dropout,
+            norm_first=norm_first,
+            attention=attention,
+            attention_options=attention_options,
+            context_group=context_group,
+            context_layout=context_layout,
+            **kw,
+        )  # run causally
         self.head = nn.Linear(embed_dim, vocab_size, bias=False, **kw)
 
-    def forward(self, tokens: Tensor, *, key_mask: Tensor | None = None,
-                cache: DecodingCache | None = None, return_attention: bool = False):
+    def forward(
+        self,
+        tokens: Tensor,
+        *,
+        key_mask: Tensor | None = None,
+        cache: DecodingCache | None = None,
+        return_attention: bool = False,
+    ):
         """Next-token logits at every position (causal: position t sees tokens 0..t).
 
         With ``cache`` (from :meth:`new_cache`), ``tokens`` are the next positions of the
@@ -101,10 +133,12 @@ class DecoderLM(nn.Module):
         Returns logits, or ``(logits, AttentionMaps)`` with ``decoder`` filled.
         """
         _check_tokens("tokens", tokens, key_mask, shard=self.context_group is not None)
-        x = _embed_at(self.embed, tokens, cache, self.context_group,
-                      self.context_layout)  # (B, T, C)
-        x = self.blocks(x, key_mask=key_mask, is_causal=True, cache=cache,
-                        return_attention=return_attention)  # (B, T, C)
+        x = _embed_at(
+            self.embed, tokens, cache, self.context_group, self.context_layout
+        )  # (B, T, C)
+        x = self.blocks(
+            x, key_mask=key_mask, is_causal=True, cache=cache, return_attention=return_attention
+        )  # (B, T, C)
         x, traces = x if return_attention else (x, None)
         logits = self.head(x)  # (B, T, V)
         return (logits, AttentionMaps(decoder=traces)) if return_attention else logits
@@ -114,10 +148,20 @@ class DecoderLM(nn.Module):
         return self.blocks.new_cache(batch_size, capacity)
 
     @torch.no_grad()
-    def generate(self, prompt: Tensor, max_new_tokens: int, *, key_mask: Tensor | None = None,
-                 greedy: bool = True, temperature: float = 1.0, top_k: int | None = None,
-                 seed: int | None = None, eos: int | None = None, pad: int = 0,
-                 capacity: int | None = None) -> Tensor:
+    def generate(
+        self,
+        prompt: Tensor,
+        max_new_tokens: int,
+        *,
+        key_mask: Tensor | None = None,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        eos: int | None = None,
+        pad: int = 0,
+        capacity: int | None = None,
+    ) -> Tensor:
         """Continue ``prompt`` by ``max_new_tokens`` tokens (call ``.eval()`` first).
 
         The prompt is prefilled into fresh caches (``capacity`` defaults to prompt +
@@ -148,8 +192,14 @@ class DecoderLM(nn.Module):
         _check_max_len(self.embed, T + max_new_tokens - 1)
         cache = self.new_cache(B, T + max_new_tokens if capacity is None else capacity)
         logits = self(prompt, key_mask=key_mask, cache=cache)[:, -1]  # (B, V)
-        new = decode_loop(lambda t: self(t, cache=cache)[:, -1], logits, max_new_tokens,
-                          choose=choose, eos=eos, pad=pad)  # (B, N)
+        new = decode_loop(
+            lambda t: self(t, cache=cache)[:, -1],
+            logits,
+            max_new_tokens,
+            choose=choose,
+            eos=eos,
+            pad=pad,
+        )  # (B, N)
         return torch.cat([prompt, new], 1)  # (B, T + N)
 
 
@@ -184,45 +234,80 @@ class Seq2SeqTransformer(nn.Module):
 
     context_group = ContextGroupAttribute()
 
-    def __init__(self, vocab_size: int, embed_dim: int, num_heads: int, num_layers: int, *,
-                 num_decoder_layers: int | None = None, ffn_dim: int | None = None,
-                 dropout: float = 0.0, norm_first: bool = True, attention: str = "exact",
-                 attention_options: Mapping[str, Any] | None = None,
-                 cross_attention: str = "exact",
-                 cross_attention_options: Mapping[str, Any] | None = None,
-                 positions: str = "learned", max_len: int = 512, context_group=None,
-                 context_layout: str = "contiguous", device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_dim: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        num_decoder_layers: int | None = None,
+        ffn_dim: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        attention: str = "exact",
+        attention_options: Mapping[str, Any] | None = None,
+        cross_attention: str = "exact",
+        cross_attention_options: Mapping[str, Any] | None = None,
+        positions: str = "learned",
+        max_len: int = 512,
+        context_group=None,
+        context_layout: str = "contiguous",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.context_group, self.context_layout = context_group, context_layout
-        layer = dict(ffn_dim=ffn_dim, dropout=dropout, norm_first=norm_first,
-                     attention=attention, attention_options=attention_options,
-                     context_group=context_group, context_layout=context_layout, **kw)
+        layer = dict(
+            ffn_dim=ffn_dim,
+            dropout=dropout,
+            norm_first=norm_first,
+            attention=attention,
+            attention_options=attention_options,
+            context_group=context_group,
+            context_layout=context_layout,
+            **kw,
+        )
         embed = dict(positions=positions, max_len=max_len, dropout=dropout, **kw)
         self.vocab_size = vocab_size
         self.src_embed = TokenEmbedding(vocab_size, embed_dim, **embed)
         self.tgt_embed = TokenEmbedding(vocab_size, embed_dim, **embed)
         self.encoder = Encoder(num_layers, embed_dim, num_heads, **layer)
-        self.decoder = Decoder(num_layers if num_decoder_layers is None else num_decoder_layers,
-                               embed_dim, num_heads, cross_attention=cross_attention,
-                               cross_attention_options=cross_attention_options, **layer)
+        self.decoder = Decoder(
+            num_layers if num_decoder_layers is None else num_decoder_layers,
+            embed_dim,
+            num_heads,
+            cross_attention=cross_attention,
+            cross_attention_options=cross_attention_options,
+            **layer,
+        )
         self.head = nn.Linear(embed_dim, vocab_size, bias=False, **kw)
 
-    def encode(self, src: Tensor, *, src_key_mask: Tensor | None = None,
-               return_attention: bool = False):
+    def encode(
+        self, src: Tensor, *, src_key_mask: Tensor | None = None, return_attention: bool = False
+    ):
         """The encoder output (the memory), or ``(memory, [trace per layer])``.
 
         Shape:
             src ``(B, S)`` -> ``(B, S, C)``.
         """
         _check_tokens("src", src, src_key_mask, shard=self.context_group is not None)
-        x = _embed_at(self.src_embed, src, None, self.context_group,
-                      self.context_layout)  # (B, S, C)
+        x = _embed_at(
+            self.src_embed, src, None, self.context_group, self.context_layout
+        )  # (B, S, C)
         return self.encoder(x, key_mask=src_key_mask, return_attention=return_attention)
 
-    def decode(self, tgt: Tensor, memory: Tensor, *, tgt_key_mask: Tensor | None = None,
-               src_key_mask: Tensor | None = None, cache: DecodingCache | None = None,
-               return_attention: bool = False):
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        *,
+        tgt_key_mask: Tensor | None = None,
+        src_key_mask: Tensor | None = None,
+        cache: DecodingCache | None = None,
+        return_attention: bool = False,
+    ):
         """Logits of the next target token at every target position, given the memory.
 
         With ``cache`` (from :meth:`new_cache`), ``tgt`` holds the next target positions.
@@ -232,17 +317,31 @@ class Seq2SeqTransformer(nn.Module):
             tgt ``(B, T)``; memory ``(B, S, C)`` -> ``(B, T, V)``.
         """
         _check_tokens("tgt", tgt, tgt_key_mask, shard=self.context_group is not None)
-        x = _embed_at(self.tgt_embed, tgt, cache, self.context_group,
-                      self.context_layout)  # (B, T, C)
-        x = self.decoder(x, memory, key_mask=tgt_key_mask, memory_mask=src_key_mask,
-                         cache=cache, return_attention=return_attention)  # (B, T, C)
+        x = _embed_at(
+            self.tgt_embed, tgt, cache, self.context_group, self.context_layout
+        )  # (B, T, C)
+        x = self.decoder(
+            x,
+            memory,
+            key_mask=tgt_key_mask,
+            memory_mask=src_key_mask,
+            cache=cache,
+            return_attention=return_attention,
+        )  # (B, T, C)
         if not return_attention:
             return self.head(x)  # (B, T, V)
         x, self_traces, cross_traces = x
         return self.head(x), self_traces, cross_traces  # (B, T, V)
 
-    def forward(self, src: Tensor, tgt: Tensor, *, src_key_mask: Tensor | None = None,
-                tgt_key_mask: Tensor | None = None, return_attention: bool = False):
+    def forward(
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        *,
+        src_key_mask: Tensor | None = None,
+        tgt_key_mask: Tensor | None = None,
+        return_attention: bool = False,
+    ):
         """Teacher-forced logits: position t of ``tgt`` predicts target token t + 1.
 
         Returns logits, or ``(logits, AttentionMaps)`` with ``encoder``, ``decoder`` and
@@ -253,8 +352,8 @@ class Seq2SeqTransformer(nn.Module):
             return self.decode(tgt, memory, tgt_key_mask=tgt_key_mask, src_key_mask=src_key_mask)
         memory, enc_traces = memory
         logits, self_traces, cross_traces = self.decode(
-            tgt, memory, tgt_key_mask=tgt_key_mask, src_key_mask=src_key_mask,
-            return_attention=True)  # (B, T, V)
+            tgt, memory, tgt_key_mask=tgt_key_mask, src_key_mask=src_key_mask, return_attention=True
+        )  # (B, T, V)
         return logits, AttentionMaps(encoder=enc_traces, decoder=self_traces, cross=cross_traces)
 
     def new_cache(self, batch_size: int, capacity: int) -> DecodingCache:
@@ -262,10 +361,21 @@ class Seq2SeqTransformer(nn.Module):
         return self.decoder.new_cache(batch_size, capacity)
 
     @torch.no_grad()
-    def generate(self, src: Tensor, max_new_tokens: int, *, bos: int,
-                 src_key_mask: Tensor | None = None, greedy: bool = True,
-                 temperature: float = 1.0, top_k: int | None = None, seed: int | None = None,
-                 eos: int | None = None, pad: int = 0, capacity: int | None = None) -> Tensor:
+    def generate(
+        self,
+        src: Tensor,
+        max_new_tokens: int,
+        *,
+        bos: int,
+        src_key_mask: Tensor | None = None,
+        greedy: bool = True,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        eos: int | None = None,
+        pad: int = 0,
+        capacity: int | None = None,
+    ) -> Tensor:
         """Translate ``src``: encode it once, then decode from ``bos`` one token at a time.
 
         Arguments as :meth:`DecoderLM.generate`; ``capacity`` defaults to
@@ -291,8 +401,9 @@ class Seq2SeqTransformer(nn.Module):
         def step(tokens: Tensor) -> Tensor:
             return self.decode(tokens, memory, src_key_mask=src_key_mask, cache=cache)[:, -1]
 
-        new = decode_loop(step, step(start), max_new_tokens, choose=choose, eos=eos,
-                          pad=pad)  # (B, N)
+        new = decode_loop(
+            step, step(start), max_new_tokens, choose=choose, eos=eos, pad=pad
+        )  # (B, N)
         return torch.cat([start, new], 1)  # (B, 1 + N)
 
 
@@ -321,31 +432,56 @@ class EncoderClassifier(nn.Module):
 
     POOLINGS = ("cls", "mean")
 
-    def __init__(self, vocab_size: int, num_classes: int, embed_dim: int, num_heads: int,
-                 num_layers: int, *, pooling: str = "cls", ffn_dim: int | None = None,
-                 dropout: float = 0.0, norm_first: bool = True, attention: str = "exact",
-                 attention_options: Mapping[str, Any] | None = None,
-                 positions: str = "learned", max_len: int = 512, context_group=None,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        num_classes: int,
+        embed_dim: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        pooling: str = "cls",
+        ffn_dim: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        attention: str = "exact",
+        attention_options: Mapping[str, Any] | None = None,
+        positions: str = "learned",
+        max_len: int = 512,
+        context_group=None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         _refuse_pooled_context("EncoderClassifier", context_group)
         if pooling not in self.POOLINGS:
-            raise ValueError(f"unknown pooling {pooling!r}; choose one of "
-                             f"{', '.join(map(repr, self.POOLINGS))}")
+            raise ValueError(
+                f"unknown pooling {pooling!r}; choose one of {', '.join(map(repr, self.POOLINGS))}"
+            )
         kw = dict(device=device, dtype=dtype)
         self.pooling = pooling
-        self.embed = TokenEmbedding(vocab_size, embed_dim, positions=positions, max_len=max_len,
-                                    dropout=dropout, **kw)
+        self.embed = TokenEmbedding(
+            vocab_size, embed_dim, positions=positions, max_len=max_len, dropout=dropout, **kw
+        )
         if pooling == "cls":
             self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim, **kw))
             nn.init.normal_(self.cls_token, std=0.02)
-        self.encoder = Encoder(num_layers, embed_dim, num_heads, ffn_dim=ffn_dim,
-                               dropout=dropout, norm_first=norm_first, attention=attention,
-                               attention_options=attention_options, **kw)
+        self.encoder = Encoder(
+            num_layers,
+            embed_dim,
+            num_heads,
+            ffn_dim=ffn_dim,
+            dropout=dropout,
+            norm_first=norm_first,
+            attention=attention,
+            attention_options=attention_options,
+            **kw,
+        )
         self.head = nn.Linear(embed_dim, num_classes, **kw)
 
-    def forward(self, tokens: Tensor, *, key_mask: Tensor | None = None,
-                return_attention: bool = False):
+    def forward(
+        self, tokens: Tensor, *, key_mask: Tensor | None = None, return_attention: bool = False
+    ):
         """Class logits; or ``(logits, AttentionMaps)`` with ``encoder`` filled (with CLS
         pooling the traces have ``T + 1`` positions, the CLS token first)."""
         _check_tokens("tokens", tokens, key_mask)
@@ -389,11 +525,13 @@ def _refuse_pooled_context(model: str, context_group) -> None:
             f"{model} pools the whole sequence into one vector per example, which no rank of a "
             f"context-parallel group holds, so it takes context_group=None only; to run a "
             f"sharded sequence, use qkv.models.Encoder(..., context_group=group) and pool "
-            f"across the ranks yourself (all-reduce the masked sum and count)")
+            f"across the ranks yourself (all-reduce the masked sum and count)"
+        )
 
 
-def _embed_at(embed: TokenEmbedding, tokens: Tensor, cache: DecodingCache | None, group,
-              layout: str) -> Tensor:
+def _embed_at(
+    embed: TokenEmbedding, tokens: Tensor, cache: DecodingCache | None, group, layout: str
+) -> Tensor:
     """Tokens embedded at their whole-sequence positions: after the cached ones, or, context
     parallel, the runs of positions this rank's shard holds.
 
@@ -403,43 +541,62 @@ def _embed_at(embed: TokenEmbedding, tokens: Tensor, cache: DecodingCache | None
     if group is None:
         return embed(tokens, start=0 if cache is None else cache.position)  # (B, T, C)
     if cache is not None:
-        raise ValueError("decoding with a cache is not context-parallel (the cache holds the "
-                         "whole sequence on one process): decode with a model built without "
-                         "context_group (load this model's state_dict into it)")
+        raise ValueError(
+            "decoding with a cache is not context-parallel (the cache holds the "
+            "whole sequence on one process): decode with a model built without "
+            "context_group (load this model's state_dict into it)"
+        )
     runs = shard_segments(tokens.shape[1], group, layout, tokens.device)
     return embed(tokens, segments=runs)  # (B, T_r, C)
 
 
 def _check_one_process(model: nn.Module, what: str) -> None:
     if model.context_group is not None:
-        raise ValueError(f"{what} decodes one token at a time on one process and is not "
-                         f"context-parallel: call it on a {type(model).__name__} built "
-                         f"without context_group (load this model's state_dict into it)")
+        raise ValueError(
+            f"{what} decodes one token at a time on one process and is not "
+            f"context-parallel: call it on a {type(model).__name__} built "
+            f"without context_group (load this model's state_dict into it)"
+        )
 
 
-def _check_tokens(name: str, tokens: Tensor, key_mask: Tensor | None, *,
-                  shard: bool = False) -> None:
+def _check_tokens(
+    name: str, tokens: Tensor, key_mask: Tensor | None, *, shard: bool = False
+) -> None:
     """Token ids (B, T) with T >= 1 (a context-parallel shard may hold no tokens)."""
-    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point \
-            or tokens.dtype == torch.bool or (tokens.shape[1] == 0 and not shard):
-        got = (f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, Tensor)
-               else type(tokens).__name__)
+    if (
+        not isinstance(tokens, Tensor)
+        or tokens.dim() != 2
+        or tokens.dtype.is_floating_point
+        or tokens.dtype == torch.bool
+        or (tokens.shape[1] == 0 and not shard)
+    ):
+        got = (
+            f"{tokens.dtype} {tuple(tokens.shape)}"
+            if isinstance(tokens, Tensor)
+            else type(tokens).__name__
+        )
         raise ValueError(f"{name} must be integer token ids (B, T) with T >= 1, got {got}")
     if key_mask is None:
         return
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
         got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
-        raise TypeError(f"the key mask of {name} must be a bool tensor, True marking a real "
-                        f"token, got {got}; a padding mask (True = padding) is its inverse: "
-                        f"pass ~padding_mask")
+        raise TypeError(
+            f"the key mask of {name} must be a bool tensor, True marking a real "
+            f"token, got {got}; a padding mask (True = padding) is its inverse: "
+            f"pass ~padding_mask"
+        )
     if key_mask.shape != tokens.shape:
-        raise ValueError(f"the key mask of {name} must have the shape of {name} "
-                         f"{tuple(tokens.shape)}, got {tuple(key_mask.shape)}")
+        raise ValueError(
+            f"the key mask of {name} must have the shape of {name} "
+            f"{tuple(tokens.shape)}, got {tuple(key_mask.shape)}"
+        )
 
 
 def _check_max_len(embed: TokenEmbedding, positions: int) -> None:
     """Fail before decoding when the learned positions cannot reach the last token fed."""
     if embed.max_len is not None and positions > embed.max_len:
-        raise ValueError(f"generating needs {positions} positions but the learned position "
-                         f"embeddings hold max_len={embed.max_len}; ask for fewer tokens or "
-                         f"build the model with a larger max_len (or positions='sinusoidal')")
+        raise ValueError(
+            f"generating needs {positions} positions but the learned position "
+            f"embeddings hold max_len={embed.max_len}; ask for fewer tokens or "
+            f"build the model with a larger max_len (or positions='sinusoidal')"
+        )

@@ -6,9 +6,11 @@ the P + 1 tokens; the CLS output, normalised, goes to a linear classifier.
 
 Shape alphabet: B batch, P patches, C model dim, K classes.
 """
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,11 +46,25 @@ class ViT(nn.Module):
         ``P + 1`` tokens, ``P = (height / patch_size) * (width / patch_size)``.
     """
 
-    def __init__(self, image_size: int | tuple[int, int], patch_size: int, num_classes: int,
-                 embed_dim: int, num_heads: int, num_layers: int, *, in_channels: int = 3,
-                 ffn_dim: int | None = None, dropout: float = 0.0, norm_first: bool = True,
-                 attention: str = "exact", attention_options: Mapping[str, Any] | None = None,
-                 context_group=None, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        image_size: int | tuple[int, int],
+        patch_size: int,
+        num_classes: int,
+        embed_dim: int,
+        num_heads: int,
+        num_layers: int,
+        *,
+        in_channels: int = 3,
+        ffn_dim: int | None = None,
+        dropout: float = 0.0,
+        norm_first: bool = True,
+        attention: str = "exact",
+        attention_options: Mapping[str, Any] | None = None,
+        context_group=None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         _refuse_pooled_context("ViT", context_group)
         kw = dict(device=device, dtype=dtype)
@@ -58,9 +74,17 @@ class ViT(nn.Module):
         for p in (self.cls_token, self.positions):
             nn.init.normal_(p, std=0.02)
         self.dropout = nn.Dropout(dropout)
-        self.encoder = Encoder(num_layers, embed_dim, num_heads, ffn_dim=ffn_dim, dropout=dropout,
-                               norm_first=norm_first, attention=attention,
-                               attention_options=attention_options, **kw)
+        self.encoder = Encoder(
+            num_layers,
+            embed_dim,
+            num_heads,
+            ffn_dim=ffn_dim,
+            dropout=dropout,
+            norm_first=norm_first,
+            attention=attention,
+            attention_options=attention_options,
+            **kw,
+        )
         self.head = nn.Linear(embed_dim, num_classes, **kw)
 
     @property

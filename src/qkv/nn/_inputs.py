@@ -3,6 +3,7 @@ the shard geometry of a context-parallel call (which positions each rank holds).
 
 Shape alphabet: B batch, T query length, S key length, C channels; T_r this rank's shard.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ class ModuleInputs:
     mask: Tensor | None
     unbatched: bool
     key_mask: Tensor | None = None
-    context: "ContextCall | None" = None
+    context: ContextCall | None = None
 
     def single_head_mask(self) -> Tensor | None:
         """The mask for a module without heads: a key_mask's (B, 1, 1, S) becomes (B, 1, S).
@@ -62,7 +63,7 @@ class _Held:
     def __init__(self, group) -> None:
         self.group = group
 
-    def __deepcopy__(self, memo) -> "_Held":
+    def __deepcopy__(self, memo) -> _Held:
         return self
 
     def __reduce__(self):
@@ -108,8 +109,9 @@ def shard_segments(n: int, group, layout: str, device=None) -> list[tuple[int, i
 
     check_layout(layout)
     rank, _ = group_info(group)
-    return segments_from_lengths(shard_lengths(n, group, device), layout, "token",
-                                 "context_group")[rank]
+    return segments_from_lengths(shard_lengths(n, group, device), layout, "token", "context_group")[
+        rank
+    ]
 
 
 def module_inputs(
@@ -162,8 +164,9 @@ def module_inputs(
             f"{tuple(value.shape)} must share the batch size, and key and value the length S"
         )
     _check_key_mask(key_mask, B, S)
-    return ModuleInputs(query, key, value, merge_key_mask(attn_mask, key_mask), unbatched,
-                        key_mask, context)
+    return ModuleInputs(
+        query, key, value, merge_key_mask(attn_mask, key_mask), unbatched, key_mask, context
+    )
 
 
 def _check_key_mask(key_mask: Tensor | None, B: int, S: int) -> None:

@@ -8,6 +8,7 @@ decoder-over-encoder setting it was made for), not long ones.
 
 Shape alphabet: B batch, T query length, S key length, C channels.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,15 @@ class AdditiveAttention(nn.Module):
         key_mask ``(B, S)``.
     """
 
-    def __init__(self, query_dim: int, hidden_dim: int, *, key_dim: int | None = None,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        query_dim: int,
+        hidden_dim: int,
+        *,
+        key_dim: int | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.query_dim, self.key_dim = query_dim, key_dim or query_dim
@@ -45,16 +53,30 @@ class AdditiveAttention(nn.Module):
         self.W_k = nn.Linear(self.key_dim, hidden_dim, bias=False, **kw)
         self.v = nn.Linear(hidden_dim, 1, bias=False, **kw)
 
-    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
-                *, attn_mask: Tensor | None = None, key_mask: Tensor | None = None,
-                is_causal: bool = False, return_trace: bool = False):
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        return_trace: bool = False,
+    ):
         """Weighted sum of ``value`` by softmax over additive scores.
 
         Returns the output, or ``(output, AttentionTrace)`` with ``(B, T, S)`` scores/probs.
         """
-        inp = module_inputs(query, key, value, attn_mask, key_mask,
-                            (self.query_dim, self.key_dim, None),
-                            (self.W_q.weight.dtype, self.W_k.weight.dtype, None))
+        inp = module_inputs(
+            query,
+            key,
+            value,
+            attn_mask,
+            key_mask,
+            (self.query_dim, self.key_dim, None),
+            (self.W_q.weight.dtype, self.W_k.weight.dtype, None),
+        )
         mask = inp.single_head_mask()  # (B, T, S)-broadcastable
         T, S = inp.query.shape[1], inp.key.shape[1]
         if is_causal:
@@ -69,4 +91,3 @@ class AdditiveAttention(nn.Module):
         if not return_trace:
             return out
         return out, AttentionTrace(scores.detach(), probs.detach(), lse.detach(), "additive")
-

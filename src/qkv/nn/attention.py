@@ -7,6 +7,7 @@ at their boundary only. Masks follow qkv's contract: bool True = may attend; ``k
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, C model dim (embed_dim); T_r, S_r this rank's shard of T, S (context parallel).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,11 +17,10 @@ from torch import Tensor, nn
 from .. import masks
 from ..functional import scaled_dot_product_attention
 from ..trace import MultiHeadTrace
-from ._inputs import (ContextCall, ContextGroupAttribute, ModuleInputs, module_inputs,
-                      shard_lengths)
+from ._inputs import ContextCall, ContextGroupAttribute, ModuleInputs, module_inputs, shard_lengths
 from .cache import KVCache
 
-__all__ = ["SelfAttention", "MultiHeadAttention"]
+__all__ = ["MultiHeadAttention", "SelfAttention"]
 
 
 class SelfAttention(nn.Module):
@@ -37,8 +37,16 @@ class SelfAttention(nn.Module):
         x ``(B, T, C)`` or ``(T, C)`` -> ``(B, T, d_v)`` or ``(T, d_v)``.
     """
 
-    def __init__(self, d_model: int, d_k: int, d_v: int | None = None, *,
-                 scale: float | None = None, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        d_k: int,
+        d_v: int | None = None,
+        *,
+        scale: float | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         d_v = d_k if d_v is None else d_v
@@ -50,15 +58,21 @@ class SelfAttention(nn.Module):
             nn.init.xavier_uniform_(w)
 
     @classmethod
-    def from_weights(cls, w_q: Tensor, w_k: Tensor, w_v: Tensor,
-                     scale: float | None = None) -> "SelfAttention":
+    def from_weights(
+        cls, w_q: Tensor, w_k: Tensor, w_v: Tensor, scale: float | None = None
+    ) -> SelfAttention:
         """The module with the given weights, in the seeds' convention ``Q = X @ W_Q``.
 
         Shape:
             w_q, w_k ``(C, d_k)``; w_v ``(C, d_v)``.
         """
         w_q, w_k, w_v = (torch.as_tensor(w) for w in (w_q, w_k, w_v))
-        if w_q.dim() != 2 or w_q.shape != w_k.shape or w_v.dim() != 2 or w_v.shape[0] != w_q.shape[0]:
+        if (
+            w_q.dim() != 2
+            or w_q.shape != w_k.shape
+            or w_v.dim() != 2
+            or w_v.shape[0] != w_q.shape[0]
+        ):
             raise ValueError(
                 f"need w_q and w_k of one shape (C, d_k) and w_v (C, d_v), got "
                 f"{tuple(w_q.shape)}, {tuple(w_k.shape)}, {tuple(w_v.shape)}"
@@ -70,9 +84,15 @@ class SelfAttention(nn.Module):
                 p.copy_(w)
         return m
 
-    def forward(self, x: Tensor, *, attn_mask: Tensor | None = None,
-                key_mask: Tensor | None = None, is_causal: bool = False,
-                return_trace: bool = False):
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        attn_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        return_trace: bool = False,
+    ):
         """Attend each position of ``x`` to every (allowed) position of ``x``.
 
         Returns the output, or ``(output, trace)`` with ``trace.q/k/v`` ``(B, T, d)`` and
@@ -82,9 +102,15 @@ class SelfAttention(nn.Module):
         dtypes = (self.W_Q.dtype, self.W_K.dtype, self.W_V.dtype)
         inp = module_inputs(x, None, None, attn_mask, key_mask, (C, C, C), dtypes)
         q, k, v = inp.query @ self.W_Q, inp.query @ self.W_K, inp.query @ self.W_V  # (B, T, d)
-        res = scaled_dot_product_attention(q, k, v, attn_mask=inp.single_head_mask(),
-                                           is_causal=is_causal, scale=self.scale,
-                                           return_trace=return_trace)
+        res = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=inp.single_head_mask(),
+            is_causal=is_causal,
+            scale=self.scale,
+            return_trace=return_trace,
+        )
         out, trace = res if return_trace else (res, None)  # (B, T, d_v)
         final = out[0] if inp.unbatched else out  # drop the batch dim of 1
         if not return_trace:
@@ -159,11 +185,22 @@ class MultiHeadAttention(nn.Module):
 
     context_group = ContextGroupAttribute()
 
-    def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
-                 vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
-                 num_kv_heads: int | None = None, backend: str = "auto",
-                 context_group=None, context_layout: str = "contiguous",
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        num_kv_heads: int | None = None,
+        backend: str = "auto",
+        context_group=None,
+        context_layout: str = "contiguous",
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         G = num_heads if num_kv_heads is None else num_kv_heads
         _check_config(embed_dim, num_heads, G, dropout)
@@ -220,10 +257,20 @@ class MultiHeadAttention(nn.Module):
         """``(H * D, C)``: ``output = Concat(heads) @ W_O (+ bias)``."""
         return self.out_proj.weight.T
 
-    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
-                *, attn_mask: Tensor | None = None, key_mask: Tensor | None = None,
-                is_causal: bool = False, return_trace: bool = False, mask_mod=None,
-                score_mod=None, cache: KVCache | None = None):
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        return_trace: bool = False,
+        mask_mod=None,
+        score_mod=None,
+        cache: KVCache | None = None,
+    ):
         """Attend ``query`` to ``key``/``value`` (self-attention when they are omitted).
 
         ``mask_mod``/``score_mod`` (``qkv.masks``, e.g. ``sliding_window(256)``) combine with
@@ -241,18 +288,35 @@ class MultiHeadAttention(nn.Module):
         context = None if self.context_group is None else self._context_call(attn_mask, cache)
         if cache is not None:
             _check_decoding(query, key, value, attn_mask)
-        inp = module_inputs(query, key, value, attn_mask, key_mask,
-                            (self.embed_dim, self.kdim, self.vdim),
-                            tuple(w.dtype for w in self._proj_weights()), context=context)
+        inp = module_inputs(
+            query,
+            key,
+            value,
+            attn_mask,
+            key_mask,
+            (self.embed_dim, self.kdim, self.vdim),
+            tuple(w.dtype for w in self._proj_weights()),
+            context=context,
+        )
         q, k, v = self._project(inp.query, inp.key, inp.value)  # (B, H, T, D), (B, G, S, D) x2
-        heads, trace, k, v = self._attend(q, k, v, inp, is_causal=is_causal,
-                                          return_trace=return_trace, mask_mod=mask_mod,
-                                          score_mod=score_mod, cache=cache)  # (B, H, T, D)
+        heads, trace, k, v = self._attend(
+            q,
+            k,
+            v,
+            inp,
+            is_causal=is_causal,
+            return_trace=return_trace,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            cache=cache,
+        )  # (B, H, T, D)
         if context is not None and not context.ran:
-            raise ValueError(f"{type(self).__name__} has no context-parallel path (its "
-                             f"attention does not run over the ranks' shards); set "
-                             f"context_group=None, or use MultiHeadAttention / "
-                             f"LocalMultiHeadAttention")
+            raise ValueError(
+                f"{type(self).__name__} has no context-parallel path (its "
+                f"attention does not run over the ranks' shards); set "
+                f"context_group=None, or use MultiHeadAttention / "
+                f"LocalMultiHeadAttention"
+            )
         B, H, T, D = heads.shape
         out = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
         if inp.unbatched:
@@ -262,8 +326,19 @@ class MultiHeadAttention(nn.Module):
         index = 0 if inp.unbatched else None  # drop the batch dim of 1
         return out, MultiHeadTrace(trace, q=q, k=k, v=v, heads=heads, index=index)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, inp: ModuleInputs, *, is_causal: bool,
-                return_trace: bool, mask_mod, score_mod, cache: KVCache | None):
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        inp: ModuleInputs,
+        *,
+        is_causal: bool,
+        return_trace: bool,
+        mask_mod,
+        score_mod,
+        cache: KVCache | None,
+    ):
         """Attention of the projected heads: ``(heads, trace or None, keys, values)``, where
         keys/values are the ones attended to (the whole cache when decoding).
 
@@ -271,9 +346,16 @@ class MultiHeadAttention(nn.Module):
             q ``(B, H, T, D)``; k, v ``(B, G, S, D)`` -> heads ``(B, H, T, D)``.
         """
         if inp.context is not None:
-            return self._attend_context(q, k, v, inp, is_causal=is_causal,
-                                        return_trace=return_trace, mask_mod=mask_mod,
-                                        score_mod=score_mod)
+            return self._attend_context(
+                q,
+                k,
+                v,
+                inp,
+                is_causal=is_causal,
+                return_trace=return_trace,
+                mask_mod=mask_mod,
+                score_mod=score_mod,
+            )
         mask = inp.mask
         if cache is not None:
             k, v, key_mask = cache.append(k, v, inp.key_mask)  # (B, G, P, D): all positions so far
@@ -285,16 +367,33 @@ class MultiHeadAttention(nn.Module):
             mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, P)
             mask_mod, is_causal = _decoding_mask(mask_mod, q.shape[-2], k.shape[-2]), False
         res = scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal, enable_gqa=self.num_kv_heads != self.num_heads,
-            backend=self.backend, return_trace=return_trace, mask_mod=mask_mod,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+            backend=self.backend,
+            return_trace=return_trace,
+            mask_mod=mask_mod,
             score_mod=score_mod,
         )
         heads, trace = res if return_trace else (res, None)
         return heads, trace, k, v
 
-    def _attend_context(self, q: Tensor, k: Tensor, v: Tensor, inp: ModuleInputs, *,
-                        is_causal: bool, return_trace: bool, mask_mod, score_mod):
+    def _attend_context(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        inp: ModuleInputs,
+        *,
+        is_causal: bool,
+        return_trace: bool,
+        mask_mod,
+        score_mod,
+    ):
         """:meth:`_attend` of this rank's shards, by ring attention over ``context_group``.
 
         Shape:
@@ -307,42 +406,65 @@ class MultiHeadAttention(nn.Module):
         if inp.key_mask is not None:
             real = _real_keys(inp.key_mask, q.shape[-2], inp.query is inp.key, ctx)
             mask_mod = real if mask_mod is None else masks.and_masks(mask_mod, real)
-        res = ring_attention(q, k, v, group=ctx.group, is_causal=is_causal, mask_mod=mask_mod,
-                             score_mod=score_mod, enable_gqa=self.num_kv_heads != self.num_heads,
-                             layout=ctx.layout, return_trace=return_trace)
+        res = ring_attention(
+            q,
+            k,
+            v,
+            group=ctx.group,
+            is_causal=is_causal,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+            layout=ctx.layout,
+            return_trace=return_trace,
+        )
         heads, trace = res if return_trace else (res, None)  # (B, H, T_r, D)
         return heads, trace, k, v
 
     def _context_call(self, attn_mask: Tensor | None, cache) -> ContextCall:
         """Refuse what ring attention cannot run, with the way around it."""
         if cache is not None:
-            raise ValueError("decoding with a cache is not context-parallel (the cache holds "
-                             "the whole sequence's keys on one process): decode on one "
-                             "process with context_group=None (set the attribute, or load the "
-                             "state_dict into a model built without it)")
+            raise ValueError(
+                "decoding with a cache is not context-parallel (the cache holds "
+                "the whole sequence's keys on one process): decode on one "
+                "process with context_group=None (set the attribute, or load the "
+                "state_dict into a model built without it)"
+            )
         if attn_mask is not None:
-            raise ValueError("a dense attn_mask cannot run context-parallel (each rank holds "
-                             "only its shard of the sequence): give the mask as a mask_mod "
-                             "over whole-sequence positions (qkv.masks.causal, "
-                             "sliding_window, document, key_lengths, ...) and padding as "
-                             "key_mask, this rank's shard (B, S_r)")
+            raise ValueError(
+                "a dense attn_mask cannot run context-parallel (each rank holds "
+                "only its shard of the sequence): give the mask as a mask_mod "
+                "over whole-sequence positions (qkv.masks.causal, "
+                "sliding_window, document, key_lengths, ...) and padding as "
+                "key_mask, this rank's shard (B, S_r)"
+            )
         if self.dropout and self.training:
-            raise ValueError(f"ring attention has no attention dropout, and this module has "
-                             f"dropout={self.dropout} in training mode: build it with "
-                             f"dropout=0.0 (qkv.models put dropout on the residual branches), "
-                             f"or call .eval()")
+            raise ValueError(
+                f"ring attention has no attention dropout, and this module has "
+                f"dropout={self.dropout} in training mode: build it with "
+                f"dropout=0.0 (qkv.models put dropout on the residual branches), "
+                f"or call .eval()"
+            )
         if self.backend not in ("auto", "tiled"):
-            raise ValueError(f"context-parallel attention computes each rank's pieces with the "
-                             f"tiled backend; backend={self.backend!r} cannot run it: use "
-                             f"backend='auto' or 'tiled'")
+            raise ValueError(
+                f"context-parallel attention computes each rank's pieces with the "
+                f"tiled backend; backend={self.backend!r} cannot run it: use "
+                f"backend='auto' or 'tiled'"
+            )
         return ContextCall(self.context_group, _check_layout(self.context_layout))
 
     def new_cache(self, batch_size: int, capacity: int, *, device=None, dtype=None) -> KVCache:
         """An empty :class:`KVCache` for decoding up to ``capacity`` positions with this module
         (device and dtype default to the parameters')."""
         ref = self.out_proj.weight
-        return KVCache(batch_size, self.num_kv_heads, self.head_dim, capacity,
-                       device=device or ref.device, dtype=dtype or ref.dtype)
+        return KVCache(
+            batch_size,
+            self.num_kv_heads,
+            self.head_dim,
+            capacity,
+            device=device or ref.device,
+            dtype=dtype or ref.dtype,
+        )
 
     def _proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         if self.fused:
@@ -360,8 +482,9 @@ class MultiHeadAttention(nn.Module):
             q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).split(sizes, -1)
         else:
             w_q, w_k, w_v = self._proj_weights()
-            q, k, v = (F.linear(x, w, b) for x, w, b in
-                       zip((query, key, value), (w_q, w_k, w_v), biases))  # (B, L, heads * D)
+            q, k, v = (
+                F.linear(x, w, b) for x, w, b in zip((query, key, value), (w_q, w_k, w_v), biases)
+            )  # (B, L, heads * D)
         return (
             q.reshape(B, T, H, D).transpose(1, 2),  # (B, H, T, D)
             k.reshape(B, S, G, D).transpose(1, 2),  # (B, G, S, D)
@@ -369,8 +492,9 @@ class MultiHeadAttention(nn.Module):
         )
 
     @classmethod
-    def from_torch(cls, m: nn.MultiheadAttention, *,
-                   batch_first: bool | None = None) -> "MultiHeadAttention":
+    def from_torch(
+        cls, m: nn.MultiheadAttention, *, batch_first: bool | None = None
+    ) -> MultiHeadAttention:
         """The same attention as a ``torch.nn.MultiheadAttention``, with copied parameters.
 
         qkv modules always take ``(B, T, C)``. A torch module built with ``batch_first=False``
@@ -393,7 +517,9 @@ class MultiHeadAttention(nn.Module):
                 False is refused: qkv modules take no ``(T, B, C)``.
         """
         if not isinstance(m, nn.MultiheadAttention):
-            raise TypeError(f"from_torch needs a torch.nn.MultiheadAttention, got {type(m).__name__}")
+            raise TypeError(
+                f"from_torch needs a torch.nn.MultiheadAttention, got {type(m).__name__}"
+            )
         if m.bias_k is not None or m.add_zero_attn:
             raise ValueError(
                 "qkv.MultiHeadAttention does not take add_bias_kv=True or add_zero_attn=True "
@@ -405,8 +531,9 @@ class MultiHeadAttention(nn.Module):
             C = m.embed_dim
             why = (
                 f"from_torch(m, batch_first={batch_first!r}): qkv.MultiHeadAttention takes "
-                f"(B, T, {C}) only, never (T, B, {C})" if batch_first is not None else
-                f"this torch.nn.MultiheadAttention(embed_dim={C}, num_heads={m.num_heads}) has "
+                f"(B, T, {C}) only, never (T, B, {C})"
+                if batch_first is not None
+                else f"this torch.nn.MultiheadAttention(embed_dim={C}, num_heads={m.num_heads}) has "
                 f"batch_first=False and takes (T, B, {C}), but qkv.MultiHeadAttention takes "
                 f"(B, T, {C}): fed the same tensors it would silently mix the positions of "
                 f"different sequences"
@@ -417,9 +544,16 @@ class MultiHeadAttention(nn.Module):
                 f"to confirm you will feed (B, T, {C}), e.g. x.transpose(0, 1)"
             )
         ref = m.out_proj.weight
-        new = cls(m.embed_dim, m.num_heads, kdim=m.kdim, vdim=m.vdim,
-                  bias=m.in_proj_bias is not None, dropout=m.dropout,
-                  device=ref.device, dtype=ref.dtype)
+        new = cls(
+            m.embed_dim,
+            m.num_heads,
+            kdim=m.kdim,
+            vdim=m.vdim,
+            bias=m.in_proj_bias is not None,
+            dropout=m.dropout,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
         new.load_state_dict(m.state_dict())
         return new.train(m.training)
 
@@ -432,10 +566,17 @@ class MultiHeadAttention(nn.Module):
                 f"be converted"
             )
         ref = self.out_proj.weight
-        m = nn.MultiheadAttention(self.embed_dim, self.num_heads, dropout=self.dropout,
-                                  bias=self.in_proj_bias is not None, kdim=self.kdim,
-                                  vdim=self.vdim, batch_first=batch_first,
-                                  device=ref.device, dtype=ref.dtype)
+        m = nn.MultiheadAttention(
+            self.embed_dim,
+            self.num_heads,
+            dropout=self.dropout,
+            bias=self.in_proj_bias is not None,
+            kdim=self.kdim,
+            vdim=self.vdim,
+            batch_first=batch_first,
+            device=ref.device,
+            dtype=ref.dtype,
+        )
         m.load_state_dict(self.state_dict())
         return m.train(self.training)
 
@@ -481,16 +622,21 @@ def _real_keys(key_mask: Tensor, T_r: int, self_attention: bool, ctx: ContextCal
     return masks.document(q_ids, (~real).long())  # kv ids (B, S)
 
 
-def _check_decoding(query: Tensor, key: Tensor | None, value: Tensor | None,
-                    attn_mask: Tensor | None) -> None:
+def _check_decoding(
+    query: Tensor, key: Tensor | None, value: Tensor | None, attn_mask: Tensor | None
+) -> None:
     """A cache decodes self-attention: refuse separate keys/values and dense masks."""
     if (key is not None and key is not query) or (value is not None and value is not query):
-        raise ValueError("a cache decodes self-attention: pass only the new positions as "
-                         "query (key and value come from them and from the cache)")
+        raise ValueError(
+            "a cache decodes self-attention: pass only the new positions as "
+            "query (key and value come from them and from the cache)"
+        )
     if attn_mask is not None:
-        raise ValueError("attn_mask cannot be combined with a cache (its key length would "
-                         "change every step); use key_mask for padding of the new positions, "
-                         "or a mask_mod with bottom_right alignment")
+        raise ValueError(
+            "attn_mask cannot be combined with a cache (its key length would "
+            "change every step); use key_mask for padding of the new positions, "
+            "or a mask_mod with bottom_right alignment"
+        )
 
 
 def _decoding_mask(mask_mod, T: int, S: int):

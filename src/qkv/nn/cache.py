@@ -7,6 +7,7 @@ place into buffers allocated once for ``capacity`` positions (no reallocation pe
 Shape alphabet: B batch, G key/value heads, P capacity (positions), T new positions,
 D head dim, Dv value dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,11 +39,24 @@ class KVCache:
         ``(B, position)`` (True = a real key) or None when no key was padding.
     """
 
-    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, capacity: int, *,
-                 value_dim: int | None = None, device=None, dtype=None) -> None:
-        for name, n in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("capacity", capacity),
-                        ("value_dim", head_dim if value_dim is None else value_dim)):
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        *,
+        value_dim: int | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        for name, n in (
+            ("batch_size", batch_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("capacity", capacity),
+            ("value_dim", head_dim if value_dim is None else value_dim),
+        ):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"KVCache: {name} must be a positive int, got {n!r}")
         Dv = head_dim if value_dim is None else value_dim
@@ -55,24 +69,25 @@ class KVCache:
 
     @property
     def keys(self) -> Tensor:
-        return self._k[:, :, :self.position]
+        return self._k[:, :, : self.position]
 
     @property
     def values(self) -> Tensor:
-        return self._v[:, :, :self.position]
+        return self._v[:, :, : self.position]
 
     @property
     def key_mask(self) -> Tensor | None:
-        return self._mask[:, :self.position] if self._padded else None
+        return self._mask[:, : self.position] if self._padded else None
 
-    def reset(self) -> "KVCache":
+    def reset(self) -> KVCache:
         """Forget every position (the buffers are kept)."""
         self.position, self._padded = 0, False
         self._mask.fill_(True)
         return self
 
-    def append(self, key: Tensor, value: Tensor,
-               key_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def append(
+        self, key: Tensor, value: Tensor, key_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """Store T new positions; returns all stored keys, values and the key mask.
 
         Shape:
@@ -83,26 +98,34 @@ class KVCache:
         T = key.shape[-2] if key.dim() == 4 else -1
         want_k, want_v = (B, G, T, D), (B, G, T, self._v.shape[-1])
         if key.dim() != 4 or tuple(key.shape) != want_k or tuple(value.shape) != want_v:
-            raise ValueError(f"KVCache.append: need key (B, G, T, D) = (B={B}, G={G}, T, D={D}) "
-                             f"and value (B, G, T, Dv={want_v[-1]}), got key {tuple(key.shape)} "
-                             f"and value {tuple(value.shape)}")
+            raise ValueError(
+                f"KVCache.append: need key (B, G, T, D) = (B={B}, G={G}, T, D={D}) "
+                f"and value (B, G, T, Dv={want_v[-1]}), got key {tuple(key.shape)} "
+                f"and value {tuple(value.shape)}"
+            )
         if self.position + T > P:
-            raise ValueError(f"KVCache is full: it holds {self.position} of {P} positions and "
-                             f"cannot take {T} more; make a cache with a larger capacity "
-                             f"(new_cache(batch_size, capacity=...)) or reset() it")
+            raise ValueError(
+                f"KVCache is full: it holds {self.position} of {P} positions and "
+                f"cannot take {T} more; make a cache with a larger capacity "
+                f"(new_cache(batch_size, capacity=...)) or reset() it"
+            )
         end = self.position + T
-        self._k[:, :, self.position:end] = key
-        self._v[:, :, self.position:end] = value
+        self._k[:, :, self.position : end] = key
+        self._v[:, :, self.position : end] = value
         if key_mask is not None:
             if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, T):
-                raise ValueError(f"KVCache.append: key_mask must be bool (B, T) = {(B, T)}, got "
-                                 f"{key_mask.dtype} {tuple(key_mask.shape)}")
-            self._mask[:, self.position:end] = key_mask
+                raise ValueError(
+                    f"KVCache.append: key_mask must be bool (B, T) = {(B, T)}, got "
+                    f"{key_mask.dtype} {tuple(key_mask.shape)}"
+                )
+            self._mask[:, self.position : end] = key_mask
             self._padded = self._padded or not bool(key_mask.all())
         self.position = end
         return self.keys, self.values, self.key_mask
 
     def __repr__(self) -> str:
         B, G, P, D = self._k.shape
-        return (f"KVCache(batch_size={B}, num_kv_heads={G}, head_dim={D}, capacity={P}, "
-                f"position={self.position}, dtype={self._k.dtype})")
+        return (
+            f"KVCache(batch_size={B}, num_kv_heads={G}, head_dim={D}, capacity={P}, "
+            f"position={self.position}, dtype={self._k.dtype})"
+        )

@@ -14,6 +14,7 @@ with the others, decoding included.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, C model dim.
 """
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -50,25 +51,56 @@ class LinearMultiHeadAttention(MultiHeadAttention):
         (T, S) scores exist to mask); padding goes in ``key_mask`` ``(B, S)``.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, kdim: int | None = None,
-                 vdim: int | None = None, bias: bool = True, dropout: float = 0.0,
-                 num_kv_heads: int | None = None, feature_map="elu", eps: float = 1e-6,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        num_kv_heads: int | None = None,
+        feature_map="elu",
+        eps: float = 1e-6,
+        device=None,
+        dtype=None,
+    ) -> None:
         if dropout:
-            raise ValueError(f"LinearMultiHeadAttention takes dropout=0.0 only, got {dropout}: "
-                             f"linear attention forms no attention weights to drop (put dropout "
-                             f"on the block's residual branch instead)")
-        super().__init__(embed_dim, num_heads, kdim=kdim, vdim=vdim, bias=bias,
-                         num_kv_heads=num_kv_heads, device=device, dtype=dtype)
+            raise ValueError(
+                f"LinearMultiHeadAttention takes dropout=0.0 only, got {dropout}: "
+                f"linear attention forms no attention weights to drop (put dropout "
+                f"on the block's residual branch instead)"
+            )
+        super().__init__(
+            embed_dim,
+            num_heads,
+            kdim=kdim,
+            vdim=vdim,
+            bias=bias,
+            num_kv_heads=num_kv_heads,
+            device=device,
+            dtype=dtype,
+        )
         if isinstance(feature_map, str) and feature_map in ("favor", "performer"):
             feature_map = Favor(self.head_dim, device=device)  # its own buffers: saved, moved
         resolve_feature_map(feature_map, self.head_dim)  # bad names and sizes fail here
         self.feature_map, self.eps = feature_map, check_eps(eps)
 
-    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
-                *, attn_mask: Tensor | None = None, key_mask: Tensor | None = None,
-                is_causal: bool = False, return_trace: bool = False, mask_mod=None,
-                score_mod=None, cache: LinearAttentionState | None = None):
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        attn_mask: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        is_causal: bool = False,
+        return_trace: bool = False,
+        mask_mod=None,
+        score_mod=None,
+        cache: LinearAttentionState | None = None,
+    ):
         """As :meth:`MultiHeadAttention.forward`; decoding with ``cache=self.new_cache(B)``.
 
         ``return_trace`` gives the weights of the quadratic form
@@ -76,43 +108,83 @@ class LinearMultiHeadAttention(MultiHeadAttention):
         memory; it is refused while decoding (the state keeps no keys).
         """
         if attn_mask is not None or mask_mod is not None or score_mod is not None:
-            raise ValueError("linear attention has no (T, S) scores for attn_mask, mask_mod or "
-                             "score_mod to act on; pass padding as key_mask (B, S), or use "
-                             "MultiHeadAttention / LocalMultiHeadAttention for other masks")
+            raise ValueError(
+                "linear attention has no (T, S) scores for attn_mask, mask_mod or "
+                "score_mod to act on; pass padding as key_mask (B, S), or use "
+                "MultiHeadAttention / LocalMultiHeadAttention for other masks"
+            )
         if cache is not None and return_trace:
-            raise ValueError("return_trace is not available while decoding with a recurrent "
-                             "state (it keeps no keys); trace a full forward instead")
+            raise ValueError(
+                "return_trace is not available while decoding with a recurrent "
+                "state (it keeps no keys); trace a full forward instead"
+            )
         if cache is not None and not isinstance(cache, LinearAttentionState):
-            raise TypeError(f"cache must come from this module's new_cache(), a "
-                            f"LinearAttentionState, got {type(cache).__name__}")
-        return super().forward(query, key, value, key_mask=key_mask, is_causal=is_causal,
-                               return_trace=return_trace, cache=cache)
+            raise TypeError(
+                f"cache must come from this module's new_cache(), a "
+                f"LinearAttentionState, got {type(cache).__name__}"
+            )
+        return super().forward(
+            query,
+            key,
+            value,
+            key_mask=key_mask,
+            is_causal=is_causal,
+            return_trace=return_trace,
+            cache=cache,
+        )
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, inp: ModuleInputs, *, is_causal: bool,
-                return_trace: bool, mask_mod, score_mod, cache):
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        inp: ModuleInputs,
+        *,
+        is_causal: bool,
+        return_trace: bool,
+        mask_mod,
+        score_mod,
+        cache,
+    ):
         if cache is not None:
             km = inp.key_mask
             if q.shape[-2] == 1:  # one token: the O(1) step
-                heads = cache.step(q[:, :, 0], k[:, :, 0], v[:, :, 0],
-                                   None if km is None else km[:, 0]).unsqueeze(2)  # (B, H, 1, D)
+                heads = cache.step(
+                    q[:, :, 0], k[:, :, 0], v[:, :, 0], None if km is None else km[:, 0]
+                ).unsqueeze(2)  # (B, H, 1, D)
             else:  # a prompt: chunk-wise
                 heads = cache.extend(q, k, v, km)  # (B, H, T, D)
             return heads, None, k, v
-        res = linear_attention(q, k, v, feature_map=self.feature_map, is_causal=is_causal,
-                               key_mask=inp.key_mask, eps=self.eps, return_trace=return_trace)
+        res = linear_attention(
+            q,
+            k,
+            v,
+            feature_map=self.feature_map,
+            is_causal=is_causal,
+            key_mask=inp.key_mask,
+            eps=self.eps,
+            return_trace=return_trace,
+        )
         heads, trace = res if return_trace else (res, None)
         return heads, trace, k, v
 
-    def new_cache(self, batch_size: int, capacity: int | None = None, *, device=None,
-                  dtype=None) -> LinearAttentionState:
+    def new_cache(
+        self, batch_size: int, capacity: int | None = None, *, device=None, dtype=None
+    ) -> LinearAttentionState:
         """An empty recurrent state; its size does not grow, so ``capacity`` is not needed
         (accepted so that code written for MultiHeadAttention works unchanged)."""
         return LinearAttentionState(self.feature_map, eps=self.eps)
 
     def extra_repr(self) -> str:
-        fm = self.feature_map if isinstance(self.feature_map, str) else type(self.feature_map).__name__
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, feature_map={fm!r}, eps={self.eps}")
+        fm = (
+            self.feature_map
+            if isinstance(self.feature_map, str)
+            else type(self.feature_map).__name__
+        )
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, feature_map={fm!r}, eps={self.eps}"
+        )
 
 
 class LocalMultiHeadAttention(MultiHeadAttention):
@@ -134,21 +206,44 @@ class LocalMultiHeadAttention(MultiHeadAttention):
         As MultiHeadAttention.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, *, window: int | tuple[int, int],
-                 **kwargs) -> None:
+    def __init__(
+        self, embed_dim: int, num_heads: int, *, window: int | tuple[int, int], **kwargs
+    ) -> None:
         super().__init__(embed_dim, num_heads, **kwargs)
         left, right = window if isinstance(window, tuple) else (window, window)
         masks.sliding_window(left, right)  # the vocabulary checks the numbers
         self.window = (left, right)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, inp: ModuleInputs, *, is_causal: bool,
-                return_trace: bool, mask_mod, score_mod, cache: KVCache | None):
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        inp: ModuleInputs,
+        *,
+        is_causal: bool,
+        return_trace: bool,
+        mask_mod,
+        score_mod,
+        cache: KVCache | None,
+    ):
         align = "top_left" if cache is None else "bottom_right"
         local = masks.sliding_window(*self.window, align=align)
         mask_mod = local if mask_mod is None else masks.and_masks(local, mask_mod)
-        return super()._attend(q, k, v, inp, is_causal=is_causal, return_trace=return_trace,
-                               mask_mod=mask_mod, score_mod=score_mod, cache=cache)
+        return super()._attend(
+            q,
+            k,
+            v,
+            inp,
+            is_causal=is_causal,
+            return_trace=return_trace,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            cache=cache,
+        )
 
     def extra_repr(self) -> str:
-        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, window={self.window}")
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, window={self.window}"
+        )

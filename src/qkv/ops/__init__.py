@@ -1,4 +1,5 @@
 """Attention backends. Each answers ``supports(call) -> None | reason`` and ``run(call)``."""
+
 from .base import Backend, BackendResult, BackendUnsupportedError
 from .call import AttentionCall
 from .reference import ReferenceBackend

@@ -17,13 +17,14 @@ against plain math in tests/test_torch_workarounds.py):
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim, Dv value head dim.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["flash_cpu_available", "flash_forward", "flash_backward", "sdpa"]
+__all__ = ["flash_backward", "flash_cpu_available", "flash_forward", "sdpa"]
 
 _fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -34,8 +35,17 @@ def flash_cpu_available() -> bool:
     return _fwd is not None and _bwd is not None
 
 
-def sdpa(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, dropout_p: float,
-         is_causal: bool, scale: float, enable_gqa: bool) -> Tensor:
+def sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    enable_gqa: bool,
+) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with the scale folded into q when
     it is not positive.
 
@@ -46,8 +56,16 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, dropout_p
     q, scale = _fold_scale(q, scale)
     if attn_mask is not None and attn_mask.device.type != "cpu":
         attn_mask = _keys_contiguous(attn_mask, q.shape[-2], k.shape[-2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 def _keys_contiguous(mask: Tensor, T: int, S: int) -> Tensor:
@@ -64,8 +82,15 @@ def _keys_contiguous(mask: Tensor, T: int, S: int) -> Tensor:
     return mask.expand(*lead, T, S).contiguous()
 
 
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, is_causal: bool = False,
-                  attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def flash_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    attn_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """torch's CPU flash kernel: the output and the log-sum-exp of each row.
 
     Shape:
@@ -96,9 +121,18 @@ def _empty_forward(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return out, lse
 
 
-def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-                   scale: float, is_causal: bool = False,
-                   attn_mask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def flash_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    scale: float,
+    is_causal: bool = False,
+    attn_mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """The gradients of :func:`flash_forward`'s output with respect to q, k and v.
 
     ``out`` and ``lse`` may be those of a larger computation that this block is part of
@@ -111,8 +145,9 @@ def flash_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dout, q, k, v, out = (_unit_stride(t) for t in (dout, q, k, v, out))
     folded, fscale = _fold_scale(q, scale)
-    dq, dk, dv = _bwd(dout, folded, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4(attn_mask),
-                      scale=fscale)
+    dq, dk, dv = _bwd(
+        dout, folded, k, v, out, lse, 0.0, is_causal, attn_mask=_mask4(attn_mask), scale=fscale
+    )
     if fscale != scale:  # the kernel differentiated with respect to q * scale
         dq = dq * scale
     return dq, dk, dv

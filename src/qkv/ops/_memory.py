@@ -9,6 +9,7 @@ the range before it is touched; with transparent huge pages set to ``madvise`` (
 default) that is the only way to get them. It changes no value and no global setting: the
 advice belongs to the allocation and goes with it.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -1,8 +1,10 @@
 """What a backend is: a name, a priority, ``supports(call) -> None | reason`` and ``run(call)``."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -64,5 +66,8 @@ def tracing() -> bool:
 def compiling_plainly() -> bool:
     """Under torch.compile, not torch.export, and outside torch.func transforms: where custom
     ops and tensor subclasses trace (export's fake tensors and functorch's do not take them)."""
-    return (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-            and not torch._C._are_functorch_transforms_active())
+    return (
+        torch.compiler.is_compiling()
+        and not torch.compiler.is_exporting()
+        and not torch._C._are_functorch_transforms_active()
+    )

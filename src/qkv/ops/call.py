@@ -7,6 +7,7 @@ internal traceback, and backends can trust what they receive.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim of query/key, Dv head dim of value. ``*batch`` is every dim before the last two.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -18,8 +19,18 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-from ..masks import (MaskMod, ScoreMod, _Window, and_masks, as_mask_mod, as_score_mod, causal,
-                     evaluate_mask, index_grid, merge_causal)
+from ..masks import (
+    MaskMod,
+    ScoreMod,
+    _Window,
+    and_masks,
+    as_mask_mod,
+    as_score_mod,
+    causal,
+    evaluate_mask,
+    index_grid,
+    merge_causal,
+)
 
 __all__ = ["AttentionCall"]
 
@@ -70,7 +81,7 @@ class AttentionCall:
         mask_mod=None,
         score_mod=None,
         sinks: Tensor | None = None,
-    ) -> "AttentionCall":
+    ) -> AttentionCall:
         """Validate the arguments of ``scaled_dot_product_attention`` and resolve defaults."""
         _check_tensors(query, key, value)
         batch = _check_shapes(query, key, value, bool(enable_gqa))
@@ -195,7 +206,11 @@ class AttentionCall:
                 structured = merge_causal(structured, self.T, self.S)
             if mask is None:
                 return structured
-            return mask & structured if mask.dtype == torch.bool else mask.masked_fill(~structured, float("-inf"))
+            return (
+                mask & structured
+                if mask.dtype == torch.bool
+                else mask.masked_fill(~structured, float("-inf"))
+            )
         if mask is not None and self.is_causal:
             return merge_causal(mask, self.T, self.S)
         return mask
@@ -209,7 +224,9 @@ class AttentionCall:
         B, H = self.BH
         dense = evaluate_mask(self.mask_mod, *index_grid(B, H, self.T, self.S, device=self.device))
         dense = dense.reshape((1,) * (4 - dense.dim()) + tuple(dense.shape))  # (B?, H?, T, S)
-        return dense.reshape(dense.shape[4 - len(self.batch) - 2:]) if len(self.batch) < 2 else dense
+        return (
+            dense.reshape(dense.shape[4 - len(self.batch) - 2 :]) if len(self.batch) < 2 else dense
+        )
 
     def kv_heads_expanded(self) -> tuple[Tensor, Tensor]:
         """key and value with each of the G heads repeated H // G times (GQA), as torch does."""
@@ -240,8 +257,7 @@ def _check_mods(mask_mod, score_mod, batch: tuple, T: int, S: int):
 
 
 def _is_top_left_causal(mask_mod) -> bool:
-    return (isinstance(mask_mod, _Window) and mask_mod.name == "causal"
-            and mask_mod.offset == 0)
+    return isinstance(mask_mod, _Window) and mask_mod.name == "causal" and mask_mod.offset == 0
 
 
 def _check_tensors(query: Tensor, key: Tensor, value: Tensor) -> None:
@@ -331,7 +347,7 @@ def _gqa_leads(q: tuple, k: tuple, v: tuple) -> tuple[tuple, tuple]:
             f"{k}, {v}; use (H, T, D) / (G, S, D) or more dims"
         )
     H, G, Gv = q[-3], k[-3], v[-3]
-    if G != Gv:
+    if Gv != G:
         raise ValueError(f"key has G={G} heads but value has {Gv}; they must be equal for GQA")
     if G == 0 or H % G != 0:
         raise ValueError(
@@ -411,12 +427,15 @@ def _check_sinks(sinks, query: Tensor, batch: tuple[int, ...]) -> Tensor | None:
     rows = batch + (T,)
     if sinks.dim() == 1 and len(batch) >= 1:
         if sinks.shape[0] != batch[-1]:
-            raise ValueError(f"sinks must hold {want}: {batch[-1]} heads, got shape "
-                             f"{tuple(sinks.shape)}")
+            raise ValueError(
+                f"sinks must hold {want}: {batch[-1]} heads, got shape {tuple(sinks.shape)}"
+            )
         sinks = sinks.view(-1, 1)  # (H, 1): the same logit for every row of a head
     if not sinks.is_floating_point() or _broadcast_fails(tuple(sinks.shape), rows):
-        raise ValueError(f"sinks must be a float tensor of {want}, here {rows}; got "
-                         f"{sinks.dtype} of shape {tuple(sinks.shape)}")
+        raise ValueError(
+            f"sinks must be a float tensor of {want}, here {rows}; got "
+            f"{sinks.dtype} of shape {tuple(sinks.shape)}"
+        )
     if sinks.device != query.device:
         raise ValueError(f"sinks are on {sinks.device} but the query is on {query.device}")
     return sinks

@@ -9,6 +9,7 @@ allowed to use (``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA`` can hold it to AV
 
 ``QKV_CPU_HALF_GEMM=float32`` or ``=native`` overrides the choice (for benchmarks).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,16 +35,20 @@ def cpu_features() -> frozenset[str]:
     return frozenset()
 
 
-def native_bf16(features: frozenset[str] | None = None, capability: str | None = None,
-                onednn_isa: str | None = None) -> bool:
+def native_bf16(
+    features: frozenset[str] | None = None,
+    capability: str | None = None,
+    onednn_isa: str | None = None,
+) -> bool:
     """Whether torch's CPU kernels may multiply bfloat16 natively here: the CPU has
     AVX-512-BF16 or AMX, and neither torch (``get_cpu_capability``) nor oneDNN
     (``ONEDNN_MAX_CPU_ISA``) is held below AVX-512."""
     features = cpu_features() if features is None else features
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     onednn_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "") if onednn_isa is None else onednn_isa
-    held = capability.upper() in ("AVX2", "DEFAULT", "NO AVX") or \
-        onednn_isa.upper().startswith(("AVX2", "SSE", "AVX_"))  # AVX512_CORE_BF16 etc. pass
+    held = capability.upper() in ("AVX2", "DEFAULT", "NO AVX") or onednn_isa.upper().startswith(
+        ("AVX2", "SSE", "AVX_")
+    )  # AVX512_CORE_BF16 etc. pass
     return not held and any(f in features for f in _NATIVE_BF16_FLAGS)
 
 

@@ -17,11 +17,12 @@ can overflow (a scale like 1e38), the call raises a ValueError naming that.
 
 Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -82,6 +83,7 @@ def _run_traced(call: AttentionCall, run_call: Callable[[AttentionCall], object]
     With no gradient wanted, the output alone is checked, as eagerly
     (``tiled_op.checked_inference``), where the masks can be carried to that op."""
     from . import tiled_op
+
     if not _wants_grad(call):
         out = tiled_op.checked_inference(call, run_call)
         if out is not None:
@@ -90,9 +92,13 @@ def _run_traced(call: AttentionCall, run_call: Callable[[AttentionCall], object]
     bad_q = ~torch.isfinite(q).all(-1)  # (*qbatch, T)
     bad_k = ~torch.isfinite(k).all(-1)  # (*kbatch, S)
     bad_v = ~torch.isfinite(v).all(-1)  # (*kbatch, S)
-    cleaned = dataclasses.replace(call, **{
-        name: torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=t.dtype, device=t.device), t)
-        for name, bad, t in (("query", bad_q, q), ("key", bad_k, k), ("value", bad_v, v))})
+    cleaned = dataclasses.replace(
+        call,
+        **{
+            name: torch.where(bad.unsqueeze(-1), torch.zeros((), dtype=t.dtype, device=t.device), t)
+            for name, bad, t in (("query", bad_q, q), ("key", bad_k, k), ("value", bad_v, v))
+        },
+    )
     result = run_call(cleaned)
     out = result[0] if call.return_trace else result
     keys = bad_k | bad_v  # (*kbatch, S)
@@ -122,11 +128,14 @@ def _refuse_overflow(call: AttentionCall) -> None:
             f"{float(q_norm) * float(k_norm):.3g} reaches {bound:.3g}, beyond the largest "
             f"{torch.promote_types(call.dtype, torch.float32)} ({largest:.3g}), so softmax "
             f"would be NaN; pass a smaller scale (a sharper softmax than this is the hard max: "
-            f"take the argmax of the scores)")
+            f"take the argmax of the scores)"
+        )
 
 
 def _wants_grad(call: AttentionCall) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value))
+    return torch.is_grad_enabled() and any(
+        t.requires_grad for t in (call.query, call.key, call.value)
+    )
 
 
 def _finite_sum(t: Tensor) -> bool:
@@ -146,8 +155,10 @@ def _clean(call: AttentionCall) -> tuple[AttentionCall, _Bad | None]:
         bad_v = ~torch.isfinite(v).all(-1)  # (*kbatch, S)
     if not (bad_q.any() or bad_k.any() or bad_v.any()):
         return call, None
-    q, k, v = (torch.where(bad.unsqueeze(-1), 0.0, t).to(t.dtype)
-               for bad, t in ((bad_q, q), (bad_k, k), (bad_v, v)))
+    q, k, v = (
+        torch.where(bad.unsqueeze(-1), 0.0, t).to(t.dtype)
+        for bad, t in ((bad_q, q), (bad_k, k), (bad_v, v))
+    )
     keys = torch.broadcast_tensors(bad_k, bad_v)
     keys = keys[0] | keys[1]  # (*kbatch, S)
     if call.enable_gqa:
@@ -174,7 +185,9 @@ def _poison(out: Tensor, call: AttentionCall, bad: _Bad) -> Tensor:
     return out.masked_fill(hit.unsqueeze(-1), float("nan"))
 
 
-def allowed(call: AttentionCall, *, rows: Tensor | None = None, cols: Tensor | None = None) -> Tensor:
+def allowed(
+    call: AttentionCall, *, rows: Tensor | None = None, cols: Tensor | None = None
+) -> Tensor:
     """Whether query ``rows`` may attend to keys ``cols`` (None: all), under every mask of the
     call (attn_mask, is_causal, mask_mod; a float mask's ``-inf`` hides a key).
 

@@ -7,11 +7,13 @@ against a 0.4 ms kernel, H100, T=4096). Keys are built from ``qkv.masks.structur
 the sizes, so a mask whose tensors change in place gets a new plan. Entries are never
 modified after they are made.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class PlanCache:

@@ -8,6 +8,7 @@ Memory is O(T * S) per (batch, head): use a fast backend for long sequences.
 Shape alphabet: T query length, S key length, D head dim, Dv value head dim; ``*batch`` is the
 broadcast of the inputs' leading dims.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,14 @@ from .base import BackendResult
 from .call import AttentionCall
 from .cpu_isa import half_gemm_route
 
-__all__ = ["ReferenceBackend", "attention_scores", "attention_scores_at", "attention_with_weights",
-           "masked_softmax", "widened"]
+__all__ = [
+    "ReferenceBackend",
+    "attention_scores",
+    "attention_scores_at",
+    "attention_with_weights",
+    "masked_softmax",
+    "widened",
+]
 
 
 class ReferenceBackend:
@@ -88,8 +95,12 @@ def _modify_at(call: AttentionCall, scores: Tensor, b: Tensor, h: Tensor, rows: 
         scores ``(nb, nh, nr, S)``, b ``(nb,)``, h ``(nh,)``, rows ``(nr,)`` -> the same.
     """
     dev = call.device  # b, h, rows stay on the host for take(); the mods see them on dev
-    idx = (b.to(dev).view(-1, 1, 1, 1), h.to(dev).view(1, -1, 1, 1), rows.to(dev).view(1, 1, -1, 1),
-           torch.arange(call.S, device=dev).view(1, 1, 1, -1))
+    idx = (
+        b.to(dev).view(-1, 1, 1, 1),
+        h.to(dev).view(1, -1, 1, 1),
+        rows.to(dev).view(1, 1, -1, 1),
+        torch.arange(call.S, device=dev).view(1, 1, 1, -1),
+    )
     if call.score_mod is not None:
         scores = evaluate_score(call.score_mod, scores, *idx)
     if call.attn_mask is not None:
@@ -115,7 +126,7 @@ def widened(call: AttentionCall) -> AttentionCall:
 # 2^19 (cache-sized) and 49 in 2^17: torch's GEMMs spread over the threads pay per call, and
 # larger blocks amortise that better than smaller ones keep the scores in cache. Half inputs
 # use a quarter of it (their float32 scores live in a work buffer besides the weights).
-_BLOCK_ELEMENTS = 2 ** 22
+_BLOCK_ELEMENTS = 2**22
 
 
 @torch.no_grad()
@@ -160,7 +171,12 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     out = torch.empty(B, T, H, v.shape[-1], dtype=call.dtype, device=dev).transpose(1, 2)
     lse = torch.empty(B, H, T, dtype=acc, device=dev)
     work = torch.empty(heads, rows, S, dtype=acc, device=dev) if half else None
-    plain = call.attn_mask is None and call.mask_mod is None and call.score_mod is None and not call.is_causal
+    plain = (
+        call.attn_mask is None
+        and call.mask_mod is None
+        and call.score_mod is None
+        and not call.is_causal
+    )
 
     def operand(x: Tensor, dtype: torch.dtype) -> Tensor:
         # Several heads per block go through bmm, which on the 2-core Xeon box took a slow
@@ -173,23 +189,41 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     for bi in range(B):
         for h0 in range(0, H, heads):
             h1 = min(H, h0 + heads)
-            kt = operand(k[bi, h0:h1], call.dtype if half_qk else acc).transpose(-2, -1)  # (nh, D, S)
+            kt = operand(k[bi, h0:h1], call.dtype if half_qk else acc).transpose(
+                -2, -1
+            )  # (nh, D, S)
             vb = operand(v[bi, h0:h1], acc if wide_pv else call.dtype)  # (nh, S, Dv)
             for t0 in range(0, T, rows):
                 t1 = min(T, t0 + rows)
                 block = probs[bi, h0:h1, t0:t1]  # (nh, nr, S)
-                scores = block if work is None else work[:h1 - h0, :t1 - t0]
+                scores = block if work is None else work[: h1 - h0, : t1 - t0]
                 if half_qk:  # a native half GEMM into the weights' buffer, widened after
-                    torch.baddbmm(block, operand(q[bi, h0:h1, t0:t1], call.dtype), kt, beta=0,
-                                  alpha=call.scale, out=block)  # (nh, nr, S) in half
+                    torch.baddbmm(
+                        block,
+                        operand(q[bi, h0:h1, t0:t1], call.dtype),
+                        kt,
+                        beta=0,
+                        alpha=call.scale,
+                        out=block,
+                    )  # (nh, nr, S) in half
                     scores.copy_(block)
                 else:
-                    torch.baddbmm(scores, operand(q[bi, h0:h1, t0:t1], acc), kt, beta=0,
-                                  alpha=call.scale, out=scores)  # (nh, nr, S): scale * q k^T
+                    torch.baddbmm(
+                        scores,
+                        operand(q[bi, h0:h1, t0:t1], acc),
+                        kt,
+                        beta=0,
+                        alpha=call.scale,
+                        out=scores,
+                    )  # (nh, nr, S): scale * q k^T
                 if not plain:
-                    scores = _modify_at(call, scores.unsqueeze(0), torch.tensor([bi], device="cpu"),
-                                        torch.arange(h0, h1, device="cpu"),
-                                        torch.arange(t0, t1, device="cpu"))[0]
+                    scores = _modify_at(
+                        call,
+                        scores.unsqueeze(0),
+                        torch.tensor([bi], device="cpu"),
+                        torch.arange(h0, h1, device="cpu"),
+                        torch.arange(t0, t1, device="cpu"),
+                    )[0]
                 _softmax_block_(scores, lse[bi, h0:h1, t0:t1])
                 if scores.data_ptr() != block.data_ptr():
                     block.copy_(scores)  # rounded to half once, or a score_mod's new tensor
@@ -248,7 +282,9 @@ def _modified_scores(call: AttentionCall, scores: Tensor) -> Tensor:
     """``score_mod`` applied to the full scores, seen as (B, H, T, S)."""
     B, H = call.BH
     scores4 = scores.expand(call.batch + scores.shape[-2:]).reshape(B, H, call.T, call.S)
-    out = evaluate_score(call.score_mod, scores4, *index_grid(B, H, call.T, call.S, device=call.device))
+    out = evaluate_score(
+        call.score_mod, scores4, *index_grid(B, H, call.T, call.S, device=call.device)
+    )
     return out.reshape(call.batch + (call.T, call.S))  # (*batch, T, S)
 
 

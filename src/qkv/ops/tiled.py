@@ -40,6 +40,7 @@ with a float32 attn_mask run in float32 (``AttentionCall.work_dtype``).
 Shape alphabet: B batch, H query heads, T query length, S key length, D head dim, Dv value
 head dim; a tile has ``tq`` queries and a chunk ``kc`` keys.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,17 +48,36 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..masks import (EMPTY, FULL, Grid, MaskMod, ScoreMod, and_masks, block_states, causal,
-                     evaluate_mask, evaluate_score, index_grid, score_mod_gradient_inputs,
-                     shift_invariant, structure_key)
+from ..masks import (
+    EMPTY,
+    FULL,
+    Grid,
+    MaskMod,
+    ScoreMod,
+    and_masks,
+    block_states,
+    causal,
+    evaluate_mask,
+    evaluate_score,
+    index_grid,
+    score_mod_gradient_inputs,
+    shift_invariant,
+    structure_key,
+)
 from ._aten import flash_backward, flash_cpu_available, flash_forward
 from .base import BackendResult
 from .call import AttentionCall
 from .plan_cache import PlanCache
 from .reference import ReferenceBackend
 
-__all__ = ["TiledBackend", "tiled_attention", "piece_forward", "piece_backward", "merge_by_lse",
-           "clear_plan_cache"]
+__all__ = [
+    "TiledBackend",
+    "clear_plan_cache",
+    "merge_by_lse",
+    "piece_backward",
+    "piece_forward",
+    "tiled_attention",
+]
 
 BLOCK_Q = 64  # query rows per tile
 BLOCK_K = 64  # keys per block (the unit of skipping)
@@ -79,6 +99,7 @@ class TiledBackend:
     def traceable(self, call: AttentionCall) -> bool:
         """Under torch.compile, calls whose masks the custom ops can carry (``tiled_op``)."""
         from . import tiled_op
+
         return tiled_op.usable(call)
 
     def run(self, call: AttentionCall) -> BackendResult:
@@ -86,6 +107,7 @@ class TiledBackend:
             return ReferenceBackend().run(call)
         if torch.compiler.is_compiling():
             from . import tiled_op
+
             if tiled_op.usable(call):
                 out, lse = tiled_op.tiled_attention_op(call)
                 return BackendResult(out=out, lse=lse)
@@ -96,7 +118,9 @@ class TiledBackend:
 def _nothing_to_tile(call: AttentionCall) -> bool:
     """Empty sizes (no tile at all) and meta tensors (no values to plan blocks on): the
     reference gives the right shapes, dtypes and autograd graph at no cost there."""
-    return call.query.numel() == 0 or call.S == 0 or 0 in call.out_shape or call.device.type == "meta"
+    return (
+        call.query.numel() == 0 or call.S == 0 or 0 in call.out_shape or call.device.type == "meta"
+    )
 
 
 @dataclass(frozen=True)
@@ -147,30 +171,34 @@ class _Plan:
             # the flash kernel reads a mask with leading dims as if it were contiguous
             add = _tile(self.bias, t0, t1, k0, k1).to(dtype).contiguous()
         if self.score_mod is not None:  # additive: its bias is score_mod(0)
-            b, h, q, kv = index_grid(self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
-                                     device=self.device)
+            b, h, q, kv = index_grid(
+                self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0, device=self.device
+            )
             bias = self.score_mod(torch.zeros((), dtype=dtype, device=self.device), b, h, q, kv)
             add = bias if add is None else add + bias
         if masked:
             allowed = self.allowed(t0, t1, k0, k1)
             if add is None:
                 return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
-                    ~allowed, float("-inf"))
+                    ~allowed, float("-inf")
+                )
             add = add.masked_fill(~allowed, float("-inf"))
         return add
 
     def allowed(self, t0: int, t1: int, k0: int, k1: int) -> Tensor:
         """``mask_mod`` on the chunk, as a view of every (query, key) pair even where the mask
         does not vary (a dense mask of one key column). Shape: ``(B?, H?, tq, kc)``, bool."""
-        b, h, q, kv = index_grid(self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
-                                 device=self.device)
+        b, h, q, kv = index_grid(
+            self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0, device=self.device
+        )
         ok = evaluate_mask(self.mask_mod, b, h, q, kv)
         ok = ok.reshape((1,) * (4 - ok.dim()) + tuple(ok.shape))
         return ok.expand(*ok.shape[:2], t1 - t0, k1 - k0)
 
 
-def tiled_attention(call: AttentionCall, *, inner: str | None = None, block_q: int = BLOCK_Q,
-                    block_k: int = BLOCK_K) -> tuple[Tensor, Tensor]:
+def tiled_attention(
+    call: AttentionCall, *, inner: str | None = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K
+) -> tuple[Tensor, Tensor]:
     """Run ``call`` tiled; return the output and the log-sum-exp (``-inf`` on rows with no key).
 
     ``inner`` forces ``"flash"`` or ``"matmul"`` (tests compare the two); None picks.
@@ -203,8 +231,9 @@ def work_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor | N
     return q, k, v, bias
 
 
-def piece_forward(call: AttentionCall, *, block_q: int = BLOCK_Q,
-                  block_k: int = BLOCK_K) -> tuple[Tensor, Tensor]:
+def piece_forward(
+    call: AttentionCall, *, block_q: int = BLOCK_Q, block_k: int = BLOCK_K
+) -> tuple[Tensor, Tensor]:
     """Output and log-sum-exp of ``call`` as one piece of a larger attention (a ring step):
     no autograd graph, the output in the accumulation dtype so that pieces merge unrounded.
     ``call`` has no dense ``attn_mask`` and no dropout; its mask_mod and score_mod carry the
@@ -220,8 +249,15 @@ def piece_forward(call: AttentionCall, *, block_q: int = BLOCK_Q,
         return _forward(plan, q, k, v, out_dtype=_acc(q.dtype))
 
 
-def piece_backward(call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, *,
-                   block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+def piece_backward(
+    call: AttentionCall,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    *,
+    block_q: int = BLOCK_Q,
+    block_k: int = BLOCK_K,
+):
     """Gradients of one piece (see :func:`piece_forward`) from the *whole* attention's output
     and log-sum-exp of these query rows, FlashAttention's decomposition: the pieces' dq add
     up to the whole dq, and each piece's dk and dv are its keys' share.
@@ -241,8 +277,9 @@ def piece_backward(call: AttentionCall, out: Tensor, lse: Tensor, dout: Tensor, 
     if plan.score_mod is not None:
         grads = score_mod_gradient_inputs(plan.score_mod, dtype=_acc(q.dtype), device=q.device)
     with torch.no_grad():
-        dq, dk, dv, _, dts = _backward(plan, q, k, v, out.to(q.dtype), lse, dout, grads, False,
-                                       cast=False)
+        dq, dk, dv, _, dts = _backward(
+            plan, q, k, v, out.to(q.dtype), lse, dout, grads, False, cast=False
+        )
     if call.enable_gqa:
         G = call.key.shape[-3]
         dk = dk.view(B, G, H // G, *dk.shape[2:]).sum(2)  # (B, G, S, D)
@@ -254,8 +291,9 @@ def _work_4d(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     return work_inputs(call)[:3]
 
 
-def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int,
-          dtype: torch.dtype) -> _Plan:
+def _plan(
+    call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int, dtype: torch.dtype
+) -> _Plan:
     """Combine the masks into one mask_mod, classify its blocks and list the units to compute
     (reused from an earlier call with the same mask structure and sizes: see
     :func:`_cached_units`)."""
@@ -268,17 +306,46 @@ def _plan(call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: i
         mask_mod = mask_mod.bind(B, H, call.T, call.S)
     best = _pick_inner(call, dtype)
     if inner not in (None, "flash", "matmul") or (inner == "flash" and best != "flash"):
-        raise ValueError(f"inner must be None, 'matmul' or (when it can take the call) 'flash', got {inner!r}")
-    return _plan_for(B, H, call.T, call.S, call.scale, mask_mod, call.score_mod, inner or best,
-                     call.device, mask is None or mask.dtype == torch.bool, bq, bk)
+        raise ValueError(
+            f"inner must be None, 'matmul' or (when it can take the call) 'flash', got {inner!r}"
+        )
+    return _plan_for(
+        B,
+        H,
+        call.T,
+        call.S,
+        call.scale,
+        mask_mod,
+        call.score_mod,
+        inner or best,
+        call.device,
+        mask is None or mask.dtype == torch.bool,
+        bq,
+        bk,
+    )
 
 
-def _plan_for(B: int, H: int, T: int, S: int, scale: float, mask_mod: MaskMod | None,
-              score_mod: ScoreMod | None, inner: str, device: torch.device, no_float_mask: bool,
-              bq: int, bk: int) -> _Plan:
+def _plan_for(
+    B: int,
+    H: int,
+    T: int,
+    S: int,
+    scale: float,
+    mask_mod: MaskMod | None,
+    score_mod: ScoreMod | None,
+    inner: str,
+    device: torch.device,
+    no_float_mask: bool,
+    bq: int,
+    bk: int,
+) -> _Plan:
     """The plan of a call with these sizes and bound masks (see :func:`_plan`)."""
-    groups = (inner == "flash" and no_float_mask and shift_invariant(mask_mod)
-              and shift_invariant(score_mod))
+    groups = (
+        inner == "flash"
+        and no_float_mask
+        and shift_invariant(mask_mod)
+        and shift_invariant(score_mod)
+    )
     plan = _Plan(B, H, T, S, scale, mask_mod, None, score_mod, inner, [], device)
     structure = structure_key(mask_mod)
     if structure is None:  # a dense mask or a plain function: planned anew every call
@@ -304,8 +371,13 @@ def _plan_units(plan: _Plan, bq: int, bk: int, groups: bool) -> list[_Unit]:
     rows = _chunks(states, bk, plan.S, kc_blocks)
     # how many rows a merged tile may have: its masks (flash) or scores (matmul) stay bounded
     per_row = states.shape[0] * states.shape[1] if plan.inner == "flash" else plan.B * plan.H
-    tiles = [_Unit(i * bq, min(bq, plan.T - i * bq), 1, tuple((a - i * bq, b - i * bq, m) for a, b, m in c))
-             for i, c in enumerate(rows) if c]
+    tiles = [
+        _Unit(
+            i * bq, min(bq, plan.T - i * bq), 1, tuple((a - i * bq, b - i * bq, m) for a, b, m in c)
+        )
+        for i, c in enumerate(rows)
+        if c
+    ]
     units = _units(tiles, bq, groups, CHUNK_ELEMENTS // per_row)
     if plan.mask_mod is not None:  # masked chunks cut to what their rows attend, then joined again
         plan.units = units
@@ -348,7 +420,9 @@ def _tile(t: Tensor, t0: int, t1: int, k0: int, k1: int) -> Tensor:
 def _pick_inner(call: AttentionCall, dtype: torch.dtype) -> str:
     mod = call.score_mod
     flash_ok = (
-        flash_cpu_available() and call.device.type == "cpu" and call.D == call.Dv
+        flash_cpu_available()
+        and call.device.type == "cpu"
+        and call.Dv == call.D
         and dtype in (torch.float32, torch.bfloat16, torch.float64)
         and (mod is None or (mod.additive and not any(t.requires_grad for t in mod.tensors())))
     )
@@ -405,8 +479,11 @@ def _units(tiles: list[_Unit], bq: int, groups: bool, max_elements: int) -> list
     for u in tiles:
         last = units[-1] if units else None
         if last is not None and u.n == 1 and last.rows.stop == u.t0:
-            if last.n == 1 and _absolute(last) == _absolute(u) and (
-                    (last.tq + u.tq) * max(b - a for a, b, _ in u.chunks) <= max_elements):
+            if (
+                last.n == 1
+                and _absolute(last) == _absolute(u)
+                and ((last.tq + u.tq) * max(b - a for a, b, _ in u.chunks) <= max_elements)
+            ):
                 units[-1] = _Unit(last.t0, last.tq + u.tq, 1, last.chunks)
                 continue
             if groups and u.tq == last.tq == bq and last.chunks == u.chunks:
@@ -467,8 +544,13 @@ def _trim_edges(plan: _Plan, u: _Unit) -> _Unit:
                 if not cols:
                     continue  # no row attends any of these keys
                 a, b, masked = a + cols[0], a + cols[-1] + 1, False
-        if chunks and not masked and not chunks[-1][2] and chunks[-1][1] == a and (
-                b - chunks[-1][0] <= max_kc):
+        if (
+            chunks
+            and not masked
+            and not chunks[-1][2]
+            and chunks[-1][1] == a
+            and (b - chunks[-1][0] <= max_kc)
+        ):
             chunks[-1] = (chunks[-1][0], b, False)
         else:
             chunks.append((a, b, masked))
@@ -486,8 +568,10 @@ class _DenseMask(MaskMod):
         self.mask = mask  # (B?, H?, T, S)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        idx = [i if n > 1 else i.new_zeros((1,) * i.dim()) for i, n in
-               zip((b, h, q_idx, kv_idx), self.mask.shape)]  # size-1 dims broadcast
+        idx = [
+            i if n > 1 else i.new_zeros((1,) * i.dim())
+            for i, n in zip((b, h, q_idx, kv_idx), self.mask.shape)
+        ]  # size-1 dims broadcast
         return self.mask[idx[0], idx[1], idx[2], idx[3]]
 
     def __repr__(self):
@@ -498,8 +582,16 @@ class _TiledAttention(torch.autograd.Function):
     """Forward keeps out and lse; backward recomputes each chunk's weights from lse."""
 
     @staticmethod
-    def forward(ctx, plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
-                sinks: Tensor | None, *grad_tensors: Tensor):
+    def forward(
+        ctx,
+        plan: _Plan,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bias: Tensor | None,
+        sinks: Tensor | None,
+        *grad_tensors: Tensor,
+    ):
         plan.bias = None if bias is None else bias.detach()
         out, lse = _forward(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)
         if sinks is not None:
@@ -515,8 +607,9 @@ class _TiledAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks, *grad_tensors = ctx.saved_tensors
         # With sinks, out and lse are the whole softmax's (the sink a key with no value), and
         # FlashAttention's backward from them is exactly the sink-augmented attention's.
-        dq, dk, dv, dbias, dts = _backward(ctx.plan, q, k, v, out, lse, dout, grad_tensors,
-                                           ctx.bias_grad)
+        dq, dk, dv, dbias, dts = _backward(
+            ctx.plan, q, k, v, out, lse, dout, grad_tensors, ctx.bias_grad
+        )
         dsinks = None
         if ctx.has_sinks and ctx.needs_input_grad[5]:
             dsinks = _sink_grad(sinks, out, lse, dout)
@@ -557,8 +650,9 @@ def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor
     return (out.to(lse.dtype) * torch.exp(lse - total).unsqueeze(-1)).to(out.dtype), total
 
 
-def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
-             out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+def _forward(
+    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
     """All units; each merges its chunks by log-sum-exp (the online softmax). The output is in
     ``out_dtype`` (default q's)."""
     B, H, T, Dv = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
@@ -573,8 +667,13 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor,
         t0, t1 = u.t0, u.t0 + u.tq
         for a, b, masked in u.chunks:
             if u.n == 1:
-                o_c, l_c = chunk_fn(plan, q[:, :, t0:t1], k[:, :, t0 + a:t0 + b], v[:, :, t0 + a:t0 + b],
-                                    (t0, t1, t0 + a, t0 + b, masked))  # (B, H, tq, Dv), (B, H, tq)
+                o_c, l_c = chunk_fn(
+                    plan,
+                    q[:, :, t0:t1],
+                    k[:, :, t0 + a : t0 + b],
+                    v[:, :, t0 + a : t0 + b],
+                    (t0, t1, t0 + a, t0 + b, masked),
+                )  # (B, H, tq, Dv), (B, H, tq)
             else:
                 o_c, l_c = _group_flash_chunk(plan, q, k, v, u, a, b, masked)  # (B*H, n, tq, Dv)
             o_u, l_u = (o_c, l_c) if o_u is None else merge_by_lse(o_u, l_u, o_c, l_c)
@@ -600,8 +699,11 @@ def _stacked(x: Tensor, u: _Unit, a: int, b: int) -> Tensor:
     """
     B, H, _, E = x.shape
     s_bh = x.stride(0) if H == 1 else x.stride(1)
-    return x.as_strided((B * H, u.n, b - a, E), (s_bh, u.tq * x.stride(2), x.stride(2), x.stride(3)),
-                        x.storage_offset() + (u.t0 + a) * x.stride(2))
+    return x.as_strided(
+        (B * H, u.n, b - a, E),
+        (s_bh, u.tq * x.stride(2), x.stride(2), x.stride(3)),
+        x.storage_offset() + (u.t0 + a) * x.stride(2),
+    )
 
 
 def _group_mask(plan: _Plan, u: _Unit, a: int, b: int, masked: bool, dtype) -> Tensor | None:
@@ -613,23 +715,31 @@ def _group_mask(plan: _Plan, u: _Unit, a: int, b: int, masked: bool, dtype) -> T
     """
     key = (u.tq, a, b, masked, dtype)
     if key not in plan.group_masks:
-        m = plan.chunk_mask(u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b, masked, dtype)  # (B?, H?, tq, kc)
+        m = plan.chunk_mask(
+            u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b, masked, dtype
+        )  # (B?, H?, tq, kc)
         if m is not None and m.shape[:2] != (1, 1):
             m = m.expand(plan.B, plan.H, *m.shape[2:]).reshape(plan.B * plan.H, 1, *m.shape[2:])
         plan.group_masks[key] = m
     return plan.group_masks[key]
 
 
-def _group_flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, u: _Unit, a: int, b: int,
-                       masked: bool) -> tuple[Tensor, Tensor]:
+def _group_flash_chunk(
+    plan: _Plan, q: Tensor, k: Tensor, v: Tensor, u: _Unit, a: int, b: int, masked: bool
+) -> tuple[Tensor, Tensor]:
     """One chunk of every tile of a diagonal group in one call of the flash kernel.
 
     Shape:
         -> out ``(B*H, n, tq, Dv)``, lse ``(B*H, n, tq)``.
     """
     mask = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
-    o, lse = flash_forward(_stacked(q, u, 0, u.tq), _stacked(k, u, a, b), _stacked(v, u, a, b),
-                           attn_mask=mask, scale=plan.scale)
+    o, lse = flash_forward(
+        _stacked(q, u, 0, u.tq),
+        _stacked(k, u, a, b),
+        _stacked(v, u, a, b),
+        attn_mask=mask,
+        scale=plan.scale,
+    )
     if masked:
         lse = lse.masked_fill(torch.isneginf(mask).all(-1), float("-inf"))  # rows with no key
     return o, lse
@@ -672,7 +782,9 @@ def _matmul_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
     row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
     p = scores.sub_(row_max).exp_()  # (B, H, tq, kc)
     total = p.sum(-1, keepdim=True)  # (B, H, tq, 1); 0 on rows with no key
-    o = (p @ v.to(p.dtype)) / torch.where(total == 0, 1.0, total)  # (B, H, tq, Dv), weights unrounded
+    o = (p @ v.to(p.dtype)) / torch.where(
+        total == 0, 1.0, total
+    )  # (B, H, tq, Dv), weights unrounded
     lse = (row_max + total.log()).squeeze(-1)  # (B, H, tq); log 0 = -inf
     return o, lse
 
@@ -689,8 +801,9 @@ def _chunk_scores(plan: _Plan, q: Tensor, k: Tensor, where: tuple, raw: Tensor |
         raw = _raw_scores(plan, q, k)
     scores = raw
     if plan.score_mod is not None:
-        b, h, qi, ki = index_grid(plan.B, plan.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0,
-                                  device=q.device)
+        b, h, qi, ki = index_grid(
+            plan.B, plan.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0, device=q.device
+        )
         scores = evaluate_score(plan.score_mod, scores, b, h, qi, ki)
     if plan.bias is not None:
         scores = scores + _tile(plan.bias, t0, t1, k0, k1)
@@ -711,8 +824,9 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: bool,
-              cast: bool = True):
+def _backward(
+    plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: bool, cast: bool = True
+):
     """FlashAttention's backward, chunk by chunk, from the saved log-sum-exp. The gradients
     come in the inputs' dtypes, or (``cast=False``) in the accumulation dtype."""
     acc = _acc(q.dtype)
@@ -729,11 +843,19 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: boo
         rows = slice(u.t0, u.t0 + u.tq)
         for a, b, masked in u.chunks:
             if u.n > 1:
-                _group_flash_backward(plan, q, k, v, out, lse_safe, dout, u, a, b, masked, dq, dk, dv)
+                _group_flash_backward(
+                    plan, q, k, v, out, lse_safe, dout, u, a, b, masked, dq, dk, dv
+                )
                 continue
             where, cols = (u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b, masked), slice(u.t0 + a, u.t0 + b)
-            args = (q[:, :, rows], k[:, :, cols], v[:, :, cols], out[:, :, rows],
-                    lse_safe[:, :, rows], dout[:, :, rows])
+            args = (
+                q[:, :, rows],
+                k[:, :, cols],
+                v[:, :, cols],
+                out[:, :, rows],
+                lse_safe[:, :, rows],
+                dout[:, :, rows],
+            )
             if plan.inner == "flash":
                 g = _flash_chunk_backward(plan, *args, where)
             else:
@@ -745,22 +867,46 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: boo
                 acc_t += g_t
     if not cast:
         return dq, dk, dv, dbias, dts
-    return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-            None if dbias is None else dbias.to(plan.bias.dtype),
-            [d.to(t.dtype) for d, t in zip(dts, grad_tensors)])
+    return (
+        dq.to(q.dtype),
+        dk.to(k.dtype),
+        dv.to(v.dtype),
+        None if dbias is None else dbias.to(plan.bias.dtype),
+        [d.to(t.dtype) for d, t in zip(dts, grad_tensors)],
+    )
 
 
-def _group_flash_backward(plan: _Plan, q, k, v, out, lse, dout, u: _Unit, a: int, b: int,
-                          masked: bool, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+def _group_flash_backward(
+    plan: _Plan,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    u: _Unit,
+    a: int,
+    b: int,
+    masked: bool,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+) -> None:
     """Gradients of one chunk of every tile of a diagonal group, added into dq, dk, dv
     ``(B, H, L, E)``. Overlapping key windows are added in strips of ``tq`` keys, each strip a
     non-overlapping view."""
     mask = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
     lse_u = _stacked(lse.unsqueeze(-1), u, 0, u.tq).squeeze(-1).contiguous()  # (B*H, n, tq)
     g_q, g_k, g_v = flash_backward(
-        _stacked(dout, u, 0, u.tq), _stacked(q, u, 0, u.tq), _stacked(k, u, a, b),
-        _stacked(v, u, a, b), _stacked(out, u, 0, u.tq),
-        lse_u.float() if q.dtype != torch.float64 else lse_u, attn_mask=mask, scale=plan.scale)
+        _stacked(dout, u, 0, u.tq),
+        _stacked(q, u, 0, u.tq),
+        _stacked(k, u, a, b),
+        _stacked(v, u, a, b),
+        _stacked(out, u, 0, u.tq),
+        lse_u.float() if q.dtype != torch.float64 else lse_u,
+        attn_mask=mask,
+        scale=plan.scale,
+    )
     dq[:, :, u.rows] += g_q.reshape(dq.shape[0], dq.shape[1], -1, dq.shape[-1])
     for acc_t, g_t in ((dk, g_k), (dv, g_v)):  # g_t: (B*H, n, kc, E)
         for p0 in range(0, b - a, u.tq):
@@ -771,9 +917,16 @@ def _group_flash_backward(plan: _Plan, q, k, v, out, lse, dout, u: _Unit, a: int
 def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
     t0, t1, k0, k1, masked = where
     mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))
-    dq, dk, dv = flash_backward(dout, q, k, v, out,
-                                lse.float() if q.dtype != torch.float64 else lse,
-                                attn_mask=mask, scale=plan.scale)
+    dq, dk, dv = flash_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse.float() if q.dtype != torch.float64 else lse,
+        attn_mask=mask,
+        scale=plan.scale,
+    )
     return dq, dk, dv
 
 

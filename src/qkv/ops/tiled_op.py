@@ -26,11 +26,11 @@ call's output, checked, and redone under the eager contract only when it is not 
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim, Dv value dim.
 """
+
 from __future__ import annotations
 
 import ast
 import functools
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -40,11 +40,23 @@ from . import nonfinite
 from .base import compiling_plainly
 from .call import AttentionCall
 from .reference import ReferenceBackend
-from .tiled import (BLOCK_K, BLOCK_Q, _acc, _backward, _DenseMask, _forward, _pick_inner,
-                    _plan_for, _refuse_flash, _sink_grad, _with_sinks, sinks_by_row,
-                    work_inputs)
+from .tiled import (
+    BLOCK_K,
+    BLOCK_Q,
+    _acc,
+    _backward,
+    _DenseMask,
+    _forward,
+    _pick_inner,
+    _plan_for,
+    _refuse_flash,
+    _sink_grad,
+    _with_sinks,
+    sinks_by_row,
+    work_inputs,
+)
 
-__all__ = ["usable", "tiled_attention_op"]
+__all__ = ["tiled_attention_op", "usable"]
 
 
 def usable(call: AttentionCall) -> bool:
@@ -57,12 +69,14 @@ def usable(call: AttentionCall) -> bool:
         return False
     score = call.score_mod
     if score is not None and (
-            _pick_inner(call, call.work_dtype) != "flash"
-            or (call.attn_mask is not None and call.attn_mask.requires_grad)):
+        _pick_inner(call, call.work_dtype) != "flash"
+        or (call.attn_mask is not None and call.attn_mask.requires_grad)
+    ):
         return False  # the matmul kernel differentiates a score_mod by autograd, which the
         # kernel of a custom op cannot record (nor gradients for the score_mod's tensors)
     return _describe(_bound_mask(call), _Parts()) is not None and (
-        score is None or _describe(score.bind(*call.BH, call.T, call.S), _Parts()) is not None)
+        score is None or _describe(score.bind(*call.BH, call.T, call.S), _Parts()) is not None
+    )
 
 
 def tiled_attention_op(call: AttentionCall) -> tuple[Tensor, Tensor]:
@@ -82,8 +96,19 @@ def tiled_attention_op(call: AttentionCall) -> tuple[Tensor, Tensor]:
     score_spec = _describe(None if score is None else score.bind(B, H, call.T, call.S), parts)
     spec = f"({mask_spec}, {score_spec})"
     sinks = sinks_by_row(call)  # (B, H, T) or None
-    out, lse = torch.ops.qkv.tiled_forward(q, k, v, bias, sinks, parts.tensors, parts.ints,
-                                           parts.floats, spec, float(call.scale), inner)
+    out, lse = torch.ops.qkv.tiled_forward(
+        q,
+        k,
+        v,
+        bias,
+        sinks,
+        parts.tensors,
+        parts.ints,
+        parts.floats,
+        spec,
+        float(call.scale),
+        inner,
+    )
     out = out.to(call.dtype).reshape(call.out_shape)
     return out, lse.reshape(call.batch + (call.T,))
 
@@ -109,7 +134,12 @@ def nonfinite_rows(call: AttentionCall, bad_q: Tensor, bad_keys: Tensor) -> Tens
     hit = torch.ops.qkv.nonfinite_rows(
         bad_q.expand(call.batch + (call.T,)).reshape(B, H, call.T),
         bad_keys.expand(call.batch + (call.S,)).reshape(B, H, call.S),
-        bias, parts.tensors, parts.ints, parts.floats, spec)  # (B, H, T)
+        bias,
+        parts.tensors,
+        parts.ints,
+        parts.floats,
+        spec,
+    )  # (B, H, T)
     return hit.reshape(call.batch + (call.T,))
 
 
@@ -123,8 +153,7 @@ def checked_inference(call: AttentionCall, run_call) -> Tensor | None:
     Shape:
         -> ``(*batch, T, Dv)``.
     """
-    if (not compiling_plainly() or call.dropout_p > 0 or call.return_trace
-            or call.sinks is not None):
+    if not compiling_plainly() or call.dropout_p > 0 or call.return_trace or call.sinks is not None:
         return None
     parts = _Parts()
     mask_spec = _describe(_bound_mask(call), parts)
@@ -135,10 +164,19 @@ def checked_inference(call: AttentionCall, run_call) -> Tensor | None:
     mask = call.attn_mask
     bias = mask if mask is not None and mask.is_floating_point() else None
     out = run_call(call)
-    return torch.ops.qkv.checked_output(out, call.query, call.key, call.value, bias,
-                                        parts.tensors, parts.ints, parts.floats,
-                                        f"({mask_spec}, {score_spec})", float(call.scale),
-                                        call.enable_gqa)
+    return torch.ops.qkv.checked_output(
+        out,
+        call.query,
+        call.key,
+        call.value,
+        bias,
+        parts.tensors,
+        parts.ints,
+        parts.floats,
+        f"({mask_spec}, {score_spec})",
+        float(call.scale),
+        call.enable_gqa,
+    )
 
 
 def _bound_mask(call: AttentionCall):
@@ -154,6 +192,7 @@ def _bound_mask(call: AttentionCall):
 
 
 # --- describing masks -----------------------------------------------------------------------
+
 
 class _Parts:
     """The values a description refers to by position: ``('i', n)``, ``('f', n)``, ``('t', n)``."""
@@ -185,8 +224,11 @@ def _is_window(mod) -> bool:
     """A ``_Window``, or a subclass that changes neither what it allows nor its blocks (the
     Hugging Face integration's fixed-offset window)."""
     kind = type(mod)
-    return isinstance(mod, M._Window) and kind.__call__ is M._Window.__call__ and (
-        kind.blocks is M._Window.blocks and kind._off is M._Window._off)
+    return (
+        isinstance(mod, M._Window)
+        and kind.__call__ is M._Window.__call__
+        and (kind.blocks is M._Window.blocks and kind._off is M._Window._off)
+    )
 
 
 def _describe(mod, parts: _Parts) -> str | None:
@@ -196,8 +238,10 @@ def _describe(mod, parts: _Parts) -> str | None:
         return "None"
     kind = type(mod)
     if _is_window(mod):
-        return (f"('window', {parts.int(mod.left)}, {parts.int(mod.right)}, '{mod.align}', "
-                f"'{mod.name}', {parts.int(mod.offset)})")
+        return (
+            f"('window', {parts.int(mod.left)}, {parts.int(mod.right)}, '{mod.align}', "
+            f"'{mod.name}', {parts.int(mod.offset)})"
+        )
     if kind is M._KeysBefore:
         n = parts.tensor(mod.n) if isinstance(mod.n, Tensor) else parts.int(mod.n)
         return f"('keys_before', {n}, '{mod.name}')"
@@ -224,6 +268,7 @@ def _parse(spec: str):
 
 def _rebuild(node, ints, floats, tensors):
     """The bound mask or score object a description stands for, with these values."""
+
     def value(ref):
         if ref is None:
             return None
@@ -251,26 +296,38 @@ def _rebuild(node, ints, floats, tensors):
     raise ValueError(f"qkv.tiled_forward: unknown mask description {kind!r}")
 
 
-def _plan(q: Tensor, k: Tensor, bias, tensors, ints, floats, spec: str, scale: float,
-          inner: str):
+def _plan(q: Tensor, k: Tensor, bias, tensors, ints, floats, spec: str, scale: float, inner: str):
     mask_node, score_node = _parse(spec)
     mask_mod = _rebuild(mask_node, ints, floats, tensors)
     score_mod = _rebuild(score_node, ints, floats, tensors)
-    plan = _plan_for(q.shape[0], q.shape[1], q.shape[2], k.shape[2], scale, mask_mod,
-                     score_mod, inner, q.device, bias is None or bias.dtype == torch.bool,
-                     BLOCK_Q, BLOCK_K)
+    plan = _plan_for(
+        q.shape[0],
+        q.shape[1],
+        q.shape[2],
+        k.shape[2],
+        scale,
+        mask_mod,
+        score_mod,
+        inner,
+        q.device,
+        bias is None or bias.dtype == torch.bool,
+        BLOCK_Q,
+        BLOCK_K,
+    )
     plan.bias = bias
     return plan
 
 
 # --- the ops --------------------------------------------------------------------------------
 
+
 def _nonfinite(plan, q: Tensor, k: Tensor, v: Tensor, bias):
     """The inputs with NaN/inf rows zeroed, and the rows the mask contract makes NaN ``(B, H,
     T, 1)`` bool; ``(None, None)`` when every input is finite (one reduction each, as eager
     qkv checks: ``ops/nonfinite.py``)."""
-    call = AttentionCall.build(q, k, v, bias, 0.0, False, plan.scale, False, False,
-                               plan.mask_mod, None)
+    call = AttentionCall.build(
+        q, k, v, bias, 0.0, False, plan.scale, False, False, plan.mask_mod, None
+    )
     cleaned, bad = nonfinite._clean(call)
     if bad is None:
         return None, None
@@ -279,10 +336,19 @@ def _nonfinite(plan, q: Tensor, k: Tensor, v: Tensor, bias):
 
 
 @torch.library.custom_op("qkv::tiled_forward", mutates_args=())
-def _tiled_forward(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
-                   sinks: Optional[Tensor], tensors: list[Tensor], ints: list[int],
-                   floats: list[float], spec: str, scale: float,
-                   inner: str) -> tuple[Tensor, Tensor]:
+def _tiled_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    sinks: Tensor | None,
+    tensors: list[Tensor],
+    ints: list[int],
+    floats: list[float],
+    spec: str,
+    scale: float,
+    inner: str,
+) -> tuple[Tensor, Tensor]:
     """Output ``(B, H, T, Dv)`` in q's dtype and log-sum-exp ``(B, H, T)`` (float32, or
     float64 for float64 inputs; ``-inf`` on rows with no key). The mask contract for NaN/inf
     inputs is kept here, as eager qkv keeps it around every backend."""
@@ -303,10 +369,23 @@ def _(q, k, v, bias, sinks, tensors, ints, floats, spec, scale, inner):
 
 
 @torch.library.custom_op("qkv::tiled_backward", mutates_args=())
-def _tiled_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-                    bias: Optional[Tensor], sinks: Optional[Tensor], tensors: list[Tensor],
-                    ints: list[int], floats: list[float], spec: str, scale: float, inner: str,
-                    bias_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _tiled_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    bias: Tensor | None,
+    sinks: Tensor | None,
+    tensors: list[Tensor],
+    ints: list[int],
+    floats: list[float],
+    spec: str,
+    scale: float,
+    inner: str,
+    bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dbias, dsinks)``; dbias is empty unless ``bias_grad``, dsinks unless
     there are sinks (out and lse are then the sink-inclusive ones). With NaN/inf inputs, the
     gradients of eager qkv's contract: none through a NaN row, none to a bad input row."""
@@ -317,19 +396,25 @@ def _tiled_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, d
         out, dout = out.masked_fill(hit, 0.0), dout.masked_fill(hit, 0.0)
     dq, dk, dv, dbias, _ = _backward(plan, qc, kc, vc, out, lse, dout, (), bias_grad)
     if cleaned is not None:
-        dq, dk, dv = (g.masked_fill(~torch.isfinite(t).all(-1, keepdim=True), 0.0)
-                      for g, t in ((dq, q), (dk, k), (dv, v)))
+        dq, dk, dv = (
+            g.masked_fill(~torch.isfinite(t).all(-1, keepdim=True), 0.0)
+            for g, t in ((dq, q), (dk, k), (dv, v))
+        )
     dsinks = q.new_empty(0) if sinks is None else _sink_grad(sinks, out, lse, dout)
     return dq, dk, dv, q.new_empty(0) if dbias is None else dbias, dsinks
 
 
 @_tiled_backward.register_fake
-def _(q, k, v, out, lse, dout, bias, sinks, tensors, ints, floats, spec, scale, inner,
-      bias_grad):
+def _(q, k, v, out, lse, dout, bias, sinks, tensors, ints, floats, spec, scale, inner, bias_grad):
     dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)  # zeros_like's layout
     dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),  # contiguous
-            dbias, dsinks)
+    return (
+        q.new_empty(q.shape),
+        k.new_empty(k.shape),
+        v.new_empty(v.shape),  # contiguous
+        dbias,
+        dsinks,
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -338,8 +423,12 @@ def _setup_context(ctx, inputs, output):
     ctx.bias_grad = bias is not None and bias.requires_grad
     ctx.has_bias, ctx.has_sinks, ctx.n_tensors = bias is not None, sinks is not None, len(tensors)
     ctx.args = (ints, floats, spec, scale, inner)
-    saved = ((q, k, v, out, lse) + ((bias,) if bias is not None else ())
-             + ((sinks,) if sinks is not None else ()) + tuple(tensors))
+    saved = (
+        (q, k, v, out, lse)
+        + ((bias,) if bias is not None else ())
+        + ((sinks,) if sinks is not None else ())
+        + tuple(tensors)
+    )
     ctx.save_for_backward(*saved)
 
 
@@ -349,22 +438,38 @@ def _backward_rule(ctx, dout, _dlse):
     sinks = rest.pop(0) if ctx.has_sinks else None
     ints, floats, spec, scale, inner = ctx.args
     dq, dk, dv, dbias, dsinks = torch.ops.qkv.tiled_backward(
-        q, k, v, out, lse, dout, bias, sinks, rest, ints, floats, spec, scale, inner,
-        ctx.bias_grad)
+        q, k, v, out, lse, dout, bias, sinks, rest, ints, floats, spec, scale, inner, ctx.bias_grad
+    )
     # the structure of the op's inputs, as torch.library flattens them: a list of tensors is
     # a list, a non-empty list of numbers is one leaf, an empty list an empty list
-    return (dq, dk, dv, dbias if ctx.bias_grad else None, dsinks if ctx.has_sinks else None,
-            [None] * ctx.n_tensors, None if ints else [], None if floats else [], None, None,
-            None)
+    return (
+        dq,
+        dk,
+        dv,
+        dbias if ctx.bias_grad else None,
+        dsinks if ctx.has_sinks else None,
+        [None] * ctx.n_tensors,
+        None if ints else [],
+        None if floats else [],
+        None,
+        None,
+        None,
+    )
 
 
 _tiled_forward.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
 @torch.library.custom_op("qkv::nonfinite_rows", mutates_args=())
-def _nonfinite_rows(bad_q: Tensor, bad_keys: Tensor, bias: Optional[Tensor],
-                    tensors: list[Tensor], ints: list[int], floats: list[float],
-                    spec: str) -> Tensor:
+def _nonfinite_rows(
+    bad_q: Tensor,
+    bad_keys: Tensor,
+    bias: Tensor | None,
+    tensors: list[Tensor],
+    ints: list[int],
+    floats: list[float],
+    spec: str,
+) -> Tensor:
     """``(B, H, T)`` bool: rows that may attend to a bad key, and bad rows that may attend to
     some key (``ops/nonfinite._poison``), from ``bad_q`` ``(B, H, T)`` and ``bad_keys``
     ``(B, H, S)``. All False, at the cost of two reductions, when nothing is bad."""
@@ -386,20 +491,39 @@ def _(bad_q, bad_keys, bias, tensors, ints, floats, spec):
 
 
 @torch.library.custom_op("qkv::checked_output", mutates_args=())
-def _checked_output(out: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor],
-                    tensors: list[Tensor], ints: list[int], floats: list[float], spec: str,
-                    scale: float, enable_gqa: bool) -> Tensor:
+def _checked_output(
+    out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor | None,
+    tensors: list[Tensor],
+    ints: list[int],
+    floats: list[float],
+    spec: str,
+    scale: float,
+    enable_gqa: bool,
+) -> Tensor:
     """``out`` (a copy) when it is finite; else the call again under eager qkv's contract."""
     if nonfinite._finite_sum(out):
         return out.clone()
     mask_node, score_node = _parse(spec)
-    call = AttentionCall.build(q, k, v, bias, 0.0, False, scale, enable_gqa, False,
-                               _rebuild(mask_node, ints, floats, tensors),
-                               _rebuild(score_node, ints, floats, tensors))
+    call = AttentionCall.build(
+        q,
+        k,
+        v,
+        bias,
+        0.0,
+        False,
+        scale,
+        enable_gqa,
+        False,
+        _rebuild(mask_node, ints, floats, tensors),
+        _rebuild(score_node, ints, floats, tensors),
+    )
     return nonfinite.run(call, lambda c: ReferenceBackend().run(c).out).to(out.dtype)
 
 
 @_checked_output.register_fake
 def _(out, q, k, v, bias, tensors, ints, floats, spec, scale, enable_gqa):
     return torch.empty_like(out)
-

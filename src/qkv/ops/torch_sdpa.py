@@ -19,6 +19,7 @@ What it adds on top of torch:
 
 Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,13 +63,23 @@ class TorchBackend:
         if call.return_trace and _fits_flash_cpu(call, mask, q.dtype):
             k, v = _shared_heads(q, k), _shared_heads(q, v)  # (B, H, S, D): GQA's kv per head
             out, lse = flash_forward(
-                q, k, v, is_causal=is_causal, scale=call.scale,
+                q,
+                k,
+                v,
+                is_causal=is_causal,
+                scale=call.scale,
                 attn_mask=None if mask is None else _as_additive(mask, q.dtype),
             )  # (B, H, T, Dv), (B, H, T)
         else:
             out = sdpa(
-                q, k, v, attn_mask=mask, dropout_p=call.dropout_p, is_causal=is_causal,
-                scale=call.scale, enable_gqa=call.enable_gqa,
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=call.dropout_p,
+                is_causal=is_causal,
+                scale=call.scale,
+                enable_gqa=call.enable_gqa,
             )  # (*batch, T, Dv)
             lse = None
         if out.dtype != call.dtype:
@@ -82,7 +93,11 @@ class TorchBackend:
 
 def _is_bottom_right_causal(mask_mod) -> bool:
     """The mask of torch's own ``causal_lower_right``: torch takes it as a dense mask too."""
-    return isinstance(mask_mod, _Window) and mask_mod.name == "causal" and mask_mod.align == "bottom_right"
+    return (
+        isinstance(mask_mod, _Window)
+        and mask_mod.name == "causal"
+        and mask_mod.align == "bottom_right"
+    )
 
 
 def _guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
@@ -122,9 +137,10 @@ def _fits_flash_cpu(call: AttentionCall, mask: Tensor | None, dtype: torch.dtype
         and call.device.type == "cpu"
         and not _no_pairs(q, k)  # empty: the kernel dies of SIGFPE (and the trace needs a graph)
         and q.dim() == k.dim() == v.dim() == 4
-        and q.shape[0] == k.shape[0] == v.shape[0] and k.shape[1] == v.shape[1]
+        and q.shape[0] == k.shape[0] == v.shape[0]
+        and k.shape[1] == v.shape[1]
         and (q.shape[1] == k.shape[1] or call.enable_gqa)
-        and call.D == call.Dv
+        and call.Dv == call.D
         and call.dropout_p == 0.0
         and (mask is None or mask.dtype in (torch.bool, dtype))
         and not (mask is not None and mask.requires_grad)
@@ -147,4 +163,6 @@ def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool mask (True = may attend) as the float mask torch's flash kernel wants."""
     if mask.dtype != torch.bool:
         return mask
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf")
+    )

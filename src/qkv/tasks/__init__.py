@@ -15,6 +15,7 @@ Generated tasks are deterministic for a seed and cached on disk (``cache_dir=``,
 ``$QKV_CACHE/tasks``, else ``~/.cache/qkv/tasks``); a damaged cache file is regenerated.
 Token ids are int64 padded with ``vocab.pad`` (0); masks are bool, True on real tokens.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,16 +29,27 @@ from ._pathfinder import pathfinder, pathfinder_connected
 from ._seq2seq import copy, reverse, sort
 from ._types import ClassificationData, ImageData, Seq2SeqData, Vocab
 
-_FUNCTIONS: dict[str, Callable] = {"reverse": reverse, "copy": copy, "sort": sort,
-                                   "listops": listops, "digits": digits,
-                                   "pathfinder": pathfinder}
+_FUNCTIONS: dict[str, Callable] = {
+    "reverse": reverse,
+    "copy": copy,
+    "sort": sort,
+    "listops": listops,
+    "digits": digits,
+    "pathfinder": pathfinder,
+}
 TASKS: tuple[str, ...] = tuple(_FUNCTIONS)
 _COMMON = ("split", "seed", "size", "cache_dir")
 
 
-def load(name: str, *, split: str = "train", seed: int = 0, size: int | None = None,
-         cache_dir: str | os.PathLike | None = None,
-         **options) -> Seq2SeqData | ClassificationData | ImageData:
+def load(
+    name: str,
+    *,
+    split: str = "train",
+    seed: int = 0,
+    size: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    **options,
+) -> Seq2SeqData | ClassificationData | ImageData:
     """One split of the task ``name``.
 
     Args:
@@ -63,8 +75,9 @@ def load(name: str, *, split: str = "train", seed: int = 0, size: int | None = N
     allowed = [p for p in params if p not in _COMMON]
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for task {name!r}; its options are "
-                         f"{allowed}")
+        raise ValueError(
+            f"unknown option(s) {unknown} for task {name!r}; its options are {allowed}"
+        )
     kwargs = {"seed": seed, "size": size, **options}
     if "cache_dir" in params:
         kwargs["cache_dir"] = cache_dir

@@ -13,6 +13,7 @@ regenerated with a warning, never trusted.
 
 Shape alphabet: N examples, F total symbols of all examples.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,16 @@ class Stream:
     labels: Tensor
 
 
-def stream(key: str, n: int, *, seed: int, sample: Sampler, check: Check,
-           cache_dir: str | os.PathLike | None, progress: bool) -> Stream:
+def stream(
+    key: str,
+    n: int,
+    *,
+    seed: int,
+    sample: Sampler,
+    check: Check,
+    cache_dir: str | os.PathLike | None,
+    progress: bool,
+) -> Stream:
     """The first ``n`` examples of the stream ``key`` for ``seed``, generating what the cache
     lacks. ``check(flat, lengths, labels)`` returns why a cached file is wrong, or None."""
     path = Path(cache_dir if cache_dir is not None else default_cache_dir())
@@ -76,13 +85,14 @@ def _read(path: Path, key: str, seed: int, check: Check) -> dict | None:
     try:
         data = torch.load(path, weights_only=True)
         why = _why_invalid(data, key, seed) or check(data["flat"], data["lengths"], data["labels"])
-    except Exception as e:  # noqa: BLE001  (a damaged file fails in many ways; all mean regenerate)
+    except Exception as e:
         lines = str(e).strip().splitlines()
         why = f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
     if why is None:
         return data
-    warnings.warn(f"qkv.tasks: cache file {path} is unusable ({why}); regenerating it",
-                  stacklevel=4)
+    warnings.warn(
+        f"qkv.tasks: cache file {path} is unusable ({why}); regenerating it", stacklevel=4
+    )
     return None
 
 
@@ -96,7 +106,11 @@ def _why_invalid(data: object, key: str, seed: int) -> str | None:
     if not all(isinstance(t, Tensor) for t in (flat, lengths, labels, rng)):
         return "a field is missing"
     if (flat.dtype, lengths.dtype, labels.dtype, rng.dtype) != (
-            torch.uint8, torch.int64, torch.int64, torch.int64):
+        torch.uint8,
+        torch.int64,
+        torch.int64,
+        torch.int64,
+    ):
         return "a field has the wrong dtype"
     if flat.ndim != 1 or lengths.ndim != 1 or labels.shape != lengths.shape or rng.shape != (625,):
         return "a field has the wrong shape"
@@ -126,8 +140,7 @@ class _Generator:
         self.saved_rng, self.saved_sampled = self.rng.getstate(), self.sampled
 
     def run(self, n: int, sample: Sampler, path: Path, progress: bool) -> None:
-        bar = Progress(n, start=len(self.ends), desc=self.key, unit="ex") \
-            if progress else None
+        bar = Progress(n, start=len(self.ends), desc=self.key, unit="ex") if progress else None
         last_write = time.monotonic()
         try:
             while len(self.ends) < n:
@@ -159,12 +172,21 @@ class _Generator:
         version, words, gauss = self.saved_rng
         assert version == 3 and gauss is None, "only the Mersenne Twister state is stored"
         used = self.ends[n - 1] if n else 0
-        flat = (torch.frombuffer(self.flat, dtype=torch.uint8, count=used).clone() if used
-                else torch.zeros(0, dtype=torch.uint8))  # (F,)
-        return {"format": FORMAT, "key": self.key, "seed": self.seed, "flat": flat,
-                "lengths": lengths, "labels": torch.tensor(self.labels[:n], dtype=torch.int64),
-                "rng_state": torch.tensor(words, dtype=torch.int64),
-                "sampled": self.saved_sampled}
+        flat = (
+            torch.frombuffer(self.flat, dtype=torch.uint8, count=used).clone()
+            if used
+            else torch.zeros(0, dtype=torch.uint8)
+        )  # (F,)
+        return {
+            "format": FORMAT,
+            "key": self.key,
+            "seed": self.seed,
+            "flat": flat,
+            "lengths": lengths,
+            "labels": torch.tensor(self.labels[:n], dtype=torch.int64),
+            "rng_state": torch.tensor(words, dtype=torch.int64),
+            "sampled": self.saved_sampled,
+        }
 
     def write(self, path: Path) -> None:
         try:
@@ -172,8 +194,11 @@ class _Generator:
             # atomic, and with the mode open() gives under the umask (mkstemp's is 0600)
             write_atomic(path, lambda f: torch.save(self.state(), f))
         except OSError as e:
-            warnings.warn(f"qkv.tasks: cannot write the cache file {path} ({e}); the data is "
-                          "generated but not kept", stacklevel=4)
+            warnings.warn(
+                f"qkv.tasks: cannot write the cache file {path} ({e}); the data is "
+                "generated but not kept",
+                stacklevel=4,
+            )
 
 
 def _to_bytes(t: Tensor) -> bytes:
@@ -192,6 +217,8 @@ def split_slice(split: str, size: int | None, sizes: dict[str, int]) -> tuple[in
     start = {"valid": 0, "test": sizes["valid"], "train": sizes["valid"] + sizes["test"]}[split]
     n = sizes[split] if size is None else size
     if split != "train" and n > sizes[split]:
-        raise ValueError(f"size={n} is more than the {split} split holds ({sizes[split]}); pass "
-                         f"{split}_size={n} to enlarge it (this moves the splits after it)")
+        raise ValueError(
+            f"size={n} is more than the {split} split holds ({sizes[split]}); pass "
+            f"{split}_size={n} to enlarge it (this moves the splits after it)"
+        )
     return start, start + n

@@ -1,4 +1,5 @@
 """Validation at the public boundary of ``qkv.tasks``."""
+
 from __future__ import annotations
 
 from ._types import SPLITS

@@ -5,6 +5,7 @@ scikit-learn is imported only when this task is loaded (``pip install 'qkv[train
 
 Shape alphabet: N images.
 """
+
 from __future__ import annotations
 
 import random
@@ -15,8 +16,14 @@ from ._checks import check_int, check_split
 from ._types import ImageData
 
 
-def digits(split: str = "train", *, seed: int = 0, size: int | None = None,
-           valid_fraction: float = 0.1, test_fraction: float = 0.2) -> ImageData:
+def digits(
+    split: str = "train",
+    *,
+    seed: int = 0,
+    size: int | None = None,
+    valid_fraction: float = 0.1,
+    test_fraction: float = 0.2,
+) -> ImageData:
     """The 8x8 digits with a seeded split stratified by class.
 
     Each class's images are shuffled with ``random.Random(seed)``; its first
@@ -46,13 +53,17 @@ def digits(split: str = "train", *, seed: int = 0, size: int | None = None,
         if not isinstance(f, (int, float)) or not 0 <= f < 1:
             raise ValueError(f"{name} must be in [0, 1); got {f!r}")
     if valid_fraction + test_fraction >= 1:
-        raise ValueError(f"valid_fraction + test_fraction = {valid_fraction + test_fraction} "
-                         "leaves no training images; keep the sum under 1")
+        raise ValueError(
+            f"valid_fraction + test_fraction = {valid_fraction + test_fraction} "
+            "leaves no training images; keep the sum under 1"
+        )
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:
-        raise ImportError("the digits task reads scikit-learn's bundled images; install it "
-                          "with pip install 'qkv[train]' (or pip install scikit-learn)") from e
+        raise ImportError(
+            "the digits task reads scikit-learn's bundled images; install it "
+            "with pip install 'qkv[train]' (or pip install scikit-learn)"
+        ) from e
     bunch = load_digits()
     images = torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N,1,8,8)
     labels = torch.as_tensor(bunch.target, dtype=torch.int64)  # (N,)
@@ -64,12 +75,11 @@ def digits(split: str = "train", *, seed: int = 0, size: int | None = None,
         rng.shuffle(idx)
         n_valid, n_test = round(valid_fraction * len(idx)), round(test_fraction * len(idx))
         parts["valid"] += idx[:n_valid]
-        parts["test"] += idx[n_valid:n_valid + n_test]
-        parts["train"] += idx[n_valid + n_test:]
+        parts["test"] += idx[n_valid : n_valid + n_test]
+        parts["train"] += idx[n_valid + n_test :]
     for name in ("train", "valid", "test"):
         rng.shuffle(parts[name])
     if size is not None and size > len(parts[split]):
-        raise ValueError(f"size={size} is more than the {split} split holds "
-                         f"({len(parts[split])})")
+        raise ValueError(f"size={size} is more than the {split} split holds ({len(parts[split])})")
     idx = torch.tensor(parts[split][:size], dtype=torch.int64)  # (N,)
     return ImageData(images[idx], labels[idx], 10, "digits", split)

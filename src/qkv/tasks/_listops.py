@@ -27,6 +27,7 @@ Generation shows progress, writes its cache every minute and resumes after an in
 
 Shape alphabet: N examples, L sequence length (``max_length - 1``).
 """
+
 from __future__ import annotations
 
 import os
@@ -49,18 +50,25 @@ MAX_DEPTH = MAX_ARGS = 10
 VOCAB = Vocab((PAD, CLS) + tuple(str(d) for d in VALUES) + OPERATORS + (END,))
 _ID = {t: i for i, t in enumerate(VOCAB.tokens)}
 VARIANTS = {
-    "full": {"min_length": 500, "max_length": 2000,
-             "sizes": {"train": 96_000, "valid": 2_000, "test": 2_000}},
-    "cpu": {"min_length": 100, "max_length": 500,
-            "sizes": {"train": 5_000, "valid": 500, "test": 500}},
+    "full": {
+        "min_length": 500,
+        "max_length": 2000,
+        "sizes": {"train": 96_000, "valid": 2_000, "test": 2_000},
+    },
+    "cpu": {
+        "min_length": 100,
+        "max_length": 500,
+        "sizes": {"train": 5_000, "valid": 500, "test": 500},
+    },
 }
 
 # A leaf is its digit; an operator node is (operator, children).
 ListOpsTree = Union[int, "tuple[str, tuple[ListOpsTree, ...]]"]
 
 
-def listops_generate_tree(rng: random.Random, depth: int = 1, *, max_depth: int = MAX_DEPTH,
-                          max_args: int = MAX_ARGS) -> tuple[ListOpsTree, int]:
+def listops_generate_tree(
+    rng: random.Random, depth: int = 1, *, max_depth: int = MAX_DEPTH, max_args: int = MAX_ARGS
+) -> tuple[ListOpsTree, int]:
     """One random ListOps expression, drawn exactly as LRA's ``generate_tree``.
 
     Args:
@@ -80,8 +88,9 @@ def listops_generate_tree(rng: random.Random, depth: int = 1, *, max_depth: int 
     n = rng.randint(2, max_args)
     children, length = [], 2
     for _ in range(n):
-        child, child_length = listops_generate_tree(rng, depth + 1, max_depth=max_depth,
-                                                    max_args=max_args)
+        child, child_length = listops_generate_tree(
+            rng, depth + 1, max_depth=max_depth, max_args=max_args
+        )
         children.append(child)
         length += child_length
     return (rng.choice(OPERATORS), tuple(children)), length
@@ -120,20 +129,25 @@ def listops_parse_and_eval(tokens: str | Sequence[str] | Sequence[int] | Tensor)
         elif len(tok) == 1 and tok.isdigit():
             stack[-1][1].append(int(tok))
         elif tok not in (PAD, CLS):
-            raise ValueError(f"token {i}: {tok!r} is not a ListOps token; they are "
-                             f"{VOCAB.tokens}")
+            raise ValueError(f"token {i}: {tok!r} is not a ListOps token; they are {VOCAB.tokens}")
     if len(stack) > 1:
-        raise ValueError(f"{len(stack) - 1} operator(s) left open: "
-                         f"{[op for op, _ in stack[1:]]}")
+        raise ValueError(f"{len(stack) - 1} operator(s) left open: {[op for op, _ in stack[1:]]}")
     if len(stack[0][1]) != 1:
         raise ValueError(f"expected one expression, found {len(stack[0][1])} top-level values")
     return stack[0][1][0]
 
 
-def listops(split: str = "train", *, variant: str = "cpu", seed: int = 0,
-            size: int | None = None, cache_dir: str | os.PathLike | None = None,
-            valid_size: int | None = None, test_size: int | None = None,
-            progress: bool = True) -> ClassificationData:
+def listops(
+    split: str = "train",
+    *,
+    variant: str = "cpu",
+    seed: int = 0,
+    size: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    valid_size: int | None = None,
+    test_size: int | None = None,
+    progress: bool = True,
+) -> ClassificationData:
     """ListOps: classify a nested MIN/MAX/MED/SM expression by its value (10 classes).
 
     Args:
@@ -186,8 +200,15 @@ def listops(split: str = "train", *, variant: str = "cpu", seed: int = 0,
             return "a label is outside 0-9"
         return None
 
-    s = stream(f"listops-{variant}", stop, seed=seed, sample=sample, check=check,
-               cache_dir=cache_dir, progress=progress)
+    s = stream(
+        f"listops-{variant}",
+        stop,
+        seed=seed,
+        sample=sample,
+        check=check,
+        cache_dir=cache_dir,
+        progress=progress,
+    )
     first = int(s.lengths[:start].sum())
     tokens, mask = pad_rows(s.flat[first:], s.lengths[start:], hi - 1, VOCAB.pad)  # (N, L)
     return ClassificationData(tokens, mask, s.labels[start:], VOCAB, 10, "listops", split)
@@ -241,7 +262,8 @@ def _as_tokens(tokens: str | Sequence[str] | Sequence[int] | Tensor) -> list[str
     tokens = list(tokens)
     if tokens and all(isinstance(t, int) for t in tokens):
         if min(tokens) < 0 or max(tokens) >= len(VOCAB):
-            raise ValueError(f"token ids must lie in [0, {len(VOCAB)}); got {min(tokens)}.."
-                             f"{max(tokens)}")
+            raise ValueError(
+                f"token ids must lie in [0, {len(VOCAB)}); got {min(tokens)}..{max(tokens)}"
+            )
         return VOCAB.decode(tokens)
     return tokens

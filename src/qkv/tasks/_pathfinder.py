@@ -46,6 +46,7 @@ a PNG grid of the split's first samples and labels is written beside the cache f
 
 Shape alphabet: N images, R resolution (height = width).
 """
+
 from __future__ import annotations
 
 import math
@@ -80,15 +81,42 @@ BACKTRACKS = 30  # paddles a target contour may take back per image
 # plus a pixel's diagonal half on each side), clearance ~ reach + 2 * ink radius (the ink
 # radius is 0.68, 0.88 and 1.14 px at 32, 64 and 128), a little under it at 32 for room.
 PRESETS: dict[int, dict] = {
-    32: {"paddle_length": 2, "thickness": 0.5, "margins": (1,), "continuity": 1.0,
-         "marker_radius": 1.5, "seed_distance": 7, "contrast": 1.5, "distractor_paddles": 20,
-         "clearance": 4.0, "reach": 3.2},
-    64: {"paddle_length": 5, "thickness": 1.0, "margins": (1,), "continuity": 1.8,
-         "marker_radius": 2.5, "seed_distance": 12, "contrast": 0.8, "distractor_paddles": 22,
-         "clearance": 5.0, "reach": 3.5},
-    128: {"paddle_length": 5, "thickness": 1.5, "margins": (2, 3), "continuity": 1.8,
-          "marker_radius": 3.0, "seed_distance": 20, "contrast": 0.9, "distractor_paddles": 35,
-          "clearance": 9.5, "reach": 7.5},
+    32: {
+        "paddle_length": 2,
+        "thickness": 0.5,
+        "margins": (1,),
+        "continuity": 1.0,
+        "marker_radius": 1.5,
+        "seed_distance": 7,
+        "contrast": 1.5,
+        "distractor_paddles": 20,
+        "clearance": 4.0,
+        "reach": 3.2,
+    },
+    64: {
+        "paddle_length": 5,
+        "thickness": 1.0,
+        "margins": (1,),
+        "continuity": 1.8,
+        "marker_radius": 2.5,
+        "seed_distance": 12,
+        "contrast": 0.8,
+        "distractor_paddles": 22,
+        "clearance": 5.0,
+        "reach": 3.5,
+    },
+    128: {
+        "paddle_length": 5,
+        "thickness": 1.5,
+        "margins": (2, 3),
+        "continuity": 1.8,
+        "marker_radius": 3.0,
+        "seed_distance": 20,
+        "contrast": 0.9,
+        "distractor_paddles": 35,
+        "clearance": 9.5,
+        "reach": 7.5,
+    },
 }
 SIZES = {"train": 10_000, "valid": 1_000, "test": 1_000}
 GRID = 64  # samples in the PNG grid
@@ -98,16 +126,26 @@ def _np():
     try:
         import numpy
     except ImportError as e:
-        raise ImportError("the pathfinder task draws with numpy; install it with "
-                          "pip install numpy") from e
+        raise ImportError(
+            "the pathfinder task draws with numpy; install it with pip install numpy"
+        ) from e
     return numpy
 
 
-def pathfinder(split: str = "train", *, seed: int = 0, size: int | None = None,
-               cache_dir: str | os.PathLike | None = None, resolution: int = 32,
-               difficulty: str = "easy", valid_size: int | None = None,
-               test_size: int | None = None, progress: bool = True,
-               grid: bool = True, workers: int | None = None) -> ImageData:
+def pathfinder(
+    split: str = "train",
+    *,
+    seed: int = 0,
+    size: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    resolution: int = 32,
+    difficulty: str = "easy",
+    valid_size: int | None = None,
+    test_size: int | None = None,
+    progress: bool = True,
+    grid: bool = True,
+    workers: int | None = None,
+) -> ImageData:
     """Pathfinder: are the two markers joined by one contour? (2 classes; 1 = joined.)
 
     Args:
@@ -153,8 +191,10 @@ def pathfinder(split: str = "train", *, seed: int = 0, size: int | None = None,
         check_int(f"{name}_size", value, low=0, none_ok=True)
         if value is not None:
             if value % 2:
-                raise ValueError(f"{name}_size={value} is odd; images come in label-balanced "
-                                 f"pairs, pass {value + 1}")
+                raise ValueError(
+                    f"{name}_size={value} is odd; images come in label-balanced "
+                    f"pairs, pass {value + 1}"
+                )
             sizes[name] = value
     _np()
     start, stop = split_slice(split, size, sizes)  # in images; start is even
@@ -172,8 +212,15 @@ def pathfinder(split: str = "train", *, seed: int = 0, size: int | None = None,
 
     key = f"pathfinder{side}-{difficulty}"
     try:
-        s = stream(key, (stop + 1) // 2, seed=seed, sample=sample, check=check,
-                   cache_dir=cache_dir, progress=progress)
+        s = stream(
+            key,
+            (stop + 1) // 2,
+            seed=seed,
+            sample=sample,
+            check=check,
+            cache_dir=cache_dir,
+            progress=progress,
+        )
     finally:
         sample.close()
     pixels = s.flat.view(-1, 1, side, side)[start:stop]  # (N, 1, R, R) uint8
@@ -184,9 +231,14 @@ def pathfinder(split: str = "train", *, seed: int = 0, size: int | None = None,
     return ImageData(pixels.float() / 255.0, labels, 2, "pathfinder", split)
 
 
-def pathfinder_connected(image: Tensor | np.ndarray, a: tuple[float, float],
-                         b: tuple[float, float], *, reach: float = 1.5,
-                         threshold: float = INK) -> bool:
+def pathfinder_connected(
+    image: Tensor | np.ndarray,
+    a: tuple[float, float],
+    b: tuple[float, float],
+    *,
+    reach: float = 1.5,
+    threshold: float = INK,
+) -> bool:
     """Whether the drawn pixels join point ``a`` to point ``b``: a flood fill.
 
     Ink is every pixel ``>= threshold``; two ink pixels are linked when their centres lie at
@@ -218,6 +270,7 @@ def pathfinder_connected(image: Tensor | np.ndarray, a: tuple[float, float],
 
 # ------------------------------------------------------------------ the generator
 
+
 def _pair(seed: int, resolution: int, difficulty: str) -> tuple[bytes, int]:
     """One image of each label from ``seed``, in a random order, and the first one's label."""
     np = _np()
@@ -244,8 +297,12 @@ class _Sampler:
         state = rng.getstate()
         seed = rng.getrandbits(64)
         self.calls += 1
-        if (seed not in self.ready and self.workers > 1 and self.calls > self.IN_PROCESS
-                and hasattr(os, "fork")):
+        if (
+            seed not in self.ready
+            and self.workers > 1
+            and self.calls > self.IN_PROCESS
+            and hasattr(os, "fork")
+        ):
             ahead = random.Random()
             ahead.setstate(state)
             seeds = [ahead.getrandbits(64) for _ in range(self.AHEAD)]
@@ -263,8 +320,15 @@ class _Sampler:
             # an ``if __name__ == "__main__"`` guard fails); workers run numpy only
             self.pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"))
         n = len(seeds)
-        return list(self.pool.map(_pair, seeds, [self.args[0]] * n, [self.args[1]] * n,
-                                  chunksize=max(1, n // (4 * self.workers))))
+        return list(
+            self.pool.map(
+                _pair,
+                seeds,
+                [self.args[0]] * n,
+                [self.args[1]] * n,
+                chunksize=max(1, n // (4 * self.workers)),
+            )
+        )
 
     def close(self) -> None:
         if self.pool is not None:
@@ -301,15 +365,23 @@ class _Scene:
         np = self.np
         ok = ((cand >= self.lo) & (cand <= self.hi)).all(axis=1)  # (K,)
         if len(self.segs):
-            need = np.where(self.owner == contour, self.self_clearance ** 2,
-                            self.spec["clearance"] ** 2)  # (S,)
+            need = np.where(
+                self.owner == contour, self.self_clearance**2, self.spec["clearance"] ** 2
+            )  # (S,)
             if skip >= 0:
                 need[skip] = 0.0
             ok &= (_seg_seg2(np, cand, self.segs) >= need).all(axis=1)  # (K, S) -> (K,)
         others = self.points[self.points[:, 2] != contour]  # (P', 3)
         if len(others):
-            d2 = _point_seg2(np, others[None, :, 0], others[None, :, 1], cand[:, None, 0],
-                             cand[:, None, 1], cand[:, None, 2], cand[:, None, 3])  # (K, P')
+            d2 = _point_seg2(
+                np,
+                others[None, :, 0],
+                others[None, :, 1],
+                cand[:, None, 0],
+                cand[:, None, 1],
+                cand[:, None, 2],
+                cand[:, None, 3],
+            )  # (K, P')
             ok &= (d2 >= (self.spec["clearance"] + self.point_extra) ** 2).all(axis=1)
         return ok
 
@@ -398,8 +470,9 @@ def _targets(np, g, scene: _Scene):
     # the terminal marker places, known only now, keep clear of the other contour too
     for t in (0, 1):
         o = scene.segs[scene.owner == 1 - t]  # (S', 4)
-        if (_point_seg2(np, ends[t, 0], ends[t, 1], o[:, 0], o[:, 1], o[:, 2], o[:, 3])
-                < keep).any():
+        if (
+            _point_seg2(np, ends[t, 0], ends[t, 1], o[:, 0], o[:, 1], o[:, 2], o[:, 3]) < keep
+        ).any():
             return None
     scene.points = np.concatenate([scene.points, np.array([[*ends[0], 0], [*ends[1], 1]])])
     return scene.points[:2, :2], ends
@@ -420,8 +493,9 @@ def _distractors(np, g, scene: _Scene) -> None:
         for _ in range(DISTRACTOR_TRIES):
             n = len(scene.segs)
             tails = g.uniform(scene.lo, scene.hi, (SEEDS, 2))
-            cand = _paddles(np, tails, g.uniform(-math.pi, math.pi, SEEDS), 0,
-                            spec["paddle_length"])  # (SEEDS, 4)
+            cand = _paddles(
+                np, tails, g.uniform(-math.pi, math.pi, SEEDS), 0, spec["paddle_length"]
+            )  # (SEEDS, 4)
             ok = scene.free(cand, contour)
             if not ok.any():
                 return
@@ -475,8 +549,11 @@ def _render(np, spec: dict, segs, markers):
     side, w = spec["resolution"], spec["thickness"]
     axis = np.arange(side, dtype=np.float64)
     pix = np.stack(np.meshgrid(axis, axis, indexing="ij"), axis=-1).reshape(-1, 1, 2)  # (R*R,1,2)
-    d = np.sqrt(_point_seg2(np, pix[..., 0], pix[..., 1], segs[:, 0], segs[:, 1], segs[:, 2],
-                            segs[:, 3]).min(axis=1))  # (R*R,)
+    d = np.sqrt(
+        _point_seg2(
+            np, pix[..., 0], pix[..., 1], segs[:, 0], segs[:, 1], segs[:, 2], segs[:, 3]
+        ).min(axis=1)
+    )  # (R*R,)
     stroke = np.clip(np.minimum(d + w / 2, 0.5) - np.maximum(d - w / 2, -0.5), 0, 1)
     dm = np.sqrt(((pix - markers[None]) ** 2).sum(-1)).min(axis=1)  # (R*R,)
     disc = np.clip(spec["marker_radius"] + 0.5 - dm, 0, 1)
@@ -505,8 +582,9 @@ def _seg_seg2(np, s, o):
     d1 = _point_seg2(np, ends[..., 0], ends[..., 1], o[:, 0], o[:, 1], o[:, 2], o[:, 3])
     oends = o.reshape(1, -1, 2, 2)  # (1, S, 2, yx): o's ends against s
     k = s[:, None, None, :]  # (K, 1, 1, 4)
-    d2 = _point_seg2(np, oends[..., 0], oends[..., 1], k[..., 0], k[..., 1], k[..., 2],
-                     k[..., 3])  # (K, S, 2)
+    d2 = _point_seg2(
+        np, oends[..., 0], oends[..., 1], k[..., 0], k[..., 1], k[..., 2], k[..., 3]
+    )  # (K, S, 2)
     return np.minimum(d1.min(axis=1), d2.min(axis=2))
 
 
@@ -519,17 +597,21 @@ def _connected(np, ink, a, b, reach: float) -> bool:
         if not (0 <= p[0] < side_h and 0 <= p[1] < side_w) or not ink[p]:
             return False
     r = int(math.floor(reach))
-    offsets = [(dy, dx) for dy in range(-r, r + 1) for dx in range(-r, r + 1)
-               if (dy or dx) and dy * dy + dx * dx <= reach * reach]
+    offsets = [
+        (dy, dx)
+        for dy in range(-r, r + 1)
+        for dx in range(-r, r + 1)
+        if (dy or dx) and dy * dy + dx * dx <= reach * reach
+    ]
     padded = np.zeros((side_h + 2 * r, side_w + 2 * r), dtype=bool)
     reached = np.zeros_like(ink)
     reached[pa] = True
     count = 1
     while not reached[pb]:
-        padded[r:r + side_h, r:r + side_w] = reached
+        padded[r : r + side_h, r : r + side_w] = reached
         grown = reached.copy()
         for dy, dx in offsets:
-            grown |= padded[r + dy:r + dy + side_h, r + dx:r + dx + side_w]
+            grown |= padded[r + dy : r + dy + side_h, r + dx : r + dx + side_w]
         grown &= ink
         new = int(grown.sum())
         if new == count:
@@ -540,8 +622,10 @@ def _connected(np, ink, a, b, reach: float) -> bool:
 
 # ------------------------------------------------------------------ the PNG grid
 
-_DIGITS = {0: ("01110", "10001", "10011", "10101", "11001", "10001", "01110"),
-           1: ("00100", "01100", "00100", "00100", "00100", "00100", "01110")}
+_DIGITS = {
+    0: ("01110", "10001", "10011", "10101", "11001", "10001", "01110"),
+    1: ("00100", "01100", "00100", "00100", "00100", "00100", "01110"),
+}
 _GREEN, _RED = (40, 200, 60), (220, 50, 40)
 
 
@@ -562,13 +646,13 @@ def _write_grid(path: Path, pixels: Tensor, labels: Tensor, columns: int = 8) ->
         y, x = gap + (i // columns) * ch, gap + (i % columns) * cw
         label = int(labels[i])
         colour = torch.tensor(_GREEN if label else _RED, dtype=torch.uint8)
-        canvas[y:y + cell + 2 * frame, x:x + cell + 2 * frame] = colour
+        canvas[y : y + cell + 2 * frame, x : x + cell + 2 * frame] = colour
         big = pixels[i, 0].repeat_interleave(zoom, 0).repeat_interleave(zoom, 1)  # (cell, cell)
-        canvas[y + frame:y + frame + cell, x + frame:x + frame + cell] = big[..., None]
+        canvas[y + frame : y + frame + cell, x + frame : x + frame + cell] = big[..., None]
         glyph = torch.tensor([[c == "1" for c in row] for row in _DIGITS[label]])  # (7, 5)
         glyph = glyph.repeat_interleave(2, 0).repeat_interleave(2, 1)  # (14, 10)
         gy, gx = y + cell + 2 * frame + 2, x + (cell + 2 * frame - 10) // 2
-        canvas[gy:gy + 14, gx:gx + 10][glyph] = colour
+        canvas[gy : gy + 14, gx : gx + 10][glyph] = colour
     path.parent.mkdir(parents=True, exist_ok=True)
     png = _png(canvas)
     write_atomic(path, lambda f: f.write(png))
@@ -589,5 +673,9 @@ def _png(rgb: Tensor) -> bytes:
         return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
 
     header = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )

@@ -13,6 +13,7 @@ encoder-decoder with C=64 and two layers each to learn ``reverse`` on two CPU co
 
 Shape alphabet: N examples, S source length (``max_len``), T target length (``S + 2``).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,17 @@ DIGIT0 = VOCAB.encode(["0"])[0]  # digit d has id DIGIT0 + d
 SIZES = {"train": 10_000, "valid": 1_000, "test": 1_000}
 
 
-def reverse(split: str = "train", *, seed: int = 0, size: int | None = None,
-            cache_dir: str | os.PathLike | None = None, min_len: int = 4, max_len: int = 10,
-            valid_size: int = SIZES["valid"], test_size: int = SIZES["test"]) -> Seq2SeqData:
+def reverse(
+    split: str = "train",
+    *,
+    seed: int = 0,
+    size: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    min_len: int = 4,
+    max_len: int = 10,
+    valid_size: int = SIZES["valid"],
+    test_size: int = SIZES["test"],
+) -> Seq2SeqData:
     """Digits in, the same digits reversed out.
 
     Args:
@@ -55,9 +64,17 @@ def reverse(split: str = "train", *, seed: int = 0, size: int | None = None,
     return _load("reverse", split, seed, size, cache_dir, min_len, max_len, valid_size, test_size)
 
 
-def copy(split: str = "train", *, seed: int = 0, size: int | None = None,
-         cache_dir: str | os.PathLike | None = None, min_len: int = 4, max_len: int = 10,
-         valid_size: int = SIZES["valid"], test_size: int = SIZES["test"]) -> Seq2SeqData:
+def copy(
+    split: str = "train",
+    *,
+    seed: int = 0,
+    size: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    min_len: int = 4,
+    max_len: int = 10,
+    valid_size: int = SIZES["valid"],
+    test_size: int = SIZES["test"],
+) -> Seq2SeqData:
     """Digits in, the same digits out (``tgt = <bos> src <eos>``).
 
     For the decoder-only form, join ``src <sep> src`` with ``vocab.sep``. Arguments and
@@ -66,9 +83,17 @@ def copy(split: str = "train", *, seed: int = 0, size: int | None = None,
     return _load("copy", split, seed, size, cache_dir, min_len, max_len, valid_size, test_size)
 
 
-def sort(split: str = "train", *, seed: int = 0, size: int | None = None,
-         cache_dir: str | os.PathLike | None = None, min_len: int = 4, max_len: int = 10,
-         valid_size: int = SIZES["valid"], test_size: int = SIZES["test"]) -> Seq2SeqData:
+def sort(
+    split: str = "train",
+    *,
+    seed: int = 0,
+    size: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    min_len: int = 4,
+    max_len: int = 10,
+    valid_size: int = SIZES["valid"],
+    test_size: int = SIZES["test"],
+) -> Seq2SeqData:
     """Digits in, the same digits in ascending order out (``tgt = <bos> sorted(src) <eos>``).
 
     Arguments and shapes as in :func:`reverse`.
@@ -76,8 +101,17 @@ def sort(split: str = "train", *, seed: int = 0, size: int | None = None,
     return _load("sort", split, seed, size, cache_dir, min_len, max_len, valid_size, test_size)
 
 
-def _load(task: str, split: str, seed: int, size: int | None, cache_dir, min_len: int,
-          max_len: int, valid_size: int, test_size: int) -> Seq2SeqData:
+def _load(
+    task: str,
+    split: str,
+    seed: int,
+    size: int | None,
+    cache_dir,
+    min_len: int,
+    max_len: int,
+    valid_size: int,
+    test_size: int,
+) -> Seq2SeqData:
     check_split(split)
     check_int("seed", seed, low=0)
     check_int("size", size, low=1, none_ok=True)
@@ -88,8 +122,10 @@ def _load(task: str, split: str, seed: int, size: int | None, cache_dir, min_len
     start, stop = split_slice(split, size, {**SIZES, "valid": valid_size, "test": test_size})
     distinct = sum(10**n for n in range(min_len, max_len + 1))
     if stop > distinct:
-        raise ValueError(f"{stop} distinct inputs are needed but lengths {min_len}-{max_len} "
-                         f"give only {distinct}; raise max_len or ask for fewer examples")
+        raise ValueError(
+            f"{stop} distinct inputs are needed but lengths {min_len}-{max_len} "
+            f"give only {distinct}; raise max_len or ask for fewer examples"
+        )
 
     def sample(rng: random.Random) -> tuple[bytes, int]:
         n = rng.randint(min_len, max_len)
@@ -105,8 +141,9 @@ def _load(task: str, split: str, seed: int, size: int | None, cache_dir, min_len
         return None
 
     key = f"digits-seq-len{min_len}-{max_len}"
-    s = stream(key, stop, seed=seed, sample=sample, check=check, cache_dir=cache_dir,
-               progress=False)
+    s = stream(
+        key, stop, seed=seed, sample=sample, check=check, cache_dir=cache_dir, progress=False
+    )
     first = int(s.lengths[:start].sum())
     src, src_mask = pad_rows(s.flat[first:] + DIGIT0, s.lengths[start:], max_len, VOCAB.pad)
     y = _target(task, src, src_mask, s.lengths[start:])  # (N, S)
@@ -138,7 +175,7 @@ def _frame(y: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
     N, S = y.shape
     tgt = torch.full((N, S + 2), VOCAB.pad, dtype=torch.int64)  # (N, S + 2)
     tgt[:, 0] = VOCAB.bos
-    tgt[:, 1:S + 1] = y
+    tgt[:, 1 : S + 1] = y
     tgt[torch.arange(N), lengths + 1] = VOCAB.eos
     tgt_mask = torch.arange(S + 2) < (lengths + 2)[:, None]  # (N, S + 2)
     return tgt, tgt_mask

@@ -3,6 +3,7 @@
 Shape alphabet: N examples, S source length, T target length, L sequence length.
 Masks follow the library's convention: True marks a real token, False padding.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -80,7 +81,8 @@ class Vocab:
             return [index[t] for t in tokens]
         except KeyError as e:
             raise ValueError(
-                f"token {e.args[0]!r} is not in the vocabulary {self.tokens}") from None
+                f"token {e.args[0]!r} is not in the vocabulary {self.tokens}"
+            ) from None
 
     def decode(self, ids: Iterable[int] | Tensor, *, skip_special: bool = False) -> list[str]:
         """Tokens of ``ids`` (a list or a 1-D tensor); ``skip_special`` drops ``<...>`` tokens.
@@ -178,5 +180,5 @@ def pad_rows(flat: Tensor, lengths: Tensor, width: int, pad: int) -> tuple[Tenso
         # pad_sequence is ~10x faster than ids[mask] = flat at ListOps' 96,000 x 1,999
         rows = flat.split(lengths.tolist())
         padded = pad_sequence(rows, batch_first=True, padding_value=pad)  # (N, max(lengths))
-        ids[:, :padded.shape[1]] = padded
+        ids[:, : padded.shape[1]] = padded
     return ids, mask

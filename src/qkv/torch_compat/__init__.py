@@ -16,6 +16,7 @@ The package, by job: :mod:`qkv.torch_compat.module` (the module),
 masks as qkv's) and :mod:`qkv.torch_compat.checks` (torch's input checks, in its order, with
 its exception types).
 """
+
 from __future__ import annotations
 
 from .module import MultiheadAttention, _forward_runs_here

@@ -4,6 +4,7 @@ computed by qkv (see :mod:`qkv.torch_compat`; bool masks here are torch's: True 
 Shape alphabet: B batch, H heads, T query length, S key length, S' = S plus one key per
 ``add_bias_kv`` and ``add_zero_attn``, D head dim, C embed_dim, Ck/Cv key/value channels.
 """
+
 from __future__ import annotations
 
 import torch
@@ -64,19 +65,46 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     backend: str = "auto"
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,
-                 vdim: int | None = None, batch_first: bool = False, device=None,
-                 dtype=None) -> None:
-        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias,
-                         add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, kdim=kdim,
-                         vdim=vdim, batch_first=batch_first, device=device, dtype=dtype)
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(
+            embed_dim,
+            num_heads,
+            dropout=dropout,
+            bias=bias,
+            add_bias_kv=add_bias_kv,
+            add_zero_attn=add_zero_attn,
+            kdim=kdim,
+            vdim=vdim,
+            batch_first=batch_first,
+            device=device,
+            dtype=dtype,
+        )
         _keep_own_forward(self)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor,
-                key_padding_mask: Tensor | None = None, need_weights: bool = True,
-                attn_mask: Tensor | None = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
         """Attend ``query`` to ``key``/``value``, as ``torch.nn.MultiheadAttention.forward``.
 
         Returns:
@@ -84,22 +112,40 @@ class MultiheadAttention(nn.MultiheadAttention):
         """
         _check_tensors(query, key, value)
         if query.is_nested or key.is_nested or value.is_nested:
-            return self._forward_nested(query, key, value, key_padding_mask, need_weights,
-                                        attn_mask, average_attn_weights, is_causal)
+            return self._forward_nested(
+                query,
+                key,
+                value,
+                key_padding_mask,
+                need_weights,
+                attn_mask,
+                average_attn_weights,
+                is_causal,
+            )
         batched = _check_call(self, query, key, value, key_padding_mask, attn_mask, is_causal)
         q, k, v = self._to_batch_first(query, key, value, batched)  # (B, T, C), (B, S, Ck|Cv)
         if key_padding_mask is not None and not batched:
             key_padding_mask = key_padding_mask.unsqueeze(0)  # (1, S)
         replaced = _causal_replaces_mask(is_causal, key_padding_mask, need_weights)
-        _check_lengths(self, q, k, v, key_padding_mask,
-                       None if replaced else attn_mask)  # as torch: a replaced mask unchecked
-        heads, probs = self._attend(q, k, v, key_padding_mask, attn_mask, need_weights,
-                                    is_causal)  # (B, H, T, D), (B, H, T, S') or None
+        _check_lengths(
+            self, q, k, v, key_padding_mask, None if replaced else attn_mask
+        )  # as torch: a replaced mask unchecked
+        heads, probs = self._attend(
+            q, k, v, key_padding_mask, attn_mask, need_weights, is_causal
+        )  # (B, H, T, D), (B, H, T, S') or None
         out = self._merge_heads(heads, batched)  # like query, with C channels
         return out, _shape_weights(probs, average_attn_weights, batched)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None,
-                attn_mask: Tensor | None, need_weights: bool, is_causal: bool):
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        need_weights: bool,
+        is_causal: bool,
+    ):
         """Project, append the extra key positions, attend; the weights when asked for.
 
         Shape:
@@ -109,11 +155,23 @@ class MultiheadAttention(nn.MultiheadAttention):
         (B, T, _), S, dtype = q.shape, k.shape[1], q.dtype  # torch's masks take the input dtype
         q, k, v = self._project(q, k, v)  # (B, H, T, D), (B, H, S', D) x2
         causal = _causal_replaces_mask(is_causal, key_padding_mask, need_weights)
-        mask = None if causal else _qkv_mask(
-            attn_mask, key_padding_mask, (B, self.num_heads, T, S), k.shape[-2] - S, dtype)
+        mask = (
+            None
+            if causal
+            else _qkv_mask(
+                attn_mask, key_padding_mask, (B, self.num_heads, T, S), k.shape[-2] - S, dtype
+            )
+        )
         res = scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-            is_causal=causal, backend=self.backend, return_trace=need_weights)
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal,
+            backend=self.backend,
+            return_trace=need_weights,
+        )
         return (res[0], res[1].probs) if need_weights else (res, None)
 
     def _project(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,8 +185,11 @@ class MultiheadAttention(nn.MultiheadAttention):
         if self._qkv_same_embed_dim and q is k is v:
             q, k, v = F.linear(q, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
         else:
-            ws = (self.in_proj_weight.chunk(3) if self._qkv_same_embed_dim else
-                  (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight))
+            ws = (
+                self.in_proj_weight.chunk(3)
+                if self._qkv_same_embed_dim
+                else (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+            )
             bs = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
             q, k, v = (F.linear(x, w, b) for x, w, b in zip((q, k, v), ws, bs))  # (B, L, C)
         if self.bias_k is not None:
@@ -175,9 +236,17 @@ class MultiheadAttention(nn.MultiheadAttention):
         v = k if value is key else q if value is query else move(value)
         return q, k, v
 
-    def _forward_nested(self, query: Tensor, key: Tensor, value: Tensor,
-                        key_padding_mask: Tensor | None, need_weights: bool,
-                        attn_mask: Tensor | None, average_attn_weights: bool, is_causal: bool):
+    def _forward_nested(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ):
         """Nested tensors, as torch's fast path takes them: padded, attended with the padding
         masked, and nested again. Padded query rows get weights 0, as on torch's fast path.
 
@@ -191,11 +260,13 @@ class MultiheadAttention(nn.MultiheadAttention):
         k = q if key is query else key.to_padded_tensor(0.0)  # (B, S, Ck)
         v = k if value is key else q if value is query else value.to_padded_tensor(0.0)
         padding = torch.arange(k.shape[1], device=k.device) >= s_len[:, None]  # (B, S)
-        heads, probs = self._attend(q, k, v, padding if padding.any() else None, None,
-                                    need_weights, False)  # (B, H, T, D), (B, H, T, S')
+        heads, probs = self._attend(
+            q, k, v, padding if padding.any() else None, None, need_weights, False
+        )  # (B, H, T, D), (B, H, T, S')
         out = self._merge_heads(heads, batched=True)  # (B, T, C)
-        out = torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, q_len.tolist())],
-                                            layout=query.layout)
+        out = torch.nested.as_nested_tensor(
+            [o[:n] for o, n in zip(out, q_len.tolist())], layout=query.layout
+        )
         if probs is not None:
             real = torch.arange(q.shape[1], device=q.device) < q_len[:, None]  # (B, T)
             probs = probs * real[:, None, :, None]  # padded query rows: 0
@@ -203,6 +274,7 @@ class MultiheadAttention(nn.MultiheadAttention):
 
 
 # --- Keeping torch's fused encoder kernel from skipping this module ---------------------------
+
 
 def _forward_runs_here(module: nn.Module, args: tuple) -> None:
     """A forward pre-hook that does nothing: its presence is the point.
@@ -224,9 +296,10 @@ def _keep_own_forward(m: nn.Module) -> None:
 
 # --- The weights and nested lengths in torch's layout ------------------------------------------
 
+
 def _shape_weights(probs: Tensor | None, average: bool, batched: bool) -> Tensor | None:
     """Shape:
-        ``(B, H, T, S')`` -> ``(B, T, S')`` averaged, or as is; without B when unbatched."""
+    ``(B, H, T, S')`` -> ``(B, T, S')`` averaged, or as is; without B when unbatched."""
     if probs is None:
         return None
     weights = probs.mean(1) if average else probs

@@ -1,5 +1,6 @@
 """``patch(model)``: every ``torch.nn.MultiheadAttention`` in a model made a qkv
 :class:`~qkv.torch_compat.MultiheadAttention`, in place."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -35,10 +36,12 @@ def patch(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch needs a torch.nn.Module, got {type(model).__name__}")
-    found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.MultiheadAttention)]
-    foreign = [f"{name or '<model>'} ({type(m).__qualname__})" for name, m in found
-               if type(m) not in (nn.MultiheadAttention, MultiheadAttention)]
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
+    foreign = [
+        f"{name or '<model>'} ({type(m).__qualname__})"
+        for name, m in found
+        if type(m) not in (nn.MultiheadAttention, MultiheadAttention)
+    ]
     if foreign:
         raise TypeError(
             f"patch replaces torch.nn.MultiheadAttention itself, but {', '.join(foreign)} "

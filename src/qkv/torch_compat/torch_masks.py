@@ -6,6 +6,7 @@ returned is qkv's (True = may attend) or a float one to add.
 Shape alphabet: B batch, H heads, T query length, S key length, S' = S plus the extra key
 positions of ``add_bias_kv``/``add_zero_attn``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,16 +14,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def _causal_replaces_mask(is_causal: bool, key_padding_mask: Tensor | None,
-                          need_weights: bool) -> bool:
+def _causal_replaces_mask(
+    is_causal: bool, key_padding_mask: Tensor | None, need_weights: bool
+) -> bool:
     """torch's rule (``F.multi_head_attention_forward``): ``is_causal`` is a hint that
     ``attn_mask`` is causal; the causal mask replaces ``attn_mask`` only when there is no
     ``key_padding_mask`` and no weights are asked for; otherwise ``attn_mask`` is used."""
     return bool(is_causal) and key_padding_mask is None and not need_weights
 
 
-def _qkv_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None,
-              sizes: tuple[int, int, int, int], extra: int, dtype: torch.dtype) -> Tensor | None:
+def _qkv_mask(
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    sizes: tuple[int, int, int, int],
+    extra: int,
+    dtype: torch.dtype,
+) -> Tensor | None:
     """torch's two masks as one qkv mask: bool True = may attend, or float added.
 
     Bool masks (True = hidden) are inverted and combined; when either mask is float, each
@@ -54,4 +61,5 @@ def _qkv_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None,
 def _additive(hidden: Tensor, dtype: torch.dtype) -> Tensor:
     """torch's ``_canonical_mask``: a bool mask (True = hidden) as 0 / -inf."""
     return torch.zeros(hidden.shape, dtype=dtype, device=hidden.device).masked_fill_(
-        hidden, float("-inf"))
+        hidden, float("-inf")
+    )

@@ -10,6 +10,7 @@ permissions every other file of the user gets.
   with mode 0600 whatever the umask, so the file is given ``0666 & ~umask`` before the rename,
   as ``open()`` would have given it.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from .._files import file_mode, write_atomic
 
-__all__ = ["run_directory", "write_atomic", "file_mode"]
+__all__ = ["file_mode", "run_directory", "write_atomic"]
 
 
 @contextmanager
@@ -82,7 +83,11 @@ def _remove_empty(folders: list[Path]) -> None:
 def _why_unusable(path: Path, e: OSError) -> str:
     file = next((p for p in (path, *path.parents) if p.is_file()), None)
     if file is not None:
-        return (f"cannot use {path} as the output folder: {file} is a file, not a folder; "
-                f"choose another output folder")
-    return (f"cannot write in the output folder {path}: {e.strerror or e}; choose a folder "
-            f"you can write to")
+        return (
+            f"cannot use {path} as the output folder: {file} is a file, not a folder; "
+            f"choose another output folder"
+        )
+    return (
+        f"cannot write in the output folder {path}: {e.strerror or e}; choose a folder "
+        f"you can write to"
+    )

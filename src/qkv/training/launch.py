@@ -19,6 +19,7 @@ What this adds to calling torchrun:
 Torch's global state in this process (signal handlers, the launcher's log levels, the
 environment) is as it was when :func:`launch` returns.
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,11 +63,19 @@ def launch(argv: list[str], nproc: int, *, grace: float = 60.0, prog: str = "qkv
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-                          run_id=f"qkv-{uuid.uuid4()}", rdzv_backend="c10d",
-                          rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1", max_restarts=0,
-                          monitor_interval=0.1, shutdown_timeout=max(int(grace), 1),
-                          signals_to_handle=",".join(_SIGNALS))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"qkv-{uuid.uuid4()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        local_addr="127.0.0.1",
+        max_restarts=0,
+        monitor_interval=0.1,
+        shutdown_timeout=max(int(grace), 1),
+        signals_to_handle=",".join(_SIGNALS),
+    )
     with _signals_restored(), _quiet_launcher(), _environ(_child_env(nproc)):
         try:
             elastic_launch(config, sys.executable)("-u", *argv)
@@ -80,8 +89,11 @@ def launch(argv: list[str], nproc: int, *, grace: float = 60.0, prog: str = "qkv
 def _cause(e) -> tuple[int, int]:
     """``(rank, exit code)`` of the process that made the run fail: one killed by a signal the
     launcher did not send (the others then failed because it was gone), else the first."""
-    killed = [(f.timestamp, rank, f.exitcode) for rank, f in e.failures.items()
-              if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    killed = [
+        (f.timestamp, rank, f.exitcode)
+        for rank, f in e.failures.items()
+        if f.exitcode < 0 and f.exitcode != -signal.SIGTERM
+    ]
     if killed:
         return min(killed)[1:]
     rank, failure = e.get_first_failure()
@@ -97,8 +109,10 @@ def _status(rank: int, code: int, prog: str) -> int:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    print(f"{prog}: error: rank {rank} was killed by {name}; the other processes were "
-          f"stopped", file=sys.stderr)
+    print(
+        f"{prog}: error: rank {rank} was killed by {name}; the other processes were stopped",
+        file=sys.stderr,
+    )
     return 128 - code
 
 
@@ -157,8 +171,11 @@ def _signals_restored() -> Iterator[None]:
 def _quiet_launcher() -> Iterator[None]:
     """The launcher logs every process it starts and stops, and reports a failure at length;
     the processes say what went wrong themselves, and :func:`_status` the rest."""
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-               if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))]
+    loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher"))
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

@@ -39,6 +39,7 @@ Variants (:data:`VARIANTS`):
 * ``tiny``: a smoke test, seconds a cell (a few steps of tiny models on 64 examples); what
   CI runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,18 @@ from .files import run_directory, write_atomic
 from .recipes import make_recipe
 from .trainer import CHECKPOINT, METRICS, TrainConfig, check_device, train
 
-__all__ = ["LRA_TABLE1", "LRA_NAMES", "TASKS", "VARIANTS", "CELL", "TABLE_JSON", "TABLE_MD",
-           "LRAResult", "cell_settings", "run_lra"]
+__all__ = [
+    "CELL",
+    "LRA_NAMES",
+    "LRA_TABLE1",
+    "TABLE_JSON",
+    "TABLE_MD",
+    "TASKS",
+    "VARIANTS",
+    "LRAResult",
+    "cell_settings",
+    "run_lra",
+]
 
 TASKS = ("listops", "pathfinder")
 CELL = "cell.json"
@@ -68,48 +79,72 @@ LRA_TABLE1 = {
     "listops": {"exact": 36.37, "local": 15.82, "linear": 16.13, "performer": 18.01},
     "pathfinder": {"exact": 71.40, "local": 66.63, "linear": 75.30, "performer": 77.05},
 }
-LRA_NAMES = {"exact": "Transformer", "local": "Local Attention",
-             "linear": "Linear Transformer", "performer": "Performer"}
+LRA_NAMES = {
+    "exact": "Transformer",
+    "local": "Local Attention",
+    "linear": "Linear Transformer",
+    "performer": "Performer",
+}
 
 _LISTOPS_CPU = dict(
-    train=dict(steps=2000, batch_size=32, lr=1e-3, warmup_steps=200, schedule="cosine",
-               weight_decay=0.01),
+    train=dict(
+        steps=2000, batch_size=32, lr=1e-3, warmup_steps=200, schedule="cosine", weight_decay=0.01
+    ),
     model=dict(embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.1),
-    data=dict(variant="cpu"))
+    data=dict(variant="cpu"),
+)
 _PATHFINDER_CPU = dict(
-    train=dict(steps=600, batch_size=32, lr=2e-3, warmup_steps=50, schedule="cosine",
-               weight_decay=0.01),
-    model=dict(embed_dim=32, num_heads=2, num_layers=1, ffn_dim=64, dropout=0.0,
-               pooling="mean"),
-    data=dict(resolution=32, difficulty="easy"))
+    train=dict(
+        steps=600, batch_size=32, lr=2e-3, warmup_steps=50, schedule="cosine", weight_decay=0.01
+    ),
+    model=dict(embed_dim=32, num_heads=2, num_layers=1, ffn_dim=64, dropout=0.0, pooling="mean"),
+    data=dict(resolution=32, difficulty="easy"),
+)
 
 VARIANTS: dict[str, dict[str, dict]] = {
     "cpu": {"listops": _LISTOPS_CPU, "pathfinder": _PATHFINDER_CPU},
     "lra": {
         "listops": dict(
-            train=dict(steps=5000, batch_size=32, lr=0.05, warmup_steps=1000,
-                       schedule="rsqrt", weight_decay=0.1),
+            train=dict(
+                steps=5000,
+                batch_size=32,
+                lr=0.05,
+                warmup_steps=1000,
+                schedule="rsqrt",
+                weight_decay=0.1,
+            ),
             model=dict(embed_dim=512, num_heads=8, num_layers=4, ffn_dim=1024, dropout=0.1),
-            data=dict(variant="full")),
+            data=dict(variant="full"),
+        ),
         "pathfinder": dict(
-            train=dict(steps=62_400, batch_size=512, lr=1e-3, warmup_steps=312,
-                       schedule="cosine", weight_decay=0.0, grad_clip=None),
-            model=dict(embed_dim=128, num_heads=4, num_layers=1, ffn_dim=128, dropout=0.2,
-                       pooling="mean"),
-            data=dict(resolution=32, difficulty="hard", train_size=160_000,
-                      test_size=20_000)),
+            train=dict(
+                steps=62_400,
+                batch_size=512,
+                lr=1e-3,
+                warmup_steps=312,
+                schedule="cosine",
+                weight_decay=0.0,
+                grad_clip=None,
+            ),
+            model=dict(
+                embed_dim=128, num_heads=4, num_layers=1, ffn_dim=128, dropout=0.2, pooling="mean"
+            ),
+            data=dict(resolution=32, difficulty="hard", train_size=160_000, test_size=20_000),
+        ),
     },
     "tiny": {
         "listops": dict(
             train=dict(steps=3, batch_size=8, lr=1e-3),
             model=dict(embed_dim=16, num_heads=2, num_layers=1, ffn_dim=32, dropout=0.0),
-            data=dict(variant="cpu", valid_size=0, test_size=16, train_size=48)),
+            data=dict(variant="cpu", valid_size=0, test_size=16, train_size=48),
+        ),
         "pathfinder": dict(
             train=dict(steps=3, batch_size=8, lr=1e-3),
-            model=dict(embed_dim=16, num_heads=2, num_layers=1, ffn_dim=32, dropout=0.0,
-                       pooling="mean"),
-            data=dict(resolution=32, difficulty="easy", valid_size=0, test_size=16,
-                      train_size=48)),
+            model=dict(
+                embed_dim=16, num_heads=2, num_layers=1, ffn_dim=32, dropout=0.0, pooling="mean"
+            ),
+            data=dict(resolution=32, difficulty="easy", valid_size=0, test_size=16, train_size=48),
+        ),
     },
 }
 """Per variant and task: ``train`` (:class:`TrainConfig`'s fields), ``model`` and ``data``
@@ -129,8 +164,15 @@ class LRAResult:
     table_json: str = ""
 
 
-def cell_settings(task: str, attention: str, variant: str, *, steps: int | None = None,
-                  device: str = "cpu", seed: int = 0) -> dict:
+def cell_settings(
+    task: str,
+    attention: str,
+    variant: str,
+    *,
+    steps: int | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+) -> dict:
     """What a cell runs: the recipe's keyword arguments (without ``cache_dir``) and the
     :class:`TrainConfig`'s fields. Nothing is loaded."""
     v = VARIANTS[variant][task]
@@ -139,17 +181,29 @@ def cell_settings(task: str, attention: str, variant: str, *, steps: int | None 
         config["steps"] = steps
         config["warmup_steps"] = min(config.get("warmup_steps", 0), steps // 10)
     config["checkpoint_every"] = max(1, min(200, config["steps"] // 4))
-    recipe = dict(task=task, attention=attention,
-                  attention_options=dict(_ATTENTION_OPTIONS.get(attention, {})),
-                  model=dict(v["model"]), data=dict(v["data"]))
+    recipe = dict(
+        task=task,
+        attention=attention,
+        attention_options=dict(_ATTENTION_OPTIONS.get(attention, {})),
+        model=dict(v["model"]),
+        data=dict(v["data"]),
+    )
     return dict(variant=variant, recipe=recipe, config=config)
 
 
-def run_lra(tasks: list[str] | tuple[str, ...] = TASKS,
-            attentions: list[str] | tuple[str, ...] = ("exact", "linear", "performer", "local"),
-            *, variant: str = "cpu", out: str | Path = "runs/lra", steps: int | None = None,
-            device: str = "cpu", seed: int = 0, resume: bool = False, progress: bool = True,
-            cache_dir: str | None = None) -> LRAResult:
+def run_lra(
+    tasks: list[str] | tuple[str, ...] = TASKS,
+    attentions: list[str] | tuple[str, ...] = ("exact", "linear", "performer", "local"),
+    *,
+    variant: str = "cpu",
+    out: str | Path = "runs/lra",
+    steps: int | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    resume: bool = False,
+    progress: bool = True,
+    cache_dir: str | None = None,
+) -> LRAResult:
     """Train every (task, attention) cell and write the table.
 
     Args:
@@ -176,12 +230,14 @@ def run_lra(tasks: list[str] | tuple[str, ...] = TASKS,
         FileExistsError: ``out`` holds cells and ``resume`` is False.
     """
     tasks, attentions = _check_names(tasks, attentions, variant)
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
-                              or steps <= 0):
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     check_device(device)
-    plans = [cell_settings(t, a, variant, steps=steps, device=device, seed=seed)
-             for t in tasks for a in attentions]
+    plans = [
+        cell_settings(t, a, variant, steps=steps, device=device, seed=seed)
+        for t in tasks
+        for a in attentions
+    ]
     for p in plans:  # a bad setting fails here, before any data is generated
         TrainConfig(**p["config"])
     result = LRAResult()
@@ -201,8 +257,7 @@ def run_lra(tasks: list[str] | tuple[str, ...] = TASKS,
 
 def _check_names(tasks, attentions, variant: str) -> tuple[list[str], list[str]]:
     if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; the variants are "
-                         f"{', '.join(VARIANTS)}")
+        raise ValueError(f"unknown variant {variant!r}; the variants are {', '.join(VARIANTS)}")
     kinds = attention_kinds()
     for what, names, known in (("task", tasks, TASKS), ("attention kind", attentions, kinds)):
         names = list(names)
@@ -210,9 +265,11 @@ def _check_names(tasks, attentions, variant: str) -> tuple[list[str], list[str]]
             raise ValueError(f"no {what} given; choose from {', '.join(known)}")
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"unknown {what}{'s' if len(unknown) > 1 else ''} "
-                             f"{', '.join(map(repr, unknown))}; qkv lra knows "
-                             f"{', '.join(known)}")
+            raise ValueError(
+                f"unknown {what}{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))}; qkv lra knows "
+                f"{', '.join(known)}"
+            )
         repeated = sorted(n for n, c in Counter(names).items() if c > 1)
         if repeated:
             raise ValueError(f"{what} {', '.join(map(repr, repeated))} given twice")
@@ -227,20 +284,25 @@ def _refuse_existing(root: Path, plans: list[dict]) -> None:
     for p in plans:
         d = _cell_dir(root, p)
         if (d / CHECKPOINT).exists() or (d / CELL).exists():
-            raise FileExistsError(f"{d} holds a cell of an earlier run; pass --resume "
-                                  f"(resume=True) to skip finished cells and continue "
-                                  f"interrupted ones, or choose another output folder")
+            raise FileExistsError(
+                f"{d} holds a cell of an earlier run; pass --resume "
+                f"(resume=True) to skip finished cells and continue "
+                f"interrupted ones, or choose another output folder"
+            )
 
 
 def _pending(plan: dict) -> dict:
     r = plan["recipe"]
-    return dict(task=r["task"], attention=r["attention"], status="not run",
-                lra_table1=LRA_TABLE1[r["task"]].get(r["attention"]),
-                lra_name=LRA_NAMES.get(r["attention"]))
+    return dict(
+        task=r["task"],
+        attention=r["attention"],
+        status="not run",
+        lra_table1=LRA_TABLE1[r["task"]].get(r["attention"]),
+        lra_name=LRA_NAMES.get(r["attention"]),
+    )
 
 
-def _run_cell(root: Path, plan: dict, resume: bool, progress: bool,
-              cache_dir: str | None) -> dict:
+def _run_cell(root: Path, plan: dict, resume: bool, progress: bool, cache_dir: str | None) -> dict:
     """Train one cell unless it is finished; its row of the table."""
     d = _cell_dir(root, plan)
     before = _read_cell(d, plan)
@@ -251,18 +313,29 @@ def _run_cell(root: Path, plan: dict, resume: bool, progress: bool,
     config = TrainConfig(**plan["config"])
     spent = before["wall_s"] if before is not None else 0.0
     t0 = time.perf_counter()
-    out = train(recipe, config, d, resume=resume and (d / CHECKPOINT).exists(),
-                progress=progress)
+    out = train(recipe, config, d, resume=resume and (d / CHECKPOINT).exists(), progress=progress)
     wall = round(spent + time.perf_counter() - t0, 1)
-    cell = dict(_pending(plan), settings=plan, wall_s=wall, steps=out.step,
-                train_examples=recipe.train_size(), test_examples=len(recipe.test_data),
-                majority=_majority(recipe.test_data.labels), seed=config.seed,
-                batch_size=config.batch_size, folder=str(d))
+    cell = dict(
+        _pending(plan),
+        settings=plan,
+        wall_s=wall,
+        steps=out.step,
+        train_examples=recipe.train_size(),
+        test_examples=len(recipe.test_data),
+        majority=_majority(recipe.test_data.labels),
+        seed=config.seed,
+        batch_size=config.batch_size,
+        folder=str(d),
+    )
     if out.interrupted:
         cell["status"] = "interrupted"
     else:
-        cell.update(status="done", accuracy=out.evaluation["accuracy"],
-                    final_loss=out.final_loss, pictures=out.pictures)
+        cell.update(
+            status="done",
+            accuracy=out.evaluation["accuracy"],
+            final_loss=out.final_loss,
+            pictures=out.pictures,
+        )
     write_atomic(d / CELL, lambda f: f.write(json.dumps(cell, indent=2).encode()))
     return cell
 
@@ -276,12 +349,16 @@ def _read_cell(d: Path, plan: dict) -> dict | None:
         cell = json.loads(path.read_text())
         settings = cell["settings"]
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a readable cell record ({type(e).__name__}: {e}); "
-                         f"move it away to run the cell again") from None
+        raise ValueError(
+            f"{path} is not a readable cell record ({type(e).__name__}: {e}); "
+            f"move it away to run the cell again"
+        ) from None
     if settings != json.loads(json.dumps(plan)):
-        raise ValueError(f"{path} was written with other settings ({_difference(settings, plan)}); "
-                         f"resume with the same --variant, --steps, --device and --seed, or "
-                         f"choose another output folder")
+        raise ValueError(
+            f"{path} was written with other settings ({_difference(settings, plan)}); "
+            f"resume with the same --variant, --steps, --device and --seed, or "
+            f"choose another output folder"
+        )
     if cell.get("status") == "done" and not (d / METRICS).exists():
         return None  # its metrics are gone: run it again
     return cell
@@ -300,14 +377,20 @@ def _majority(labels: torch.Tensor) -> float:
     return float(torch.bincount(labels).max()) / max(len(labels), 1)
 
 
-def _write_table(root: Path, cells: list[dict], variant: str, device: str,
-                 seed: int) -> tuple[str, str]:
+def _write_table(
+    root: Path, cells: list[dict], variant: str, device: str, seed: int
+) -> tuple[str, str]:
     """``lra_table.json`` and ``lra_table.md`` of the cells so far, atomically."""
-    data = dict(variant=variant, device=device, seed=seed, torch=torch.__version__,
-                python=platform.python_version(), threads=torch.get_num_threads(),
-                lra_table1=LRA_TABLE1,
-                cells=[{k: v for k, v in c.items() if k != "settings"} | _summary(c)
-                       for c in cells])
+    data = dict(
+        variant=variant,
+        device=device,
+        seed=seed,
+        torch=torch.__version__,
+        python=platform.python_version(),
+        threads=torch.get_num_threads(),
+        lra_table1=LRA_TABLE1,
+        cells=[{k: v for k, v in c.items() if k != "settings"} | _summary(c) for c in cells],
+    )
     jpath, mpath = root / TABLE_JSON, root / TABLE_MD
     write_atomic(jpath, lambda f: f.write(json.dumps(data, indent=2).encode()))
     write_atomic(mpath, lambda f: f.write(_markdown(data).encode()))
@@ -318,8 +401,12 @@ def _summary(cell: dict) -> dict:
     s = cell.get("settings")
     if not s:
         return {}
-    return dict(model=s["recipe"]["model"], data=s["recipe"]["data"],
-                attention_options=s["recipe"]["attention_options"], train=s["config"])
+    return dict(
+        model=s["recipe"]["model"],
+        data=s["recipe"]["data"],
+        attention_options=s["recipe"]["attention_options"],
+        train=s["config"],
+    )
 
 
 def _markdown(data: dict) -> str:
@@ -328,33 +415,44 @@ def _markdown(data: dict) -> str:
     kinds = list(dict.fromkeys(c["attention"] for c in cells))
     by = {(c["task"], c["attention"]): c for c in cells}
     head = "| attention | " + " | ".join(f"{t} (ours) | {t} (LRA)" for t in tasks) + " |"
-    lines = [f"# Long Range Arena, locally: variant `{data['variant']}`", "",
-             f"Test accuracy, %. Ours: device {data['device']}, seed {data['seed']}, torch "
-             f"{data['torch']}, {data['threads']} threads. LRA: Tay et al. 2020, Table 1 "
-             f"(its own data sizes and models).", "", head,
-             "|:---|" + "---:|---:|" * len(tasks)]
+    lines = [
+        f"# Long Range Arena, locally: variant `{data['variant']}`",
+        "",
+        f"Test accuracy, %. Ours: device {data['device']}, seed {data['seed']}, torch "
+        f"{data['torch']}, {data['threads']} threads. LRA: Tay et al. 2020, Table 1 "
+        f"(its own data sizes and models).",
+        "",
+        head,
+        "|:---|" + "---:|---:|" * len(tasks),
+    ]
     for k in kinds:
         row = [f"{k} ({LRA_NAMES[k]})" if k in LRA_NAMES else k]
         for t in tasks:
             c = by[(t, k)]
-            row += [_percent(c.get("accuracy")) if c["status"] == "done" else c["status"],
-                    _percent(None if c["lra_table1"] is None else c["lra_table1"] / 100)]
+            row += [
+                _percent(c.get("accuracy")) if c["status"] == "done" else c["status"],
+                _percent(None if c["lra_table1"] is None else c["lra_table1"] / 100),
+            ]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "| task | attention | accuracy | majority class | steps | batch | "
-              "train / test examples | wall time | seed |", "|:---|:---|---:|---:|---:|---:|"
-              "---:|---:|---:|"]
+    lines += [
+        "",
+        "| task | attention | accuracy | majority class | steps | batch | "
+        "train / test examples | wall time | seed |",
+        "|:---|:---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for c in cells:
         if c["status"] == "not run":
             lines.append(f"| {c['task']} | {c['attention']} | not run | | | | | | |")
             continue
-        lines.append(f"| {c['task']} | {c['attention']} | "
-                     f"{_percent(c.get('accuracy')) if c['status'] == 'done' else c['status']}"
-                     f" | {_percent(c['majority'])} | {c['steps']} | {c['batch_size']} | "
-                     f"{c['train_examples']:,} / {c['test_examples']:,} | "
-                     f"{c['wall_s']:.0f} s | {c['seed']} |")
+        lines.append(
+            f"| {c['task']} | {c['attention']} | "
+            f"{_percent(c.get('accuracy')) if c['status'] == 'done' else c['status']}"
+            f" | {_percent(c['majority'])} | {c['steps']} | {c['batch_size']} | "
+            f"{c['train_examples']:,} / {c['test_examples']:,} | "
+            f"{c['wall_s']:.0f} s | {c['seed']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def _percent(x: float | None) -> str:
     return "" if x is None else f"{100 * x:.2f}"
-

@@ -17,6 +17,7 @@ that are not the training loop:
 
 Shape alphabet: B the global batch, N ranks.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Ranks", "DEFAULT_TIMEOUT", "data_parallel", "env_ranks", "check_batch", "share",
-           "all_sum", "all_gather", "from_rank0", "seed_rank", "on_every_rank", "lost_peer"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Ranks",
+    "all_gather",
+    "all_sum",
+    "check_batch",
+    "data_parallel",
+    "env_ranks",
+    "from_rank0",
+    "lost_peer",
+    "on_every_rank",
+    "seed_rank",
+    "share",
+]
 
 DEFAULT_TIMEOUT = 600.0  # seconds a rank waits for the others at a collective
 _ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
@@ -99,12 +112,15 @@ def env_ranks(timeout: float = DEFAULT_TIMEOUT) -> Ranks:
             raise ValueError(
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is set but {name}={raw!r} is not an "
                 f"int: run under torchrun (it sets {', '.join(_ENV)}, MASTER_ADDR and "
-                f"MASTER_PORT), or unset WORLD_SIZE to train in one process") from None
+                f"MASTER_PORT), or unset WORLD_SIZE to train in one process"
+            ) from None
     size, rank, local = got["WORLD_SIZE"], got["RANK"], got["LOCAL_RANK"]
     if size < 1 or not 0 <= rank < size or local < 0:
-        raise ValueError(f"torchrun's variables do not fit: WORLD_SIZE={size}, RANK={rank}, "
-                         f"LOCAL_RANK={local} (need WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE, "
-                         f"LOCAL_RANK >= 0)")
+        raise ValueError(
+            f"torchrun's variables do not fit: WORLD_SIZE={size}, RANK={rank}, "
+            f"LOCAL_RANK={local} (need WORLD_SIZE >= 1, 0 <= RANK < WORLD_SIZE, "
+            f"LOCAL_RANK >= 0)"
+        )
     return Ranks(rank, size, local, timeout)
 
 
@@ -117,14 +133,17 @@ def check_batch(batch_size: int, size: int) -> None:
     if batch_size % size:
         lower, upper = batch_size // size * size, (batch_size // size + 1) * size
         fits = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ValueError(f"the batch size is the global batch, shared equally by the "
-                         f"{size} processes: {batch_size} is not a multiple of {size}; "
-                         f"use {fits}")
+        raise ValueError(
+            f"the batch size is the global batch, shared equally by the "
+            f"{size} processes: {batch_size} is not a multiple of {size}; "
+            f"use {fits}"
+        )
 
 
 @contextmanager
-def data_parallel(device: torch.device,
-                  timeout: float = DEFAULT_TIMEOUT) -> Iterator[tuple[Ranks, torch.device]]:
+def data_parallel(
+    device: torch.device, timeout: float = DEFAULT_TIMEOUT
+) -> Iterator[tuple[Ranks, torch.device]]:
     """The run's process group and this rank's device.
 
     Under torchrun with ``WORLD_SIZE > 1``: initialise the default group (gloo for CPU, NCCL
@@ -147,8 +166,12 @@ def data_parallel(device: torch.device,
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"the timeout must be a positive number of seconds, got {timeout!r}")
     if dist.is_available() and dist.is_initialized():
-        ranks = Ranks(dist.get_rank(), dist.get_world_size(),
-                      int(os.environ.get("LOCAL_RANK", dist.get_rank())), float(timeout))
+        ranks = Ranks(
+            dist.get_rank(),
+            dist.get_world_size(),
+            int(os.environ.get("LOCAL_RANK", dist.get_rank())),
+            float(timeout),
+        )
         yield ranks, _rank_device(device, ranks)
         return
     ranks = env_ranks(float(timeout))
@@ -156,28 +179,39 @@ def data_parallel(device: torch.device,
         yield ranks, device
         return
     if not dist.is_available():
-        raise ValueError("WORLD_SIZE > 1 asks for several processes, but this torch build has "
-                         "no torch.distributed")
+        raise ValueError(
+            "WORLD_SIZE > 1 asks for several processes, but this torch build has "
+            "no torch.distributed"
+        )
     device = _rank_device(device, ranks)
     # torch.optim imports torch._dynamo when the first optimizer is made. Imported after the
     # group's threads started, it left ranks that on Ctrl-C died with "terminate called
     # without an active exception" at exit (about 1 run in 4 of the Ctrl-C test on 2 cores,
     # since import qkv stopped importing it; none in 12 with the import before the group).
     import torch._dynamo  # noqa: F401
+
     wait = timedelta(seconds=timeout)
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=ranks.rank, world_size=ranks.size,
-                                           timeout=wait))
+        store, _, _ = next(
+            dist.rendezvous("env://", rank=ranks.rank, world_size=ranks.size, timeout=wait)
+        )
         # The store outlives the group (torchrun's agent holds it; rank 0's is shared by every
         # group this process makes), and a new group would read the last one's addresses:
         # each group gets keys of its own. (All ranks make their groups in the same order.)
         store = dist.PrefixStore(f"qkv.training/{next(_GROUPS)}", store)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
-                                timeout=wait, rank=ranks.rank, world_size=ranks.size)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            timeout=wait,
+            rank=ranks.rank,
+            world_size=ranks.size,
+        )
     except (RuntimeError, ValueError) as e:  # DistStoreError (a timeout) is a RuntimeError
-        raise ConnectionError(f"rank {ranks.rank} of {ranks.size} could not join the others "
-                              f"({_first_line(e)}); are all {ranks.size} processes running "
-                              f"(torchrun starts them)?") from None
+        raise ConnectionError(
+            f"rank {ranks.rank} of {ranks.size} could not join the others "
+            f"({_first_line(e)}); are all {ranks.size} processes running "
+            f"(torchrun starts them)?"
+        ) from None
     try:
         with _current_device(device):
             yield ranks, device
@@ -191,17 +225,22 @@ def _rank_device(device: torch.device, ranks: Ranks) -> torch.device:
         return device
     if device.type == "cuda":
         if device.index is not None:
-            raise ValueError(f"--device {device} would put all {ranks.size} processes on one "
-                             f"GPU; give --device cuda: each process then takes "
-                             f"cuda:LOCAL_RANK")
+            raise ValueError(
+                f"--device {device} would put all {ranks.size} processes on one "
+                f"GPU; give --device cuda: each process then takes "
+                f"cuda:LOCAL_RANK"
+            )
         if ranks.local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {ranks.local_rank} needs cuda:{ranks.local_rank}, but "
-                             f"this machine has {torch.cuda.device_count()} GPU(s); start at "
-                             f"most that many processes a machine")
+            raise ValueError(
+                f"local rank {ranks.local_rank} needs cuda:{ranks.local_rank}, but "
+                f"this machine has {torch.cuda.device_count()} GPU(s); start at "
+                f"most that many processes a machine"
+            )
         return torch.device("cuda", ranks.local_rank)
     if device.type != "cpu":
-        raise ValueError(f"data-parallel training runs on cpu (gloo) or cuda (NCCL), not on "
-                         f"{device.type}")
+        raise ValueError(
+            f"data-parallel training runs on cpu (gloo) or cuda (NCCL), not on {device.type}"
+        )
     return device
 
 
@@ -223,7 +262,7 @@ def share(indices: Tensor, ranks: Ranks) -> Tensor:
     """This rank's examples of a global batch: every ``N``-th from ``rank`` (the whole batch
     when alone). Shape: ``(B,)`` -> ``(B / N,)`` (one more on the first ranks when ``N`` does
     not divide ``B``)."""
-    return indices[ranks.rank::ranks.size]  # (B / N,)
+    return indices[ranks.rank :: ranks.size]  # (B / N,)
 
 
 def all_sum(values: list[float], ranks: Ranks, device: torch.device) -> list[float]:
@@ -308,12 +347,15 @@ def lost_peer(error: BaseException, ranks: Ranks, where: str) -> ConnectionError
     """The :class:`ConnectionError` to raise for a collective that failed because another
     rank died or did not answer within the timeout; None for any other error."""
     text = str(error)
-    if not ranks.distributed or not (isinstance(error, getattr(dist, "DistError", ()))
-                                     or "gloo" in text or "NCCL" in text):
+    if not ranks.distributed or not (
+        isinstance(error, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
+    ):
         return None
-    return ConnectionError(f"rank {ranks.rank} of {ranks.size}, {where}: another process of the "
-                           f"run died or did not answer within {ranks.timeout:g} s "
-                           f"({_first_line(error)})")
+    return ConnectionError(
+        f"rank {ranks.rank} of {ranks.size}, {where}: another process of the "
+        f"run died or did not answer within {ranks.timeout:g} s "
+        f"({_first_line(error)})"
+    )
 
 
 def _first_line(error: BaseException) -> str:

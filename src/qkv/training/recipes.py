@@ -21,6 +21,7 @@ The attention kind of every model is a recipe option (``attention="exact" | "lin
 
 Shape alphabet: B batch, S source length, T target length, L sequence length, V vocabulary.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,8 +35,14 @@ from .. import tasks
 from ..capture import capture
 from ..models import EncoderClassifier, Seq2SeqTransformer, ViT
 
-__all__ = ["make_recipe", "RECIPES", "Seq2SeqRecipe", "ClassifierRecipe", "ViTRecipe",
-           "PixelRecipe"]
+__all__ = [
+    "RECIPES",
+    "ClassifierRecipe",
+    "PixelRecipe",
+    "Seq2SeqRecipe",
+    "ViTRecipe",
+    "make_recipe",
+]
 
 EVAL_BATCH = 256
 
@@ -45,9 +52,16 @@ class _Recipe:
 
     name = "recipe"
 
-    def __init__(self, task: str, *, attention: str = "exact",
-                 attention_options: dict | None = None, model: dict | None = None,
-                 data: dict | None = None, cache_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        task: str,
+        *,
+        attention: str = "exact",
+        attention_options: dict | None = None,
+        model: dict | None = None,
+        data: dict | None = None,
+        cache_dir: str | None = None,
+    ) -> None:
         self.task, self.attention = task, attention
         self.attention_options = dict(attention_options or {})
         self.model_options = {**self.MODEL, **(model or {})}
@@ -62,9 +76,13 @@ class _Recipe:
         return tasks.load(self.task, split=split, size=size, cache_dir=self.cache_dir, **opts)
 
     def describe(self) -> dict:
-        return dict(task=self.task, attention=self.attention,
-                    attention_options=self.attention_options, model=self.model_options,
-                    data=self.data_options)
+        return dict(
+            task=self.task,
+            attention=self.attention,
+            attention_options=self.attention_options,
+            model=self.model_options,
+            data=self.data_options,
+        )
 
     def train_size(self) -> int:
         return len(self.train_data)
@@ -96,17 +114,30 @@ class Seq2SeqRecipe(_Recipe):
     def build_model(self) -> nn.Module:
         m = self.model_options
         T = self.train_data.tgt.shape[1]
-        return Seq2SeqTransformer(len(self.train_data.vocab), m["embed_dim"], m["num_heads"],
-                                  m["num_layers"], ffn_dim=m["ffn_dim"], dropout=m["dropout"],
-                                  max_len=max(T, self.train_data.src.shape[1]), **self._kind())
+        return Seq2SeqTransformer(
+            len(self.train_data.vocab),
+            m["embed_dim"],
+            m["num_heads"],
+            m["num_layers"],
+            ffn_dim=m["ffn_dim"],
+            dropout=m["dropout"],
+            max_len=max(T, self.train_data.src.shape[1]),
+            **self._kind(),
+        )
 
     def batch(self, indices: Tensor, device) -> dict[str, Tensor]:
         d = self.train_data
-        return {k: getattr(d, k)[indices].to(device) for k in ("src", "src_mask", "tgt", "tgt_mask")}
+        return {
+            k: getattr(d, k)[indices].to(device) for k in ("src", "src_mask", "tgt", "tgt_mask")
+        }
 
     def loss(self, model, batch):
-        logits = model(batch["src"], batch["tgt"][:, :-1], src_key_mask=batch["src_mask"],
-                       tgt_key_mask=batch["tgt_mask"][:, :-1])  # (B, T-1, V)
+        logits = model(
+            batch["src"],
+            batch["tgt"][:, :-1],
+            src_key_mask=batch["src_mask"],
+            tgt_key_mask=batch["tgt_mask"][:, :-1],
+        )  # (B, T-1, V)
         labels, real = batch["tgt"][:, 1:], batch["tgt_mask"][:, 1:]  # (B, T-1)
         loss = F.cross_entropy(logits[real], labels[real])
         acc = (logits.argmax(-1)[real] == labels[real]).float().mean()
@@ -120,8 +151,9 @@ class Seq2SeqRecipe(_Recipe):
     def predict(self, model, src: Tensor, src_mask: Tensor, T: int) -> Tensor:
         """Greedy decoding. Shape: ``(B, S)`` -> ``(B, T)`` (bos, tokens, eos, padding)."""
         v = self.train_data.vocab
-        return model.generate(src, T - 1, bos=v.bos, eos=v.eos, pad=v.pad,
-                              src_key_mask=src_mask)  # (B, T)
+        return model.generate(
+            src, T - 1, bos=v.bos, eos=v.eos, pad=v.pad, src_key_mask=src_mask
+        )  # (B, T)
 
     def _hits(self, model, device, batch: slice) -> int:
         """Test examples of ``batch`` decoded exactly (every token)."""
@@ -131,28 +163,33 @@ class Seq2SeqRecipe(_Recipe):
 
     def pictures(self, model, out_dir: Path, device) -> list[str]:
         from ..viz.heatmap import plot_attention  # matplotlib is optional
+
         d, v = self.test_data, self.test_data.vocab
         S, T = int(d.src_mask[0].sum()), int(d.tgt_mask[0].sum())
-        src, tgt = d.src[:1, :S].to(device), d.tgt[:1, :T - 1].to(device)
+        src, tgt = d.src[:1, :S].to(device), d.tgt[:1, : T - 1].to(device)
         _, maps = model(src, tgt, return_attention=True)
         probs = maps.cross[-1].probs[0]  # (H, T-1, S): the last layer's cross-attention
-        path = plot_attention(probs, Path(out_dir) / "cross_attention.png",
-                              query_labels=[v.tokens[i] for i in d.tgt[0, :T - 1]],
-                              key_labels=[v.tokens[i] for i in d.src[0, :S]],
-                              titles=[f"cross-attention, last layer, head {h + 1}"
-                                      for h in range(probs.shape[0])])
+        path = plot_attention(
+            probs,
+            Path(out_dir) / "cross_attention.png",
+            query_labels=[v.tokens[i] for i in d.tgt[0, : T - 1]],
+            key_labels=[v.tokens[i] for i in d.src[0, :S]],
+            titles=[f"cross-attention, last layer, head {h + 1}" for h in range(probs.shape[0])],
+        )
         return [str(path), str(self._page(model, src, tgt, path.with_suffix(".html")))]
 
     def _page(self, model, src: Tensor, tgt: Tensor, path: Path) -> Path:
         """The viewer page of the example's cross-attention, every layer and head."""
         from ..viz.html import html
+
         v = self.test_data.vocab
         cross = [n for n, _ in model.named_modules() if n.rpartition(".")[2] == "cross_attn"]
         with capture(model, layers=cross) as cap:
             model(src, tgt)
         queries, keys = v.decode(tgt[0]), v.decode(src[0])
-        return html(cap, path, (queries, keys),
-                    title=f"{self.task}: cross-attention of {' '.join(keys)}")
+        return html(
+            cap, path, (queries, keys), title=f"{self.task}: cross-attention of {' '.join(keys)}"
+        )
 
 
 class ClassifierRecipe(_Recipe):
@@ -163,9 +200,18 @@ class ClassifierRecipe(_Recipe):
 
     def build_model(self) -> nn.Module:
         m, d = self.model_options, self.train_data
-        return EncoderClassifier(len(d.vocab), d.num_classes, m["embed_dim"], m["num_heads"],
-                                 m["num_layers"], pooling="cls", ffn_dim=m["ffn_dim"],
-                                 dropout=m["dropout"], max_len=d.tokens.shape[1], **self._kind())
+        return EncoderClassifier(
+            len(d.vocab),
+            d.num_classes,
+            m["embed_dim"],
+            m["num_heads"],
+            m["num_layers"],
+            pooling="cls",
+            ffn_dim=m["ffn_dim"],
+            dropout=m["dropout"],
+            max_len=d.tokens.shape[1],
+            **self._kind(),
+        )
 
     def batch(self, indices: Tensor, device) -> dict[str, Tensor]:
         d = self.train_data
@@ -185,33 +231,54 @@ class ClassifierRecipe(_Recipe):
     def pictures(self, model, out_dir: Path, device) -> list[str]:
         """The last layer's attention on the shortest test example (CLS first), per head."""
         from ..viz.heatmap import plot_attention
+
         d = self.test_data
         i = int(d.mask.sum(-1).argmin())
         L = int(d.mask[i].sum())
-        _, maps = model(d.tokens[i:i + 1, :L].to(device), return_attention=True)
+        _, maps = model(d.tokens[i : i + 1, :L].to(device), return_attention=True)
         probs = maps.encoder[-1].probs[0]  # (H, 1 + L, 1 + L): CLS and the tokens
         labels = ["CLS"] + [d.vocab.tokens[t] for t in d.tokens[i, :L]]
-        path = plot_attention(probs, Path(out_dir) / "attention_last_layer.png",
-                              query_labels=labels, key_labels=labels, annotate_max=0,
-                              titles=[f"last layer, head {h + 1} (label {int(d.labels[i])})"
-                                      for h in range(probs.shape[0])])
-        page = _page(model, (d.tokens[i:i + 1, :L].to(device),), path.with_suffix(".html"),
-                     labels, f"{self.task}: label {int(d.labels[i])}")
+        path = plot_attention(
+            probs,
+            Path(out_dir) / "attention_last_layer.png",
+            query_labels=labels,
+            key_labels=labels,
+            annotate_max=0,
+            titles=[
+                f"last layer, head {h + 1} (label {int(d.labels[i])})"
+                for h in range(probs.shape[0])
+            ],
+        )
+        page = _page(
+            model,
+            (d.tokens[i : i + 1, :L].to(device),),
+            path.with_suffix(".html"),
+            labels,
+            f"{self.task}: label {int(d.labels[i])}",
+        )
         return [str(path), str(page)]
 
 
 class ViTRecipe(_Recipe):
     """``digits`` with a ViT on 2x2 patches."""
 
-    MODEL = dict(embed_dim=64, num_heads=4, num_layers=3, ffn_dim=128, dropout=0.1,
-                 patch_size=2)
+    MODEL = dict(embed_dim=64, num_heads=4, num_layers=3, ffn_dim=128, dropout=0.1, patch_size=2)
     METRIC = "accuracy"
 
     def build_model(self) -> nn.Module:
         m, d = self.model_options, self.train_data
-        return ViT(d.images.shape[-1], m["patch_size"], d.num_classes, m["embed_dim"],
-                   m["num_heads"], m["num_layers"], in_channels=d.images.shape[1],
-                   ffn_dim=m["ffn_dim"], dropout=m["dropout"], **self._kind())
+        return ViT(
+            d.images.shape[-1],
+            m["patch_size"],
+            d.num_classes,
+            m["embed_dim"],
+            m["num_heads"],
+            m["num_layers"],
+            in_channels=d.images.shape[1],
+            ffn_dim=m["ffn_dim"],
+            dropout=m["dropout"],
+            **self._kind(),
+        )
 
     def batch(self, indices: Tensor, device) -> dict[str, Tensor]:
         d = self.train_data
@@ -229,13 +296,19 @@ class ViTRecipe(_Recipe):
 
     def pictures(self, model, out_dir: Path, device) -> list[str]:
         from ..viz.heatmap import plot_attention
+
         image = self.test_data.images[:1].to(device)
         _, maps = model(image, return_attention=True)
         probs = maps.encoder[-1].probs[0]  # (H, 1 + P, 1 + P): CLS and the patches
         path = plot_attention(probs, Path(out_dir) / "attention_last_layer.png", annotate_max=0)
         labels = ["CLS"] + [f"patch {p}" for p in range(probs.shape[-1] - 1)]
-        page = _page(model, (image,), path.with_suffix(".html"), labels,
-                     f"{self.task}: label {int(self.test_data.labels[0])}")
+        page = _page(
+            model,
+            (image,),
+            path.with_suffix(".html"),
+            labels,
+            f"{self.task}: label {int(self.test_data.labels[0])}",
+        )
         return [str(path), str(page)]
 
 
@@ -249,8 +322,7 @@ class PixelRecipe(ClassifierRecipe):
     mean pooling over the ``R * R`` outputs (LRA's ``classifier_pool = "MEAN"``).
     """
 
-    MODEL = dict(embed_dim=32, num_heads=2, num_layers=1, ffn_dim=64, dropout=0.0,
-                 pooling="mean")
+    MODEL = dict(embed_dim=32, num_heads=2, num_layers=1, ffn_dim=64, dropout=0.0, pooling="mean")
     LEVELS = 256
 
     def __init__(self, task: str, **kwargs) -> None:
@@ -268,14 +340,24 @@ class PixelRecipe(ClassifierRecipe):
 
     def build_model(self) -> nn.Module:
         m, d = self.model_options, self.train_data
-        return EncoderClassifier(self.LEVELS, d.num_classes, m["embed_dim"], m["num_heads"],
-                                 m["num_layers"], pooling=m["pooling"], ffn_dim=m["ffn_dim"],
-                                 dropout=m["dropout"], max_len=self.train_tokens.shape[1],
-                                 **self._kind())
+        return EncoderClassifier(
+            self.LEVELS,
+            d.num_classes,
+            m["embed_dim"],
+            m["num_heads"],
+            m["num_layers"],
+            pooling=m["pooling"],
+            ffn_dim=m["ffn_dim"],
+            dropout=m["dropout"],
+            max_len=self.train_tokens.shape[1],
+            **self._kind(),
+        )
 
     def batch(self, indices: Tensor, device) -> dict[str, Tensor]:
-        return dict(tokens=self.train_tokens[indices].to(device).long(),  # (B, R * R)
-                    labels=self.train_data.labels[indices].to(device))
+        return dict(
+            tokens=self.train_tokens[indices].to(device).long(),  # (B, R * R)
+            labels=self.train_data.labels[indices].to(device),
+        )
 
     def loss(self, model, batch):
         logits = model(batch["tokens"])  # (B, classes)
@@ -307,8 +389,10 @@ class PixelRecipe(ClassifierRecipe):
         fig = Figure(figsize=(2.6 * (H + 1), 3.2))
         axes = fig.subplots(1, H + 1, squeeze=False)[0]
         panels = [(image, f"input (label {label}, predicted {int(logits.argmax())})", "gray")]
-        panels += [(received[h], f"last layer, head {h + 1}:\nattention received", "viridis")
-                   for h in range(H)]
+        panels += [
+            (received[h], f"last layer, head {h + 1}:\nattention received", "viridis")
+            for h in range(H)
+        ]
         for ax, (picture, title, cmap) in zip(axes, panels):
             ax.imshow(picture.numpy(), cmap=cmap)
             ax.set_title(title, fontsize=8)
@@ -319,8 +403,7 @@ class PixelRecipe(ClassifierRecipe):
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
         labels = [f"({r},{c})" for r in range(R) for c in range(R)]
-        page = _page(model, (x,), path.with_suffix(".html"), labels,
-                     f"{self.task}: label {label}")
+        page = _page(model, (x,), path.with_suffix(".html"), labels, f"{self.task}: label {label}")
         return [str(path), str(page)]
 
 
@@ -336,13 +419,20 @@ def pixel_tokens(images: Tensor) -> Tensor:
 def _page(model: nn.Module, inputs: tuple, path: Path, labels: list[str], title: str) -> Path:
     """The viewer page of one example: every attention layer and head of ``model(*inputs)``."""
     from ..viz.html import html
+
     with capture(model) as cap:
         model(*inputs)
     return html(cap, path, labels, title=title)
 
 
-RECIPES = {"reverse": Seq2SeqRecipe, "copy": Seq2SeqRecipe, "sort": Seq2SeqRecipe,
-           "listops": ClassifierRecipe, "digits": ViTRecipe, "pathfinder": PixelRecipe}
+RECIPES = {
+    "reverse": Seq2SeqRecipe,
+    "copy": Seq2SeqRecipe,
+    "sort": Seq2SeqRecipe,
+    "listops": ClassifierRecipe,
+    "digits": ViTRecipe,
+    "pathfinder": PixelRecipe,
+}
 
 
 def make_recipe(task: str, **kwargs) -> _Recipe:

@@ -6,6 +6,7 @@ later test of the session on one thread, and a training run compared against a f
 then saw a different loss. Every library or command-line function of qkv that sets one of
 them runs under :func:`preserve_torch_state`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -40,15 +41,17 @@ class TorchState:
     cuda_rng: tuple[Tensor, ...] | None
 
     @classmethod
-    def capture(cls) -> "TorchState":
+    def capture(cls) -> TorchState:
         """The settings now."""
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        return cls(num_threads=torch.get_num_threads(),
-                   default_dtype=torch.get_default_dtype(),
-                   grad_enabled=torch.is_grad_enabled(),
-                   deterministic=torch.are_deterministic_algorithms_enabled(),
-                   rng=torch.get_rng_state(),
-                   cuda_rng=tuple(torch.cuda.get_rng_state_all()) if cuda else None)
+        return cls(
+            num_threads=torch.get_num_threads(),
+            default_dtype=torch.get_default_dtype(),
+            grad_enabled=torch.is_grad_enabled(),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            rng=torch.get_rng_state(),
+            cuda_rng=tuple(torch.cuda.get_rng_state_all()) if cuda else None,
+        )
 
     def restore(self) -> None:
         """Put every setting back to this snapshot."""
@@ -62,11 +65,14 @@ class TorchState:
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(list(self.cuda_rng))
 
-    def same_as(self, other: "TorchState") -> bool:
+    def same_as(self, other: TorchState) -> bool:
         """Whether ``other`` holds the same settings (RNG states compared by value)."""
-        return (self.num_threads, self.default_dtype, self.grad_enabled, self.deterministic) == (
-            other.num_threads, other.default_dtype, other.grad_enabled, other.deterministic
-        ) and torch.equal(self.rng, other.rng) and _same_states(self.cuda_rng, other.cuda_rng)
+        return (
+            (self.num_threads, self.default_dtype, self.grad_enabled, self.deterministic)
+            == (other.num_threads, other.default_dtype, other.grad_enabled, other.deterministic)
+            and torch.equal(self.rng, other.rng)
+            and _same_states(self.cuda_rng, other.cuda_rng)
+        )
 
 
 def _same_states(a: tuple[Tensor, ...] | None, b: tuple[Tensor, ...] | None) -> bool:

@@ -62,6 +62,7 @@ hold after 20 steps: losses within 1e-5 relative, parameters (key biases aside) 
 the evaluation equal. With dropout the ranks draw other masks than one process does, so the
 runs agree in distribution only.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -71,22 +72,45 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from .files import run_directory, write_atomic
-from .parallel import (DEFAULT_TIMEOUT, Ranks, all_gather, all_sum, check_batch, data_parallel,
-                       from_rank0, lost_peer, on_every_rank, seed_rank, share)
 from .._progress import Progress
+from .files import run_directory, write_atomic
+from .parallel import (
+    DEFAULT_TIMEOUT,
+    Ranks,
+    all_gather,
+    all_sum,
+    check_batch,
+    data_parallel,
+    from_rank0,
+    lost_peer,
+    on_every_rank,
+    seed_rank,
+    share,
+)
 from .torch_state import preserve_torch_state
 
-__all__ = ["TrainConfig", "Recipe", "TrainResult", "train", "batch_indices", "save_atomic",
-           "check_device", "available_devices", "CHECKPOINT", "METRICS", "SCHEDULES"]
+__all__ = [
+    "CHECKPOINT",
+    "METRICS",
+    "SCHEDULES",
+    "Recipe",
+    "TrainConfig",
+    "TrainResult",
+    "available_devices",
+    "batch_indices",
+    "check_device",
+    "save_atomic",
+    "train",
+]
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.json"
@@ -182,12 +206,16 @@ def check_device(name: str) -> torch.device:
     except (RuntimeError, TypeError):
         near = difflib.get_close_matches(str(name).lower(), _DEVICE_TYPES, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(f"device {name!r} is not a torch device{hint}; this machine has: "
-                         f"{', '.join(available_devices())}") from None
+        raise ValueError(
+            f"device {name!r} is not a torch device{hint}; this machine has: "
+            f"{', '.join(available_devices())}"
+        ) from None
     if device.type != "cpu" and str(device) not in available_devices():
-        raise ValueError(f"device {name!r} is not available on this machine (torch "
-                         f"{torch.__version__}); it has: {', '.join(available_devices())}; "
-                         f"pick one of these")
+        raise ValueError(
+            f"device {name!r} is not available on this machine (torch "
+            f"{torch.__version__}); it has: {', '.join(available_devices())}; "
+            f"pick one of these"
+        )
     return device
 
 
@@ -209,7 +237,9 @@ class Recipe(Protocol):
     def batch(self, indices: Tensor, device: torch.device) -> dict[str, Tensor]:
         """The training batch of these example indices, on ``device``."""
 
-    def loss(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float], int]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, Tensor]
+    ) -> tuple[Tensor, dict[str, float], int]:
         """``(loss, metrics such as {"acc": ...}, tokens in the batch)``."""
 
     def loss_count(self, batch: dict[str, Tensor]) -> int:
@@ -220,8 +250,9 @@ class Recipe(Protocol):
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Test metrics of the trained model (called in eval mode, under no_grad)."""
 
-    def evaluation_counts(self, model: nn.Module, device: torch.device, rank: int,
-                          size: int) -> dict[str, float]:
+    def evaluation_counts(
+        self, model: nn.Module, device: torch.device, rank: int, size: int
+    ) -> dict[str, float]:
         """Optional: rank ``rank`` of ``size``'s share of the test set, as sums (correct
         predictions per metric) and ``test_examples``; :meth:`evaluate` is each sum over
         the test set divided by its examples. A data-parallel run sums the ranks' counts;
@@ -250,7 +281,7 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> Tensor:
     per_epoch = max(n // batch_size, 1)
     epoch, i = divmod(step, per_epoch)
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g)[i * batch_size:(i + 1) * batch_size]
+    return torch.randperm(n, generator=g)[i * batch_size : (i + 1) * batch_size]
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -269,7 +300,7 @@ class _StopFlag:
     def __init__(self) -> None:
         self.set, self._old = False, None
 
-    def __enter__(self) -> "_StopFlag":
+    def __enter__(self) -> _StopFlag:
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._handle)
         return self
@@ -284,9 +315,16 @@ class _StopFlag:
         self.set = True
 
 
-def train(recipe: Recipe, config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
-          progress: bool = True, on_step: Callable[[int], None] | None = None,
-          timeout: float = DEFAULT_TIMEOUT) -> TrainResult:
+def train(
+    recipe: Recipe,
+    config: TrainConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    on_step: Callable[[int], None] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> TrainResult:
     """Train ``recipe``'s model under ``config``, writing checkpoints and metrics to ``out_dir``.
 
     Torch's global settings (threads, default dtype, grad mode, the random number generators
@@ -320,8 +358,10 @@ def train(recipe: Recipe, config: TrainConfig, out_dir: str | Path, *, resume: b
         ConnectionError: Another process of a data-parallel run died or did not answer
             within ``timeout``.
     """
-    with preserve_torch_state(), data_parallel(check_device(config.device), timeout) as (
-            ranks, device):
+    with (
+        preserve_torch_state(),
+        data_parallel(check_device(config.device), timeout) as (ranks, device),
+    ):
         try:
             check_batch(config.batch_size, ranks.size)
         except ValueError as e:
@@ -330,9 +370,13 @@ def train(recipe: Recipe, config: TrainConfig, out_dir: str | Path, *, resume: b
             run = _start(recipe, config, out / CHECKPOINT, resume, ranks, device)
             try:
                 interrupted = _loop(run, recipe, config, progress and ranks.main, on_step)
-                result = TrainResult(step=run.step, history=run.history,
-                                     interrupted=interrupted, checkpoint=str(run.path),
-                                     final_loss=run.history[-1]["loss"] if run.history else None)
+                result = TrainResult(
+                    step=run.step,
+                    history=run.history,
+                    interrupted=interrupted,
+                    checkpoint=str(run.path),
+                    final_loss=run.history[-1]["loss"] if run.history else None,
+                )
                 if not interrupted:
                     _finish(run, recipe, result, out)
                 return result
@@ -366,25 +410,43 @@ class _Run:
         call it at the same step)."""
         states = _rng_states(self.ranks, self.device)
         if self.ranks.main:
-            save_atomic(dict(self.ident, step=self.step, history=self.history,
-                             model=self.model.state_dict(), optimizer=self.opt.state_dict(),
-                             scheduler=self.sched.state_dict(), rng=states[0]["cpu"],
-                             rank_rng=states), self.path)
+            save_atomic(
+                dict(
+                    self.ident,
+                    step=self.step,
+                    history=self.history,
+                    model=self.model.state_dict(),
+                    optimizer=self.opt.state_dict(),
+                    scheduler=self.sched.state_dict(),
+                    rng=states[0]["cpu"],
+                    rank_rng=states,
+                ),
+                self.path,
+            )
         self.saved = self.step
 
 
-def _start(recipe: Recipe, config: TrainConfig, ckpt_path: Path, resume: bool, ranks: Ranks,
-           device: torch.device) -> _Run:
+def _start(
+    recipe: Recipe,
+    config: TrainConfig,
+    ckpt_path: Path,
+    resume: bool,
+    ranks: Ranks,
+    device: torch.device,
+) -> _Run:
     """The model built under the seed, its optimizer, and the checkpoint's state if resuming
     (rank 0 reads it and hands it to the others)."""
-    ident = dict(format=FORMAT, recipe=recipe.describe(), config=asdict(config),
-                 world_size=ranks.size)
-    ck = from_rank0(lambda: _checkpoint_to_resume(ckpt_path, resume, ident), ranks,
-                    device)
+    ident = dict(
+        format=FORMAT, recipe=recipe.describe(), config=asdict(config), world_size=ranks.size
+    )
+    ck = from_rank0(lambda: _checkpoint_to_resume(ckpt_path, resume, ident), ranks, device)
     if ranks.size > recipe.train_size():
-        raise on_every_rank(ValueError(
-            f"{ranks.size} processes need at least as many training examples; the task has "
-            f"{recipe.train_size()}"))
+        raise on_every_rank(
+            ValueError(
+                f"{ranks.size} processes need at least as many training examples; the task has "
+                f"{recipe.train_size()}"
+            )
+        )
     torch.manual_seed(config.seed)
     model = recipe.build_model().to(device)
     seed_rank(config.seed, ranks)
@@ -412,13 +474,19 @@ def _wrap(model: nn.Module, ranks: Ranks, device: torch.device) -> nn.Module:
     if not ranks.distributed:
         return model
     from torch.nn.parallel import DistributedDataParallel
+
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     ddp.reducer._push_all_rebuilt_params()
     return ddp
 
 
-def _loop(run: _Run, recipe: Recipe, config: TrainConfig, progress: bool,
-          on_step: Callable[[int], None] | None) -> bool:
+def _loop(
+    run: _Run,
+    recipe: Recipe,
+    config: TrainConfig,
+    progress: bool,
+    on_step: Callable[[int], None] | None,
+) -> bool:
     """Train to ``config.steps``, checkpointing; True when Ctrl-C stopped it."""
     run.net.train()
     n = recipe.train_size()
@@ -426,8 +494,9 @@ def _loop(run: _Run, recipe: Recipe, config: TrainConfig, progress: bool,
     with _StopFlag() as stop, bar:
         t0, tokens = time.perf_counter(), 0
         while run.step < config.steps:
-            ntok, agreed = _collective(run, f"step {run.step + 1}",
-                                       lambda: _step(run, recipe, config, n, stop))
+            ntok, agreed = _collective(
+                run, f"step {run.step + 1}", lambda: _step(run, recipe, config, n, stop)
+            )
             tokens += ntok
             if progress:
                 rate = tokens / max(time.perf_counter() - t0, 1e-9)
@@ -454,13 +523,17 @@ def _collective(run: _Run, where: str, work: Callable[[], Any]) -> Any:
         lost = lost_peer(e, run.ranks, where)
         if lost is None:
             raise
-        resume = (f"; the checkpoint of step {run.saved} continues the run with resume=True "
-                  f"(--resume)" if run.saved else "")
+        resume = (
+            f"; the checkpoint of step {run.saved} continues the run with resume=True (--resume)"
+            if run.saved
+            else ""
+        )
         raise ConnectionError(f"{lost}{resume}") from e
 
 
-def _step(run: _Run, recipe: Recipe, config: TrainConfig, n: int,
-          stop: _StopFlag) -> tuple[int, bool]:
+def _step(
+    run: _Run, recipe: Recipe, config: TrainConfig, n: int, stop: _StopFlag
+) -> tuple[int, bool]:
     """One optimizer step; appends to the history. Returns the global batch's tokens and
     whether any rank was asked to stop (Ctrl-C) before its all-reduce."""
     indices = share(batch_indices(n, config.batch_size, config.seed, run.step), run.ranks)
@@ -474,7 +547,9 @@ def _step(run: _Run, recipe: Recipe, config: TrainConfig, n: int,
         count = _loss_count(recipe, batch, len(indices))
         total, ntok, asked, *sums = all_sum(
             [count, ntok, float(stop.set), *(_number(v) * count for v in logged.values())],
-            run.ranks, run.device)
+            run.ranks,
+            run.device,
+        )
         logged = {k: s / total for k, s in zip(logged, sums)}
         loss = loss * (count * run.ranks.size / total)  # DDP averages: sum_r (...) / N
         agreed = asked > 0
@@ -486,8 +561,9 @@ def _step(run: _Run, recipe: Recipe, config: TrainConfig, n: int,
     run.sched.step()
     run.step += 1
     logged = {k: _number(v) for k, v in logged.items()}
-    run.history.append(dict(step=run.step, loss=logged.pop("loss"),
-                            lr=run.opt.param_groups[0]["lr"], **logged))
+    run.history.append(
+        dict(step=run.step, loss=logged.pop("loss"), lr=run.opt.param_groups[0]["lr"], **logged)
+    )
     return int(ntok), agreed
 
 
@@ -527,9 +603,17 @@ def _evaluate(run: _Run, recipe: Recipe) -> dict[str, float]:
 
 
 def _write_metrics(run: _Run, result: TrainResult, out: Path) -> None:
-    _write_json_atomic(dict(run.ident, step=run.step, final_loss=result.final_loss,
-                            evaluation=result.evaluation, pictures=result.pictures,
-                            history=run.history), out / METRICS)
+    _write_json_atomic(
+        dict(
+            run.ident,
+            step=run.step,
+            final_loss=result.final_loss,
+            evaluation=result.evaluation,
+            pictures=result.pictures,
+            history=run.history,
+        ),
+        out / METRICS,
+    )
 
 
 def _pictures(recipe: Recipe, model: nn.Module, out: Path, device: torch.device) -> list[str]:
@@ -538,16 +622,20 @@ def _pictures(recipe: Recipe, model: nn.Module, out: Path, device: torch.device)
     try:
         return recipe.pictures(model, out, device)
     except ImportError as e:
-        print(f"{recipe.name}: warning: no pictures ({e}); the results are in {out / METRICS}",
-              file=sys.stderr)
+        print(
+            f"{recipe.name}: warning: no pictures ({e}); the results are in {out / METRICS}",
+            file=sys.stderr,
+        )
         return []
 
 
 def _checkpoint_to_resume(path: Path, resume: bool, ident: dict) -> dict | None:
     """The checkpoint to continue (None for a new run), after checking it is this run's."""
     if path.exists() and not resume:
-        raise FileExistsError(f"{path} exists ({_what_is(path)}); pass resume=True "
-                              f"(--resume) to continue it, or choose another output directory")
+        raise FileExistsError(
+            f"{path} exists ({_what_is(path)}); pass resume=True "
+            f"(--resume) to continue it, or choose another output directory"
+        )
     if not resume:
         return None
     if not path.exists():
@@ -555,14 +643,18 @@ def _checkpoint_to_resume(path: Path, resume: bool, ident: dict) -> dict | None:
     ck = _read_checkpoint(path)
     for key in ("format", "recipe", "config"):
         if ck.get(key) != ident[key]:
-            raise ValueError(f"{path} was written by a different run ({key} differs: "
-                             f"{ck.get(key)!r} vs {ident[key]!r}); resume with the same "
-                             f"task, options and config, or choose another output directory")
+            raise ValueError(
+                f"{path} was written by a different run ({key} differs: "
+                f"{ck.get(key)!r} vs {ident[key]!r}); resume with the same "
+                f"task, options and config, or choose another output directory"
+            )
     if ck.get("world_size", 1) != ident["world_size"]:
-        raise ValueError(f"{path} was written by a run of {ck.get('world_size', 1)} "
-                         f"process(es), this one has {ident['world_size']}; resume it with "
-                         f"--nproc {ck.get('world_size', 1)} (each process's dropout draws "
-                         f"and share of the batch depend on their number)")
+        raise ValueError(
+            f"{path} was written by a run of {ck.get('world_size', 1)} "
+            f"process(es), this one has {ident['world_size']}; resume it with "
+            f"--nproc {ck.get('world_size', 1)} (each process's dropout draws "
+            f"and share of the batch depend on their number)"
+        )
     return ck
 
 
@@ -594,8 +686,17 @@ def _set_rng_state(state: dict[str, Tensor | None], device: torch.device) -> Non
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-_CHECKPOINT_KEYS = ("format", "recipe", "config", "step", "history", "model", "optimizer",
-                    "scheduler", "rng")
+_CHECKPOINT_KEYS = (
+    "format",
+    "recipe",
+    "config",
+    "step",
+    "history",
+    "model",
+    "optimizer",
+    "scheduler",
+    "rng",
+)
 
 
 def _read_checkpoint(path: Path) -> dict:
@@ -604,16 +705,18 @@ def _read_checkpoint(path: Path) -> dict:
     try:
         ck = torch.load(path, map_location="cpu", weights_only=False)
         why = "" if isinstance(ck, dict) else f"it holds a {type(ck).__name__}, not a dict"
-    except Exception as e:  # noqa: BLE001  (EOFError, RuntimeError, UnpicklingError, ...)
+    except Exception as e:
         first = " ".join(str(e).split()).split(". ")[0]  # torch adds paragraphs of advice
         why = f"{type(e).__name__}: {first}" if first else type(e).__name__
     if not why and not set(_CHECKPOINT_KEYS) <= ck.keys():
         why = f"it lacks {sorted(set(_CHECKPOINT_KEYS) - ck.keys())}"
     if why:
         size = path.stat().st_size
-        raise ValueError(f"{path} ({size} bytes) is not a readable qkv checkpoint ({why}); "
-                         f"move it away (or delete it) to start the run again, or choose "
-                         f"another output directory")
+        raise ValueError(
+            f"{path} ({size} bytes) is not a readable qkv checkpoint ({why}); "
+            f"move it away (or delete it) to start the run again, or choose "
+            f"another output directory"
+        )
     return ck
 
 

@@ -5,6 +5,7 @@ works headless and leaves the caller's matplotlib backend and open figures alone
 
 Shape alphabet: H heads, T query length, S key length.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,13 @@ def plot_attention(
     Shape:
         probs ``(H, T, S)`` or ``(T, S)`` (one panel).
     """
-    fig = heatmap_figure(probs, query_labels=query_labels, key_labels=key_labels,
-                         titles=titles, annotate_max=annotate_max)
+    fig = heatmap_figure(
+        probs,
+        query_labels=query_labels,
+        key_labels=key_labels,
+        titles=titles,
+        annotate_max=annotate_max,
+    )
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")  # what savefig would write; return the real name
@@ -109,18 +115,22 @@ def _as_heads(probs: Tensor | AttentionTrace) -> Tensor:
     if isinstance(probs, AttentionTrace):
         probs = probs.probs
     if not isinstance(probs, Tensor):
-        raise TypeError(f"probs must be a torch.Tensor or an AttentionTrace, got "
-                        f"{type(probs).__name__}")
+        raise TypeError(
+            f"probs must be a torch.Tensor or an AttentionTrace, got {type(probs).__name__}"
+        )
     if probs.dim() not in (2, 3) or probs.numel() == 0:
-        raise ValueError(f"probs must be (H, T, S) or (T, S) and non-empty, got shape "
-                         f"{tuple(probs.shape)}; for a batch pass one element, probs[b]")
+        raise ValueError(
+            f"probs must be (H, T, S) or (T, S) and non-empty, got shape "
+            f"{tuple(probs.shape)}; for a batch pass one element, probs[b]"
+        )
     if probs.dim() == 2:
         probs = probs.unsqueeze(0)  # (1, T, S)
     return probs.detach().double().cpu()  # (H, T, S)
 
 
-def _labels(labels: Sequence[str] | None, n: int, name: str,
-            default: list[str] | None = None) -> list[str]:
+def _labels(
+    labels: Sequence[str] | None, n: int, name: str, default: list[str] | None = None
+) -> list[str]:
     if labels is None:
         return default or [str(i + 1) for i in range(n)]
     labels = [str(x) for x in labels]
@@ -169,5 +179,12 @@ def _annotate(ax: Axes, w: list[list[float]], vmax: float) -> None:
     size = 9 if max(len(w), len(w[0])) <= 6 else 7
     for i, row in enumerate(w):
         for j, x in enumerate(row):
-            ax.text(j, i, f"{x:.2f}", ha="center", va="center", fontsize=size,
-                    color="white" if x < 0.6 * vmax else "black")
+            ax.text(
+                j,
+                i,
+                f"{x:.2f}",
+                ha="center",
+                va="center",
+                fontsize=size,
+                color="white" if x < 0.6 * vmax else "black",
+            )

@@ -132,6 +132,7 @@ DOM/JS contract (browser tests rely on it; kept stable):
 
 Shape alphabet: B batch, H heads, T query length, S key length, nr kept query rows.
 """
+
 from __future__ import annotations
 
 import base64
@@ -140,11 +141,12 @@ import math
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from html import escape
 from importlib import resources
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -179,11 +181,21 @@ class _Entry:
     change: list[dict] | None = None  # per head {"mean", "max"} |d| given by a comparison
 
 
-def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None, *,
-         title: str | None = None, steps: dict[str, Any] | None = None,
-         batch: int | None = None, call: int | str = 0, max_cells: int = 1 << 24,
-         scores: Any = None, rollout: Tensor | None = None, flow: Any = None,
-         against: Any = None) -> Path:
+def html(
+    obj: Any,
+    path: str | os.PathLike,
+    tokens: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    steps: dict[str, Any] | None = None,
+    batch: int | None = None,
+    call: int | str = 0,
+    max_cells: int = 1 << 24,
+    scores: Any = None,
+    rollout: Tensor | None = None,
+    flow: Any = None,
+    against: Any = None,
+) -> Path:
     """Write a self-contained HTML viewer of attention weights (see the module docstring).
 
     Args:
@@ -234,15 +246,38 @@ def html(obj: Any, path: str | os.PathLike, tokens: Sequence[str] | None = None,
         Weights ``(B, H, T, S)``, ``(H, T, S)`` or ``(T, S)``; a capture record's probs
         ``(nb, nh, nr, S)``.
     """
-    return _write_atomic(Path(path), _page_text(
-        obj, tokens, title=title, steps=steps, batch=batch, call=call, max_cells=max_cells,
-        scores=scores, rollout=rollout, flow=flow, against=against))
+    return _write_atomic(
+        Path(path),
+        _page_text(
+            obj,
+            tokens,
+            title=title,
+            steps=steps,
+            batch=batch,
+            call=call,
+            max_cells=max_cells,
+            scores=scores,
+            rollout=rollout,
+            flow=flow,
+            against=against,
+        ),
+    )
 
 
-def _page_text(obj: Any, tokens: Sequence[str] | None = None, *, title: str | None = None,
-               steps: dict[str, Any] | None = None, batch: int | None = None,
-               call: int | str = 0, max_cells: int = 1 << 24, scores: Any = None,
-               rollout: Tensor | None = None, flow: Any = None, against: Any = None) -> str:
+def _page_text(
+    obj: Any,
+    tokens: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    steps: dict[str, Any] | None = None,
+    batch: int | None = None,
+    call: int | str = 0,
+    max_cells: int = 1 << 24,
+    scores: Any = None,
+    rollout: Tensor | None = None,
+    flow: Any = None,
+    against: Any = None,
+) -> str:
     """The page :func:`html` writes, as text (arguments as there; ``qkv.viz.show`` puts it in
     a notebook's iframe)."""
     if isinstance(max_cells, bool) or not isinstance(max_cells, int) or max_cells < 1:
@@ -250,10 +285,15 @@ def _page_text(obj: Any, tokens: Sequence[str] | None = None, *, title: str | No
     entries = _entries(obj, batch, call)
     if against is not None:
         if scores is not None or rollout is not None or flow is not None:
-            raise ValueError("against= shows differences; scores=, rollout= and flow= are of "
-                             "one input: write them on a page of their own")
-        entries = _compared_entries(entries, against, call) if _is_comparison(against) \
+            raise ValueError(
+                "against= shows differences; scores=, rollout= and flow= are of "
+                "one input: write them on a page of their own"
+            )
+        entries = (
+            _compared_entries(entries, against, call)
+            if _is_comparison(against)
             else _diff_entries(entries, _entries(against, batch, call))
+        )
     entries += _analysis_entries(rollout, flow, entries)
     token_lists, labels = _tokens(tokens, entries)
     user_steps = _user_steps(steps, entries[0], labels[0], token_lists)
@@ -272,17 +312,36 @@ def _page_text(obj: Any, tokens: Sequence[str] | None = None, *, title: str | No
             info.update(head=head, blob=f"qkv-blob-{len(blobs)}")
             blobs.append(payload)
             heads.append(info)
-        meta_entries.append({"label": e.label, "T": e.T, "S": e.S, "nr": len(e.rows),
-                             "rows": _runs(e.rows), "qtok": qtok, "ktok": ktok,
-                             "heads": heads, "steps": e.steps, "kind": e.kind,
-                             "layer": e.layer})
-    meta = {"version": 1, "title": title or "qkv attention", "tokens": token_lists,
-            "entries": meta_entries, "steps": user_steps, "budget": budget,
-            "scores": _scores_meta(scores, entries), "changes": _changes(entries)}
+        meta_entries.append(
+            {
+                "label": e.label,
+                "T": e.T,
+                "S": e.S,
+                "nr": len(e.rows),
+                "rows": _runs(e.rows),
+                "qtok": qtok,
+                "ktok": ktok,
+                "heads": heads,
+                "steps": e.steps,
+                "kind": e.kind,
+                "layer": e.layer,
+            }
+        )
+    meta = {
+        "version": 1,
+        "title": title or "qkv attention",
+        "tokens": token_lists,
+        "entries": meta_entries,
+        "steps": user_steps,
+        "budget": budget,
+        "scores": _scores_meta(scores, entries),
+        "changes": _changes(entries),
+    }
     return _page(meta, blobs)
 
 
 # ---------------------------------------------------------------- inputs -> entries
+
 
 def _is_record(x: Any) -> bool:
     return all(hasattr(x, a) for a in ("name", "layer", "call", "probs", "rows", "heads", "batch"))
@@ -312,28 +371,37 @@ def _entries(obj: Any, batch: int | None, call: int | str) -> list[_Entry]:
     return out
 
 
-_WANT = ("html takes a qkv.capture result, an AttentionTrace/MultiHeadTrace, a weights tensor "
-         "(B, H, T, S)/(H, T, S)/(T, S), or a list/tuple/dict of traces or tensors (one layer "
-         "each)")
+_WANT = (
+    "html takes a qkv.capture result, an AttentionTrace/MultiHeadTrace, a weights tensor "
+    "(B, H, T, S)/(H, T, S)/(T, S), or a list/tuple/dict of traces or tensors (one layer "
+    "each)"
+)
 
 
 def _entry(x: Tensor | AttentionTrace, label: str, batch: int | None) -> _Entry:
     """An entry from a trace or a weights tensor: batch element ``batch``, all heads."""
-    lead = (x.lse.shape[:-1] if isinstance(x, AttentionTrace) else x.shape[:-2])
+    lead = x.lse.shape[:-1] if isinstance(x, AttentionTrace) else x.shape[:-2]
     if isinstance(x, Tensor) and x.dim() < 2:
-        raise ValueError(f"{label}: weights must be (B, H, T, S), (H, T, S) or (T, S), got "
-                         f"shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{label}: weights must be (B, H, T, S), (H, T, S) or (T, S), got "
+            f"shape {tuple(x.shape)}"
+        )
     if len(lead) > 2:
-        raise ValueError(f"{label}: weights must be (B, H, T, S), (H, T, S) or (T, S), got "
-                         f"{len(lead) + 2} dims {tuple(lead)} + (T, S); fold the extra dims "
-                         f"into B, e.g. w.flatten(0, {len(lead) - 2})")
+        raise ValueError(
+            f"{label}: weights must be (B, H, T, S), (H, T, S) or (T, S), got "
+            f"{len(lead) + 2} dims {tuple(lead)} + (T, S); fold the extra dims "
+            f"into B, e.g. w.flatten(0, {len(lead) - 2})"
+        )
     if len(lead) < 2 and batch not in (None, 0):
-        raise ValueError(f"{label}: batch={batch} asked of weights with no batch dim "
-                         f"(dims {tuple(lead)} + (T, S)); leave batch out")
+        raise ValueError(
+            f"{label}: batch={batch} asked of weights with no batch dim "
+            f"(dims {tuple(lead)} + (T, S)); leave batch out"
+        )
     b = 0 if batch is None else batch
     if len(lead) == 2 and not (isinstance(b, int) and 0 <= b < lead[0]):
-        raise ValueError(f"{label}: batch={batch!r} out of range for batch size {lead[0]}; "
-                         f"pass 0..{lead[0] - 1}")
+        raise ValueError(
+            f"{label}: batch={batch!r} out of range for batch size {lead[0]}; pass 0..{lead[0] - 1}"
+        )
     if isinstance(x, AttentionTrace):
         probs = x.select(batch=[b]).probs[0] if len(lead) == 2 else x.probs  # (H, T, S) or less
     else:
@@ -343,22 +411,28 @@ def _entry(x: Tensor | AttentionTrace, label: str, batch: int | None) -> _Entry:
     H, T, S = probs.shape
     if min(H, T, S) == 0:
         raise ValueError(f"{label}: weights are empty, shape {tuple(probs.shape)}")
-    steps = _trace_steps(x, b if len(lead) == 2 else None, T, S) \
-        if isinstance(x, MultiHeadTrace) else []
+    steps = (
+        _trace_steps(x, b if len(lead) == 2 else None, T, S)
+        if isinstance(x, MultiHeadTrace)
+        else []
+    )
     return _Entry(label, probs.detach(), list(range(H)), list(range(T)), T, S, steps)
 
 
 def _capture_entries(records: list, batch: int | None, call: int | str) -> list[_Entry]:
     if not records:
-        raise ValueError("the capture holds no records (nothing was recorded inside the "
-                         "`with qkv.capture(...)` block); run the model inside it")
+        raise ValueError(
+            "the capture holds no records (nothing was recorded inside the "
+            "`with qkv.capture(...)` block); run the model inside it"
+        )
     if call != "all" and (isinstance(call, bool) or not isinstance(call, int)):
         raise TypeError(f"call must be an int or 'all', got {call!r}")
     chosen = [r for r in records if call == "all" or r.call == call]
     if not chosen:
         calls = sorted({int(r.call) for r in records})
-        raise ValueError(f"no record has call={call}; the calls recorded are {calls} "
-                         f"(or pass call='all')")
+        raise ValueError(
+            f"no record has call={call}; the calls recorded are {calls} (or pass call='all')"
+        )
     chosen.sort(key=lambda r: (int(r.layer), int(r.call)))
     entries = []
     for r in chosen:
@@ -368,46 +442,65 @@ def _capture_entries(records: list, batch: int | None, call: int | str) -> list[
         elif batch in kept:
             pos = kept.index(batch)
         else:
-            raise ValueError(f"batch={batch} was not kept by the capture (site {r.name!r} "
-                             f"kept batch elements {kept}); pass one of them")
+            raise ValueError(
+                f"batch={batch} was not kept by the capture (site {r.name!r} "
+                f"kept batch elements {kept}); pass one of them"
+            )
         if r.probs.shape[2] == 0:
             continue  # a decoding step outside the kept rows
         label = f"layer {int(r.layer)} · {r.name or '(model)'}"
         if call == "all":
             label += f" · call {int(r.call)}"
-        T, S = (int(r.shape[2]), int(r.shape[3])) if hasattr(r, "shape") else \
-            (int(max(r.rows)) + 1, int(r.probs.shape[-1]))
-        entries.append(_Entry(label, r.probs[pos].detach(), [int(h) for h in r.heads],
-                              [int(i) for i in r.rows], T, S, layer=int(r.layer),
-                              batch=kept[pos]))
+        T, S = (
+            (int(r.shape[2]), int(r.shape[3]))
+            if hasattr(r, "shape")
+            else (int(max(r.rows)) + 1, int(r.probs.shape[-1]))
+        )
+        entries.append(
+            _Entry(
+                label,
+                r.probs[pos].detach(),
+                [int(h) for h in r.heads],
+                [int(i) for i in r.rows],
+                T,
+                S,
+                layer=int(r.layer),
+                batch=kept[pos],
+            )
+        )
     if not entries:
-        raise ValueError(f"every record with call={call} kept 0 query rows (rows outside "
-                         f"those calls); capture other rows or pass call='all'")
+        raise ValueError(
+            f"every record with call={call} kept 0 query rows (rows outside "
+            f"those calls); capture other rows or pass call='all'"
+        )
     return entries
 
 
 # ---------------------------------------------------------------- differences and analyses
 
+
 def _shape_text(e: _Entry) -> str:
-    return (f"{e.label!r}: heads {e.heads}, {len(e.rows)} of T={e.T} query rows, S={e.S} "
-            f"keys")
+    return f"{e.label!r}: heads {e.heads}, {len(e.rows)} of T={e.T} query rows, S={e.S} keys"
 
 
 def _diff_entries(mine: list[_Entry], other: list[_Entry]) -> list[_Entry]:
     """Each head's signed difference ``mine - other``; both must have the same layers, heads,
     rows and lengths (one architecture, one input length)."""
     if len(mine) != len(other):
-        raise ValueError(f"cannot compare: {len(mine)} layer entries against {len(other)}; "
-                         f"compare two captures of the same architecture")
+        raise ValueError(
+            f"cannot compare: {len(mine)} layer entries against {len(other)}; "
+            f"compare two captures of the same architecture"
+        )
     out = []
     for a, b in zip(mine, other):
         if (a.label, a.heads, a.rows, a.T, a.S) != (b.label, b.heads, b.rows, b.T, b.S):
-            raise ValueError(f"cannot compare: {_shape_text(a)} against {_shape_text(b)}; "
-                             f"compare two captures of the same architecture, heads, rows and "
-                             f"input length")
+            raise ValueError(
+                f"cannot compare: {_shape_text(a)} against {_shape_text(b)}; "
+                f"compare two captures of the same architecture, heads, rows and "
+                f"input length"
+            )
         # float64 when both are, else float32: qkv.analysis.compare's arithmetic
-        dtype = torch.float64 if a.probs.dtype == b.probs.dtype == torch.float64 \
-            else torch.float32
+        dtype = torch.float64 if a.probs.dtype == b.probs.dtype == torch.float64 else torch.float32
         d = a.probs.to("cpu", dtype) - b.probs.to("cpu", dtype)  # (nh, nr, S)
         out.append(_Entry(a.label, d, a.heads, a.rows, a.T, a.S, kind="diff", layer=a.layer))
     return out
@@ -421,28 +514,51 @@ def _compared_entries(mine: list[_Entry], cmp: Any, call: int | str) -> list[_En
     """The entries of a comparison (``qkv.analysis.compare(obj, b)``) of the capture shown:
     each difference, and each head's mean and max ``|d|`` as the comparison computed them."""
     if call == "all" or not mine or any(e.layer is None or e.batch is None for e in mine):
-        raise ValueError("against= a comparison shows it over the capture it compared "
-                         "(one call): pass that capture as obj, and call= an int")
+        raise ValueError(
+            "against= a comparison shows it over the capture it compared "
+            "(one call): pass that capture as obj, and call= an int"
+        )
     diffs = {(int(d.layer), int(d.call)): d for d in cmp.differences}
     if len(diffs) != len(mine):
-        raise ValueError(f"cannot show this comparison: it holds {len(diffs)} layers and the "
-                         f"capture shown {len(mine)}; compare that capture (call={call})")
+        raise ValueError(
+            f"cannot show this comparison: it holds {len(diffs)} layers and the "
+            f"capture shown {len(mine)}; compare that capture (call={call})"
+        )
     stats = dict(zip(cmp.keys, zip(cmp.mean.tolist(), cmp.max.tolist())))
     out = []
     for e in mine:
         d = diffs.get((e.layer, call))
-        if d is None or ([int(h) for h in d.heads], [int(r) for r in d.rows], int(d.shape[2]),
-                         int(d.shape[3])) != (e.heads, e.rows, e.T, e.S):
-            raise ValueError(f"cannot show this comparison over {_shape_text(e)}: it compared "
-                             f"other layers, heads, rows or lengths; compare the capture shown")
+        if d is None or (
+            [int(h) for h in d.heads],
+            [int(r) for r in d.rows],
+            int(d.shape[2]),
+            int(d.shape[3]),
+        ) != (e.heads, e.rows, e.T, e.S):
+            raise ValueError(
+                f"cannot show this comparison over {_shape_text(e)}: it compared "
+                f"other layers, heads, rows or lengths; compare the capture shown"
+            )
         kept = [int(b) for b in d.batch]
         if kept != [e.batch]:
-            raise ValueError(f"the comparison covers batch elements {kept} and the page shows "
-                             f"batch element {e.batch}: compare(a, b, batch={e.batch}), or "
-                             f"pass batch= one it holds")
+            raise ValueError(
+                f"the comparison covers batch elements {kept} and the page shows "
+                f"batch element {e.batch}: compare(a, b, batch={e.batch}), or "
+                f"pass batch= one it holds"
+            )
         change = [dict(zip(("mean", "max"), stats[e.layer, h])) for h in e.heads]
-        out.append(_Entry(e.label, d.diff[0], e.heads, e.rows, e.T, e.S, kind="diff",
-                          layer=e.layer, change=change))
+        out.append(
+            _Entry(
+                e.label,
+                d.diff[0],
+                e.heads,
+                e.rows,
+                e.T,
+                e.S,
+                kind="diff",
+                layer=e.layer,
+                change=change,
+            )
+        )
     return out
 
 
@@ -453,8 +569,10 @@ def _first(x: Tensor, dims: int, what: str) -> Tensor:
     if x.dim() == dims + 1:
         x = x[0]
     if x.dim() != dims:
-        raise ValueError(f"{what} must have {dims} dims (or {dims + 1} with a batch first), "
-                         f"got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{what} must have {dims} dims (or {dims + 1} with a batch first), "
+            f"got shape {tuple(x.shape)}"
+        )
     return x.detach()
 
 
@@ -466,28 +584,44 @@ def _analysis_entries(rollout: Any, flow: Any, entries: list[_Entry]) -> list[_E
         per_head = isinstance(rollout, Tensor) and rollout.dim() == 4
         R = rollout.detach()[0] if per_head else _first(rollout, 2, "rollout")[None]  # (H', T, T)
         if R.shape[1] != R.shape[2] or R.shape[2] != S:
-            raise ValueError(f"rollout must be (T, T) (or (B, H, T, T) per head) over the "
-                             f"page's {S} tokens, got shape {tuple(rollout.shape)}")
+            raise ValueError(
+                f"rollout must be (T, T) (or (B, H, T, T) per head) over the "
+                f"page's {S} tokens, got shape {tuple(rollout.shape)}"
+            )
         label = "rollout per head (all layers)" if per_head else "rollout (all layers)"
-        out.append(_Entry(label, R, list(range(R.shape[0])), list(range(S)), S, S,
-                          kind="rollout"))
+        out.append(_Entry(label, R, list(range(R.shape[0])), list(range(S)), S, S, kind="rollout"))
     if flow is not None:
         if not (isinstance(flow, (tuple, list)) and len(flow) == 2):
-            raise TypeError("flow must be a pair (F, positions): qkv.analysis.flow's (P, T) "
-                            "result and the P output positions it was computed for")
+            raise TypeError(
+                "flow must be a pair (F, positions): qkv.analysis.flow's (P, T) "
+                "result and the P output positions it was computed for"
+            )
         F = _first(flow[0], 2, "flow[0]")  # (P, T)
         positions = [int(p) for p in flow[1]]
         if F.shape != (len(positions), S):
-            raise ValueError(f"flow must be (P, T) = ({len(positions)}, {S}) for "
-                             f"{len(positions)} positions over {S} tokens, got shape "
-                             f"{tuple(F.shape)}")
+            raise ValueError(
+                f"flow must be (P, T) = ({len(positions)}, {S}) for "
+                f"{len(positions)} positions over {S} tokens, got shape "
+                f"{tuple(F.shape)}"
+            )
         if any(not 0 <= p < S for p in positions) or len(set(positions)) != len(positions):
-            raise ValueError(f"flow positions must be distinct, in 0..{S - 1} (count negative "
-                             f"ones from the end first), got {positions}")
+            raise ValueError(
+                f"flow positions must be distinct, in 0..{S - 1} (count negative "
+                f"ones from the end first), got {positions}"
+            )
         order = sorted(range(len(positions)), key=positions.__getitem__)
-        out.append(_Entry(f"flow (position{'s' * (len(order) > 1)} "
-                          f"{', '.join(str(positions[i]) for i in order)})", F[order][None],
-                          [0], [positions[i] for i in order], S, S, kind="flow"))
+        out.append(
+            _Entry(
+                f"flow (position{'s' * (len(order) > 1)} "
+                f"{', '.join(str(positions[i]) for i in order)})",
+                F[order][None],
+                [0],
+                [positions[i] for i in order],
+                S,
+                S,
+                kind="flow",
+            )
+        )
     return out
 
 
@@ -501,8 +635,10 @@ def _scores_meta(table: Any, entries: list[_Entry]) -> dict | None:
     if table is None:
         return None
     if not all(hasattr(table, a) for a in ("names", "keys", "values", "rows")):
-        raise TypeError(f"scores must be a head-scores table (qkv.analysis.head_scores), got "
-                        f"{type(table).__name__}")
+        raise TypeError(
+            f"scores must be a head-scores table (qkv.analysis.head_scores), got "
+            f"{type(table).__name__}"
+        )
     where: dict[tuple[int, int], tuple[int, int]] = {}
     for i, e in enumerate(entries):
         if e.kind == "attention" and e.layer is not None:
@@ -511,14 +647,25 @@ def _scores_meta(table: Any, entries: list[_Entry]) -> dict | None:
     heads = []
     for (layer, head), vals in zip(table.keys, table.values.tolist()):
         at = where.get((int(layer), int(head)))
-        heads.append({"layer": int(layer), "head": int(head), "entry": at and at[0],
-                      "hi": at and at[1], "values": [_finite(float(v)) for v in vals]})
+        heads.append(
+            {
+                "layer": int(layer),
+                "head": int(head),
+                "entry": at and at[0],
+                "hi": at and at[1],
+                "values": [_finite(float(v)) for v in vals],
+            }
+        )
     used = {}
     for (layer, name), rows in table.rows.items():
         used.setdefault(str(int(layer)), {})[name] = _runs([int(r) for r in rows])
-    return {"names": list(table.names), "heads": heads, "used": used,
-            "skipped": {str(k): str(v) for k, v in getattr(table, "skipped", {}).items()},
-            "window": getattr(table, "window", None)}
+    return {
+        "names": list(table.names),
+        "heads": heads,
+        "used": used,
+        "skipped": {str(k): str(v) for k, v in getattr(table, "skipped", {}).items()},
+        "window": getattr(table, "window", None),
+    }
 
 
 def _changes(entries: list[_Entry]) -> list[dict] | None:
@@ -529,20 +676,25 @@ def _changes(entries: list[_Entry]) -> list[dict] | None:
     for i, e in enumerate(entries):
         for hi, h in enumerate(e.heads):
             d = e.probs[hi].abs()  # (nr, S)
-            mean, mx = (e.change[hi]["mean"], e.change[hi]["max"]) if e.change else \
-                (float(d.double().mean()), float(d.max()))
-            out.append({"entry": i, "hi": hi, "label": e.label, "head": h, "mean": mean,
-                        "max": mx})
+            mean, mx = (
+                (e.change[hi]["mean"], e.change[hi]["max"])
+                if e.change
+                else (float(d.double().mean()), float(d.max()))
+            )
+            out.append({"entry": i, "hi": hi, "label": e.label, "head": h, "mean": mean, "max": mx})
     out.sort(key=lambda c: -c["mean"])  # stable: ties in entry, then head order
     return out
 
 
 # ---------------------------------------------------------------- tokens and steps
 
+
 def _token_list(x: Any, what: str) -> list[str]:
     if isinstance(x, (str, bytes)):
-        raise TypeError(f"{what} must be a list of str, got a {type(x).__name__}; split it "
-                        f"first, e.g. text.split() or tokenizer.convert_ids_to_tokens(ids)")
+        raise TypeError(
+            f"{what} must be a list of str, got a {type(x).__name__}; split it "
+            f"first, e.g. text.split() or tokenizer.convert_ids_to_tokens(ids)"
+        )
     try:
         return [str(t) for t in x]
     except TypeError:
@@ -554,15 +706,20 @@ def _tokens(tokens: Any, entries: list[_Entry]) -> tuple[list[list[str]], list[t
     query row r labelled ``list[offset + r]`` and key j ``list[j]``, or None (numbered)."""
     if tokens is None:
         return [], [(None, None) for _ in entries]
-    pair = (isinstance(tokens, (list, tuple)) and len(tokens) == 2
-            and all(isinstance(t, (list, tuple)) for t in tokens))
+    pair = (
+        isinstance(tokens, (list, tuple))
+        and len(tokens) == 2
+        and all(isinstance(t, (list, tuple)) for t in tokens)
+    )
     if pair:
         lists = [_token_list(tokens[0], "query_tokens"), _token_list(tokens[1], "key_tokens")]
         for e in entries:
             if len(lists[0]) != e.T or len(lists[1]) != e.S:
-                raise ValueError(f"{e.label}: tokens=(query_tokens, key_tokens) have "
-                                 f"{len(lists[0])} and {len(lists[1])} entries, need T={e.T} "
-                                 f"and S={e.S}")
+                raise ValueError(
+                    f"{e.label}: tokens=(query_tokens, key_tokens) have "
+                    f"{len(lists[0])} and {len(lists[1])} entries, need T={e.T} "
+                    f"and S={e.S}"
+                )
         return lists, [([0, 0], 1) for _ in entries]
     lst = _token_list(tokens, "tokens")
     out = []
@@ -572,9 +729,11 @@ def _tokens(tokens: Any, entries: list[_Entry]) -> tuple[list[list[str]], list[t
         elif len(lst) == e.T:
             out.append(([0, 0], None))
         else:
-            raise ValueError(f"{e.label}: {len(lst)} tokens for T={e.T} queries and S={e.S} "
-                             f"keys; pass T tokens (or at least S when S >= T), or a pair "
-                             f"(query_tokens, key_tokens)")
+            raise ValueError(
+                f"{e.label}: {len(lst)} tokens for T={e.T} queries and S={e.S} "
+                f"keys; pass T tokens (or at least S when S >= T), or a pair "
+                f"(query_tokens, key_tokens)"
+            )
     return [lst], out
 
 
@@ -582,19 +741,24 @@ def _matrix(x: Any, name: str) -> Tensor:
     try:
         t = torch.as_tensor(x.detach() if isinstance(x, Tensor) else x).cpu()
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"steps[{name!r}] must be a 2-D array, tensor or nested list of "
-                        f"numbers, got {type(x).__name__}") from None
+        raise TypeError(
+            f"steps[{name!r}] must be a 2-D array, tensor or nested list of "
+            f"numbers, got {type(x).__name__}"
+        ) from None
     while t.dim() > 2 and t.shape[0] == 1:
         t = t[0]
     if t.dim() == 1:
         t = t.unsqueeze(0)  # (1, n): one row
     if t.dim() != 2:
-        raise ValueError(f"steps[{name!r}] must be 2-D, got shape {tuple(t.shape)}; pass one "
-                         f"head, e.g. x[0, h]")
+        raise ValueError(
+            f"steps[{name!r}] must be 2-D, got shape {tuple(t.shape)}; pass one head, e.g. x[0, h]"
+        )
     if t.numel() > _STEP_CELLS:
-        raise ValueError(f"steps[{name!r}] has {t.numel()} numbers {tuple(t.shape)}; explain "
-                         f"tables are for small inputs (at most {_STEP_CELLS} numbers each): "
-                         f"pass a slice such as x[:16, :16]")
+        raise ValueError(
+            f"steps[{name!r}] has {t.numel()} numbers {tuple(t.shape)}; explain "
+            f"tables are for small inputs (at most {_STEP_CELLS} numbers each): "
+            f"pass a slice such as x[:16, :16]"
+        )
     if t.dtype == torch.bool or not (t.dtype.is_floating_point or t.dtype.is_complex):
         t = t.double()
     if t.is_complex():
@@ -604,8 +768,10 @@ def _matrix(x: Any, name: str) -> Tensor:
 
 def _numbers(t: Tensor) -> list[list]:
     """A 2-D tensor as nested lists, 6 significant digits; non-finite numbers as strings."""
+
     def one(v: float):
         return float(f"{v:.6g}") if math.isfinite(v) else str(v)
+
     return [[one(v) for v in row] for row in t.tolist()]
 
 
@@ -617,8 +783,9 @@ def _user_steps(steps: Any, first: _Entry, labels: tuple, lists: list) -> list[d
     if steps is None:
         return []
     if not isinstance(steps, dict):
-        raise TypeError(f"steps must be a dict name -> 2-D array (in display order), got "
-                        f"{type(steps).__name__}")
+        raise TypeError(
+            f"steps must be a dict name -> 2-D array (in display order), got {type(steps).__name__}"
+        )
     out = []
     for name, x in steps.items():
         t = _matrix(x, str(name))
@@ -651,23 +818,32 @@ def _trace_steps(trace: MultiHeadTrace, b: int | None, T: int, S: int) -> list[d
     found = []
     for h in range(H):
         g = h // (H // G)
-        for name, t, rows, cols in (("Q", q[h], "q", None), ("K", k[g], "k", None),
-                                    ("V", v[g], "k", None), ("scores", scores[h], "q", "k"),
-                                    ("softmax", probs[h], "q", "k"), ("output", out[h], "q", None)):
+        for name, t, rows, cols in (
+            ("Q", q[h], "q", None),
+            ("K", k[g], "k", None),
+            ("V", v[g], "k", None),
+            ("scores", scores[h], "q", "k"),
+            ("softmax", probs[h], "q", "k"),
+            ("output", out[h], "q", None),
+        ):
             found.append(_table(name, t.detach().double().cpu(), h, rows, cols))
     return found
 
 
 # ---------------------------------------------------------------- encoding
 
+
 def _check_weights(w: Tensor, where: str) -> None:
     lo, hi = (float(x) for x in torch.aminmax(w))  # NaN anywhere makes both NaN
     if math.isnan(lo) or math.isnan(hi):
-        raise ValueError(f"{where}: the weights hold NaN; pass attention probabilities "
-                         f"(trace.probs)")
+        raise ValueError(
+            f"{where}: the weights hold NaN; pass attention probabilities (trace.probs)"
+        )
     if lo < 0 or hi > 1 + _VALUE_SLACK:
-        raise ValueError(f"{where}: weights must lie in [0, 1], got min {lo:.4g} and max "
-                         f"{hi:.4g}; pass attention probabilities (trace.probs, not scores)")
+        raise ValueError(
+            f"{where}: weights must lie in [0, 1], got min {lo:.4g} and max "
+            f"{hi:.4g}; pass attention probabilities (trace.probs, not scores)"
+        )
 
 
 def _bytes(t: Tensor) -> bytes:
@@ -679,7 +855,7 @@ def _bytes(t: Tensor) -> bytes:
     if sys.byteorder == "big":  # pragma: no cover - torch ships for little-endian hosts
         size = t.element_size()
         for i in range(0, len(buf), size):
-            buf[i:i + size] = buf[i:i + size][::-1]
+            buf[i : i + size] = buf[i : i + size][::-1]
     return bytes(buf)
 
 
@@ -714,12 +890,12 @@ def _encode_signed(d: Tensor, budget: int, where: str) -> tuple[dict, str]:
     gr, gc = math.ceil(nr / block), math.ceil(S / block)
     grid = torch.empty(gr, gc)  # (gr, gc) the signed cell of largest |d| in each block
     for g0 in range(0, gr, max(1, 2048 // block)):
-        rows = d[g0 * block:(g0 + max(1, 2048 // block)) * block]  # (n, S)
+        rows = d[g0 * block : (g0 + max(1, 2048 // block)) * block]  # (n, S)
         n = math.ceil(rows.shape[0] / block)
         padded = torch.nn.functional.pad(rows, (0, gc * block - S, 0, n * block - rows.shape[0]))
         blocks = padded.view(n, block, gc, block).permute(0, 2, 1, 3).reshape(n, gc, -1)
         pick = blocks.abs().argmax(-1, keepdim=True)  # (n, gc, 1)
-        grid[g0:g0 + n] = blocks.gather(-1, pick)[..., 0]
+        grid[g0 : g0 + n] = blocks.gather(-1, pick)[..., 0]
     info = {"mode": "sb", "vmax": vmax, "block": block, "gr": gr, "gc": gc}
     return info, base64.b64encode(_bytes(grid.half())).decode()
 
@@ -741,7 +917,7 @@ def _encode_top(w: Tensor, budget: int, where: str) -> tuple[dict, str]:
     full = S // block * block
     step = block * max(1, 2048 // block)  # rows per chunk: a float32 chunk of S columns
     for r0 in range(0, nr, step):
-        chunk = w[r0:r0 + step].to(device="cpu", dtype=torch.float32)  # (n, S)
+        chunk = w[r0 : r0 + step].to(device="cpu", dtype=torch.float32)  # (n, S)
         _check_weights(chunk, where)
         n = chunk.shape[0]
         maxima = [chunk[:, :full].reshape(n, full // block, block).amax(2)]  # (n, S // block)
@@ -749,17 +925,25 @@ def _encode_top(w: Tensor, budget: int, where: str) -> tuple[dict, str]:
             maxima.append(chunk[:, full:].amax(1, keepdim=True))  # (n, 1)
         by_block = torch.cat(maxima, 1)  # (n, gc): each row's max over each block of keys
         padded = torch.cat([by_block, by_block.new_zeros((-n) % block, gc)])  # (n', gc)
-        grid[r0 // block:r0 // block + padded.shape[0] // block] = \
-            padded.view(-1, block, gc).amax(1)  # (n' / block, gc)
-        span[r0:r0 + n] = _support(chunk, by_block, block).to(itype)
+        grid[r0 // block : r0 // block + padded.shape[0] // block] = padded.view(
+            -1, block, gc
+        ).amax(1)  # (n' / block, gc)
+        span[r0 : r0 + n] = _support(chunk, by_block, block).to(itype)
         if k > 0:
             top_v, top_i = chunk.topk(k, dim=1)  # (n, k)
             top_i, order = top_i.sort(dim=1)  # ascending key index, for a binary search
-            val[r0:r0 + n] = top_v.gather(1, order).half()
-            idx[r0:r0 + n] = top_i.to(itype)
+            val[r0 : r0 + n] = top_v.gather(1, order).half()
+            idx[r0 : r0 + n] = top_i.to(itype)
     payload = _bytes(idx) + _bytes(span) + _bytes(val) + _bytes(grid.half())
-    info = {"mode": "top", "vmax": float(grid.max()), "block": block, "gr": gr, "gc": gc,
-            "k": max(k, 0), "ib": ib}
+    info = {
+        "mode": "top",
+        "vmax": float(grid.max()),
+        "block": block,
+        "gr": gr,
+        "gc": gc,
+        "k": max(k, 0),
+        "ib": ib,
+    }
     return info, base64.b64encode(payload).decode()
 
 
@@ -797,6 +981,7 @@ def _runs(rows: list[int]) -> list[list[int]]:
 
 # ---------------------------------------------------------------- page
 
+
 def _asset(name: str) -> str:
     return resources.files("qkv.viz").joinpath(name).read_text(encoding="utf-8")
 
@@ -822,12 +1007,19 @@ def _page(meta: dict, blobs: list[str]) -> str:
     if meta["changes"] is not None:
         tab_explain += '<button id="tab-changes" type="button">Changes</button>'
         view_explain += _VIEW_CHANGES
-    data = "\n".join(f'<script type="application/octet-stream" id="qkv-blob-{i}">{b}</script>'
-                     for i, b in enumerate(blobs))
+    data = "\n".join(
+        f'<script type="application/octet-stream" id="qkv-blob-{i}">{b}</script>'
+        for i, b in enumerate(blobs)
+    )
     return _TEMPLATE.format(
-        title=title, css=_asset("viewer.css"), js=_asset("viewer.js"),
-        tab_explain=tab_explain, view_explain=view_explain,
-        meta=_json_script(meta), data=data)
+        title=title,
+        css=_asset("viewer.css"),
+        js=_asset("viewer.js"),
+        tab_explain=tab_explain,
+        view_explain=view_explain,
+        meta=_json_script(meta),
+        data=data,
+    )
 
 
 _VIEW_SCORES = """

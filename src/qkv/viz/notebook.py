@@ -27,10 +27,12 @@ options (``tokens=``, ``title=``, ``batch=``, ``call=``, ``max_cells=``, ``score
   does. A bare ``_repr_html_`` (a cell ending in ``trace``) refuses past ``2**26`` weights
   and says how to show them (:func:`show`, which always renders, or ``trace.select``).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from html import escape
-from typing import Any, Sequence
+from typing import Any
 
 from ..trace import AttentionTrace
 from .html import _page_text
@@ -51,23 +53,33 @@ class InlineViewer:
         width, height: The iframe's CSS width and height.
     """
 
-    def __init__(self, page: str, *, title: str, width: int | str = "100%",
-                 height: int = _HEIGHT) -> None:
+    def __init__(
+        self, page: str, *, title: str, width: int | str = "100%", height: int = _HEIGHT
+    ) -> None:
         self.page, self.title, self.width, self.height = page, title, width, height
 
     def _repr_html_(self) -> str:
         width = f"{self.width}px" if isinstance(self.width, int) else self.width
-        return (f'<iframe srcdoc="{escape(self.page, quote=True)}" sandbox="allow-scripts" '
-                f'title="{escape(self.title, quote=True)}" referrerpolicy="no-referrer" '
-                f'style="width: {escape(width, quote=True)}; height: {self.height}px; '
-                f'border: 1px solid #d7dbe3; border-radius: 4px;"></iframe>')
+        return (
+            f'<iframe srcdoc="{escape(self.page, quote=True)}" sandbox="allow-scripts" '
+            f'title="{escape(self.title, quote=True)}" referrerpolicy="no-referrer" '
+            f'style="width: {escape(width, quote=True)}; height: {self.height}px; '
+            f'border: 1px solid #d7dbe3; border-radius: 4px;"></iframe>'
+        )
 
     def __repr__(self) -> str:
         return f"InlineViewer({self.title!r}, {len(self.page.encode())} bytes)"
 
 
-def show(obj: Any, tokens: Sequence[str] | None = None, *, width: int | str = "100%",
-         height: int = _HEIGHT, max_cells: int = _INLINE_CELLS, **html_kwargs: Any) -> InlineViewer:
+def show(
+    obj: Any,
+    tokens: Sequence[str] | None = None,
+    *,
+    width: int | str = "100%",
+    height: int = _HEIGHT,
+    max_cells: int = _INLINE_CELLS,
+    **html_kwargs: Any,
+) -> InlineViewer:
     """The viewer of ``obj`` inline in a notebook (the last line of a cell, or ``display()``).
 
     Args:
@@ -93,13 +105,17 @@ def show(obj: Any, tokens: Sequence[str] | None = None, *, width: int | str = "1
     """
     if isinstance(height, bool) or not isinstance(height, int) or height < 1:
         raise ValueError(f"height must be a positive int (pixels), got {height!r}")
-    if isinstance(width, bool) or not (isinstance(width, int) and width > 0
-                                       or isinstance(width, str) and width.strip()):
-        raise ValueError(f"width must be a positive int (pixels) or a CSS length such as "
-                         f"'100%', got {width!r}")
+    if isinstance(width, bool) or not (
+        (isinstance(width, int) and width > 0) or (isinstance(width, str) and width.strip())
+    ):
+        raise ValueError(
+            f"width must be a positive int (pixels) or a CSS length such as '100%', got {width!r}"
+        )
     if "path" in html_kwargs:
-        raise TypeError("show takes no path: it shows the page inline; write a file with "
-                        "qkv.viz.html(obj, path)")
+        raise TypeError(
+            "show takes no path: it shows the page inline; write a file with "
+            "qkv.viz.html(obj, path)"
+        )
     page = _page_text(obj, tokens, max_cells=max_cells, **html_kwargs)
     title = html_kwargs.get("title") or "qkv attention"
     return InlineViewer(page, title=f"qkv viewer: {title}", width=width, height=height)
@@ -110,10 +126,13 @@ def repr_html(obj: Any) -> str:
     not (too many weights to show unasked, or nothing the viewer can show)."""
     cells = _cells(obj)
     if cells is not None and cells > _REPR_CELLS:
-        return _note(obj, f"not drawn; one batch element holds {cells:,} weights, more than "
-                          f"{_REPR_CELLS:,} (2**26) to compute unasked. Show a part, e.g. "
-                          f"qkv.viz.show(trace.select(heads=[0], rows=range(64))), or all of "
-                          f"it with qkv.viz.show(obj) (stored within max_cells={_INLINE_CELLS:,})")
+        return _note(
+            obj,
+            f"not drawn; one batch element holds {cells:,} weights, more than "
+            f"{_REPR_CELLS:,} (2**26) to compute unasked. Show a part, e.g. "
+            f"qkv.viz.show(trace.select(heads=[0], rows=range(64))), or all of "
+            f"it with qkv.viz.show(obj) (stored within max_cells={_INLINE_CELLS:,})",
+        )
     try:
         return show(obj)._repr_html_()
     except (TypeError, ValueError) as e:
@@ -121,8 +140,10 @@ def repr_html(obj: Any) -> str:
 
 
 def _note(obj: Any, text: str) -> str:
-    return (f'<div class="qkv-note"><pre>{escape(repr(obj))}</pre>'
-            f'<p style="color: #5b6475;">qkv viewer: {escape(text)}</p></div>')
+    return (
+        f'<div class="qkv-note"><pre>{escape(repr(obj))}</pre>'
+        f'<p style="color: #5b6475;">qkv viewer: {escape(text)}</p></div>'
+    )
 
 
 def _cells(obj: Any) -> int | None:
@@ -135,8 +156,9 @@ def _cells(obj: Any) -> int | None:
         for name in ("_probs", "_scores"):
             if not callable(getattr(obj, name)):
                 return H * T * getattr(obj, name).shape[-1]
-        one = obj.select(batch=[0] if len(lead) == 2 else None,
-                         heads=[0] if lead else None, rows=[0])  # (.., 1, S): one row only
+        one = obj.select(
+            batch=[0] if len(lead) == 2 else None, heads=[0] if lead else None, rows=[0]
+        )  # (.., 1, S): one row only
         return H * T * one.probs.shape[-1]
     records = getattr(obj, "records", None)
     if isinstance(records, list):

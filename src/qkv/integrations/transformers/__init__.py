@@ -41,6 +41,7 @@ Laid out by job: :mod:`.attention` (the attention function and every keyword's d
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim.
 """
+
 from __future__ import annotations
 
 import functools
@@ -49,8 +50,16 @@ from .attention import KEYWORDS_IGNORED_AS_EAGER, KEYWORDS_IMPLEMENTED, attentio
 from .masks import HFMask, HFMaskTensor, build_mask
 from .tables import refuse_in_own_tables
 
-__all__ = ["register", "attention_forward", "build_mask", "HFMask", "HFMaskTensor",
-           "SUPPORTED_VERSIONS", "KEYWORDS_IMPLEMENTED", "KEYWORDS_IGNORED_AS_EAGER"]
+__all__ = [
+    "KEYWORDS_IGNORED_AS_EAGER",
+    "KEYWORDS_IMPLEMENTED",
+    "SUPPORTED_VERSIONS",
+    "HFMask",
+    "HFMaskTensor",
+    "attention_forward",
+    "build_mask",
+    "register",
+]
 
 # transformers >= 5.3, < 6 (tested: 5.3.0 and 5.23.0). 5.3 is the first whose models report
 # output_attentions to the attention function (through its output recorder).
@@ -85,12 +94,15 @@ def _import_transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ImportError("qkv.integrations.transformers needs transformers 5.x: "
-                          "pip install 'qkv[hf]'") from e
+        raise ImportError(
+            "qkv.integrations.transformers needs transformers 5.x: pip install 'qkv[hf]'"
+        ) from e
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2])
     low, high = SUPPORTED_VERSIONS
     if not low <= version < high:
-        raise ImportError(f"qkv.integrations.transformers supports transformers "
-                          f">={'.'.join(map(str, low))},<{high[0]}, found "
-                          f"{transformers.__version__}: pip install 'qkv[hf]'")
+        raise ImportError(
+            f"qkv.integrations.transformers supports transformers "
+            f">={'.'.join(map(str, low))},<{high[0]}, found "
+            f"{transformers.__version__}: pip install 'qkv[hf]'"
+        )
     return transformers

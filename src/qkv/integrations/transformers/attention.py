@@ -4,6 +4,7 @@ does with every keyword transformers passes.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ from ... import masks
 from ...functional import scaled_dot_product_attention
 from .masks import HFMask, _mask_args
 
-__all__ = ["attention_forward", "KEYWORDS_IMPLEMENTED", "KEYWORDS_IGNORED_AS_EAGER"]
+__all__ = ["KEYWORDS_IGNORED_AS_EAGER", "KEYWORDS_IMPLEMENTED", "attention_forward"]
 
 # Arguments some models pass that change the result and that qkv does not implement yet:
 # refused with their names, never dropped (dropping block_indices once gave dense attention).
@@ -21,21 +22,52 @@ _REFUSED: dict[str, str] = {}
 # Every keyword a modeling file of transformers passes to its attention function, by what qkv
 # does with it (tests/test_hf_integration.py scans the installed transformers against this,
 # so a new keyword fails there until it is classified).
-KEYWORDS_IMPLEMENTED = frozenset({
-    "attention_mask", "dropout", "scaling", "is_causal", "sliding_window", "softcap",
-    "position_bias", "s_aux", "sinks", "output_attentions", "query", "key", "value",
-    "indices", "block_indices"})
+KEYWORDS_IMPLEMENTED = frozenset(
+    {
+        "attention_mask",
+        "dropout",
+        "scaling",
+        "is_causal",
+        "sliding_window",
+        "softcap",
+        "position_bias",
+        "s_aux",
+        "sinks",
+        "output_attentions",
+        "query",
+        "key",
+        "value",
+        "indices",
+        "block_indices",
+    }
+)
 # Passed for FlashAttention's variable-length kernels or its options; transformers' eager
 # attention ignores them too (the attention_mask carries the same segments).
-KEYWORDS_IGNORED_AS_EAGER = frozenset({
-    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids",
-    "deterministic"})
+KEYWORDS_IGNORED_AS_EAGER = frozenset(
+    {
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "position_ids",
+        "deterministic",
+    }
+)
 
 
-def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
-                      attention_mask: HFMask | Tensor | None, dropout: float = 0.0,
-                      scaling: float | None = None, is_causal: bool | None = None, *,
-                      backend: str = "auto", **kwargs) -> tuple[Tensor, Tensor | None]:
+def attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: HFMask | Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    *,
+    backend: str = "auto",
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
     """transformers' attention function signature, computed by qkv.
 
     Args:
@@ -61,24 +93,36 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """
     for arg, what in _REFUSED.items():
         if kwargs.get(arg) is not None:
-            raise NotImplementedError(f"qkv's attention does not implement {what} yet; run this "
-                                      f"model with attn_implementation='eager' or 'sdpa'")
+            raise NotImplementedError(
+                f"qkv's attention does not implement {what} yet; run this "
+                f"model with attn_implementation='eager' or 'sdpa'"
+            )
     T, S = query.shape[-2], key.shape[-2]
-    attn_mask, mask_mod, causal = _mask_args(module, attention_mask, T, S, is_causal,
-                                             kwargs.get("sliding_window"), query.device)
+    attn_mask, mask_mod, causal = _mask_args(
+        module, attention_mask, T, S, is_causal, kwargs.get("sliding_window"), query.device
+    )
     attn_mask = _with_bias(attn_mask, kwargs.get("position_bias"))
     attn_mask = _with_selection(attn_mask, _selected_keys(module, query, S, kwargs))
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: per head (H,); inkling2:
-    if sinks is not None and sinks.dim() == 4:         # per query row (B, H, T, 1)
+    if sinks is not None and sinks.dim() == 4:  # per query row (B, H, T, 1)
         sinks = sinks.squeeze(-1)
     want = _weights_wanted(kwargs)
     res = scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout, is_causal=causal,
-        scale=scaling, enable_gqa=query.shape[-3] != key.shape[-3], backend=backend,
-        return_trace=want, mask_mod=mask_mod,
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout,
+        is_causal=causal,
+        scale=scaling,
+        enable_gqa=query.shape[-3] != key.shape[-3],
+        backend=backend,
+        return_trace=want,
+        mask_mod=mask_mod,
         score_mod=masks.softcap(softcap) if softcap else None,
-        sinks=None if sinks is None else sinks.to(query.device))
+        sinks=None if sinks is None else sinks.to(query.device),
+    )
     out, trace = res if want else (res, None)  # (B, H, T, D)
     weights = trace.probs.to(query.dtype) if want else None  # (B, H, T, S)
     return out.transpose(1, 2).contiguous(), weights  # (B, T, H, D)
@@ -117,8 +161,9 @@ def _selected_keys(module, query: Tensor, S: int, kwargs: dict) -> Tensor | None
         raise ValueError("got both indices= and block_indices=; a model passes one")
     if idx is not None:
         if idx.dim() != 3 or idx.shape[1] != query.shape[-2]:
-            raise ValueError(f"indices= must be (B, T, k) with T={query.shape[-2]}, "
-                             f"got {tuple(idx.shape)}")
+            raise ValueError(
+                f"indices= must be (B, T, k) with T={query.shape[-2]}, got {tuple(idx.shape)}"
+            )
         keep = torch.zeros(idx.shape[0], idx.shape[1], S + 1, dtype=torch.bool, device=idx.device)
         keep.scatter_(-1, idx.long().masked_fill(idx < 0, S), True)  # -1 lands in a spare column
         return keep[..., :S].unsqueeze(1)
@@ -127,13 +172,17 @@ def _selected_keys(module, query: Tensor, S: int, kwargs: dict) -> Tensor | None
     size = getattr(getattr(module, "indexer", None), "block_size", None)
     size = size or getattr(getattr(module, "config", None), "index_block_size", None)
     if not isinstance(size, int):
-        raise ValueError("block_indices= needs the key block size: qkv reads it from "
-                         "module.indexer.block_size or module.config.index_block_size, and "
-                         f"{type(module).__name__} has neither")
+        raise ValueError(
+            "block_indices= needs the key block size: qkv reads it from "
+            "module.indexer.block_size or module.config.index_block_size, and "
+            f"{type(module).__name__} has neither"
+        )
     H, H_idx = query.shape[-3], blocks.shape[1]
     if blocks.dim() != 4 or H % H_idx:
-        raise ValueError(f"block_indices= must be (B, H_idx, T, k) with H_idx dividing "
-                         f"H={H}, got {tuple(blocks.shape)}")
+        raise ValueError(
+            f"block_indices= must be (B, H_idx, T, k) with H_idx dividing "
+            f"H={H}, got {tuple(blocks.shape)}"
+        )
     n = -(-S // size)
     keep = torch.zeros(*blocks.shape[:3], n + 1, dtype=torch.bool, device=blocks.device)
     keep.scatter_(-1, blocks.long().masked_fill(blocks < 0, n), True)

@@ -5,12 +5,13 @@ per-block mask functions) for the attention function.
 
 Shape alphabet: B batch, T query length, S key length.
 """
+
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -89,8 +90,11 @@ class HFMaskTensor(Tensor):
                 dtype, device = self.dtype, self.device
             ok = _dense_keep(self.description, B, device)
             low = torch.finfo(dtype).min if dtype.is_floating_point else False
-            self._dense = torch.where(ok, torch.zeros((), dtype=dtype, device=device),
-                                      torch.full((), low, dtype=dtype, device=device))
+            self._dense = torch.where(
+                ok,
+                torch.zeros((), dtype=dtype, device=device),
+                torch.full((), low, dtype=dtype, device=device),
+            )
         return self._dense
 
     @classmethod
@@ -106,16 +110,35 @@ class HFMaskTensor(Tensor):
         return f"HFMaskTensor({self.description!r})"
 
 
-_METADATA = {Tensor.shape.__get__, Tensor.dtype.__get__, Tensor.device.__get__,
-             Tensor.ndim.__get__, Tensor.dim, Tensor.size, Tensor.layout.__get__,
-             Tensor.is_floating_point, Tensor.requires_grad.__get__, Tensor.is_cuda.__get__,
-             Tensor.is_meta.__get__, Tensor.numel}
+_METADATA = {
+    Tensor.shape.__get__,
+    Tensor.dtype.__get__,
+    Tensor.device.__get__,
+    Tensor.ndim.__get__,
+    Tensor.dim,
+    Tensor.size,
+    Tensor.layout.__get__,
+    Tensor.is_floating_point,
+    Tensor.requires_grad.__get__,
+    Tensor.is_cuda.__get__,
+    Tensor.is_meta.__get__,
+    Tensor.numel,
+}
 
 
-def build_mask(batch_size: int, q_length: int | None = None, kv_length: int | None = None,
-               q_offset: int = 0, kv_offset: int = 0, mask_function: Callable | None = None,
-               attention_mask: Tensor | None = None, use_vmap: bool = False, *,
-               cache_position: Tensor | None = None, **kwargs) -> HFMaskTensor | HFMask:
+def build_mask(
+    batch_size: int,
+    q_length: int | None = None,
+    kv_length: int | None = None,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: Tensor | None = None,
+    use_vmap: bool = False,
+    *,
+    cache_position: Tensor | None = None,
+    **kwargs,
+) -> HFMaskTensor | HFMask:
     """transformers' mask interface for qkv: an :class:`HFMaskTensor` (under tracing, the
     plain :class:`HFMask`), no ``(T, S)`` tensor until model code reads its values.
 
@@ -135,11 +158,18 @@ def build_mask(batch_size: int, q_length: int | None = None, kv_length: int | No
     padding = None
     if attention_mask is not None:
         full = prepare_padding_mask(attention_mask.bool(), kv_length, int(kv_offset))
-        padding = full[:, int(kv_offset): int(kv_offset) + kv_length]  # (B, S)
+        padding = full[:, int(kv_offset) : int(kv_offset) + kv_length]  # (B, S)
         if not tracing() and bool(padding.all()):  # a graph keeps the all-True mask: no sync
             padding = None
-    description = HFMask(mask_function or causal_mask_function, q_length, kv_length,
-                         int(q_offset), int(kv_offset), padding, bool(use_vmap))
+    description = HFMask(
+        mask_function or causal_mask_function,
+        q_length,
+        kv_length,
+        int(q_offset),
+        int(kv_offset),
+        padding,
+        bool(use_vmap),
+    )
     if tracing() and not compiling_plainly():
         # torch.export's non-strict mode and torch.func cannot make the subclass from their
         # fake tensors: they get the description (a model that reads the mask fails there).
@@ -153,13 +183,14 @@ def _query_positions(cache_position: Tensor) -> tuple[int, int]:
     T = cache_position.numel()
     first = int(cache_position[0]) if T else 0
     if T and not torch.equal(cache_position.cpu(), torch.arange(first, first + T, device="cpu")):
-        raise ValueError(f"attn_implementation='qkv' needs consecutive query positions, got "
-                         f"cache_position {cache_position.tolist()[:8]}...")
+        raise ValueError(
+            f"attn_implementation='qkv' needs consecutive query positions, got "
+            f"cache_position {cache_position.tolist()[:8]}..."
+        )
     return T, first
 
 
-def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_window,
-               device=None):
+def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_window, device=None):
     """``(attn_mask, mask_mod, is_causal)`` for qkv from what transformers passed."""
     if isinstance(mask, HFMaskTensor):
         mask = mask.description
@@ -171,8 +202,10 @@ def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_win
                 # it over every key; so does qkv, rather than refuse what they run.
                 B = 1 if mask.padding is None else mask.padding.shape[0]
                 return _dense_keep(mask, B, device), None, False
-            raise ValueError(f"transformers built the mask for T={mask.q_length}, "
-                             f"S={mask.kv_length}, but the attention call has T={T}, S={S}")
+            raise ValueError(
+                f"transformers built the mask for T={mask.q_length}, "
+                f"S={mask.kv_length}, but the attention call has T={T}, S={S}"
+            )
         keep = None if mask.padding is None else mask.padding[:, None, None, :]  # (B, 1, 1, S)
         mask_mod, causal = _structure(mask, T, S)
         return keep, mask_mod, causal
@@ -181,9 +214,11 @@ def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_win
             mask = mask[..., :S]
         return mask, None, False
     if mask is not None:
-        raise TypeError(f"attn_implementation='qkv' got an attention_mask of type "
-                        f"{type(mask).__name__}; it takes the masks qkv's mask interface "
-                        f"builds, 4-D tensors, or None")
+        raise TypeError(
+            f"attn_implementation='qkv' got an attention_mask of type "
+            f"{type(mask).__name__}; it takes the masks qkv's mask interface "
+            f"builds, 4-D tensors, or None"
+        )
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     causal = bool(causal) and T > 1  # as transformers' sdpa: one query sees every key
     if causal and sliding_window:
@@ -196,8 +231,9 @@ def _structure(mask: HFMask, T: int, S: int) -> tuple[MaskMod | None, bool]:
     d = mask.q_offset - mask.kv_offset  # key j may be seen by query i iff j <= i + d, causally
     window = _window_of(mask.mask_function)
     if window is None:
-        return _HFFunction(mask.mask_function, mask.q_offset, mask.kv_offset,
-                           mask.per_element), False
+        return _HFFunction(
+            mask.mask_function, mask.q_offset, mask.kv_offset, mask.per_element
+        ), False
     if window is _EVERYTHING:
         return None, False
     left, right = window
@@ -233,8 +269,11 @@ def _window_of(fn) -> tuple[int | None, int | None] | tuple | None:
     if code is _code(mu.sliding_window_overlay) and isinstance(cells.get("sliding_window"), int):
         return (cells["sliding_window"] - 1, None)  # kv > q - w
     bidirectional = getattr(mu, "sliding_window_bidirectional_overlay", None)  # not in every 5.x
-    if (bidirectional is not None and code is _code(bidirectional)
-            and isinstance(cells.get("sliding_window"), int)):
+    if (
+        bidirectional is not None
+        and code is _code(bidirectional)
+        and isinstance(cells.get("sliding_window"), int)
+    ):
         w = cells["sliding_window"]
         return (w, w)  # |q - kv| <= w
     if code is _code(mu.and_masks) and isinstance(cells.get("mask_functions"), tuple):
@@ -248,7 +287,7 @@ def _window_of(fn) -> tuple[int | None, int | None] | tuple | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _code(factory):
     """The code object of the closure ``factory`` returns (the same for every argument):
     the window overlays take a size, ``and_masks`` functions."""
@@ -291,12 +330,18 @@ class _HFFunction(MaskMod):
     """
 
     def __init__(self, fn: Callable, q_offset: int, kv_offset: int, per_element: bool) -> None:
-        self.fn, self.q_offset, self.kv_offset, self.per_element = fn, q_offset, kv_offset, per_element
+        self.fn, self.q_offset, self.kv_offset, self.per_element = (
+            fn,
+            q_offset,
+            kv_offset,
+            per_element,
+        )
 
     def __call__(self, b, h, q_idx, kv_idx):
         q, kv = q_idx + self.q_offset, kv_idx + self.kv_offset
         if self.per_element:
             from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
             with TransformGetItemToIndex():
                 return masks.per_element(self.fn, None, b, h, q, kv)
         return self.fn(b, h, q, kv)

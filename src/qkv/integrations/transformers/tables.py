@@ -1,4 +1,5 @@
 """Models that keep their own tables of attention classes: :func:`refuse_in_own_tables`."""
+
 from __future__ import annotations
 
 # --- models that keep their own tables of attention classes -------------------------------------
@@ -16,6 +17,7 @@ _TABLE_SUFFIX = "_ATTENTION_CLASSES"
 
 def refuse_in_own_tables(name: str) -> None:
     import sys
+
     _OWN_TABLE_NAMES.add(name)
     for module_name, module in list(sys.modules.items()):
         if _is_modeling_module(module_name) and module is not None:
@@ -26,16 +28,26 @@ def refuse_in_own_tables(name: str) -> None:
 
 def _is_modeling_module(name: str) -> bool:
     parts = name.split(".")
-    return (len(parts) == 4 and parts[:2] == ["transformers", "models"]
-            and parts[3].startswith("modeling_"))
+    return (
+        len(parts) == 4
+        and parts[:2] == ["transformers", "models"]
+        and parts[3].startswith("modeling_")
+    )
 
 
 def _patch_tables(module) -> None:
     for attr, table in list(vars(module).items()):
         if attr.endswith(_TABLE_SUFFIX) and isinstance(table, dict):
             for name in _OWN_TABLE_NAMES:
-                table.setdefault(name, _OwnTableRefusal(module.__name__, attr, name,
-                                                        sorted(k for k in table if k not in _OWN_TABLE_NAMES)))
+                table.setdefault(
+                    name,
+                    _OwnTableRefusal(
+                        module.__name__,
+                        attr,
+                        name,
+                        sorted(k for k in table if k not in _OWN_TABLE_NAMES),
+                    ),
+                )
 
 
 class _OwnTableRefusal:
@@ -52,7 +64,8 @@ class _OwnTableRefusal:
             f"so attn_implementation={self.name!r} cannot run it. Build it with one of those; in "
             f"a composite model, give {self.name!r} only to the sub-configs whose attention goes "
             f"through the interface, e.g. attn_implementation={{'text_config': {self.name!r}, "
-            f"'vision_config': 'eager'}}")
+            f"'vision_config': 'eager'}}"
+        )
 
 
 class _TablePatcher:
@@ -61,6 +74,7 @@ class _TablePatcher:
 
     def find_spec(self, fullname, path, target=None):
         import sys
+
         if not _is_modeling_module(fullname):
             return None
         for finder in sys.meta_path:

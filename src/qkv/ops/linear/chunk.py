@@ -27,19 +27,25 @@ The slow twins are in ``naive.py`` beside this file; tests compare the two by na
 Shape alphabet: N flattened batch x heads, T query length, S key length, D head dim,
 M features, Dv value dim, n chunks in a block, L chunk length.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
 
 from .feature_maps import Features
 
-__all__ = ["LinearState", "linear_attention_global", "linear_attention_chunked", "CHUNK_SIZE",
-           "BLOCK"]
+__all__ = [
+    "BLOCK",
+    "CHUNK_SIZE",
+    "LinearState",
+    "linear_attention_chunked",
+    "linear_attention_global",
+]
 
 CHUNK_SIZE = 64
 BLOCK = 1024
@@ -63,14 +69,24 @@ class LinearState:
     m: Tensor
 
     @classmethod
-    def zeros(cls, N: int, M: int, Dv: int, *, device, dtype) -> "LinearState":
-        return cls(torch.zeros(N, M, Dv, device=device, dtype=dtype),
-                   torch.zeros(N, M, device=device, dtype=dtype),
-                   torch.full((N,), float("-inf"), device=device, dtype=dtype))
+    def zeros(cls, N: int, M: int, Dv: int, *, device, dtype) -> LinearState:
+        return cls(
+            torch.zeros(N, M, Dv, device=device, dtype=dtype),
+            torch.zeros(N, M, device=device, dtype=dtype),
+            torch.full((N,), float("-inf"), device=device, dtype=dtype),
+        )
 
 
-def linear_attention_global(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
-                            key_mask: Tensor | None, eps: float, *, block: int = BLOCK) -> Tensor:
+def linear_attention_global(
+    phi: FeatureFn,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    eps: float,
+    *,
+    block: int = BLOCK,
+) -> Tensor:
     """Non-causal linear attention: ``phi(Q) (phi(K)^T V)`` over its normaliser.
 
     Shape:
@@ -84,10 +100,18 @@ def linear_attention_global(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
     return _join((_readout(phi(qb), state, eps) for qb in q.split(block, 1)), q, v)
 
 
-def linear_attention_chunked(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
-                             key_mask: Tensor | None, eps: float, *,
-                             state: LinearState | None = None, chunk_size: int = CHUNK_SIZE,
-                             block: int = BLOCK) -> tuple[Tensor, LinearState]:
+def linear_attention_chunked(
+    phi: FeatureFn,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_mask: Tensor | None,
+    eps: float,
+    *,
+    state: LinearState | None = None,
+    chunk_size: int = CHUNK_SIZE,
+    block: int = BLOCK,
+) -> tuple[Tensor, LinearState]:
     """Causal linear attention (``j <= i``), chunk-wise, continuing from ``state``.
 
     Position ``i`` here is position ``len(state) + i`` of the sequence: the state's keys come
@@ -103,6 +127,7 @@ def linear_attention_chunked(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
     if state is None:
         M = phi(k[:1, :1]).values.shape[-1]
         state = LinearState.zeros(q.shape[0], M, v.shape[-1], device=v.device, dtype=v.dtype)
+
     def outputs():
         nonlocal state
         for qb, kb, vb, mb in zip(*_blocks(block, q, k, v, key_mask)):
@@ -112,8 +137,15 @@ def linear_attention_chunked(phi: FeatureFn, q: Tensor, k: Tensor, v: Tensor,
     return _join(outputs(), q, v), state
 
 
-def _causal_block(fq: Features, fk: Features, v: Tensor, key_mask: Tensor | None, eps: float,
-                  state: LinearState, chunk_size: int) -> tuple[Tensor, LinearState]:
+def _causal_block(
+    fq: Features,
+    fk: Features,
+    v: Tensor,
+    key_mask: Tensor | None,
+    eps: float,
+    state: LinearState,
+    chunk_size: int,
+) -> tuple[Tensor, LinearState]:
     """Causal linear attention over one block, from ``state``.
 
     Shape:
@@ -125,9 +157,13 @@ def _causal_block(fq: Features, fk: Features, v: Tensor, key_mask: Tensor | None
     n = -(-P // L)
     if n * L != P:  # padded positions are keys nobody sees and queries nobody reads
         pad = n * L - P
-        key_mask = torch.ones(N, P, dtype=torch.bool, device=v.device) if key_mask is None else key_mask
-        fq, fk = (Features(_pad(f.values, pad), None if f.log_scale is None else _pad(f.log_scale, pad))
-                  for f in (fq, fk))
+        key_mask = (
+            torch.ones(N, P, dtype=torch.bool, device=v.device) if key_mask is None else key_mask
+        )
+        fq, fk = (
+            Features(_pad(f.values, pad), None if f.log_scale is None else _pad(f.log_scale, pad))
+            for f in (fq, fk)
+        )
         v, key_mask = _pad(v, pad), _pad(key_mask, pad)
     phi_q, b = _query_units(fq)
     phi_q = phi_q.view(N, n, L, M)
@@ -138,8 +174,9 @@ def _causal_block(fq: Features, fk: Features, v: Tensor, key_mask: Tensor | None
         m = torch.cummax(torch.cat([state.m.unsqueeze(1), a.amax(-1)], 1), 1).values  # (N, 1 + n)
         scale = _key_scale(fk.log_scale, key_mask).view(N, n, L) - _finite(m[:, 1:]).unsqueeze(-1)
         phi_k = phi_k * scale.exp().unsqueeze(-1)  # (N, n, L, M): chunk c in units exp(-m_c)
-    phi_k, vv = _masked(phi_k, v.view(N, n, L, Dv),
-                        None if key_mask is None else key_mask.view(N, n, L, 1))
+    phi_k, vv = _masked(
+        phi_k, v.view(N, n, L, Dv), None if key_mask is None else key_mask.view(N, n, L, 1)
+    )
     causal = torch.ones(L, L, dtype=torch.bool, device=v.device).tril()
     intra = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~causal, 0)  # (N, n, L, L)
     d_kv = phi_k.transpose(-1, -2) @ vv  # (N, n, M, Dv): each chunk's contribution
@@ -185,13 +222,16 @@ def _carry_weights(m: Tensor | None, n: int, like: Tensor) -> tuple[Tensor, Tens
     finite = torch.isfinite(m)
     ms = _finite(m)
     zero = torch.zeros((), dtype=like.dtype, device=like.device)
-    ratio = torch.where(finite[:, :, None] & finite[:, None, :],
-                        (ms[:, None, :] - ms[:, :, None]).exp(), zero)  # (N, 1+n, 1+n): [c, c']
+    ratio = torch.where(
+        finite[:, :, None] & finite[:, None, :], (ms[:, None, :] - ms[:, :, None]).exp(), zero
+    )  # (N, 1+n, 1+n): [c, c']
     carry = torch.where(strict, ratio[:, 1:, 1:], zero)  # (N, n, n)
     return carry, ratio[:, 1:, 0]  # the state's own units are m[:, 0]
 
 
-def _accumulate(state: LinearState, fk: Features, v: Tensor, key_mask: Tensor | None) -> LinearState:
+def _accumulate(
+    state: LinearState, fk: Features, v: Tensor, key_mask: Tensor | None
+) -> LinearState:
     """``state`` plus the keys ``fk`` with values ``v``, in units of the largest key so far.
 
     Shape:
@@ -202,7 +242,9 @@ def _accumulate(state: LinearState, fk: Features, v: Tensor, key_mask: Tensor | 
         m_new = torch.maximum(m, _seen(fk.log_scale, key_mask).amax(-1))  # (N,)
         r = torch.where(torch.isfinite(m_new), (m - _finite(m_new)).exp(), torch.zeros_like(m))
         kv, z, m = kv * r[:, None, None], z * r[:, None], m_new
-        phi_k = phi_k * (_key_scale(fk.log_scale, key_mask) - _finite(m).unsqueeze(-1)).exp().unsqueeze(-1)
+        phi_k = phi_k * (
+            _key_scale(fk.log_scale, key_mask) - _finite(m).unsqueeze(-1)
+        ).exp().unsqueeze(-1)
     phi_k, v = _masked(phi_k, v, None if key_mask is None else key_mask.unsqueeze(-1))
     return LinearState(kv + phi_k.transpose(-1, -2) @ v, z + phi_k.sum(-2), m)
 
@@ -239,8 +281,11 @@ def _key_scale(log_scale: Tensor, key_mask: Tensor | None) -> Tensor:
     gradient through the later ``where`` is NaN."""
     if key_mask is None:
         return log_scale
-    return torch.where(key_mask, log_scale, torch.full((), float("-inf"), dtype=log_scale.dtype,
-                                                        device=log_scale.device))
+    return torch.where(
+        key_mask,
+        log_scale,
+        torch.full((), float("-inf"), dtype=log_scale.dtype, device=log_scale.device),
+    )
 
 
 def _finite(m: Tensor) -> Tensor:
@@ -293,7 +338,7 @@ def _join(outs: Iterable[Tensor], q: Tensor, v: Tensor) -> Tensor:
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     out, s = v.new_empty(N, T, Dv), 0
     for o in outs:
-        out[:, s:s + o.shape[1]] = o
+        out[:, s : s + o.shape[1]] = o
         s += o.shape[1]
     return out
 

@@ -13,17 +13,26 @@ Built in:
 
 Shape alphabet: L positions (T or S), D head dim, M number of features.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Features", "FeatureMap", "EluFeatureMap", "ReluFeatureMap", "Favor",
-           "resolve_feature_map", "FEATURE_MAPS"]
+__all__ = [
+    "FEATURE_MAPS",
+    "EluFeatureMap",
+    "Favor",
+    "FeatureMap",
+    "Features",
+    "ReluFeatureMap",
+    "resolve_feature_map",
+]
 
 
 class Features(NamedTuple):
@@ -103,9 +112,17 @@ class Favor(FeatureMap):
         x ``(..., L, D)`` -> values ``(..., L, M)``, log_scale ``(..., L)``.
     """
 
-    def __init__(self, head_dim: int, num_features: int | None = None, *, seed: int = 0,
-                 redraw: bool | int = False, scale: float | None = None,
-                 device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        num_features: int | None = None,
+        *,
+        seed: int = 0,
+        redraw: bool | int = False,
+        scale: float | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         _check_positive_int("head_dim", head_dim)
         M = default_num_features(head_dim) if num_features is None else num_features
@@ -115,10 +132,13 @@ class Favor(FeatureMap):
         elif isinstance(redraw, int) and redraw > 0:
             interval = redraw
         else:
-            raise ValueError(f"redraw must be True, False or a positive int (calls between "
-                             f"draws), got {redraw!r}")
-        if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
-                                      and scale > 0):
+            raise ValueError(
+                f"redraw must be True, False or a positive int (calls between "
+                f"draws), got {redraw!r}"
+            )
+        if scale is not None and not (
+            isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
+        ):
             raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
         self.head_dim, self.M, self.seed, self.interval = head_dim, M, seed, interval
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -134,8 +154,10 @@ class Favor(FeatureMap):
 
     def check_head_dim(self, head_dim: int) -> None:
         if head_dim != self.head_dim:
-            raise ValueError(f"this Favor feature map was built for head_dim={self.head_dim}, "
-                             f"got inputs with D={head_dim}; build Favor({head_dim}, ...)")
+            raise ValueError(
+                f"this Favor feature map was built for head_dim={self.head_dim}, "
+                f"got inputs with D={head_dim}; build Favor({head_dim}, ...)"
+            )
 
     @torch.no_grad()
     def redraw_features(self) -> None:
@@ -164,8 +186,10 @@ class Favor(FeatureMap):
         return Features(values, log_scale)
 
     def extra_repr(self) -> str:
-        return (f"head_dim={self.head_dim}, num_features={self.M}, seed={self.seed}, "
-                f"redraw={self.interval or False}, scale={self.scale:.4g}")
+        return (
+            f"head_dim={self.head_dim}, num_features={self.M}, seed={self.seed}, "
+            f"redraw={self.interval or False}, scale={self.scale:.4g}"
+        )
 
 
 _COUNT_CALL = []
@@ -175,9 +199,13 @@ def _count_call_on_host():
     """``Favor._count_call`` kept out of graphs (``torch.compiler.disable``), built on first
     use so that ``import qkv`` does not import torch._dynamo."""
     if not _COUNT_CALL:
-        _COUNT_CALL.append(torch.compiler.disable(
-            Favor._count_call, reason="FAVOR+ redraws its projection on the host, from a CPU "
-                                      "generator seeded by the call count"))
+        _COUNT_CALL.append(
+            torch.compiler.disable(
+                Favor._count_call,
+                reason="FAVOR+ redraws its projection on the host, from a CPU "
+                "generator seeded by the call count",
+            )
+        )
     return _COUNT_CALL[0]
 
 
@@ -246,8 +274,10 @@ def resolve_feature_map(feature_map, head_dim: int):
     elif callable(feature_map):
         fm = feature_map
     else:
-        raise TypeError(f"feature_map must be a name, a FeatureMap or a function, got "
-                        f"{type(feature_map).__name__}")
+        raise TypeError(
+            f"feature_map must be a name, a FeatureMap or a function, got "
+            f"{type(feature_map).__name__}"
+        )
     if isinstance(fm, FeatureMap):
         fm.check_head_dim(head_dim)
         return fm
@@ -266,6 +296,8 @@ class _PlainFunction:
             return out
         if not isinstance(out, Tensor) or out.shape[:-1] != x.shape[:-1]:
             got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise ValueError(f"a feature_map function must map (..., L, D) {tuple(x.shape)} to "
-                             f"(..., L, M) features, got {got}")
+            raise ValueError(
+                f"a feature_map function must map (..., L, D) {tuple(x.shape)} to "
+                f"(..., L, M) features, got {got}"
+            )
         return Features(out)

@@ -7,6 +7,7 @@ numbers and the fix, then flattened to the kernels' ``(N, L, D)``.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, Dv value dim, N = B x H (all leading dims flattened).
 """
+
 from __future__ import annotations
 
 import math
@@ -45,25 +46,40 @@ def check_eps(eps) -> float:
     return float(eps)
 
 
-def prepare(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, *,
-            is_causal: bool, what: str = "linear_attention") -> LinearInputs:
+def prepare(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_mask: Tensor | None,
+    *,
+    is_causal: bool,
+    what: str = "linear_attention",
+) -> LinearInputs:
     """Check shapes, dtypes and the key mask; expand GQA heads; flatten to ``(N, L, D)``."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{what}: {name} must be a floating tensor (float16, bfloat16, "
-                            f"float32, float64), got {t.dtype}")
+            raise TypeError(
+                f"{what}: {name} must be a floating tensor (float16, bfloat16, "
+                f"float32, float64), got {t.dtype}"
+            )
     if not query.dtype == key.dtype == value.dtype:
-        raise TypeError(f"{what}: query, key and value must share a dtype, got {query.dtype}, "
-                        f"{key.dtype} and {value.dtype}")
+        raise TypeError(
+            f"{what}: query, key and value must share a dtype, got {query.dtype}, "
+            f"{key.dtype} and {value.dtype}"
+        )
     if not query.device == key.device == value.device:
-        raise ValueError(f"{what}: query, key and value must be on one device, got "
-                         f"{query.device}, {key.device} and {value.device}")
+        raise ValueError(
+            f"{what}: query, key and value must be on one device, got "
+            f"{query.device}, {key.device} and {value.device}"
+        )
     shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
     if not query.dim() == key.dim() == value.dim() or query.dim() < 2:
-        raise ValueError(f"{what}: query, key and value need the same number of dims (2 or "
-                         f"more: (T, D), (H, T, D), (B, H, T, D), ...), got {shapes}")
+        raise ValueError(
+            f"{what}: query, key and value need the same number of dims (2 or "
+            f"more: (T, D), (H, T, D), (B, H, T, D), ...), got {shapes}"
+        )
     if query.shape[-1] != key.shape[-1]:
         raise ValueError(f"{what}: query and key need the same head dim D, got {shapes}")
     if key.shape[-2] != value.shape[-2]:
@@ -71,18 +87,24 @@ def prepare(query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None, 
     T, S = query.shape[-2], key.shape[-2]
     if query.dim() >= 3:
         if query.shape[:-3] != key.shape[:-3] or key.shape[:-2] != value.shape[:-2]:
-            raise ValueError(f"{what}: query, key and value need the same batch dims, and key "
-                             f"and value the same heads, got {shapes}")
+            raise ValueError(
+                f"{what}: query, key and value need the same batch dims, and key "
+                f"and value the same heads, got {shapes}"
+            )
         H, G = query.shape[-3], key.shape[-3]
         if H % G:
-            raise ValueError(f"{what}: got H={H} query heads and G={G} key/value heads; H must "
-                             f"be a multiple of G")
+            raise ValueError(
+                f"{what}: got H={H} query heads and G={G} key/value heads; H must "
+                f"be a multiple of G"
+            )
         if G != H:  # grouped heads: each key/value head serves H / G query heads
             key, value = (t.repeat_interleave(H // G, dim=-3) for t in (key, value))
     if is_causal and T != S:
-        raise ValueError(f"{what}: is_causal needs T == S (query i sees keys j <= i of the "
-                         f"same sequence), got T={T}, S={S}; to continue a sequence, use "
-                         f"qkv.LinearAttentionState")
+        raise ValueError(
+            f"{what}: is_causal needs T == S (query i sees keys j <= i of the "
+            f"same sequence), got T={T}, S={S}; to continue a sequence, use "
+            f"qkv.LinearAttentionState"
+        )
     mask = _check_key_mask(key_mask, query, S, what)
     dtype = query.dtype
     compute = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -97,15 +119,17 @@ def _check_key_mask(key_mask: Tensor | None, query: Tensor, S: int, what: str) -
         return None
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
         got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
-        raise TypeError(f"{what}: key_mask must be a bool tensor with True marking a real key, "
-                        f"got {got}")
+        raise TypeError(
+            f"{what}: key_mask must be a bool tensor with True marking a real key, got {got}"
+        )
     batch = tuple(query.shape[:-3])
     if tuple(key_mask.shape) != batch + (S,):
-        raise ValueError(f"{what}: key_mask must have shape (*batch, S) = {batch + (S,)} for "
-                         f"query {tuple(query.shape)}, got {tuple(key_mask.shape)}")
+        raise ValueError(
+            f"{what}: key_mask must have shape (*batch, S) = {batch + (S,)} for "
+            f"query {tuple(query.shape)}, got {tuple(key_mask.shape)}"
+        )
     if key_mask.device != query.device:
         raise ValueError(f"{what}: key_mask is on {key_mask.device}, query on {query.device}")
     H = query.shape[-3] if query.dim() >= 3 else 1
     N = math.prod(batch) * H
     return key_mask.unsqueeze(-2).expand(*batch, H, S).reshape(N, S)  # (N, S)
-

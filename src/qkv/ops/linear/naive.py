@@ -6,6 +6,7 @@ kernels) and ``recurrent.py`` (the O(1) step) are tested against them by name.
 Shape alphabet: N flattened batch x heads, T query length, S key length, M features,
 Dv value dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,11 +14,12 @@ from torch import Tensor
 
 from .feature_maps import Features
 
-__all__ = ["linear_attention_quadratic", "linear_attention_loop"]
+__all__ = ["linear_attention_loop", "linear_attention_quadratic"]
 
 
-def linear_attention_quadratic(fq: Features, fk: Features, v: Tensor, *, is_causal: bool,
-                               key_mask: Tensor | None, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def linear_attention_quadratic(
+    fq: Features, fk: Features, v: Tensor, *, is_causal: bool, key_mask: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """The (T, S) form: ``A_ij = phi(q_i) . phi(k_j)`` (0 where masked), ``out = A V / (A 1 + eps)``.
 
     Computed in log space so it is also the trace of linear attention: ``scores = log A``,
@@ -53,8 +55,9 @@ def linear_attention_quadratic(fq: Features, fk: Features, v: Tensor, *, is_caus
     return probs @ v, scores, lse
 
 
-def linear_attention_loop(fq: Features, fk: Features, v: Tensor, *, key_mask: Tensor | None,
-                          eps: float) -> Tensor:
+def linear_attention_loop(
+    fq: Features, fk: Features, v: Tensor, *, key_mask: Tensor | None, eps: float
+) -> Tensor:
     """Causal linear attention one position at a time, with the features written out:
     ``kv += phi(k_i) v_i^T``, ``z += phi(k_i)``, ``out_i = phi(q_i) kv / (phi(q_i) . z + eps)``.
 

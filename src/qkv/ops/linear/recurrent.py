@@ -11,12 +11,20 @@ The slow twin of ``step`` is ``naive.linear_attention_loop``.
 Shape alphabet: B batch, H heads, T new positions, D head dim, Dv value dim, M features,
 N = B x H flattened.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .chunk import LinearState, _finite, _key_scale, _normalize, _query_units, linear_attention_chunked
+from .chunk import (
+    LinearState,
+    _finite,
+    _key_scale,
+    _normalize,
+    _query_units,
+    linear_attention_chunked,
+)
 from .feature_maps import resolve_feature_map
 from .inputs import check_eps, prepare
 
@@ -64,13 +72,14 @@ class LinearAttentionState:
     def z(self) -> Tensor | None:
         return None if self._state is None else self._state.z
 
-    def reset(self) -> "LinearAttentionState":
+    def reset(self) -> LinearAttentionState:
         """Forget every token (the batch and head layout too)."""
         self.position, self._state, self._shape = 0, None, None
         return self
 
-    def extend(self, query: Tensor, key: Tensor, value: Tensor,
-               key_mask: Tensor | None = None) -> Tensor:
+    def extend(
+        self, query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None = None
+    ) -> Tensor:
         """Add T tokens (a prompt) with the chunk-wise kernel; returns their outputs.
 
         Shape:
@@ -78,19 +87,24 @@ class LinearAttentionState:
             -> ``(*batch, H, T, Dv)``; key_mask ``(*batch, T)``.
         """
         if query.dim() < 3:
-            raise ValueError(f"LinearAttentionState.extend takes (*batch, H, T, D) inputs, got "
-                             f"query {tuple(query.shape)}")
-        inp = prepare(query, key, value, key_mask, is_causal=True,
-                      what="LinearAttentionState.extend")
+            raise ValueError(
+                f"LinearAttentionState.extend takes (*batch, H, T, D) inputs, got "
+                f"query {tuple(query.shape)}"
+            )
+        inp = prepare(
+            query, key, value, key_mask, is_causal=True, what="LinearAttentionState.extend"
+        )
         phi = self._begin(query.shape[:-2], query.shape[-1])
         state = self._state_for(inp.q, phi, inp.v.shape[-1])
-        out, self._state = linear_attention_chunked(phi, inp.q, inp.k, inp.v, inp.key_mask,
-                                                    self.eps, state=state)
+        out, self._state = linear_attention_chunked(
+            phi, inp.q, inp.k, inp.v, inp.key_mask, self.eps, state=state
+        )
         self.position += query.shape[-2]
         return inp.restore(out)
 
-    def step(self, query: Tensor, key: Tensor, value: Tensor,
-             key_mask: Tensor | None = None) -> Tensor:
+    def step(
+        self, query: Tensor, key: Tensor, value: Tensor, key_mask: Tensor | None = None
+    ) -> Tensor:
         """Add one token; O(M x Dv) whatever the position.
 
         Shape:
@@ -100,11 +114,22 @@ class LinearAttentionState:
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor) or t.dim() < 2:
                 got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(f"LinearAttentionState.step takes one token, (*batch, H, D); "
-                                 f"{name} is {got}")
-        km = None if key_mask is None else torch.as_tensor(key_mask, device=query.device).unsqueeze(-1)
-        inp = prepare(query.unsqueeze(-2), key.unsqueeze(-2), value.unsqueeze(-2), km,
-                      is_causal=True, what="LinearAttentionState.step")
+                raise ValueError(
+                    f"LinearAttentionState.step takes one token, (*batch, H, D); {name} is {got}"
+                )
+        km = (
+            None
+            if key_mask is None
+            else torch.as_tensor(key_mask, device=query.device).unsqueeze(-1)
+        )
+        inp = prepare(
+            query.unsqueeze(-2),
+            key.unsqueeze(-2),
+            value.unsqueeze(-2),
+            km,
+            is_causal=True,
+            what="LinearAttentionState.step",
+        )
         phi = self._begin(query.shape[:-1], query.shape[-1])
         state = self._state_for(inp.q, phi, inp.v.shape[-1])
         out, self._state = _step(phi(inp.q), phi(inp.k), inp.v, inp.key_mask, self.eps, state)
@@ -117,8 +142,10 @@ class LinearAttentionState:
         if self._shape is None:
             self._shape, self._phi = shape, resolve_feature_map(self.feature_map, D)
         elif shape != self._shape:
-            raise ValueError(f"this state holds (*batch, H) = {self._shape}, got inputs with "
-                             f"{shape}; use one state per sequence batch (or reset() it)")
+            raise ValueError(
+                f"this state holds (*batch, H) = {self._shape}, got inputs with "
+                f"{shape}; use one state per sequence batch (or reset() it)"
+            )
         return self._phi
 
     def _state_for(self, q: Tensor, phi, Dv: int) -> LinearState:
@@ -128,12 +155,15 @@ class LinearAttentionState:
         return self._state
 
     def __repr__(self) -> str:
-        return (f"LinearAttentionState(feature_map={self.feature_map!r}, eps={self.eps}, "
-                f"position={self.position})")
+        return (
+            f"LinearAttentionState(feature_map={self.feature_map!r}, eps={self.eps}, "
+            f"position={self.position})"
+        )
 
 
-def _step(fq, fk, v: Tensor, key_mask: Tensor | None, eps: float,
-          state: LinearState) -> tuple[Tensor, LinearState]:
+def _step(
+    fq, fk, v: Tensor, key_mask: Tensor | None, eps: float, state: LinearState
+) -> tuple[Tensor, LinearState]:
     """One position of causal linear attention from ``state``.
 
     Shape:
@@ -146,7 +176,11 @@ def _step(fq, fk, v: Tensor, key_mask: Tensor | None, eps: float,
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (phi_k, vt, kv, z)))
     if fk.log_scale is not None:  # keep the state in units of the largest key so far
         a = fk.log_scale[:, 0]  # (N,)
-        seen = a.detach() if key_mask is None else a.detach().masked_fill(~key_mask[:, 0], float("-inf"))
+        seen = (
+            a.detach()
+            if key_mask is None
+            else a.detach().masked_fill(~key_mask[:, 0], float("-inf"))
+        )
         m_new = torch.maximum(m, seen)
         r = torch.where(torch.isfinite(m_new), (m - _finite(m_new)).exp(), torch.zeros_like(m))
         if inplace:
@@ -154,8 +188,9 @@ def _step(fq, fk, v: Tensor, key_mask: Tensor | None, eps: float,
         else:
             kv, z = kv * r[:, None, None], z * r[:, None]
         m = m_new
-        phi_k = phi_k * (_key_scale(a, None if key_mask is None else key_mask[:, 0])
-                         - _finite(m)).exp().unsqueeze(-1)
+        phi_k = phi_k * (
+            _key_scale(a, None if key_mask is None else key_mask[:, 0]) - _finite(m)
+        ).exp().unsqueeze(-1)
     if key_mask is not None:
         keep = key_mask[:, :1]  # (N, 1)
         phi_k = torch.where(keep, phi_k, torch.zeros((), dtype=phi_k.dtype, device=phi_k.device))
@@ -169,5 +204,7 @@ def _step(fq, fk, v: Tensor, key_mask: Tensor | None, eps: float,
     den = (phi_q @ z.unsqueeze(-1)).squeeze(-1)  # (N, 1)
     units = None
     if b is not None or fk.log_scale is not None:
-        units = (0 if b is None else b) + (_finite(m).unsqueeze(-1) if fk.log_scale is not None else 0)
+        units = (0 if b is None else b) + (
+            _finite(m).unsqueeze(-1) if fk.log_scale is not None else 0
+        )
     return _normalize(num, den, eps, units), LinearState(kv, z, m)

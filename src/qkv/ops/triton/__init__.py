@@ -4,8 +4,23 @@
 ``backend.py`` the backend behind the dispatcher. Importing this package does not import
 triton: that happens when a kernel first runs, so ``import qkv`` works without it.
 """
-from .backend import (MAX_HEAD_DIM, Blocks, TritonBackend, default_blocks, interpreter,
-                      triton_attention, triton_available)
 
-__all__ = ["TritonBackend", "Blocks", "default_blocks", "triton_attention", "interpreter",
-           "triton_available", "MAX_HEAD_DIM"]
+from .backend import (
+    MAX_HEAD_DIM,
+    Blocks,
+    TritonBackend,
+    default_blocks,
+    interpreter,
+    triton_attention,
+    triton_available,
+)
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "Blocks",
+    "TritonBackend",
+    "default_blocks",
+    "interpreter",
+    "triton_attention",
+    "triton_available",
+]

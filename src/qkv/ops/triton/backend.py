@@ -14,6 +14,7 @@ therefore never sends a CPU call here.
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, Dv value head dim; nq/nk query/key blocks.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,15 +26,36 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ...masks import (FULL, PARTIAL, Grid, _Alibi, _Combined, _Document, _KeysBefore, _Softcap,
-                      _Window, and_masks, block_states, causal, structure_key)
+from ...masks import (
+    FULL,
+    PARTIAL,
+    Grid,
+    _Alibi,
+    _Combined,
+    _Document,
+    _KeysBefore,
+    _Softcap,
+    _Window,
+    and_masks,
+    block_states,
+    causal,
+    structure_key,
+)
 from ..base import BackendResult
 from ..call import AttentionCall
 from ..plan_cache import PlanCache
 from ..reference import ReferenceBackend
 
-__all__ = ["TritonBackend", "Blocks", "default_blocks", "triton_attention", "interpreter",
-           "clear_block_list_cache", "triton_available", "MAX_HEAD_DIM"]
+__all__ = [
+    "MAX_HEAD_DIM",
+    "Blocks",
+    "TritonBackend",
+    "clear_block_list_cache",
+    "default_blocks",
+    "interpreter",
+    "triton_attention",
+    "triton_available",
+]
 
 MAX_HEAD_DIM = 128  # the accumulators of a (BLOCK_M, D) tile live in registers
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dim, where (batch, head) goes
@@ -75,6 +97,7 @@ def _kernels(interpret: bool):
     decorated while ``TRITON_INTERPRET=1``, loaded under a name of its own."""
     if not interpret:
         from . import kernels
+
         return kernels
     from triton import knobs
 
@@ -114,8 +137,10 @@ def _why_not(call: AttentionCall) -> str | None:
         return "the triton kernels have no attention sinks (the tiled and reference backends do)"
     device = call.device.type
     if device == "cpu" and not _INTERPRET["on"]:
-        return ("the triton kernels run on CUDA tensors; these are on cpu (tiled and torch run "
-                "there; on CPU the kernels run only under qkv.ops.triton.interpreter(), for tests)")
+        return (
+            "the triton kernels run on CUDA tensors; these are on cpu (tiled and torch run "
+            "there; on CPU the kernels run only under qkv.ops.triton.interpreter(), for tests)"
+        )
     if device not in ("cuda", "cpu"):
         return f"the triton kernels run on CUDA tensors; these are on {device}"
     missing = triton_available()
@@ -124,22 +149,30 @@ def _why_not(call: AttentionCall) -> str | None:
     if call.dropout_p > 0:
         return "the triton kernels have no dropout (use torch or reference, or dropout_p=0.0)"
     if call.attn_mask is not None:
-        return ("the triton kernels take no dense attn_mask; describe the mask as a mask_mod "
-                "(qkv.masks) or use tiled")
+        return (
+            "the triton kernels take no dense attn_mask; describe the mask as a mask_mod "
+            "(qkv.masks) or use tiled"
+        )
     if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"the triton kernels take float16, bfloat16 or float32, got {call.dtype} (use tiled)"
     if call.dtype == torch.float32 and device == "cuda":
-        return ("the triton kernels take float16 or bfloat16 on CUDA: their float32 path (exact "
-                "IEEE dots, for the CPU interpreter's tests) spills registers on a GPU; cast to "
-                "bfloat16, or use torch or tiled for float32")
+        return (
+            "the triton kernels take float16 or bfloat16 on CUDA: their float32 path (exact "
+            "IEEE dots, for the CPU interpreter's tests) spills registers on a GPU; cast to "
+            "bfloat16, or use torch or tiled for float32"
+        )
     B, H = call.BH
     if B * H > _MAX_GRID_Y:
-        return (f"the triton kernels launch one program row per (batch, head): B * H = {B * H} "
-                f"exceeds CUDA's grid limit {_MAX_GRID_Y}; split the batch (or use tiled)")
+        return (
+            f"the triton kernels launch one program row per (batch, head): B * H = {B * H} "
+            f"exceeds CUDA's grid limit {_MAX_GRID_Y}; split the batch (or use tiled)"
+        )
     for name, n in (("D", call.D), ("Dv", call.Dv)):
         if not 1 <= n <= MAX_HEAD_DIM:
-            return (f"the triton kernels take head dims up to {MAX_HEAD_DIM}, got {name}={n} "
-                    f"(use tiled)")
+            return (
+                f"the triton kernels take head dims up to {MAX_HEAD_DIM}, got {name}={n} "
+                f"(use tiled)"
+            )
     mask = _kernel_mask(call)
     if isinstance(mask, str):
         return mask
@@ -152,11 +185,15 @@ def _score_reason(call: AttentionCall) -> str | None:
         return None
     if isinstance(mod, _Alibi):
         if mod.slopes.requires_grad and torch.is_grad_enabled():
-            return ("the triton kernels give no gradient to ALiBi slopes that require grad "
-                    "(use tiled, or pass slopes.detach())")
+            return (
+                "the triton kernels give no gradient to ALiBi slopes that require grad "
+                "(use tiled, or pass slopes.detach())"
+            )
         return None
-    return (f"the triton kernels apply only qkv.masks.softcap and qkv.masks.alibi as score_mod, "
-            f"not {mod!r} (use tiled)")
+    return (
+        f"the triton kernels apply only qkv.masks.softcap and qkv.masks.alibi as score_mod, "
+        f"not {mod!r} (use tiled)"
+    )
 
 
 @dataclass
@@ -201,18 +238,22 @@ def _kernel_mask(call: AttentionCall) -> _Mask | str:
             elif isinstance(n, int) and isinstance(mask.kv_len, int):
                 mask.kv_len = min(n, mask.kv_len)
             else:
-                mask.kv_len = torch.minimum(torch.as_tensor(mask.kv_len).cpu(),
-                                            torch.as_tensor(n).cpu())  # (B,) or (1,)
+                mask.kv_len = torch.minimum(
+                    torch.as_tensor(mask.kv_len).cpu(), torch.as_tensor(n).cpu()
+                )  # (B,) or (1,)
         elif isinstance(m, _Document) and mask.docs is None:
             mask.docs = (m.q_ids, m.kv_ids)
         else:
-            return (f"the triton kernels evaluate causal, sliding_window, key_lengths and one "
-                    f"document mask and their and_masks, not {m!r} (use tiled)")
+            return (
+                f"the triton kernels evaluate causal, sliding_window, key_lengths and one "
+                f"document mask and their and_masks, not {m!r} (use tiled)"
+            )
     mask.parts = parts
     return mask
 
 
 # --- launching -----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Blocks:
@@ -248,10 +289,17 @@ def default_blocks(D: int, banded: bool = False) -> Blocks:
     A GPU with less shared memory gets fewer stages at launch (:func:`_launch`).
     """
     if _pad(D) <= 64:
-        return Blocks(m=128, n=64, m1=64, n1=64, m2=128, n2=64, warps=(4 if banded else 8, 4, 8),
-                      stages=(3, 3, 2))
-    return Blocks(m=128, n=128, m1=64, n1=128, m2=128, n2=64, warps=(8, 8, 8),
-                  stages=(3, 2, 3))
+        return Blocks(
+            m=128,
+            n=64,
+            m1=64,
+            n1=64,
+            m2=128,
+            n2=64,
+            warps=(4 if banded else 8, 4, 8),
+            stages=(3, 3, 2),
+        )
+    return Blocks(m=128, n=128, m1=64, n1=128, m2=128, n2=64, warps=(8, 8, 8), stages=(3, 2, 3))
 
 
 def first_blocks(D: int) -> Blocks:
@@ -302,7 +350,8 @@ class _Plan:
             else:
                 self._lists[key] = _block_list_cache.get(
                     ("triton", structure, self.B, self.H, self.T, self.S, *key, str(self.device)),
-                    lambda: _block_lists(self, bm, bn, transposed))
+                    lambda: _block_lists(self, bm, bn, transposed),
+                )
         return self._lists[key]
 
 
@@ -360,10 +409,20 @@ def triton_attention(call: AttentionCall, *, blocks: Blocks | None = None) -> tu
     slopes = None
     if isinstance(mod, _Alibi):
         slopes = mod.slopes.detach().to(call.device, torch.float32).expand(H).contiguous()  # (H,)
-    plan = _Plan(B, H, G, call.T, call.S, call.scale, mask,
-                 mod.cap if isinstance(mod, _Softcap) else None, slopes,
-                 blocks or default_blocks(max(call.D, call.Dv), banded=mask.hi is not None),
-                 call.device.type == "cpu", call.device)
+    plan = _Plan(
+        B,
+        H,
+        G,
+        call.T,
+        call.S,
+        call.scale,
+        mask,
+        mod.cap if isinstance(mod, _Softcap) else None,
+        slopes,
+        blocks or default_blocks(max(call.D, call.Dv), banded=mask.hi is not None),
+        call.device.type == "cpu",
+        call.device,
+    )
     plan.extras = _mask_tensors(plan)
     out, lse = _TritonAttention.apply(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)
     return out.reshape(call.out_shape), lse.reshape(call.batch + (call.T,))
@@ -406,27 +465,44 @@ def _mask_args(plan: _Plan, like: Tensor) -> tuple[list, dict]:
     q_ids, kv_ids = plan.extras.get("docs", (dummy[None], dummy[None]))
     slopes = plan.slopes if plan.slopes is not None else like.new_zeros(1, dtype=torch.float32)
     ptrs = [kv_len, q_ids, kv_ids, slopes]
-    strides = [q_ids.stride(0) if q_ids.shape[0] > 1 else 0,
-               kv_ids.stride(0) if kv_ids.shape[0] > 1 else 0, 1]
-    flags = dict(SOFTCAP=plan.cap is not None, ALIBI=plan.slopes is not None,
-                 HAS_LO=plan.mask.lo is not None, HAS_HI=plan.mask.hi is not None,
-                 HAS_KVLEN="kv_len" in plan.extras, HAS_DOC="docs" in plan.extras,
-                 UPCAST=plan.interpret and like.dtype == torch.bfloat16,
-                 PRECISION="ieee" if like.dtype == torch.float32 else None)
+    strides = [
+        q_ids.stride(0) if q_ids.shape[0] > 1 else 0,
+        kv_ids.stride(0) if kv_ids.shape[0] > 1 else 0,
+        1,
+    ]
+    flags = dict(
+        SOFTCAP=plan.cap is not None,
+        ALIBI=plan.slopes is not None,
+        HAS_LO=plan.mask.lo is not None,
+        HAS_HI=plan.mask.hi is not None,
+        HAS_KVLEN="kv_len" in plan.extras,
+        HAS_DOC="docs" in plan.extras,
+        UPCAST=plan.interpret and like.dtype == torch.bfloat16,
+        PRECISION="ieee" if like.dtype == torch.float32 else None,
+    )
     return ptrs, strides, flags
 
 
 def _numbers(plan: _Plan) -> list:
     """scale, cap, lo, hi (0 where unused: the flags switch them off)."""
     m = plan.mask
-    return [plan.scale, plan.cap or 1.0, m.lo if m.lo is not None else 0,
-            m.hi if m.hi is not None else 0]
+    return [
+        plan.scale,
+        plan.cap or 1.0,
+        m.lo if m.lo is not None else 0,
+        m.hi if m.hi is not None else 0,
+    ]
 
 
 def _list_strides(lists: tuple[Tensor, ...]) -> list[int]:
     num, idx = lists[0], lists[1]
-    return [num.stride(0), num.stride(1), idx.stride(0) if idx.shape[0] > 1 else 0,
-            idx.stride(1) if idx.shape[1] > 1 else 0, idx.stride(2)]
+    return [
+        num.stride(0),
+        num.stride(1),
+        idx.stride(0) if idx.shape[0] > 1 else 0,
+        idx.stride(1) if idx.shape[1] > 1 else 0,
+        idx.stride(2),
+    ]
 
 
 def _launch(plan: _Plan, kernel, which: int, grid: tuple, *args, **kwargs) -> None:
@@ -440,8 +516,9 @@ def _launch(plan: _Plan, kernel, which: int, grid: tuple, *args, **kwargs) -> No
     warps, stages = plan.blocks.warps[which], plan.blocks.stages[which]
     while True:
         try:
-            kernel[grid](*args, **kwargs, num_warps=warps, num_stages=stages,
-                         enable_fp_fusion=True)  # FMA contraction, said (triton 3.9 warns)
+            kernel[grid](
+                *args, **kwargs, num_warps=warps, num_stages=stages, enable_fp_fusion=True
+            )  # FMA contraction, said (triton 3.9 warns)
             return
         except OutOfResources:
             if stages == 1:
@@ -458,12 +535,39 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     lists = plan.lists(bm, bn)
     ptrs, strides, flags = _mask_args(plan, q)
     K = _kernels(plan.interpret)
-    _launch(plan, K.attn_fwd, 0, (triton_cdiv(T, bm), B * H),
-            q, k, v, out, lse, *lists, *ptrs,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_list_strides(lists), *strides,
-            H, T, S, H // plan.G, *_numbers(plan),
-            D=D, DV=Dv, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pad(D), BLOCK_DV=_pad(Dv),
-            EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **flags)
+    _launch(
+        plan,
+        K.attn_fwd,
+        0,
+        (triton_cdiv(T, bm), B * H),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *lists,
+        *ptrs,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *_list_strides(lists),
+        *strides,
+        H,
+        T,
+        S,
+        H // plan.G,
+        *_numbers(plan),
+        D=D,
+        DV=Dv,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_D=_pad(D),
+        BLOCK_DV=_pad(Dv),
+        EVEN_M=T % bm == 0,
+        EVEN_N=S % bn == 0,
+        **flags,
+    )
     return out, lse
 
 
@@ -478,18 +582,75 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout) -> tuple[Tensor, Tensor, Ten
     common = dict(D=D, DV=Dv, BLOCK_D=_pad(D), BLOCK_DV=_pad(Dv), **flags)
     bm, bn = plan.blocks.m1, plan.blocks.n1
     lists = plan.lists(bm, bn, transposed=True)  # per key block: the query blocks that see it
-    _launch(plan, K.attn_bwd_dkdv, 1, (triton_cdiv(S, bn), B * G),
-            q, k, v, dout, lse, delta, dk, dv, *lists, *ptrs,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            *_list_strides(lists), *strides, H, G, T, S, H // G, *_numbers(plan),
-            BLOCK_M=bm, BLOCK_N=bn, EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **common)
+    _launch(
+        plan,
+        K.attn_bwd_dkdv,
+        1,
+        (triton_cdiv(S, bn), B * G),
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk,
+        dv,
+        *lists,
+        *ptrs,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        *_list_strides(lists),
+        *strides,
+        H,
+        G,
+        T,
+        S,
+        H // G,
+        *_numbers(plan),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        EVEN_M=T % bm == 0,
+        EVEN_N=S % bn == 0,
+        **common,
+    )
     bm, bn = plan.blocks.m2, plan.blocks.n2
     lists = plan.lists(bm, bn)
-    _launch(plan, K.attn_bwd_dq, 2, (triton_cdiv(T, bm), B * H),
-            q, k, v, dout, lse, delta, dq, *lists, *ptrs,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-            *_list_strides(lists), *strides, H, T, S, H // G, *_numbers(plan),
-            BLOCK_M=bm, BLOCK_N=bn, EVEN_M=T % bm == 0, EVEN_N=S % bn == 0, **common)
+    _launch(
+        plan,
+        K.attn_bwd_dq,
+        2,
+        (triton_cdiv(T, bm), B * H),
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq,
+        *lists,
+        *ptrs,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *dout.stride(),
+        *dq.stride(),
+        *_list_strides(lists),
+        *strides,
+        H,
+        T,
+        S,
+        H // G,
+        *_numbers(plan),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        EVEN_M=T % bm == 0,
+        EVEN_N=S % bn == 0,
+        **common,
+    )
     return dq, dk, dv
 
 
@@ -514,4 +675,3 @@ class _TritonAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(ctx.plan, q, k, v, out, lse, dout)
         return None, dq, dk, dv
-
