@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -135,7 +136,7 @@ class CapturedAttention:
     backend: str
 
     def __repr__(self) -> str:
-        B, H, T, S = self.shape
+        B, H, T, _S = self.shape
         kept = lambda t, n: "all" if len(t) == n else f"{len(t)} of {n}"  # noqa: E731
         return (
             f"CapturedAttention({self.name!r}, layer={self.layer}, call={self.call}, "
@@ -160,6 +161,7 @@ class CapturedAttention:
 
     @classmethod
     def _from_dict(cls, d: dict) -> CapturedAttention:
+        B, H, T, S = (int(n) for n in d["shape"])
         return cls(
             d["name"],
             int(d["layer"]),
@@ -170,7 +172,7 @@ class CapturedAttention:
             d["batch"],
             d["heads"],
             d["rows"],
-            tuple(int(n) for n in d["shape"]),
+            (B, H, T, S),
             d["backend"],
         )
 
@@ -392,7 +394,7 @@ class _Capture(recording.Recorder):
             raise
         return self._captured
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         try:
             recording.stop(self._token)
         finally:
@@ -565,7 +567,9 @@ class _Index:
     """
 
     def __init__(self, name: str, index) -> None:
-        self.name, self.all, self.slice, self.items = name, index is None, None, None
+        self.name, self.all = name, index is None
+        self.slice: slice | None = None
+        self.items: list[int] | None = None  # None: all of them, or a slice
         self.text = "None"
         if index is None:
             return
@@ -596,10 +600,10 @@ class _Index:
 
     def resolve(self, n: int, where: str) -> Tensor:
         """The indices into a dim of size ``n``, as a 1-D int64 tensor."""
-        if self.all:
-            return torch.arange(n, device="cpu")  # indices on the CPU, whatever the default
         if self.slice is not None:
             return torch.tensor(range(n)[self.slice], dtype=torch.long, device="cpu")
+        if self.items is None:  # index=None (self.all)
+            return torch.arange(n, device="cpu")  # indices on the CPU, whatever the default
         inside = [i % n for i in self.items if -n <= i < n] if n else []
         if self.name != "rows" and len(inside) != len(self.items):
             outside = [i for i in self.items if not -n <= i < n]

@@ -49,7 +49,12 @@ class _Both(Recorder):
         a, b = self.outer.want(), self.inner.want()
         if a is None or b is None:
             return a if b is None else b
-        return lambda trace: (a(trace), b(trace))
+
+        def both(trace: AttentionTrace) -> None:
+            a(trace)
+            b(trace)
+
+        return both
 
 
 _ACTIVE: ContextVar[Recorder | None] = ContextVar("qkv_recorder", default=None)

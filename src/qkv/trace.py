@@ -87,7 +87,8 @@ class AttentionTrace:
         lead = self.lse.shape[:-1]
         if len(lead) > 2:
             raise ValueError(
-                f"select works on traces of (B, H, T, S) or fewer dims, got lse {tuple(self.lse.shape)}"
+                "select works on traces of (B, H, T, S) or fewer dims, got lse "
+                f"{tuple(self.lse.shape)}"
             )
         if (len(lead) < 2 and batch is not None) or (len(lead) < 1 and heads is not None):
             raise ValueError(
@@ -136,7 +137,10 @@ class AttentionTrace:
         shape = tuple(self.lse.shape) + (("S",) if callable(self._probs) else ())
         if not callable(self._probs):
             shape = tuple(self._probs.shape)
-        return f"{type(self).__name__}(probs{shape}, lse{tuple(self.lse.shape)}, backend={self.backend!r})"
+        return (
+            f"{type(self).__name__}(probs{shape}, lse{tuple(self.lse.shape)}, "
+            f"backend={self.backend!r})"
+        )
 
 
 def _index(name: str, index, n: int) -> Tensor:

@@ -103,7 +103,12 @@ def _why_invalid(data: object, key: str, seed: int) -> str | None:
         return "written for another format, task or seed"
     flat, lengths, labels = data.get("flat"), data.get("lengths"), data.get("labels")
     rng, sampled = data.get("rng_state"), data.get("sampled")
-    if not all(isinstance(t, Tensor) for t in (flat, lengths, labels, rng)):
+    if not (
+        isinstance(flat, Tensor)
+        and isinstance(lengths, Tensor)
+        and isinstance(labels, Tensor)
+        and isinstance(rng, Tensor)
+    ):
         return "a field is missing"
     if (flat.dtype, lengths.dtype, labels.dtype, rng.dtype) != (
         torch.uint8,

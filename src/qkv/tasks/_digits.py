@@ -81,5 +81,5 @@ def digits(
         rng.shuffle(parts[name])
     if size is not None and size > len(parts[split]):
         raise ValueError(f"size={size} is more than the {split} split holds ({len(parts[split])})")
-    idx = torch.tensor(parts[split][:size], dtype=torch.int64)  # (N,)
-    return ImageData(images[idx], labels[idx], 10, "digits", split)
+    rows = torch.tensor(parts[split][:size], dtype=torch.int64)  # (N,)
+    return ImageData(images[rows], labels[rows], 10, "digits", split)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Sequence
-from typing import Union
+from typing import TypedDict, Union
 
 from torch import Tensor
 
@@ -49,7 +49,15 @@ MAX_DEPTH = MAX_ARGS = 10
 
 VOCAB = Vocab((PAD, CLS) + tuple(str(d) for d in VALUES) + OPERATORS + (END,))
 _ID = {t: i for i, t in enumerate(VOCAB.tokens)}
-VARIANTS = {
+
+
+class _Variant(TypedDict):
+    min_length: int
+    max_length: int
+    sizes: dict[str, int]
+
+
+VARIANTS: dict[str, _Variant] = {
     "full": {
         "min_length": 500,
         "max_length": 2000,
@@ -179,7 +187,7 @@ def listops(
     check_int("test_size", test_size, low=0, none_ok=True)
     spec = VARIANTS[variant]
     lo, hi = spec["min_length"], spec["max_length"]
-    sizes = {**spec["sizes"]}
+    sizes = dict(spec["sizes"])
     sizes.update({k: v for k, v in (("valid", valid_size), ("test", test_size)) if v is not None})
     start, stop = split_slice(split, size, sizes)
 

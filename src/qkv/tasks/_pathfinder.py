@@ -55,7 +55,7 @@ import random
 import struct
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -65,6 +65,8 @@ from ._checks import check_int, check_split
 from ._types import ImageData
 
 if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
+
     import numpy as np
 
 DIFFICULTIES = {"easy": 6, "intermediate": 9, "hard": 14}  # paddles per target contour
@@ -291,7 +293,9 @@ class _Sampler:
     def __init__(self, resolution: int, difficulty: str, workers: int | None) -> None:
         self.args = (resolution, difficulty)
         self.workers = workers if workers is not None else min(4, os.cpu_count() or 1)
-        self.calls, self.ready, self.pool = 0, {}, None
+        self.calls = 0
+        self.ready: dict[int, tuple[bytes, int]] = {}
+        self.pool: ProcessPoolExecutor | None = None
 
     def __call__(self, rng: random.Random) -> tuple[bytes, int]:
         state = rng.getstate()
@@ -591,12 +595,12 @@ def _seg_seg2(np, s, o):
 def _connected(np, ink, a, b, reach: float) -> bool:
     """Grow the ink component of pixel ``a`` by ``reach`` at a time until it stops."""
     side_h, side_w = ink.shape
-    pa = (int(round(float(a[0]))), int(round(float(a[1]))))
-    pb = (int(round(float(b[0]))), int(round(float(b[1]))))
+    pa = (round(float(a[0])), round(float(a[1])))
+    pb = (round(float(b[0])), round(float(b[1])))
     for p in (pa, pb):
         if not (0 <= p[0] < side_h and 0 <= p[1] < side_w) or not ink[p]:
             return False
-    r = int(math.floor(reach))
+    r = math.floor(reach)
     offsets = [
         (dy, dx)
         for dy in range(-r, r + 1)
@@ -655,7 +659,11 @@ def _write_grid(path: Path, pixels: Tensor, labels: Tensor, columns: int = 8) ->
         canvas[gy : gy + 14, gx : gx + 10][glyph] = colour
     path.parent.mkdir(parents=True, exist_ok=True)
     png = _png(canvas)
-    write_atomic(path, lambda f: f.write(png))
+
+    def write(f: IO[bytes]) -> None:
+        f.write(png)
+
+    write_atomic(path, write)
 
 
 def _png(rgb: Tensor) -> bytes:
