@@ -38,7 +38,9 @@ CASES = ("none", "causal", "window", "document")
 
 def cpu_model() -> str:
     try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        for line in subprocess.run(
+            ["lscpu"], capture_output=True, text=True, check=False
+        ).stdout.splitlines():
             if line.startswith("Model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
@@ -103,13 +105,13 @@ def part_compiled(lengths, reps: int) -> list[dict]:
                 torch._dynamo.reset()
                 compiled = torch.compile(eager, fullgraph=True)
                 flex = torch.compile(
-                    lambda q=q, k=k, v=v: flex_attention(q, k, v, block_mask=block_mask)
+                    lambda q=q, k=k, v=v, bm=block_mask: flex_attention(q, k, v, block_mask=bm)
                 )
 
-                def step(fn):
+                def step(fn, grad=grad):
                     if grad:
                         return lambda: fn().sum().backward()
-                    return lambda: fn()
+                    return fn
 
                 impls = {"eager": step(eager), "compiled": step(compiled)}
                 if not grad:
@@ -197,6 +199,7 @@ def part_eager(lengths, reps: int, base: str, rounds: int) -> list[dict]:
             subprocess.run(
                 ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
                 capture_output=True,
+                check=False,
             )
     rows = []
     for name in samples["head"]:
@@ -247,7 +250,8 @@ def main(argv=None) -> int:
         )
     for row in result.get("eager", []):
         print(
-            f"| {row['row']} | {row['base_ms']:.3f} | {row['head_ms']:.3f} | {row['head/base']:.3f} |"
+            f"| {row['row']} | {row['base_ms']:.3f} | {row['head_ms']:.3f} | "
+            f"{row['head/base']:.3f} |"
         )
     return 0
 

@@ -169,8 +169,8 @@ def _pairs_table(records: list[dict]) -> list[str]:
             for i in others
         ]
         mib = [f"{ok[i]['peak_extra_mib']:.1f}" if i in ok else "" for i in impls]
-        mode = "fwd+bwd" if mode == "fwdbwd" else mode
-        lines.append(f"| {T} | {case} | {mode} | " + " | ".join(ms + ratio + mib) + " |")
+        shown = "fwd+bwd" if mode == "fwdbwd" else mode
+        lines.append(f"| {T} | {case} | {shown} | " + " | ".join(ms + ratio + mib) + " |")
     return lines
 
 
@@ -187,14 +187,17 @@ def markdown_section(linear: dict | None, decode: dict | None) -> str:
             )
     out += [
         "",
-        f"Machine: {env.get('cpu', '?')}, torch threads: {env.get('threads', '?')}, "
-        f"torch {env.get('torch', '?')}. B=1, H=8, D=64, fp32. `linear` = `qkv.linear_attention` "
-        "(elu feature map; causal: the chunk-wise kernel, chunks of 64); `performer` = the "
-        "same with `qkv.Favor(64, seed=0)` (M = 266); `torch` = "
-        "`F.scaled_dot_product_attention` called natively (`is_causal=True`, or no mask: "
-        "its flash kernel, O(T) memory). Each measurement in a fresh process; time = "
-        "median of `torch.utils.benchmark`; peak = extra resident memory of the call. "
-        "Ratios = linear / torch from the same run (below 1: linear faster).",
+        (
+            f"Machine: {env.get('cpu', '?')}, torch threads: {env.get('threads', '?')}, "
+            f"torch {env.get('torch', '?')}. B=1, H=8, D=64, fp32. "
+            "`linear` = `qkv.linear_attention` "
+            "(elu feature map; causal: the chunk-wise kernel, chunks of 64); `performer` = the "
+            "same with `qkv.Favor(64, seed=0)` (M = 266); `torch` = "
+            "`F.scaled_dot_product_attention` called natively (`is_causal=True`, or no mask: "
+            "its flash kernel, O(T) memory). Each measurement in a fresh process; time = "
+            "median of `torch.utils.benchmark`; peak = extra resident memory of the call. "
+            "Ratios = linear / torch from the same run (below 1: linear faster)."
+        ),
         "",
     ]
     records = linear["records"] if linear else []
@@ -205,9 +208,11 @@ def markdown_section(linear: dict | None, decode: dict | None) -> str:
         "",
         "| target | measured | goal | |",
         "|:---|:---|:---|:---|",
-        f"| causal linear attention vs causal SDPA, T={target['T']}, fp32 forward | "
-        f"{target['detail']} | <= {TARGET_RATIO} (>= 10x faster) | "
-        f"{_verdict(target['met'])} |",
+        (
+            f"| causal linear attention vs causal SDPA, T={target['T']}, fp32 forward | "
+            f"{target['detail']} | <= {TARGET_RATIO} (>= 10x faster) | "
+            f"{_verdict(target['met'])} |"
+        ),
     ]
     if growth.get("met") is not None:
         lo, hi = growth["positions"]
@@ -225,9 +230,11 @@ def markdown_section(linear: dict | None, decode: dict | None) -> str:
             "",
             "### Crossover",
             "",
-            "Smallest measured T from which linear is faster than torch at every longer "
-            "measured T (ratio 1 interpolated in log-log between the two lengths around "
-            "it):",
+            (
+                "Smallest measured T from which linear is faster than torch at every longer "
+                "measured T (ratio 1 interpolated in log-log between the two lengths around "
+                "it):"
+            ),
             "",
         ]
         for impl in ("linear", "performer"):
@@ -238,8 +245,10 @@ def markdown_section(linear: dict | None, decode: dict | None) -> str:
         if skipped:
             out += [
                 "",
-                f"torch not run at T = {', '.join(map(str, skipped))} (its time grows "
-                "as T^2; `--all` runs it), so linear alone is shown there.",
+                (
+                    f"torch not run at T = {', '.join(map(str, skipped))} (its time grows "
+                    "as T^2; `--all` runs it), so linear alone is shown there."
+                ),
             ]
         out += ["", "### Time and peak memory", "", *_pairs_table(records)]
         failed = {
@@ -254,11 +263,13 @@ def markdown_section(linear: dict | None, decode: dict | None) -> str:
             "",
             "### Generating one token: recurrent state vs KV cache",
             "",
-            "Per-token time (median, microseconds) at the position: the decoder is "
-            "prefilled there and rewound to it between timed blocks of "
-            f"{decode['config']['tokens_per_block']} tokens (see `qkv.cli.bench_decode`). "
-            "`kv-cache` = `KVCache.append` + `F.scaled_dot_product_attention` over every "
-            "stored key; ratios below 1: the recurrent state is faster.",
+            (
+                "Per-token time (median, microseconds) at the position: the decoder is "
+                "prefilled there and rewound to it between timed blocks of "
+                f"{decode['config']['tokens_per_block']} tokens (see `qkv.cli.bench_decode`). "
+                "`kv-cache` = `KVCache.append` + `F.scaled_dot_product_attention` over every "
+                "stored key; ratios below 1: the recurrent state is faster."
+            ),
             "",
             decode_markdown(decode),
         ]

@@ -54,8 +54,12 @@ def dispatch_overhead(lengths, min_run_time):
         q, k, v = (torch.randn(B, H, T, D) for _ in range(3))
         for causal in (False, True):
             t_torch, t_qkv = _time_pair(
-                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
-                lambda: qkv.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                lambda c=causal, q=q, k=k, v=v: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=c
+                ),
+                lambda c=causal, q=q, k=k, v=v: qkv.scaled_dot_product_attention(
+                    q, k, v, is_causal=c
+                ),
                 min_run_time,
             )
             rows.append(
@@ -77,8 +81,8 @@ def float16_cpu(lengths, min_run_time):
             torch.randn(B, H, T, D, dtype=torch.float16, requires_grad=True) for _ in range(3)
         )
         with torch.no_grad():
-            f_t = _time(lambda: theirs(q, k, v), min_run_time)
-            f_q = _time(lambda: ours(q, k, v), min_run_time)
+            f_t = _time(lambda q=q, k=k, v=v: theirs(q, k, v), min_run_time)
+            f_q = _time(lambda q=q, k=k, v=v: ours(q, k, v), min_run_time)
         b_t = _time(_fwd_bwd(theirs, q, k, v), min_run_time)
         b_q = _time(_fwd_bwd(ours, q, k, v), min_run_time)
         rows.append(

@@ -85,7 +85,7 @@ def implementations(
     }
     skipped = {}
     if plain_max >= T:
-        impls["sdpa-plain"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
+        impls["sdpa-plain"] = F.scaled_dot_product_attention
     else:
         skipped["sdpa-plain"] = (
             f"T^2 work beyond --plain-max {plain_max}: the yardstick is its "
@@ -279,8 +279,10 @@ def _get(records, **kw):
 def report(records: list) -> list[str]:
     """Markdown tables and the targets, met or missed."""
     lines = [
-        "| case | T | dtype | mode | tiled ms | useful GFLOP/s | sdpa-plain GFLOP/s | "
-        "tiled / plain | sdpa-dense ms | tiled / dense time | flex ms | flex / tiled time |",
+        (
+            "| case | T | dtype | mode | tiled ms | useful GFLOP/s | sdpa-plain GFLOP/s | "
+            "tiled / plain | sdpa-dense ms | tiled / dense time | flex ms | flex / tiled time |"
+        ),
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     targets = []
@@ -335,7 +337,10 @@ def report(records: list) -> list[str]:
     if wl:
         lines += [
             "",
-            "| T | dtype | torch ms | qkv ms | qkv / torch | torch peak MiB | qkv peak MiB | weights MiB |",
+            (
+                "| T | dtype | torch ms | qkv ms | qkv / torch | torch peak MiB | qkv peak MiB "
+                "| weights MiB |"
+            ),
             "|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for T, dt in sorted({(r["T"], r["dtype"]) for r in wl}):
@@ -353,7 +358,10 @@ def report(records: list) -> list[str]:
             targets.append(
                 (
                     b["peak_mib"] < a["peak_mib"],
-                    f"weights T={T} {dt}: peak {b['peak_mib']:.0f} vs torch {a['peak_mib']:.0f} MiB (lower)",
+                    (
+                        f"weights T={T} {dt}: peak {b['peak_mib']:.0f} vs torch "
+                        f"{a['peak_mib']:.0f} MiB (lower)"
+                    ),
                 )
             )
     lines += ["", "Targets:"] + [f"- {'met' if ok else 'MISSED'}: {what}" for ok, what in targets]

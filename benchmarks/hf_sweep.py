@@ -404,8 +404,10 @@ def compare(eager: dict, mine: dict, real, check: str) -> tuple[float, str] | No
             if x.shape != y.shape:
                 return float("inf"), f"map shapes {tuple(x.shape)} vs {tuple(y.shape)}"
             if x.dim() == 4 and real is not None and x.shape[0] == 2 and x.shape[2] == T:
-                x, y = x.transpose(1, 2)[real], y.transpose(1, 2)[real]  # real query rows
-            worst = max(worst, _gap(x, y))
+                x_real, y_real = x.transpose(1, 2)[real], y.transpose(1, 2)[real]  # real query rows
+            else:
+                x_real, y_real = x, y
+            worst = max(worst, _gap(x_real, y_real))
         return None if worst <= 1e-4 else (worst, "weights")
     if check == "backward":
         if mine["grads"].keys() != eager["grads"].keys():

@@ -62,13 +62,15 @@ def main(argv=None) -> int:
     for case in args.cases:
         kw = qkv_kwargs(case, T, dev)
         api = do_bench(
-            lambda: qkv.scaled_dot_product_attention(q, k, v, backend="triton", **kw),
+            lambda kw=kw: qkv.scaled_dot_product_attention(q, k, v, backend="triton", **kw),
             return_mode="median",
         )
         direct = do_bench(
-            lambda: triton_attention(AttentionCall.build(q, k, v, **kw)), return_mode="median"
+            lambda kw=kw: triton_attention(AttentionCall.build(q, k, v, **kw)), return_mode="median"
         )
-        plan = do_bench(lambda: plan_only(AttentionCall.build(q, k, v, **kw)), return_mode="median")
+        plan = do_bench(
+            lambda kw=kw: plan_only(AttentionCall.build(q, k, v, **kw)), return_mode="median"
+        )
         print(
             f"{case:8s} T={T} D={D} B={B} H={H}: api {api:.3f} ms, direct {direct:.3f} ms, "
             f"plan {plan:.3f} ms"

@@ -199,7 +199,7 @@ def timed(case: str, cfg: Config, impl: str, mode: str, q, k, v) -> dict:
     """Up to ``cfg.repeats`` calls; the first is kept for bytes and the check."""
     grad = mode == "fwdbwd"
     own, steps, first = [], [], None
-    for i in range(cfg.repeats):
+    for _ in range(cfg.repeats):
         dist.barrier()
         t0 = time.perf_counter()
         with comm_log() as log:
@@ -371,9 +371,12 @@ def _ratio(a: float, b: float) -> str:
 def comm_table(runs: list[dict]) -> str:
     """Bytes received per rank (MiB, rank 0 / 1 / ...), exact, and K/V held."""
     rows = [
-        "| R | mask | layout | T | mode | ring: received per rank (MiB) | all-gather: received "
-        "per rank (MiB) | all-gather / ring (all ranks; busiest) | ring recv from (fwd) | K/V held, ring | K/V held, "
-        "all-gather |",
+        (
+            "| R | mask | layout | T | mode | ring: received per rank (MiB) | all-gather: received "
+            "per rank (MiB) | all-gather / ring (all ranks; busiest) | ring recv from (fwd) "
+            "| K/V held, ring | K/V held, "
+            "all-gather |"
+        ),
         "|---:|:---|:---|---:|:---|:---|:---|---:|:---|---:|---:|",
     ]
     for run in runs:
@@ -394,8 +397,10 @@ def comm_table(runs: list[dict]) -> str:
 def time_table(runs: list[dict]) -> str:
     """Median step time (slowest rank) of both paths, their ratio, and the check."""
     rows = [
-        "| R | mask | layout | T | mode | calls | ring | all-gather | ring / all-gather | "
-        "max abs diff (out; dq, dk, dv) | load before / after R's run |",
+        (
+            "| R | mask | layout | T | mode | calls | ring | all-gather | ring / all-gather | "
+            "max abs diff (out; dq, dk, dv) | load before / after R's run |"
+        ),
         "|---:|:---|:---|---:|:---|---:|---:|---:|---:|:---|:---|",
     ]
     for run in runs:

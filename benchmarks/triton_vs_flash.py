@@ -255,11 +255,15 @@ def markdown(data: dict) -> str:
     lines = [
         f"### qkv triton vs SDPA flash and FlexAttention ({data['device']}, bf16)",
         "",
-        f"torch {data['torch']}, triton {data['triton']}, CUDA {data['cuda']}; B*T = "
-        f"{TOKENS}, H*D = {WIDTH}; ratio = peer time / qkv time (> 1: qkv faster).",
+        (
+            f"torch {data['torch']}, triton {data['triton']}, CUDA {data['cuda']}; B*T = "
+            f"{TOKENS}, H*D = {WIDTH}; ratio = peer time / qkv time (> 1: qkv faster)."
+        ),
         "",
-        "| case | T | D | mode | qkv-triton | qkv-direct | sdpa-flash | sdpa-cudnn | flex "
-        "| vs flash | vs cudnn | vs flex | target |",
+        (
+            "| case | T | D | mode | qkv-triton | qkv-direct | sdpa-flash | sdpa-cudnn | flex "
+            "| vs flash | vs cudnn | vs flex | target |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["records"]:

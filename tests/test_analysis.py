@@ -74,7 +74,7 @@ def test_rollout_equals_path_sum_and_rows_sum_to_1(causal):
         for j, i in itertools.product(range(T), repeat=2):
             for mids in itertools.product(range(T), repeat=L - 1):
                 path = (i, *mids, j)
-                slow[j, i] += math.prod(float(aug[l][path[l + 1], path[l]]) for l in range(L))
+                slow[j, i] += math.prod(float(aug[n][path[n + 1], path[n]]) for n in range(L))
         torch.testing.assert_close(R[b], slow)
     torch.testing.assert_close(R.sum(-1), torch.ones(2, T, **F64))
     if causal:
@@ -214,11 +214,11 @@ def slow_flows(maps, residual=0.5):
     aug = [augmented(A[0].mean(0), residual) for A in maps]
     L, T = len(aug), aug[0].shape[-1]
     cap = {
-        ((l, i), (l + 1, j)): float(aug[l][j, i])
-        for l in range(L)
+        ((n, i), (n + 1, j)): float(aug[n][j, i])
+        for n in range(L)
         for j in range(T)
         for i in range(T)
-        if aug[l][j, i] > 0
+        if aug[n][j, i] > 0
     }
     return torch.tensor(
         [[edmonds_karp(cap, (0, i), (L, j)) for i in range(T)] for j in range(T)], **F64

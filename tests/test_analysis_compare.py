@@ -27,13 +27,13 @@ def uniform_causal() -> torch.Tensor:
 def captured(layers: list[torch.Tensor], *, rows=None, batch=(0,), name="blocks.{}") -> Captured:
     """A Captured whose record l holds ``layers[l]`` ``(nb, nh, nr, S)`` as its weights."""
     records = []
-    for l, p in enumerate(layers):
+    for layer, p in enumerate(layers):
         nb, nh, nr, S = p.shape
         kept_rows = torch.arange(nr) if rows is None else torch.tensor(rows)
         records.append(
             CapturedAttention(
-                name.format(l),
-                l,
+                name.format(layer),
+                layer,
                 0,
                 p,
                 torch.zeros(nb, nh, nr, **F64),
@@ -45,7 +45,7 @@ def captured(layers: list[torch.Tensor], *, rows=None, batch=(0,), name="blocks.
                 "hand",
             )
         )
-    return Captured(records, [name.format(l) for l in range(len(layers))], {"model": "hand"})
+    return Captured(records, [name.format(i) for i in range(len(layers))], {"model": "hand"})
 
 
 def before_after() -> tuple[Captured, Captured]:
@@ -156,7 +156,7 @@ def test_mismatched_captures_are_refused_by_name():
         compare(after, before, batch=3)
     with pytest.raises(ValueError, match=r"capture a holds no call 1 \(its calls: \[0\]\)"):
         compare(after, before, call=1)
-    with pytest.raises(TypeError, match="compare takes two qkv.Captured, got Tensor for b"):
+    with pytest.raises(TypeError, match=r"compare takes two qkv.Captured, got Tensor for b"):
         compare(after, torch.zeros(1))
     with pytest.raises(ValueError, match="by must be 'mean' or 'max'"):
         compare(after, before).ranked("median")

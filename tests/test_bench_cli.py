@@ -278,7 +278,7 @@ def test_resume_keeps_measured_records_and_refuses_another_machine(tmp_path):
     env = environment(config)
     assert load_previous(tmp_path / "linear.json", env) == records
     assert load_previous(tmp_path / "missing.json", env) == []
-    with pytest.raises(ValueError, match="this run has '0.0'; its times would not compare"):
+    with pytest.raises(ValueError, match=r"this run has '0.0'; its times would not compare"):
         load_previous(tmp_path / "linear.json", dict(env, torch="0.0"))
 
 

@@ -7,6 +7,7 @@ too); nothing kept holds a gradient or the calls' inputs; save/load round-trips 
 ``torch.load(weights_only=True)``; bad requests say the numbers.
 """
 
+import contextlib
 import gc
 import math
 import os
@@ -368,10 +369,8 @@ def test_an_exception_inside_a_module_leaves_the_site_stack_right():
             self.inner, self.attn = nn.Identity(), qkv.MultiHeadAttention(8, 2)
 
         def forward(self, x):
-            try:
+            with contextlib.suppress(TypeError):
                 self.inner(x, "an argument Identity refuses")
-            except TypeError:
-                pass
             return qkv.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None])
 
     model = Flaky()
@@ -482,13 +481,15 @@ def test_load_refuses_other_files(tmp_path):
 
 def test_layer_beyond_the_sites_raises_at_exit_with_the_names():
     model = lm()
-    with pytest.raises(
-        ValueError,
-        match=r"layers \[20\] asked for, but attention was called "
-        r"from 3 sites \(layers 0..2\).*'blocks.layers.0.self_attn'",
+    with (
+        pytest.raises(
+            ValueError,
+            match=r"layers \[20\] asked for, but attention was called "
+            r"from 3 sites \(layers 0..2\).*'blocks.layers.0.self_attn'",
+        ),
+        qkv.capture(model, layers=[1, 20]),
     ):
-        with qkv.capture(model, layers=[1, 20]):
-            model(torch.randint(0, 23, (1, 4)))
+        model(torch.randint(0, 23, (1, 4)))
     assert _hook_counts(model) == _hook_counts(lm())
 
 
@@ -526,7 +527,7 @@ def test_bad_requests_say_the_numbers():
         qkv.capture(model, heads={0, 1})
     with pytest.raises(ValueError, match="keeps nothing"):
         qkv.capture(model, rows=[])
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"torch.nn.Module"):
         qkv.capture(lambda x: x)
 
 
@@ -534,9 +535,12 @@ def test_bad_requests_say_the_numbers():
 def test_nested_capture_of_one_model_and_reentry_refused():
     model = lm()
     session = qkv.capture(model)
-    with session, pytest.raises(ValueError, match="already inside a qkv.capture"):
-        with qkv.capture(model):
-            pass
+    with (
+        session,
+        pytest.raises(ValueError, match=r"already inside a qkv.capture"),
+        qkv.capture(model),
+    ):
+        pass
     with pytest.raises(RuntimeError, match="entered once"), session:
         pass
     with qkv.capture(model):  # free again after exit
@@ -546,16 +550,18 @@ def test_nested_capture_of_one_model_and_reentry_refused():
 def test_empty_capture_warns_and_says_so_on_access():
     model = nn.Sequential(nn.Linear(4, 4))
     q = torch.randn(1, 1, 3, 4)
-    with pytest.warns(
-        UserWarning,
-        match=r"no qkv attention call ran inside the model.*"
-        r"1 qkv attention calls ran outside",
+    with (
+        pytest.warns(
+            UserWarning,
+            match=r"no qkv attention call ran inside the model.*"
+            r"1 qkv attention calls ran outside",
+        ),
+        qkv.capture(model) as cap,
     ):
-        with qkv.capture(model) as cap:
-            model(torch.randn(2, 4))
-            qkv.scaled_dot_product_attention(q, q, q)
+        model(torch.randn(2, 4))
+        qkv.scaled_dot_product_attention(q, q, q)
     assert len(cap) == 0 and list(cap) == []
-    with pytest.raises(IndexError, match="recorded nothing.*torch_compat.patch"):
+    with pytest.raises(IndexError, match=r"recorded nothing.*torch_compat.patch"):
         cap.layer(0)
     with pytest.raises(KeyError, match="recorded nothing"):
         cap["0"]

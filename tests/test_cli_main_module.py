@@ -9,7 +9,11 @@ from qkv.cli.main import make_parser
 
 def _python_m_qkv(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "qkv", *argv], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "qkv", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 

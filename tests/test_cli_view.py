@@ -360,13 +360,17 @@ def _error(capsys, argv: list[str], out: Path) -> str:
     [
         (
             "missing",
-            "missing.pt does not exist: give a saved capture (.pt), a qkv train run folder "
-            "or a Hugging Face model folder",
+            (
+                "missing.pt does not exist: give a saved capture (.pt), a qkv train run folder "
+                "or a Hugging Face model folder"
+            ),
         ),
         (
             "empty-folder",
-            "is neither a qkv train run (no checkpoint.pt) nor a Hugging Face model "
-            "folder (no config.json)",
+            (
+                "is neither a qkv train run (no checkpoint.pt) nor a Hugging Face model "
+                "folder (no config.json)"
+            ),
         ),
         ("text-file", "notes.txt is not a readable qkv capture (UnpicklingError"),
         ("other-pt", "is not a qkv capture (write one with Captured.save)"),
@@ -411,8 +415,10 @@ def test_bad_sources(tmp_path, capsys, case, message):
         ([], 'is a qkv train run: give its model an input, e.g. --input "3 1 4 1 5"'),
         (
             ["--input", "3 x 4"],
-            "--input: token 'x' is not in the reverse task's vocabulary "
-            "(0 1 2 3 4 5 6 7 8 9); separate tokens by spaces",
+            (
+                "--input: token 'x' is not in the reverse task's vocabulary "
+                "(0 1 2 3 4 5 6 7 8 9); separate tokens by spaces"
+            ),
         ),
         (
             ["--input", "<bos> 3 4"],

@@ -157,20 +157,26 @@ def test_against_shows_the_signed_difference_of_every_head(saved, tmp_path, caps
     [
         (
             "short",
-            "a.pt with {short}: layer 0 ('blocks.layers.0.self_attn'): a's call is (B, H, T, "
-            "S) (1, 2, 10, 10) and b's (1, 2, 8, 8); compare captures of the same "
-            "architecture and input length",
+            (
+                "a.pt with {short}: layer 0 ('blocks.layers.0.self_attn'): a's call is (B, H, T, "
+                "S) (1, 2, 10, 10) and b's (1, 2, 8, 8); compare captures of the same "
+                "architecture and input length"
+            ),
         ),
         (
             "bounded",
-            "layer 0 ('blocks.layers.0.self_attn'): a kept heads [0, 1] and b [1]; capture "
-            "both with the same heads=",
+            (
+                "layer 0 ('blocks.layers.0.self_attn'): a kept heads [0, 1] and b [1]; capture "
+                "both with the same heads="
+            ),
         ),
         (
             "other-records",
-            "one_layer.pt: the captures record different layers (call 0): a has 2 "
-            "(layer 0 blocks.layers.0.self_attn, layer 1 blocks.layers.1.self_attn), "
-            "b has 1",
+            (
+                "one_layer.pt: the captures record different layers (call 0): a has 2 "
+                "(layer 0 blocks.layers.0.self_attn, layer 1 blocks.layers.1.self_attn), "
+                "b has 1"
+            ),
         ),
         (
             "missing-against",
@@ -178,8 +184,10 @@ def test_against_shows_the_signed_difference_of_every_head(saved, tmp_path, caps
         ),
         (
             "against-and-scores",
-            "--against shows differences; --scores and --rollout are of one "
-            "capture: write them on a page of its own",
+            (
+                "--against shows differences; --scores and --rollout are of one "
+                "capture: write them on a page of its own"
+            ),
         ),
         (
             "against-a-folder",
@@ -232,7 +240,10 @@ def test_bad_uses_of_the_analysis_flags(saved, tmp_path, capsys, case, message):
 # The run (3 steps of qkv train reverse) and the Hugging Face folder (a 2-layer Llama from a
 # small random config, a word-level tokenizer) are test_cli_view.py's fixtures.
 
-from test_cli_view import TEXT, hf_folder, reverse_run  # noqa: E402,F401  (fixtures)
+import test_cli_view  # noqa: E402
+
+TEXT = test_cli_view.TEXT
+hf_folder, reverse_run = test_cli_view.hf_folder, test_cli_view.reverse_run  # fixtures
 
 from qkv.cli.view import load_run  # noqa: E402
 

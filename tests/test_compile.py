@@ -290,7 +290,7 @@ def _score_tilt(s, b, h, i, j):  # a plain-function score_mod
 def test_more_functional_paths_are_one_graph(name):
     q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
     attend = {
-        "linear": lambda q, k, v: qkv.linear_attention(q, k, v),
+        "linear": qkv.linear_attention,
         "linear-causal": lambda q, k, v: qkv.linear_attention(q, k, v, is_causal=True),
         "favor": lambda q, k, v: qkv.linear_attention(q, k, v, feature_map="favor"),
         "plain-mask-mod": lambda q, k, v: qkv.scaled_dot_product_attention(
@@ -433,7 +433,7 @@ def test_a_patched_nn_transformer_encoder_is_one_graph(mode):
     x = torch.randn(2, 10, 32, requires_grad=mode == "train")
     padding = torch.arange(10) >= torch.tensor([[10], [6]])  # torch's True = padded
     if mode == "train":
-        compiled, counter = _compiled(lambda x: encoder(x))
+        compiled, counter = _compiled(encoder)
         got = torch.autograd.grad(compiled(x).sum(), x)
         want = torch.autograd.grad(encoder(x).sum(), x)
     else:

@@ -355,7 +355,7 @@ def test_sharded_equals_one_process(ran, name, R):
     for n, want in ref["grads"].items():
         parts = [g["grads"][n] for g in got]
         assert all(p is not None for p in parts), n
-        torch.testing.assert_close(sum(parts), want, msg=lambda m: f"gradient of {n}: {m}")
+        torch.testing.assert_close(sum(parts), want, msg=lambda m, n=n: f"gradient of {n}: {m}")
     if ref["probs"] is not None:  # each rank's rows against every key
         for r in range(R):
             torch.testing.assert_close(got[r]["probs"], _take(ref["probs"], q_runs[r], -2))

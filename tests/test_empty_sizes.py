@@ -70,7 +70,11 @@ SWEEP = textwrap.dedent("""
 @pytest.mark.parametrize("backend", ["torch", "auto", "tiled", "reference"])
 def test_empty_sizes_never_kill_the_process(backend):
     run = subprocess.run(
-        [sys.executable, "-c", SWEEP, backend], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SWEEP, backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     last = run.stdout.strip().splitlines()[-1:] or ["(nothing printed)"]
     assert run.returncode >= 0, (

@@ -43,8 +43,10 @@ BAD = {
     ),
     "gqa-not-multiple": (
         ValueError,
-        r"got H=12 query heads and G=5 key/value heads; H must be a "
-        r"multiple of G",
+        (
+            r"got H=12 query heads and G=5 key/value heads; H must be a "
+            r"multiple of G"
+        ),
         dict(
             q=torch.randn(2, 12, 5, 8),
             k=torch.randn(2, 5, 6, 8),
@@ -74,8 +76,10 @@ BAD = {
     ),
     "mask-no-broadcast": (
         ValueError,
-        r"attn_mask of shape \(5, 5\) does not broadcast to the "
-        r"scores' shape \(\*batch, T, S\) = \(2, 4, 5, 6\)",
+        (
+            r"attn_mask of shape \(5, 5\) does not broadcast to the "
+            r"scores' shape \(\*batch, T, S\) = \(2, 4, 5, 6\)"
+        ),
         dict(attn_mask=torch.ones(5, 6 - 1, dtype=torch.bool)),
     ),
     "mask-grows-batch": (
@@ -90,8 +94,10 @@ BAD = {
     ),
     "dtype-mismatch": (
         TypeError,
-        r"share a dtype, got query torch.float32, key torch.float64.*"
-        r"\.to\(torch.float32\)",
+        (
+            r"share a dtype, got query torch.float32, key torch.float64.*"
+            r"\.to\(torch.float32\)"
+        ),
         dict(k=torch.randn(2, 4, 6, 8).double()),
     ),
     "int-inputs": (
@@ -107,8 +113,10 @@ BAD = {
     ),
     "nan-scale": (
         ValueError,
-        r"scale must be finite, got nan; pass None for the default "
-        r"1/sqrt\(D\) = 0.353553",
+        (
+            r"scale must be finite, got nan; pass None for the default "
+            r"1/sqrt\(D\) = 0.353553"
+        ),
         dict(scale=float("nan")),
     ),
     "inf-scale": (ValueError, r"scale must be finite, got inf", dict(scale=float("inf"))),
@@ -126,8 +134,10 @@ BAD = {
     ),
     "unknown-backend": (
         ValueError,
-        r"unknown backend 'flash'; choose 'auto' or one of torch, triton, "
-        r"tiled, reference",
+        (
+            r"unknown backend 'flash'; choose 'auto' or one of torch, triton, "
+            r"tiled, reference"
+        ),
         dict(backend="flash"),
     ),
 }

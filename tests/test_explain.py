@@ -386,8 +386,10 @@ BAD_FILES = {
     ),
     "w_q-rows": (
         dict(GOOD, w_q=[[1, 0], [0, 1], [1, 1]]),
-        r'"w_q" is \(3, 2\) but x has d_model = 2 columns; w_q must be '
-        r"\(d_model, d_k\)",
+        (
+            r'"w_q" is \(3, 2\) but x has d_model = 2 columns; w_q must be '
+            r"\(d_model, d_k\)"
+        ),
     ),
     "w_v-rows": (dict(GOOD, w_v=[[1, 2, 0]]), r'"w_v" is \(1, 3\) but x has d_model = 2'),
     "w_k-vs-w_q": (dict(GOOD, w_k=[[1], [0]]), r'"w_k" is \(2, 1\) but "w_q" is \(2, 2\)'),
@@ -402,8 +404,10 @@ BAD_FILES = {
     "tokens-type": (dict(GOOD, tokens=[1, 2, 3]), r'"tokens" must be a list of T = 3'),
     "scale-in-file": (
         dict(GOOD, scale="big"),
-        r'"scale" must be none, 1/sqrt\(d_k\) \(or sqrt\) or a finite number, '
-        r"got 'big'",
+        (
+            r'"scale" must be none, 1/sqrt\(d_k\) \(or sqrt\) or a finite number, '
+            r"got 'big'"
+        ),
     ),
 }
 
@@ -425,8 +429,10 @@ BAD_ARGS = {
     "scale-inf": (["--scale", "inf"], r"--scale must be .* finite number, got 'inf'"),
     "heads-not-divisor": (
         ["--heads", "2"],
-        r"--heads 2 must divide d_k = 3 and d_v = 3 .* "
-        r"valid N: 1, 3$",
+        (
+            r"--heads 2 must divide d_k = 3 and d_v = 3 .* "
+            r"valid N: 1, 3$"
+        ),
     ),
     "heads-seed000": (
         ["--example", "seed000", "--heads", "3"],
@@ -466,7 +472,7 @@ def test_bad_file_in_a_real_process_has_no_traceback(tmp_path):
         else [sys.executable, "-c", "import sys; from qkv.cli import main; sys.exit(main())"]
     )
     run = subprocess.run(
-        [*cmd, "explain", "--input", path], capture_output=True, text=True, timeout=120
+        [*cmd, "explain", "--input", path], capture_output=True, text=True, timeout=120, check=False
     )
     assert run.returncode == 2
     assert "Traceback" not in run.stderr

@@ -14,6 +14,7 @@ D head dim, M features, N = B x H flattened.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -168,8 +169,8 @@ def test_fast_matches_quadratic_twin_two_blocks():
     for fm in ("elu", "favor"):
         kw = dict(feature_map=_feature_map(fm, D), is_causal=True, key_mask=key_mask)
         _assert_twins(
-            lambda *x: qkv.linear_attention(*x, **kw),
-            lambda *x: _quadratic(*x, **kw),
+            lambda *x, kw=kw: qkv.linear_attention(*x, **kw),
+            lambda *x, kw=kw: _quadratic(*x, **kw),
             (q, k, v),
             f"{fm} T={T}",
         )
@@ -208,7 +209,7 @@ def test_chunked_causal_matches_loop_twin(T, D, fm, masked):
 
 @pytest.mark.parametrize("fm", FEATURE_MAPS)
 @pytest.mark.parametrize(
-    "chunk_size,block", [(1, 1), (5, 7), (16, 16), (64, 40), (200, 1024)], ids=lambda x: str(x)
+    "chunk_size,block", [(1, 1), (5, 7), (16, 16), (64, 40), (200, 1024)], ids=str
 )
 def test_chunk_sizes_and_blocks_agree(chunk_size, block, fm):
     """The chunked kernel's chunk and block lengths change the arithmetic, not the result."""
@@ -460,7 +461,7 @@ def test_favor_error_against_softmax_falls_with_features(causal):
             for s in range(4)
         ]
         errs.append(float(sum(e) / len(e)))
-    for small, big in zip(errs, errs[1:]):
+    for small, big in itertools.pairwise(errs):
         assert big < 0.8 * small, errs
     assert errs[-1] < 0.1, errs
 
@@ -553,7 +554,7 @@ def test_favor_redraw_schedule():
     # redraw=True: every call after the first
     e = qkv.Favor(D, M, seed=0, redraw=True)
     seq = [_run_favor(e, x) for _ in range(3)]
-    assert all(not torch.equal(s, t) for s, t in zip(seq, seq[1:]))
+    assert all(not torch.equal(s, t) for s, t in itertools.pairwise(seq))
     assert torch.equal(seq[2], orthogonal_gaussian(M, D, 2))
     # no redraw (the default): training mode keeps the projection
     f = qkv.Favor(D, M, seed=0)
@@ -781,8 +782,10 @@ def _la(q=None, k=None, v=None, **kw):
 BAD = {
     "unknown-name": (
         ValueError,
-        r"unknown feature_map 'softmax'; choose one of \['elu', "
-        r"'favor', 'performer', 'relu'\].*qkv\.Favor",
+        (
+            r"unknown feature_map 'softmax'; choose one of \['elu', "
+            r"'favor', 'performer', 'relu'\].*qkv\.Favor"
+        ),
         dict(feature_map="softmax"),
     ),
     "not-callable": (
@@ -827,8 +830,10 @@ BAD = {
     ),
     "gqa-not-multiple": (
         ValueError,
-        r"got H=4 query heads and G=3 key/value heads; H must be a "
-        r"multiple of G",
+        (
+            r"got H=4 query heads and G=3 key/value heads; H must be a "
+            r"multiple of G"
+        ),
         dict(k=torch.randn(2, 3, 6, 8), v=torch.randn(2, 3, 6, 8)),
     ),
     "causal-T-ne-S": (
@@ -838,8 +843,10 @@ BAD = {
     ),
     "key-mask-shape": (
         ValueError,
-        r"key_mask must have shape \(\*batch, S\) = \(2, 6\).*got "
-        r"\(2, 4, 6\)",
+        (
+            r"key_mask must have shape \(\*batch, S\) = \(2, 6\).*got "
+            r"\(2, 4, 6\)"
+        ),
         dict(key_mask=torch.ones(2, 4, 6, dtype=torch.bool)),
     ),
     "key-mask-dtype": (

@@ -109,7 +109,7 @@ def test_ctrl_c_keeps_finished_cells_and_resume_continues_the_interrupted_one(
     monkeypatch.setattr(lra, "train", ctrl_c_at_step_2_of_listops)
     assert main(args) == 130
     assert "--resume" in capsys.readouterr().err
-    data, md = _table(out)
+    data, _md = _table(out)
     done, cut = data["cells"]
     assert (done["task"], done["status"], done["steps"]) == ("pathfinder", "done", 4)
     assert (cut["task"], cut["status"], cut["steps"]) == ("listops", "interrupted", 2)

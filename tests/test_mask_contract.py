@@ -82,7 +82,7 @@ def test_fully_masked_rows_with_causal(backend):
 def test_trace_of_fully_masked_row(backend):
     q, k, v = _inputs(torch.float32)
     mask, keep = _row_masked("bool", torch.float32)
-    out, trace = qkv.scaled_dot_product_attention(
+    _out, trace = qkv.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, backend=backend, return_trace=True
     )
     empty = ~keep.any(-1)

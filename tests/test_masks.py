@@ -559,14 +559,18 @@ ERRORS = {
     ),
     "doc-float-ids": (
         ValueError,
-        r"document: ids must be an integer tensor \(B, T\) or \(T,\), got "
-        r"torch.float32",
+        (
+            r"document: ids must be an integer tensor \(B, T\) or \(T,\), got "
+            r"torch.float32"
+        ),
         lambda: document(torch.zeros(5)),
     ),
     "doc-wrong-T": (
         ValueError,
-        r"document: ids has shape \(1, 4\) but the call has B=2 and T=5; "
-        r"give \(2, 5\) or \(1, 5\) ids",
+        (
+            r"document: ids has shape \(1, 4\) but the call has B=2 and T=5; "
+            r"give \(2, 5\) or \(1, 5\) ids"
+        ),
         lambda: _sdpa_small(T=5, S=5, mask_mod=document(torch.zeros(4, dtype=torch.long))),
     ),
     "doc-wrong-B": (
@@ -583,8 +587,10 @@ ERRORS = {
     ),
     "keys-wrong-count": (
         ValueError,
-        r"key_lengths: got 3 lengths for a batch of B=2; give one per "
-        r"batch element, shape \(2,\)",
+        (
+            r"key_lengths: got 3 lengths for a batch of B=2; give one per "
+            r"batch element, shape \(2,\)"
+        ),
         lambda: _sdpa_small(mask_mod=key_lengths(torch.tensor([1, 2, 3]))),
     ),
     "keys-float": (
@@ -595,12 +601,14 @@ ERRORS = {
     "keys-negative": (ValueError, r"key_lengths: expected an int >= 0", lambda: key_lengths(-2)),
     "prefix-negative": (
         ValueError,
-        r"prefix_lm: expected an int >= 0 or a \(B,\) integer tensor, "
-        r"got -1",
+        (
+            r"prefix_lm: expected an int >= 0 or a \(B,\) integer tensor, "
+            r"got -1"
+        ),
         lambda: prefix_lm(-1),
     ),
-    "and-masks-empty": (ValueError, r"and_masks needs at least one mask_mod", lambda: and_masks()),
-    "or-masks-empty": (ValueError, r"or_masks needs at least one mask_mod", lambda: or_masks()),
+    "and-masks-empty": (ValueError, r"and_masks needs at least one mask_mod", and_masks),
+    "or-masks-empty": (ValueError, r"or_masks needs at least one mask_mod", or_masks),
     "block-0": (
         ValueError,
         r"block sizes must be >= 1, got 0",
@@ -608,8 +616,10 @@ ERRORS = {
     ),
     "alibi-wrong-count": (
         ValueError,
-        r"alibi: got 3 slopes for H=4 heads; give one per query head, "
-        r"e\.g\. qkv\.masks\.alibi_slopes\(4\)",
+        (
+            r"alibi: got 3 slopes for H=4 heads; give one per query head, "
+            r"e\.g\. qkv\.masks\.alibi_slopes\(4\)"
+        ),
         lambda: _sdpa_small(score_mod=alibi(torch.ones(3))),
     ),
     "alibi-2d": (
@@ -634,26 +644,34 @@ ERRORS = {
     ),
     "mask-returns-float": (
         TypeError,
-        r"returned torch.float32; it must return a bool tensor "
-        r"\(True = may attend\)",
+        (
+            r"returned torch.float32; it must return a bool tensor "
+            r"\(True = may attend\)"
+        ),
         lambda: _sdpa_small(mask_mod=lambda b, h, q, kv: (q >= kv).float()),
     ),
     "mask-returns-5d": (
         ValueError,
-        r"returned shape \(1,\) for a single \(b, h, q_idx, kv_idx\); "
-        r"mask_mod and score_mod are evaluated per element",
+        (
+            r"returned shape \(1,\) for a single \(b, h, q_idx, kv_idx\); "
+            r"mask_mod and score_mod are evaluated per element"
+        ),
         lambda: _sdpa_small(mask_mod=lambda b, h, q, kv: (q >= kv)[None]),
     ),
     "mask-not-callable": (
         TypeError,
-        r"mask_mod must be a function \(b, h, q_idx, kv_idx\) -> bool "
-        r"tensor or a qkv.masks mask, got Tensor",
+        (
+            r"mask_mod must be a function \(b, h, q_idx, kv_idx\) -> bool "
+            r"tensor or a qkv.masks mask, got Tensor"
+        ),
         lambda: _sdpa_small(mask_mod=torch.ones(5, 6, dtype=torch.bool)),
     ),
     "score-not-callable": (
         TypeError,
-        r"score_mod must be a function \(score, b, h, q_idx, kv_idx\) "
-        r"-> score or a qkv.masks score mod, got float",
+        (
+            r"score_mod must be a function \(score, b, h, q_idx, kv_idx\) "
+            r"-> score or a qkv.masks score mod, got float"
+        ),
         lambda: _sdpa_small(score_mod=0.5),
     ),
     "score-returns-bool": (
@@ -663,8 +681,10 @@ ERRORS = {
     ),
     "mask-5d-inputs": (
         ValueError,
-        r"inputs must have at most 4 dims \(B, H, T, D\); got leading "
-        r"dims \(2, 3, 4\): reshape to \(B \* X, H, T, D\)",
+        (
+            r"inputs must have at most 4 dims \(B, H, T, D\); got leading "
+            r"dims \(2, 3, 4\): reshape to \(B \* X, H, T, D\)"
+        ),
         lambda: sdpa(
             torch.randn(2, 3, 4, 5, 8),
             torch.randn(2, 3, 4, 5, 8),
@@ -674,8 +694,10 @@ ERRORS = {
     ),
     "unbound-bottom-right": (
         ValueError,
-        r"causal\(align='bottom_right'\) needs the lengths T and S "
-        r"to align bottom-right: pass it as mask_mod=",
+        (
+            r"causal\(align='bottom_right'\) needs the lengths T and S "
+            r"to align bottom-right: pass it as mask_mod="
+        ),
         lambda: causal("bottom_right")(*index_grid(1, 1, 2, 4)),
     ),
     "unbound-bottom-right-blocks": (

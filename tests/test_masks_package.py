@@ -125,5 +125,5 @@ for job in {JOBS!r}:
     importlib.import_module("qkv.masks." + job)
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

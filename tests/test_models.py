@@ -311,7 +311,7 @@ def test_generate_past_capacity_raises_the_cache_error():
 
 def test_generate_past_learned_positions_raises_before_decoding():
     model = lm(max_len=8)
-    with pytest.raises(ValueError, match="needs 9 positions .* max_len=8"):
+    with pytest.raises(ValueError, match=r"needs 9 positions .* max_len=8"):
         model.generate(tokens(1, 5), 5)
     assert model.generate(tokens(1, 5), 4).shape == (1, 9)  # the 4th new token is never fed
 

@@ -151,7 +151,7 @@ def test_from_torch_refuses_bias_kv_and_zero_attn():
     for kw in (dict(add_bias_kv=True), dict(add_zero_attn=True)):
         with pytest.raises(ValueError, match="does not take add_bias_kv=True or add_zero_attn"):
             qkv.MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, **kw))
-    with pytest.raises(TypeError, match="needs a torch.nn.MultiheadAttention"):
+    with pytest.raises(TypeError, match=r"needs a torch.nn.MultiheadAttention"):
         qkv.MultiHeadAttention.from_torch(nn.Linear(2, 2))
 
 
@@ -172,9 +172,10 @@ def test_gqa_equals_repeated_kv_heads(G):
         gqa.in_proj_bias.normal_()
         w_q, w_k, w_v = gqa.in_proj_weight.split([16, G * D, G * D])
         b_q, b_k, b_v = gqa.in_proj_bias.split([16, G * D, G * D])
-        expand = lambda w: (
-            w.reshape(G, D, *w.shape[1:]).repeat_interleave(rep, 0).reshape(16, *w.shape[1:])
-        )  # noqa: E731
+
+        def expand(w):
+            return w.reshape(G, D, *w.shape[1:]).repeat_interleave(rep, 0).reshape(16, *w.shape[1:])
+
         full.in_proj_weight.copy_(torch.cat([w_q, expand(w_k), expand(w_v)]))
         full.in_proj_bias.copy_(torch.cat([b_q, expand(b_k), expand(b_v)]))
         full.out_proj.load_state_dict(gqa.out_proj.state_dict())

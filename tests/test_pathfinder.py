@@ -167,7 +167,7 @@ def test_load_names_it_and_checks_its_options(tmp_path):
         pathfinder(resolution=48, cache_dir=tmp_path)
     with pytest.raises(ValueError, match="'easy', 'intermediate', 'hard'"):
         pathfinder(difficulty="medium", cache_dir=tmp_path)
-    with pytest.raises(ValueError, match="valid_size=7 is odd.*pass 8"):
+    with pytest.raises(ValueError, match=r"valid_size=7 is odd.*pass 8"):
         pathfinder(valid_size=7, cache_dir=tmp_path)
 
 

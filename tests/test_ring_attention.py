@@ -231,7 +231,9 @@ def test_ring_equals_single_process(ran, name, R):
     dt = case.get("dtype", torch.float64)
     if dt == torch.float64:
         for key in got:
-            torch.testing.assert_close(got[key], ref[key], msg=lambda m: f"{name} {key}: {m}")
+            torch.testing.assert_close(
+                got[key], ref[key], msg=lambda m, key=key: f"{name} {key}: {m}"
+            )
     else:
         base = _baseline(name, case)
         for key in got:
@@ -350,7 +352,7 @@ def _refusals(rank, R):
 
 def test_bad_calls_raise_the_same_clear_error_on_every_rank():
     results = run_local(_refusals, 2, timeout=120)
-    for rank, found in enumerate(results):
+    for found in results:
         assert "disagree on dtype" in found["dtype"] and "float32" in found["dtype"]
         assert "NaN or inf" in found["nan"] and "ranks [1]" in found["nan"]
         assert (
@@ -471,5 +473,5 @@ def test_an_error_while_posting_tells_the_same_story_as_one_while_waiting():
     def post():
         raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
 
-    with pytest.raises(PeerError, match="shard sizes did not complete within 5 s.*Connection"):
+    with pytest.raises(PeerError, match=r"shard sizes did not complete within 5 s.*Connection"):
         comm.wait(post, 5, "ring_attention's exchange of shard sizes")

@@ -282,7 +282,7 @@ def test_auto_routes_structured_masks_to_tiled_and_plain_calls_to_torch():
         _run(q, k, v, "tiled", dropout_p=0.1)
     with pytest.raises(qkv.BackendUnsupportedError, match=r"to_dense\(mask_mod"):
         _run(q, k, v, "torch", mask_mod=M.sliding_window(5))
-    out, trace = _run(
+    _out, trace = _run(
         q, k, v, "auto", mask_mod=M.sliding_window(5), dropout_p=0.2, return_trace=True
     )
     assert trace.backend == "reference"  # the only one that takes both
@@ -314,7 +314,7 @@ def test_lazy_trace_refuses_after_inputs_change_in_place():
     _, trace = _run(q, k, v, "tiled", mask_mod=M.sliding_window(3), return_trace=True)
     q.mul_(2)
     with pytest.raises(RuntimeError, match="modified in place"):
-        trace.probs
+        _ = trace.probs
 
 
 def test_multihead_module_takes_mask_mod_and_score_mod():

@@ -215,7 +215,7 @@ def test_constructor_parameters_and_state_dict_as_torch():
 
 def test_state_dict_round_trip_both_ways():
     kw = dict(kdim=6, vdim=5, add_bias_kv=True)
-    theirs, ours = _pair(**kw)
+    theirs, _ours = _pair(**kw)
     ours2 = tc.MultiheadAttention(E, H, dtype=DT, **kw)
     ours2.load_state_dict(theirs.state_dict())  # torch -> qkv
     back = nn.MultiheadAttention(E, H, dtype=DT, **kw)
@@ -263,7 +263,7 @@ def test_is_causal_without_attn_mask_raises_as_torch():
     x = torch.randn(4, 2, E, dtype=DT)
     with pytest.raises(RuntimeError, match="Need attn_mask if specifying the is_causal hint"):
         theirs(x, x, x, is_causal=True)
-    with pytest.raises(RuntimeError, match="Need attn_mask.*generate_square_subsequent_mask") as e:
+    with pytest.raises(RuntimeError, match=r"Need attn_mask.*generate_square_subsequent_mask") as e:
         ours(x, x, x, is_causal=True)
     assert isinstance(e.value, ValueError)
 
@@ -509,7 +509,7 @@ def test_wrong_key_channels_name_the_fix():
     m = tc.MultiheadAttention(E, H, kdim=6, vdim=5)
     with pytest.raises(ValueError, match="key must have kdim=6 channels"):
         m(torch.randn(4, 2, E), torch.randn(5, 2, 7), torch.randn(5, 2, 5))
-    with pytest.raises(TypeError, match="key must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"key must be a torch.Tensor"):
         m(torch.randn(4, 2, E), None, torch.randn(5, 2, 5))
 
 
@@ -817,9 +817,9 @@ def test_patch_refusals():
 
     with pytest.raises(TypeError, match=r"inner \(.*Mine\) subclass it"):
         tc.patch(nn.ModuleDict(dict(inner=Mine(E, H))))
-    with pytest.raises(ValueError, match="found no torch.nn.MultiheadAttention in Linear"):
+    with pytest.raises(ValueError, match=r"found no torch.nn.MultiheadAttention in Linear"):
         tc.patch(nn.Linear(2, 2))
-    with pytest.raises(TypeError, match="needs a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"needs a torch.nn.Module"):
         tc.patch("model")
 
 

@@ -59,7 +59,10 @@ def test_half_select_is_formed_in_float32_too(dtype, backend):
     rows, heads = [63, 0, 40], [2, 0]
     part = trace.select(heads=heads, rows=rows)
     assert part.probs.dtype == dtype
-    pick = lambda t: t[:, heads][:, :, rows]
+
+    def pick(t):
+        return t[:, heads][:, :, rows]
+
     assert _row_sum_error(part.probs) <= _row_sum_error(baseline.probs)
     assert_tolerance(part.probs, pick(golden.probs), pick(baseline.probs), name="select probs")
     torch.testing.assert_close(part.probs, trace.probs[:, heads][:, :, rows], rtol=0, atol=0)

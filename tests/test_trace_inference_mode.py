@@ -34,7 +34,7 @@ def test_module_trace_under_inference_mode(read_inside):
     mha = qkv.MultiHeadAttention(16, 2, dtype=torch.float64)
     with torch.inference_mode():
         x = torch.randn(3, 7, 16, dtype=torch.float64)
-        out, trace = mha(x, return_trace=True)
+        _out, trace = mha(x, return_trace=True)
         if read_inside:
             probs, part = trace.probs, trace.select(batch=[1], rows=range(6, 3, -1))
     if not read_inside:

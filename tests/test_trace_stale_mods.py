@@ -62,7 +62,7 @@ def test_reading_after_a_mod_tensor_changed_raises(mod):
     )
     _change(tensor)
     with pytest.raises(RuntimeError, match="modified in place"):
-        trace.probs
+        _ = trace.probs
     with pytest.raises(RuntimeError, match="modified in place"):
         trace.select(rows=[3])
 

@@ -13,6 +13,7 @@
   fails before any process starts, exit 2.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -172,10 +173,8 @@ def _kill(*procs: subprocess.Popen) -> None:
         if proc.poll() is None:
             proc.kill()
     for pid in _tagged():
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     for proc in procs:
         if proc.stdout is not None and not proc.stdout.closed:
             proc.communicate(timeout=30)
@@ -440,8 +439,10 @@ def test_nproc_reports_a_killed_rank_and_stops_the_other(tmp_path, cache):
         (["--nproc", "0"], "--nproc must be at least 1, got 0"),
         (
             ["--nproc", "2", "--batch-size", "7"],
-            "the batch size is the global batch, shared equally by the 2 processes: 7 is not a "
-            "multiple of 2; use 6 or 8",
+            (
+                "the batch size is the global batch, shared equally by the 2 processes: 7 is not a "
+                "multiple of 2; use 6 or 8"
+            ),
         ),
         (["--nproc", "4", "--batch-size", "2"], "2 is not a multiple of 4; use 4"),
         (["--nproc", "2", "--dist-timeout", "0"], "--dist-timeout must be a positive number"),

@@ -192,7 +192,7 @@ def test_small_blocks_and_broadcast_kv_heads_and_3d_inputs():
         ins = [t.float().requires_grad_() for t in (q, k, v)]
         with interpreter():
             call = AttentionCall.build(*ins, **kw)
-            out, lse = triton_attention(call, blocks=SMALL)
+            out, _lse = triton_attention(call, blocks=SMALL)
             grads = torch.autograd.grad(out, ins, dout.float())
         ref = [t.requires_grad_() for t in (q.clone(), k.clone(), v.clone())]
         want = qkv.scaled_dot_product_attention(*ref, backend="reference", **kw)
@@ -237,7 +237,7 @@ def test_empty_blocks_are_never_read():
     kw = dict(mask_mod=M.key_lengths(64))
     ins = [t.float().requires_grad_() for t in (q, k_nan, v_nan)]
     with interpreter():
-        out, lse = triton_attention(AttentionCall.build(*ins, **kw), blocks=SMALL)
+        out, _lse = triton_attention(AttentionCall.build(*ins, **kw), blocks=SMALL)
         dq, dk, dv = torch.autograd.grad(out, ins, dout.float())
     want = qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw)
     torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)

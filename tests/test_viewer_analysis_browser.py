@@ -53,7 +53,8 @@ def _matrix_pixel(o: Opened, q: int, k: int) -> list[int]:
         const c = document.getElementById('matrix-canvas'), r = c.getBoundingClientRect();
         const copy = document.createElement('canvas'); copy.width = c.width; copy.height = c.height;
         const cx = copy.getContext('2d', { willReadFrequently: true }); cx.drawImage(c, 0, 0);
-        const px = Math.floor((x - r.left) * c.width / r.width), py = Math.floor((y - r.top) * c.height / r.height);
+        const px = Math.floor((x - r.left) * c.width / r.width);
+        const py = Math.floor((y - r.top) * c.height / r.height);
         return [...cx.getImageData(px, py, 1, 1).data].slice(0, 3); }""",
         [x, y],
     )
@@ -127,8 +128,9 @@ def test_per_head_rollout_in_the_page_equals_the_python_result(captures, tmp_pat
     assert entry["kind"] == "rollout" and [h["head"] for h in entry["heads"]] == list(range(H))
     got = torch.tensor(
         o.js(
-            "([li, H, T]) => { const out = []; for (let h = 0; h < H; h++) for (let q = 0; q < T; q++)"
-            " for (let k = 0; k < T; k++) out.push(window.qkvViewer.value(li, h, q, k)); return out; }",
+            "([li, H, T]) => { const out = []; for (let h = 0; h < H; h++)"
+            " for (let q = 0; q < T; q++) for (let k = 0; k < T; k++)"
+            " out.push(window.qkvViewer.value(li, h, q, k)); return out; }",
             [L, H, T],
         ),
         dtype=torch.float64,

@@ -478,7 +478,7 @@ def test_small_page_loads_offline_with_no_error(small, opened):
 
 
 def test_layer_and_head_selects_redraw_and_state_follows(small, opened):
-    path, probs = small
+    path, _probs = small
     o = opened(path)
     o.page.click("#tab-matrix")
     assert o.active_views() == ["view-matrix"] and o.state()["view"] == "matrix"
@@ -783,10 +783,10 @@ def test_explain_tab_shows_the_steps_numbers(tmp_path, opened):
                 for j, text in enumerate(row):
                     v = float(t[i, j])
                     if v == float("-inf"):
-                        assert text == "−∞", (name, i, j, text)  # causal: masked scores
+                        assert text == "\u2212\u221e", (name, i, j, text)  # causal: masked scores
                     else:
                         _close_to_4(text, v, f"head {head} {name}[{i}, {j}]")
-        assert tables["scores"][0][1] == "−∞" and tables["softmax"][0][1] == "0.000"
+        assert tables["scores"][0][1] == "\u2212\u221e" and tables["softmax"][0][1] == "0.000"
     # The row labels are the tokens.
     assert (
         o.js(

@@ -70,7 +70,7 @@ def test_iframe_holds_the_file_page_and_nothing_else(tmp_path):
     assert [t for t, _ in _Tags(out).tags] == ["iframe"]  # no script, style or id outside
     shown = qkv.viz.show(trace, ["a", "b", "c", "d"], title='a "quoted" <title>', height=500)
     out = shown._repr_html_()
-    ((tag, attrs),) = _Tags(out).tags
+    ((_tag, attrs),) = _Tags(out).tags
     assert attrs["sandbox"] == "allow-scripts" and "height: 500px" in attrs["style"]
     assert attrs["title"] == 'qkv viewer: a "quoted" <title>'
     assert (

@@ -33,8 +33,8 @@ def test_grid_float64(T, S, D, mask):
     _assert_all_backends_match(q, k, v, attn_mask=attn_mask, is_causal=mask == "causal")
 
 
-@pytest.mark.parametrize("T,S", [(1, 17), (17, 1), (97, 113), (113, 97)], ids=lambda x: str(x))
-@pytest.mark.parametrize("H,G", [(4, 4), (4, 2), (6, 1), (8, 2)], ids=lambda x: str(x))
+@pytest.mark.parametrize("T,S", [(1, 17), (17, 1), (97, 113), (113, 97)], ids=str)
+@pytest.mark.parametrize("H,G", [(4, 4), (4, 2), (6, 1), (8, 2)], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa_float64(T, S, H, G, causal):
     q, k, v = rand(2, H, T, 59), rand(2, G, S, 59), rand(2, G, S, 16)

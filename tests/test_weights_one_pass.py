@@ -51,7 +51,8 @@ def _one_pass(q, k, v, **kw):
 def test_one_pass_equals_reference_float64(T, S):
     B, H, D = 2, 3, 8
     q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S))
-    for name, kw in _cases(B, H, T, S):
+    for name, case_kw in _cases(B, H, T, S):
+        kw = case_kw
         if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
             kw = dict(kw, attn_mask=kw["attn_mask"].to(q.dtype))
         out, trace = _one_pass(q, k, v, **kw)
@@ -75,7 +76,8 @@ def test_one_pass_tolerance_policy(dtype):
     math in the same dtype, for the output and the weights."""
     B, H, T, S, D = 1, 4, 200, 260, 32
     golden_in = [torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S)]
-    for name, kw in _cases(B, H, T, S):
+    for name, case_kw in _cases(B, H, T, S):
+        kw = case_kw
         if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
             kw = dict(kw, attn_mask=kw["attn_mask"].to(dtype))
         golden = qkv.scaled_dot_product_attention(
@@ -168,7 +170,8 @@ def test_blocks_of_rows_and_of_heads_equal_reference(monkeypatch, budget):
     monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", budget)
     B, H, T, S, D = 2, 3, 37, 53, 8
     golden_in = [torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S)]
-    for name, kw in _cases(B, H, T, S):
+    for name, case_kw in _cases(B, H, T, S):
+        kw = case_kw
         if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
             kw = dict(kw, attn_mask=kw["attn_mask"].to(torch.float64))
         monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", budget)
