@@ -154,8 +154,11 @@ class BlockSummary:
         g = self.grid
         c = self.counts()
         lines = [
-            f"{self.mask}: T={g.T}, S={g.S}, blocks {g.bq}x{g.bk} -> {g.nq}x{g.nk}; full "
-            f"{c['full']}, partial {c['partial']}, empty {c['empty']} (computed {self.density:.1%})"
+            (
+                f"{self.mask}: T={g.T}, S={g.S}, blocks {g.bq}x{g.bk} -> {g.nq}x{g.nk}; full "
+                f"{c['full']}, partial {c['partial']}, empty {c['empty']} "
+                f"(computed {self.density:.1%})"
+            )
         ]
         glyph = {EMPTY: ".", PARTIAL: "+", FULL: "#"}
         for b in range(self.state.shape[0]):

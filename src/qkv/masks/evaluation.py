@@ -126,10 +126,7 @@ def per_element(
         for d in (3, 2, 1, 0):  # innermost vmap maps over kv_idx
             dims = tuple(0 if i == d else None for i in range(4))
             f = torch.vmap(f, in_dims=dims if score is None else (0,) + dims)
-        if score is None:
-            out = f(*vecs)
-        else:
-            out = f(score.expand(tuple(v.numel() for v in vecs)), *vecs)
+        out = f(*vecs) if score is None else f(score.expand(tuple(v.numel() for v in vecs)), *vecs)
         _check_per_element(fn, out, 4)
         if score is None:  # dims the mask does not depend on come back expanded: keep them 1
             return out[tuple(slice(0, 1) if st == 0 else slice(None) for st in out.stride())]
@@ -257,7 +254,7 @@ def _unique(tensors) -> tuple[Tensor, ...]:
 
 def _cell_filled(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents  # an empty cell raises
     except ValueError:
         return False
     return True

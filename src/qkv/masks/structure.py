@@ -88,9 +88,9 @@ def _blocks_take_offsets(mask_mod: MaskMod) -> bool:
     it honours ``q_start``/``kv_start``): qkv's own masks. A subclass with its own
     ``blocks`` may ignore them, so its blocks are found by evaluation instead."""
     method = type(mask_mod).blocks
-    if method is _Combined.blocks:
+    if method is _Combined.blocks and isinstance(mask_mod, _Combined):
         return all(_blocks_take_offsets(m) for m in mask_mod.mods)
-    if method is _Offset.blocks:
+    if method is _Offset.blocks and isinstance(mask_mod, _Offset):
         return _blocks_take_offsets(mask_mod.inner)
     return method in (_Window.blocks, _KeysBefore.blocks, _Document.blocks)
 

@@ -90,7 +90,8 @@ class ScoreMod:
 
 
 def _offset(align: str, T: int, S: int) -> int:
-    """Query position of row 0: 0 top-left, S - T bottom-right (the last query sees the last key)."""
+    """Query position of row 0: 0 top-left, S - T bottom-right (the last query sees the last
+    key)."""
     return 0 if align == "top_left" else S - T
 
 
@@ -117,7 +118,8 @@ class _Window(MaskMod):
                 return 0
             raise ValueError(
                 f"{self!r} needs the lengths T and S to align bottom-right: pass it as "
-                f"mask_mod= to scaled_dot_product_attention, or use qkv.masks.to_dense(mask, B, H, T, S)"
+                "mask_mod= to scaled_dot_product_attention, or use "
+                "qkv.masks.to_dense(mask, B, H, T, S)"
             )
         return self.offset
 
@@ -251,9 +253,11 @@ def prefix_lm(prefix: int | Tensor) -> MaskMod:
     """Prefix-LM: every query sees the first ``prefix`` keys (bidirectional prefix), and the
     rest causally (top-left). ``prefix`` may be an int or one length per batch element ``(B,)``.
     """
-    mod = or_masks(causal(), _KeysBefore(_as_lengths("prefix_lm", prefix), "prefix_lm"))
-    mod.name = f"prefix_lm({prefix if isinstance(prefix, int) else 'tensor'})"
-    return mod
+    return _Combined(
+        (causal(), _KeysBefore(_as_lengths("prefix_lm", prefix), "prefix_lm")),
+        "or",
+        f"prefix_lm({prefix if isinstance(prefix, int) else 'tensor'})",
+    )
 
 
 class _Document(MaskMod):
@@ -267,7 +271,8 @@ class _Document(MaskMod):
             if ids.shape[-1] != L or ids.shape[0] not in (1, B):
                 raise ValueError(
                     f"document: {name} has shape {tuple(ids.shape)} but the call has B={B} and "
-                    f"{'T' if L == T and name == 'ids' else 'S'}={L}; give ({B}, {L}) or (1, {L}) ids"
+                    f"{'T' if L == T and name == 'ids' else 'S'}={L}; give ({B}, {L}) or "
+                    f"(1, {L}) ids"
                 )
         return self
 
