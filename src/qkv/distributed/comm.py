@@ -69,7 +69,8 @@ def comm_log():
 
     Example:
         >>> with qkv.distributed.comm_log() as log:
-        ...     out = qkv.distributed.ring_attention(q, k, v, mask_mod=qkv.masks.sliding_window(256))
+        ...     window = qkv.masks.sliding_window(256)
+        ...     out = qkv.distributed.ring_attention(q, k, v, mask_mod=window)
         >>> log.bytes("send"), log.peers("recv")
     """
     log = CommLog()

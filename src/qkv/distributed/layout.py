@@ -19,6 +19,8 @@ Example (L = 8, R = 2)::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -55,7 +57,7 @@ def _splits(L: int, n: int) -> list[Segment]:
     bounds = [0]
     for i in range(n):
         bounds.append(bounds[-1] + q + (1 if i < extra else 0))
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 def segments(L: int, R: int, layout: str = "contiguous") -> list[list[Segment]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import multiprocessing.queues
 import os
 import queue
 import tempfile
@@ -51,7 +52,7 @@ def run_local(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     ctx = mp.get_context("spawn")
-    results: queue.Queue = ctx.Queue()
+    results: multiprocessing.queues.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="qkv-ranks-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [

@@ -162,7 +162,7 @@ def ring_attention(
         check_layout(layout),
         timeout,
     )
-    grads = ()
+    grads: tuple[Tensor, ...] = ()
     if ring.score is not None:  # tensors a score_mod reads that want gradients
         grads = score_mod_gradient_inputs(ring.score, dtype=_acc(query.dtype), device=query.device)
     out, lse = _RingAttention.apply(ring, query, key, value, *grads)
@@ -299,6 +299,12 @@ class _Ring:
         """Whether rank r computes on (so receives) keys of rank s."""
         return self.links[r][s] is not None
 
+    def link(self, r: int, s: int) -> _Link:
+        """What rank s sends rank r, where r needs it (:meth:`needs`)."""
+        link = self.links[r][s]
+        assert link is not None, f"rank {r} needs nothing of rank {s}"
+        return link
+
     def call(self, q: Tensor, k: Tensor, v: Tensor, piece: _Piece) -> AttentionCall:
         """The attention call of one piece, its masks moved to the piece's positions."""
         mask = None if self.mask is None else offset_mask(self.mask, piece.q_start, piece.kv_start)
@@ -326,7 +332,11 @@ class _Ring:
         sends = [] if out_link is None else [(out_link.message(t), dst) for t in mine]
         buf = None
         if in_link is not None:
-            buf = tuple(t.new_empty(self.kv_shape(in_link.length, t.shape[-1])) for t in mine)
+            k, v = mine
+            buf = (
+                k.new_empty(self.kv_shape(in_link.length, k.shape[-1])),
+                v.new_empty(self.kv_shape(in_link.length, v.shape[-1])),
+            )
         recvs = [] if buf is None else [(t, src) for t in buf]
         return comm.exchange(
             self.group, sends, recvs, tag=tag, phase=phase, step=step, timeout=self.timeout
@@ -345,11 +355,11 @@ class _Ring:
 
         def absorb(kv: tuple[Tensor, Tensor], s: int) -> None:
             kk, vv = kv
-            for piece in self.links[self.rank][s].pieces:
-                o, l = piece_forward(self.call(q, kk, vv, piece))  # (B, H, n, Dv), (B, H, n)
+            for piece in self.link(self.rank, s).pieces:
+                o, o_lse = piece_forward(self.call(q, kk, vv, piece))  # (B, H, n, Dv), (B, H, n)
                 rows = piece.q_rows
                 out[:, :, rows], lse[:, :, rows] = merge_by_lse(
-                    out[:, :, rows], lse[:, :, rows], o, l
+                    out[:, :, rows], lse[:, :, rows], o, o_lse
                 )
 
         self.ring_pass(mine, absorb, "forward")
@@ -362,6 +372,7 @@ class _Ring:
         if self.needs(self.rank, self.rank):
             visit(mine, self.rank)
         for step in range(1, self.R):
+            assert pending is not None  # posted for every step < R
             work, buf = pending
             work.wait()
             pending = self.post(step + 1, mine, phase, tag=step + 1) if step + 1 < self.R else None
@@ -388,7 +399,7 @@ class _Ring:
                 if s == self.rank
                 else torch.zeros(self.kv_shape(kk.shape[2]), dtype=acc, device=q.device)
             )  # dk and dv, one message
-            for piece in self.links[self.rank][s].pieces:
+            for piece in self.link(self.rank, s).pieces:
                 rows = piece.q_rows
                 g_q, g_k, g_v, g_t = piece_backward(
                     self.call(q, kk, vv, piece), out[:, :, rows], lse[:, :, rows], dout[:, :, rows]
@@ -404,12 +415,14 @@ class _Ring:
             if s != self.rank:
                 grads_out[s] = d_kv
 
-        in_flight: list[tuple[comm.Pending, Tensor | None]] = []
+        # each step's exchange, and the link and buffer of the gradients it receives (if any)
+        in_flight: list[tuple[comm.Pending, tuple[_Link, Tensor] | None]] = []
 
         def settle() -> None:
-            for work, buf, link in in_flight:
+            for work, back in in_flight:
                 work.wait()
-                if buf is not None:
+                if back is not None:
+                    link, buf = back
                     link.add_into(d_mine, buf)
             in_flight.clear()
 
@@ -418,8 +431,8 @@ class _Ring:
             dst = (self.rank + step) % self.R
             sends = [(grads_out.pop(src), src)] if src in grads_out else []
             link = self.links[dst][self.rank]  # what this rank sent dst: its gradients come back
-            buf = None if link is None else d_mine.new_empty(self.kv_shape(link.length))
-            recvs = [(buf, dst)] if buf is not None else []
+            back = None if link is None else (link, d_mine.new_empty(self.kv_shape(link.length)))
+            recvs = [(back[1], dst)] if back is not None else []
             work = comm.exchange(
                 self.group,
                 sends,
@@ -429,14 +442,15 @@ class _Ring:
                 step=step,
                 timeout=self.timeout,
             )
-            in_flight.append((work, buf, link))
+            in_flight.append((work, back))
 
         self.ring_pass(mine, visit, "backward", after=send_grads)
         settle()
         dk, dv = d_mine[..., : self.D], d_mine[..., self.D :]
+        d_score: list[Tensor | None] = list(dts)
         if len(dts) < n_score:  # a score_mod tensor no piece of this rank read
-            dts += [None] * (n_score - len(dts))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dts
+            d_score += [None] * (n_score - len(dts))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_score
 
     # --- trace --------------------------------------------------------------------------------
     def trace(self, q: Tensor, k: Tensor, lse: Tensor) -> AttentionTrace:
