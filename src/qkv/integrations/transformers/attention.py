@@ -123,8 +123,12 @@ def attention_forward(
         score_mod=masks.softcap(softcap) if softcap else None,
         sinks=None if sinks is None else sinks.to(query.device),
     )
-    out, trace = res if want else (res, None)  # (B, H, T, D)
-    weights = trace.probs.to(query.dtype) if want else None  # (B, H, T, S)
+    weights = None
+    if isinstance(res, tuple):  # return_trace=want
+        out, trace = res  # (B, H, T, D)
+        weights = trace.probs.to(query.dtype)  # (B, H, T, S)
+    else:
+        out = res  # (B, H, T, D)
     return out.transpose(1, 2).contiguous(), weights  # (B, T, H, D)
 
 

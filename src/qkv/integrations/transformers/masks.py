@@ -73,6 +73,7 @@ class HFMaskTensor(Tensor):
     """
 
     description: HFMask
+    _dense: Tensor | None  # the values, once formed
 
     @staticmethod
     def __new__(cls, description: HFMask, batch_size: int, dtype: torch.dtype, device):
@@ -86,7 +87,7 @@ class HFMaskTensor(Tensor):
         """The mask as transformers' eager path has it: ``(B, 1, T, S)``, 0 or the minimum."""
         if self._dense is None:
             with torch._C.DisableTorchFunctionSubclass():
-                B, _, T, S = self.shape
+                B = self.shape[0]
                 dtype, device = self.dtype, self.device
             ok = _dense_keep(self.description, B, device)
             low = torch.finfo(dtype).min if dtype.is_floating_point else False
@@ -110,18 +111,24 @@ class HFMaskTensor(Tensor):
         return f"HFMaskTensor({self.description!r})"
 
 
+def _getter(name: str) -> Callable:
+    """The getter of Tensor's property ``name``, the function ``__torch_function__`` sees (the
+    stubs type the properties as plain attributes: ``Tensor.shape`` as a ``Size``)."""
+    return getattr(Tensor, name).__get__
+
+
 _METADATA = {
-    Tensor.shape.__get__,
-    Tensor.dtype.__get__,
-    Tensor.device.__get__,
-    Tensor.ndim.__get__,
+    _getter("shape"),
+    _getter("dtype"),
+    _getter("device"),
+    _getter("ndim"),
     Tensor.dim,
     Tensor.size,
-    Tensor.layout.__get__,
+    _getter("layout"),
     Tensor.is_floating_point,
-    Tensor.requires_grad.__get__,
-    Tensor.is_cuda.__get__,
-    Tensor.is_meta.__get__,
+    _getter("requires_grad"),
+    _getter("is_cuda"),
+    _getter("is_meta"),
     Tensor.numel,
 }
 
@@ -158,6 +165,7 @@ def build_mask(
     padding = None
     if attention_mask is not None:
         full = prepare_padding_mask(attention_mask.bool(), kv_length, int(kv_offset))
+        assert full is not None  # a tensor for a tensor (None only for None)
         padding = full[:, int(kv_offset) : int(kv_offset) + kv_length]  # (B, S)
         if not tracing() and bool(padding.all()):  # a graph keeps the all-True mask: no sync
             padding = None
@@ -280,7 +288,7 @@ def _window_of(fn) -> tuple[int | None, int | None] | tuple | None:
         parts = [_window_of(f) for f in cells["mask_functions"]]
         if any(p is None for p in parts):
             return None
-        bounds = [p for p in parts if p is not _EVERYTHING]
+        bounds = [p for p in parts if p is not None and p is not _EVERYTHING]
         if not bounds:
             return _EVERYTHING
         return (_tightest(b[0] for b in bounds), _tightest(b[1] for b in bounds))
