@@ -49,14 +49,19 @@ Medians over ``--reps`` repetitions (the write over ``--write-reps``). Writes
 
 Usage:
     python benchmarks/bench_model_view.py [--configs 512 4096 16384 16384full] [--reps 5]
+    python benchmarks/bench_model_view.py --configs 16384 --merge   # redo one row of the JSON
+
+The machine's 1-minute load average before and after each row is in the JSON: on a shared box
+the write and load times move with it.
 """
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
-import math
 import os
 import platform
 import re
@@ -75,9 +80,15 @@ from qkv.viz import html as viz_html
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, EMBED, HEADS, LAYERS, MAX_LEN = 1000, 192, 12, 12, 16384
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 VIEWPORT = {"width": 1280, "height": 960}
 
 # name -> (T, layers, heads, row stride)
@@ -94,34 +105,49 @@ def machine() -> dict:
     cpu = platform.processor()
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        m = re.search(r"^Model name:\s*(.+)$", out, re.M)
+        m = re.search(r"^Model name:\s*(.+)$", out, re.MULTILINE)
         cpu = m.group(1).strip() if m else cpu
     except (OSError, subprocess.CalledProcessError):
         pass
     chromium = _chromium()
     version = None
     if chromium:
-        try:
-            version = subprocess.run([chromium, "--version"], capture_output=True, text=True,
-                                     timeout=30).stdout.strip().splitlines()[0]
-        except (OSError, subprocess.TimeoutExpired, IndexError):
-            pass
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired, IndexError):
+            version = (
+                subprocess.run(
+                    [chromium, "--version"], capture_output=True, text=True, timeout=30, check=False
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
     try:
         from importlib.metadata import version as pkg_version
+
         pw = pkg_version("playwright")
-    except Exception:  # noqa: BLE001 - reported as unknown
+    except Exception:  # reported as unknown
         pw = None
-    return {"cpu": cpu, "cores": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "chromium": version, "chromium_path": chromium, "playwright": pw,
-            "qkv_commit": _git_head()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "chromium": version,
+        "chromium_path": chromium,
+        "playwright": pw,
+        "qkv_commit": _git_head(),
+    }
 
 
 def _git_head() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -149,20 +175,27 @@ def make_capture(T: int, layers: list[int], heads, stride: int, f16_above: int):
     for li in layers:
         with torch.no_grad(), qkv.capture(model, layers=[li], heads=heads, rows=rows) as cap:
             model(ids)
-        for r in cap:
+        for rec in cap:
             if json_info is None:
-                json_info = json_bytes_per_cell(r.probs[0])
-            if half:
-                r = dataclasses.replace(r, probs=r.probs.half())
-            records.append(r)
+                json_info = json_bytes_per_cell(rec.probs[0])
+            records.append(dataclasses.replace(rec, probs=rec.probs.half()) if half else rec)
         del cap
         gc.collect()
     seconds = time.perf_counter() - t0
     tokens = [f"w{int(i)}" for i in ids[0]]
-    info = {"T": T, "layers": len(layers), "heads": nh, "rows_kept": nr, "row_stride": stride,
-            "capture_f32_bytes": f32_bytes, "held_as": "float16" if half else "float32",
-            "capture_s": round(seconds, 2), "json_sample": json_info, "backends": sorted({r.backend for r in records}),
-            "layer_numbers": sorted({int(r.layer) for r in records})}
+    info = {
+        "T": T,
+        "layers": len(layers),
+        "heads": nh,
+        "rows_kept": nr,
+        "row_stride": stride,
+        "capture_f32_bytes": f32_bytes,
+        "held_as": "float16" if half else "float32",
+        "capture_s": round(seconds, 2),
+        "json_sample": json_info,
+        "backends": sorted({r.backend for r in records}),
+        "layer_numbers": sorted({int(r.layer) for r in records}),
+    }
     return records, tokens, info
 
 
@@ -171,17 +204,20 @@ def json_bytes_per_cell(p) -> dict:
     ``head_view``) and CircuitsVis (``render``) put the weights into their page -- measured on
     the float32 weights of the first captured layer ``p`` (nh, nr, S): every head when it has
     at most 4M cells, else head 0 on at most 256 evenly spaced of its rows."""
-    sample = p if p.numel() <= 1 << 22 else p[0, ::max(1, p.shape[1] // 256)]
+    sample = p if p.numel() <= 1 << 22 else p[0, :: max(1, p.shape[1] // 256)]
     text = json.dumps(sample.float().tolist())
-    return {"cells": sample.numel(), "bytes": len(text),
-            "bytes_per_cell": round(len(text) / sample.numel(), 3)}
+    return {
+        "cells": sample.numel(),
+        "bytes": len(text),
+        "bytes_per_cell": round(len(text) / sample.numel(), 3),
+    }
 
 
 # ----------------------------------------------------------------------------- page
 def page_cells(path: Path, full_heads: int, T: int) -> dict:
     """Cells the page inlines, read back from its own metadata."""
     text = path.read_text(encoding="utf-8")
-    m = re.search(r'<script type="application/json" id="qkv-meta">(.*?)</script>', text, re.S)
+    m = re.search(r'<script type="application/json" id="qkv-meta">(.*?)</script>', text, re.DOTALL)
     meta = json.loads(m.group(1))
     exact = blocks = kept = 0
     modes: dict[str, int] = {}
@@ -196,10 +232,16 @@ def page_cells(path: Path, full_heads: int, T: int) -> dict:
                 exact += e["nr"] * h["k"]
                 blocks += h["gr"] * h["gc"]
                 ks.add((h["k"], h["block"]))
-    return {"budget_cells_per_head": meta["budget"], "modes": modes,
-            "top_k_and_block": sorted(ks), "cells_exact": exact, "cells_block_max": blocks,
-            "cells_inlined": exact + blocks, "cells_captured": kept,
-            "cells_full_model": full_heads * T * T}
+    return {
+        "budget_cells_per_head": meta["budget"],
+        "modes": modes,
+        "top_k_and_block": sorted(ks),
+        "cells_exact": exact,
+        "cells_block_max": blocks,
+        "cells_inlined": exact + blocks,
+        "cells_captured": kept,
+        "cells_full_model": full_heads * T * T,
+    }
 
 
 def write_page(records, tokens, path: Path, reps: int) -> list[float]:
@@ -229,8 +271,10 @@ MODEL = """() => new Promise((resolve) => {
 def heap(cdp) -> dict:
     cdp.send("HeapProfiler.collectGarbage")
     got = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
-    return {"used_mb": round(got.get("JSHeapUsedSize", float("nan")) / 2**20, 1),
-            "total_mb": round(got.get("JSHeapTotalSize", float("nan")) / 2**20, 1)}
+    return {
+        "used_mb": round(got.get("JSHeapUsedSize", float("nan")) / 2**20, 1),
+        "total_mb": round(got.get("JSHeapTotalSize", float("nan")) / 2**20, 1),
+    }
 
 
 def renderer_rss_mb() -> float | None:
@@ -252,58 +296,84 @@ def renderer_rss_mb() -> float | None:
 
 def browse(path: Path, reps: int, expect_thumbs: int, timeout_s: float, shot: Path | None):
     from playwright.sync_api import sync_playwright
+
     url = path.resolve().as_uri()
     runs = []
     with sync_playwright() as pw:
         for rep in range(reps):
             profile = tempfile.mkdtemp(prefix="qkv-mv-profile-")
             ctx = pw.chromium.launch_persistent_context(
-                profile, executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS,
-                viewport=VIEWPORT, device_scale_factor=1)
+                profile,
+                executable_path=_chromium(),
+                headless=True,
+                args=CHROMIUM_ARGS,
+                viewport=VIEWPORT,
+                device_scale_factor=1,
+            )
             try:
                 page = ctx.new_page()
                 others, errors = [], []
 
-                def route(r):
+                def route(r, others=others):
                     if r.request.url == url:
                         r.continue_()
                     else:
                         others.append(r.request.url)
                         r.abort()
+
                 page.route("**/*", route)
-                page.on("pageerror", lambda e: errors.append(str(e)))
-                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                page.on(
+                    "console",
+                    lambda m, errors=errors: errors.append(m.text) if m.type == "error" else None,
+                )
                 cdp = ctx.new_cdp_session(page)
                 cdp.send("Performance.enable")
                 t0 = time.perf_counter()
                 page.goto(url, wait_until="load", timeout=timeout_s * 1000)
                 page.wait_for_function(READY, timeout=timeout_s * 1000)
                 ready_s = time.perf_counter() - t0
-                nav = page.evaluate("() => { const n = performance.getEntriesByType('navigation')[0];"
-                                    " return {response_end_ms: n.responseEnd, dcl_ms: n.domContentLoadedEventEnd,"
-                                    " load_event_ms: n.loadEventEnd}; }")
+                nav = page.evaluate(
+                    "() => { const n = performance.getEntriesByType('navigation')[0];"
+                    " return {response_end_ms: n.responseEnd,"
+                    " dcl_ms: n.domContentLoadedEventEnd, load_event_ms: n.loadEventEnd}; }"
+                )
                 heap_ready = heap(cdp)
                 t1 = time.perf_counter()
                 model = page.evaluate(MODEL)
                 total_s = ready_s + (time.perf_counter() - t1)
                 if model["thumbs"] != expect_thumbs or model["view"] != "model":
-                    raise RuntimeError(f"{path.name}: the Model view drew {model['thumbs']} "
-                                       f"thumbnails (view {model['view']!r}), expected "
-                                       f"{expect_thumbs}")
+                    raise RuntimeError(
+                        f"{path.name}: the Model view drew {model['thumbs']} "
+                        f"thumbnails (view {model['view']!r}), expected "
+                        f"{expect_thumbs}"
+                    )
                 heap_model = heap(cdp)
                 rss_model = renderer_rss_mb()
-                grid = page.evaluate("() => { const g = document.getElementById('model-grid');"
-                                     " return {scroll: g.scrollWidth, client: g.clientWidth,"
-                                     " viewport: document.documentElement.clientWidth}; }")
+                grid = page.evaluate(
+                    "() => { const g = document.getElementById('model-grid');"
+                    " return {scroll: g.scrollWidth, client: g.clientWidth,"
+                    " viewport: document.documentElement.clientWidth}; }"
+                )
                 if shot is not None and rep == 0:
                     page.screenshot(path=str(shot), full_page=False)
-                runs.append({"ready_s": ready_s, **nav, "model_ms": model["ms"],
-                             "model_sync_ms": model["sync_ms"], "thumbs": model["thumbs"],
-                             "total_s": total_s, "heap_ready_mb": heap_ready["used_mb"],
-                             "heap_model_mb": heap_model["used_mb"],
-                             "heap_model_total_mb": heap_model["total_mb"],
-                             "renderer_rss_mb": rss_model, "model_grid_width": grid,
-                             "requests_blocked": len(others), "errors": errors})
+                runs.append(
+                    {
+                        "ready_s": ready_s,
+                        **nav,
+                        "model_ms": model["ms"],
+                        "model_sync_ms": model["sync_ms"],
+                        "thumbs": model["thumbs"],
+                        "total_s": total_s,
+                        "heap_ready_mb": heap_ready["used_mb"],
+                        "heap_model_mb": heap_model["used_mb"],
+                        "heap_model_total_mb": heap_model["total_mb"],
+                        "renderer_rss_mb": rss_model,
+                        "model_grid_width": grid,
+                        "requests_blocked": len(others),
+                        "errors": errors,
+                    }
+                )
             finally:
                 ctx.close()
                 shutil.rmtree(profile, ignore_errors=True)
@@ -320,12 +390,25 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--reps", type=int, default=5, help="browser loads per page")
     ap.add_argument("--write-reps", type=int, default=3, help="page writes per page")
-    ap.add_argument("--f16-above", type=int, default=2 << 30,
-                    help="hold the capture as float16 above this many float32 bytes")
+    ap.add_argument(
+        "--f16-above",
+        type=int,
+        default=2 << 30,
+        help="hold the capture as float16 above this many float32 bytes",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="browser timeout (s)")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/model_view.json"))
-    ap.add_argument("--keep", default=None, metavar="DIR",
-                    help="keep the pages (and a screenshot of each Model view) in DIR")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of --out for the configs not run now (one row per config)",
+    )
+    ap.add_argument(
+        "--keep",
+        default=None,
+        metavar="DIR",
+        help="keep the pages (and a screenshot of each Model view) in DIR",
+    )
     args = ap.parse_args(argv)
 
     mach = machine()
@@ -333,7 +416,14 @@ def main(argv=None) -> int:
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="qkv-mv-"))
     work.mkdir(parents=True, exist_ok=True)
     results = []
+    if args.merge and Path(args.out).is_file():
+        results = [
+            r
+            for r in json.loads(Path(args.out).read_text())["results"]
+            if r["config"] not in args.configs
+        ]
     for name in args.configs:
+        load_before = os.getloadavg()
         T, layers, heads, stride = CONFIGS[name]
         records, tokens, info = make_capture(T, layers, heads, stride, args.f16_above)
         print(f"[{name}] captured {info}", flush=True)
@@ -344,30 +434,65 @@ def main(argv=None) -> int:
         cells = page_cells(path, n_heads, T)
         del records
         gc.collect()
-        print(f"[{name}] wrote {size / 2**20:.1f} MiB in {statistics.median(writes):.1f} s; "
-              f"cells {cells}", flush=True)
+        print(
+            f"[{name}] wrote {size / 2**20:.1f} MiB in {statistics.median(writes):.1f} s; "
+            f"cells {cells}",
+            flush=True,
+        )
         shot = work / f"model_view_{name}.png" if args.keep else None
         runs = browse(path, args.reps, n_heads, args.timeout, shot)
         full_json = info["json_sample"]["bytes_per_cell"] * cells["cells_full_model"]
-        row = {"config": name, **info, "page_bytes": size, "page_mib": round(size / 2**20, 2),
-               "full_json_bytes_est": round(full_json),
-               "write_s": writes, "write_s_median": round(statistics.median(writes), 2),
-               **cells, "runs": runs,
-               "median": {k: round(med(runs, k), 3) for k in
-                          ("ready_s", "load_event_ms", "model_ms", "total_s", "heap_ready_mb",
-                           "heap_model_mb", "renderer_rss_mb")},
-               "requests_blocked": sum(r["requests_blocked"] for r in runs),
-               "errors": sorted({e for r in runs for e in r["errors"]})}
-        print(f"[{name}] browser medians {row['median']} blocked={row['requests_blocked']} "
-              f"errors={row['errors']}", flush=True)
+        row = {
+            "config": name,
+            "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "loadavg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+            **info,
+            "page_bytes": size,
+            "page_mib": round(size / 2**20, 2),
+            "full_json_bytes_est": round(full_json),
+            "write_s": writes,
+            "write_s_median": round(statistics.median(writes), 2),
+            **cells,
+            "runs": runs,
+            "median": {
+                k: round(med(runs, k), 3)
+                for k in (
+                    "ready_s",
+                    "load_event_ms",
+                    "model_ms",
+                    "total_s",
+                    "heap_ready_mb",
+                    "heap_model_mb",
+                    "renderer_rss_mb",
+                )
+            },
+            "requests_blocked": sum(r["requests_blocked"] for r in runs),
+            "errors": sorted({e for r in runs for e in r["errors"]}),
+        }
+        print(
+            f"[{name}] browser medians {row['median']} blocked={row['requests_blocked']} "
+            f"errors={row['errors']}",
+            flush=True,
+        )
         results.append(row)
+        results.sort(key=lambda r: list(CONFIGS).index(r["config"]))
         if not args.keep:
             path.unlink()
-        out = {"machine": mach, "model": {"class": "qkv.DecoderLM", "vocab": VOCAB,
-                                          "embed_dim": EMBED, "heads": HEADS, "layers": LAYERS,
-                                          "seed": 0},
-               "page": {"max_cells": 1 << 24, "tokens": "w<id> strings"},
-               "reps": args.reps, "write_reps": args.write_reps, "results": results}
+        out = {
+            "machine": mach,
+            "model": {
+                "class": "qkv.DecoderLM",
+                "vocab": VOCAB,
+                "embed_dim": EMBED,
+                "heads": HEADS,
+                "layers": LAYERS,
+                "seed": 0,
+            },
+            "page": {"max_cells": 1 << 24, "tokens": "w<id> strings"},
+            "reps": args.reps,
+            "write_reps": args.write_reps,
+            "results": results,
+        }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print()
@@ -383,10 +508,14 @@ def _size(n: float) -> str:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| T | layers x heads | query rows kept | page | write | ready | model view drawn "
-             "| goto -> model view | JS heap (ready / model) | renderer RSS | cells inlined / H·T² "
-             "| H·T² as JSON (est.) |",
-             "|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        (
+            "| T | layers x heads | query rows kept | page | write | ready | model view drawn "
+            "| goto -> model view | JS heap (ready / model) | renderer RSS "
+            "| cells inlined / H·T² | H·T² as JSON (est.) |"
+        ),
+        "|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results:
         m = r["median"]
         rows = "all" if r["row_stride"] == 1 else f"every {r['row_stride']}th ({r['rows_kept']})"
@@ -394,9 +523,11 @@ def table(results: list[dict]) -> str:
             f"| {r['T']:,} | {r['layers']} x {r['heads']} | {rows} | {r['page_mib']:.1f} MiB "
             f"| {r['write_s_median']:.1f} s | {m['ready_s']:.2f} s | {m['model_ms'] / 1000:.2f} s "
             f"| {m['total_s']:.2f} s | {m['heap_ready_mb']:.0f} / {m['heap_model_mb']:.0f} MiB "
-            f"| {m['renderer_rss_mb']:.0f} MiB | {r['cells_inlined'] / 1e6:.1f} M / {r['cells_full_model'] / 1e6:,.0f} M "
+            f"| {m['renderer_rss_mb']:.0f} MiB | {r['cells_inlined'] / 1e6:.1f} M "
+            f"/ {r['cells_full_model'] / 1e6:,.0f} M "
             f"({100 * r['cells_inlined'] / r['cells_full_model']:.3g}%) "
-            f"| {_size(r['full_json_bytes_est'])} |")
+            f"| {_size(r['full_json_bytes_est'])} |"
+        )
     return "\n".join(lines)
 
 
