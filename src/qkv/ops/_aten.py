@@ -98,6 +98,8 @@ def flash_forward(
         broadcastable to ``(B, H, T, S)`` -> out ``(B, H, T, D)``, lse ``(B, H, T)`` float32
         (float64 for float64 inputs).
     """
+    if _fwd is None:
+        raise RuntimeError("this torch has no CPU flash-attention kernel (flash_cpu_available)")
     if _no_pairs(q, k):
         return _empty_forward(q, k, v)  # the kernel dies of SIGFPE on an empty size
     q, k, v = (_unit_stride(t) for t in (q, k, v))
@@ -141,6 +143,8 @@ def flash_backward(
     Shape:
         as :func:`flash_forward`; dout like out -> dq, dk, dv like q, k, v.
     """
+    if _bwd is None:
+        raise RuntimeError("this torch has no CPU flash-attention kernel (flash_cpu_available)")
     if _no_pairs(q, k):  # no (query, key) pair: no gradient
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dout, q, k, v, out = (_unit_stride(t) for t in (dout, q, k, v, out))

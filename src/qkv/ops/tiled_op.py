@@ -249,9 +249,10 @@ def _describe(mod, parts: _Parts) -> str | None:
         return f"('document', {parts.tensor(mod.q_ids)}, {parts.tensor(mod.kv_ids)})"
     if kind is M._Combined:
         inner = [_describe(m, parts) for m in mod.mods]
-        if any(s is None for s in inner):
+        described = [s for s in inner if s is not None]
+        if len(described) < len(inner):
             return None
-        return f"('{mod.op}', ({', '.join(inner)},))"
+        return f"('{mod.op}', ({', '.join(described)},))"
     if kind is _DenseMask:
         return f"('dense', {parts.tensor(mod.mask)})"
     if kind is M._Alibi:
@@ -521,7 +522,9 @@ def _checked_output(
         _rebuild(mask_node, ints, floats, tensors),
         _rebuild(score_node, ints, floats, tensors),
     )
-    return nonfinite.run(call, lambda c: ReferenceBackend().run(c).out).to(out.dtype)
+    repaired = nonfinite.run(call, lambda c: ReferenceBackend().run(c).out)
+    assert isinstance(repaired, Tensor)  # run returns what its run_call does: the output
+    return repaired.to(out.dtype)
 
 
 @_checked_output.register_fake

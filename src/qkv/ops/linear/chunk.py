@@ -193,19 +193,19 @@ def _causal_block(
         num_state, den_state = num_state * keep[..., None, None], den_state * keep[..., None]
     num = intra @ vv + phi_q @ kv_in + num_state  # (N, n, L, Dv)
     den = intra.sum(-1) + (phi_q @ z_in.unsqueeze(-1)).squeeze(-1) + den_state  # (N, n, L)
-    units = None
-    if m is not None or b is not None:
-        units = 0 if b is None else b.view(N, n, L)
-        units = units + (0 if m is None else _finite(m[:, 1:]).unsqueeze(-1))
+    units = None if b is None else b.view(N, n, L)
+    if m is not None:
+        m_units = _finite(m[:, 1:]).unsqueeze(-1)
+        units = m_units if units is None else units + m_units
     out = _normalize(num, den, eps, units).view(N, n * L, Dv)[:, :P]  # (N, P, Dv)
     kv, z = kv_in[:, -1] + d_kv[:, -1], z_in[:, -1] + d_z[:, -1]  # in the last chunk's units
-    if keep is None:
+    if keep is None or m is None:  # both or neither: keep is None exactly when m is
         return out, LinearState(kv + state.kv, z + state.z, state.m)
     r = keep[:, -1]  # the incoming state's rescaling into those units
     return out, LinearState(kv + r[:, None, None] * state.kv, z + r[:, None] * state.z, m[:, -1])
 
 
-def _carry_weights(m: Tensor | None, n: int, like: Tensor) -> tuple[Tensor, Tensor]:
+def _carry_weights(m: Tensor | None, n: int, like: Tensor) -> tuple[Tensor, Tensor | None]:
     """How chunk c' < c and the incoming state count in the state entering chunk c.
 
     Without a log-scale: 1 and 1 (an exclusive prefix sum). With one, chunk c' is in units
@@ -250,7 +250,10 @@ def _accumulate(
 
 
 def _readout(fq: Features, state: LinearState, eps: float) -> Tensor:
-    """``phi(q) kv / (phi(q) . z + eps)`` for every query. Shape: ``(N, T, M)`` -> ``(N, T, Dv)``."""
+    """``phi(q) kv / (phi(q) . z + eps)`` for every query.
+
+    Shape: ``(N, T, M)`` -> ``(N, T, Dv)``.
+    """
     phi_q, b = _query_units(fq)
     num = phi_q @ state.kv  # (N, T, Dv)
     den = (phi_q @ state.z.unsqueeze(-1)).squeeze(-1)  # (N, T)
@@ -299,7 +302,7 @@ def _normalize(num: Tensor, den: Tensor, eps: float, log_units: Tensor | None) -
     total = den
     if eps and log_units is None:
         total = den + eps
-    elif eps:
+    elif eps and log_units is not None:
         total = den + (math.log(eps) - log_units).exp()  # inf (-> output 0) when eps dominates
     total = torch.where(total > 0, total, torch.ones_like(total))
     return num / total.unsqueeze(-1)
@@ -313,15 +316,16 @@ def _masked(phi_k: Tensor, v: Tensor, keep: Tensor | None) -> tuple[Tensor, Tens
     return torch.where(keep, phi_k, zero), torch.where(keep, v, zero)
 
 
-def _blocks(block: int, *tensors: Tensor | None) -> list[list]:
+def _blocks(block: int, first: Tensor, *rest: Tensor | None) -> list[list]:
     """Each tensor cut into blocks of positions (dim 1); None stays None for every block.
 
     ``split`` rather than slicing in a loop: autograd then joins the blocks' gradients with one
     ``cat``, where each slice's backward would write a zero-filled full-length gradient.
     """
-    if tensors[0].shape[1] == 0:  # split gives one empty block; there is none
+    tensors = (first, *rest)
+    if first.shape[1] == 0:  # split gives one empty block; there is none
         return [[] for _ in tensors]
-    n = len(tensors[0].split(block, 1))
+    n = len(first.split(block, 1))
     return [[None] * n if t is None else list(t.split(block, 1)) for t in tensors]
 
 

@@ -112,6 +112,10 @@ class Favor(FeatureMap):
         x ``(..., L, D)`` -> values ``(..., L, M)``, log_scale ``(..., L)``.
     """
 
+    projection: Tensor  # buffers, registered in __init__: (M, D)
+    draws: Tensor  # () int64
+    calls: Tensor  # () int64
+
     def __init__(
         self,
         head_dim: int,
@@ -192,7 +196,7 @@ class Favor(FeatureMap):
         )
 
 
-_COUNT_CALL = []
+_COUNT_CALL: list[Callable[[Favor], None]] = []
 
 
 def _count_call_on_host():
@@ -233,20 +237,12 @@ def orthogonal_gaussian(M: int, D: int, seed: int) -> Tensor:
 
 # What torch.compiler.assume_constant_result sets, without importing torch._dynamo with qkv
 # (tests/test_compile.py compiles the "favor" map, so a change in torch shows there).
-orthogonal_gaussian._dynamo_marked_constant = True
+vars(orthogonal_gaussian)["_dynamo_marked_constant"] = True
 
 
 def _check_positive_int(name: str, n) -> None:
     if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
         raise ValueError(f"{name} must be a positive int, got {n!r}")
-
-
-FEATURE_MAPS: dict[str, Callable[[int], FeatureMap]] = {
-    "elu": lambda D: EluFeatureMap(),
-    "relu": lambda D: ReluFeatureMap(),
-    "favor": lambda D: _default_favor(D),
-    "performer": lambda D: _default_favor(D),
-}
 
 
 _DEFAULT_FAVORS: dict[int, Favor] = {}
@@ -258,6 +254,14 @@ def _default_favor(D: int) -> Favor:
     if D not in _DEFAULT_FAVORS:
         _DEFAULT_FAVORS[D] = Favor(D, seed=0, dtype=torch.float32).eval()
     return _DEFAULT_FAVORS[D]
+
+
+FEATURE_MAPS: dict[str, Callable[[int], FeatureMap]] = {
+    "elu": lambda D: EluFeatureMap(),
+    "relu": lambda D: ReluFeatureMap(),
+    "favor": _default_favor,
+    "performer": _default_favor,
+}
 
 
 def resolve_feature_map(feature_map, head_dim: int):

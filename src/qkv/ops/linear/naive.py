@@ -20,7 +20,8 @@ __all__ = ["linear_attention_loop", "linear_attention_quadratic"]
 def linear_attention_quadratic(
     fq: Features, fk: Features, v: Tensor, *, is_causal: bool, key_mask: Tensor | None, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The (T, S) form: ``A_ij = phi(q_i) . phi(k_j)`` (0 where masked), ``out = A V / (A 1 + eps)``.
+    """The (T, S) form: ``A_ij = phi(q_i) . phi(k_j)`` (0 where masked),
+    ``out = A V / (A 1 + eps)``.
 
     Computed in log space so it is also the trace of linear attention: ``scores = log A``,
     ``lse = log(sum_j A_ij + eps)``, ``probs = exp(scores - lse)``, ``out = probs @ V``.

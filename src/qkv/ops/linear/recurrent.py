@@ -202,9 +202,8 @@ def _step(
         z = z + phi_k  # (N, M)
     num = phi_q @ kv  # (N, 1, Dv)
     den = (phi_q @ z.unsqueeze(-1)).squeeze(-1)  # (N, 1)
-    units = None
-    if b is not None or fk.log_scale is not None:
-        units = (0 if b is None else b) + (
-            _finite(m).unsqueeze(-1) if fk.log_scale is not None else 0
-        )
+    units = b
+    if fk.log_scale is not None:
+        m_units = _finite(m).unsqueeze(-1)
+        units = m_units if units is None else units + m_units
     return _normalize(num, den, eps, units), LinearState(kv, z, m)
