@@ -377,3 +377,33 @@ def _stacked(o: Opened) -> bytes:
     return o.page.screenshot(
         type="png", full_page=True, clip={"x": 0, "y": top, "width": 900, "height": bottom - top}
     )
+
+
+def _grey_fraction(o: Opened) -> float:
+    """The share of the first model-view thumbnail painted UNKNOWN ("not stored") grey."""
+    return o.js(
+        "() => { const c = document.querySelector('#model-grid canvas.mthumb');"
+        " const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;"
+        " let n = 0; for (let i = 0; i < d.length; i += 4)"
+        "   if (d[i] === 224 && d[i + 1] === 224 && d[i + 2] === 224) n++;"
+        " return n / (d.length / 4); }"
+    )
+
+
+def test_a_bounded_head_far_wider_than_tall_is_drawn_not_greyed(tmp_path, opened):
+    """A head stored as block maxima + each row's top k, with far fewer kept rows than keys
+    (a capture of every 16th row at 16k tokens): a thumbnail pixel spans many key blocks but
+    under one block of rows. It used to take the sparse top-k path (its level chosen from the
+    finer direction) and paint every pixel no row's top k fell in grey, 99% of the thumbnail;
+    it is now drawn from the block maxima, as a square head is (found by
+    benchmarks/bench_model_view.py)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1, 128, 2048, generator=g) * 0.1  # (H, rows, S): 16x wider than tall
+    w[..., :16] += 6.0  # every row's mass on the first keys: top k there, small elsewhere
+    w = w.softmax(-1)
+    path = tmp_path / "wide.html"
+    qkv.viz.html(w, path, max_cells=2**14)
+    o = opened(path)
+    o.page.click("#tab-model")
+    assert _grey_fraction(o) < 0.01  # 0.52 before
+    _quiet(o)

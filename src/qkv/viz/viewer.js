@@ -241,7 +241,11 @@
     const per = Math.min(sx, sy);
     const idx = shade(scale, m.vmax);
     let l = per >= 2 ? Math.floor(Math.log2(per)) : 0;
-    const sparse = !m.data && l < m.L0;
+    // Stored as block maxima + each row's top k: the top-k cells only while a pixel is finer
+    // than a block both ways. A pixel wider (or taller) than a block, as in a head of far
+    // fewer kept rows than keys, takes the block maxima, as a zoomed-out square head does;
+    // from the top k alone, every pixel no row's top k fell in would be "not stored".
+    const sparse = !m.data && Math.max(sx, sy) < (1 << m.L0);
     if (!m.data) l = Math.max(l, m.L0);
     const lev = m.level(l);
     const span = (a0, s, n, count) => { // per pixel: first and last cell, -1 outside
