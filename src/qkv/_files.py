@@ -37,7 +37,7 @@ def _umask() -> int:
     return umask
 
 
-def write_atomic(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path: str | Path, write: Callable[[IO[bytes]], object]) -> None:
     """Call ``write(f)`` on a temporary file beside ``path``, sync it, then rename it over
     ``path``. A write killed half-way leaves ``path`` as it was and no temporary file."""
     path = Path(path)

@@ -37,8 +37,9 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
 
-    def update(self, step: int, force: bool = False, **fields: float | str) -> None:
-        """Show ``step`` of ``total`` with ``fields`` (floats printed to 4 significant digits)."""
+    def update(self, step: int, force: bool = False, /, **fields: float | str) -> None:
+        """Show ``step`` of ``total`` with ``fields`` (floats printed to 4 significant digits).
+        ``force`` (positional: a field may be called anything) draws even between refreshes."""
         now = time.perf_counter()
         if not force and now - self._last < self.every and step < self.total:
             return

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..capture import Captured
+from ..capture import Captured, CapturedAttention
 from ..trace import AttentionTrace
 
 __all__ = ["flow", "rollout"]
@@ -186,11 +186,11 @@ def _networkx_solver():
         L, T, _ = aug.shape
         G = nx.DiGraph()
         G.add_nodes_from(range((L + 1) * T))
-        for l in range(L):
-            j, i = aug[l].nonzero(as_tuple=True)
-            caps = aug[l][j, i].tolist()
+        for layer in range(L):
+            j, i = aug[layer].nonzero(as_tuple=True)
+            caps = aug[layer][j, i].tolist()
             G.add_edges_from(
-                (l * T + a, (l + 1) * T + c, {"capacity": w})
+                (layer * T + a, (layer + 1) * T + c, {"capacity": w})
                 for a, c, w in zip(i.tolist(), j.tolist(), caps)
             )
         R = build_residual_network(G, "capacity")  # built once, reset by each flow
@@ -217,11 +217,11 @@ def _scipy_solver():
     def prepare(aug: Tensor):  # (L, T, T) capacities of one chain
         L, T, _ = aug.shape
         rows, cols, caps = [], [], []
-        for l in range(L):
-            j, i = aug[l].nonzero(as_tuple=True)
-            rows.append(i + l * T)
-            cols.append(j + (l + 1) * T)
-            caps.append(torch.round(aug[l][j, i] * _SCIPY_SCALE))
+        for layer in range(L):
+            j, i = aug[layer].nonzero(as_tuple=True)
+            rows.append(i + layer * T)
+            cols.append(j + (layer + 1) * T)
+            caps.append(torch.round(aug[layer][j, i] * _SCIPY_SCALE))
         n = (L + 1) * T
         graph = csr_array(
             (
@@ -254,20 +254,22 @@ def _layer_maps(source, layers, call: int) -> tuple[list[Tensor], torch.dtype]:
         )
     if not maps:
         raise ValueError("rollout/flow need at least one layer of weights, got none")
-    out = []
-    for l, A in enumerate(maps):
-        if not isinstance(A, Tensor):
-            raise TypeError(f"layer {l}: expected a Tensor or a trace, got {type(A).__name__}")
-        A = A.unsqueeze(0) if A.dim() == 3 else A  # (H, T, T) -> (1, H, T, T)
+    out: list[Tensor] = []
+    for layer, given in enumerate(maps):
+        if not isinstance(given, Tensor):
+            raise TypeError(
+                f"layer {layer}: expected a Tensor or a trace, got {type(given).__name__}"
+            )
+        A = given.unsqueeze(0) if given.dim() == 3 else given  # (H, T, T) -> (1, H, T, T)
         if A.dim() != 4 or A.shape[-1] != A.shape[-2]:
             raise ValueError(
-                f"layer {l}: weights must be (B, H, T, T) self-attention, got {tuple(A.shape)}"
+                f"layer {layer}: weights must be (B, H, T, T) self-attention, got {tuple(A.shape)}"
             )
         if out and A.shape[0] != out[0].shape[0]:
-            raise ValueError(f"layer {l} has B={A.shape[0]}, layer 0 B={out[0].shape[0]}")
+            raise ValueError(f"layer {layer} has B={A.shape[0]}, layer 0 B={out[0].shape[0]}")
         if out and A.shape[-1] != out[0].shape[-1]:
             raise ValueError(
-                f"layer {l} has T={A.shape[-1]}, layer 0 T={out[0].shape[-1]}; "
+                f"layer {layer} has T={A.shape[-1]}, layer 0 T={out[0].shape[-1]}; "
                 f"rollout chains layers over one sequence"
             )
         out.append(A.detach().cpu())
@@ -275,9 +277,9 @@ def _layer_maps(source, layers, call: int) -> tuple[list[Tensor], torch.dtype]:
     return out, dtype
 
 
-def _capture_records(cap: Captured, layers, call: int) -> list:
+def _capture_records(cap: Captured, layers, call: int) -> list[CapturedAttention]:
     """The records of ``layers`` (default all recorded), call ``call``, checked for rollout."""
-    by_layer = {}
+    by_layer: dict[int, CapturedAttention] = {}
     for rec in cap.records:
         if rec.call == call:
             by_layer.setdefault(rec.layer, rec)
@@ -286,30 +288,30 @@ def _capture_records(cap: Captured, layers, call: int) -> list:
             f"the capture holds no call {call} of any layer ({len(cap.records)} records)"
         )
     chosen = sorted(by_layer) if layers is None else list(layers)
-    recs = []
-    for l in chosen:
-        if l not in by_layer:
+    recs: list[CapturedAttention] = []
+    for layer in chosen:
+        if layer not in by_layer:
             raise ValueError(
-                f"layer {l} (call {call}) is not in the capture; recorded "
+                f"layer {layer} (call {call}) is not in the capture; recorded "
                 f"layers: {sorted(by_layer)}"
             )
-        rec = by_layer[l]
-        B, H, T, S = rec.shape
+        rec = by_layer[layer]
+        _, _, T, S = rec.shape
         if T != S:
             raise ValueError(
-                f"layer {l} ({rec.name!r}) has T={T} queries and S={S} keys: "
+                f"layer {layer} ({rec.name!r}) has T={T} queries and S={S} keys: "
                 f"rollout chains self-attention over one sequence; leave it out "
                 f"with layers=[...]"
             )
         if len(rec.rows) != T or not torch.equal(rec.rows, torch.arange(T)):
             raise ValueError(
-                f"layer {l} kept {len(rec.rows)} of its {T} query rows: rollout "
+                f"layer {layer} kept {len(rec.rows)} of its {T} query rows: rollout "
                 f"needs every row of every layer; capture with rows=None (heads= "
                 f"and batch= may stay bounded)"
             )
         if recs and not torch.equal(rec.batch, recs[0].batch):
             raise ValueError(
-                f"layer {l} kept batch {rec.batch.tolist()}, layer {chosen[0]} "
+                f"layer {layer} kept batch {rec.batch.tolist()}, layer {chosen[0]} "
                 f"{recs[0].batch.tolist()}"
             )
         recs.append(rec)
@@ -342,8 +344,8 @@ def _augmented(
     real = _real(key_mask, B, T, source)  # (B, T)
     eye = torch.eye(T, dtype=torch.float64)  # (T, T)
     out = []
-    for A in maps:
-        A = A.double()  # (B, H, T, T)
+    for weights in maps:
+        A = weights.double()  # (B, H, T, T)
         A = A.mean(1, keepdim=True) if heads == "mean" else A  # (B, H', T, T)
         A = A * real[:, None, None, :]  # no weight on a padded key
         A = A * real[:, None, :, None]  # a padded query: an empty row, then the identity

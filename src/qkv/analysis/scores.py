@@ -254,7 +254,7 @@ def head_scores(
     for rec in capture.records:
         if rec.call != call:
             continue
-        B, H, T, S = rec.shape
+        B, _, T, S = rec.shape
         if T != S:
             skipped[rec.layer] = (
                 f"{rec.name!r} has T={T} queries and S={S} keys (the scores "

@@ -29,6 +29,7 @@ from ..dispatch import backend_names, select
 from ..functional import linear_attention, scaled_dot_product_attention
 from ..ops import AttentionCall
 from ..ops.linear import Favor
+from ..trace import AttentionTrace
 from ..training import preserve_torch_state
 from .report import _one_line, _progress, add_ratios, environment, write_json_atomic
 from .specs import (
@@ -70,8 +71,13 @@ def measure(spec: Spec, config: BenchConfig) -> dict:
     ]
     started = time.perf_counter()
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=config.timeout, env=_child_env()
+        proc = subprocess.run(  # a failed worker is a record: _parse_worker reads its exit
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=config.timeout,
+            env=_child_env(),
+            check=False,
         )
     except subprocess.TimeoutExpired:
         return dict(status="timeout", reason=f"did not finish in {config.timeout:g} s (--timeout)")
@@ -199,8 +205,11 @@ def _qkv_kwargs(case: str, T: int) -> dict:
     return {"mask_mod": mask_mod_for(case, T)}
 
 
-def _attend(spec: Spec) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-    """``attend(q, k, v) -> out`` for the implementation; masks are built here, once."""
+def _attend(
+    spec: Spec,
+) -> Callable[[Tensor, Tensor, Tensor], Tensor | tuple[Tensor, AttentionTrace]]:
+    """``attend(q, k, v) -> out`` for the implementation; masks are built here, once. (qkv's
+    functions are typed to return a trace too; none is asked for here, so it is ``out``.)"""
     if spec.impl in (PEER, "torch"):  # torch only gets none and causal: no dense mask
         return _torch_dense(spec.case, spec.T)
     if spec.impl in ("linear", "performer"):

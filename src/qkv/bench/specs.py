@@ -8,8 +8,9 @@ M features, Dv value dim.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -161,7 +162,10 @@ def bounded_int(flag: str, name: str, value: int | str, most: int, example: str)
     return n
 
 
-def _positive(name: str, value: float | str, kind: type) -> float | int:
+_Number = TypeVar("_Number", int, float)
+
+
+def _positive(name: str, value: float | str, kind: type[_Number]) -> _Number:
     what = f"{'an' if kind is int else 'a'} {kind.__name__} > 0"
     try:
         x = kind(value)
@@ -189,7 +193,8 @@ def grid(config: BenchConfig) -> list[Spec]:
 
 def document_lengths(T: int, seed: int = DOC_SEED) -> list[int]:
     """Lengths of the packed documents: uniform in [512, 2048], seeded, the last cut at T."""
-    rng, lengths = random.Random(seed), []
+    rng = random.Random(seed)
+    lengths: list[int] = []
     while sum(lengths) < T:
         lengths.append(min(rng.randint(DOC_MIN, DOC_MAX), T - sum(lengths)))
     return lengths
@@ -207,12 +212,13 @@ def document_ids(T: int, seed: int = DOC_SEED) -> Tensor:
 
 def mask_mod_for(case: str, T: int) -> masks.MaskMod | None:
     """The structured mask of ``case`` (None for "none")."""
-    return {
+    make: dict[str, Callable[[], masks.MaskMod | None]] = {
         "none": lambda: None,
         "causal": masks.causal,
         "window": lambda: masks.sliding_window(WINDOW),
         "document": lambda: masks.document(document_ids(T)),
-    }[case]()
+    }
+    return make[case]()
 
 
 def mask_density(case: str, T: int, *, window: int = WINDOW) -> float:
@@ -368,7 +374,8 @@ def skip_reason(
     impl's name for torch-dense, torch, linear and performer), or None to run it."""
     if backend in LINEAR_IMPLS and spec.case not in LINEAR_CASES:
         return _case_reason(backend, spec.case)
-    limit = {PEER: DENSE_MAX_T, "torch": DENSE_MAX_T, "reference": REFERENCE_MAX_T}.get(backend)
+    limits = {PEER: DENSE_MAX_T, "torch": DENSE_MAX_T, "reference": REFERENCE_MAX_T}
+    limit = None if backend is None else limits.get(backend)
     need = dense_bytes(spec, backend)
     if available is not None and need > MEMORY_SHARE * available:
         return (

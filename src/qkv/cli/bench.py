@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import ContextManager
 
 from ..bench import (
     ALL_IMPLS,
@@ -214,7 +213,11 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     json_path = out / f"{name}.json" if out else None
     try:
         with out_folder(out):
-            previous = load_previous(json_path, environment(config)) if args.resume else None
+            previous = (
+                load_previous(json_path, environment(config))
+                if args.resume and json_path is not None  # --resume has --out (checked)
+                else None
+            )
             records = run_specs(grid(config), config, json_path, previous=previous)
     except KeyboardInterrupt:
         print(
@@ -229,7 +232,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def out_folder(out: Path | None) -> ContextManager:
+def out_folder(out: Path | None) -> AbstractContextManager:
     """``with out_folder(out):`` makes ``--out`` and checks it can be written to now, not
     after the first measurement (ValueError saying why not), and removes it again if the run
     fails or is interrupted before writing in it. Does nothing when ``out`` is None."""

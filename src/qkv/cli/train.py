@@ -296,10 +296,10 @@ def _other_rank(
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """The ``qkv`` command line each process of ``--nproc`` runs: ``args`` as given, every
     option spelled out, without ``--nproc``."""
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
     argv = ["train", args.task]
-    for action in parser._subparsers._group_actions[0].choices["train"]._actions:
+    for action in sub.choices["train"]._actions:
         if not action.option_strings or action.dest in ("help", "nproc"):
             continue
         value = getattr(args, action.dest)

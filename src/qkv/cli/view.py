@@ -327,10 +327,10 @@ def parse_index(text: str | None, what: str, *, names: bool = False):
     out: list = []
     for item in items:
         if ":" in item:
-            a, _, b = item.partition(":")
-            if not (a.strip() and b.strip()):
+            lo, _, hi = item.partition(":")
+            if not (lo.strip() and hi.strip()):
                 raise ValueError(f"{what} {text}: a range in a list needs both ends, like 0:4")
-            out.extend(range(_int(a, what, text), _int(b, what, text)))
+            out.extend(range(_int(lo, what, text), _int(hi, what, text)))
         elif names and item and not _is_int(item):
             out.append(item)
         else:

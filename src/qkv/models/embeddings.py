@@ -56,6 +56,9 @@ class SinusoidalPositions(nn.Module):
         ``forward(start, length)`` -> ``(length, C)``; C must be even.
     """
 
+    max_len: int | None
+    inv_freq: Tensor  # (C/2,) buffer
+
     def __init__(
         self, embed_dim: int, *, max_len: int | None = None, device=None, dtype=None
     ) -> None:
@@ -80,7 +83,10 @@ class SinusoidalPositions(nn.Module):
         return torch.stack((angles.sin(), angles.cos()), -1).flatten(-2)  # (length, C)
 
 
-POSITIONS = {"learned": LearnedPositions, "sinusoidal": SinusoidalPositions}
+POSITIONS: dict[str, type[LearnedPositions | SinusoidalPositions]] = {
+    "learned": LearnedPositions,
+    "sinusoidal": SinusoidalPositions,
+}
 """The position embeddings a model's ``positions=`` names."""
 
 

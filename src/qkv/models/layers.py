@@ -28,9 +28,9 @@ Shape alphabet: B batch, T (target) length, S source (memory) length, C model di
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from torch import Tensor, nn
 
@@ -300,10 +300,19 @@ class DecoderLayer(_Residual):
         return (x, self_trace, cross_trace) if return_attention else x
 
 
+class _Decodes(Protocol):
+    """An attention module's decoding side: every attention kind has it (the contract of
+    :func:`qkv.models.register_attention`)."""
+
+    def new_cache(self, batch_size: int, capacity: int) -> Any: ...
+
+
 class _Stack(nn.Module):
     """Layers, then the final LayerNorm of a pre-norm stack (post-norm ends normalised)."""
 
-    def __init__(self, layers: list[_Residual], embed_dim: int, *, device=None, dtype=None) -> None:
+    def __init__(
+        self, layers: Sequence[_Residual], embed_dim: int, *, device=None, dtype=None
+    ) -> None:
         super().__init__()
         if not layers:
             raise ValueError("a stack needs num_layers >= 1")
@@ -317,9 +326,8 @@ class _Stack(nn.Module):
     def new_cache(self, batch_size: int, capacity: int) -> DecodingCache:
         """Empty self-attention caches for decoding ``capacity`` positions of ``batch_size``
         sequences (each layer's attention module makes its own)."""
-        return DecodingCache(
-            [layer.self_attn.new_cache(batch_size, capacity) for layer in self.layers]
-        )
+        attns = [cast(_Decodes, layer.self_attn) for layer in self.layers]
+        return DecodingCache([a.new_cache(batch_size, capacity) for a in attns])
 
     def _layer_caches(self, cache: DecodingCache | None) -> list:
         if cache is None:

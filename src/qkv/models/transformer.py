@@ -139,9 +139,10 @@ class DecoderLM(nn.Module):
         x = self.blocks(
             x, key_mask=key_mask, is_causal=True, cache=cache, return_attention=return_attention
         )  # (B, T, C)
-        x, traces = x if return_attention else (x, None)
-        logits = self.head(x)  # (B, T, V)
-        return (logits, AttentionMaps(decoder=traces)) if return_attention else logits
+        if not return_attention:
+            return self.head(x)  # (B, T, V)
+        x, traces = x
+        return self.head(x), AttentionMaps(decoder=traces)
 
     def new_cache(self, batch_size: int, capacity: int) -> DecodingCache:
         """Empty per-layer caches for ``batch_size`` sequences of up to ``capacity`` tokens."""
@@ -489,7 +490,7 @@ class EncoderClassifier(nn.Module):
         if self.pooling == "cls":
             x, key_mask = _prepend_cls(self.cls_token, x, key_mask)  # (B, 1 + T, C)
         x = self.encoder(x, key_mask=key_mask, return_attention=return_attention)
-        x, traces = x if return_attention else (x, None)  # (B, T', C)
+        x, traces = x if return_attention else (x, [])  # (B, T', C), a trace per layer
         pooled = x[:, 0] if self.pooling == "cls" else _masked_mean(x, key_mask)  # (B, C)
         logits = self.head(pooled)  # (B, K)
         return (logits, AttentionMaps(encoder=traces)) if return_attention else logits
@@ -579,10 +580,10 @@ def _check_tokens(
     if key_mask is None:
         return
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
-        got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
+        mask_got = key_mask.dtype if isinstance(key_mask, Tensor) else type(key_mask).__name__
         raise TypeError(
             f"the key mask of {name} must be a bool tensor, True marking a real "
-            f"token, got {got}; a padding mask (True = padding) is its inverse: "
+            f"token, got {mask_got}; a padding mask (True = padding) is its inverse: "
             f"pass ~padding_mask"
         )
     if key_mask.shape != tokens.shape:

@@ -98,6 +98,7 @@ class ViT(nn.Module):
         cls = self.cls_token.expand(x.shape[0], -1, -1)  # (B, 1, C)
         x = self.dropout(torch.cat([cls, x], 1) + self.positions)  # (B, P + 1, C)
         x = self.encoder(x, return_attention=return_attention)  # (B, P + 1, C)
-        x, traces = x if return_attention else (x, None)
-        logits = self.head(x[:, 0])  # (B, K)
-        return (logits, AttentionMaps(encoder=traces)) if return_attention else logits
+        if not return_attention:
+            return self.head(x[:, 0])  # (B, K)
+        x, traces = x
+        return self.head(x[:, 0]), AttentionMaps(encoder=traces)

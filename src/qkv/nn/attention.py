@@ -111,10 +111,10 @@ class SelfAttention(nn.Module):
             scale=self.scale,
             return_trace=return_trace,
         )
-        out, trace = res if return_trace else (res, None)  # (B, T, d_v)
-        final = out[0] if inp.unbatched else out  # drop the batch dim of 1
-        if not return_trace:
-            return final
+        if not isinstance(res, tuple):  # no trace asked for
+            return res[0] if inp.unbatched else res  # drop the batch dim of 1
+        out, trace = res  # (B, T, d_v)
+        final = out[0] if inp.unbatched else out
         index = 0 if inp.unbatched else None
         return final, MultiHeadTrace(trace, q=q, k=k, v=v, heads=out, index=index)
 
@@ -288,6 +288,7 @@ class MultiHeadAttention(nn.Module):
         context = None if self.context_group is None else self._context_call(attn_mask, cache)
         if cache is not None:
             _check_decoding(query, key, value, attn_mask)
+        wq, wk, wv = self._proj_weights()
         inp = module_inputs(
             query,
             key,
@@ -295,7 +296,7 @@ class MultiHeadAttention(nn.Module):
             attn_mask,
             key_mask,
             (self.embed_dim, self.kdim, self.vdim),
-            tuple(w.dtype for w in self._proj_weights()),
+            (wq.dtype, wk.dtype, wv.dtype),
             context=context,
         )
         q, k, v = self._project(inp.query, inp.key, inp.value)  # (B, H, T, D), (B, G, S, D) x2
@@ -351,6 +352,7 @@ class MultiHeadAttention(nn.Module):
                 k,
                 v,
                 inp,
+                inp.context,
                 is_causal=is_causal,
                 return_trace=return_trace,
                 mask_mod=mask_mod,
@@ -388,20 +390,21 @@ class MultiHeadAttention(nn.Module):
         k: Tensor,
         v: Tensor,
         inp: ModuleInputs,
+        ctx: ContextCall,
         *,
         is_causal: bool,
         return_trace: bool,
         mask_mod,
         score_mod,
     ):
-        """:meth:`_attend` of this rank's shards, by ring attention over ``context_group``.
+        """:meth:`_attend` of this rank's shards (``inp.context``, given as ``ctx``), by ring
+        attention over ``context_group``.
 
         Shape:
             q ``(B, H, T_r, D)``; k, v ``(B, G, S_r, D)`` -> heads ``(B, H, T_r, D)``.
         """
         from ..distributed import ring_attention
 
-        ctx = inp.context
         ctx.ran = True
         if inp.key_mask is not None:
             real = _real_keys(inp.key_mask, q.shape[-2], inp.query is inp.key, ctx)
@@ -533,8 +536,8 @@ class MultiHeadAttention(nn.Module):
                 f"from_torch(m, batch_first={batch_first!r}): qkv.MultiHeadAttention takes "
                 f"(B, T, {C}) only, never (T, B, {C})"
                 if batch_first is not None
-                else f"this torch.nn.MultiheadAttention(embed_dim={C}, num_heads={m.num_heads}) has "
-                f"batch_first=False and takes (T, B, {C}), but qkv.MultiHeadAttention takes "
+                else f"this torch.nn.MultiheadAttention(embed_dim={C}, num_heads={m.num_heads}) "
+                f"has batch_first=False and takes (T, B, {C}), but qkv.MultiHeadAttention takes "
                 f"(B, T, {C}): fed the same tensors it would silently mix the positions of "
                 f"different sequences"
             )
@@ -558,7 +561,8 @@ class MultiHeadAttention(nn.Module):
         return new.train(m.training)
 
     def to_torch(self, *, batch_first: bool = True) -> nn.MultiheadAttention:
-        """A ``torch.nn.MultiheadAttention`` computing the same; refused for GQA (torch has none)."""
+        """A ``torch.nn.MultiheadAttention`` computing the same; refused for GQA (torch has
+        none)."""
         if self.num_kv_heads != self.num_heads:
             raise ValueError(
                 f"torch.nn.MultiheadAttention has no grouped key/value heads (this module has "

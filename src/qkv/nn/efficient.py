@@ -99,7 +99,9 @@ class LinearMultiHeadAttention(MultiHeadAttention):
         return_trace: bool = False,
         mask_mod=None,
         score_mod=None,
-        cache: LinearAttentionState | None = None,
+        # each kind decodes with the cache its own new_cache() gives: a LinearAttentionState
+        # here, where MultiHeadAttention takes a KVCache (a KVCache is refused below)
+        cache: LinearAttentionState | None = None,  # type: ignore[override]
     ):
         """As :meth:`MultiHeadAttention.forward`; decoding with ``cache=self.new_cache(B)``.
 
@@ -130,7 +132,9 @@ class LinearMultiHeadAttention(MultiHeadAttention):
             key_mask=key_mask,
             is_causal=is_causal,
             return_trace=return_trace,
-            cache=cache,
+            # the state goes through the shared forward to this class's _attend, which
+            # decodes with it (MultiHeadAttention.forward's KVCache is what its _attend takes)
+            cache=cache,  # type: ignore[arg-type]
         )
 
     def _attend(
@@ -168,7 +172,9 @@ class LinearMultiHeadAttention(MultiHeadAttention):
         heads, trace = res if return_trace else (res, None)
         return heads, trace, k, v
 
-    def new_cache(
+    # returns this kind's cache, a LinearAttentionState, where MultiHeadAttention's is a
+    # KVCache: the modules are interchangeable through new_cache(), not through its type
+    def new_cache(  # type: ignore[override]
         self, batch_size: int, capacity: int | None = None, *, device=None, dtype=None
     ) -> LinearAttentionState:
         """An empty recurrent state; its size does not grow, so ``capacity`` is not needed

@@ -172,7 +172,10 @@ class MultiheadAttention(nn.MultiheadAttention):
             backend=self.backend,
             return_trace=need_weights,
         )
-        return (res[0], res[1].probs) if need_weights else (res, None)
+        if isinstance(res, tuple):  # need_weights: the trace's weights
+            heads, trace = res
+            return heads, trace.probs
+        return res, None
 
     def _project(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """In-projections (one matmul for self-attention), torch's extra key/value positions
@@ -192,7 +195,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             )
             bs = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
             q, k, v = (F.linear(x, w, b) for x, w, b in zip((q, k, v), ws, bs))  # (B, L, C)
-        if self.bias_k is not None:
+        if self.bias_k is not None and self.bias_v is not None:  # add_bias_kv sets both
             k = torch.cat([k, self.bias_k.expand(k.shape[0], 1, -1)], 1)  # (B, S + 1, C)
             v = torch.cat([v, self.bias_v.expand(v.shape[0], 1, -1)], 1)  # (B, S + 1, C)
         q, k, v = (self._split_heads(t) for t in (q, k, v))  # (B, H, L, D)

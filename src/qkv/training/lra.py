@@ -259,8 +259,8 @@ def _check_names(tasks, attentions, variant: str) -> tuple[list[str], list[str]]
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; the variants are {', '.join(VARIANTS)}")
     kinds = attention_kinds()
-    for what, names, known in (("task", tasks, TASKS), ("attention kind", attentions, kinds)):
-        names = list(names)
+    for what, given, known in (("task", tasks, TASKS), ("attention kind", attentions, kinds)):
+        names = list(given)
         if not names:
             raise ValueError(f"no {what} given; choose from {', '.join(known)}")
         unknown = [n for n in names if n not in known]
@@ -418,9 +418,11 @@ def _markdown(data: dict) -> str:
     lines = [
         f"# Long Range Arena, locally: variant `{data['variant']}`",
         "",
-        f"Test accuracy, %. Ours: device {data['device']}, seed {data['seed']}, torch "
-        f"{data['torch']}, {data['threads']} threads. LRA: Tay et al. 2020, Table 1 "
-        f"(its own data sizes and models).",
+        (
+            f"Test accuracy, %. Ours: device {data['device']}, seed {data['seed']}, torch "
+            f"{data['torch']}, {data['threads']} threads. LRA: Tay et al. 2020, Table 1 "
+            f"(its own data sizes and models)."
+        ),
         "",
         head,
         "|:---|" + "---:|---:|" * len(tasks),
@@ -436,8 +438,10 @@ def _markdown(data: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
-        "| task | attention | accuracy | majority class | steps | batch | "
-        "train / test examples | wall time | seed |",
+        (
+            "| task | attention | accuracy | majority class | steps | batch | "
+            "train / test examples | wall time | seed |"
+        ),
         "|:---|:---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:

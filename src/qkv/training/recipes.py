@@ -25,7 +25,7 @@ Shape alphabet: B batch, S source length, T target length, L sequence length, V 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +48,12 @@ EVAL_BATCH = 256
 
 
 class _Recipe:
-    """Shared parts: model options, the attention kind, description for checkpoints."""
+    """Shared parts: model options, the attention kind, description for checkpoints. A
+    subclass sets :attr:`MODEL` and :attr:`METRIC` and defines the task's methods."""
 
     name = "recipe"
+    MODEL: ClassVar[dict[str, Any]]  # the model options, before the ones asked for
+    METRIC: ClassVar[str]  # the test metric ``_hits`` counts
 
     def __init__(
         self,
@@ -104,11 +107,31 @@ class _Recipe:
     def _kind(self) -> dict[str, Any]:
         return dict(attention=self.attention, attention_options=self.attention_options or None)
 
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def batch(self, indices: Tensor, device: torch.device) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor | float], int]:
+        raise NotImplementedError
+
+    def _hits(self, model: nn.Module, device: torch.device, batch: slice) -> int:
+        """Correct predictions on the test examples ``batch``."""
+        raise NotImplementedError
+
+    def pictures(self, model: nn.Module, out_dir: Path, device: torch.device) -> list[str]:
+        raise NotImplementedError
+
 
 class Seq2SeqRecipe(_Recipe):
     """``reverse`` / ``copy`` / ``sort`` with an encoder-decoder Transformer."""
 
-    MODEL = dict(embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.0)
+    MODEL: ClassVar[dict[str, Any]] = dict(
+        embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.0
+    )
     METRIC = "exact_match"
 
     def build_model(self) -> nn.Module:
@@ -195,7 +218,9 @@ class Seq2SeqRecipe(_Recipe):
 class ClassifierRecipe(_Recipe):
     """``listops`` with an encoder classifier (CLS pooling, as LRA)."""
 
-    MODEL = dict(embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.1)
+    MODEL: ClassVar[dict[str, Any]] = dict(
+        embed_dim=64, num_heads=4, num_layers=2, ffn_dim=128, dropout=0.1
+    )
     METRIC = "accuracy"
 
     def build_model(self) -> nn.Module:
@@ -262,7 +287,9 @@ class ClassifierRecipe(_Recipe):
 class ViTRecipe(_Recipe):
     """``digits`` with a ViT on 2x2 patches."""
 
-    MODEL = dict(embed_dim=64, num_heads=4, num_layers=3, ffn_dim=128, dropout=0.1, patch_size=2)
+    MODEL: ClassVar[dict[str, Any]] = dict(
+        embed_dim=64, num_heads=4, num_layers=3, ffn_dim=128, dropout=0.1, patch_size=2
+    )
     METRIC = "accuracy"
 
     def build_model(self) -> nn.Module:
@@ -322,7 +349,9 @@ class PixelRecipe(ClassifierRecipe):
     mean pooling over the ``R * R`` outputs (LRA's ``classifier_pool = "MEAN"``).
     """
 
-    MODEL = dict(embed_dim=32, num_heads=2, num_layers=1, ffn_dim=64, dropout=0.0, pooling="mean")
+    MODEL: ClassVar[dict[str, Any]] = dict(
+        embed_dim=32, num_heads=2, num_layers=1, ffn_dim=64, dropout=0.0, pooling="mean"
+    )
     LEVELS = 256
 
     def __init__(self, task: str, **kwargs) -> None:

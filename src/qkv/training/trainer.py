@@ -30,11 +30,11 @@ forever) and destroys it at the end (:mod:`qkv.training.parallel`).
   step's indices (the same indices as one process draws), so N processes see the examples one
   process sees; a batch size N does not divide is refused. The model is wrapped in
   ``DistributedDataParallel``; each rank's loss is weighted by its share of the loss's terms
-  (:meth:`Recipe.loss_count`: tokens for a token-level loss, else examples), so the averaged
+  (``Recipe.loss_count``: tokens for a token-level loss, else examples), so the averaged
   gradient is the gradient of the mean over the global batch, as one process computes it.
 * Loss, accuracy and tokens/s are summed over the ranks (the means weighted by the same
   counts). The ranks share the evaluation: rank r takes every N-th test batch from r
-  (:meth:`Recipe.evaluation_counts`) and the counts are summed, so each example is evaluated
+  (``Recipe.evaluation_counts``) and the counts are summed, so each example is evaluated
   in the batch one process puts it in, and the evaluation is the one a single process gets
   for the same parameters (a recipe without that method: every rank evaluates all of it).
 * Rank 0 alone writes files (checkpoints, ``metrics.json``, pictures, pages), reads the
@@ -76,7 +76,8 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from types import FrameType
+from typing import Any, Protocol, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -220,8 +221,21 @@ def check_device(name: str) -> torch.device:
 
 
 class Recipe(Protocol):
-    """What a task gives the trainer (``loss_count`` and ``evaluation_counts`` are optional:
-    a data-parallel run uses them when the recipe has them)."""
+    """What a task gives the trainer.
+
+    Two methods are optional (not part of the protocol: a data-parallel run uses them when
+    the recipe has them):
+
+    * ``loss_count(batch: dict[str, Tensor]) -> int``: how many terms the loss of ``batch``
+      averages over (tokens, for a loss over tokens). A data-parallel run weights each rank's
+      loss and metrics by it, so that they are means over the global batch; without it, by
+      the rank's examples.
+    * ``evaluation_counts(model, device, rank: int, size: int) -> dict[str, float]``: rank
+      ``rank`` of ``size``'s share of the test set, as sums (correct predictions per metric)
+      and ``test_examples``; :meth:`evaluate` is each sum over the test set divided by its
+      examples. A data-parallel run sums the ranks' counts; without this method every rank
+      evaluates the whole test set.
+    """
 
     name: str
 
@@ -239,24 +253,12 @@ class Recipe(Protocol):
 
     def loss(
         self, model: nn.Module, batch: dict[str, Tensor]
-    ) -> tuple[Tensor, dict[str, float], int]:
-        """``(loss, metrics such as {"acc": ...}, tokens in the batch)``."""
-
-    def loss_count(self, batch: dict[str, Tensor]) -> int:
-        """Optional: how many terms the loss of ``batch`` averages over (tokens, for a loss
-        over tokens). A data-parallel run weights each rank's loss and metrics by it, so that
-        they are means over the global batch; without it, by the rank's examples."""
+    ) -> tuple[Tensor, dict[str, Tensor | float], int]:
+        """``(loss, metrics such as {"acc": ...} (numbers or 0-d tensors), tokens in the
+        batch)``."""
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Test metrics of the trained model (called in eval mode, under no_grad)."""
-
-    def evaluation_counts(
-        self, model: nn.Module, device: torch.device, rank: int, size: int
-    ) -> dict[str, float]:
-        """Optional: rank ``rank`` of ``size``'s share of the test set, as sums (correct
-        predictions per metric) and ``test_examples``; :meth:`evaluate` is each sum over
-        the test set divided by its examples. A data-parallel run sums the ranks' counts;
-        without this method every rank evaluates the whole test set."""
 
     def pictures(self, model: nn.Module, out_dir: Path, device: torch.device) -> list[str]:
         """Save pictures (e.g. attention maps of a test example); returns their paths."""
@@ -277,7 +279,8 @@ class TrainResult:
 
 def batch_indices(n: int, batch_size: int, seed: int, step: int) -> Tensor:
     """The examples of step ``step``: a slice of the epoch's permutation, drawn from the seed
-    and the epoch only (so a resumed run sees the same batches). Shape: ``(min(batch_size, n),)``."""
+    and the epoch only (so a resumed run sees the same batches).
+    Shape: ``(min(batch_size, n),)``."""
     per_epoch = max(n // batch_size, 1)
     epoch, i = divmod(step, per_epoch)
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -298,7 +301,8 @@ class _StopFlag:
     """SIGINT sets a flag the loop checks after each step; a second SIGINT interrupts at once."""
 
     def __init__(self) -> None:
-        self.set, self._old = False, None
+        self.set = False
+        self._old: Callable[[int, FrameType | None], Any] | int | None = None
 
     def __enter__(self) -> _StopFlag:
         if threading.current_thread() is threading.main_thread():
@@ -488,17 +492,19 @@ def _loop(
     on_step: Callable[[int], None] | None,
 ) -> bool:
     """Train to ``config.steps``, checkpointing; True when Ctrl-C stopped it."""
-    run.net.train()
+    net = run.net
+    assert net is not None, "_start wraps the model before the loop"
+    net.train()
     n = recipe.train_size()
-    bar = Progress(config.steps, start=run.step, desc=recipe.name) if progress else nullcontext()
-    with _StopFlag() as stop, bar:
+    bar = Progress(config.steps, start=run.step, desc=recipe.name) if progress else None
+    with _StopFlag() as stop, bar if bar is not None else nullcontext():
         t0, tokens = time.perf_counter(), 0
         while run.step < config.steps:
             ntok, agreed = _collective(
-                run, f"step {run.step + 1}", lambda: _step(run, recipe, config, n, stop)
+                run, f"step {run.step + 1}", lambda: _step(run, net, recipe, config, n, stop)
             )
             tokens += ntok
-            if progress:
+            if bar is not None:
                 rate = tokens / max(time.perf_counter() - t0, 1e-9)
                 shown = {k: v for k, v in run.history[-1].items() if k not in ("step", "lr")}
                 bar.update(run.step, **shown, **{"tok/s": f"{rate:,.0f}"})
@@ -532,26 +538,27 @@ def _collective(run: _Run, where: str, work: Callable[[], Any]) -> Any:
 
 
 def _step(
-    run: _Run, recipe: Recipe, config: TrainConfig, n: int, stop: _StopFlag
+    run: _Run, net: nn.Module, recipe: Recipe, config: TrainConfig, n: int, stop: _StopFlag
 ) -> tuple[int, bool]:
     """One optimizer step; appends to the history. Returns the global batch's tokens and
     whether any rank was asked to stop (Ctrl-C) before its all-reduce."""
     indices = share(batch_indices(n, config.batch_size, config.seed, run.step), run.ranks)
     batch = recipe.batch(indices, run.device)
-    loss, metrics, ntok = recipe.loss(run.net, batch)
+    loss, metrics, ntok = recipe.loss(net, batch)
     logged = {"loss": loss, **metrics}
     agreed = False
     if run.ranks.distributed:
         # Sums over the ranks: the loss's terms, tokens, stop requests, and each mean times
         # this rank's terms (so that their sums over the terms are the global batch's means).
         count = _loss_count(recipe, batch, len(indices))
-        total, ntok, asked, *sums = all_sum(
+        total, ntok_sum, asked, *sums = all_sum(
             [count, ntok, float(stop.set), *(_number(v) * count for v in logged.values())],
             run.ranks,
             run.device,
         )
         logged = {k: s / total for k, s in zip(logged, sums)}
         loss = loss * (count * run.ranks.size / total)  # DDP averages: sum_r (...) / N
+        ntok = int(ntok_sum)  # a sum of token counts, exact in float64
         agreed = asked > 0
     run.opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -564,7 +571,7 @@ def _step(
     run.history.append(
         dict(step=run.step, loss=logged.pop("loss"), lr=run.opt.param_groups[0]["lr"], **logged)
     )
-    return int(ntok), agreed
+    return ntok, agreed
 
 
 def _loss_count(recipe: Recipe, batch: dict[str, Tensor], examples: int) -> int:
@@ -590,7 +597,7 @@ def _finish(run: _Run, recipe: Recipe, result: TrainResult, out: Path) -> None:
 
 def _evaluate(run: _Run, recipe: Recipe) -> dict[str, float]:
     """The recipe's evaluation. With several ranks, each evaluates its share of the test
-    batches and their counts are summed (:meth:`Recipe.evaluation_counts`), or, for a recipe
+    batches and their counts are summed (``Recipe.evaluation_counts``), or, for a recipe
     without it, each evaluates the whole test set."""
     counts = getattr(recipe, "evaluation_counts", None)
     if not run.ranks.distributed or counts is None:
@@ -671,19 +678,27 @@ def _restore(run: _Run, ck: dict) -> tuple[int, list[dict]]:
     return ck["step"], ck["history"]
 
 
-def _rng_states(ranks: Ranks, device: torch.device) -> list[dict[str, Tensor | None]]:
+class _RngState(TypedDict):
+    """One rank's generators in a checkpoint: the CPU's, and the GPU's when it ran on one."""
+
+    cpu: Tensor
+    cuda: Tensor | None
+
+
+def _rng_states(ranks: Ranks, device: torch.device) -> list[_RngState]:
     """Every rank's generators that dropout on ``device`` draws from (a collective)."""
     cpu = all_gather(torch.get_rng_state(), ranks, device)
     if device.type != "cuda":
-        return [dict(cpu=c, cuda=None) for c in cpu]
+        return [_RngState(cpu=c, cuda=None) for c in cpu]
     cuda = all_gather(torch.cuda.get_rng_state(device), ranks, device)
-    return [dict(cpu=c, cuda=g) for c, g in zip(cpu, cuda)]
+    return [_RngState(cpu=c, cuda=g) for c, g in zip(cpu, cuda)]
 
 
-def _set_rng_state(state: dict[str, Tensor | None], device: torch.device) -> None:
+def _set_rng_state(state: _RngState, device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
-    if state.get("cuda") is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+    cuda = state.get("cuda")
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
 
 
 _CHECKPOINT_KEYS = (

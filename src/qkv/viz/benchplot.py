@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Literal
 
 __all__ = ["plot_bench"]
 
@@ -24,7 +25,8 @@ _COLOURS = {
     "performer": "tab:brown",
     "torch": "tab:red",
 }
-_STYLES = {
+_LineStyle = Literal["-", "--", ":", "-."]  # the matplotlib line styles used here
+_STYLES: dict[tuple[str, str], _LineStyle] = {
     ("fp32", "fwd"): "-",
     ("fp32", "fwdbwd"): "--",
     ("bf16", "fwd"): ":",

@@ -178,7 +178,9 @@ class _Entry:
     kind: str = "attention"  # "attention", "rollout", "flow" or "diff" (signed: obj - against)
     layer: int | None = None  # the capture's layer number (head scores find their heads by it)
     batch: int | None = None  # a capture's batch element shown (its true index)
-    change: list[dict] | None = None  # per head {"mean", "max"} |d| given by a comparison
+    change: list[dict[str, float]] | None = (
+        None  # per head {"mean", "max"} |d| given by a comparison
+    )
 
 
 def html(
@@ -513,7 +515,8 @@ def _is_comparison(x: Any) -> bool:
 def _compared_entries(mine: list[_Entry], cmp: Any, call: int | str) -> list[_Entry]:
     """The entries of a comparison (``qkv.analysis.compare(obj, b)``) of the capture shown:
     each difference, and each head's mean and max ``|d|`` as the comparison computed them."""
-    if call == "all" or not mine or any(e.layer is None or e.batch is None for e in mine):
+    layers = [(e.layer, e) for e in mine if e.layer is not None and e.batch is not None]
+    if not isinstance(call, int) or not mine or len(layers) != len(mine):  # call is "all"
         raise ValueError(
             "against= a comparison shows it over the capture it compared "
             "(one call): pass that capture as obj, and call= an int"
@@ -526,8 +529,8 @@ def _compared_entries(mine: list[_Entry], cmp: Any, call: int | str) -> list[_En
         )
     stats = dict(zip(cmp.keys, zip(cmp.mean.tolist(), cmp.max.tolist())))
     out = []
-    for e in mine:
-        d = diffs.get((e.layer, call))
+    for layer, e in layers:
+        d = diffs.get((layer, call))
         if d is None or (
             [int(h) for h in d.heads],
             [int(r) for r in d.rows],
@@ -545,7 +548,7 @@ def _compared_entries(mine: list[_Entry], cmp: Any, call: int | str) -> list[_En
                 f"batch element {e.batch}: compare(a, b, batch={e.batch}), or "
                 f"pass batch= one it holds"
             )
-        change = [dict(zip(("mean", "max"), stats[e.layer, h])) for h in e.heads]
+        change = [dict(zip(("mean", "max"), stats[layer, h])) for h in e.heads]
         out.append(
             _Entry(
                 e.label,
@@ -555,7 +558,7 @@ def _compared_entries(mine: list[_Entry], cmp: Any, call: int | str) -> list[_En
                 e.T,
                 e.S,
                 kind="diff",
-                layer=e.layer,
+                layer=layer,
                 change=change,
             )
         )
@@ -656,7 +659,7 @@ def _scores_meta(table: Any, entries: list[_Entry]) -> dict | None:
                 "values": [_finite(float(v)) for v in vals],
             }
         )
-    used = {}
+    used: dict[str, dict[str, list]] = {}
     for (layer, name), rows in table.rows.items():
         used.setdefault(str(int(layer)), {})[name] = _runs([int(r) for r in rows])
     return {
@@ -672,7 +675,7 @@ def _changes(entries: list[_Entry]) -> list[dict] | None:
     """For a difference page: each head's mean and max ``|difference|``, largest mean first."""
     if not any(e.kind == "diff" for e in entries):
         return None
-    out = []
+    out: list[dict[str, Any]] = []
     for i, e in enumerate(entries):
         for hi, h in enumerate(e.heads):
             d = e.probs[hi].abs()  # (nr, S)
@@ -722,7 +725,7 @@ def _tokens(tokens: Any, entries: list[_Entry]) -> tuple[list[list[str]], list[t
                 )
         return lists, [([0, 0], 1) for _ in entries]
     lst = _token_list(tokens, "tokens")
-    out = []
+    out: list[tuple[list[int], int | None]] = []
     for e in entries:
         if e.S >= e.T and len(lst) >= e.S:
             out.append(([0, e.S - e.T], 0))  # keys tokens[:S]; queries end-aligned
@@ -951,7 +954,7 @@ def _support(chunk: Tensor, by_block: Tensor, block: int) -> Tensor:
     """First and last key of nonzero weight of each row, found from the blocks that hold
     one (a full scan of ``(n, S)`` for them costs ~0.3 s a chunk); ``(1, 0)`` for a row of
     zeros. ``chunk`` (n, S), ``by_block`` (n, gc) -> (n, 2)."""
-    n, S = chunk.shape
+    _, S = chunk.shape
     nonzero = (by_block > 0).to(torch.uint8)  # (n, gc)
     first_b = nonzero.argmax(1)  # (n,) argmax gives the first of equal maxima
     last_b = nonzero.shape[1] - 1 - nonzero.flip(1).argmax(1)  # (n,)
