@@ -44,7 +44,10 @@ class Backend(Protocol):
 
     name: str
     priority: int
-    traceable: bool | Callable[[AttentionCall], bool]
+
+    # read-only, so that a class attribute ``traceable = True`` and a method both match
+    @property
+    def traceable(self) -> bool | Callable[[AttentionCall], bool]: ...
 
     def supports(self, call: AttentionCall) -> str | None: ...
 

@@ -142,7 +142,7 @@ class AttentionCall:
         promotes it); otherwise the inputs' dtype."""
         if self.device.type != "cpu" or self.dtype not in (torch.float16, torch.bfloat16):
             return self.dtype
-        float32_mask = self.mask_kind == "float" and self.attn_mask.dtype == torch.float32
+        float32_mask = self.attn_mask is not None and self.attn_mask.dtype == torch.float32
         return torch.float32 if self.dtype == torch.float16 or float32_mask else self.dtype
 
     @property
@@ -409,9 +409,9 @@ def _check_mask(attn_mask: Tensor | None, query: Tensor, scores_shape: tuple) ->
     # (kept for its precision, as torch does). torch adds a float32 mask to float64 scores
     # wrongly (off by ~1.5), so that pair is cast too (documented in the functional API).
     half = query.dtype in (torch.float16, torch.bfloat16)
-    if attn_mask.is_floating_point() and attn_mask.dtype != query.dtype:
-        if not (half and attn_mask.dtype == torch.float32):
-            attn_mask = attn_mask.to(query.dtype)
+    keeps = attn_mask.dtype == query.dtype or (half and attn_mask.dtype == torch.float32)
+    if attn_mask.is_floating_point() and not keeps:
+        attn_mask = attn_mask.to(query.dtype)
     return attn_mask
 
 
