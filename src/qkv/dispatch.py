@@ -4,6 +4,9 @@
 ``supports(call)`` is None. A backend named by the caller that cannot take the call raises
 ``BackendUnsupportedError`` with its reason; nothing falls back silently.
 
+:func:`choose` makes the plan (the backend, and how a wanted trace is made), :func:`run`
+carries it out: ``run(call, choose(call, backend))``, or ``run(call, backend)`` in one go.
+
 Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
 """
 
@@ -17,6 +20,7 @@ from torch import Tensor
 from .ops import (
     AttentionCall,
     Backend,
+    BackendResult,
     BackendUnsupportedError,
     ReferenceBackend,
     TiledBackend,
@@ -28,10 +32,11 @@ from .ops.triton import TritonBackend
 from .trace import AttentionTrace, probs_from_lse_
 
 __all__ = [
+    "Plan",
     "backend_names",
     "check_backends",
+    "choose",
     "get_backend",
-    "keeps_nonfinite_contract",
     "register_backend",
     "run",
     "select",
@@ -102,48 +107,75 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
     return chosen
 
 
-def keeps_nonfinite_contract(call: AttentionCall, backend: str = "auto") -> bool:
-    """Whether the backend that runs ``call`` keeps the NaN/inf part of the mask contract
-    itself: the tiled custom ops under torch.compile do (on the real tensors, at run time,
-    at the cost of one reduction when every input is finite), so the traced policy of
-    ``ops/nonfinite.py`` is not wrapped around them."""
-    if not tracing() or call.return_trace:
-        return False
-    if backend != "auto" and backend != "tiled":
-        return False
-    chosen = select(call, backend)
-    return isinstance(chosen, TiledBackend) and _traceable(chosen, call)
-
-
 def _traceable(backend: Backend, call: AttentionCall) -> bool:
     """A backend's ``traceable``: a bool, or a method telling it call by call."""
     answer = getattr(backend, "traceable", False)
     return answer(call) if callable(answer) else bool(answer)
 
 
-def run(call: AttentionCall, backend: str = "auto"):
-    """Run ``call``; return the output, or ``(output, AttentionTrace)`` if it asks for one.
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How :func:`run` carries out a call; :func:`choose` makes it.
+
+    ``backend``: the backend that runs the call; None when ``auto`` forms the output and the
+    weights in one pass of the reference math (``_weights_in_one_pass``).
+    ``keeps_nonfinite_contract``: the backend keeps the NaN/inf part of the mask contract
+    itself, so ``ops/nonfinite.py`` has nothing to add: the tiled custom ops under
+    torch.compile do (on the real tensors, at run time, at the cost of one reduction when
+    every input is finite).
+    """
+
+    backend: Backend | None
+    keeps_nonfinite_contract: bool = False
+
+
+def choose(call: AttentionCall, backend: str = "auto") -> Plan:
+    """The plan for ``call``: the backend that runs it (:func:`select`), and for a wanted
+    trace under ``auto``, how the trace is made."""
+    if call.return_trace and backend == "auto":
+        if tracing():
+            backend = "reference"  # the plain math gives the whole trace in the graph (the
+            # one-pass and lazy traces branch on values and index on the host)
+        elif _weights_in_one_pass(call):
+            return Plan(None)
+    chosen = select(call, backend)
+    keeps = (
+        tracing()
+        and not call.return_trace
+        and backend in ("auto", "tiled")
+        and isinstance(chosen, TiledBackend)
+        and _traceable(chosen, call)
+    )
+    return Plan(chosen, keeps)
+
+
+def run(
+    call: AttentionCall, backend: str | Plan = "auto"
+) -> Tensor | tuple[Tensor, AttentionTrace]:
+    """Run ``call`` by ``backend`` (a name, or a :func:`choose` plan); return the output, or
+    ``(output, AttentionTrace)`` if it asks for one.
 
     Shape:
         output ``(*batch, T, Dv)``.
     """
-    if call.return_trace and backend == "auto" and tracing():
-        backend = "reference"  # traced: the plain math gives the whole trace in the graph (the
-        # one-pass and lazy traces branch on values and index on the host)
-    elif call.return_trace and backend == "auto" and _weights_in_one_pass(call):
+    plan = backend if isinstance(backend, Plan) else choose(call, backend)
+    if plan.backend is None:
         out, probs, lse = attention_with_weights(call)
         return out, _trace_of_weights(call, probs, lse)
-    chosen = select(call, backend)
-    result = chosen.run(call)
+    result = plan.backend.run(call)
     if not call.return_trace:
         return result.out
-    if result.probs is not None:
-        parts = (result.scores.detach(), result.probs.detach(), result.lse.detach())
-        trace = AttentionTrace(*parts, chosen.name)
-    else:
+    return result.out, _trace_of_result(call, result, plan.backend.name)
+
+
+def _trace_of_result(call: AttentionCall, result: BackendResult, name: str) -> AttentionTrace:
+    """The trace of a backend's result: its weights where it formed them, else recomputed
+    from its lse (or from nothing)."""
+    if result.probs is None:
         with torch.no_grad():
-            trace = _trace_from_lse(call, result.lse, chosen.name)
-    return result.out, trace
+            return _trace_from_lse(call, result.lse, name)
+    assert result.scores is not None and result.lse is not None  # BackendResult: all three
+    return AttentionTrace(result.scores.detach(), result.probs.detach(), result.lse.detach(), name)
 
 
 # Weights of at most this many elements are formed with the output, in one pass, when no

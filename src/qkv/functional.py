@@ -6,6 +6,8 @@ D head dim of query/key, Dv head dim of value.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -62,9 +64,10 @@ def scaled_dot_product_attention(
       ``auto`` sends such calls there.
     * **Attention sinks** (gpt-oss): ``sinks`` holds one logit per query head (or per query
       row) that joins the row's softmax as a key with no value, so a row can put weight on
-      "nothing". Gradients reach it. A row that may attend to no key still outputs 0; the trace's ``probs`` are
-      the real keys' weights (summing to 1 minus the sink's share) and its ``lse`` includes
-      the sink. The tiled and reference backends take sinks (torch's SDPA has none).
+      "nothing". Gradients reach it. A row that may attend to no key still outputs 0; the
+      trace's ``probs`` are the real keys' weights (summing to 1 minus the sink's share) and
+      its ``lse`` includes the sink. The tiled and reference backends take sinks (torch's
+      SDPA has none).
     * **Traces.** ``return_trace=True`` also returns an :class:`AttentionTrace` with the
       scores, weights (before dropout) and log-sum-exp, from any backend.
     * **Backends.** ``backend="auto"`` picks the fastest that supports the call; naming one
@@ -111,28 +114,12 @@ def scaled_dot_product_attention(
         tensor([[0.2689, 0.7311]])
     """
     record = recording.wanted()  # None unless a qkv.capture wants this call's weights
-    if record is not None:
-        with recording.paused():
-            out, trace = scaled_dot_product_attention(
-                query,
-                key,
-                value,
-                attn_mask,
-                dropout_p,
-                is_causal,
-                scale,
-                enable_gqa,
-                backend=backend,
-                return_trace=True,
-                mask_mod=mask_mod,
-                score_mod=score_mod,
-                sinks=sinks,
-            )
-        record(trace)
-        return (out, trace) if return_trace else out
-    amp = _autocast_dtype(query)
-    if amp is None:
-        call = AttentionCall.build(
+    amp = _autocast_dtype(query)  # None unless torch.autocast is on for the query's device
+    query, key, value = (_amp_cast(t, amp) for t in (query, key, value))
+    # The call top-down: check (ops/call.py), plan (dispatch.py), kernel (a backend), and the
+    # NaN/inf contract around it (ops/nonfinite.py): inputs zeroed before, rows set after.
+    with _autocast_off(query, amp), _recording_paused(record):
+        call = AttentionCall.build(  # check: ValueError/TypeError naming the numbers and fix
             query,
             key,
             value,
@@ -141,34 +128,23 @@ def scaled_dot_product_attention(
             is_causal,
             scale,
             enable_gqa,
-            return_trace,
+            True if record is not None else return_trace,
             mask_mod,
             score_mod,
             sinks,
         )
-        if dispatch.keeps_nonfinite_contract(call, backend):  # compiled tiled custom op
-            return dispatch.run(call, backend)
-        # inputs with NaN or inf reach only the rows that may see them: ops/nonfinite.py
-        return nonfinite.run(call, lambda c: dispatch.run(c, backend))
-    # Under torch.autocast, attention runs in the autocast dtype as torch's SDPA does, on
-    # every backend alike, and the backends' own matmuls are not autocast again.
-    query, key, value = (_amp_cast(t, amp) for t in (query, key, value))
-    with torch.autocast(query.device.type, enabled=False):
-        return scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            backend=backend,
-            return_trace=return_trace,
-            mask_mod=mask_mod,
-            score_mod=score_mod,
-            sinks=sinks,
-        )
+        plan = dispatch.choose(call, backend)  # plan: the backend, and how a trace is made
+        guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract)  # bad inputs zeroed
+        result = dispatch.run(guard.call, plan)  # kernel: out (*batch, T, Dv), or (out, trace)
+        guard = guard.inspect(result)  # no grad wanted: inputs read only if out is not finite
+        if guard.rerun:  # ... and they held NaN/inf: the kernel again, on them zeroed
+            result = dispatch.run(guard.call, plan)
+        result = guard.restore(result)  # contract: NaN rows, overflowing scores refused
+    if record is None:
+        return result
+    out, trace = result
+    record(trace)
+    return (out, trace) if return_trace else out
 
 
 def _autocast_dtype(query) -> torch.dtype | None:
@@ -182,11 +158,26 @@ def _autocast_dtype(query) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type)
 
 
-def _amp_cast(t, dtype: torch.dtype):
+def _amp_cast(t, dtype: torch.dtype | None):
     """Cast as autocast does: floating tensors except float64 (which autocast leaves alone)."""
-    if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64:
-        return t.to(dtype)
-    return t
+    if dtype is None or not isinstance(t, Tensor):
+        return t
+    return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+
+def _autocast_off(query, amp: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Under torch.autocast, attention runs in the autocast dtype as torch's SDPA does, on
+    every backend alike (``_amp_cast``), and the backends' own matmuls are not autocast
+    again."""
+    if amp is None:
+        return contextlib.nullcontext()
+    return torch.autocast(query.device.type, enabled=False)
+
+
+def _recording_paused(record) -> contextlib.AbstractContextManager:
+    """A call whose trace a recorder wants runs with recording paused (the recorder is asked
+    once, here, not by calls made inside it)."""
+    return contextlib.nullcontext() if record is None else recording.paused()
 
 
 def linear_attention(
