@@ -1,7 +1,7 @@
 """Linear attention against torch's SDPA on CPU (time, memory, crossover), and the time to
 generate one token with a recurrent state against a KV-cached softmax decoder.
 
-A thin driver over ``qkv.bench`` and ``qkv.cli.bench_decode``, the libraries behind
+A thin driver over ``qkv.bench`` and ``qkv.bench.decode``, the libraries behind
 ``qkv bench`` and ``qkv bench-decode`` (their docstrings say what is measured and how):
 
 * the grid: cases none and causal x T = 256 ... 65536 x fp32 x forward (and forward+backward
@@ -47,7 +47,7 @@ from qkv.bench import (
     run_specs,
     write_json_atomic,
 )
-from qkv.cli.bench_decode import (
+from qkv.bench.decode import (
     DEFAULT_POSITIONS,
     GROWTH_TARGET,
     decode_config,
@@ -266,7 +266,7 @@ def markdown_section(linear: dict | None, decode: dict | None) -> str:
             (
                 "Per-token time (median, microseconds) at the position: the decoder is "
                 "prefilled there and rewound to it between timed blocks of "
-                f"{decode['config']['tokens_per_block']} tokens (see `qkv.cli.bench_decode`). "
+                f"{decode['config']['tokens_per_block']} tokens (see `qkv.bench.decode`). "
                 "`kv-cache` = `KVCache.append` + `F.scaled_dot_product_attention` over every "
                 "stored key; ratios below 1: the recurrent state is faster."
             ),

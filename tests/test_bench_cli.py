@@ -143,6 +143,8 @@ from qkv.bench import (  # noqa: E402
     add_ratios,
     bench_config,
     crossovers,
+    decode_config,
+    decode_ratios,
     environment,
     linear_attention_flops,
     load_previous,
@@ -150,7 +152,6 @@ from qkv.bench import (  # noqa: E402
     run_name,
     spec_flops,
 )
-from qkv.cli.bench_decode import decode_config, decode_ratios  # noqa: E402
 
 
 def _rec(impl, T, time_s, case="causal", mode="fwd", status="ok", peak=1.0):

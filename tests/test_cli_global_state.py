@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.bench import Spec, run_measurement
-from qkv.cli.bench_decode import DecodeConfig, measure_decode
+from qkv.bench import DecodeConfig, Spec, measure_decode, run_measurement
 from qkv.cli.main import main, make_parser
 from qkv.training import TorchState, preserve_torch_state
 

@@ -16,8 +16,12 @@ import pytest
 
 
 def _run(code: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    done = subprocess.run(  # the return code is asserted, with the child's stderr
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -42,6 +46,9 @@ def test_import_qkv_loads_no_compiler_plotting_or_hub_library():
         "distributed.ring_attention",
         "integrations.transformers.register",
         "masks.sliding_window",
+        "bench.run_specs",
+        "bench.run_decode",
+        "bench.decode.measure_decode",
     ],
 )
 def test_documented_submodules_are_reached_after_import_qkv_alone(path):
@@ -53,6 +60,19 @@ def test_documented_submodules_are_reached_after_import_qkv_alone(path):
         print(callable(obj))
     """)
     assert out.strip() == "True"
+
+
+def test_import_qkv_loads_no_benchmark_or_training_module():
+    """``qkv.bench`` (and the training loop it uses) load on first access, not at ``import
+    qkv``; ``dir(qkv)`` lists it."""
+    out = _run("""
+        import sys, qkv
+        print(sorted(m for m in sys.modules if m.startswith(("qkv.bench", "qkv.training"))))
+        print("bench" in dir(qkv))
+        qkv.bench
+        print("qkv.bench.decode" in sys.modules)
+    """)
+    assert out.split("\n")[:3] == ["[]", "True", "True"]
 
 
 def test_unknown_attribute_still_raises_attribute_error():

@@ -1,7 +1,7 @@
-"""Issue 26, layout by job: the benchmark harness left ``qkv.cli.bench`` for ``qkv.bench``, and
-``qkv.torch_compat`` became a package. Every name of the previous ``__all__`` lists still
-resolves where it did, to the same object as at its new home, and a pickled patched model
-still names ``qkv.torch_compat``."""
+"""Issue 26, layout by job: the benchmark harnesses left ``qkv.cli.bench`` for ``qkv.bench``
+and ``qkv.cli.bench_decode`` for ``qkv.bench.decode``, and ``qkv.torch_compat`` became a
+package. Every name of the previous ``__all__`` lists still resolves where it did, to the same
+object as at its new home, and a pickled patched model still names ``qkv.torch_compat``."""
 
 import importlib
 import pickle
@@ -52,6 +52,23 @@ CLI_BENCH_ALL = [
     "ALL_IMPLS",
     "PEERS",
 ]
+# ``qkv.cli.bench_decode.__all__`` before the move.
+CLI_BENCH_DECODE_ALL = [
+    "DECODE_IMPLS",
+    "DEFAULT_POSITIONS",
+    "GROWTH_TARGET",
+    "DecodeConfig",
+    "add_parser",
+    "decode_config",
+    "decode_environment",
+    "decode_markdown",
+    "decode_ratios",
+    "measure_decode",
+    "measure_in_child",
+    "run_decode",
+    "run_decode_cli",
+]
+DECODE_CLI_ONLY = {"add_parser", "run_decode_cli"}
 # ``qkv.torch_compat.__all__`` before it became a package.
 TORCH_COMPAT_ALL = ["MultiheadAttention", "patch"]
 CLI_ONLY = {"add_parser", "run_bench_cli", "out_folder"}  # the command line's own
@@ -63,6 +80,17 @@ def test_every_old_cli_bench_name_resolves(name):
     assert hasattr(cli, name) and name in cli.__all__
     if name not in CLI_ONLY:  # a re-export of the library's object, not a copy
         assert getattr(cli, name) is getattr(importlib.import_module("qkv.bench"), name)
+
+
+@pytest.mark.parametrize("name", CLI_BENCH_DECODE_ALL)
+def test_every_old_cli_bench_decode_name_resolves(name):
+    cli = importlib.import_module("qkv.cli.bench_decode")
+    assert hasattr(cli, name) and name in cli.__all__
+    if name not in DECODE_CLI_ONLY:  # the library's object, also reached from qkv.bench
+        lib = importlib.import_module("qkv.bench.decode")
+        bench = importlib.import_module("qkv.bench")
+        assert getattr(cli, name) is getattr(lib, name) is getattr(bench, name)
+        assert name in lib.__all__ and name in bench.__all__
 
 
 @pytest.mark.parametrize("name", TORCH_COMPAT_ALL)
@@ -82,6 +110,13 @@ def test_the_cli_keeps_parsing_only():
         if callable(v) and getattr(v, "__module__", None) == cli.__name__
     }
     assert own == {"add_parser", "run_bench_cli", "out_folder", "_plot"}
+    decode = importlib.import_module("qkv.cli.bench_decode")
+    own = {
+        n
+        for n, v in vars(decode).items()
+        if callable(v) and getattr(v, "__module__", None) == decode.__name__
+    }
+    assert own == DECODE_CLI_ONLY
 
 
 def test_the_worker_process_runs_from_its_new_home():
@@ -91,6 +126,18 @@ def test_the_worker_process_runs_from_its_new_home():
     result = measure(Spec("none", 16, "fp32", "fwd", "reference"), BenchConfig(min_run_time=0.01))
     assert result["status"] == "ok", result["reason"]
     assert result["time_s"] > 0 and result["backend"] == "reference"
+
+
+def test_the_decode_child_process_runs_from_its_new_home():
+    """``measure_in_child`` launches ``python -c "from qkv.bench.decode import ..."``."""
+    from qkv.bench.decode import DecodeConfig, measure_in_child
+
+    config = DecodeConfig(
+        positions=(4,), impls=("kv-cache",), tokens_per_block=2, min_run_time=0.01
+    )
+    result = measure_in_child("kv-cache", 4, config)
+    assert result["status"] == "ok", result["reason"]
+    assert result["us_per_token"] > 0 and result["positions_timed"] == [4, 5]
 
 
 def test_a_pickled_patched_model_names_qkv_torch_compat():

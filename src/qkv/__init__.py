@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 # loaded on first attribute access (module __getattr__, PEP 562)
 _LAZY_SUBMODULES = (
     "analysis",
+    "bench",
     "cli",
     "distributed",
     "examples",

@@ -41,12 +41,29 @@ skipped), :mod:`qkv.bench.runner` (one measurement in a fresh process, a run of 
 JSON).
 ``qkv bench`` (``qkv.cli.bench``) parses its arguments and calls these.
 
+:mod:`qkv.bench.decode` is the benchmark behind ``qkv bench-decode`` (``qkv.cli.bench_decode``):
+the time to generate one token at a given position, for a recurrent linear-attention state
+and for a KV-cached softmax decoder; its names are re-exported here.
+
 Shape alphabet: B batch, H heads, T query length, S key length (= T here), D head dim,
 M features, Dv value dim.
 """
 
 from __future__ import annotations
 
+from .decode import (
+    DECODE_IMPLS,
+    DEFAULT_POSITIONS,
+    GROWTH_TARGET,
+    DecodeConfig,
+    decode_config,
+    decode_environment,
+    decode_markdown,
+    decode_ratios,
+    measure_decode,
+    measure_in_child,
+    run_decode,
+)
 from .report import (
     Crossover,
     add_ratios,
@@ -89,7 +106,10 @@ from .specs import (
 __all__ = [
     "ALL_IMPLS",
     "CASES",
+    "DECODE_IMPLS",
+    "DEFAULT_POSITIONS",
     "DTYPES",
+    "GROWTH_TARGET",
     "IMPLS",
     "LINEAR_IMPLS",
     "MODES",
@@ -97,6 +117,7 @@ __all__ = [
     "PEERS",
     "BenchConfig",
     "Crossover",
+    "DecodeConfig",
     "Spec",
     "add_ratios",
     "attention_flops",
@@ -104,6 +125,10 @@ __all__ = [
     "bench_config",
     "crossover_marks",
     "crossovers",
+    "decode_config",
+    "decode_environment",
+    "decode_markdown",
+    "decode_ratios",
     "dense_bytes",
     "document_ids",
     "document_lengths",
@@ -115,8 +140,11 @@ __all__ = [
     "mask_density",
     "mask_mod_for",
     "measure",
+    "measure_decode",
+    "measure_in_child",
     "num_features",
     "ratio_of",
+    "run_decode",
     "run_measurement",
     "run_name",
     "run_specs",
