@@ -152,6 +152,13 @@ def test_bad_arguments_fail_with_one_clear_line(tmp_path, capsys, argv, message)
     assert not out.exists()  # nothing was made
 
 
+def test_tasks_and_kinds_given_as_iterators_are_kept():
+    """The check reads each list once: generators come back as their names (they came back
+    empty before, after the check had used them up, and the run had no cell)."""
+    tasks, kinds = lra._check_names(iter(["listops"]), (k for k in ("exact", "linear")), "tiny")
+    assert (tasks, kinds) == (["listops"], ["exact", "linear"])
+
+
 def test_pathfinder_model_reads_32x32_as_1024_pixel_tokens(cache):
     from qkv.training.recipes import PixelRecipe, make_recipe, pixel_tokens
 

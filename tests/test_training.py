@@ -184,6 +184,18 @@ def test_train_leaves_torch_settings_as_it_found_them(tmp_path):
     assert torch.is_grad_enabled() and torch.get_default_dtype() == torch.float32
 
 
+def test_a_metric_may_be_called_force():
+    """Progress.update's own ``force`` is positional: a field named ``force`` is shown like
+    any other (it used to be taken for the flag, and dropped)."""
+    import io
+
+    from qkv._progress import Progress
+
+    stream = io.StringIO()
+    Progress(10, stream=stream, every=0.0).update(3, loss=0.5, force=0.25)
+    assert "loss=0.5 force=0.25" in stream.getvalue()
+
+
 def test_file_mode_without_proc(monkeypatch):
     from qkv.training import files
 

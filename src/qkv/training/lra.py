@@ -46,6 +46,7 @@ import json
 import platform
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,12 +256,18 @@ def run_lra(
     return result
 
 
-def _check_names(tasks, attentions, variant: str) -> tuple[list[str], list[str]]:
+def _check_names(
+    tasks: Iterable[str], attentions: Iterable[str], variant: str
+) -> tuple[list[str], list[str]]:
+    """The tasks and attention kinds as lists, checked (each list read once: an iterator
+    gives its names, not an empty list after the check)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; the variants are {', '.join(VARIANTS)}")
     kinds = attention_kinds()
+    checked: list[list[str]] = []
     for what, given, known in (("task", tasks, TASKS), ("attention kind", attentions, kinds)):
         names = list(given)
+        checked.append(names)
         if not names:
             raise ValueError(f"no {what} given; choose from {', '.join(known)}")
         unknown = [n for n in names if n not in known]
@@ -273,7 +280,7 @@ def _check_names(tasks, attentions, variant: str) -> tuple[list[str], list[str]]
         repeated = sorted(n for n, c in Counter(names).items() if c > 1)
         if repeated:
             raise ValueError(f"{what} {', '.join(map(repr, repeated))} given twice")
-    return list(tasks), list(attentions)
+    return checked[0], checked[1]
 
 
 def _cell_dir(root: Path, plan: dict) -> Path:
