@@ -172,6 +172,11 @@ def _trace_of_result(call: AttentionCall, result: BackendResult, name: str) -> A
     """The trace of a backend's result: its weights where it formed them, else recomputed
     from its lse (or from nothing)."""
     if result.probs is None:
+        if tracing():  # a lazy trace reads version counters and indexes rows on the host:
+            # the whole trace by the plain math instead, in the graph
+            ref = get_backend("reference").run(call)
+            assert ref.scores is not None and ref.probs is not None and ref.lse is not None
+            return AttentionTrace(ref.scores.detach(), ref.probs.detach(), ref.lse.detach(), name)
         with torch.no_grad():
             return _trace_from_lse(call, result.lse, name)
     assert result.scores is not None and result.lse is not None  # BackendResult: all three
