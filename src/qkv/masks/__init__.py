@@ -69,7 +69,7 @@ from .vocabulary import _KeysBefore as _KeysBefore
 from .vocabulary import _Softcap as _Softcap
 from .vocabulary import _Window as _Window
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (grouped as the docs present them; test_masks_package keeps the order)
     # structured masks and score changes (the public vocabulary)
     "MaskMod",
     "ScoreMod",
