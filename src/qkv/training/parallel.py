@@ -107,8 +107,8 @@ def env_ranks(timeout: float = DEFAULT_TIMEOUT) -> Ranks:
     for name in _ENV:
         raw = os.environ.get(name)
         try:
-            got[name] = int(raw)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
+            got[name] = int(raw or "")  # unset (None) fails as a non-int does
+        except ValueError:
             raise ValueError(
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is set but {name}={raw!r} is not an "
                 f"int: run under torchrun (it sets {', '.join(_ENV)}, MASTER_ADDR and "
@@ -330,6 +330,7 @@ def _broadcast(obj: Any, ranks: Ranks, device: torch.device) -> Any:
 def on_every_rank(error: BaseException) -> BaseException:
     """Mark an error that every rank of the run raises alike (the command line prints it on
     rank 0 only)."""
+    # a mark on the caller's exception, of any class: no class of ours declares it
     error.qkv_on_every_rank = True  # type: ignore[attr-defined]
     return error
 
