@@ -243,8 +243,9 @@ def _softmax_block_(scores: Tensor, lse: Tensor) -> None:
 
     The block goes through torch's fused softmax kernel, on CPU with its output on its input
     (the kernel reads a row before it writes it; tests/test_weights_one_pass.py checks the
-    values against ``masked_softmax``; other devices get a copy), and ``lse = max(scores) - log(max(weights))``, which holds
-    because the largest weight is ``exp(max(scores) - lse)``.
+    values against ``masked_softmax``; other devices get a copy), and
+    ``lse = max(scores) - log(max(weights))``, which holds because the largest weight is
+    ``exp(max(scores) - lse)``.
 
     Shape:
         scores ``(..., S)``, lse ``(...)``.

@@ -211,7 +211,8 @@ def tiled_attention(
     if bias is not None and bias.requires_grad:
         inner = _refuse_flash(inner, "a float attn_mask that requires grad")
     plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)
-    grads = ()  # tensors the score_mod reads that want gradients (ValueError if hidden)
+    # tensors the score_mod reads that want gradients (ValueError if hidden)
+    grads: tuple[Tensor, ...] = ()
     if plan.score_mod is not None:
         grads = score_mod_gradient_inputs(plan.score_mod, dtype=_acc(q.dtype), device=q.device)
     sinks = sinks_by_row(call)  # (B, H, T) or None
@@ -273,7 +274,7 @@ def piece_backward(
     q, k, v = _work_4d(call)
     B, H = call.BH
     plan = _plan(call, B, H, None, block_q, block_k, q.dtype)
-    grads = ()
+    grads: tuple[Tensor, ...] = ()
     if plan.score_mod is not None:
         grads = score_mod_gradient_inputs(plan.score_mod, dtype=_acc(q.dtype), device=q.device)
     with torch.no_grad():
@@ -446,7 +447,7 @@ def _chunks(states: Tensor, bk: int, S: int, kc_blocks: int) -> list[list[tuple[
     ends = torch.cat([j_s[1:], j_s.new_tensor([nk])])
     last = torch.cat([i_s[1:] != i_s[:-1], i_s.new_ones(1, dtype=torch.bool)])  # a row's last run
     ends = torch.where(last, nk, ends)
-    runs = [[] for _ in range(nq)]  # per tile: [j0, j1, masked, partial runs inside]
+    runs: list[list[list]] = [[] for _ in range(nq)]  # per tile: [j0, j1, masked, partial runs]
     for i, j0, j1, k in zip(i_s.tolist(), j_s.tolist(), ends.tolist(), kind[i_s, j_s].tolist()):
         if k == 0:
             continue
@@ -534,7 +535,8 @@ def _trim_edges(plan: _Plan, u: _Unit) -> _Unit:
     # chunk's scores); the flash kernel keeps none
     max_kc = plan.S if plan.inner == "flash" else max(b - a for a, b, _ in u.chunks)
     chunks: list[tuple[int, int, bool]] = []
-    for a, b, masked in u.chunks:
+    for chunk in u.chunks:
+        a, b, masked = chunk  # cut to the keys its rows attend, below
         if masked:
             ok = plan.allowed(u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b)  # (B?, H?, tq, kc)
             ok = ok.reshape(-1, ok.shape[-1])
@@ -663,7 +665,7 @@ def _forward(
     if any(u.n > 1 for u in plan.units):
         q, k, v = _mergeable(q), _mergeable(k), _mergeable(v)
     for u in plan.units:
-        o_u = l_u = None
+        merged: tuple[Tensor, Tensor] | None = None  # the unit's output and lse so far
         t0, t1 = u.t0, u.t0 + u.tq
         for a, b, masked in u.chunks:
             if u.n == 1:
@@ -676,7 +678,9 @@ def _forward(
                 )  # (B, H, tq, Dv), (B, H, tq)
             else:
                 o_c, l_c = _group_flash_chunk(plan, q, k, v, u, a, b, masked)  # (B*H, n, tq, Dv)
-            o_u, l_u = (o_c, l_c) if o_u is None else merge_by_lse(o_u, l_u, o_c, l_c)
+            merged = (o_c, l_c) if merged is None else merge_by_lse(*merged, o_c, l_c)
+        assert merged is not None  # every unit has a chunk (the planner drops empty ones)
+        o_u, l_u = merged
         out[:, :, u.rows] = o_u.reshape(B, H, -1, Dv)
         lse[:, :, u.rows] = l_u.reshape(B, H, -1)
     return out, lse
@@ -741,6 +745,7 @@ def _group_flash_chunk(
         scale=plan.scale,
     )
     if masked:
+        assert mask is not None  # a masked chunk has a mask
         lse = lse.masked_fill(torch.isneginf(mask).all(-1), float("-inf"))  # rows with no key
     return o, lse
 
@@ -752,11 +757,11 @@ def merge_by_lse(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Te
     Shape:
         o ``(B, H, tq, Dv)``, l ``(B, H, tq)``.
     """
-    l = torch.logaddexp(l_a, l_b)  # (B, H, tq)
-    safe = torch.where(torch.isneginf(l), 0.0, l)
+    lse = torch.logaddexp(l_a, l_b)  # (B, H, tq)
+    safe = torch.where(torch.isneginf(lse), 0.0, lse)
     w_a = torch.exp(l_a - safe).unsqueeze(-1)  # (B, H, tq, 1)
     w_b = torch.exp(l_b - safe).unsqueeze(-1)
-    return o_a.to(w_a.dtype) * w_a + o_b.to(w_b.dtype) * w_b, l
+    return o_a.to(w_a.dtype) * w_a + o_b.to(w_b.dtype) * w_b, lse
 
 
 def _flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
@@ -765,6 +770,7 @@ def _flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
     mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))  # (B?, H?, tq, kc) or None
     o, lse = flash_forward(q, k, v, attn_mask=mask, scale=plan.scale)  # (B, H, tq, Dv), (B, H, tq)
     if masked or plan.bias is not None:
+        assert mask is not None  # a masked chunk, or a bias, makes one
         dead = torch.isneginf(mask).all(-1)  # (B?, H?, tq): the kernel reports lse 0 there
         lse = lse.masked_fill(dead, float("-inf"))
     return o, lse
@@ -834,7 +840,8 @@ def _backward(
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     dts = [torch.zeros_like(t, dtype=acc) for t in grad_tensors]
-    dbias = torch.zeros_like(plan.bias, dtype=acc) if bias_grad else None
+    bias = plan.bias if bias_grad else None  # bias_grad is asked only where there is a bias
+    dbias = None if bias is None else torch.zeros_like(bias, dtype=acc)
     lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)  # rows with no key: p = e^-inf = 0
     dout = dout.to(q.dtype)
     if any(u.n > 1 for u in plan.units):
@@ -864,14 +871,14 @@ def _backward(
             dk[:, :, cols] += g[1]
             dv[:, :, cols] += g[2]
             for acc_t, g_t in zip(dts, g[3:]):
-                acc_t += g_t
+                acc_t.add_(g_t)
     if not cast:
         return dq, dk, dv, dbias, dts
     return (
         dq.to(q.dtype),
         dk.to(k.dtype),
         dv.to(v.dtype),
-        None if dbias is None else dbias.to(plan.bias.dtype),
+        None if dbias is None or bias is None else dbias.to(bias.dtype),
         [d.to(t.dtype) for d, t in zip(dts, grad_tensors)],
     )
 

@@ -22,6 +22,7 @@ import functools
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from torch import Tensor
@@ -103,6 +104,8 @@ def _kernels(interpret: bool):
 
     path = Path(__file__).with_name("kernels.py")
     spec = importlib.util.spec_from_file_location(f"{__package__}._kernels_interpreted", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"qkv: cannot load the triton kernels from {path}")
     module = importlib.util.module_from_spec(spec)
     with knobs.runtime.scope():  # restores knobs and the environment variable on exit
         knobs.runtime.interpret = True
@@ -313,6 +316,13 @@ def _pad(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+class _Extras(TypedDict, total=False):
+    """The mask's tensors on the device, as the kernels read them."""
+
+    kv_len: Tensor  # (B,) int32
+    docs: tuple[Tensor, Tensor]  # (B?, T), (B?, S) int32
+
+
 @dataclass
 class _Plan:
     """What the three kernels need besides q, k, v, out, lse."""
@@ -329,7 +339,7 @@ class _Plan:
     blocks: Blocks
     interpret: bool
     device: torch.device
-    extras: dict = field(default_factory=dict)  # kv_len, docs as device tensors
+    extras: _Extras = field(default_factory=_Extras)  # kv_len, docs on the device
     _lists: dict = field(default_factory=dict)  # (bm, bn, transposed) -> block lists
 
     def lists(self, bm: int, bn: int, transposed: bool = False) -> tuple[Tensor, ...]:
@@ -405,6 +415,8 @@ def triton_attention(call: AttentionCall, *, blocks: Blocks | None = None) -> tu
     B, H = call.BH
     q, k, v, G = _inputs_4d(call)  # (B, H, T, D), (B, G, S, D), (B, G, S, Dv)
     mask = _kernel_mask(call)
+    if isinstance(mask, str):  # refused by _why_not above
+        raise ValueError(mask)
     mod = call.score_mod
     slopes = None
     if isinstance(mod, _Alibi):
@@ -445,9 +457,9 @@ def _inputs_4d(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, int]:
     return q, four(call.key), four(call.value), G
 
 
-def _mask_tensors(plan: _Plan) -> dict:
+def _mask_tensors(plan: _Plan) -> _Extras:
     """Key lengths ``(B,)`` and document ids ``(B?, T)``, ``(B?, S)`` as int32 on the device."""
-    dev, extras = plan.device, {}
+    dev, extras = plan.device, _Extras()
     n = plan.mask.kv_len
     if n is not None:
         n = torch.as_tensor(n).reshape(-1).to(dev).clamp(max=plan.S)
@@ -458,7 +470,9 @@ def _mask_tensors(plan: _Plan) -> dict:
     return extras
 
 
-def _mask_args(plan: _Plan, like: Tensor) -> tuple[list, dict]:
+def _mask_args(
+    plan: _Plan, like: Tensor
+) -> tuple[list[Tensor], list[int], dict[str, bool | str | None]]:
     """Pointers, strides and constexpr flags of the mask and score mod, shared by the kernels."""
     dummy = like.new_zeros(1, dtype=torch.int32)
     kv_len = plan.extras.get("kv_len", dummy)

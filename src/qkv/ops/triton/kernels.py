@@ -394,7 +394,7 @@ def attn_fwd(
     Q,
     K,
     V,
-    O,
+    OUT,
     LSE,
     FULL_NUM,
     FULL_IDX,
@@ -579,12 +579,12 @@ def attn_fwd(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
     _store(
-        O
+        OUT
         + b * stride_ob
         + h * stride_oh
         + offs_m[:, None] * stride_om
         + offs_dv[None, :] * stride_od,
-        out.to(O.dtype.element_ty),
+        out.to(OUT.dtype.element_ty),
         offs_m,
         T,
         offs_dv,
