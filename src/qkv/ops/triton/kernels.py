@@ -60,7 +60,6 @@ exact in float32, so this gives what the tensor cores give, up to summation orde
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim, Dv value head dim; a block has BLOCK_M queries and BLOCK_N keys.
 """
-
 from __future__ import annotations
 
 import triton
@@ -108,27 +107,10 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(
-    qk,
-    q_pos,
-    kv_pos,
-    S,
-    scale,
-    cap,
-    slope,
-    lo,
-    hi,
-    kv_len,
-    q_doc,
-    kv_doc,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    MASKED: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_KVLEN: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-):
+def _scores(qk, q_pos, kv_pos, S, scale, cap, slope, lo, hi, kv_len, q_doc, kv_doc,
+            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+            HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_KVLEN: tl.constexpr,
+            HAS_DOC: tl.constexpr):
     """Raw dot products -> score-modified, masked scores in base-2 units, and tanh(s / cap)
     (for the softcap's derivative; 0 without softcap).
 
@@ -162,15 +144,8 @@ def _scores(
 
 
 @triton.jit
-def _load(
-    ptrs,
-    rows,
-    n_rows,
-    cols,
-    N_COLS: tl.constexpr,
-    BLOCK_COLS: tl.constexpr,
-    EVEN_ROWS: tl.constexpr,
-):
+def _load(ptrs, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+          EVEN_ROWS: tl.constexpr):
     """A (rows, cols) tile, zeros past the last row or past the head dim."""
     if EVEN_ROWS and N_COLS == BLOCK_COLS:
         return tl.load(ptrs)
@@ -190,39 +165,14 @@ def _store(ptrs, x, rows, n_rows, cols, N_COLS: tl.constexpr, BLOCK_COLS: tl.con
 
 
 @triton.jit
-def _tile_scores(
-    a,
-    offs_a,
-    a_doc,
-    B,
-    stride_bn,
-    stride_bd,
-    start_b,
-    n_b,
-    BDOC,
-    S,
-    scale,
-    cap,
-    slope,
-    lo,
-    hi,
-    kv_len,
-    D: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    A_IS_QUERY: tl.constexpr,
-    B_DOC_ABSENT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    MASKED: tl.constexpr,
-    B_IN_RANGE: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_KVLEN: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _tile_scores(a, offs_a, a_doc, B, stride_bn, stride_bd, start_b, n_b, BDOC,
+                 S, scale, cap, slope, lo, hi, kv_len,
+                 D: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+                 A_IS_QUERY: tl.constexpr, B_DOC_ABSENT: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+                 B_IN_RANGE: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                 HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """The prologue of every block step, shared by the three kernels: the other side's
     (BLOCK_B, D) tile loaded, ``a @ b^T`` in float32, the other side's document ids, and the
     masked, score-modified scores of ``_scores``.
@@ -235,224 +185,68 @@ def _tile_scores(
     """
     offs_b = start_b + tl.arange(0, BLOCK_B)
     offs_d = tl.arange(0, BLOCK_D)
-    b = _load(
-        B + offs_b[:, None] * stride_bn + offs_d[None, :] * stride_bd,
-        offs_b,
-        n_b,
-        offs_d,
-        D,
-        BLOCK_D,
-        B_IN_RANGE,
-    )  # (BLOCK_B, BLOCK_D)
-    ab = _dot(
-        a, tl.trans(b), tl.full([a.shape[0], BLOCK_B], 0.0, tl.float32), UPCAST, PRECISION
-    )  # (BLOCK_A, BLOCK_B)
+    b = _load(B + offs_b[:, None] * stride_bn + offs_d[None, :] * stride_bd,
+              offs_b, n_b, offs_d, D, BLOCK_D, B_IN_RANGE)  # (BLOCK_B, BLOCK_D)
+    ab = _dot(a, tl.trans(b), tl.full([a.shape[0], BLOCK_B], 0.0, tl.float32), UPCAST,
+              PRECISION)  # (BLOCK_A, BLOCK_B)
     b_doc = 0
     if MASKED and HAS_DOC:
         b_doc = tl.load(BDOC + offs_b, mask=offs_b < n_b, other=B_DOC_ABSENT)[None, :]
     if A_IS_QUERY:
-        s, t = _scores(
-            ab,
-            offs_a[:, None],
-            offs_b[None, :],
-            S,
-            scale,
-            cap,
-            slope,
-            lo,
-            hi,
-            kv_len,
-            a_doc,
-            b_doc,
-            SOFTCAP,
-            ALIBI,
-            MASKED,
-            HAS_LO,
-            HAS_HI,
-            HAS_KVLEN,
-            HAS_DOC,
-        )
+        s, t = _scores(ab, offs_a[:, None], offs_b[None, :], S, scale, cap, slope, lo, hi,
+                       kv_len, a_doc, b_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI,
+                       HAS_KVLEN, HAS_DOC)
     else:
-        s, t = _scores(
-            ab,
-            offs_b[None, :],
-            offs_a[:, None],
-            S,
-            scale,
-            cap,
-            slope,
-            lo,
-            hi,
-            kv_len,
-            b_doc,
-            a_doc,
-            SOFTCAP,
-            ALIBI,
-            MASKED,
-            HAS_LO,
-            HAS_HI,
-            HAS_KVLEN,
-            HAS_DOC,
-        )
+        s, t = _scores(ab, offs_b[None, :], offs_a[:, None], S, scale, cap, slope, lo, hi,
+                       kv_len, b_doc, a_doc, SOFTCAP, ALIBI, MASKED, HAS_LO, HAS_HI,
+                       HAS_KVLEN, HAS_DOC)
     return b, offs_b, s, t
 
 
 @triton.jit
-def _fwd_block(
-    acc,
-    l_i,
-    m_i,
-    q,
-    K,
-    V,
-    KDOC,
-    start_n,
-    offs_m,
-    q_doc,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    S,
-    scale,
-    cap,
-    slope,
-    lo,
-    hi,
-    kv_len,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    MASKED: tl.constexpr,
-    KEYS_IN_RANGE: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_KVLEN: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _fwd_block(acc, l_i, m_i, q, K, V, KDOC, start_n, offs_m, q_doc,
+               stride_kn, stride_kd, stride_vn, stride_vd,
+               S, scale, cap, slope, lo, hi, kv_len,
+               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+               KEYS_IN_RANGE: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+               HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+               UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One key block into the running (acc, l, m) of a query block: the online softmax."""
-    _, offs_n, s, _ = _tile_scores(
-        q,
-        offs_m,
-        q_doc,
-        K,
-        stride_kn,
-        stride_kd,
-        start_n,
-        S,
-        KDOC,
-        S,
-        scale,
-        cap,
-        slope,
-        lo,
-        hi,
-        kv_len,
-        D,
-        BLOCK_N,
-        BLOCK_D,
-        True,
-        -1,
-        SOFTCAP,
-        ALIBI,
-        MASKED,
-        KEYS_IN_RANGE,
-        HAS_LO,
-        HAS_HI,
-        HAS_KVLEN,
-        HAS_DOC,
-        UPCAST,
-        PRECISION,
-    )  # s: (BLOCK_M, BLOCK_N)
+    _, offs_n, s, _ = _tile_scores(q, offs_m, q_doc, K, stride_kn, stride_kd, start_n, S, KDOC,
+                                   S, scale, cap, slope, lo, hi, kv_len, D, BLOCK_N, BLOCK_D,
+                                   True, -1, SOFTCAP, ALIBI, MASKED, KEYS_IN_RANGE, HAS_LO,
+                                   HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
+                                   PRECISION)  # s: (BLOCK_M, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))  # (BLOCK_M,)
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no -inf - -inf
     p = tl.math.exp2(s - m_use[:, None])  # (BLOCK_M, BLOCK_N)
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-    v = _load(
-        V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-        offs_n,
-        S,
-        offs_dv,
-        DV,
-        BLOCK_DV,
-        KEYS_IN_RANGE,
-    )  # (BLOCK_N, BLOCK_DV)
+    v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+              offs_n, S, offs_dv, DV, BLOCK_DV, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_DV)
     acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
     return acc, l_i, m_new
 
 
 @triton.jit
-def attn_fwd(
-    Q,
-    K,
-    V,
-    OUT,
-    LSE,
-    FULL_NUM,
-    FULL_IDX,
-    PART_NUM,
-    PART_IDX,
-    KVLEN,
-    QDOC,
-    KDOC,
-    SLOPES,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    stride_nb,
-    stride_nh,
-    stride_ib,
-    stride_ih,
-    stride_im,
-    stride_qdoc,
-    stride_kdoc,
-    stride_slope,
-    H,
-    T,
-    S,
-    GROUPS,
-    scale,
-    cap,
-    lo,
-    hi,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_KVLEN: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def attn_fwd(Q, K, V, OUT, LSE,
+             FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KVLEN, QDOC, KDOC, SLOPES,
+             stride_qb, stride_qh, stride_qm, stride_qd,
+             stride_kb, stride_kh, stride_kn, stride_kd,
+             stride_vb, stride_vh, stride_vn, stride_vd,
+             stride_ob, stride_oh, stride_om, stride_od,
+             stride_nb, stride_nh, stride_ib, stride_ih, stride_im,
+             stride_qdoc, stride_kdoc, stride_slope,
+             H, T, S, GROUPS, scale, cap, lo, hi,
+             D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, EVEN_M: tl.constexpr,
+             EVEN_N: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+             HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+             UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (query block, b * H + h): out (B, H, T, Dv) and lse (B, H, T)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -462,19 +256,8 @@ def attn_fwd(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load(
-        Q
-        + b * stride_qb
-        + h * stride_qh
-        + offs_m[:, None] * stride_qm
-        + offs_d[None, :] * stride_qd,
-        offs_m,
-        T,
-        offs_d,
-        D,
-        BLOCK_D,
-        EVEN_M,
-    )
+    q = _load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd, offs_m, T, offs_d, D, BLOCK_D, EVEN_M)
     K += b * stride_kb + hk * stride_kh
     V += b * stride_vb + hk * stride_vh
 
@@ -496,198 +279,54 @@ def attn_fwd(
     idx = b * stride_ib + h * stride_ih + pid_m * stride_im
     for t in range(tl.load(FULL_NUM + num)):  # blocks every pair of which may attend: no mask
         start_n = tl.load(FULL_IDX + idx + t) * BLOCK_N
-        acc, l_i, m_i = _fwd_block(
-            acc,
-            l_i,
-            m_i,
-            q,
-            K,
-            V,
-            KDOC,
-            start_n,
-            offs_m,
-            q_doc,
-            stride_kn,
-            stride_kd,
-            stride_vn,
-            stride_vd,
-            S,
-            scale,
-            cap,
-            slope,
-            lo,
-            hi,
-            kv_len,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            SOFTCAP,
-            ALIBI,
-            False,
-            True,
-            HAS_LO,
-            HAS_HI,
-            HAS_KVLEN,
-            HAS_DOC,
-            UPCAST,
-            PRECISION,
-        )
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, K, V, KDOC, start_n, offs_m, q_doc,
+                                   stride_kn, stride_kd, stride_vn, stride_vd,
+                                   S, scale, cap, slope, lo, hi, kv_len,
+                                   D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, False,
+                                   True, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
     for t in range(tl.load(PART_NUM + num)):  # partial blocks: the mask is evaluated
         start_n = tl.load(PART_IDX + idx + t) * BLOCK_N
-        acc, l_i, m_i = _fwd_block(
-            acc,
-            l_i,
-            m_i,
-            q,
-            K,
-            V,
-            KDOC,
-            start_n,
-            offs_m,
-            q_doc,
-            stride_kn,
-            stride_kd,
-            stride_vn,
-            stride_vd,
-            S,
-            scale,
-            cap,
-            slope,
-            lo,
-            hi,
-            kv_len,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            SOFTCAP,
-            ALIBI,
-            True,
-            EVEN_N,
-            HAS_LO,
-            HAS_HI,
-            HAS_KVLEN,
-            HAS_DOC,
-            UPCAST,
-            PRECISION,
-        )
+        acc, l_i, m_i = _fwd_block(acc, l_i, m_i, q, K, V, KDOC, start_n, offs_m, q_doc,
+                                   stride_kn, stride_kd, stride_vn, stride_vd,
+                                   S, scale, cap, slope, lo, hi, kv_len,
+                                   D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, True,
+                                   EVEN_N, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
 
     empty = l_i == 0.0  # no allowed key: out exactly 0, lse -inf (the mask contract)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    _store(
-        OUT
-        + b * stride_ob
-        + h * stride_oh
-        + offs_m[:, None] * stride_om
-        + offs_dv[None, :] * stride_od,
-        out.to(OUT.dtype.element_ty),
-        offs_m,
-        T,
-        offs_dv,
-        DV,
-        BLOCK_DV,
-    )
+    _store(OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+           + offs_dv[None, :] * stride_od, out.to(OUT.dtype.element_ty), offs_m, T, offs_dv, DV,
+           BLOCK_DV)
     tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=offs_m < T)
 
 
 @triton.jit
-def _dkdv_block(
-    dk,
-    dv,
-    k,
-    v,
-    Q,
-    DO,
-    LSE,
-    DELTA,
-    QDOC,
-    start_m,
-    offs_n,
-    kv_doc,
-    stride_qm,
-    stride_qd,
-    stride_dom,
-    stride_dod,
-    T,
-    S,
-    scale,
-    cap,
-    slope,
-    lo,
-    hi,
-    kv_len,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    MASKED: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_KVLEN: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _dkdv_block(dk, dv, k, v, Q, DO, LSE, DELTA, QDOC, start_m, offs_n, kv_doc,
+                stride_qm, stride_qd, stride_dom, stride_dod,
+                T, S, scale, cap, slope, lo, hi, kv_len,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+                EVEN_M: tl.constexpr, HAS_LO: tl.constexpr,
+                HAS_HI: tl.constexpr, HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One query block into a key block's dK, dV, computed transposed: (keys, queries) tiles."""
-    q, offs_m, sT, tT = _tile_scores(
-        k,
-        offs_n,
-        kv_doc,
-        Q,
-        stride_qm,
-        stride_qd,
-        start_m,
-        T,
-        QDOC,
-        S,
-        scale,
-        cap,
-        slope,
-        lo,
-        hi,
-        kv_len,
-        D,
-        BLOCK_M,
-        BLOCK_D,
-        False,
-        -2,
-        SOFTCAP,
-        ALIBI,
-        MASKED,
-        EVEN_M,
-        HAS_LO,
-        HAS_HI,
-        HAS_KVLEN,
-        HAS_DOC,
-        UPCAST,
-        PRECISION,
-    )  # sT: (BLOCK_N, BLOCK_M)
+    q, offs_m, sT, tT = _tile_scores(k, offs_n, kv_doc, Q, stride_qm, stride_qd, start_m, T,
+                                     QDOC, S, scale, cap, slope, lo, hi, kv_len, D, BLOCK_M,
+                                     BLOCK_D, False, -2, SOFTCAP, ALIBI, MASKED, EVEN_M, HAS_LO,
+                                     HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
+                                     PRECISION)  # sT: (BLOCK_N, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    do = _load(
-        DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-        offs_m,
-        T,
-        offs_dv,
-        DV,
-        BLOCK_DV,
-        EVEN_M,
-    )  # (BLOCK_M, BLOCK_DV)
+    do = _load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+               offs_m, T, offs_dv, DV, BLOCK_DV, EVEN_M)  # (BLOCK_M, BLOCK_DV)
     lse = tl.load(LSE + offs_m, mask=offs_m < T, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # no key: p = 0
     delta = tl.load(DELTA + offs_m, mask=offs_m < T, other=0.0)
     pT = tl.math.exp2(sT - lse[None, :])  # (BLOCK_N, BLOCK_M)
     dv = _dot(pT.to(do.dtype), do, dv, UPCAST, PRECISION)  # dV += P^T dO
-    dpT = _dot(
-        v, tl.trans(do), tl.full([k.shape[0], BLOCK_M], 0.0, tl.float32), UPCAST, PRECISION
-    )  # (dO V^T)^T
+    dpT = _dot(v, tl.trans(do), tl.full([k.shape[0], BLOCK_M], 0.0, tl.float32), UPCAST,
+               PRECISION)  # (dO V^T)^T
     dsT = pT * (dpT - delta[None, :])  # dS = P * (dP - rowsum(dO * O))
     if SOFTCAP:
         dsT = dsT * (1.0 - tT * tT)  # d(cap * tanh(s / cap)) / ds
@@ -695,81 +334,23 @@ def _dkdv_block(
 
 
 @triton.jit
-def attn_bwd_dkdv(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK_OUT,
-    DV_OUT,
-    FULL_NUM,
-    FULL_IDX,
-    PART_NUM,
-    PART_IDX,
-    KVLEN,
-    QDOC,
-    KDOC,
-    SLOPES,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,
-    stride_dkd,
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,
-    stride_dvd,
-    stride_nb,
-    stride_nh,
-    stride_ib,
-    stride_ih,
-    stride_im,
-    stride_qdoc,
-    stride_kdoc,
-    stride_slope,
-    H,
-    G,
-    T,
-    S,
-    GROUPS,
-    scale,
-    cap,
-    lo,
-    hi,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_KVLEN: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK_OUT, DV_OUT,
+                  FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KVLEN, QDOC, KDOC, SLOPES,
+                  stride_qb, stride_qh, stride_qm, stride_qd,
+                  stride_kb, stride_kh, stride_kn, stride_kd,
+                  stride_vb, stride_vh, stride_vn, stride_vd,
+                  stride_dob, stride_doh, stride_dom, stride_dod,
+                  stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                  stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                  stride_nb, stride_nh, stride_ib, stride_ih, stride_im,
+                  stride_qdoc, stride_kdoc, stride_slope,
+                  H, G, T, S, GROUPS, scale, cap, lo, hi,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, EVEN_M: tl.constexpr,
+                  EVEN_N: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                  HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (key block, b * G + g): dK (B, G, S, D) and dV (B, G, S, Dv), summed
     over the GROUPS query heads that share kv head g. The lists are per key block: the query
     blocks (FULL, then PARTIAL) that may attend to it; they are the same for every head, so
@@ -781,32 +362,10 @@ def attn_bwd_dkdv(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k = _load(
-        K
-        + b * stride_kb
-        + g * stride_kh
-        + offs_n[:, None] * stride_kn
-        + offs_d[None, :] * stride_kd,
-        offs_n,
-        S,
-        offs_d,
-        D,
-        BLOCK_D,
-        EVEN_N,
-    )
-    v = _load(
-        V
-        + b * stride_vb
-        + g * stride_vh
-        + offs_n[:, None] * stride_vn
-        + offs_dv[None, :] * stride_vd,
-        offs_n,
-        S,
-        offs_dv,
-        DV,
-        BLOCK_DV,
-        EVEN_N,
-    )
+    k = _load(K + b * stride_kb + g * stride_kh + offs_n[:, None] * stride_kn
+              + offs_d[None, :] * stride_kd, offs_n, S, offs_d, D, BLOCK_D, EVEN_N)
+    v = _load(V + b * stride_vb + g * stride_vh + offs_n[:, None] * stride_vn
+              + offs_dv[None, :] * stride_vd, offs_n, S, offs_dv, DV, BLOCK_DV, EVEN_N)
     kv_len = 0
     if HAS_KVLEN:
         kv_len = tl.load(KVLEN + b)
@@ -830,47 +389,12 @@ def attn_bwd_dkdv(
             slope = tl.load(SLOPES + h * stride_slope)
         start_m = tl.load(FULL_IDX + idx + t - j * n_full) * BLOCK_M
         row = (b * H + h) * T
-        dk, dv = _dkdv_block(
-            dk,
-            dv,
-            k,
-            v,
-            Q + b * stride_qb + h * stride_qh,
-            DO + b * stride_dob + h * stride_doh,
-            LSE + row,
-            DELTA + row,
-            QDOC,
-            start_m,
-            offs_n,
-            kv_doc,
-            stride_qm,
-            stride_qd,
-            stride_dom,
-            stride_dod,
-            T,
-            S,
-            scale,
-            cap,
-            slope,
-            lo,
-            hi,
-            kv_len,
-            D,
-            DV,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_DV,
-            SOFTCAP,
-            ALIBI,
-            False,
-            EVEN_M,
-            HAS_LO,
-            HAS_HI,
-            HAS_KVLEN,
-            HAS_DOC,
-            UPCAST,
-            PRECISION,
-        )
+        dk, dv = _dkdv_block(dk, dv, k, v, Q + b * stride_qb + h * stride_qh,
+                             DO + b * stride_dob + h * stride_doh, LSE + row, DELTA + row, QDOC,
+                             start_m, offs_n, kv_doc, stride_qm, stride_qd, stride_dom, stride_dod,
+                             T, S, scale, cap, slope, lo, hi, kv_len,
+                             D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, False,
+                             EVEN_M, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
     n_part = tl.load(PART_NUM + num)
     for t in range(n_part * GROUPS):
         j = t // n_part
@@ -880,161 +404,42 @@ def attn_bwd_dkdv(
             slope = tl.load(SLOPES + h * stride_slope)
         start_m = tl.load(PART_IDX + idx + t - j * n_part) * BLOCK_M
         row = (b * H + h) * T
-        dk, dv = _dkdv_block(
-            dk,
-            dv,
-            k,
-            v,
-            Q + b * stride_qb + h * stride_qh,
-            DO + b * stride_dob + h * stride_doh,
-            LSE + row,
-            DELTA + row,
-            QDOC,
-            start_m,
-            offs_n,
-            kv_doc,
-            stride_qm,
-            stride_qd,
-            stride_dom,
-            stride_dod,
-            T,
-            S,
-            scale,
-            cap,
-            slope,
-            lo,
-            hi,
-            kv_len,
-            D,
-            DV,
-            BLOCK_M,
-            BLOCK_D,
-            BLOCK_DV,
-            SOFTCAP,
-            ALIBI,
-            True,
-            EVEN_M,
-            HAS_LO,
-            HAS_HI,
-            HAS_KVLEN,
-            HAS_DOC,
-            UPCAST,
-            PRECISION,
-        )
-    _store(
-        DK_OUT
-        + b * stride_dkb
-        + g * stride_dkh
-        + offs_n[:, None] * stride_dkn
-        + offs_d[None, :] * stride_dkd,
-        (dk * scale).to(DK_OUT.dtype.element_ty),
-        offs_n,
-        S,
-        offs_d,
-        D,
-        BLOCK_D,
-    )
-    _store(
-        DV_OUT
-        + b * stride_dvb
-        + g * stride_dvh
-        + offs_n[:, None] * stride_dvn
-        + offs_dv[None, :] * stride_dvd,
-        dv.to(DV_OUT.dtype.element_ty),
-        offs_n,
-        S,
-        offs_dv,
-        DV,
-        BLOCK_DV,
-    )
+        dk, dv = _dkdv_block(dk, dv, k, v, Q + b * stride_qb + h * stride_qh,
+                             DO + b * stride_dob + h * stride_doh, LSE + row, DELTA + row, QDOC,
+                             start_m, offs_n, kv_doc, stride_qm, stride_qd, stride_dom, stride_dod,
+                             T, S, scale, cap, slope, lo, hi, kv_len,
+                             D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, True,
+                             EVEN_M, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
+    _store(DK_OUT + b * stride_dkb + g * stride_dkh + offs_n[:, None] * stride_dkn
+           + offs_d[None, :] * stride_dkd, (dk * scale).to(DK_OUT.dtype.element_ty), offs_n, S,
+           offs_d, D, BLOCK_D)
+    _store(DV_OUT + b * stride_dvb + g * stride_dvh + offs_n[:, None] * stride_dvn
+           + offs_dv[None, :] * stride_dvd, dv.to(DV_OUT.dtype.element_ty), offs_n, S, offs_dv, DV,
+           BLOCK_DV)
 
 
 @triton.jit
-def _dq_block(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    K,
-    V,
-    KDOC,
-    start_n,
-    offs_m,
-    q_doc,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    S,
-    scale,
-    cap,
-    slope,
-    lo,
-    hi,
-    kv_len,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    MASKED: tl.constexpr,
-    KEYS_IN_RANGE: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_KVLEN: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def _dq_block(dq, q, do, lse, delta, K, V, KDOC, start_n, offs_m, q_doc,
+              stride_kn, stride_kd, stride_vn, stride_vd,
+              S, scale, cap, slope, lo, hi, kv_len,
+              D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASKED: tl.constexpr,
+              KEYS_IN_RANGE: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+              HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One key block into a query block's dQ."""
-    k, offs_n, s, t = _tile_scores(
-        q,
-        offs_m,
-        q_doc,
-        K,
-        stride_kn,
-        stride_kd,
-        start_n,
-        S,
-        KDOC,
-        S,
-        scale,
-        cap,
-        slope,
-        lo,
-        hi,
-        kv_len,
-        D,
-        BLOCK_N,
-        BLOCK_D,
-        True,
-        -1,
-        SOFTCAP,
-        ALIBI,
-        MASKED,
-        KEYS_IN_RANGE,
-        HAS_LO,
-        HAS_HI,
-        HAS_KVLEN,
-        HAS_DOC,
-        UPCAST,
-        PRECISION,
-    )  # s: (BLOCK_M, BLOCK_N)
+    k, offs_n, s, t = _tile_scores(q, offs_m, q_doc, K, stride_kn, stride_kd, start_n, S, KDOC,
+                                   S, scale, cap, slope, lo, hi, kv_len, D, BLOCK_N, BLOCK_D,
+                                   True, -1, SOFTCAP, ALIBI, MASKED, KEYS_IN_RANGE, HAS_LO,
+                                   HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST,
+                                   PRECISION)  # s: (BLOCK_M, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
-    v = _load(
-        V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-        offs_n,
-        S,
-        offs_dv,
-        DV,
-        BLOCK_DV,
-        KEYS_IN_RANGE,
-    )  # (BLOCK_N, BLOCK_DV)
+    v = _load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+              offs_n, S, offs_dv, DV, BLOCK_DV, KEYS_IN_RANGE)  # (BLOCK_N, BLOCK_DV)
     p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N)
-    dp = _dot(do, tl.trans(v), tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32), UPCAST, PRECISION)
+    dp = _dot(do, tl.trans(v), tl.full([q.shape[0], BLOCK_N], 0.0, tl.float32), UPCAST,
+              PRECISION)
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
@@ -1042,75 +447,22 @@ def _dq_block(
 
 
 @triton.jit
-def attn_bwd_dq(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    FULL_NUM,
-    FULL_IDX,
-    PART_NUM,
-    PART_IDX,
-    KVLEN,
-    QDOC,
-    KDOC,
-    SLOPES,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,
-    stride_dqd,
-    stride_nb,
-    stride_nh,
-    stride_ib,
-    stride_ih,
-    stride_im,
-    stride_qdoc,
-    stride_kdoc,
-    stride_slope,
-    H,
-    T,
-    S,
-    GROUPS,
-    scale,
-    cap,
-    lo,
-    hi,
-    D: tl.constexpr,
-    DV: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    EVEN_M: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    HAS_LO: tl.constexpr,
-    HAS_HI: tl.constexpr,
-    HAS_KVLEN: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+def attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
+                FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, KVLEN, QDOC, KDOC, SLOPES,
+                stride_qb, stride_qh, stride_qm, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_dob, stride_doh, stride_dom, stride_dod,
+                stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                stride_nb, stride_nh, stride_ib, stride_ih, stride_im,
+                stride_qdoc, stride_kdoc, stride_slope,
+                H, T, S, GROUPS, scale, cap, lo, hi,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, EVEN_M: tl.constexpr,
+                EVEN_N: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+                HAS_KVLEN: tl.constexpr, HAS_DOC: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """One program per (query block, b * H + h): dQ (B, H, T, D)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -1120,32 +472,10 @@ def attn_bwd_dq(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = _load(
-        Q
-        + b * stride_qb
-        + h * stride_qh
-        + offs_m[:, None] * stride_qm
-        + offs_d[None, :] * stride_qd,
-        offs_m,
-        T,
-        offs_d,
-        D,
-        BLOCK_D,
-        EVEN_M,
-    )
-    do = _load(
-        DO
-        + b * stride_dob
-        + h * stride_doh
-        + offs_m[:, None] * stride_dom
-        + offs_dv[None, :] * stride_dod,
-        offs_m,
-        T,
-        offs_dv,
-        DV,
-        BLOCK_DV,
-        EVEN_M,
-    )
+    q = _load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd, offs_m, T, offs_d, D, BLOCK_D, EVEN_M)
+    do = _load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
+               + offs_dv[None, :] * stride_dod, offs_m, T, offs_dv, DV, BLOCK_DV, EVEN_M)
     row = pid_bh.to(tl.int64) * T
     lse = tl.load(LSE + row + offs_m, mask=offs_m < T, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # no key: p = 0
@@ -1167,96 +497,18 @@ def attn_bwd_dq(
     idx = b * stride_ib + h * stride_ih + pid_m * stride_im
     for t in range(tl.load(FULL_NUM + num)):
         start_n = tl.load(FULL_IDX + idx + t) * BLOCK_N
-        dq = _dq_block(
-            dq,
-            q,
-            do,
-            lse,
-            delta,
-            K,
-            V,
-            KDOC,
-            start_n,
-            offs_m,
-            q_doc,
-            stride_kn,
-            stride_kd,
-            stride_vn,
-            stride_vd,
-            S,
-            scale,
-            cap,
-            slope,
-            lo,
-            hi,
-            kv_len,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            SOFTCAP,
-            ALIBI,
-            False,
-            True,
-            HAS_LO,
-            HAS_HI,
-            HAS_KVLEN,
-            HAS_DOC,
-            UPCAST,
-            PRECISION,
-        )
+        dq = _dq_block(dq, q, do, lse, delta, K, V, KDOC, start_n, offs_m, q_doc,
+                       stride_kn, stride_kd, stride_vn, stride_vd,
+                       S, scale, cap, slope, lo, hi, kv_len,
+                       D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, False,
+                       True, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
     for t in range(tl.load(PART_NUM + num)):
         start_n = tl.load(PART_IDX + idx + t) * BLOCK_N
-        dq = _dq_block(
-            dq,
-            q,
-            do,
-            lse,
-            delta,
-            K,
-            V,
-            KDOC,
-            start_n,
-            offs_m,
-            q_doc,
-            stride_kn,
-            stride_kd,
-            stride_vn,
-            stride_vd,
-            S,
-            scale,
-            cap,
-            slope,
-            lo,
-            hi,
-            kv_len,
-            D,
-            DV,
-            BLOCK_N,
-            BLOCK_D,
-            BLOCK_DV,
-            SOFTCAP,
-            ALIBI,
-            True,
-            EVEN_N,
-            HAS_LO,
-            HAS_HI,
-            HAS_KVLEN,
-            HAS_DOC,
-            UPCAST,
-            PRECISION,
-        )
-    _store(
-        DQ
-        + b * stride_dqb
-        + h * stride_dqh
-        + offs_m[:, None] * stride_dqm
-        + offs_d[None, :] * stride_dqd,
-        (dq * scale).to(DQ.dtype.element_ty),
-        offs_m,
-        T,
-        offs_d,
-        D,
-        BLOCK_D,
-    )
+        dq = _dq_block(dq, q, do, lse, delta, K, V, KDOC, start_n, offs_m, q_doc,
+                       stride_kn, stride_kd, stride_vn, stride_vd,
+                       S, scale, cap, slope, lo, hi, kv_len,
+                       D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, SOFTCAP, ALIBI, True,
+                       EVEN_N, HAS_LO, HAS_HI, HAS_KVLEN, HAS_DOC, UPCAST, PRECISION)
+    _store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm
+           + offs_d[None, :] * stride_dqd, (dq * scale).to(DQ.dtype.element_ty), offs_m, T,
+           offs_d, D, BLOCK_D)
