@@ -4,7 +4,9 @@ package. Every name of the previous ``__all__`` lists still resolves where it di
 object as at its new home, and a pickled patched model still names ``qkv.torch_compat``."""
 
 import importlib
+import json
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +155,18 @@ def test_a_pickled_patched_model_names_qkv_torch_compat():
     x = torch.randn(2, 3, 8)
     torch.testing.assert_close(again.eval()(x), model.eval()(x))
     assert type(again.layers[0].self_attn) is torch_compat.MultiheadAttention
+
+
+# Every module's ``__all__`` at 45a788f, before the layout work of issue 26 began (masks and
+# the Hugging Face integration became packages, the bench harness and torch_compat moved):
+# each name still resolves from the module path it was imported by then.
+PUBLIC_NAMES = json.loads(
+    (Path(__file__).parent / "data" / "public_names_45a788f.json").read_text(encoding="utf-8")
+)
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC_NAMES))
+def test_every_name_of_the_previous_all_lists_resolves(module):
+    mod = importlib.import_module(module)
+    missing = [name for name in PUBLIC_NAMES[module] if not hasattr(mod, name)]
+    assert not missing, f"{module} no longer has {missing}"

@@ -37,6 +37,7 @@ __all__ = [
     "check_backends",
     "choose",
     "get_backend",
+    "keeps_nonfinite_contract",
     "register_backend",
     "run",
     "select",
@@ -147,6 +148,12 @@ def choose(call: AttentionCall, backend: str = "auto") -> Plan:
         and _traceable(chosen, call)
     )
     return Plan(chosen, keeps)
+
+
+def keeps_nonfinite_contract(call: AttentionCall, backend: str = "auto") -> bool:
+    """Whether the backend :func:`choose` picks keeps the NaN/inf contract itself (kept for
+    callers from before :class:`Plan`: ``choose(call, backend).keeps_nonfinite_contract``)."""
+    return choose(call, backend).keeps_nonfinite_contract
 
 
 def run(
