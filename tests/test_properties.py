@@ -98,25 +98,26 @@ def small_tiles(case: Case, bq: int, bk: int, chunk_blocks: int, full_run: int):
     ``chunk_blocks`` blocks (for ``case``'s B * H) and runs of ``full_run`` full blocks taken
     unmasked."""
     from qkv.ops import tiled as tiled_mod
+    from qkv.ops import tiled_plan  # planning reads CHUNK_ELEMENTS and MIN_FULL_RUN there
 
     fn = tiled_mod.tiled_attention
     kw = getattr(fn, "__kwdefaults__", None) or {}
     names = ("CHUNK_ELEMENTS", "MIN_FULL_RUN")
-    if "block_q" not in kw or "block_k" not in kw or not all(hasattr(tiled_mod, n) for n in names):
+    if "block_q" not in kw or "block_k" not in kw or not all(hasattr(tiled_plan, n) for n in names):
         pytest.skip(
-            "qkv.ops.tiled no longer has block_q/block_k defaults or CHUNK_ELEMENTS/"
-            "MIN_FULL_RUN: update small_tiles() to shrink its tiles"
+            "qkv.ops.tiled no longer has block_q/block_k defaults or qkv.ops.tiled_plan "
+            "CHUNK_ELEMENTS/MIN_FULL_RUN: update small_tiles() to shrink its tiles"
         )
-    saved = dict(kw), {n: getattr(tiled_mod, n) for n in names}
+    saved = dict(kw), {n: getattr(tiled_plan, n) for n in names}
     fn.__kwdefaults__ = {**kw, "block_q": bq, "block_k": bk}
-    tiled_mod.MIN_FULL_RUN = full_run
-    tiled_mod.CHUNK_ELEMENTS = max(1, case.B * case.H) * bq * bk * chunk_blocks  # scores per chunk
+    tiled_plan.MIN_FULL_RUN = full_run
+    tiled_plan.CHUNK_ELEMENTS = max(1, case.B * case.H) * bq * bk * chunk_blocks  # scores per chunk
     try:
         yield
     finally:
         fn.__kwdefaults__ = saved[0]
         for n, value in saved[1].items():
-            setattr(tiled_mod, n, value)
+            setattr(tiled_plan, n, value)
 
 
 def draw_tiles(data, case: Case):

@@ -40,20 +40,16 @@ from . import nonfinite
 from .base import compiling_plainly
 from .call import AttentionCall
 from .reference import ReferenceBackend
-from .tiled import (
+from .tiled import sinks_by_row, work_inputs
+from .tiled_backward import _backward, _sink_grad
+from .tiled_forward import _acc, _forward, _with_sinks
+from .tiled_plan import (
     BLOCK_K,
     BLOCK_Q,
-    _acc,
-    _backward,
     _DenseMask,
-    _forward,
     _pick_inner,
     _plan_for,
     _refuse_flash,
-    _sink_grad,
-    _with_sinks,
-    sinks_by_row,
-    work_inputs,
 )
 
 __all__ = ["tiled_attention_op", "usable"]

@@ -1,0 +1,178 @@
+"""The tiled backend's backward (``tiled.py``): FlashAttention's backward over the plan's units
+(``tiled_plan.py``), chunk by chunk from the saved output and log-sum-exp; each chunk's
+weights are recomputed with the forward's helpers (``tiled_forward.py``).
+
+``flash`` takes torch's CPU flash backward, which reads the *global* output and log-sum-exp:
+exactly the per-chunk decomposition. ``matmul`` writes dV, dS, dQ and dK out, pulling dS back
+through a score_mod by autograd (gradients for the tensors it reads too) and summing it into a
+float attn_mask's gradient. The sinks' gradient is closed-form (``_sink_grad``).
+
+Shape alphabet: B batch, H query heads, T query length, S key length, D head dim, Dv value
+head dim; a tile has ``tq`` queries, a diagonal group ``n`` tiles and a chunk ``kc`` keys.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._aten import flash_backward
+from .tiled_forward import (
+    _acc,
+    _chunk_scores,
+    _group_mask,
+    _mask_dtype,
+    _mergeable,
+    _raw_scores,
+    _stacked,
+)
+from .tiled_plan import _Plan, _tile, _Unit
+
+
+def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> Tensor:
+    """The sinks' gradient, ``-p_sink * rowsum(dO * O)`` per row (a key with no value: its dP
+    is 0, so its dS is ``-p_sink * delta``), from the sink-inclusive output and lse.
+
+    Shape:
+        sinks ``(B, H, T)``, out and dout ``(B, H, T, Dv)``, lse ``(B, H, T)`` -> ``(B, H, T)``.
+    """
+    acc = lse.dtype
+    p_sink = torch.exp(sinks.to(acc) - lse)  # (B, H, T)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T): rowsum(dO * O)
+    return -(p_sink * delta).to(sinks.dtype)
+
+
+def _backward(
+    plan: _Plan, q, k, v, out, lse, dout, grad_tensors, bias_grad: bool, cast: bool = True
+):
+    """FlashAttention's backward, chunk by chunk, from the saved log-sum-exp. The gradients
+    come in the inputs' dtypes, or (``cast=False``) in the accumulation dtype."""
+    acc = _acc(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dts = [torch.zeros_like(t, dtype=acc) for t in grad_tensors]
+    bias = plan.bias if bias_grad else None  # bias_grad is asked only where there is a bias
+    dbias = None if bias is None else torch.zeros_like(bias, dtype=acc)
+    lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)  # rows with no key: p = e^-inf = 0
+    dout = dout.to(q.dtype)
+    if any(u.n > 1 for u in plan.units):
+        q, k, v, out, dout, lse_safe = (_mergeable(t) for t in (q, k, v, out, dout, lse_safe))
+    for u in plan.units:
+        rows = slice(u.t0, u.t0 + u.tq)
+        for a, b, masked in u.chunks:
+            if u.n > 1:
+                _group_flash_backward(
+                    plan, q, k, v, out, lse_safe, dout, u, a, b, masked, dq, dk, dv
+                )
+                continue
+            where, cols = (u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b, masked), slice(u.t0 + a, u.t0 + b)
+            args = (
+                q[:, :, rows],
+                k[:, :, cols],
+                v[:, :, cols],
+                out[:, :, rows],
+                lse_safe[:, :, rows],
+                dout[:, :, rows],
+            )
+            if plan.inner == "flash":
+                g = _flash_chunk_backward(plan, *args, where)
+            else:
+                g = _matmul_chunk_backward(plan, *args, where, grad_tensors, dbias)
+            dq[:, :, rows] += g[0]
+            dk[:, :, cols] += g[1]
+            dv[:, :, cols] += g[2]
+            for acc_t, g_t in zip(dts, g[3:]):
+                acc_t.add_(g_t)
+    if not cast:
+        return dq, dk, dv, dbias, dts
+    return (
+        dq.to(q.dtype),
+        dk.to(k.dtype),
+        dv.to(v.dtype),
+        None if dbias is None or bias is None else dbias.to(bias.dtype),
+        [d.to(t.dtype) for d, t in zip(dts, grad_tensors)],
+    )
+
+
+def _group_flash_backward(
+    plan: _Plan,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dout,
+    u: _Unit,
+    a: int,
+    b: int,
+    masked: bool,
+    dq: Tensor,
+    dk: Tensor,
+    dv: Tensor,
+) -> None:
+    """Gradients of one chunk of every tile of a diagonal group, added into dq, dk, dv
+    ``(B, H, L, E)``. Overlapping key windows are added in strips of ``tq`` keys, each strip a
+    non-overlapping view."""
+    mask = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
+    lse_u = _stacked(lse.unsqueeze(-1), u, 0, u.tq).squeeze(-1).contiguous()  # (B*H, n, tq)
+    g_q, g_k, g_v = flash_backward(
+        _stacked(dout, u, 0, u.tq),
+        _stacked(q, u, 0, u.tq),
+        _stacked(k, u, a, b),
+        _stacked(v, u, a, b),
+        _stacked(out, u, 0, u.tq),
+        lse_u.float() if q.dtype != torch.float64 else lse_u,
+        attn_mask=mask,
+        scale=plan.scale,
+    )
+    dq[:, :, u.rows] += g_q.reshape(dq.shape[0], dq.shape[1], -1, dq.shape[-1])
+    for acc_t, g_t in ((dk, g_k), (dv, g_v)):  # g_t: (B*H, n, kc, E)
+        for p0 in range(0, b - a, u.tq):
+            p1 = min(b - a, p0 + u.tq)
+            _stacked(acc_t, u, a + p0, a + p1).add_(g_t[:, :, p0:p1])
+
+
+def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
+    t0, t1, k0, k1, masked = where
+    mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))
+    dq, dk, dv = flash_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse.float() if q.dtype != torch.float64 else lse,
+        attn_mask=mask,
+        scale=plan.scale,
+    )
+    return dq, dk, dv
+
+
+def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_tensors, dbias):
+    """dV = P^T dO; dS = P * (dO V^T - rowsum(dO * O)); dQ = dS K * scale; dK = dS^T Q * scale,
+    with dS pulled back through score_mod by autograd when there is one."""
+    acc = lse.dtype
+    with torch.enable_grad():
+        raw = _raw_scores(plan, q.detach(), k.detach())  # (B, H, tq, kc)
+        if plan.score_mod is not None:
+            raw.requires_grad_(True)
+        scores = _chunk_scores(plan, q, k, where, raw=raw)
+        p = torch.exp(scores.detach() - lse.unsqueeze(-1))  # (B, H, tq, kc)
+        do = dout.to(acc)
+        dv = p.transpose(-2, -1) @ do  # (B, H, kc, Dv)
+        delta = (do * out.to(acc)).sum(-1, keepdim=True)  # (B, H, tq, 1)
+        ds = p * (do @ v.to(acc).transpose(-2, -1) - delta)  # (B, H, tq, kc)
+        if dbias is not None:  # the bias is added after score_mod: its gradient is this dS,
+            tile = _tile(dbias, *where[:4])  # summed over the dims it broadcast along
+            # not ds.sum(dims): with no broadcast dim that list is empty, and sum([]) sums
+            # every dim (a full-rank (B, H, T, S) bias got the whole tile's total everywhere)
+            tile += ds.sum_to_size(tile.shape)
+        dts = []
+        if plan.score_mod is not None:
+            inputs = (raw,) + tuple(grad_tensors)
+            ds, *dts = torch.autograd.grad(scores, inputs, ds, allow_unused=True)
+            dts = [torch.zeros_like(t) if g is None else g for g, t in zip(dts, grad_tensors)]
+    dq = (ds @ k.to(acc)) * plan.scale  # (B, H, tq, D)
+    dk = (ds.transpose(-2, -1) @ q.to(acc)) * plan.scale  # (B, H, kc, D)
+    return (dq, dk, dv, *dts)

@@ -1,0 +1,407 @@
+"""Block planning for the tiled backend (``tiled.py``): from a call's masks to the units
+of work, cached by mask structure and sizes.
+
+The masks combine into one bound mask_mod (``_plan``), which classifies every (tile, block)
+pair as empty, partial or full from index bounds alone (``masks.block_states``). Each tile gets
+its chunks of consecutive blocks (``_chunks``: empty blocks left out, long full runs a chunk of
+their own without a mask), and tiles are joined into units (``_units``): tall tiles of rows
+that visit the same keys, and, for masks and score_mods that depend on ``kv - q`` only,
+diagonal groups computed in one kernel call. Masked chunks are then cut to the keys their rows
+attend (``_trim_edges``, ``_split_rows``), so a document's rows need no mask. The units of a
+call are cached (``_cached_units``, ``clear_plan_cache``), so a model's next layer or step with
+the same mask skips all of this.
+
+Shape alphabet: B batch, H query heads, T query length, S key length; a tile has ``tq``
+queries and a chunk ``kc`` keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..masks import (
+    EMPTY,
+    FULL,
+    Grid,
+    MaskMod,
+    ScoreMod,
+    and_masks,
+    block_states,
+    causal,
+    evaluate_mask,
+    index_grid,
+    shift_invariant,
+    structure_key,
+)
+from ._aten import flash_cpu_available
+from .call import AttentionCall
+from .plan_cache import PlanCache
+
+BLOCK_Q = 64  # query rows per tile
+BLOCK_K = 64  # keys per block (the unit of skipping)
+MIN_FULL_RUN = 8  # full blocks worth a chunk of their own (no mask) rather than riding along
+CHUNK_ELEMENTS = 1 << 22  # B*H*tq*kc scores per chunk: 16 MiB in float32
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """Query rows ``[t0, t0 + n * tq)`` computed together: ``n`` stacked tiles of ``tq`` rows,
+    tile ``m`` visiting keys ``[t0 + m*tq + a, t0 + m*tq + b)`` for each chunk ``(a, b, masked)``.
+
+    ``n > 1`` (a *diagonal group*) needs a mask and score_mod that depend on ``kv - q`` only
+    (``qkv.masks.shift_invariant``): every stacked tile then has the same chunk mask, and one
+    kernel call computes them all, reading the keys through an overlapping strided view.
+    """
+
+    t0: int
+    tq: int
+    n: int
+    chunks: tuple[tuple[int, int, bool], ...]
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.t0, self.t0 + self.n * self.tq)
+
+
+@dataclass
+class _Plan:
+    """Everything a pass needs besides q, k, v: sizes, masks and which chunks to visit."""
+
+    B: int
+    H: int
+    T: int
+    S: int
+    scale: float
+    mask_mod: MaskMod | None
+    bias: Tensor | None  # a dense float attn_mask, (B?, H?, T, S); set by the Function
+    score_mod: ScoreMod | None
+    inner: str
+    units: list[_Unit]
+    device: torch.device
+    group_masks: dict = field(default_factory=dict)  # (tq, a, b, dtype) -> kernel-layout mask
+
+    def chunk_mask(self, t0: int, t1: int, k0: int, k1: int, masked: bool, dtype) -> Tensor | None:
+        """The chunk's additive float mask for the flash kernel (-inf = may not attend).
+
+        Shape:
+            ``(B?, H?, tq, kc)`` or None.
+        """
+        add = None
+        if self.bias is not None:
+            # the flash kernel reads a mask with leading dims as if it were contiguous
+            add = _tile(self.bias, t0, t1, k0, k1).to(dtype).contiguous()
+        if self.score_mod is not None:  # additive: its bias is score_mod(0)
+            b, h, q, kv = index_grid(
+                self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0, device=self.device
+            )
+            bias = self.score_mod(torch.zeros((), dtype=dtype, device=self.device), b, h, q, kv)
+            add = bias if add is None else add + bias
+        if masked:
+            allowed = self.allowed(t0, t1, k0, k1)
+            if add is None:
+                return torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill_(
+                    ~allowed, float("-inf")
+                )
+            add = add.masked_fill(~allowed, float("-inf"))
+        return add
+
+    def allowed(self, t0: int, t1: int, k0: int, k1: int) -> Tensor:
+        """``mask_mod`` on the chunk, as a view of every (query, key) pair even where the mask
+        does not vary (a dense mask of one key column). Shape: ``(B?, H?, tq, kc)``, bool."""
+        b, h, q, kv = index_grid(
+            self.B, self.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0, device=self.device
+        )
+        ok = evaluate_mask(self.mask_mod, b, h, q, kv)
+        ok = ok.reshape((1,) * (4 - ok.dim()) + tuple(ok.shape))
+        return ok.expand(*ok.shape[:2], t1 - t0, k1 - k0)
+
+
+def _plan(
+    call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int, dtype: torch.dtype
+) -> _Plan:
+    """Combine the masks into one mask_mod, classify its blocks and list the units to compute
+    (reused from an earlier call with the same mask structure and sizes: see
+    :func:`_cached_units`)."""
+    mods = [m for m in (call.mask_mod, causal() if call.is_causal else None) if m is not None]
+    mask = call.attn_mask
+    if mask is not None and mask.dtype == torch.bool:
+        mods.append(_DenseMask(call.mask_4d(mask)))
+    mask_mod = None if not mods else (mods[0] if len(mods) == 1 else and_masks(*mods))
+    if mask_mod is not None:
+        mask_mod = mask_mod.bind(B, H, call.T, call.S)
+    best = _pick_inner(call, dtype)
+    if inner not in (None, "flash", "matmul") or (inner == "flash" and best != "flash"):
+        raise ValueError(
+            f"inner must be None, 'matmul' or (when it can take the call) 'flash', got {inner!r}"
+        )
+    return _plan_for(
+        B,
+        H,
+        call.T,
+        call.S,
+        call.scale,
+        mask_mod,
+        call.score_mod,
+        inner or best,
+        call.device,
+        mask is None or mask.dtype == torch.bool,
+        bq,
+        bk,
+    )
+
+
+def _plan_for(
+    B: int,
+    H: int,
+    T: int,
+    S: int,
+    scale: float,
+    mask_mod: MaskMod | None,
+    score_mod: ScoreMod | None,
+    inner: str,
+    device: torch.device,
+    no_float_mask: bool,
+    bq: int,
+    bk: int,
+) -> _Plan:
+    """The plan of a call with these sizes and bound masks (see :func:`_plan`)."""
+    groups = (
+        inner == "flash"
+        and no_float_mask
+        and shift_invariant(mask_mod)
+        and shift_invariant(score_mod)
+    )
+    plan = _Plan(B, H, T, S, scale, mask_mod, None, score_mod, inner, [], device)
+    structure = structure_key(mask_mod)
+    if structure is None:  # a dense mask or a plain function: planned anew every call
+        plan.units = _plan_units(plan, bq, bk, groups)
+        return plan
+    key = (structure, B, H, T, S, bq, bk, inner, groups, str(device), CHUNK_ELEMENTS)
+    units, group_masks = _cached_units(key, lambda: _plan_units(plan, bq, bk, groups))
+    plan.units = units
+    if score_mod is None:  # the chunk masks come from the mask alone: shared too
+        plan.group_masks = group_masks
+    return plan
+
+
+def _plan_units(plan: _Plan, bq: int, bk: int, groups: bool) -> list[_Unit]:
+    """The units of ``plan`` (whose sizes, mask and inner kernel are set): blocks classified,
+    chunks listed per tile, tiles joined, masked chunks trimmed and joined again."""
+    grid = Grid(plan.B, plan.H, plan.T, plan.S, bq, bk, plan.device)
+    if plan.mask_mod is None:
+        states = torch.full((1, 1, grid.nq, grid.nk), FULL, dtype=torch.int8, device="cpu")
+    else:
+        states = block_states(plan.mask_mod, grid).cpu()  # (B?, H?, nq, nk)
+    kc_blocks = max(1, CHUNK_ELEMENTS // (plan.B * plan.H * bq * bk))
+    rows = _chunks(states, bk, plan.S, kc_blocks)
+    # how many rows a merged tile may have: its masks (flash) or scores (matmul) stay bounded
+    per_row = states.shape[0] * states.shape[1] if plan.inner == "flash" else plan.B * plan.H
+    tiles = [
+        _Unit(
+            i * bq, min(bq, plan.T - i * bq), 1, tuple((a - i * bq, b - i * bq, m) for a, b, m in c)
+        )
+        for i, c in enumerate(rows)
+        if c
+    ]
+    units = _units(tiles, bq, groups, CHUNK_ELEMENTS // per_row)
+    if plan.mask_mod is not None:  # masked chunks cut to what their rows attend, then joined again
+        plan.units = units
+        pieces = [p for u in units for p in _split_rows(plan, _trim_edges(plan, u)) if p.chunks]
+        units = _units(pieces, bq, False, CHUNK_ELEMENTS // per_row)
+    return units
+
+
+# Block plans of recent calls, by mask structure and sizes (masks.structure_key): a model
+# calls attention with the same mask in every layer and step, and planning costs up to a tenth
+# of a call. Units are immutable; the chunk masks of diagonal groups are shared when no
+# score_mod takes part in them.
+PLAN_CACHE_SIZE = 64
+_plan_cache = PlanCache(PLAN_CACHE_SIZE)
+
+
+def _cached_units(key: tuple, make) -> tuple[list[_Unit], dict]:
+    """``(units, group_masks)`` for ``key``: from the cache, or ``make()`` and remembered."""
+    return _plan_cache.get(key, lambda: (make(), {}))
+
+
+def clear_plan_cache() -> None:
+    """Forget every remembered block plan (they are rebuilt on the next call)."""
+    _plan_cache.clear()
+
+
+def _refuse_flash(inner: str | None, why: str) -> str:
+    if inner == "flash":
+        raise ValueError(f"inner='flash' cannot take {why}; use 'matmul'")
+    return "matmul"
+
+
+def _tile(t: Tensor, t0: int, t1: int, k0: int, k1: int) -> Tensor:
+    """Rows [t0, t1) and columns [k0, k1) of a (B?, H?, T?, S?) tensor; size-1 dims broadcast."""
+    rows = slice(t0, t1) if t.shape[-2] > 1 else slice(None)
+    cols = slice(k0, k1) if t.shape[-1] > 1 else slice(None)
+    return t[..., rows, cols]
+
+
+def _pick_inner(call: AttentionCall, dtype: torch.dtype) -> str:
+    mod = call.score_mod
+    flash_ok = (
+        flash_cpu_available()
+        and call.device.type == "cpu"
+        and call.Dv == call.D
+        and dtype in (torch.float32, torch.bfloat16, torch.float64)
+        and (mod is None or (mod.additive and not any(t.requires_grad for t in mod.tensors())))
+    )
+    return "flash" if flash_ok else "matmul"
+
+
+def _chunks(states: Tensor, bk: int, S: int, kc_blocks: int) -> list[list[tuple[int, int, bool]]]:
+    """Per query tile, the chunks of keys to visit: ``(k0, k1, masked)``.
+
+    Empty blocks are left out. A run of full blocks long enough to pay for a second kernel
+    call (``MIN_FULL_RUN`` blocks) becomes its own chunk without a mask; shorter ones ride
+    along in the masked chunk beside them. No chunk exceeds ``kc_blocks`` blocks.
+    """
+    flat = states.flatten(0, 1)  # (B?*H?, nq, nk)
+    kind = (flat != EMPTY).any(0).to(torch.int8) + (flat == FULL).all(0).to(torch.int8)
+    nq, nk = kind.shape  # kind: 0 not needed, 1 needs the mask (for some b, h), 2 full
+    start = torch.ones(nq, nk, dtype=torch.bool, device=kind.device)  # planning: on the CPU,
+    # whatever torch.set_default_device says
+    start[:, 1:] = kind[:, 1:] != kind[:, :-1]
+    i_s, j_s = start.nonzero(as_tuple=True)  # runs of one kind, row by row
+    ends = torch.cat([j_s[1:], j_s.new_tensor([nk])])
+    last = torch.cat([i_s[1:] != i_s[:-1], i_s.new_ones(1, dtype=torch.bool)])  # a row's last run
+    ends = torch.where(last, nk, ends)
+    runs: list[list[list]] = [[] for _ in range(nq)]  # per tile: [j0, j1, masked, partial runs]
+    for i, j0, j1, k in zip(i_s.tolist(), j_s.tolist(), ends.tolist(), kind[i_s, j_s].tolist()):
+        if k == 0:
+            continue
+        masked = k == 1 or j1 - j0 < MIN_FULL_RUN  # short full runs ride along with a mask
+        partial = [(j0, j1)] if k == 1 else []
+        row = runs[i]
+        if row and row[-1][1] == j0 and row[-1][2] == masked:
+            row[-1][1] = j1
+            row[-1][3].extend(partial)
+        else:
+            row.append([j0, j1, masked, partial])
+    rows = []
+    for row in runs:
+        chunks = []
+        for j0, j1, masked, partial in row:
+            for c0 in range(j0, j1, kc_blocks):
+                c1 = min(j1, c0 + kc_blocks)  # masked only if a partial block is inside
+                needs_mask = masked and any(p0 < c1 and c0 < p1 for p0, p1 in partial)
+                chunks.append((c0 * bk, min(c1 * bk, S), needs_mask))
+        rows.append(chunks)
+    return rows
+
+
+def _units(tiles: list[_Unit], bq: int, groups: bool, max_elements: int) -> list[_Unit]:
+    """Units joined (see :class:`_Unit`): consecutive single tiles visiting the same keys become
+    one taller tile (a document's rows; at most ``max_elements`` rows x keys per chunk), and,
+    when ``groups``, consecutive full tiles whose chunks sit at the same place relative to the
+    tile become one diagonal group (a band's rows). Rows in no unit output 0."""
+    units: list[_Unit] = []
+    for u in tiles:
+        last = units[-1] if units else None
+        if last is not None and u.n == 1 and last.rows.stop == u.t0:
+            if (
+                last.n == 1
+                and _absolute(last) == _absolute(u)
+                and ((last.tq + u.tq) * max(b - a for a, b, _ in u.chunks) <= max_elements)
+            ):
+                units[-1] = _Unit(last.t0, last.tq + u.tq, 1, last.chunks)
+                continue
+            if groups and u.tq == last.tq == bq and last.chunks == u.chunks:
+                units[-1] = _Unit(last.t0, bq, last.n + 1, u.chunks)
+                continue
+        units.append(u)
+    return units
+
+
+def _split_rows(plan: _Plan, u: _Unit) -> list[_Unit]:
+    """``u`` (one masked chunk, e.g. a tile straddling two documents) cut into runs of rows
+    that attend the same consecutive keys, each run a unit of its own without a mask, when
+    every row's keys are consecutive and the same for every b, h; else ``[u]``."""
+    if u.n > 1 or len(u.chunks) != 1 or not u.chunks[0][2]:
+        return [u]
+    a, b, _ = u.chunks[0]
+    ok = plan.allowed(u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b)  # (B?, H?, tq, kc)
+    if ok.shape[0] * ok.shape[1] != 1:
+        return [u]
+    ok = ok[0, 0]  # (tq, kc)
+    kc = ok.shape[-1]
+    count = ok.sum(-1)  # (tq,)
+    first = ok.to(torch.int8).argmax(-1)  # first allowed key of each row (0 if none)
+    last = kc - 1 - ok.flip(-1).to(torch.int8).argmax(-1)
+    if not ((count == last - first + 1) | (count == 0)).all():
+        return [u]  # some row's keys are not consecutive: keep the mask
+    span = torch.stack([first, last]).masked_fill(count == 0, -1)  # (2, tq), -1: no key
+    starts = [0] + (span[:, 1:] != span[:, :-1]).any(0).nonzero().flatten().add(1).tolist()
+    if len(starts) > 8:
+        return [u]  # rows change too often to pay for a call each
+    pieces = []
+    for r0, r1 in zip(starts, starts[1:] + [u.tq]):
+        c0, c1 = span[:, r0].tolist()
+        if c0 >= 0:
+            pieces.append(_Unit(u.t0 + r0, r1 - r0, 1, ((a + c0 - r0, a + c1 + 1 - r0, False),)))
+    return pieces
+
+
+def _trim_edges(plan: _Plan, u: _Unit) -> _Unit:
+    """``u`` with its masked chunks cut to the keys its rows may attend, when those are the
+    same keys for every row (and b, h) and consecutive (a document's rows against its partial
+    edge blocks): such a chunk needs no mask and joins the unmasked chunk beside it, so a
+    document's rows take one kernel call without a mask. Costs one evaluation of the mask on
+    the chunk, as building its mask would."""
+    if u.n > 1:
+        return u
+    # joined chunks stay within the widest chunk the unit was planned with (matmul holds a
+    # chunk's scores); the flash kernel keeps none
+    max_kc = plan.S if plan.inner == "flash" else max(b - a for a, b, _ in u.chunks)
+    chunks: list[tuple[int, int, bool]] = []
+    for chunk in u.chunks:
+        a, b, masked = chunk  # cut to the keys its rows attend, below
+        if masked:
+            ok = plan.allowed(u.t0, u.t0 + u.tq, u.t0 + a, u.t0 + b)  # (B?, H?, tq, kc)
+            ok = ok.reshape(-1, ok.shape[-1])
+            every, some = ok.all(0), ok.any(0)  # (kc,) for every / some row
+            cols = every.nonzero().flatten().tolist()
+            if torch.equal(every, some) and (not cols or cols[-1] - cols[0] + 1 == len(cols)):
+                if not cols:
+                    continue  # no row attends any of these keys
+                a, b, masked = a + cols[0], a + cols[-1] + 1, False
+        if (
+            chunks
+            and not masked
+            and not chunks[-1][2]
+            and chunks[-1][1] == a
+            and (b - chunks[-1][0] <= max_kc)
+        ):
+            chunks[-1] = (chunks[-1][0], b, False)
+        else:
+            chunks.append((a, b, masked))
+    return _Unit(u.t0, u.tq, 1, tuple(chunks))
+
+
+def _absolute(u: _Unit) -> tuple:
+    return tuple((u.t0 + a, u.t0 + b, m) for a, b, m in u.chunks)
+
+
+class _DenseMask(MaskMod):
+    """A dense bool attn_mask seen as a mask_mod, so that its empty blocks are skipped too."""
+
+    def __init__(self, mask: Tensor) -> None:
+        self.mask = mask  # (B?, H?, T, S)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        idx = [
+            i if n > 1 else i.new_zeros((1,) * i.dim())
+            for i, n in zip((b, h, q_idx, kv_idx), self.mask.shape)
+        ]  # size-1 dims broadcast
+        return self.mask[idx[0], idx[1], idx[2], idx[3]]
+
+    def __repr__(self):
+        return f"attn_mask{tuple(self.mask.shape)}"
