@@ -236,14 +236,18 @@ class _TiledAttention(torch.autograd.Function):
         *grad_tensors: Tensor,
     ):
         plan.bias = None if bias is None else bias.detach()
-        out, lse = _forward(plan, q, k, v)  # (B, H, T, Dv), (B, H, T)
+        # out kept in the accumulation dtype for the backward's rowsum(dO * O): from a half
+        # output, rounded, that sum cancels against dO V^T in dS = P * (dO V^T - rowsum), and
+        # a bias gradient (dS summed) came out several ulps off (bf16, 3 ulps where the
+        # reference's own error is under 1; tests/test_properties.py found it)
+        out, lse = _forward(plan, q, k, v, out_dtype=_acc(q.dtype))  # (B, H, T, Dv), (B, H, T)
         if sinks is not None:
             out, lse = _with_sinks(out, lse, sinks.detach())
         ctx.plan, ctx.bias_grad = plan, bias is not None and bias.requires_grad
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k, v, out, lse, sinks, *grad_tensors)
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor):

@@ -56,6 +56,8 @@ def _backward(
     dbias = None if bias is None else torch.zeros_like(bias, dtype=acc)
     lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)  # rows with no key: p = e^-inf = 0
     dout = dout.to(q.dtype)
+    if plan.inner == "flash" or any(u.n > 1 for u in plan.units):
+        out = out.to(q.dtype)  # torch's flash backward takes O in q's dtype (its delta from it)
     if any(u.n > 1 for u in plan.units):
         q, k, v, out, dout, lse_safe = (_mergeable(t) for t in (q, k, v, out, dout, lse_safe))
     for u in plan.units:

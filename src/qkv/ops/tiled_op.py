@@ -346,14 +346,16 @@ def _tiled_forward(
     scale: float,
     inner: str,
 ) -> tuple[Tensor, Tensor]:
-    """Output ``(B, H, T, Dv)`` in q's dtype and log-sum-exp ``(B, H, T)`` (float32, or
-    float64 for float64 inputs; ``-inf`` on rows with no key). The mask contract for NaN/inf
-    inputs is kept here, as eager qkv keeps it around every backend."""
+    """Output ``(B, H, T, Dv)`` and log-sum-exp ``(B, H, T)``, both in the accumulation dtype
+    (float32, or float64 for float64 inputs; lse ``-inf`` on rows with no key): the caller
+    rounds the output, and the backward's ``rowsum(dO * O)`` reads it unrounded, as eager's
+    tiled backend does. The mask contract for NaN/inf inputs is kept here, as eager qkv keeps
+    it around every backend."""
     plan = _plan(q, k, bias, tensors, ints, floats, spec, scale, inner)
     cleaned, hit = _nonfinite(plan, q, k, v, bias)
     if cleaned is not None:
         q, k, v = cleaned.query, cleaned.key, cleaned.value
-    out, lse = _forward(plan, q, k, v)
+    out, lse = _forward(plan, q, k, v, out_dtype=_acc(q.dtype))
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks)
     return (out, lse) if hit is None else (out.masked_fill(hit, float("nan")), lse)
@@ -362,7 +364,8 @@ def _tiled_forward(
 @_tiled_forward.register_fake
 def _(q, k, v, bias, sinks, tensors, ints, floats, spec, scale, inner):
     B, H, T = q.shape[0], q.shape[1], q.shape[2]
-    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=_acc(q.dtype))
+    acc = _acc(q.dtype)
+    return q.new_empty(B, H, T, v.shape[-1], dtype=acc), q.new_empty(B, H, T, dtype=acc)
 
 
 @torch.library.custom_op("qkv::tiled_backward", mutates_args=())
