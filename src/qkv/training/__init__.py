@@ -3,21 +3,19 @@ recipes that tie a task to a model; the helpers every command shares (the output
 atomic writes, torch's global settings restored)."""
 
 from .._progress import Progress
-from .files import run_directory, write_atomic
-from .torch_state import TorchState, preserve_torch_state
-from .trainer import (
-    CHECKPOINT,
-    METRICS,
+from .checkpoint import CHECKPOINT, save_atomic
+from .config import (
     SCHEDULES,
     Recipe,
     TrainConfig,
     TrainResult,
     available_devices,
-    batch_indices,
     check_device,
-    save_atomic,
-    train,
 )
+from .files import run_directory, write_atomic
+from .results import METRICS
+from .torch_state import TorchState, preserve_torch_state
+from .trainer import batch_indices, train
 
 __all__ = [
     "CHECKPOINT",

@@ -2,7 +2,7 @@
 process or data-parallel on several (torchrun).
 
 What a task supplies is a :class:`Recipe` (build the model, make a batch from example indices,
-the loss and its metrics, the evaluation, the pictures); this module owns everything else:
+the loss and its metrics, the evaluation, the pictures); the trainer owns everything else:
 
 * **Determinism.** The model is built after ``torch.manual_seed(seed)``; the batch of step s
   is a slice of a permutation drawn from ``seed`` and the epoch alone, so it does not depend
@@ -19,6 +19,13 @@ the loss and its metrics, the evaluation, the pictures); this module owns everyt
 * **No trace left**: torch's global settings (threads, RNG, grad mode, default dtype) are
   restored when :func:`train` returns; an output folder it made for a run that fails before
   writing in it is removed again; its files get the umask's permissions like any other.
+
+**Modules.** This module is the loop and :func:`train`; the rest lives by job beside it
+(each name importable from here as before): ``config.py`` (:class:`TrainConfig`,
+:class:`Recipe`, :class:`TrainResult`, the devices), ``checkpoint.py`` (the run's state,
+writing and reading checkpoints, the random number generators), ``stopping.py`` (Ctrl-C, a
+lost peer) and ``results.py`` (the evaluation, ``metrics.json``, the pictures). Imports run
+one way: trainer -> results -> stopping -> checkpoint, and trainer, results -> config.
 
 **Data parallel.** Under torchrun (``WORLD_SIZE`` > 1 in the environment; ``qkv train --nproc
 N`` starts it) every process calls :func:`train` alike; it makes the process group itself
@@ -65,38 +72,46 @@ runs agree in distribution only.
 
 from __future__ import annotations
 
-import difflib
-import json
-import math
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from types import FrameType
-from typing import Any, Protocol, TypedDict
 
 import torch
 from torch import Tensor, nn
 
 from .._progress import Progress
-from .files import run_directory, write_atomic
+from .checkpoint import (
+    CHECKPOINT,
+    FORMAT,
+    _checkpoint_to_resume,
+    _restore,
+    _Run,
+    save_atomic,
+)
+from .config import (
+    SCHEDULES,
+    Recipe,
+    TrainConfig,
+    TrainResult,
+    available_devices,
+    check_device,
+)
+from .files import run_directory
 from .parallel import (
     DEFAULT_TIMEOUT,
     Ranks,
-    all_gather,
     all_sum,
     check_batch,
     data_parallel,
     from_rank0,
-    lost_peer,
     on_every_rank,
     seed_rank,
     share,
 )
+from .results import METRICS, _finish
+from .stopping import _collective, _StopFlag
 from .torch_state import preserve_torch_state
 
 __all__ = [
@@ -113,169 +128,6 @@ __all__ = [
     "train",
 ]
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.json"
-SCHEDULES = ("constant", "rsqrt", "cosine")
-FORMAT = 1
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How to train (what to train is the :class:`Recipe`).
-
-    Attributes:
-        steps: Optimizer steps in all.
-        batch_size: Examples a step: the global batch, shared equally by the processes of a
-            data-parallel run (which refuses one their number does not divide).
-        lr: Peak learning rate (AdamW).
-        weight_decay: AdamW's decoupled weight decay.
-        warmup_steps: Linear warm-up from 0 to ``lr``.
-        schedule: After warm-up: ``"constant"``, ``"rsqrt"`` (``lr * sqrt(warmup / step)``, LRA's)
-            or ``"cosine"`` (to 0 at ``steps``).
-        grad_clip: Clip the gradient norm to this (None: no clipping).
-        seed: Seeds the model's initialisation, the batch order and dropout.
-        device: ``"cpu"``, ``"cuda"``, ...; checked here, so a machine without it fails
-            before any data is generated (:func:`check_device`).
-        checkpoint_every: Steps between checkpoints (and one at the end).
-    """
-
-    steps: int = 1000
-    batch_size: int = 32
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    grad_clip: float | None = 1.0
-    seed: int = 0
-    device: str = "cpu"
-    checkpoint_every: int = 200
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "checkpoint_every"):
-            n = getattr(self, name)
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ValueError(f"{name} must be a positive int, got {n!r}")
-        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
-        check_device(self.device)
-
-    def lr_factor(self, step: int) -> float:
-        """The learning rate of step ``step`` (0-based) over ``lr``."""
-        s = step + 1
-        if self.warmup_steps and s <= self.warmup_steps:
-            return s / self.warmup_steps
-        if self.schedule == "rsqrt":
-            return math.sqrt(max(self.warmup_steps, 1) / s)
-        if self.schedule == "cosine":
-            span = max(self.steps - self.warmup_steps, 1)
-            return 0.5 * (1 + math.cos(math.pi * min(s - self.warmup_steps, span) / span))
-        return 1.0
-
-
-# Device types a user may mean, for "did you mean" (torch.device's own list is much longer).
-_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
-
-
-def available_devices() -> list[str]:
-    """The devices this machine and this torch build can train on, e.g.
-    ``["cpu", "cuda", "cuda:0"]``."""
-    found = ["cpu"]
-    for kind in ("cuda", "xpu"):
-        module = getattr(torch, kind, None)
-        if module is not None and module.is_available():
-            found += [kind] + [f"{kind}:{i}" for i in range(module.device_count())]
-    if torch.backends.mps.is_available():
-        found.append("mps")
-    return found
-
-
-def check_device(name: str) -> torch.device:
-    """``torch.device(name)``, once it is known that this machine has it.
-
-    Raises:
-        ValueError: ``name`` is not a device string (a typo such as ``"cdua"``), or this
-            machine or torch build has no such device; the message lists the ones it has.
-    """
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        near = difflib.get_close_matches(str(name).lower(), _DEVICE_TYPES, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ValueError(
-            f"device {name!r} is not a torch device{hint}; this machine has: "
-            f"{', '.join(available_devices())}"
-        ) from None
-    if device.type != "cpu" and str(device) not in available_devices():
-        raise ValueError(
-            f"device {name!r} is not available on this machine (torch "
-            f"{torch.__version__}); it has: {', '.join(available_devices())}; "
-            f"pick one of these"
-        )
-    return device
-
-
-class Recipe(Protocol):
-    """What a task gives the trainer.
-
-    Two methods are optional (not part of the protocol: a data-parallel run uses them when
-    the recipe has them):
-
-    * ``loss_count(batch: dict[str, Tensor]) -> int``: how many terms the loss of ``batch``
-      averages over (tokens, for a loss over tokens). A data-parallel run weights each rank's
-      loss and metrics by it, so that they are means over the global batch; without it, by
-      the rank's examples.
-    * ``evaluation_counts(model, device, rank: int, size: int) -> dict[str, float]``: rank
-      ``rank`` of ``size``'s share of the test set, as sums (correct predictions per metric)
-      and ``test_examples``; :meth:`evaluate` is each sum over the test set divided by its
-      examples. A data-parallel run sums the ranks' counts; without this method every rank
-      evaluates the whole test set.
-    """
-
-    name: str
-
-    def describe(self) -> dict:
-        """Everything that defines the task and model (saved, and checked on resume)."""
-
-    def build_model(self) -> nn.Module:
-        """A fresh model (built under the run's seed)."""
-
-    def train_size(self) -> int:
-        """Training examples."""
-
-    def batch(self, indices: Tensor, device: torch.device) -> dict[str, Tensor]:
-        """The training batch of these example indices, on ``device``."""
-
-    def loss(
-        self, model: nn.Module, batch: dict[str, Tensor]
-    ) -> tuple[Tensor, dict[str, Tensor | float], int]:
-        """``(loss, metrics such as {"acc": ...} (numbers or 0-d tensors), tokens in the
-        batch)``."""
-
-    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
-        """Test metrics of the trained model (called in eval mode, under no_grad)."""
-
-    def pictures(self, model: nn.Module, out_dir: Path, device: torch.device) -> list[str]:
-        """Save pictures (e.g. attention maps of a test example); returns their paths."""
-
-
-@dataclass
-class TrainResult:
-    """What a run ended with."""
-
-    step: int
-    final_loss: float | None
-    history: list[dict] = field(default_factory=list)
-    evaluation: dict[str, float] = field(default_factory=dict)
-    pictures: list[str] = field(default_factory=list)
-    interrupted: bool = False
-    checkpoint: str = ""
-
 
 def batch_indices(n: int, batch_size: int, seed: int, step: int) -> Tensor:
     """The examples of step ``step``: a slice of the epoch's permutation, drawn from the seed
@@ -285,38 +137,6 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> Tensor:
     epoch, i = divmod(step, per_epoch)
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g)[i * batch_size : (i + 1) * batch_size]
-
-
-def save_atomic(obj, path: Path) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename over it (the file gets
-    the umask's permissions, like any other)."""
-    write_atomic(path, lambda f: torch.save(obj, f))
-
-
-def _write_json_atomic(data: dict, path: Path) -> None:
-    write_atomic(path, lambda f: f.write(json.dumps(data, indent=2).encode()))
-
-
-class _StopFlag:
-    """SIGINT sets a flag the loop checks after each step; a second SIGINT interrupts at once."""
-
-    def __init__(self) -> None:
-        self.set = False
-        self._old: Callable[[int, FrameType | None], Any] | int | None = None
-
-    def __enter__(self) -> _StopFlag:
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-
-    def _handle(self, signum, frame) -> None:
-        if self.set:
-            raise KeyboardInterrupt
-        self.set = True
 
 
 def train(
@@ -391,43 +211,6 @@ def train(
 def _output(out_dir: str | Path, ranks: Ranks):
     """Rank 0 makes (and checks) the output folder; the other ranks never touch it."""
     return run_directory(out_dir) if ranks.main else nullcontext(Path(out_dir))
-
-
-@dataclass
-class _Run:
-    """A run in progress: the model, its optimizer and where it stands."""
-
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LRScheduler
-    device: torch.device
-    ident: dict
-    path: Path
-    ranks: Ranks = field(default_factory=Ranks)
-    net: nn.Module | None = None  # what the loss calls: the model, or DDP around it
-    step: int = 0
-    saved: int = 0  # the step of the last checkpoint
-    history: list[dict] = field(default_factory=list)
-
-    def save(self) -> None:
-        """A checkpoint of every rank's state, written by rank 0 (a collective: all ranks
-        call it at the same step)."""
-        states = _rng_states(self.ranks, self.device)
-        if self.ranks.main:
-            save_atomic(
-                dict(
-                    self.ident,
-                    step=self.step,
-                    history=self.history,
-                    model=self.model.state_dict(),
-                    optimizer=self.opt.state_dict(),
-                    scheduler=self.sched.state_dict(),
-                    rng=states[0]["cpu"],
-                    rank_rng=states,
-                ),
-                self.path,
-            )
-        self.saved = self.step
 
 
 def _start(
@@ -520,23 +303,6 @@ def _loop(
     return False
 
 
-def _collective(run: _Run, where: str, work: Callable[[], Any]) -> Any:
-    """``work()``; a collective inside it that fails because another rank died or hung
-    becomes a :class:`ConnectionError` that says so."""
-    try:
-        return work()
-    except RuntimeError as e:
-        lost = lost_peer(e, run.ranks, where)
-        if lost is None:
-            raise
-        resume = (
-            f"; the checkpoint of step {run.saved} continues the run with resume=True (--resume)"
-            if run.saved
-            else ""
-        )
-        raise ConnectionError(f"{lost}{resume}") from e
-
-
 def _step(
     run: _Run, net: nn.Module, recipe: Recipe, config: TrainConfig, n: int, stop: _StopFlag
 ) -> tuple[int, bool]:
@@ -580,168 +346,5 @@ def _loss_count(recipe: Recipe, batch: dict[str, Tensor], examples: int) -> int:
     return int(count(batch)) if count is not None else examples
 
 
-def _finish(run: _Run, recipe: Recipe, result: TrainResult, out: Path) -> None:
-    """Evaluate, then rank 0 writes ``metrics.json`` and draws the pictures. The results are
-    written first: a picture that cannot be drawn (matplotlib missing) must not lose them."""
-    run.model.eval()
-    with torch.no_grad():
-        result.evaluation = _collective(run, "evaluation", lambda: _evaluate(run, recipe))
-    if not run.ranks.main:
-        return
-    _write_metrics(run, result, out)
-    with torch.no_grad():
-        result.pictures = _pictures(recipe, run.model, out, run.device)
-    if result.pictures:
-        _write_metrics(run, result, out)
-
-
-def _evaluate(run: _Run, recipe: Recipe) -> dict[str, float]:
-    """The recipe's evaluation. With several ranks, each evaluates its share of the test
-    batches and their counts are summed (``Recipe.evaluation_counts``), or, for a recipe
-    without it, each evaluates the whole test set."""
-    counts = getattr(recipe, "evaluation_counts", None)
-    if not run.ranks.distributed or counts is None:
-        return recipe.evaluate(run.model, run.device)
-    mine = counts(run.model, run.device, run.ranks.rank, run.ranks.size)
-    names = sorted(mine)  # the same order on every rank
-    sums = dict(zip(names, all_sum([mine[k] for k in names], run.ranks, run.device)))
-    n = sums.pop("test_examples")
-    return {**{k: v / n for k, v in sums.items()}, "test_examples": int(n)}
-
-
-def _write_metrics(run: _Run, result: TrainResult, out: Path) -> None:
-    _write_json_atomic(
-        dict(
-            run.ident,
-            step=run.step,
-            final_loss=result.final_loss,
-            evaluation=result.evaluation,
-            pictures=result.pictures,
-            history=run.history,
-        ),
-        out / METRICS,
-    )
-
-
-def _pictures(recipe: Recipe, model: nn.Module, out: Path, device: torch.device) -> list[str]:
-    """The recipe's pictures; none, and one warning line on stderr, when an optional library
-    they need (matplotlib) is missing."""
-    try:
-        return recipe.pictures(model, out, device)
-    except ImportError as e:
-        print(
-            f"{recipe.name}: warning: no pictures ({e}); the results are in {out / METRICS}",
-            file=sys.stderr,
-        )
-        return []
-
-
-def _checkpoint_to_resume(path: Path, resume: bool, ident: dict) -> dict | None:
-    """The checkpoint to continue (None for a new run), after checking it is this run's."""
-    if path.exists() and not resume:
-        raise FileExistsError(
-            f"{path} exists ({_what_is(path)}); pass resume=True "
-            f"(--resume) to continue it, or choose another output directory"
-        )
-    if not resume:
-        return None
-    if not path.exists():
-        raise FileNotFoundError(f"nothing to resume: {path} does not exist")
-    ck = _read_checkpoint(path)
-    for key in ("format", "recipe", "config"):
-        if ck.get(key) != ident[key]:
-            raise ValueError(
-                f"{path} was written by a different run ({key} differs: "
-                f"{ck.get(key)!r} vs {ident[key]!r}); resume with the same "
-                f"task, options and config, or choose another output directory"
-            )
-    if ck.get("world_size", 1) != ident["world_size"]:
-        raise ValueError(
-            f"{path} was written by a run of {ck.get('world_size', 1)} "
-            f"process(es), this one has {ident['world_size']}; resume it with "
-            f"--nproc {ck.get('world_size', 1)} (each process's dropout draws "
-            f"and share of the batch depend on their number)"
-        )
-    return ck
-
-
-def _restore(run: _Run, ck: dict) -> tuple[int, list[dict]]:
-    """Put a checkpoint's state into the run: the model, optimizer, schedule, and this rank's
-    random number generators."""
-    run.model.load_state_dict(ck["model"])
-    run.opt.load_state_dict(ck["optimizer"])
-    run.sched.load_state_dict(ck["scheduler"])
-    if "rank_rng" in ck:
-        _set_rng_state(ck["rank_rng"][run.ranks.rank], run.device)
-    else:  # written before checkpoints held every rank's generators
-        torch.set_rng_state(ck["rng"])
-    return ck["step"], ck["history"]
-
-
-class _RngState(TypedDict):
-    """One rank's generators in a checkpoint: the CPU's, and the GPU's when it ran on one."""
-
-    cpu: Tensor
-    cuda: Tensor | None
-
-
-def _rng_states(ranks: Ranks, device: torch.device) -> list[_RngState]:
-    """Every rank's generators that dropout on ``device`` draws from (a collective)."""
-    cpu = all_gather(torch.get_rng_state(), ranks, device)
-    if device.type != "cuda":
-        return [_RngState(cpu=c, cuda=None) for c in cpu]
-    cuda = all_gather(torch.cuda.get_rng_state(device), ranks, device)
-    return [_RngState(cpu=c, cuda=g) for c, g in zip(cpu, cuda)]
-
-
-def _set_rng_state(state: _RngState, device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    cuda = state.get("cuda")
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda, device)
-
-
-_CHECKPOINT_KEYS = (
-    "format",
-    "recipe",
-    "config",
-    "step",
-    "history",
-    "model",
-    "optimizer",
-    "scheduler",
-    "rng",
-)
-
-
-def _read_checkpoint(path: Path) -> dict:
-    """The checkpoint at ``path``; ValueError when it is empty, truncated or not one of ours
-    (a crash of the machine mid-write, a copy cut short, another program's file)."""
-    try:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
-        why = "" if isinstance(ck, dict) else f"it holds a {type(ck).__name__}, not a dict"
-    except Exception as e:
-        first = " ".join(str(e).split()).split(". ")[0]  # torch adds paragraphs of advice
-        why = f"{type(e).__name__}: {first}" if first else type(e).__name__
-    if not why and not set(_CHECKPOINT_KEYS) <= ck.keys():
-        why = f"it lacks {sorted(set(_CHECKPOINT_KEYS) - ck.keys())}"
-    if why:
-        size = path.stat().st_size
-        raise ValueError(
-            f"{path} ({size} bytes) is not a readable qkv checkpoint ({why}); "
-            f"move it away (or delete it) to start the run again, or choose "
-            f"another output directory"
-        )
-    return ck
-
-
 def _number(v) -> float:
     return float(v.detach()) if isinstance(v, Tensor) else float(v)
-
-
-def _what_is(path: Path) -> str:
-    """What an existing checkpoint holds, for the message that refuses to overwrite it."""
-    try:
-        return f"a run of {_read_checkpoint(path)['step']} steps"
-    except ValueError:
-        return "not a readable checkpoint: move it away to start again"
