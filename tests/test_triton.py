@@ -366,7 +366,7 @@ def test_interpreter_leaves_no_global_state_behind():
 
 def _record_launches(monkeypatch, call: AttentionCall) -> list:
     """The kernel launches of ``call``'s forward and backward, recorded instead of run."""
-    from qkv.ops.triton import backend, kernels
+    from qkv.ops.triton import kernels, launch
 
     launches = []
 
@@ -380,7 +380,7 @@ def _record_launches(monkeypatch, call: AttentionCall) -> list:
     recorders = types.SimpleNamespace(
         **{n: Recorder(getattr(kernels, n)) for n in ("attn_fwd", "attn_bwd_dkdv", "attn_bwd_dq")}
     )
-    monkeypatch.setattr(backend, "_kernels", lambda interpret: recorders)
+    monkeypatch.setattr(launch, "_kernels", lambda interpret: recorders)  # read there
     with interpreter():  # CPU tensors stand in for CUDA ones: only their dtypes matter here
         out, _ = triton_attention(call)
         torch.autograd.grad(out, (call.query, call.key, call.value), torch.ones_like(out))
