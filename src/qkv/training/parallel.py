@@ -37,6 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "LostPeer",
     "Ranks",
     "all_gather",
     "all_sum",
@@ -54,6 +55,12 @@ DEFAULT_TIMEOUT = 600.0  # seconds a rank waits for the others at a collective
 _ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK")
 _GROUPS = itertools.count()  # the process groups data_parallel has made in this process
 T = TypeVar("T")
+
+
+class LostPeer(ConnectionError):
+    """Another rank of the run died or did not answer within the timeout. The process that
+    raises it may hold connections to that rank (gloo, the rendezvous store) whose teardown
+    can wait on it: the ``qkv`` command exits at once after saying so."""
 
 
 @dataclass(frozen=True)
@@ -344,15 +351,15 @@ def seed_rank(seed: int, ranks: Ranks) -> None:
         torch.manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def lost_peer(error: BaseException, ranks: Ranks, where: str) -> ConnectionError | None:
-    """The :class:`ConnectionError` to raise for a collective that failed because another
-    rank died or did not answer within the timeout; None for any other error."""
+def lost_peer(error: BaseException, ranks: Ranks, where: str) -> LostPeer | None:
+    """The :class:`LostPeer` (a ConnectionError) to raise for a collective that failed because
+    another rank died or did not answer within the timeout; None for any other error."""
     text = str(error)
     if not ranks.distributed or not (
         isinstance(error, getattr(dist, "DistError", ())) or "gloo" in text or "NCCL" in text
     ):
         return None
-    return ConnectionError(
+    return LostPeer(
         f"rank {ranks.rank} of {ranks.size}, {where}: another process of the "
         f"run died or did not answer within {ranks.timeout:g} s "
         f"({_first_line(error)})"

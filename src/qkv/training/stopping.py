@@ -11,7 +11,7 @@ from types import FrameType
 from typing import Any
 
 from .checkpoint import _Run
-from .parallel import lost_peer
+from .parallel import LostPeer, lost_peer
 
 
 class _StopFlag:
@@ -38,7 +38,7 @@ class _StopFlag:
 
 def _collective(run: _Run, where: str, work: Callable[[], Any]) -> Any:
     """``work()``; a collective inside it that fails because another rank died or hung
-    becomes a :class:`ConnectionError` that says so."""
+    becomes a :class:`LostPeer` (a ConnectionError) that says so."""
     try:
         return work()
     except RuntimeError as e:
@@ -50,4 +50,4 @@ def _collective(run: _Run, where: str, work: Callable[[], Any]) -> Any:
             if run.saved
             else ""
         )
-        raise ConnectionError(f"{lost}{resume}") from e
+        raise LostPeer(f"{lost}{resume}") from e
