@@ -60,6 +60,7 @@ def saved(tmp_path_factory) -> dict[str, Path]:
         "b": dict(x=ids.flip(1)),
         "short": dict(x=ids[:, : T - 2]),
         "bounded": dict(x=ids, heads=[1], rows=range(2, 5)),
+        "head1": dict(x=ids, heads=[1]),
     }
     for name, kw in runs.items():
         x = kw.pop("x")
@@ -109,6 +110,19 @@ def test_rollout_and_flow_become_entries_of_the_page(saved, tmp_path, capsys):
     assert torch.allclose(values[3][0].double(), F.double(), atol=2**-20)
     assert math.isclose(float(values[3][0].sum()), 1.0, rel_tol=1e-5)
     assert 'id="tab-saliency"' in out.read_text()
+
+
+def test_rollout_per_head_of_a_capture_bounded_by_heads_names_its_true_heads(
+    saved, tmp_path, capsys
+):
+    """A capture of head 1 only: its one chain is labelled head 1, not 0 (its position)."""
+    meta, values = _view(
+        capsys, [str(saved["head1"]), "--rollout", "per-head"], tmp_path / "h.html"
+    )
+    e = meta["entries"][2]
+    assert e["kind"] == "rollout" and [h["head"] for h in e["heads"]] == [1]
+    R = qkv.analysis.rollout(qkv.load_capture(saved["head1"]), heads="per_head")[0]  # (1, T, T)
+    assert torch.equal(values[2], R.float())
 
 
 def test_rollout_per_head_is_an_entry_of_every_head_chain(saved, tmp_path, capsys):

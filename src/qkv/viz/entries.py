@@ -290,7 +290,10 @@ def _analysis_entries(rollout: Any, flow: Any, entries: list[_Entry]) -> list[_E
                 f"page's {S} tokens, got shape {tuple(rollout.shape)}"
             )
         label = "rollout per head (all layers)" if per_head else "rollout (all layers)"
-        out.append(_Entry(label, R, list(range(R.shape[0])), list(range(S)), S, S, kind="rollout"))
+        heads = list(range(R.shape[0]))
+        if per_head and len(entries[0].heads) == R.shape[0]:
+            heads = list(entries[0].heads)  # a capture's kept heads, which rollout chains in order
+        out.append(_Entry(label, R, heads, list(range(S)), S, S, kind="rollout"))
     if flow is not None:
         if not (isinstance(flow, (tuple, list)) and len(flow) == 2):
             raise TypeError(
