@@ -399,3 +399,13 @@ def test_a_hugging_face_folder_against_a_saved_capture(hf_folder, tmp_path, caps
         == 2
     )
     assert "a's call is (B, H, T, S) (1, 4, 6, 6) and b's (1, 4, 2, 2)" in capsys.readouterr()[1]
+
+
+def test_a_source_after_rollout_is_refused_with_the_fix(saved, capsys):
+    """``--rollout`` takes an optional value, so a SOURCE written after it is read as that
+    value: argparse's exit 2, with a message that says where SOURCE goes."""
+    with pytest.raises(SystemExit) as e:
+        main(["view", "--rollout", str(saved["a"])])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "is not mean or per-head (SOURCE goes before --rollout" in err

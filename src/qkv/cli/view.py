@@ -54,6 +54,16 @@ DEFAULT_OUT = "out/view/attention.html"
 HF_CONFIG = "config.json"
 
 
+def _rollout_kind(value: str) -> str:
+    """``--rollout``'s optional value; a SOURCE written after the flag lands here, so say so."""
+    if value not in ("mean", "per-head"):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not mean or per-head (SOURCE goes before --rollout, or write "
+            f"--rollout mean SOURCE)"
+        )
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``qkv view``."""
     p = sub.add_parser(
@@ -98,7 +108,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--rollout",
         nargs="?",
         const="mean",
-        choices=("mean", "per-head"),
+        type=_rollout_kind,
+        metavar="{mean,per-head}",
         help="add attention rollout over all layers (of the head mean, or "
         "'per-head': head h of every layer alone), as a matrix and as token "
         "saliency per output position (needs every query row: no --rows)",
