@@ -9,6 +9,8 @@ backend is named, or when the weights would be too large to hold.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -226,3 +228,69 @@ def test_half_output_is_the_returned_weights_times_the_values(dtype):
     assert out.dtype == dtype and trace.probs.dtype == dtype
     half_ulp = exact.abs() * torch.finfo(dtype).eps / 2 + 1e-6
     assert ((out.double() - exact).abs() <= half_ulp * 1.01).all()
+
+
+def test_float_lse_is_computed_when_read_and_right():
+    """float32/float64 one-pass traces compute the log-sum-exp when it is first read (a pass
+    over the weights a caller who never reads it does not pay): the reference's lse, for
+    every mask kind, through select, a module's trace and a pickle."""
+    B, H, T, S, D = 2, 3, 37, 53, 8
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (T, S, S))
+    for name, case_kw in _cases(B, H, T, S):
+        kw = case_kw
+        if "attn_mask" in kw and kw["attn_mask"].is_floating_point():
+            kw = dict(kw, attn_mask=kw["attn_mask"].to(q.dtype))
+        _, trace = _one_pass(q, k, v, **kw)
+        assert callable(trace._lse), name
+        _, rtrace = qkv.scaled_dot_product_attention(
+            q, k, v, return_trace=True, backend="reference", **kw
+        )
+        part = trace.select(batch=[1], heads=[2, 0], rows=[5, 0])
+        torch.testing.assert_close(
+            part.lse, rtrace.select(batch=[1], heads=[2, 0], rows=[5, 0]).lse
+        )
+        copy = pickle.loads(pickle.dumps(trace))  # computed now: no function is pickled
+        torch.testing.assert_close(copy.lse, rtrace.lse, msg=name)
+        torch.testing.assert_close(trace.lse, rtrace.lse, msg=name)
+        assert not callable(trace._lse)
+    torch.manual_seed(0)
+    tm = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    qm = qkv.MultiHeadAttention.from_torch(tm).eval()
+    x = torch.randn(20, 32)  # unbatched: the trace picks batch element 0
+    with torch.no_grad():
+        _, trace = qm(x, return_trace=True)
+    assert callable(trace._lse) and repr(trace).endswith("lse(4, 20), backend='reference')")
+    scores = trace.scores.double()
+    torch.testing.assert_close(trace.lse.double(), torch.logsumexp(scores, -1), rtol=0, atol=1e-5)
+
+
+def test_lazy_lse_after_the_weights_or_inputs_change_in_place():
+    """The lazy lse reads the weights it made, which are the caller's: changed in place
+    before it is read, it is computed from the inputs instead (still right); with the inputs
+    changed too it refuses, as the recomputed scores do. Inference tensors cannot tell a
+    change, so their lse is computed at once."""
+    q, k, v = (torch.randn(2, 3, 30, 8) for _ in range(3))
+    want = torch.logsumexp(q.double() @ k.double().transpose(-2, -1) / 8**0.5, -1)
+    _, trace = _one_pass(q, k, v)
+    trace.probs.mul_(0.5)  # a caller rescaling the weights
+    torch.testing.assert_close(trace.lse.double(), want, rtol=0, atol=1e-5)
+    _, trace = _one_pass(q, k, v)
+    trace.probs.zero_()
+    k.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        _ = trace.lse
+    k.sub_(1.0)
+    with torch.inference_mode():
+        _, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True)
+    assert trace.backend == "reference" and not callable(trace._lse)
+    torch.testing.assert_close(trace.lse.double(), want, rtol=0, atol=1e-5)
+
+
+def test_half_lse_is_formed_in_the_pass():
+    """Half weights are rounded: their largest one gives the lse to 2^-9 only, so a half
+    call's lse is formed in the pass from the float32 weights (not deferred)."""
+    q, k, v = (torch.randn(1, 2, 40, 16).to(torch.bfloat16) for _ in range(3))
+    _, trace = _one_pass(q, k, v)
+    assert not callable(trace._lse) and trace.lse.dtype == torch.float32
+    want = torch.logsumexp(q.double() @ k.double().transpose(-2, -1) / 4, -1)
+    torch.testing.assert_close(trace.lse.double(), want, rtol=0, atol=1e-5)

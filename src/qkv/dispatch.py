@@ -13,6 +13,7 @@ Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -167,7 +168,7 @@ def run(
     """
     plan = backend if isinstance(backend, Plan) else choose(call, backend)
     if plan.backend is None:
-        out, probs, lse = attention_with_weights(call)
+        out, probs, lse = attention_with_weights(call, lazy_lse=True)
         return out, _trace_of_weights(call, probs, lse)
     result = plan.backend.run(call)
     if not call.return_trace:
@@ -224,9 +225,14 @@ def _weights_in_one_pass(call: AttentionCall) -> bool:
     return True
 
 
-def _trace_of_weights(call: AttentionCall, probs: Tensor, lse: Tensor) -> AttentionTrace:
+def _trace_of_weights(
+    call: AttentionCall, probs: Tensor, lse: Tensor | Callable[[], Tensor]
+) -> AttentionTrace:
     """The trace of :func:`attention_with_weights`: its weights, and scores recomputed when
-    first read."""
+    first read; its lse too when given as a function (``lazy_lse``), which is right only
+    while the weights are as it made them: once they were changed in place (they are the
+    caller's), the lse is computed from the inputs instead. Inference tensors keep no record
+    of such changes, so their lse is computed now."""
     call = dataclasses.replace(
         call, query=call.query.detach(), key=call.key.detach(), value=call.value.detach()
     )
@@ -236,6 +242,8 @@ def _trace_of_weights(call: AttentionCall, probs: Tensor, lse: Tensor) -> Attent
         scores = attention_scores_at(widened(call), b, h, rows)  # (nb, nh, nr, S)
         return scores.to(call.dtype), take(probs4, b, h, rows)
 
+    if callable(lse):
+        lse = lse() if probs.is_inference() else _lse_while_unchanged(call, probs, lse)
     return AttentionTrace(
         _recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
         probs,
@@ -243,6 +251,22 @@ def _trace_of_weights(call: AttentionCall, probs: Tensor, lse: Tensor) -> Attent
         "reference",
         subset=_recompute(call, subset),
     )
+
+
+def _lse_while_unchanged(
+    call: AttentionCall, probs: Tensor, from_weights: Callable[[], Tensor]
+) -> Callable[[], Tensor]:
+    """``from_weights()`` while ``probs`` is unchanged since now, else the lse recomputed
+    from the call's inputs (which must be unchanged: :func:`_recompute`)."""
+    version = probs._version
+    recompute = _recompute(call, lambda: _lse_by_blocks(call))
+
+    def lse() -> Tensor:
+        if probs._version == version:
+            return from_weights()
+        return recompute()
+
+    return lse
 
 
 def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:

@@ -44,15 +44,18 @@ class AttentionTrace:
         self,
         scores: Tensor | Callable[[], Tensor],
         probs: Tensor | Callable[[], Tensor],
-        lse: Tensor,
+        lse: Tensor | Callable[[], Tensor],
         backend: str,
         *,
         subset: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
     ) -> None:
-        """``scores``/``probs`` may be functions computing them on first read; ``subset(b, h,
-        rows)`` returns ``(scores, probs)`` of those indices, shape ``(nb, nh, nr, S)``."""
+        """``scores``/``probs``/``lse`` may be functions computing them on first read (a lazy
+        ``lse`` needs ``probs`` given as a tensor: its shape is the lse's, with S); ``subset(b,
+        h, rows)`` returns ``(scores, probs)`` of those indices, shape ``(nb, nh, nr, S)``."""
+        if callable(lse) and callable(probs):
+            raise ValueError("a lazy lse needs the weights as a tensor (its shape is theirs)")
         self._scores, self._probs, self._subset = scores, probs, subset
-        self.lse, self.backend = lse, backend
+        self._lse, self.backend = lse, backend
 
     @property
     def scores(self) -> Tensor:
@@ -66,8 +69,22 @@ class AttentionTrace:
             self._probs = self._probs()
         return self._probs
 
+    @property
+    def lse(self) -> Tensor:
+        if callable(self._lse):
+            self._lse = self._lse()
+        return self._lse
+
+    @property
+    def _lse_shape(self) -> torch.Size:
+        """The lse's shape, without computing a lazy lse."""
+        if callable(self._lse):
+            assert not callable(self._probs)  # __init__: a lazy lse comes with the weights
+            return self._probs.shape[:-1]
+        return self._lse.shape
+
     def _deferred(self, name: str, fn: Callable[[Tensor], Tensor]) -> Tensor | Callable[[], Tensor]:
-        """``fn(self.<name>)``, deferred while ``name`` (scores or probs) is."""
+        """``fn(self.<name>)``, deferred while ``name`` (scores, probs or lse) is."""
         value = getattr(self, "_" + name)
         return (lambda: fn(getattr(self, name))) if callable(value) else fn(value)
 
@@ -84,18 +101,18 @@ class AttentionTrace:
             ``(B, H, T, S)`` -> ``(nb, nh, nr, S)``; a trace of ``(H, T, S)`` takes no
             ``batch`` and one of ``(T, S)`` only ``rows``.
         """
-        lead = self.lse.shape[:-1]
+        lead = self._lse_shape[:-1]
         if len(lead) > 2:
             raise ValueError(
                 "select works on traces of (B, H, T, S) or fewer dims, got lse "
-                f"{tuple(self.lse.shape)}"
+                f"{tuple(self._lse_shape)}"
             )
         if (len(lead) < 2 and batch is not None) or (len(lead) < 1 and heads is not None):
             raise ValueError(
                 f"this trace has dims (*{tuple(lead)}, T, S): it has no "
                 f"{'batch' if batch is not None else 'heads'} dim to select"
             )
-        shape4 = (1,) * (2 - len(lead)) + tuple(self.lse.shape)  # (B, H, T)
+        shape4 = (1,) * (2 - len(lead)) + tuple(self._lse_shape)  # (B, H, T)
         b, h, r = (
             _index(name, i, n)
             for name, i, n in zip(("batch", "heads", "rows"), (batch, heads, rows), shape4)
@@ -123,8 +140,13 @@ class AttentionTrace:
         computed now, since the functions that would compute them later hold the call's
         inputs and cannot be pickled. Load with ``torch.load(path, weights_only=False)``."""
         state = dict(self.__dict__)
-        state.update(_scores=self.scores, _probs=self.probs, _subset=None)
+        state.update(_scores=self.scores, _probs=self.probs, _lse=self.lse, _subset=None)
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        if "lse" in state:  # pickled before the lse could be lazy
+            state["_lse"] = state.pop("lse")
+        self.__dict__.update(state)
 
     def _repr_html_(self) -> str:
         """Jupyter shows a trace as the viewer, inline (``qkv.viz.show``; one sandboxed
@@ -134,11 +156,11 @@ class AttentionTrace:
         return repr_html(self)
 
     def __repr__(self) -> str:
-        shape = tuple(self.lse.shape) + (("S",) if callable(self._probs) else ())
+        shape = tuple(self._lse_shape) + (("S",) if callable(self._probs) else ())
         if not callable(self._probs):
             shape = tuple(self._probs.shape)
         return (
-            f"{type(self).__name__}(probs{shape}, lse{tuple(self.lse.shape)}, "
+            f"{type(self).__name__}(probs{shape}, lse{tuple(self._lse_shape)}, "
             f"backend={self.backend!r})"
         )
 
@@ -219,7 +241,7 @@ class MultiHeadTrace(AttentionTrace):
         super().__init__(
             trace._deferred("scores", pick),
             trace._deferred("probs", pick),
-            pick(trace.lse),
+            trace._deferred("lse", pick),
             trace.backend,
             subset=_subset_of_element(trace, index),
         )
@@ -236,7 +258,7 @@ def _subset_of_element(trace: AttentionTrace, index: int | None):
     subset = trace._subset
     if subset is None or index is None:
         return subset
-    if trace.lse.dim() == 3:  # (B, H, T): index picks b
+    if len(trace._lse_shape) == 3:  # (B, H, T): index picks b
         return lambda b, h, rows: subset(torch.full_like(b, index), h, rows)
     return lambda b, h, rows: subset(b, torch.full_like(h, index), rows)  # (B, T): picks "h"
 

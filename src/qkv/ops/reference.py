@@ -12,6 +12,7 @@ broadcast of the inputs' leading dims.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -130,7 +131,9 @@ _BLOCK_ELEMENTS = 2**22
 
 
 @torch.no_grad()
-def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+def attention_with_weights(
+    call: AttentionCall, *, lazy_lse: bool = False
+) -> tuple[Tensor, Tensor, Tensor | Callable[[], Tensor]]:
     """Output, weights and log-sum-exp together, in one pass of plain math, without an
     autograd graph: for inference that wants the weights (a trace, ``output_attentions``).
 
@@ -141,6 +144,12 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     Half inputs: scores and softmax in float32 (one block-sized buffer), rounded once into the
     weights returned; the output is those weights times the values with float32 sums (as a
     flash kernel does; on CPU multiplied in float32, where half GEMMs are slow). No dropout.
+
+    ``lazy_lse``: for float32/float64 inputs, return instead of the log-sum-exp a function
+    that computes it when called, ``max(scores) - log(max(weights))`` from the row maxima
+    kept here and the weights returned (a pass over the weights that a caller who never reads
+    the lse does not pay). It is right only while the weights are as returned: the caller
+    checks that (``dispatch._trace_of_weights``).
 
     Shape:
         -> out ``(*batch, T, Dv)``, probs ``(*batch, T, S)``, lse ``(*batch, T)`` (float32,
@@ -166,10 +175,11 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
     rows = max(1, min(T, budget // max(S, 1)))  # rows of a block
     heads = max(1, min(H, budget // max(T * S, 1))) if rows == T else 1  # heads of a block
     probs = empty_large((B, H, T, S), dtype=call.dtype, device=dev)  # written once, block by block
-    # the output in (B, T, H, Dv) memory, as torch's flash kernels leave it: a module's merge
-    # of the heads, heads.transpose(1, 2).reshape(B, T, H * Dv), is then a view, not a copy
-    out = torch.empty(B, T, H, v.shape[-1], dtype=call.dtype, device=dev).transpose(1, 2)
-    lse = torch.empty(B, H, T, dtype=acc, device=dev)
+    # The output contiguous (B, H, T, Dv): bmm into a strided view of (B, T, H, Dv) memory was
+    # 1.4x slower at 4 heads x T=1024 (2-core Xeon); a module's merge of the heads copies it.
+    out = torch.empty(B, H, T, v.shape[-1], dtype=call.dtype, device=dev)
+    score_max = torch.empty(B, H, T, dtype=acc, device=dev)
+    lse = None if lazy_lse and not half else torch.empty(B, H, T, dtype=acc, device=dev)
     work = torch.empty(heads, rows, S, dtype=acc, device=dev) if half else None
     plain = (
         call.attn_mask is None
@@ -177,45 +187,25 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
         and call.score_mod is None
         and not call.is_causal
     )
-
-    def operand(x: Tensor, dtype: torch.dtype) -> Tensor:
-        # Several heads per block go through bmm, which on the 2-core Xeon box took a slow
-        # path on a module's head views (strided heads): they are copied, block by block. One
-        # head per block is a plain GEMM, level on views (measured on EPYC at T=1024, 4096),
-        # so a long float32 call copies nothing; the scale is the GEMM's alpha.
-        x = x.to(dtype)
-        return x.contiguous() if heads > 1 else x
-
+    # q and k are multiplied as the views they are (a module's heads, strided: as fast as
+    # copies in bmm and mm, measured at T=256..4096); the values of a block of several heads
+    # are copied (bmm on strided values was up to 1.2x slower), one head's are not.
     for bi in range(B):
         for h0 in range(0, H, heads):
             h1 = min(H, h0 + heads)
-            kt = operand(k[bi, h0:h1], call.dtype if half_qk else acc).transpose(
-                -2, -1
-            )  # (nh, D, S)
-            vb = operand(v[bi, h0:h1], acc if wide_pv else call.dtype)  # (nh, S, Dv)
+            kt = k[bi, h0:h1].to(call.dtype if half_qk else acc).transpose(-2, -1)  # (nh, D, S)
+            vb = v[bi, h0:h1].to(acc if wide_pv else call.dtype)  # (nh, S, Dv)
+            vb = vb.contiguous() if heads > 1 else vb
             for t0 in range(0, T, rows):
                 t1 = min(T, t0 + rows)
                 block = probs[bi, h0:h1, t0:t1]  # (nh, nr, S)
                 scores = block if work is None else work[: h1 - h0, : t1 - t0]
+                qb = q[bi, h0:h1, t0:t1]  # (nh, nr, D)
                 if half_qk:  # a native half GEMM into the weights' buffer, widened after
-                    torch.baddbmm(
-                        block,
-                        operand(q[bi, h0:h1, t0:t1], call.dtype),
-                        kt,
-                        beta=0,
-                        alpha=call.scale,
-                        out=block,
-                    )  # (nh, nr, S) in half
+                    torch.baddbmm(block, qb, kt, beta=0, alpha=call.scale, out=block)
                     scores.copy_(block)
-                else:
-                    torch.baddbmm(
-                        scores,
-                        operand(q[bi, h0:h1, t0:t1], acc),
-                        kt,
-                        beta=0,
-                        alpha=call.scale,
-                        out=scores,
-                    )  # (nh, nr, S): scale * q k^T
+                else:  # (nh, nr, S): scale * q k^T
+                    torch.baddbmm(scores, qb.to(acc), kt, beta=0, alpha=call.scale, out=scores)
                 if not plain:
                     scores = _modify_at(
                         call,
@@ -224,7 +214,10 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
                         torch.arange(h0, h1, device="cpu"),
                         torch.arange(t0, t1, device="cpu"),
                     )[0]
-                _softmax_block_(scores, lse[bi, h0:h1, t0:t1])
+                row_max = score_max[bi, h0:h1, t0:t1]  # (nh, nr)
+                _softmax_rows_(scores, row_max)
+                if lse is not None:
+                    lse[bi, h0:h1, t0:t1] = _lse_of(row_max, scores.amax(-1))
                 if scores.data_ptr() != block.data_ptr():
                     block.copy_(scores)  # rounded to half once, or a score_mod's new tensor
                 dst = out[bi, h0:h1, t0:t1]  # (nh, nr, Dv)
@@ -234,23 +227,28 @@ def attention_with_weights(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]
                 else:
                     torch.matmul(block, vb, out=dst)
     lead = call.batch
-    return out.reshape(call.out_shape), probs.reshape(lead + (T, S)), lse.reshape(lead + (T,))
+    probs_out = probs.reshape(lead + (T, S))
+    if lse is not None:
+        return out.reshape(call.out_shape), probs_out, lse.reshape(lead + (T,))
+
+    def deferred_lse() -> Tensor:
+        return _lse_of(score_max, probs.amax(-1)).reshape(lead + (T,))
+
+    return out.reshape(call.out_shape), probs_out, deferred_lse
 
 
-def _softmax_block_(scores: Tensor, lse: Tensor) -> None:
-    """``masked_softmax`` of a block in place: the weights overwrite ``scores`` and the
-    log-sum-exp is written to ``lse``.
+def _softmax_rows_(scores: Tensor, score_max: Tensor) -> None:
+    """``masked_softmax`` of a block in place: the weights overwrite ``scores``, each row's
+    largest score goes to ``score_max``, and a row with no key gets weights 0.
 
     The block goes through torch's fused softmax kernel, on CPU with its output on its input
     (the kernel reads a row before it writes it; tests/test_weights_one_pass.py checks the
-    values against ``masked_softmax``; other devices get a copy), and
-    ``lse = max(scores) - log(max(weights))``, which holds because the largest weight is
-    ``exp(max(scores) - lse)``.
+    values against ``masked_softmax``; other devices get a copy).
 
     Shape:
-        scores ``(..., S)``, lse ``(...)``.
+        scores ``(..., S)``, score_max ``(...)``.
     """
-    score_max = scores.amax(-1)  # (...)
+    score_max.copy_(scores.amax(-1))  # a score_mod may have widened the scores
     if scores.device.type == "cpu":  # written over its input: checked on CPU only
         torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     else:
@@ -258,7 +256,23 @@ def _softmax_block_(scores: Tensor, lse: Tensor) -> None:
     empty = torch.isneginf(score_max)  # rows that may attend to nothing (now NaN)
     if empty.any():
         scores.masked_fill_(empty.unsqueeze(-1), 0.0)
-    lse.copy_(torch.where(empty, float("-inf"), score_max - scores.amax(-1).log()))
+
+
+def _lse_of(score_max: Tensor, prob_max: Tensor) -> Tensor:
+    """``lse = max(scores) - log(max(weights))``, which holds because the largest weight is
+    ``exp(max(scores) - lse)``; ``-inf`` for a row with no key."""
+    return torch.where(torch.isneginf(score_max), float("-inf"), score_max - prob_max.log())
+
+
+def _softmax_block_(scores: Tensor, lse: Tensor) -> None:
+    """:func:`_softmax_rows_`, writing each row's log-sum-exp to ``lse`` instead.
+
+    Shape:
+        scores ``(..., S)``, lse ``(...)``.
+    """
+    score_max = torch.empty_like(lse)
+    _softmax_rows_(scores, score_max)
+    lse.copy_(_lse_of(score_max, scores.amax(-1)))
 
 
 def take(t: Tensor, *indices: Tensor, broadcast: bool = False) -> Tensor:
