@@ -4,10 +4,11 @@ Issue 25: speed choices made on one CPU lost to torch on another. This runs the 
 under each ISA class this machine can present, each in a fresh process: ``native`` (what the
 CPU has) and ``avx2`` (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, which hold torch's
 and oneDNN's kernels to AVX2 on an AVX-512 machine). Within a process qkv and torch are timed
-interleaved (qkv, torch, qkv, torch, ...), medians of ``--reps`` rounds, inference (eval,
-no_grad), E=512, 8 heads, B=1, fp32 and bf16, without and with the weights (torch:
+interleaved (each of ``--reps`` rounds runs both, which one first alternating), inference
+(eval, no_grad), E=512, 8 heads, B=1, fp32 and bf16, without and with the weights (torch:
 ``need_weights=True, average_attn_weights=False``; qkv: ``return_trace=True`` and
-``trace.probs`` read). Ratio = qkv time / torch time (below 1: qkv faster).
+``trace.probs`` read). Ratio = the median over rounds of qkv time / torch time in that round
+(below 1: qkv faster).
 
 The CPU is named in the output (``lscpu`` model, ``torch.backends.cpu.get_cpu_capability()``,
 and whether it has AVX-512-BF16 or AMX). Writes ``--out`` (JSON) and prints a Markdown table.
@@ -70,15 +71,19 @@ def worker(lengths: list[int], reps: int) -> list[dict]:
                         return out, trace.probs
                     return ours(x)
 
-                times = {"qkv": [], "torch": []}
+                times: dict[str, list[float]] = {"qkv": [], "torch": []}
+                pair = (("qkv", run_qkv), ("torch", run_torch))
                 with torch.no_grad():
                     run_qkv(), run_torch()  # warm up
-                    for _ in range(reps):
-                        for name, fn in (("qkv", run_qkv), ("torch", run_torch)):
+                    for i in range(reps):  # each round both, the first one alternating
+                        for name, fn in pair if i % 2 == 0 else pair[::-1]:
                             t0 = time.perf_counter()
                             fn()
                             times[name].append(time.perf_counter() - t0)
                 med = {k: statistics.median(v) for k, v in times.items()}
+                # the ratio of each round's two calls, made back to back: a shared machine's
+                # slow spells then slow both sides of a ratio instead of one side's median
+                ratios = [a / b for a, b in zip(times["qkv"], times["torch"])]
                 records.append(
                     dict(
                         dtype=dtype,
@@ -86,7 +91,7 @@ def worker(lengths: list[int], reps: int) -> list[dict]:
                         weights=weights,
                         qkv_s=med["qkv"],
                         torch_s=med["torch"],
-                        ratio=med["qkv"] / med["torch"],
+                        ratio=statistics.median(ratios),
                         half_route=half_gemm_route() if dt != torch.float32 else None,
                     )
                 )
@@ -155,17 +160,19 @@ def markdown(data: dict) -> str:
     lines = [
         f"CPU: {data['cpu']}",
         "",
-        "| ISA run | capability | dtype | T | no weights, qkv/torch | with weights, qkv/torch |",
-        "|---|---|---|---|---|---|",
+        (
+            "| ISA run | capability | dtype | T | torch, no weights | qkv/torch | "
+            "torch, weights | qkv/torch |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for isa, run in data["runs"].items():
         rows: dict = {}
         for r in run["records"]:
-            rows.setdefault((r["dtype"], r["T"]), {})[r["weights"]] = r["ratio"]
+            rows.setdefault((r["dtype"], r["T"]), {})[r["weights"]] = r
         for (dtype, T), w in rows.items():
-            lines.append(
-                f"| {isa} | {run['capability']} | {dtype} | {T} | {w[False]:.2f} | {w[True]:.2f} |"
-            )
+            cells = [f"{w[x]['torch_s'] * 1e3:.1f} ms | {w[x]['ratio']:.2f}" for x in (False, True)]
+            lines.append(f"| {isa} | {run['capability']} | {dtype} | {T} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
 

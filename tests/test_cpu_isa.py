@@ -97,3 +97,62 @@ def test_both_routes_of_the_weights_meet_the_tolerance_policy(route, dtype, monk
         rtol=0,
         atol=float(torch.finfo(dtype).eps) * float(again.abs().max()),
     )
+
+
+@pytest.mark.parametrize("route", ["float32", "native"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_module_projections_by_route_meet_the_tolerance_policy(route, dtype, monkeypatch):
+    """qkv.MultiHeadAttention in half precision on either route: the in- and out-projections
+    (float32 products rounded once, or torch's half GEMM) keep the module within the policy
+    of its float64 twin, with and without a gradient, and the float32 route's products are
+    float32 ones: exactly F.linear in float32, rounded."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", route)
+    torch.manual_seed(0)
+    wide = qkv.MultiHeadAttention(48, 4, dtype=torch.float64).eval()
+    half = qkv.MultiHeadAttention(48, 4, dtype=dtype).eval()
+    half.load_state_dict(wide.state_dict())
+    base = qkv.MultiHeadAttention(48, 4, dtype=dtype, backend="reference").eval()
+    base.load_state_dict(wide.state_dict())
+    x = torch.randn(2, 33, 48, dtype=torch.float64)
+    golden = wide(x, is_causal=True)
+    with torch.no_grad():
+        want = base(x.to(dtype), is_causal=True)
+    xh = x.to(dtype).requires_grad_()
+    out = half(xh, is_causal=True)
+    assert_tolerance(out.detach(), golden.detach(), want, factor=OUTPUT_FACTOR, name=route)
+    out.float().square().sum().backward()
+    assert xh.grad is not None and xh.grad.dtype == dtype and xh.grad.isfinite().all()
+    w, b = half.in_proj_weight, half.in_proj_bias
+    got = cpu_isa.linear(xh.detach(), w, b)
+    if route == "float32":
+        assert torch.equal(
+            got, torch.nn.functional.linear(x.to(dtype).float(), w.float(), b.float()).to(dtype)
+        )
+    else:
+        assert torch.equal(got, torch.nn.functional.linear(x.to(dtype), w, b))
+
+
+def test_a_hooked_or_wrapped_out_proj_is_still_called(monkeypatch):
+    """The float32 route multiplies a plain out_proj itself; a hooked one, or a module put in
+    its place (a LoRA wrapper), is called as it is, so its hook or its own forward runs."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "float32")
+    torch.manual_seed(0)
+    m = qkv.MultiHeadAttention(32, 4, dtype=torch.bfloat16).eval().requires_grad_(False)
+    x = torch.randn(1, 9, 32, dtype=torch.bfloat16)
+    plain = m(x)
+    seen = []
+    handle = m.out_proj.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    torch.testing.assert_close(m(x), plain, rtol=0, atol=float(plain.abs().max()) * 2**-7)
+    assert seen == [torch.Size([1, 9, 32])]
+    handle.remove()
+
+    class Doubled(torch.nn.Module):  # a wrapper in the place of out_proj
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, h):
+            return 2 * self.inner(h)
+
+    m.out_proj = Doubled(m.out_proj)
+    torch.testing.assert_close(m(x), 2 * plain, rtol=0, atol=float(plain.abs().max()) * 2**-6)

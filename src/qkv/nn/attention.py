@@ -11,11 +11,11 @@ D head dim, C model dim (embed_dim); T_r, S_r this rank's shard of T, S (context
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import masks
 from ..functional import scaled_dot_product_attention
+from ..ops.cpu_isa import linear, widens_half
 from ..trace import MultiHeadTrace
 from ._inputs import ContextCall, ContextGroupAttribute, ModuleInputs, module_inputs, shard_lengths
 from .cache import KVCache
@@ -319,7 +319,7 @@ class MultiHeadAttention(nn.Module):
                 f"LocalMultiHeadAttention"
             )
         B, H, T, D = heads.shape
-        out = self.out_proj(heads.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
+        out = self._output(heads.transpose(1, 2).reshape(B, T, H * D))  # (B, T, C)
         if inp.unbatched:
             out = out[0]  # (T, C)
         if not return_trace:
@@ -475,6 +475,19 @@ class MultiHeadAttention(nn.Module):
             return tuple(self.in_proj_weight.split([self.embed_dim, kv, kv]))
         return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
 
+    def _output(self, merged: Tensor) -> Tensor:
+        """``out_proj(merged)``; for half inputs on a CPU whose half GEMMs are slow, a plain
+        ``nn.Linear`` out_proj without hooks is multiplied in float32 (``ops.cpu_isa.linear``),
+        while any other (a LoRA wrapper, a hooked layer) is called as it is.
+
+        Shape:
+            ``(B, T, H * D)`` -> ``(B, T, C)``.
+        """
+        m = self.out_proj
+        if widens_half(merged) and type(m) is nn.Linear and not _has_hooks(m):
+            return linear(merged, m.weight, m.bias)
+        return m(merged)
+
     def _project(self, query: Tensor, key: Tensor, value: Tensor):
         """Project and split into heads: one fused matmul for self-attention."""
         B, T, S = query.shape[0], query.shape[1], key.shape[1]
@@ -482,11 +495,11 @@ class MultiHeadAttention(nn.Module):
         sizes = [H * D, G * D, G * D]
         biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
         if self.fused and query is key is value:
-            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).split(sizes, -1)
+            q, k, v = linear(query, self.in_proj_weight, self.in_proj_bias).split(sizes, -1)
         else:
             w_q, w_k, w_v = self._proj_weights()
             q, k, v = (
-                F.linear(x, w, b) for x, w, b in zip((query, key, value), (w_q, w_k, w_v), biases)
+                linear(x, w, b) for x, w, b in zip((query, key, value), (w_q, w_k, w_v), biases)
             )  # (B, L, heads * D)
         return (
             q.reshape(B, T, H, D).transpose(1, 2),  # (B, H, T, D)
@@ -602,6 +615,15 @@ def _check_config(embed_dim: int, num_heads: int, G: int, dropout: float) -> Non
         )
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    """Whether calling ``m`` would run hooks besides its forward: its own, or global ones."""
+    own = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    glob = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+    glob += ("_global_backward_pre_hooks",)
+    registry = torch.nn.modules.module
+    return any(getattr(m, a, None) for a in own) or any(getattr(registry, a, None) for a in glob)
 
 
 def _check_layout(layout: str) -> str:

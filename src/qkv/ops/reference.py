@@ -126,7 +126,9 @@ def widened(call: AttentionCall) -> AttentionCall:
 # the 2-core Xeon box, 8 heads x T=S=1024 float32 took 14.8 ms in blocks of 2^22, 19.6 in
 # 2^19 (cache-sized) and 49 in 2^17: torch's GEMMs spread over the threads pay per call, and
 # larger blocks amortise that better than smaller ones keep the scores in cache. Half inputs
-# use a quarter of it (their float32 scores live in a work buffer besides the weights).
+# use half of it (their float32 scores live in a work buffer besides the weights): bf16, 8
+# heads, T=1024/4096, blocks of 2^21 took 16.5-18.2/300-312 ms against 18.4-21.5/313-329 in
+# 2^20 and 17.6-21.2/296-309 in 2^22 (same box, interleaved).
 _BLOCK_ELEMENTS = 2**22
 
 
@@ -171,7 +173,7 @@ def attention_with_weights(
     route = half_gemm_route() if half and dev.type == "cpu" else None
     wide_pv = route == "float32"
     half_qk = route == "native"
-    budget = _BLOCK_ELEMENTS // 4 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
+    budget = _BLOCK_ELEMENTS // 2 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
     rows = max(1, min(T, budget // max(S, 1)))  # rows of a block
     heads = max(1, min(H, budget // max(T * S, 1))) if rows == T else 1  # heads of a block
     probs = empty_large((B, H, T, S), dtype=call.dtype, device=dev)  # written once, block by block
