@@ -288,7 +288,10 @@ class MultiHeadAttention(nn.Module):
         context = None if self.context_group is None else self._context_call(attn_mask, cache)
         if cache is not None:
             _check_decoding(query, key, value, attn_mask)
-        wq, wk, wv = self._proj_weights()
+        if self.fused:  # one weight: no split needed for its dtype
+            dtypes = (self.in_proj_weight.dtype,) * 3
+        else:
+            dtypes = (self.q_proj_weight.dtype, self.k_proj_weight.dtype, self.v_proj_weight.dtype)
         inp = module_inputs(
             query,
             key,
@@ -296,7 +299,7 @@ class MultiHeadAttention(nn.Module):
             attn_mask,
             key_mask,
             (self.embed_dim, self.kdim, self.vdim),
-            (wq.dtype, wk.dtype, wv.dtype),
+            dtypes,
             context=context,
         )
         q, k, v = self._project(inp.query, inp.key, inp.value)  # (B, H, T, D), (B, G, S, D) x2
@@ -493,10 +496,10 @@ class MultiHeadAttention(nn.Module):
         B, T, S = query.shape[0], query.shape[1], key.shape[1]
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
         sizes = [H * D, G * D, G * D]
-        biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
         if self.fused and query is key is value:
             q, k, v = linear(query, self.in_proj_weight, self.in_proj_bias).split(sizes, -1)
         else:
+            biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
             w_q, w_k, w_v = self._proj_weights()
             q, k, v = (
                 linear(x, w, b) for x, w, b in zip((query, key, value), (w_q, w_k, w_v), biases)
