@@ -24,6 +24,8 @@ class AttentionTrace:
     ``exp(scores - lse)`` when ``probs`` is first read (one ``(*batch, T, S)`` buffer) and
     the scores when ``scores`` is first read. To look at a long sequence without that buffer,
     :meth:`select` recomputes only the batch elements, heads and query rows asked for.
+    A trace made with its weights (inference under ``auto``) may compute ``lse`` when first
+    read instead, from the weights.
 
     Dtypes: ``scores`` and ``probs`` have the inputs' dtype. For float16/bfloat16 inputs a
     fast backend's trace computes them in float32 and rounds once at the end, so its rows sum

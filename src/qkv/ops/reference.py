@@ -122,14 +122,17 @@ def widened(call: AttentionCall) -> AttentionCall:
     return dataclasses.replace(call, query=call.query.float(), key=call.key.float())
 
 
-# attention_with_weights works on blocks of about 2^22 scores (16 MiB in float32): measured on
-# the 2-core Xeon box, 8 heads x T=S=1024 float32 took 14.8 ms in blocks of 2^22, 19.6 in
-# 2^19 (cache-sized) and 49 in 2^17: torch's GEMMs spread over the threads pay per call, and
-# larger blocks amortise that better than smaller ones keep the scores in cache. Half inputs
-# use half of it (their float32 scores live in a work buffer besides the weights): bf16, 8
-# heads, T=1024/4096, blocks of 2^21 took 16.5-18.2/300-312 ms against 18.4-21.5/313-329 in
-# 2^20 and 17.6-21.2/296-309 in 2^22 (same box, interleaved).
-_BLOCK_ELEMENTS = 2**22
+# attention_with_weights works on blocks of about 2^24 scores (64 MiB in float32; a block is
+# a view of the weights returned, so its size costs no memory): torch's GEMMs spread over the
+# threads pay per call, and larger blocks amortise that better than smaller ones keep the
+# scores in cache. Measured on the 2-core Xeon box, 8 heads, float32, interleaved: 8 x 1024^2
+# took 14.8 ms in blocks of 2^22, 19.6 in 2^19 (cache-sized) and 49 in 2^17; blocks of 2^24
+# against 2^22 took 4% less at T=4096 and 7-10% less at T=2048, level at T=1024, on the
+# native AVX-512 class and with torch held to AVX2. Half inputs use an eighth of it (their
+# float32 scores live in a work buffer besides the weights): bf16, T=1024/4096, blocks of
+# 2^21 took 16.5-18.2/300-312 ms against 18.4-21.5/313-329 in 2^20 and 17.6-21.2/296-309 in
+# 2^22.
+_BLOCK_ELEMENTS = 2**24
 
 
 @torch.no_grad()
@@ -139,7 +142,7 @@ def attention_with_weights(
     """Output, weights and log-sum-exp together, in one pass of plain math, without an
     autograd graph: for inference that wants the weights (a trace, ``output_attentions``).
 
-    Block by block (rows of one head, or several whole heads of a short call; about 2^22
+    Block by block (rows of one head, or several whole heads of a short call; about 2^24
     scores): the scores are computed into the weights' own buffer, turned into weights there
     in place and multiplied with the values, so that nothing ``(T, S)``-sized is allocated
     besides the weights returned.
@@ -173,7 +176,7 @@ def attention_with_weights(
     route = half_gemm_route() if half and dev.type == "cpu" else None
     wide_pv = route == "float32"
     half_qk = route == "native"
-    budget = _BLOCK_ELEMENTS // 2 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
+    budget = _BLOCK_ELEMENTS // 8 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
     rows = max(1, min(T, budget // max(S, 1)))  # rows of a block
     heads = max(1, min(H, budget // max(T * S, 1))) if rows == T else 1  # heads of a block
     probs = empty_large((B, H, T, S), dtype=call.dtype, device=dev)  # written once, block by block
