@@ -623,8 +623,12 @@ def _check_config(embed_dim: int, num_heads: int, G: int, dropout: float) -> Non
 def _has_hooks(m: nn.Module) -> bool:
     """Whether calling ``m`` would run hooks besides its forward: its own, or global ones."""
     own = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    glob = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
-    glob += ("_global_backward_pre_hooks",)
+    glob = (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
     registry = torch.nn.modules.module
     return any(getattr(m, a, None) for a in own) or any(getattr(registry, a, None) for a in glob)
 
