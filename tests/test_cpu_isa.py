@@ -156,3 +156,24 @@ def test_a_hooked_or_wrapped_out_proj_is_still_called(monkeypatch):
 
     m.out_proj = Doubled(m.out_proj)
     torch.testing.assert_close(m(x), 2 * plain, rtol=0, atol=float(plain.abs().max()) * 2**-6)
+
+
+@pytest.mark.parametrize("route", ["float32", "native"])
+def test_torch_compat_module_in_bf16_matches_torch_by_either_route(route, monkeypatch):
+    """qkv.torch_compat.MultiheadAttention's projections go by the route too: in bfloat16 its
+    output and weights stay within a bf16 rounding or two of torch's own module."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", route)
+    from torch import nn
+
+    from qkv.torch_compat import MultiheadAttention
+
+    torch.manual_seed(0)
+    tm = nn.MultiheadAttention(64, 4, dtype=torch.bfloat16).eval()
+    qm = MultiheadAttention(64, 4, dtype=torch.bfloat16).eval()
+    qm.load_state_dict(tm.state_dict())
+    x = torch.randn(30, 2, 64, dtype=torch.bfloat16)  # (T, B, C), torch's layout
+    with torch.no_grad():
+        want, want_w = tm(x, x, x, average_attn_weights=False)
+        out, w = qm(x, x, x, average_attn_weights=False)
+    torch.testing.assert_close(out, want, rtol=0, atol=3e-2)
+    torch.testing.assert_close(w, want_w, rtol=0, atol=1e-2)

@@ -8,10 +8,10 @@ Shape alphabet: B batch, H heads, T query length, S key length, S' = S plus one 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..functional import scaled_dot_product_attention
+from ..ops.cpu_isa import linear
 from .checks import _check_call, _check_lengths, _check_nested, _check_tensors
 from .torch_masks import _causal_replaces_mask, _qkv_mask
 
@@ -186,7 +186,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             ``(B, H, S', D)``, ``(B, H, S', D)``.
         """
         if self._qkv_same_embed_dim and q is k is v:
-            q, k, v = F.linear(q, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
+            q, k, v = linear(q, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
         else:
             ws = (
                 self.in_proj_weight.chunk(3)
@@ -194,7 +194,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                 else (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
             )
             bs = (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
-            q, k, v = (F.linear(x, w, b) for x, w, b in zip((q, k, v), ws, bs))  # (B, L, C)
+            q, k, v = (linear(x, w, b) for x, w, b in zip((q, k, v), ws, bs))  # (B, L, C)
         if self.bias_k is not None and self.bias_v is not None:  # add_bias_kv sets both
             k = torch.cat([k, self.bias_k.expand(k.shape[0], 1, -1)], 1)  # (B, S + 1, C)
             v = torch.cat([v, self.bias_v.expand(v.shape[0], 1, -1)], 1)  # (B, S + 1, C)
@@ -209,8 +209,9 @@ class MultiheadAttention(nn.MultiheadAttention):
         return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
 
     def _merge_heads(self, heads: Tensor, batched: bool) -> Tensor:
-        """Concatenate the heads and apply ``out_proj`` (as torch: ``F.linear``, no hooks),
-        in the caller's layout.
+        """Concatenate the heads and apply ``out_proj`` (as torch: ``F.linear``, no hooks;
+        half inputs widened where the CPU's half GEMMs are slow, ``ops.cpu_isa.linear``), in
+        the caller's layout.
 
         Shape:
             ``(B, H, T, D)`` -> ``(T, B, C)``, ``(B, T, C)`` with batch_first, ``(T, C)``
@@ -221,7 +222,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             x = heads.permute(2, 0, 1, 3).reshape(T, B, H * D)  # (T, B, C)
         else:
             x = heads.transpose(1, 2).reshape(B, T, H * D)  # (B, T, C)
-        out = F.linear(x, self.out_proj.weight, self.out_proj.bias)
+        out = linear(x, self.out_proj.weight, self.out_proj.bias)
         return out if batched else out[0]
 
     def _to_batch_first(self, query: Tensor, key: Tensor, value: Tensor, batched: bool):
