@@ -407,3 +407,27 @@ def test_a_bounded_head_far_wider_than_tall_is_drawn_not_greyed(tmp_path, opened
     o.page.click("#tab-model")
     assert _grey_fraction(o) < 0.01  # 0.52 before
     _quiet(o)
+
+
+def test_model_view_of_12_layers_x_12_heads_fits_beside_its_scrollbar(tmp_path, opened):
+    """A 12 x 12 model view in the harness's 1280 px window: the grid scrolls down, and every
+    thumbnail lies inside the grid's client area (not under its vertical scrollbar)."""
+    torch.manual_seed(0)
+    model = qkv.DecoderLM(20, 24, 12, 12, max_len=16).eval()
+    with torch.no_grad(), qkv.capture(model) as cap:
+        model(torch.arange(1, 9)[None])
+    path = tmp_path / "model12.html"
+    qkv.viz.html(cap, path)
+    o = opened(path)
+    o.page.click("#tab-model")
+    box = o.js(
+        """() => { const g = document.getElementById('model-grid'), r = g.getBoundingClientRect();
+        const right = r.left + g.clientLeft + g.clientWidth;
+        const thumbs = [...g.querySelectorAll('canvas.mthumb')];
+        return { n: thumbs.length, scrolls: g.scrollHeight > g.clientHeight,
+                 bar: g.offsetWidth - g.clientWidth - 2 * g.clientLeft,
+                 right, worst: Math.max(...thumbs.map(c => c.getBoundingClientRect().right)) }; }"""
+    )
+    assert box["n"] == 144 and box["scrolls"], box
+    assert box["worst"] <= box["right"] + 0.5, box
+    _quiet(o)

@@ -687,12 +687,22 @@
     if (modelFor === key) return;
     modelFor = key;
     const grid = $("model-grid"), most = Math.max(...ENTRIES.map((e) => e.heads.length));
-    const size = Math.max(36, Math.min(110, Math.floor(1100 / most) - 6));
+    grid.innerHTML = "";
+    // The labels first, alone, to measure their column; the thumbnails share what is left of
+    // the grid's width, less room for a vertical scrollbar (12 layers scroll), gaps and borders.
+    grid.style.gridTemplateColumns = "max-content";
+    const labels = ENTRIES.map((e) => {
+      const label = document.createElement("div");
+      label.className = "mlabel"; label.textContent = e.label; grid.appendChild(label);
+      return label;
+    });
+    const labelWidth = Math.max(...labels.map((l) => l.getBoundingClientRect().width));
+    const room = grid.clientWidth ? grid.clientWidth - labelWidth - 20 : 1100;  // 0: not laid out
+    const size = Math.max(36, Math.min(110, Math.floor(room / most) - 6));
     grid.innerHTML = "";
     grid.style.gridTemplateColumns = `max-content repeat(${most}, ${size + 2}px)`;
     ENTRIES.forEach((e, li) => {
-      const label = document.createElement("div");
-      label.className = "mlabel"; label.textContent = e.label; grid.appendChild(label);
+      grid.appendChild(labels[li]);
       for (let hi = 0; hi < most; hi++) {
         if (hi >= e.heads.length) { grid.appendChild(document.createElement("div")); continue; }
         const c = document.createElement("canvas"), m = mat(li, hi);
