@@ -28,7 +28,7 @@ from .ops import (
     TorchBackend,
 )
 from .ops.base import tracing
-from .ops.reference import attention_scores_at, attention_with_weights, take, widened
+from .ops.reference import _shaped, attention_scores_at, attention_with_weights, take, widened
 from .ops.triton import TritonBackend
 from .trace import AttentionTrace, probs_from_lse_
 
@@ -233,10 +233,8 @@ def _trace_of_weights(
     while the weights are as it made them: once they were changed in place (they are the
     caller's), the lse is computed from the inputs instead. Inference tensors keep no record
     of such changes, so their lse is computed now."""
-    call = dataclasses.replace(
-        call, query=call.query.detach(), key=call.key.detach(), value=call.value.detach()
-    )
-    probs4 = probs.reshape(call.BH + (call.T, call.S))  # (B, H, T, S)
+    call = _detached(call)
+    probs4 = _shaped(probs, call.BH + (call.T, call.S))  # (B, H, T, S)
 
     def subset(b, h, rows):
         scores = attention_scores_at(widened(call), b, h, rows)  # (nb, nh, nr, S)
@@ -250,6 +248,16 @@ def _trace_of_weights(
         lse,
         "reference",
         subset=_recompute(call, subset),
+    )
+
+
+def _detached(call: AttentionCall) -> AttentionCall:
+    """The call with its query, key and value detached, to be kept by a trace (the same call
+    when none of them requires a gradient: no op to dispatch)."""
+    if not any(t.requires_grad for t in (call.query, call.key, call.value)):
+        return call
+    return dataclasses.replace(
+        call, query=call.query.detach(), key=call.key.detach(), value=call.value.detach()
     )
 
 
@@ -282,9 +290,7 @@ def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
     and half scores (bfloat16 keeps 8 bits: +-0.125 at a score of 40) minus it would scale
     whole rows by up to e^0.125. Reading after the inputs were modified in place raises.
     """
-    call = dataclasses.replace(
-        call, query=call.query.detach(), key=call.key.detach(), value=call.value.detach()
-    )
+    call = _detached(call)
     lse = _lse_by_blocks(call) if lse is None else lse.detach()  # (*batch, T)
     lse4 = lse.reshape(call.BH + (call.T,))  # (B, H, T)
 

@@ -247,7 +247,12 @@ class MultiHeadTrace(AttentionTrace):
             trace.backend,
             subset=_subset_of_element(trace, index),
         )
-        self.q, self.k, self.v, self.heads = (pick(t).detach() for t in (q, k, v, heads))
+        self.q, self.k, self.v, self.heads = (_detach(pick(t)) for t in (q, k, v, heads))
+
+
+def _detach(t: Tensor) -> Tensor:
+    """``t.detach()``; ``t`` itself when it requires no gradient (no op to dispatch)."""
+    return t.detach() if t.requires_grad else t
 
 
 def _subset_of_element(trace: AttentionTrace, index: int | None):

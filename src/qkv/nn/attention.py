@@ -497,7 +497,11 @@ class MultiHeadAttention(nn.Module):
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
         sizes = [H * D, G * D, G * D]
         if self.fused and query is key is value:
-            q, k, v = linear(query, self.in_proj_weight, self.in_proj_bias).split(sizes, -1)
+            qkv = linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, T, (H + 2G) * D)
+            if G == H:  # the three heads' views in three ops rather than seven
+                q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+                return q, k, v  # (B, H, T, D) each
+            q, k, v = qkv.split(sizes, -1)
         else:
             biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
             w_q, w_k, w_v = self._proj_weights()

@@ -175,6 +175,8 @@ class AttentionCall:
         key, value = self.kv_heads_expanded()
 
         def four(t: Tensor) -> Tensor:
+            if t.shape[:-2] == (B, H):  # already so (a module's heads): no op to dispatch
+                return t
             return t.expand(self.batch + t.shape[-2:]).reshape(B, H, *t.shape[-2:])
 
         return four(self.query), four(key), four(value)

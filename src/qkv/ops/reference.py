@@ -198,8 +198,8 @@ def attention_with_weights(
     for bi in range(B):
         for h0 in range(0, H, heads):
             h1 = min(H, h0 + heads)
-            kt = k[bi, h0:h1].to(call.dtype if half_qk else acc).transpose(-2, -1)  # (nh, D, S)
-            vb = v[bi, h0:h1].to(acc if wide_pv else call.dtype)  # (nh, S, Dv)
+            kt = _as(k[bi, h0:h1], call.dtype if half_qk else acc).transpose(-2, -1)  # (nh, D, S)
+            vb = _as(v[bi, h0:h1], acc if wide_pv else call.dtype)  # (nh, S, Dv)
             vb = vb.contiguous() if heads > 1 else vb
             for t0 in range(0, T, rows):
                 t1 = min(T, t0 + rows)
@@ -210,7 +210,7 @@ def attention_with_weights(
                     torch.baddbmm(block, qb, kt, beta=0, alpha=call.scale, out=block)
                     scores.copy_(block)
                 else:  # (nh, nr, S): scale * q k^T
-                    torch.baddbmm(scores, qb.to(acc), kt, beta=0, alpha=call.scale, out=scores)
+                    torch.baddbmm(scores, _as(qb, acc), kt, beta=0, alpha=call.scale, out=scores)
                 if not plain:
                     scores = _modify_at(
                         call,
@@ -232,14 +232,26 @@ def attention_with_weights(
                 else:
                     torch.matmul(block, vb, out=dst)
     lead = call.batch
-    probs_out = probs.reshape(lead + (T, S))
+    probs_out = _shaped(probs, lead + (T, S))
+    out = _shaped(out, call.out_shape)
     if lse is not None:
-        return out.reshape(call.out_shape), probs_out, lse.reshape(lead + (T,))
+        return out, probs_out, _shaped(lse, lead + (T,))
 
     def deferred_lse() -> Tensor:
         return _lse_of(score_max, probs.amax(-1)).reshape(lead + (T,))
 
-    return out.reshape(call.out_shape), probs_out, deferred_lse
+    return out, probs_out, deferred_lse
+
+
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype)``, without dispatching an op when it has that dtype already (the
+    per-call cost of a short call is the ops it dispatches)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def _shaped(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``x.reshape(shape)``, without dispatching an op when it has that shape already."""
+    return x if x.shape == shape else x.reshape(shape)
 
 
 def _softmax_rows_(scores: Tensor, score_max: Tensor) -> None:
@@ -253,7 +265,10 @@ def _softmax_rows_(scores: Tensor, score_max: Tensor) -> None:
     Shape:
         scores ``(..., S)``, score_max ``(...)``.
     """
-    score_max.copy_(scores.amax(-1))  # a score_mod may have widened the scores
+    if score_max.dtype == scores.dtype:
+        torch.amax(scores, -1, out=score_max)
+    else:  # a score_mod widened the scores
+        score_max.copy_(scores.amax(-1))
     if scores.device.type == "cpu":  # written over its input: checked on CPU only
         torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     else:
