@@ -254,6 +254,23 @@ def test_viewing_a_run_leaves_torch_settings_alone(reverse_run, tmp_path, capsys
     assert after[:2] == before[:2] and torch.equal(after[2], before[2])
 
 
+def test_the_loaders_live_in_the_library(reverse_run):
+    """STYLE.md 16: ``qkv view`` parses flags; loading a run and capturing it is
+    ``qkv.sources``'s, and ``qkv.cli.view.load_run`` is the same function."""
+    import qkv.cli.view
+    import qkv.sources
+
+    run, cache, _ = reverse_run
+    assert qkv.cli.view.load_run is qkv.sources.load_run
+    recipe, model = qkv.sources.load_run(run, cache_dir=str(cache))
+    assert recipe.task == "reverse" and not model.training
+    cap, tokens, title = qkv.sources.run_capture(
+        run, "3 1 4", dict(layers=None, heads=None, rows=None), str(cache)
+    )
+    assert [r.name for r in cap] == ["decoder.layers.0.cross_attn", "decoder.layers.1.cross_attn"]
+    assert tokens[1] == ["3", "1", "4"] and title.startswith("reverse: 3 1 4 -> ")
+
+
 # ---- a Hugging Face model folder ------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ LAYER = {
     "cli": 7,
     "__main__": 8,
     "analysis": 6,
+    "sources": 6,
 }
 VIZ_MAY_IMPORT = {"trace", "viz"}
 
