@@ -24,6 +24,7 @@ LAYER = {
     "viz": 5,
     "distributed": 3,
     "capture": 5,
+    "walkthrough": 5,
     "torch_compat": 5,
     "integrations": 5,
     "training": 6,
