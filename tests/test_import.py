@@ -49,6 +49,8 @@ def test_import_qkv_loads_no_compiler_plotting_or_hub_library():
         "bench.run_specs",
         "bench.run_decode",
         "bench.decode.measure_decode",
+        "walkthrough.example_problem",
+        "sources.load_run",
     ],
 )
 def test_documented_submodules_are_reached_after_import_qkv_alone(path):

@@ -37,10 +37,12 @@ _LAZY_SUBMODULES = (
     "integrations",
     "masks",
     "ops",
+    "sources",
     "testing",
     "torch_compat",
     "training",
     "viz",
+    "walkthrough",
 )
 
 
