@@ -284,17 +284,6 @@ def _lse_of(score_max: Tensor, prob_max: Tensor) -> Tensor:
     return torch.where(torch.isneginf(score_max), float("-inf"), score_max - prob_max.log())
 
 
-def _softmax_block_(scores: Tensor, lse: Tensor) -> None:
-    """:func:`_softmax_rows_`, writing each row's log-sum-exp to ``lse`` instead.
-
-    Shape:
-        scores ``(..., S)``, lse ``(...)``.
-    """
-    score_max = torch.empty_like(lse)
-    _softmax_rows_(scores, score_max)
-    lse.copy_(_lse_of(score_max, scores.amax(-1)))
-
-
 def take(t: Tensor, *indices: Tensor, broadcast: bool = False) -> Tensor:
     """``t[b][:, h][:, :, rows]`` for the indices given, as a view (no copy) along each dim
     whose indices are consecutive (a trace's blocks of rows, all heads, all batch elements).
