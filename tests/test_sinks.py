@@ -193,3 +193,99 @@ def test_sinks_keep_the_tiled_custom_op_under_compile():
     )
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert "qkv.tiled_forward" in ops and len(graphs) == 1
+
+
+# --- a -inf sink on rows that may attend to nothing (issue 41, item 1) ------------------------
+
+
+def _plain_empty_safe(q, k, v, sinks, keep):
+    """softmax([scores, sink]) without the sink's column, times v, in float64 written out: the
+    row max taken over the allowed scores and the sink, 0 where both are -inf, so a row with
+    no key and a -inf sink has all weights 0 (output 0, gradients 0) as the contract says."""
+    Hq = q.shape[1]
+    s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5  # (B, H, T, S)
+    s = s.masked_fill(~keep, float("-inf"))
+    sink = sinks.view(1, Hq, 1, 1).expand(*s.shape[:-1], 1)  # (B, H, T, 1)
+    z = torch.cat([s, sink], -1)  # (B, H, T, S + 1)
+    top = z.amax(-1, keepdim=True).detach()
+    e = torch.exp(z - torch.where(torch.isneginf(top), 0.0, top))  # e^-inf = 0, no NaN
+    total = e.sum(-1, keepdim=True)
+    p = e / torch.where(total > 0, total, 1.0)  # (B, H, T, S + 1)
+    return p[..., :-1] @ v  # (B, H, T, Dv)
+
+
+_EMPTY_ROW_CASES = {
+    # the issue's repro: row 0 may attend to nothing, one head, its sink -inf
+    "H1-T3-S3-row0-sink-ninf": (1, 3, 3, [float("-inf")], "row0"),
+    # per-head sinks: only the -inf head's empty rows are the corner
+    "H2-T3-S3-row0-sinks-ninf-0.5": (2, 3, 3, [float("-inf"), 0.5], "row0"),
+    # bottom-right causal with T > S: rows 0 and 1 see no key
+    "H2-T5-S3-bottom-right-sinks-ninf-0.5": (2, 5, 3, [float("-inf"), 0.5], "bottom_right"),
+}
+_LOW = {torch.float64: None, torch.float32: 1, torch.bfloat16: 1, torch.float16: 1}
+
+
+def _compiled_tiled(q, k, v, **kw):
+    torch._dynamo.reset()
+
+    def attend(q, k, v, sinks):
+        return qkv.scaled_dot_product_attention(q, k, v, sinks=sinks, backend="tiled", **kw)
+
+    return torch.compile(attend, backend="aot_eager", fullgraph=True)
+
+
+@pytest.mark.parametrize("dtype", list(_LOW), ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("backend", ["tiled", "auto", "reference", "tiled-compiled"])
+@pytest.mark.parametrize("case", list(_EMPTY_ROW_CASES))
+def test_minus_inf_sink_on_a_row_with_no_key_outputs_zero(case, backend, dtype):
+    """A row that may attend to nothing, whose sink is -inf: output exactly 0, the sink's
+    gradient 0 from that row, nothing NaN (tiled gave NaN: logaddexp(-inf, -inf) = -inf, then
+    exp(-inf - -inf)). Compared with plain float64 math written above; lower dtypes within
+    the tolerance policy, the baseline that math in the dtype."""
+    from qkv.testing import GRAD_FACTOR, assert_tolerance
+
+    Hq, Tq, Sk, sink_values, shape = _EMPTY_ROW_CASES[case]
+    if shape == "row0":
+        keep = torch.ones(Tq, Sk, dtype=torch.bool)
+        keep[0] = False
+        kw = dict(attn_mask=keep)
+    else:
+        keep = torch.arange(Sk).view(1, -1) <= torch.arange(Tq).view(-1, 1) + (Sk - Tq)
+        kw = dict(mask_mod=M.causal(align="bottom_right"))
+    empty = ~keep.any(-1)  # (T,)
+    gen = torch.Generator().manual_seed(41)
+    q64 = torch.randn(2, Hq, Tq, 4, dtype=torch.float64, generator=gen)
+    k64, v64 = (torch.randn(2, Hq, Sk, 4, dtype=torch.float64, generator=gen) for _ in range(2))
+    dout64 = torch.randn(2, Hq, Tq, 4, dtype=torch.float64, generator=gen)
+    sinks64 = torch.tensor(sink_values, dtype=torch.float64)
+
+    def leaves(dt):
+        return [t.to(dt).requires_grad_(True) for t in (q64, k64, v64, sinks64)]
+
+    def grads_of(out, ins, dt):
+        return torch.autograd.grad(out, ins, dout64.to(dt))
+
+    ins = leaves(dtype)
+    if backend == "tiled-compiled":
+        out = _compiled_tiled(*ins[:3], **kw)(*ins)
+    else:
+        out = qkv.scaled_dot_product_attention(*ins[:3], sinks=ins[3], backend=backend, **kw)
+    got = grads_of(out, ins, dtype)
+    gold_ins = leaves(torch.float64)
+    gold = _plain_empty_safe(*gold_ins, keep)
+    gold_g = grads_of(gold, gold_ins, torch.float64)
+
+    assert not out.isnan().any() and not any(g.isnan().any() for g in got)
+    assert torch.equal(out[:, :, empty], torch.zeros_like(out[:, :, empty]))
+    assert torch.equal(got[0][:, :, empty], torch.zeros_like(got[0][:, :, empty]))  # dq
+    if dtype == torch.float64:
+        torch.testing.assert_close(out, gold)
+        for a, b in zip(got, gold_g):
+            torch.testing.assert_close(a, b)
+        return
+    base_ins = leaves(dtype)
+    base = _plain_empty_safe(*base_ins, keep)
+    base_g = grads_of(base, base_ins, dtype)
+    assert_tolerance(out, gold, base)
+    for name, a, g, b in zip(("q", "k", "v", "sinks"), got, gold_g, base_g):
+        assert_tolerance(a, g, b, factor=GRAD_FACTOR, name=f"grad {name}")

@@ -31,13 +31,16 @@ from .tiled_plan import _Plan, _tile, _Unit
 
 def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> Tensor:
     """The sinks' gradient, ``-p_sink * rowsum(dO * O)`` per row (a key with no value: its dP
-    is 0, so its dS is ``-p_sink * delta``), from the sink-inclusive output and lse.
+    is 0, so its dS is ``-p_sink * delta``), from the sink-inclusive output and lse. A row
+    whose lse is ``-inf`` (no key and a ``-inf`` sink) has ``p_sink = 0``, not
+    ``exp(-inf - -inf)`` = NaN: its lse is read as 0 there, a tensor op as in the forward.
 
     Shape:
         sinks ``(B, H, T)``, out and dout ``(B, H, T, Dv)``, lse ``(B, H, T)`` -> ``(B, H, T)``.
     """
     acc = lse.dtype
-    p_sink = torch.exp(sinks.to(acc) - lse)  # (B, H, T)
+    lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)  # (B, H, T); sink -inf there
+    p_sink = torch.exp(sinks.to(acc) - lse_safe)  # (B, H, T)
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T): rowsum(dO * O)
     return -(p_sink * delta).to(sinks.dtype)
 

@@ -24,13 +24,16 @@ from .tiled_plan import _Plan, _tile, _Unit
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """Output and log-sum-exp of the softmax that also holds each row's sink (a key with no
     value): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``. A row with no
-    key keeps output 0 (``exp(-inf) = 0``).
+    key keeps output 0 (``exp(-inf) = 0``), a ``-inf`` sink included: there ``lse'`` is
+    ``-inf`` too and ``exp(-inf - -inf)`` would be NaN, so the rescale subtracts 0 instead
+    (a tensor op, no branch on values: one graph under compile, no host read).
 
     Shape:
         out ``(B, H, T, Dv)``, lse and sinks ``(B, H, T)`` -> out, lse.
     """
     total = torch.logaddexp(lse, sinks.to(lse.dtype))  # (B, H, T)
-    return (out.to(lse.dtype) * torch.exp(lse - total).unsqueeze(-1)).to(out.dtype), total
+    shift = torch.where(torch.isneginf(total), 0.0, total)  # (B, H, T): finite where lse is
+    return (out.to(lse.dtype) * torch.exp(lse - shift).unsqueeze(-1)).to(out.dtype), total
 
 
 def _forward(
