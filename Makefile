@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qkv-installed
 
-.PHONY: test demo install clean sweep-hf docs
+.PHONY: test demo install clean sweep-hf docs gpu-check
 
 install: $(STAMP)
 
@@ -50,6 +50,13 @@ demo: $(STAMP)
 # not part of `make test`; tests/test_hf_sweep.py runs a fixed subset).
 sweep-hf: $(STAMP)
 	$(PY) benchmarks/hf_sweep.py --out benchmarks/results/hf_sweep.json
+
+# On a lent GPU machine (issue 39): the CUDA tests and the core files on CUDA, then the public
+# API against Flex, cuDNN and flash into $(GPU_OUT)/gpu_api.json (about 8 minutes; the
+# machine's own python and torch). `make gpu-check DRY=1` checks it here, without a GPU.
+GPU_OUT ?= benchmarks/results
+gpu-check:
+	bash benchmarks/gpu_check.sh $(if $(DRY),--dry-run) $(GPU_OUT)
 
 clean:
 	rm -rf $(VENV) build site src/*.egg-info .pytest_cache

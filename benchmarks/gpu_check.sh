@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# `make gpu-check` (issue 39): everything a lent GPU should run, in one call of about 8 minutes.
+#
+#   1. the CUDA tests (tests/test_cuda.py) and the core files with CUDA as torch's default
+#      device (QKV_TEST_DEVICE=cuda), the two at once on the machine's cores;
+#   2. benchmarks/gpu_api.py: the public API (auto and each backend by name) against compiled
+#      Flex, SDPA-cuDNN and SDPA-flash, within a time budget.
+#
+# Writes into OUTDIR (first argument; default benchmarks/results): gpu_api.json, gpu_api.md,
+# tests_cuda.log, tests_core.log, failures.log, environment.txt. Uses the python that holds
+# torch (PYTHON, default: .venv's if there is one, else python3) with this checkout's src/ first.
+#
+#   bash benchmarks/gpu_check.sh "$OUT"        # on the GPU machine
+#   bash benchmarks/gpu_check.sh --dry-run DIR  # here, without a GPU: collects the tests and
+#                                               # runs the benchmark on CPU at tiny sizes
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+OUTDIR=${1:-benchmarks/results}
+mkdir -p "$OUTDIR"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+TEST_BUDGET=${QKV_GPU_TEST_S:-170}   # seconds for the tests (both runs at once)
+BENCH_BUDGET=${QKV_GPU_BENCH_S:-200} # seconds after which the benchmark takes no new row
+CORE_TESTS=(tests/test_tiled.py tests/test_mask_contract.py tests/test_trust_kernels.py
+            tests/test_masks.py tests/test_vs_torch.py tests/test_sinks.py tests/test_gradients.py
+            tests/test_dispatch.py)
+[ -f tests/test_host_reads.py ] && CORE_TESTS+=(tests/test_host_reads.py)
+
+{
+    date -u +%FT%TZ
+    git rev-parse HEAD 2>/dev/null || true
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
+        --format=csv 2>/dev/null || echo "no nvidia-smi"
+    "$PYTHON" - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(p.name, f"sm_{p.major}{p.minor}", p.multi_processor_count, "SMs", "cudnn",
+          torch.backends.cudnn.version())
+try:
+    import triton; print("triton", triton.__version__)
+except Exception as e:
+    print("triton:", e)
+import qkv; print("qkv from", qkv.__file__)
+EOF
+} > "$OUTDIR/environment.txt" 2>&1
+cat "$OUTDIR/environment.txt"
+
+FAILLOG="$OUTDIR/failures.log"
+: > "$FAILLOG"
+if [ "$DRY" = 1 ]; then
+    "$PYTHON" -m pytest -q --co tests/test_cuda.py > "$OUTDIR/tests_cuda.log" 2>&1
+    QKV_TEST_DEVICE=cpu "$PYTHON" -m pytest -q --co "${CORE_TESTS[@]}" \
+        > "$OUTDIR/tests_core.log" 2>&1
+    tail -n 2 "$OUTDIR/tests_cuda.log" "$OUTDIR/tests_core.log"
+    "$PYTHON" benchmarks/gpu_api.py --dry-run --out "$OUTDIR/gpu_api.json" \
+        > "$OUTDIR/gpu_api.md"
+    status=$?
+    cat "$OUTDIR/gpu_api.md"
+    exit $status
+fi
+
+echo "== tests (at most ${TEST_BUDGET}s)"
+t0=$(date +%s)
+QKV_TEST_FAILLOG="$FAILLOG" timeout "$TEST_BUDGET" "$PYTHON" -m pytest -q -n 6 -p no:randomly \
+    -p no:cacheprovider --durations=10 tests/test_cuda.py > "$OUTDIR/tests_cuda.log" 2>&1 &
+cuda_pid=$!
+QKV_TEST_DEVICE=cuda QKV_TEST_FAILLOG="$FAILLOG" timeout "$TEST_BUDGET" "$PYTHON" -m pytest -q \
+    -n 8 -p no:randomly -p no:cacheprovider --durations=10 "${CORE_TESTS[@]}" > "$OUTDIR/tests_core.log" 2>&1 &
+core_pid=$!
+wait $cuda_pid; echo "tests/test_cuda.py exit $? ($(tail -n 1 "$OUTDIR/tests_cuda.log"))"
+wait $core_pid; echo "core files on cuda exit $? ($(tail -n 1 "$OUTDIR/tests_core.log"))"
+echo "tests took $(( $(date +%s) - t0 ))s; failures: $(grep -c '^tests/' "$FAILLOG")"
+grep '^tests/' "$FAILLOG" | cut -c1-160 | head -n 30
+
+echo "== benchmark (no new row after ${BENCH_BUDGET}s)"
+timeout $(( BENCH_BUDGET + 120 )) "$PYTHON" benchmarks/gpu_api.py --budget-s "$BENCH_BUDGET" \
+    --out "$OUTDIR/gpu_api.json" > "$OUTDIR/gpu_api.md"
+status=$?
+cat "$OUTDIR/gpu_api.md"
+exit $status
