@@ -254,3 +254,95 @@ def test_a_padded_llama_exports_and_equals_eager(strict):
         program = torch.export.export(Logits(), (ids, pad), strict=strict)
         got, want = program.module()(ids, pad), Logits()(ids, pad)
     torch.testing.assert_close(got[pad.bool()], want[pad.bool()])
+
+
+# --- writes into the mask (issue 41, item 2) ---------------------------------------------------
+
+
+def _write(kind: str):
+    """A forward pre-hook of layer 0 that writes into the mask the layer is handed, and notes
+    (for the eager run) which query rows are left with a key."""
+    seen = {}
+
+    def hook(mod, args, kwargs):
+        m = kwargs["attention_mask"]
+        low = torch.finfo(m.dtype).min
+        if kind == "setitem":  # key 0 hidden from every query
+            m[..., 0] = low
+        elif kind == "masked_fill_":  # key 1 hidden from every query
+            m.masked_fill_(torch.arange(m.shape[-1]) == 1, low)
+        elif kind == "zero_":  # every key visible to every query, the future included
+            m.zero_()
+        elif kind == "view":  # through a view: batch 0 sees every key
+            m[0].fill_(0.0)
+        elif kind == "data":  # through .data, which keeps no version count
+            m.data[:, :, :, 2] = low
+        seen["keyed"] = (m > low).any(-1)[:, 0]  # (B, T): rows with a key left
+
+    return hook, seen
+
+
+_WRITES = [
+    pytest.param(kind, padded, mode, id=f"{kind}-{'left-padded' if padded else 'unpadded'}-{mode}")
+    for kind in ("setitem", "masked_fill_", "zero_", "view", "data")
+    for padded in (False, True)
+    for mode in ("no_grad", "inference_mode", "compiled")
+    if mode != "compiled" or kind in ("setitem", "masked_fill_")  # each compile costs seconds
+]
+
+
+@pytest.mark.parametrize("kind, padded, mode", _WRITES)
+def test_writes_into_the_mask_reach_qkv_attention_as_eager(kind, padded, mode):
+    """Model code that writes into the mask (here a pre-hook of layer 0; transformers hands
+    the same mask to layer 1, so the write reaches it too) changes qkv's result as it changes
+    eager's: qkv reads the written values (it read the description and ignored them). Rows
+    the write leaves with no key are 0 in qkv and a uniform average in eager (the mask
+    contract), so those are left out, as padded rows are."""
+    model = _llama()
+    ids = torch.randint(3, V, (2, 10), generator=torch.Generator().manual_seed(1))
+    pad = torch.ones(2, 10, dtype=torch.long)
+    if padded:
+        pad[1, :3] = 0
+    ctx = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    out = {}
+    for impl in ("eager", "qkv", "qkv-unwritten"):
+        model.set_attn_implementation(impl.split("-")[0])
+        hook, seen = _write(kind)
+        handle = None
+        if impl != "qkv-unwritten":
+            handle = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+        run = model
+        if mode == "compiled" and impl == "qkv":
+            torch._dynamo.reset()
+            run = torch.compile(model, fullgraph=True, backend="aot_eager")
+        with ctx():
+            out[impl] = run(input_ids=ids, attention_mask=pad, use_cache=False).logits.clone()
+        if handle is not None:
+            handle.remove()
+        if impl == "eager":
+            keep = pad.bool() & seen["keyed"]  # (B, T)
+    assert keep.sum() >= 15  # the comparison covers most rows
+    torch.testing.assert_close(out["qkv"][keep], out["eager"][keep], atol=1e-5, rtol=1e-5)
+    moved = (out["qkv"][keep] - out["qkv-unwritten"][keep]).abs().max()
+    assert moved > 1e-3  # the write mattered: the test is not vacuous
+
+
+def test_a_mask_only_read_keeps_the_description_and_a_write_drops_it():
+    """Reading the values (slicing, arithmetic) leaves qkv on the description; any in-place
+    write, through the mask or a view of it, switches it to the values."""
+    from qkv.integrations.transformers.masks import _mask_args
+
+    mask = qkv_hf.build_mask(**_args())
+    assert not mask.written()
+    _ = mask[:, :, :4] + 1.0  # a read forms the values
+    assert mask._dense is not None and not mask.written()
+    keep, _, _ = _mask_args(None, mask, 9, 9, None, None)
+    assert keep.dtype == torch.bool and keep.shape == (2, 1, 1, 9)  # the description's padding
+    mask[1].zero_()  # through a view (mask[1] is the values' view)
+    assert mask.written()
+    got, mod, causal = _mask_args(None, mask, 9, 9, None, None)
+    assert mod is None and not causal and got.shape == (2, 1, 9, 9)
+    want = mu.eager_mask(**_args())
+    want[1] = 0.0
+    want = want.masked_fill(want == torch.finfo(torch.float32).min, float("-inf"))
+    assert torch.equal(got, want)

@@ -30,6 +30,8 @@ What the models pass is mapped onto qkv's vocabulary, so nothing ``(T, S)``-size
 The mask the models receive is an :class:`HFMaskTensor`: to model code that reads it (slices
 it, adds it to scores, asks its dtype) it is the 4-D float mask of transformers' eager path,
 formed on that first read; qkv's attention function reads its description and forms nothing.
+Model code that writes into it (``mask[..., 0] = min``, ``masked_fill_``) changes what qkv's
+attention reads, in that layer and the next, as in eager.
 
 ``output_attentions=True`` returns the weights ``exp(scores - lse)`` recomputed from the fast
 kernel's log-sum-exp, only when asked (transformers' own ``sdpa`` returns none).

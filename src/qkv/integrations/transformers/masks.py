@@ -69,18 +69,33 @@ class HFMaskTensor(Tensor):
     first use that reads them (indexing, arithmetic, ``.contiguous()``, any torch function;
     the result is a plain tensor) and kept. qkv's attention function reads ``description``
     instead, so on the path that does not touch the mask nothing ``(T, S)``-sized is built.
-    Under ``torch.compile`` :func:`build_mask` gives the plain :class:`HFMask`.
+
+    Model code may also write into the mask (``mask[..., 0] = min``, ``masked_fill_``,
+    ``zero_``, in a forward hook, say): the write lands in the kept values, and from then on
+    qkv's attention reads those values (:meth:`written_values`) instead of the description,
+    in this layer and every later one (transformers hands every layer the same mask object,
+    so a write reaches the next layers, as in eager). A write is seen by the values' version
+    counter, which every in-place op bumps, through views of the values too; where it cannot
+    be (inference tensors keep no version counter; in a compiled graph it is a symbol no
+    Python branch can read; ``.data``, ``.numpy()`` and storages alias the values without
+    it), the values, once formed, are taken as written. That costs the structured path, not
+    the result: the values read as formed, 0 adds nothing and the dtype's minimum means "may
+    not attend", so values nobody changed give what the description gives.
+
+    Under ``torch.export`` and ``torch.func`` transforms :func:`build_mask` gives the plain
+    :class:`HFMask`.
     """
 
     description: HFMask
     _dense: Tensor | None  # the values, once formed
+    _clean: int | None  # the values' version when formed; None: a write cannot be seen
 
     @staticmethod
     def __new__(cls, description: HFMask, batch_size: int, dtype: torch.dtype, device):
         shape = (batch_size, 1, description.q_length, description.kv_length)
         base = torch.zeros((), dtype=dtype, device=device).expand(shape)  # one element
         self = Tensor._make_subclass(cls, base)
-        self.description, self._dense = description, None
+        self.description, self._dense, self._clean = description, None, None
         return self
 
     def dense(self) -> Tensor:
@@ -91,12 +106,40 @@ class HFMaskTensor(Tensor):
                 dtype, device = self.dtype, self.device
             ok = _dense_keep(self.description, B, device)
             low = torch.finfo(dtype).min if dtype.is_floating_point else False
-            self._dense = torch.where(
+            dense = torch.where(
                 ok,
                 torch.zeros((), dtype=dtype, device=device),
                 torch.full((), low, dtype=dtype, device=device),
-            )
+            )  # (B, 1, T, S)
+            self._dense = dense
+            # made in inference mode, the values are an inference tensor: no version
+            # counter; in a graph, the count is a symbol that a Python branch cannot read
+            untracked = tracing() or dense.is_inference()
+            self._clean = None if untracked else dense._version
         return self._dense
+
+    def written(self) -> bool:
+        """Whether model code may have written into the values since they were formed (a
+        Python-side check of the version counter: no tensor value is read)."""
+        dense = self._dense
+        if dense is None:
+            return False
+        return self._clean is None or dense._version != self._clean
+
+    def written_values(self) -> Tensor:
+        """The values as model code left them, for qkv's attention: a float mask added to the
+        scores, the dtype's minimum read as ``-inf`` (may not attend), so a row left with no
+        key outputs 0 as everywhere in qkv, and values nobody changed give exactly what the
+        description gives.
+
+        Shape:
+            -> ``(B, 1, T, S)``.
+        """
+        dense = self.dense()
+        if not dense.is_floating_point():
+            return dense
+        low = torch.finfo(dense.dtype).min
+        return dense.masked_fill(dense == low, float("-inf"))  # (B, 1, T, S)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -104,11 +147,18 @@ class HFMaskTensor(Tensor):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if func in _UNTRACKED_ALIASES:  # writes through these bypass the version counter
+            _pytree.tree_map_only(cls, _untracked, (args, kwargs))
         args, kwargs = _pytree.tree_map_only(cls, lambda m: m.dense(), (args, kwargs))
         return func(*args, **kwargs)
 
     def __repr__(self, **kwargs):
         return f"HFMaskTensor({self.description!r})"
+
+
+def _untracked(mask: HFMaskTensor) -> None:
+    mask.dense()
+    mask._clean = None  # taken as written from now on
 
 
 def _getter(name: str) -> Callable:
@@ -130,6 +180,17 @@ _METADATA = {
     _getter("is_cuda"),
     _getter("is_meta"),
     Tensor.numel,
+}
+
+# Aliases of the values that do not share their version counter: a write through them is
+# invisible to HFMaskTensor.written, so handing one out counts as a write.
+_UNTRACKED_ALIASES = {
+    _getter("data"),
+    Tensor.numpy,
+    Tensor.__array__,
+    Tensor.__dlpack__,
+    Tensor.untyped_storage,
+    Tensor.storage,
 }
 
 
@@ -201,7 +262,8 @@ def _query_positions(cache_position: Tensor) -> tuple[int, int]:
 def _mask_args(module, mask, T: int, S: int, is_causal: bool | None, sliding_window, device=None):
     """``(attn_mask, mask_mod, is_causal)`` for qkv from what transformers passed."""
     if isinstance(mask, HFMaskTensor):
-        mask = mask.description
+        # model code wrote into it: its values, not the description, are the mask now
+        mask = mask.written_values() if mask.written() else mask.description
     if isinstance(mask, HFMask):
         if (mask.q_length, mask.kv_length) != (T, S):
             if mask.kv_length == 1 and mask.q_length in (1, T):
