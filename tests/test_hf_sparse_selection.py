@@ -243,3 +243,71 @@ def test_sparse_models_compile_as_one_graph(name):
         got = compiled(input_ids=ids, attention_mask=pad, use_cache=False).logits
     assert counter.frame_count == 1
     torch.testing.assert_close(got[pad.bool()], want[pad.bool()])
+
+
+# --- selections out of range (issue 41, item 3) -----------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [4, 5, -2, -100], ids=lambda b: f"S4-key{b}")
+def test_an_index_outside_the_keys_is_refused_with_its_value_and_S(bad):
+    """Any index outside [-1, S) raises, naming indices=, the value and S (4, -2 and -100
+    were taken as empty slots, 5 raised torch's scatter message about a size of 5)."""
+    q = torch.randn(1, 2, 3, 4)
+    idx = torch.tensor([[[0, 1], [2, bad], [3, -1]]])  # (B, T, k)
+    with pytest.raises(ValueError, match=rf"indices= holds key {bad}, outside \[-1, 4\).*S=4"):
+        qkv_hf.attention_forward(_module(), q, q[:, :, :1].expand(1, 2, 4, 4), q, None, indices=idx)
+
+
+@pytest.mark.parametrize("bad", [3, 7, -2], ids=lambda b: f"S10-size4-block{b}")
+def test_a_block_outside_the_blocks_is_refused_with_its_value_and_S(bad):
+    """S = 10 keys in blocks of 4 make blocks 0, 1, 2: block 3 (or 7, or -2) is refused."""
+    q, kv = torch.randn(1, 4, 3, 4), torch.randn(1, 4, 10, 4)
+    blocks = torch.tensor([[[[0], [bad], [-1]], [[1], [2], [-1]]]])  # (B, H_idx, T, k)
+    with pytest.raises(
+        ValueError, match=rf"block_indices= holds block {bad}, outside \[-1, 3\): S=10 keys"
+    ):
+        qkv_hf.attention_forward(_module(4), q, kv, kv, None, block_indices=blocks)
+
+
+@pytest.mark.parametrize("size", [0, -4, 2.0], ids=["size0", "size-4", "size-float"])
+def test_a_block_size_that_is_not_positive_is_reported_as_it_is(size):
+    """``module.indexer.block_size = 0`` was reported as "has neither" attribute."""
+    q = torch.randn(1, 2, 3, 4)
+    blocks = torch.zeros(1, 1, 3, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=rf"module.indexer.block_size is {size!r}"):
+        qkv_hf.attention_forward(_module(size), q, q, q, None, block_indices=blocks)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_an_index_outside_the_keys_is_refused_in_a_compiled_graph(backend):
+    """Under torch.compile the check runs in the graph (the ``qkv::selection_slots`` op), at
+    run time: a good selection gives eager's mask, a bad one the same ValueError. (The whole
+    attention function is compiled in test_sparse_models_compile_as_one_graph.)"""
+    q = torch.randn(1, 2, 3, 4)
+
+    def kept(idx):
+        return hf_attention._selected_keys(_module(), q, 5, {"indices": idx})
+
+    good = torch.tensor([[[0, 4], [2, -1], [3, 1]]])
+    torch._dynamo.reset()
+    compiled = torch.compile(kept, fullgraph=True, backend=backend)
+    assert torch.equal(compiled(good), kept(good))
+    with pytest.raises(ValueError, match=r"indices= holds key 5, outside \[-1, 5\).*S=5"):
+        compiled(torch.tensor([[[0, 4], [2, 5], [3, 1]]]))
+
+
+def test_an_index_outside_the_keys_is_refused_by_an_exported_program():
+    """torch.export keeps standard operators: there an assert in the graph raises (without
+    the value, which it cannot read), never a silently dropped index."""
+
+    class Kept(torch.nn.Module):
+        def forward(self, q, idx):
+            return hf_attention._selected_keys(_module(), q, 5, {"indices": idx})
+
+    q = torch.randn(1, 2, 3, 4)
+    good = torch.tensor([[[0, 4], [2, -1], [3, 1]]])
+    program = torch.export.export(Kept(), (q, good))
+    assert torch.equal(program.module()(q, good), Kept()(q, good))
+    for bad in (5, -2):
+        with pytest.raises(RuntimeError, match=r"indices= holds a key, outside \[-1, 5\).*S=5"):
+            program.module()(q, torch.tensor([[[0, 4], [2, bad], [3, 1]]]))

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ... import masks
 from ...functional import scaled_dot_product_attention
+from ...ops.base import compiling_plainly, tracing
 from .masks import HFMask, _mask_args
 
 __all__ = ["KEYWORDS_IGNORED_AS_EAGER", "KEYWORDS_IMPLEMENTED", "attention_forward"]
@@ -169,18 +170,11 @@ def _selected_keys(module, query: Tensor, S: int, kwargs: dict) -> Tensor | None
                 f"indices= must be (B, T, k) with T={query.shape[-2]}, got {tuple(idx.shape)}"
             )
         keep = torch.zeros(idx.shape[0], idx.shape[1], S + 1, dtype=torch.bool, device=idx.device)
-        keep.scatter_(-1, idx.long().masked_fill(idx < 0, S), True)  # -1 lands in a spare column
-        return keep[..., :S].unsqueeze(1)
+        keep.scatter_(-1, _slots(idx, S, S, 0), True)  # (B, T, S + 1)
+        return keep[..., :S].unsqueeze(1)  # (B, 1, T, S)
     if blocks is None:
         return None
-    size = getattr(getattr(module, "indexer", None), "block_size", None)
-    size = size or getattr(getattr(module, "config", None), "index_block_size", None)
-    if not isinstance(size, int):
-        raise ValueError(
-            "block_indices= needs the key block size: qkv reads it from "
-            "module.indexer.block_size or module.config.index_block_size, and "
-            f"{type(module).__name__} has neither"
-        )
+    size = _block_size(module)
     H, H_idx = query.shape[-3], blocks.shape[1]
     if blocks.dim() != 4 or H % H_idx:
         raise ValueError(
@@ -189,9 +183,89 @@ def _selected_keys(module, query: Tensor, S: int, kwargs: dict) -> Tensor | None
         )
     n = -(-S // size)
     keep = torch.zeros(*blocks.shape[:3], n + 1, dtype=torch.bool, device=blocks.device)
-    keep.scatter_(-1, blocks.long().masked_fill(blocks < 0, n), True)
+    keep.scatter_(-1, _slots(blocks, n, S, size), True)  # (B, H_idx, T, n + 1)
     keep = keep[..., :n].repeat_interleave(size, dim=-1)[..., :S]  # (B, H_idx, T, S)
-    return keep.repeat_interleave(H // H_idx, dim=1)
+    return keep.repeat_interleave(H // H_idx, dim=1)  # (B, H, T, S)
+
+
+def _block_size(module) -> int:
+    """MiniMax-M3's key block size: ``module.indexer.block_size``, else
+    ``module.config.index_block_size``; a positive int."""
+    for owner, name in (("indexer", "block_size"), ("config", "index_block_size")):
+        size = getattr(getattr(module, owner, None), name, None)
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"block_indices= needs a positive key block size, and "
+                f"module.{owner}.{name} is {size!r}"
+            )
+        return size
+    raise ValueError(
+        "block_indices= needs the key block size: qkv reads it from "
+        "module.indexer.block_size or module.config.index_block_size, and "
+        f"{type(module).__name__} has neither"
+    )
+
+
+def _slots(sel: Tensor, n: int, S: int, size: int) -> Tensor:
+    """A selection, ``indices=`` (``size`` 0: key positions, ``n = S``) or ``block_indices=``
+    (blocks of ``size`` keys, ``n`` of them), -1 for an empty slot, as scatter positions into
+    ``n + 1`` columns, the empty slots in the spare column ``n``; a position outside
+    ``[-1, n)`` raises ValueError instead of being dropped.
+
+    The check reads the selection's extremes on the host: one read per call (a device sync
+    on a GPU), which no check that names the bad value avoids; an indexer makes new
+    selections in every layer, so there is nothing to check once for several calls. Under
+    ``torch.compile`` it runs inside the ``qkv::selection_slots`` op, at run time; under
+    ``torch.export`` and ``torch.func`` transforms, which keep standard operators, an
+    asynchronous assert raises (RuntimeError, without the value), and a bad position is sent
+    past the last column, where the scatter raises too.
+
+    Shape:
+        sel ``(..., k)`` integer -> ``(..., k)`` int64.
+    """
+    if compiling_plainly():
+        return torch.ops.qkv.selection_slots(sel, n, S, size)
+    if tracing():
+        ok = (sel >= -1) & (sel < n)
+        torch._assert_async(ok.all(), _out_of_range(None, n, S, size))  # no host read
+        return torch.where(ok, sel.long().masked_fill(sel < 0, n), n + 1)
+    return _checked_slots(sel, n, S, size)
+
+
+def _checked_slots(sel: Tensor, n: int, S: int, size: int) -> Tensor:
+    if sel.numel():
+        lo, hi = torch.aminmax(sel)
+        lo_, hi_ = torch.stack([lo, hi]).tolist()  # the one host read
+        if lo_ < -1 or hi_ >= n:
+            raise ValueError(_out_of_range(lo_ if lo_ < -1 else hi_, n, S, size))
+    return sel.long().masked_fill(sel < 0, n)
+
+
+def _out_of_range(bad: int | None, n: int, S: int, size: int) -> str:
+    what = "block" if size else "key"
+    which = f"a {what}" if bad is None else f"{what} {bad}"
+    if not size:
+        return (
+            f"indices= holds {which}, outside [-1, {S}): the call has S={S} keys; an "
+            f"indexer's positions must be among them (-1 marks an empty slot)"
+        )
+    return (
+        f"block_indices= holds {which}, outside [-1, {n}): S={S} keys in blocks of {size} "
+        f"make {n} blocks; an indexer's blocks must be among them (-1 marks an empty slot)"
+    )
+
+
+@torch.library.custom_op("qkv::selection_slots", mutates_args=())
+def _selection_slots(sel: Tensor, n: int, S: int, size: int) -> Tensor:
+    """:func:`_checked_slots` as an op, so that a compiled graph checks at run time."""
+    return _checked_slots(sel, n, S, size)
+
+
+@_selection_slots.register_fake
+def _(sel, n, S, size):
+    return torch.empty(sel.shape, dtype=torch.long, device=sel.device)
 
 
 def _with_selection(attn_mask: Tensor | None, keep: Tensor | None) -> Tensor | None:
