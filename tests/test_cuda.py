@@ -29,7 +29,7 @@ from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 CUDA = torch.device("cuda")
-BACKENDS = ["torch", "tiled", "triton", "auto"]
+BACKENDS = ["torch", "flex", "tiled", "triton", "auto"]
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 

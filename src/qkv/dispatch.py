@@ -28,6 +28,7 @@ from .ops import (
     TorchBackend,
 )
 from .ops.base import tracing
+from .ops.flex import FlexBackend
 from .ops.reference import _shaped, attention_scores_at, attention_with_weights, take, widened
 from .ops.triton import TritonBackend
 from .trace import AttentionTrace, probs_from_lse_
@@ -94,6 +95,8 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
             if traced and not _traceable(candidate, call):
                 continue  # one graph under torch.compile: torch's SDPA, tiled's custom ops
                 # for the masks they carry, or the reference math
+            if not _auto_prefers(candidate, call):
+                continue  # a backend auto leaves to be named (flex off CUDA)
             if candidate.supports(call) is None:
                 return candidate
         reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
@@ -107,6 +110,13 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
             f"Backends that can: {', '.join(able) or 'none'}; or pass backend='auto'"
         )
     return chosen
+
+
+def _auto_prefers(backend: Backend, call: AttentionCall) -> bool:
+    """A backend's ``auto_prefers(call)`` where it has one (else True): whether ``auto`` may
+    pick it for this call, or only a caller who names it."""
+    prefers = getattr(backend, "auto_prefers", None)
+    return True if prefers is None else bool(prefers(call))
 
 
 def _traceable(backend: Backend, call: AttentionCall) -> bool:
@@ -392,6 +402,7 @@ def _versions(call: AttentionCall) -> tuple[int, ...]:
     return tuple(t._version for t in tensors if t is not None and not t.is_inference())
 
 
+register_backend(FlexBackend())  # priority 12: CUDA calls torch cannot take, before triton
 register_backend(TritonBackend())  # priority 15: after torch; CUDA calls torch cannot take
 register_backend(TorchBackend())
 register_backend(TiledBackend())

@@ -278,8 +278,10 @@ class _Document(MaskMod):
 
     def __call__(self, b, h, q_idx, kv_idx):
         qi, ki = self.q_ids.to(q_idx.device), self.kv_ids.to(q_idx.device)
-        bq = b if qi.shape[0] > 1 else b[:1] * 0  # shared ids: batch dim 1
-        bk = b if ki.shape[0] > 1 else b[:1] * 0
+        shared = b[:1] * 0 if b.dim() else b * 0  # shared ids: batch dim 1 (0-d per element,
+        # as FlexAttention calls a mask_mod)
+        bq = b if qi.shape[0] > 1 else shared
+        bk = b if ki.shape[0] > 1 else shared
         return qi[bq, q_idx] == ki[bk, kv_idx]  # (B?, 1, T, S)
 
     def tensors(self):

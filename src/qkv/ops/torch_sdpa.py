@@ -13,6 +13,8 @@ What it adds on top of torch:
     float16 CPU kernel measured ~7x slower for forward+backward (T=2048, D=64) and its dV error
     up to 3.4x that of plain float16 math, outside the tolerance policy; through float32 the
     error stays within it (benchmarks/RESULTS.md).
+  * On CUDA, plain and causal half calls try cuDNN's attention first (``_kernel_order``):
+    measured faster than flash, which torch's own order picks at some lengths.
   * The log-sum-exp for traces: on CPU, torch's flash kernel returns it with the output
     (``aten._scaled_dot_product_flash_attention_for_cpu``) when the call fits that kernel
     (4-D, equal batch and heads, D == Dv, no dropout); otherwise the dispatcher derives it.
@@ -21,6 +23,8 @@ Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as i
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import Tensor
@@ -71,16 +75,17 @@ class TorchBackend:
                 attn_mask=None if mask is None else _as_additive(mask, q.dtype),
             )  # (B, H, T, Dv), (B, H, T)
         else:
-            out = sdpa(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=call.dropout_p,
-                is_causal=is_causal,
-                scale=call.scale,
-                enable_gqa=call.enable_gqa,
-            )  # (*batch, T, Dv)
+            with _kernel_order(call, mask):
+                out = sdpa(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    dropout_p=call.dropout_p,
+                    is_causal=is_causal,
+                    scale=call.scale,
+                    enable_gqa=call.enable_gqa,
+                )  # (*batch, T, Dv)
             lse = None
         if out.dtype != call.dtype:
             out = out.to(call.dtype)
@@ -89,6 +94,34 @@ class TorchBackend:
             if lse is not None:  # the kernel saw the guard's full row there
                 lse = lse.masked_fill(~row_ok, float("-inf"))
         return BackendResult(out=out, lse=lse)
+
+
+def _kernel_order(call: AttentionCall, mask: Tensor | None) -> contextlib.AbstractContextManager:
+    """On CUDA, plain and causal half-precision calls try cuDNN's fused attention first.
+
+    On an H100 (torch 2.11, cuDNN 9.19, bf16, D = 128) cuDNN ran 1.1-1.9x faster than flash
+    forward and forward+backward at T = 1k-16k, yet torch's own order ran flash at T = 1k
+    (0.43 ms against cuDNN's 0.23; benchmarks/RESULTS.md, "The public API on an H100 ...").
+    Where cuDNN cannot take a call, torch goes on down the list (flash, efficient, math).
+    Dense masks keep torch's order: not measured. Not while tracing: the compiler chooses.
+    """
+    if (
+        call.device.type != "cuda"
+        or call.dtype not in (torch.float16, torch.bfloat16)
+        or mask is not None
+        or call.dropout_p > 0
+        or tracing()
+    ):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def _is_bottom_right_causal(mask_mod) -> bool:
