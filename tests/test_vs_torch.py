@@ -99,16 +99,20 @@ def test_float32_mask_with_bfloat16_inputs_as_torch_or_closer():
     than torch's own bfloat16 kernel."""
     q, k, v = (rand(2, 3, 17, 8, dtype=torch.bfloat16) for _ in range(3))
     bias = torch.randn(17, 17)
-    golden = F.scaled_dot_product_attention(
-        q.double(), k.double(), v.double(), attn_mask=bias.double()
-    )
+    # plain float64 math (not torch's SDPA: on an H100 its result here held NaN, so the
+    # comparison read nan <= nan; gpu-check, 2026-11-26)
+    scores = q.double() @ k.double().transpose(-2, -1) / 8**0.5 + bias.double()  # (2, 3, T, S)
+    golden = scores.softmax(-1) @ v.double()  # (2, 3, T, 8)
     torch_err = (
         (F.scaled_dot_product_attention(q, k, v, attn_mask=bias).double() - golden).abs().max()
     )
+    # where torch's own kernel is not finite (CUDA), the tolerance policy's bound instead
+    base = qkv.scaled_dot_product_attention(q, k, v, attn_mask=bias, backend="reference")
+    bound = torch_err if torch_err.isfinite() else 2 * (base.double() - golden).abs().max()
     for backend in ["torch", "auto", "tiled"]:
         got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=bias, backend=backend)
         assert got.dtype == torch.bfloat16
-        assert (got.double() - golden).abs().max() <= torch_err
+        assert (got.double() - golden).abs().max() <= bound, backend
 
 
 def test_empty_keys_and_queries():
