@@ -8,11 +8,20 @@ nothing changes. tests/test_cuda.py holds the CUDA tests that name the device th
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 TEST_DEVICE = os.environ.get("QKV_TEST_DEVICE", "cpu")
+
+# auto's choice by measurement (qkv.autotune) is off for the suite unless asked for: timing
+# noise would then pick among backends run to run, and tests that name what auto picks would
+# follow the machine's load. tests/test_autotune.py turns it on with a fake clock; every
+# backend is held to the float64 reference by name. Choices are kept in a fresh folder, never
+# the user's ~/.cache.
+os.environ.setdefault("QKV_AUTOTUNE", "off")
+os.environ.setdefault("QKV_CACHE_DIR", tempfile.mkdtemp(prefix="qkv-test-cache-"))
 
 
 class _DefaultDeviceGenerator(torch.Generator):

@@ -18,6 +18,18 @@ def _argv(command: str, tmp_path) -> list[str]:
     fast = ["--min-run-time", "0.01", "--threads", "1"]
     return {
         "seeds": ["seeds", "--example", "seed004"],
+        # D=24: flex declines it (no compile here); torch and tiled are timed
+        "tune": [
+            "tune",
+            "--lengths",
+            "16",
+            "--dtypes",
+            "float32",
+            "--cases",
+            "none",
+            "--dim",
+            "24",
+        ],
         "explain": ["explain", "--example", "seed004", "--heads", "3"],
         "bench": [
             "bench",
@@ -96,7 +108,7 @@ def _saved_capture(path):
     return path
 
 
-COMMANDS = ["seeds", "explain", "bench", "bench-decode", "train", "lra", "view"]
+COMMANDS = ["seeds", "explain", "bench", "bench-decode", "train", "lra", "view", "tune"]
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""Dependencies run one way (STYLE.md 17): masks/trace -> ops -> dispatch -> functional -> nn
--> models/tasks/capture -> training/analysis/bench -> cli; viz reads traces only."""
+"""Dependencies run one way (STYLE.md 17): masks/trace -> ops -> autotune, dispatch ->
+functional -> nn -> models/tasks/capture -> training/analysis/bench -> cli; viz reads traces
+only."""
 
 import ast
 from pathlib import Path
@@ -17,6 +18,7 @@ LAYER = {
     "recording": 0,
     "ops": 1,
     "dispatch": 2,
+    "autotune": 2,
     "functional": 3,
     "nn": 4,
     "models": 5,
@@ -101,7 +103,7 @@ def test_imports_point_down():
 
 
 def test_import_scanner_sees_relative_imports():
-    assert _qkv_imports(SRC / "dispatch.py") == {"ops", "trace"}
+    assert _qkv_imports(SRC / "dispatch.py") == {"autotune", "ops", "trace"}
     assert _qkv_imports(SRC / "trace.py") == set()  # its _repr_html_'s viz is a display hook
     assert _qkv_imports(SRC / "ops" / "reference.py") == {"masks", "ops"}
 

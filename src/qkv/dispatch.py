@@ -1,8 +1,12 @@
 """The one dispatcher: a registry of backends and the choice among them.
 
-``backend="auto"`` takes the backend of lowest ``priority`` (the fastest) whose
-``supports(call)`` is None. A backend named by the caller that cannot take the call raises
-``BackendUnsupportedError`` with its reason; nothing falls back silently.
+``backend="auto"`` takes the backend measured fastest on this machine for calls of this kind
+among those that can take it (``autotune``: timed once, kept in memory and on disk), or, with
+measuring off (``QKV_AUTOTUNE=off``), under tracing, or where one backend alone can take it, the
+backend of lowest ``priority`` whose ``supports(call)`` is None and that does not leave auto
+(``auto_prefers``). :func:`explain` says which and why. A backend named by the caller that
+cannot take the call raises ``BackendUnsupportedError`` with its reason; nothing falls back
+silently.
 
 :func:`choose` makes the plan (the backend, and how a wanted trace is made), :func:`run`
 carries it out: ``run(call, choose(call, backend))``, or ``run(call, backend)`` in one go.
@@ -18,6 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from . import autotune
 from .ops import (
     AttentionCall,
     Backend,
@@ -38,11 +43,13 @@ __all__ = [
     "backend_names",
     "check_backends",
     "choose",
+    "explain",
     "get_backend",
     "keeps_nonfinite_contract",
     "register_backend",
     "run",
     "select",
+    "tune",
     "unregister_backend",
 ]
 
@@ -91,16 +98,11 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
     """The backend that will run ``call``."""
     if backend == "auto":
         traced = tracing()
-        for candidate in _ORDER:
-            if traced and not _traceable(candidate, call):
-                continue  # one graph under torch.compile: torch's SDPA, tiled's custom ops
-                # for the masks they carry, or the reference math
-            if not _auto_prefers(candidate, call):
-                continue  # a backend auto leaves to be named (flex off CUDA)
-            if candidate.supports(call) is None:
-                return candidate
-        reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
-        raise BackendUnsupportedError(f"no backend can take this call ({reasons})")
+        if not traced and autotune.enabled():
+            measured = _measured(call)
+            if measured is not None:
+                return measured
+        return _static_choice(call)
     chosen = get_backend(backend)
     reason = chosen.supports(call)
     if reason is not None:
@@ -110,6 +112,57 @@ def select(call: AttentionCall, backend: str = "auto") -> Backend:
             f"Backends that can: {', '.join(able) or 'none'}; or pass backend='auto'"
         )
     return chosen
+
+
+def _static_choice(call: AttentionCall) -> Backend:
+    """The first backend of the static order (``priority``) that takes ``call`` and does not
+    leave auto (``auto_prefers``); under tracing, one that traces."""
+    traced = tracing()
+    for candidate in _ORDER:
+        if traced and not _traceable(candidate, call):
+            continue  # one graph under torch.compile: torch's SDPA, tiled's custom ops
+            # for the masks they carry, or the reference math
+        if not _auto_prefers(candidate, call):
+            continue  # a backend auto leaves to be named (flex off CUDA)
+        if candidate.supports(call) is None:
+            return candidate
+    reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
+    raise BackendUnsupportedError(f"no backend can take this call ({reasons})")
+
+
+def _measured(call: AttentionCall) -> Backend | None:
+    """The backend measured fastest for calls of this kind on this machine (``autotune``),
+    or None to walk the static order."""
+    name = autotune.known(call)  # chosen earlier in this process: a dict lookup
+    if name is not None:
+        known = _REGISTRY.get(name)
+        if known is not None and known.supports(call) is None:
+            return known
+    able = [b for b in _ORDER if b.name != "reference" and b.supports(call) is None]
+    choice = autotune.measured_choice(call, able, lambda b: not _auto_prefers(b, call))
+    return None if choice is None else _REGISTRY.get(choice.backend)
+
+
+def explain(call: AttentionCall) -> str:
+    """Which backend ``auto`` takes for ``call``, and why: measured on this machine (with the
+    times), read from the disk cache, or the static order (measuring off or not done yet).
+    Runs nothing."""
+    kept = autotune.stored_choice(call) if autotune.enabled() and not tracing() else None
+    if kept is not None:
+        backend = _REGISTRY.get(kept.backend)
+        if backend is not None and backend.supports(call) is None:
+            return kept.reason()
+    static = _static_choice(call)
+    why = "measuring is off (QKV_AUTOTUNE=off)" if not autotune.enabled() else "not measured"
+    return f"{static.name}: the first backend of the static order that takes it ({why})"
+
+
+def tune(call: AttentionCall) -> autotune.Choice | None:
+    """Measure every backend that can take ``call`` (those that compile on first use too),
+    keep the fastest for calls of its kind (in this process and on disk), and return it; None
+    when fewer than two can take it. What ``qkv tune`` runs."""
+    able = [b for b in _ORDER if b.name != "reference" and b.supports(call) is None]
+    return autotune.measured_choice(call, able, lambda b: False, fresh=True)
 
 
 def _auto_prefers(backend: Backend, call: AttentionCall) -> bool:

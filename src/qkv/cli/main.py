@@ -8,7 +8,7 @@ import sys
 
 from ..training import preserve_torch_state
 from ..training.parallel import LostPeer
-from . import bench, bench_decode, explain, lra, seeds, train, view
+from . import bench, bench_decode, explain, lra, seeds, train, tune, view
 
 __all__ = ["main", "make_parser"]
 
@@ -24,7 +24,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="qkv", description="Self-attention and multi-head attention: exact, fast, see-through."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (seeds, explain, bench, bench_decode, train, lra, view):
+    for command in (seeds, explain, bench, bench_decode, train, lra, view, tune):
         command.add_parser(sub)
     return parser
 

@@ -1,0 +1,326 @@
+"""``auto`` chooses by measurement: the backends that can take a call, timed on this machine.
+
+Flags guess; timings know. The first time ``backend="auto"`` meets a kind of call (device,
+dtype, mask kind, score change, whether a gradient is wanted, and the sizes in power-of-two
+buckets), it runs each backend that can take the call a few times on the call's own inputs
+(forward, or forward and backward when a gradient is wanted; no more than a few calls' time
+each; a wanted trace does not count: its weights come after any kernel alike), picks the
+fastest, and keeps the choice: in memory for the process (the choice never changes within
+it), and on disk for the next process on the same machine (``$QKV_CACHE_DIR``, else
+``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``; one JSON file per machine: CPU model and
+flags or GPU name, torch and qkv versions).
+
+What is not measured:
+  * a call only one backend can take, and the reference backend (the slow twin, which holds
+    every (T, S) score: the ground truth, not a speed path);
+  * backends whose first call compiles (``flex`` off CUDA, ``auto_prefers``) unless a
+    ``qkv tune`` run measured them and left its verdict on disk;
+  * calls under tracing (torch.compile, export, vmap: nothing may run twice there) and calls
+    on meta tensors: the static order (``priority``) decides them.
+
+``QKV_AUTOTUNE=off`` turns measuring off (the static order, as before); ``=on`` (the default)
+measures. Whatever wins, every backend meets the tolerance policy, so the choice changes speed
+and never the result beyond it. ``qkv.dispatch.explain(call)`` says which backend a call
+would take and why; ``qkv tune`` (``qkv.dispatch.tune``) measures ahead of time, compiling
+backends included.
+
+Shape alphabet: B batch, H heads, T query length, S key length, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .ops.base import Backend, tracing
+from .ops.call import AttentionCall
+
+__all__ = [
+    "Choice",
+    "cache_path",
+    "enabled",
+    "forget",
+    "known",
+    "measured_choice",
+    "stored_choice",
+]
+
+_RUNS, _BUDGET_S = 3, 0.02  # timed runs per candidate, at most, within about 20 ms each
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backend ``auto`` takes for a kind of call, and why.
+
+    ``times``: seconds per call of each candidate measured (empty for the static order);
+    ``source``: ``"measured"`` (this process), ``"disk"`` (an earlier process or
+    ``qkv tune``), ``"static"`` (measuring off, or nothing to compare).
+    """
+
+    backend: str
+    source: str
+    times: dict[str, float]
+
+    def reason(self) -> str:
+        if not self.times:
+            return f"{self.backend}: the static order ({self.source})"
+        ranked = sorted(self.times.items(), key=lambda kv: kv[1])
+        shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
+        return f"{self.backend}: fastest measured on this machine ({shown}; {self.source})"
+
+
+def enabled() -> bool:
+    """Whether ``auto`` measures (``QKV_AUTOTUNE``, default on)."""
+    value = os.environ.get("QKV_AUTOTUNE", "on").strip().lower()
+    if value in ("on", "1", "true", "yes", ""):
+        return True
+    if value in ("off", "0", "false", "no"):
+        return False
+    raise ValueError(f"QKV_AUTOTUNE={value!r}: use 'on' or 'off'")
+
+
+def call_kind(call: AttentionCall) -> str:
+    """The key under which a choice is kept: what decides speed, sizes in buckets."""
+    B, H = call.BH
+    mask = "causal" if call.is_causal and call.mask_mod is None else call.mask_kind
+    if call.mask_mod is not None:
+        mask = type(call.mask_mod).__name__.strip("_") + ("+causal" if call.is_causal else "")
+    parts = [
+        call.device.type,
+        str(call.dtype).removeprefix("torch."),
+        mask,
+        "score:" + (type(call.score_mod).__name__.strip("_") if call.score_mod else "none"),
+        "grad" if _wants_grad(call) else "nograd",
+        "sinks" if call.sinks is not None else "",
+        "gqa" if call.enable_gqa and call.key.shape[-3] != call.query.shape[-3] else "",
+        f"BH{_bucket(B * H)}-T{_bucket(call.T)}-S{_bucket(call.S)}-D{call.D}-Dv{call.Dv}",
+        f"drop{call.dropout_p > 0:d}",
+    ]
+    return "/".join(p for p in parts if p)
+
+
+def _bucket(n: int) -> int:
+    """n rounded up to a power of two (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _wants_grad(call: AttentionCall) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in (call.query, call.key, call.value))
+
+
+# --- the choice --------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_chosen: dict[str, Choice] = {}  # call kind -> choice, for this process (never changes)
+
+
+def measured_choice(
+    call: AttentionCall,
+    candidates: list[Backend],
+    compiles: Callable[[Backend], bool],
+    *,
+    fresh: bool = False,
+) -> Choice | None:
+    """The backend ``auto`` takes for ``call`` among ``candidates`` (those that can take it,
+    fastest first by the static order), or None for the static order's first.
+
+    ``compiles(backend)``: whether the backend's first call compiles (it is then measured only
+    by ``qkv tune``, whose verdict on disk counts). ``fresh``: measure every candidate, the
+    compiling ones too, whatever is kept (``qkv tune``).
+    """
+    if tracing() or call.device.type == "meta" or len(candidates) < 2:
+        return None
+    if not fresh and not enabled():
+        return None
+    kind = call_kind(call)
+    with _lock:
+        hit = None if fresh else _chosen.get(kind)
+    if hit is not None:
+        return hit if any(b.name == hit.backend for b in candidates) else None
+    names = {b.name for b in candidates}
+    stored = None if fresh else _disk().get(kind)
+    if stored is not None and stored.get("backend") in names:
+        choice = Choice(stored["backend"], "disk", dict(stored.get("times", {})))
+    else:
+        timed = [b for b in candidates if fresh or not compiles(b)]
+        if len(timed) < 2:
+            return None
+        times = {b.name: _time_backend(b, call) for b in timed}
+        times = {n: t for n, t in times.items() if t is not None}
+        if not times:
+            return None
+        best = min(times, key=times.__getitem__)
+        choice = Choice(best, "measured", times)
+        _disk_store(kind, choice)
+    with _lock:
+        if fresh:
+            _chosen[kind] = choice
+        _chosen.setdefault(kind, choice)
+        return _chosen[kind]
+
+
+def _time_backend(backend: Backend, call: AttentionCall) -> float | None:
+    """Seconds per call of ``backend`` on ``call`` (the fastest of a few runs after one
+    untimed run), or None if it raised (it is then not chosen)."""
+    run = _runner(backend, call)
+    try:
+        run()  # untimed: plans, caches, kernels loaded
+        best = float("inf")
+        start = _clock()
+        for _ in range(_RUNS):
+            t0 = _clock()
+            run()
+            best = min(best, _clock() - t0)
+            if _clock() - start > _BUDGET_S:
+                break
+    except Exception:  # a backend that fails here is simply not chosen
+        return None
+    return best
+
+
+def _runner(backend: Backend, call: AttentionCall) -> Callable[[], None]:
+    """One call of ``backend``: forward, or forward and backward on detached copies of the
+    inputs (the caller's tensors get no gradient from the measurement)."""
+    cuda = call.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(call.device)
+
+    if not _wants_grad(call):
+
+        def forward() -> None:
+            with torch.no_grad():
+                backend.run(call)
+            sync()
+
+        return forward
+
+    import dataclasses
+
+    q, k, v = (
+        t.detach().requires_grad_(t.requires_grad) for t in (call.query, call.key, call.value)
+    )
+    copy = dataclasses.replace(call, query=q, key=k, value=v)
+    leaves = [t for t in (q, k, v) if t.requires_grad]
+
+    def both() -> None:
+        out = backend.run(copy).out
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+        sync()
+
+    return both
+
+
+def _clock() -> float:
+    """The timer (tests replace it with a fake one)."""
+    return time.perf_counter()
+
+
+def forget() -> None:
+    """Drop this process's choices (the next call of each kind is measured again, or read
+    from disk)."""
+    with _lock:
+        _chosen.clear()
+    _disk.cache_clear()
+
+
+def stored_choice(call: AttentionCall) -> Choice | None:
+    """The choice kept for ``call``'s kind, in this process or on disk (nothing is run)."""
+    kind = call_kind(call)
+    with _lock:
+        hit = _chosen.get(kind)
+    if hit is not None:
+        return hit
+    stored = _disk().get(kind)
+    if stored is None or "backend" not in stored:
+        return None
+    return Choice(stored["backend"], "disk", dict(stored.get("times", {})))
+
+
+def known(call: AttentionCall) -> str | None:
+    """The backend this process chose for ``call``'s kind, if it did (a dict lookup)."""
+    return None if not _chosen else _chosen.get(call_kind(call), _NONE).backend or None
+
+
+_NONE = Choice("", "", {})
+
+
+# --- the disk ----------------------------------------------------------------------------------
+
+
+def machine_key() -> str:
+    """What a measurement holds for: the processor (GPU name or CPU model and flags), torch's
+    and qkv's versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .ops.cpu_isa import cpu_features
+
+    try:
+        qkv_version = version("qkv")
+    except PackageNotFoundError:  # run from a source tree, not installed
+        qkv_version = "source"
+
+    parts = [platform.machine(), _cpu_model(), " ".join(sorted(cpu_features()))]
+    if torch.cuda.is_available():
+        parts += [torch.cuda.get_device_name(), str(torch.cuda.get_device_capability())]
+    parts += [f"torch {torch.__version__}", f"qkv {qkv_version}"]
+    return " | ".join(parts)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_path() -> Path:
+    """The file this machine's choices are kept in."""
+    root = os.environ.get("QKV_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "qkv")
+    digest = hashlib.blake2b(machine_key().encode(), digest_size=8).hexdigest()
+    return Path(root) / f"autotune-{digest}.json"
+
+
+@functools.cache
+def _disk() -> dict:
+    """The stored choices (read once per process; an unreadable file counts as empty)."""
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data.get("choices", {}) if isinstance(data, dict) else {}
+
+
+def _disk_store(kind: str, choice: Choice) -> None:
+    """Keep ``choice`` on disk too (atomically; a cache that cannot be written is skipped:
+    the choice still holds for this process)."""
+    stored = _disk()
+    stored[kind] = {"backend": choice.backend, "times": choice.times}
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"machine": machine_key(), "choices": stored}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass

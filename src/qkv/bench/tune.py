@@ -1,0 +1,76 @@
+"""What ``qkv tune`` runs: ``auto``'s choice measured ahead of time over a grid of calls.
+
+Each configuration (case x dtype x length, on one device) becomes a call on random inputs,
+and :func:`qkv.dispatch.tune` times every backend that can take it, those that compile on
+first use (``flex``) included, and keeps the fastest on disk for calls of that kind
+(``qkv.autotune``). A later process on the same machine then starts with those choices.
+
+Shape alphabet: B batch, H heads, T query length (= S), D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .. import dispatch, masks
+from ..ops import AttentionCall
+from .specs import document_ids
+
+__all__ = ["TUNE_CASES", "tune_grid"]
+
+TUNE_CASES = ("none", "causal", "window", "document")
+
+
+def _case_kwargs(case: str, T: int, device) -> dict:
+    if case == "none":
+        return {}
+    if case == "causal":
+        return dict(is_causal=True)
+    if case == "window":
+        return dict(mask_mod=masks.sliding_window(256))
+    if case == "document":
+        return dict(mask_mod=masks.document(document_ids(T).to(device)))
+    raise ValueError(f"unknown case {case!r}; choose from {', '.join(TUNE_CASES)}")
+
+
+def tune_grid(
+    *,
+    device: str = "cpu",
+    dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    lengths: tuple[int, ...] = (1024, 4096),
+    cases: tuple[str, ...] = TUNE_CASES,
+    B: int = 1,
+    H: int = 8,
+    D: int = 64,
+    grad: bool = False,
+    progress: Callable[[dict], None] | None = None,
+) -> Iterator[dict]:
+    """Measure each configuration and keep its fastest backend; yield one row per
+    configuration: ``{case, dtype, T, backend, times}`` (seconds per call), or with
+    ``reason`` when fewer than two backends can take it."""
+    dev = torch.device(device)
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for T in lengths:
+            for case in cases:
+                g = torch.Generator(device=dev).manual_seed(0)
+                q, k, v = (
+                    torch.randn(B, H, T, D, generator=g, device=dev, dtype=dtype).requires_grad_(
+                        grad
+                    )
+                    for _ in range(3)
+                )
+                call = AttentionCall.build(q, k, v, **_case_kwargs(case, T, dev))
+                row: dict = dict(case=case, dtype=dtype_name, T=T, device=device)
+                with torch.set_grad_enabled(grad):
+                    choice = dispatch.tune(call)
+                if choice is None:
+                    able = [n for n, r in dispatch.check_backends(call).items() if r is None]
+                    row.update(backend=None, reason=f"only {', '.join(able)} can take it")
+                else:
+                    row.update(backend=choice.backend, times=choice.times)
+                if progress is not None:
+                    progress(row)
+                yield row

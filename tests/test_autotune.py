@@ -1,0 +1,164 @@
+"""auto chooses by measurement (issue 38, item 2): with a fake clock, two fake backends.
+
+``Slow`` comes first in the static order and takes twice ``Fast``'s (fake) time: measured, auto
+takes ``Fast``; the choice holds for the process, goes to disk, and is read back by a fresh
+process (``autotune.forget``) without measuring again; ``QKV_AUTOTUNE=off`` gives the static
+order; a backend that compiles on first use is measured only by ``tune``; ``explain`` says
+which and why.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import qkv
+from qkv import autotune, dispatch
+from qkv.ops import AttentionCall
+
+
+class Clock:
+    now = 0.0
+
+
+class Fake:
+    """A backend whose every run advances the fake clock by ``cost`` and counts itself."""
+
+    def __init__(self, name, priority, cost, prefers=True):
+        self.name, self.priority, self.cost, self.prefers = name, priority, cost, prefers
+        self.runs = 0
+
+    def supports(self, call):
+        return None if call.dtype == torch.float32 and call.T == 33 else "a test backend"
+
+    def auto_prefers(self, call):
+        return self.prefers
+
+    def run(self, call):
+        self.runs += 1
+        Clock.now += self.cost
+        return dispatch.get_backend("reference").run(call)
+
+
+@pytest.fixture
+def fakes(monkeypatch, tmp_path):
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_clock", lambda: Clock.now)
+    autotune.forget()
+    # the fakes and the reference alone: the real backends would time 0 on the fake clock
+    monkeypatch.setattr(dispatch, "_REGISTRY", {"reference": dispatch.get_backend("reference")})
+    monkeypatch.setattr(dispatch, "_ORDER", list(dispatch._REGISTRY.values()))
+    made = [Fake("slow", -2, 2.0), Fake("fast", -1, 1.0)]
+    for b in made:
+        dispatch.register_backend(b)
+    yield made
+    autotune.forget()
+
+
+def _qkv(T=33):
+    return [torch.randn(1, 2, T, 8) for _ in range(3)]
+
+
+def _backend_of_a_call() -> str:
+    """Which backend ran a call (q wants a gradient: with none, auto forms a trace's weights
+    in one pass of the plain math instead of asking a backend)."""
+    q, k, v = _qkv()
+    _, trace = qkv.scaled_dot_product_attention(q.requires_grad_(), k, v, return_trace=True)
+    return trace.backend
+
+
+def test_auto_takes_the_backend_measured_fastest_and_keeps_it(fakes, tmp_path):
+    slow, fast = fakes
+    assert _backend_of_a_call() == "fast"
+    assert slow.runs >= 2 and fast.runs >= 3  # one untimed run each, then timed runs
+    runs = (slow.runs, fast.runs)
+    fast.cost = 5.0  # slower now: the choice holds for the process all the same
+    assert _backend_of_a_call() == "fast" and slow.runs == runs[0] and fast.runs == runs[1] + 1
+    q, k, v = _qkv()
+    call = AttentionCall.build(q.requires_grad_(), k, v)
+    why = dispatch.explain(call)
+    assert why.startswith("fast: fastest measured") and "slow 2e+03 ms" in why
+    (stored,) = tmp_path.glob("autotune-*.json")
+    data = json.loads(stored.read_text())
+    assert data["machine"] == autotune.machine_key()
+    (kind,) = data["choices"]
+    assert kind == autotune.call_kind(call) and data["choices"][kind]["backend"] == "fast"
+
+
+def test_a_fresh_process_reads_the_disk_and_measures_nothing(fakes):
+    slow, fast = fakes
+    _backend_of_a_call()
+    autotune.forget()  # as a new process: memory empty, the file stays
+    before = (slow.runs, fast.runs)
+    assert _backend_of_a_call() == "fast"
+    assert (slow.runs, fast.runs) == (before[0], before[1] + 1)
+    q, k, v = _qkv()
+    assert "; disk)" in dispatch.explain(AttentionCall.build(q.requires_grad_(), k, v))
+
+
+def test_off_gives_the_static_order(fakes, monkeypatch):
+    slow, fast = fakes
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    assert _backend_of_a_call() == "slow" and fast.runs == 0 and slow.runs == 1
+    assert "QKV_AUTOTUNE=off" in dispatch.explain(AttentionCall.build(*_qkv()))
+    monkeypatch.setenv("QKV_AUTOTUNE", "sometimes")
+    with pytest.raises(ValueError, match="QKV_AUTOTUNE='sometimes'"):
+        qkv.scaled_dot_product_attention(*_qkv())
+
+
+def test_kinds_are_kept_apart_and_other_calls_keep_their_backend(fakes):
+    qkv.scaled_dot_product_attention(*_qkv())
+    call = AttentionCall.build(*_qkv(), is_causal=True)
+    assert autotune.call_kind(call) != autotune.call_kind(AttentionCall.build(*_qkv()))
+    plain = AttentionCall.build(*_qkv(T=17))  # the fakes decline: one backend, no measuring
+    assert dispatch.select(plain).name == "reference"
+    assert "not measured" in dispatch.explain(plain)
+
+
+def test_a_backend_that_compiles_is_measured_by_tune_only(fakes):
+    _, fast = fakes
+    fast.prefers = False  # as flex off CUDA: its first call compiles
+    assert _backend_of_a_call() == "slow" and fast.runs == 0
+    q, k, v = _qkv()
+    choice = dispatch.tune(AttentionCall.build(q.requires_grad_(), k, v))
+    assert choice.backend == "fast" and set(choice.times) >= {"slow", "fast"}
+    assert _backend_of_a_call() == "fast"
+
+
+def test_measuring_leaves_the_callers_tensors_alone(fakes):
+    """Forward and backward are timed on detached copies: no gradient reaches the caller's
+    leaves from the measurement, and the result is the chosen backend's."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = qkv.scaled_dot_product_attention(q, k, v)
+    assert q.grad is None and k.grad is None
+    out.sum().backward()
+    want = qkv.scaled_dot_product_attention(*(t.detach() for t in (q, k, v)), backend="reference")
+    torch.testing.assert_close(out.detach(), want)
+    assert q.grad is not None
+
+
+def test_qkv_tune_keeps_its_choices_for_later_processes(tmp_path, monkeypatch, capsys):
+    """``qkv tune`` times the backends of each configuration (real clock) and writes the
+    winner where a later process's auto reads it."""
+    from qkv.cli import main
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    autotune.forget()
+    try:
+        argv = ["tune", "--lengths", "40", "--dtypes", "float32", "--cases", "causal"]
+        assert main([*argv, "--dim", "24", "--out", str(tmp_path / "rows.json")]) == 0
+        printed = capsys.readouterr().out
+        (row,) = json.loads((tmp_path / "rows.json").read_text())
+        assert row["backend"] in ("torch", "tiled") and set(row["times"]) == {"torch", "tiled"}
+        assert f"-> {row['backend']}" in printed
+        autotune.forget()  # a later process
+        q, k, v = (torch.randn(1, 8, 40, 24) for _ in range(3))
+        call = AttentionCall.build(q, k, v, is_causal=True)
+        assert dispatch.select(call).name == row["backend"]
+        assert "; disk)" in dispatch.explain(call)
+    finally:
+        autotune.forget()
