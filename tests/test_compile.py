@@ -669,3 +669,100 @@ def test_capture_around_a_compiled_model_is_one_graph_and_records_as_eager():
     )
     torch.testing.assert_close(got.layer(1)[0].probs, want.layer(1)[0].probs)
     assert got.layer(1)[0].probs.shape == (2, 2, 4, 12)
+
+
+# --- every ready-made score_mod on every backend that claims compile (issue 41, item 5) -------
+
+# The ready-made score changes, as a named backend or auto meets them: ALiBi (additive; torch's
+# flash kernel where D == Dv, the matmul kernel where not), ALiBi with learned slopes (their
+# gradient wants autograd: the dense math), softcap (the matmul kernel). Plain functions
+# follow (docs/compile.md: they trace too, by the dense math).
+READY_SCORE_MODS = {
+    "alibi": lambda: M.alibi(H),
+    "alibi-learned-slopes": lambda: M.alibi(M.alibi_slopes(H).requires_grad_(True)),
+    "softcap": lambda: M.softcap(3.0),
+    "plain-function": lambda: lambda score, b, h, q_idx, kv_idx: score * 0.5,
+}
+# where the tiled custom op carries the call (the rest runs the dense math in the graph)
+_IN_THE_OP = {"alibi", "softcap"}
+
+
+_SCORE_MOD_CALLS = [
+    pytest.param(
+        name, backend, Dv, sinks, id=f"{name}-{backend}-Dv{Dv}-{'sinks' if sinks else 'no-sinks'}"
+    )
+    for name in READY_SCORE_MODS
+    for backend in ("tiled", "auto", "reference")
+    for Dv in (D, 5)
+    for sinks in (False, True)
+    if Dv == D or backend == "tiled"  # Dv != D: the tiled op's matmul kernel for ALiBi
+]
+
+
+@pytest.mark.parametrize("name, backend, Dv, sinks", _SCORE_MOD_CALLS)
+def test_every_ready_made_score_mod_is_one_graph_on_every_backend(name, backend, Dv, sinks):
+    """Forward and every gradient (q, k, v, sinks, learned slopes) equal eager in one graph.
+    ``tiled`` with softcap or a plain function raised "Dynamo does not know how to enter a
+    'lock' context manager" (its eager path plans under the plan cache's lock)."""
+    score_mod = READY_SCORE_MODS[name]()
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(B, H, 40, D, generator=gen).requires_grad_(True) for _ in range(2))
+    v = torch.randn(B, H, 40, Dv, generator=gen).requires_grad_(True)
+    s = torch.randn(H, generator=gen).requires_grad_(True) if sinks else None
+    wrt = [q, k, v] + ([s] if sinks else []) + [t for t in _tensors(score_mod) if t.requires_grad]
+
+    def attend(q, k, v):
+        return qkv.scaled_dot_product_attention(
+            q, k, v, is_causal=True, score_mod=score_mod, sinks=s, backend=backend
+        )
+
+    dynamo.reset()
+    graphs = _Graphs()
+    got = torch.compile(attend, backend=graphs, fullgraph=True)(q, k, v)
+    want = attend(q, k, v)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(
+        torch.autograd.grad(got.square().sum(), wrt), torch.autograd.grad(want.square().sum(), wrt)
+    ):
+        torch.testing.assert_close(a, b)
+    assert len(graphs.graphs) == 1
+    if backend == "tiled":
+        assert ("qkv.tiled_forward" in _ops_in(graphs.graphs)) == (name in _IN_THE_OP)
+
+
+def _tensors(score_mod) -> tuple:
+    return score_mod.tensors() if isinstance(score_mod, M.ScoreMod) else ()
+
+
+def test_tiled_softcap_compiles_under_inductor_and_equals_eager():
+    q, k, v = (torch.randn(B, H, 40, D, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v):
+        kw = dict(mask_mod=M.sliding_window(9), score_mod=M.softcap(3.0), backend="tiled")
+        return qkv.scaled_dot_product_attention(q, k, v, **kw)
+
+    compiled, counter = _compiled(attend, "inductor")
+    got, want = compiled(q, k, v), attend(q, k, v)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(
+        torch.autograd.grad(got.square().sum(), (q, k, v)),
+        torch.autograd.grad(want.square().sum(), (q, k, v)),
+    )
+    assert counter.frame_count == 1
+
+
+def test_a_plain_mask_function_on_tiled_is_one_graph():
+    """The same lock stopped a plain-function mask_mod on a named tiled backend."""
+    q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v):
+        band = lambda b, h, q_idx, kv_idx: (q_idx - kv_idx).abs() <= 2  # noqa: E731
+        return qkv.scaled_dot_product_attention(q, k, v, mask_mod=band, backend="tiled")
+
+    compiled, counter = _compiled(attend)
+    got, want = compiled(q, k, v), attend(q, k, v)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(
+        torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))
+    )
+    assert counter.frame_count == 1

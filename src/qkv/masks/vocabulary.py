@@ -72,7 +72,8 @@ class ScoreMod:
     ``additive`` is True when the change is ``score + bias(b, h, q_idx, kv_idx)`` with a bias
     that does not depend on the score (ALiBi, a relative bias): a backend may then add the
     bias as a float mask. ``tensors()`` lists the tensors it reads, so a backend can give them
-    gradients.
+    gradients. ``derivative(...)`` gives ``d score_mod / d score`` in closed form where the
+    change knows it (None: a backend differentiates it by autograd).
     """
 
     additive = False
@@ -81,6 +82,14 @@ class ScoreMod:
         self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
     ) -> Tensor:
         raise NotImplementedError
+
+    def derivative(
+        self, score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor
+    ) -> Tensor | None:
+        """``d score_mod(score, ...) / d score`` at ``score``, broadcastable to its shape, or
+        None where only autograd knows it. A backward that has no autograd to call (the tiled
+        backend's custom op under ``torch.compile``) takes the score changes that give it."""
+        return None
 
     def bind(self, B: int, H: int, T: int, S: int) -> ScoreMod:
         return self
@@ -447,6 +456,9 @@ class _Alibi(ScoreMod):
         bias = (kv_idx - q_idx).to(dtype) * slope  # (1, H, T, S)
         return score + bias.to(score.dtype)
 
+    def derivative(self, score, b, h, q_idx, kv_idx):
+        return torch.ones((), dtype=score.dtype, device=score.device)  # a bias: slope 1
+
     def tensors(self):
         return (self.slopes,)
 
@@ -498,6 +510,9 @@ class _Softcap(ScoreMod):
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         return torch.tanh(score / self.cap) * self.cap
+
+    def derivative(self, score, b, h, q_idx, kv_idx):
+        return 1 - torch.tanh(score / self.cap).square()  # d/ds cap * tanh(s / cap)
 
     def __repr__(self):
         return f"softcap({self.cap})"

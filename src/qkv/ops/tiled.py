@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 
 from ..masks import score_mod_gradient_inputs
-from .base import BackendResult
+from .base import BackendResult, tracing
 from .call import AttentionCall
 from .reference import ReferenceBackend
 from .tiled_backward import _backward, _sink_grad
@@ -107,12 +107,18 @@ class TiledBackend:
     def run(self, call: AttentionCall) -> BackendResult:
         if _nothing_to_tile(call):
             return ReferenceBackend().run(call)
-        if torch.compiler.is_compiling():
+        if tracing():
             from . import tiled_op
 
             if tiled_op.usable(call):
                 out, lse = tiled_op.tiled_attention_op(call)
                 return BackendResult(out=out, lse=lse)
+            # Planning reads mask tensors on the host, which a graph cannot; what the custom op
+            # cannot carry (a plain-function mask_mod or score_mod, a score_mod whose tensors
+            # want gradients; everything under torch.export and torch.func) runs the dense
+            # math in the graph instead, as ``auto`` does there (docs/compile.md): same
+            # numbers, a (T, S) score matrix
+            return ReferenceBackend().run(call)
         out, lse = tiled_attention(call)
         return BackendResult(out=out, lse=lse)
 

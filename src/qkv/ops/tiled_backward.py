@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..masks import index_grid
 from ._aten import flash_backward
 from .tiled_forward import (
     _acc,
@@ -138,6 +139,18 @@ def _group_flash_backward(
             _stacked(acc_t, u, a + p0, a + p1).add_(g_t[:, :, p0:p1])
 
 
+def _score_slope(plan: _Plan, raw: Tensor, where) -> Tensor | None:
+    """``d score_mod / d score`` on the chunk's raw scores in closed form, or None (no
+    score_mod, or one that gives no derivative)."""
+    if plan.score_mod is None:
+        return None
+    t0, t1, k0, k1, _ = where
+    b, h, qi, ki = index_grid(
+        plan.B, plan.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0, device=raw.device
+    )
+    return plan.score_mod.derivative(raw, b, h, qi, ki)
+
+
 def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
     t0, t1, k0, k1, masked = where
     mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))
@@ -156,11 +169,15 @@ def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
 
 def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_tensors, dbias):
     """dV = P^T dO; dS = P * (dO V^T - rowsum(dO * O)); dQ = dS K * scale; dK = dS^T Q * scale,
-    with dS pulled back through score_mod by autograd when there is one."""
+    with dS pulled back through score_mod: by its closed-form derivative where it gives one
+    and no tensor it reads wants a gradient (inside the custom op under torch.compile there
+    is no autograd to call), by autograd otherwise."""
     acc = lse.dtype
+    raw = _raw_scores(plan, q.detach(), k.detach())  # (B, H, tq, kc)
+    slope = None if grad_tensors else _score_slope(plan, raw, where)  # (B?, H?, tq?, kc?)
+    by_autograd = plan.score_mod is not None and slope is None
     with torch.enable_grad():
-        raw = _raw_scores(plan, q.detach(), k.detach())  # (B, H, tq, kc)
-        if plan.score_mod is not None:
+        if by_autograd:
             raw.requires_grad_(True)
         scores = _chunk_scores(plan, q, k, where, raw=raw)
         p = torch.exp(scores.detach() - lse.unsqueeze(-1))  # (B, H, tq, kc)
@@ -174,10 +191,12 @@ def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_ten
             # every dim (a full-rank (B, H, T, S) bias got the whole tile's total everywhere)
             tile += ds.sum_to_size(tile.shape)
         dts = []
-        if plan.score_mod is not None:
+        if by_autograd:
             inputs = (raw,) + tuple(grad_tensors)
             ds, *dts = torch.autograd.grad(scores, inputs, ds, allow_unused=True)
             dts = [torch.zeros_like(t) if g is None else g for g, t in zip(dts, grad_tensors)]
+    if slope is not None:
+        ds = ds * slope  # (B, H, tq, kc); 0 where masked (p = 0 there)
     dq = (ds @ k.to(acc)) * plan.scale  # (B, H, tq, D)
     dk = (ds.transpose(-2, -1) @ q.to(acc)) * plan.scale  # (B, H, kc, D)
     return (dq, dk, dv, *dts)

@@ -15,7 +15,9 @@ it. What crosses the op boundary is what a graph can hold:
 
 Only qkv's own mask and score types (exact types, as :func:`qkv.masks.structure_key`) are
 described; a plain-function mask_mod/score_mod, a score_mod reading a tensor that requires
-grad inside the kernel, or dropout keep the dense traceable path (:func:`usable` says no). Under
+grad, or dropout keep the dense traceable path (:func:`usable` says no). A score_mod the
+matmul kernel runs (softcap; ALiBi where torch's flash kernel cannot take the call) is
+differentiated by its closed-form ``derivative``, since an op's kernel cannot call autograd. Under
 ``torch.export`` the dense path is kept too, so that exported programs (and ONNX) hold only
 standard operators. Attention sinks ride along as one more tensor input, with their gradient.
 
@@ -64,15 +66,25 @@ def usable(call: AttentionCall) -> bool:
     if call.dropout_p > 0:
         return False
     score = call.score_mod
-    if score is not None and (
-        _pick_inner(call, call.work_dtype) != "flash"
-        or (call.attn_mask is not None and call.attn_mask.requires_grad)
-    ):
-        return False  # the matmul kernel differentiates a score_mod by autograd, which the
-        # kernel of a custom op cannot record (nor gradients for the score_mod's tensors)
+    if score is not None:
+        score = score.bind(*call.BH, call.T, call.S)
+        matmul = _pick_inner(call, call.work_dtype) != "flash" or (
+            call.attn_mask is not None and call.attn_mask.requires_grad
+        )
+        if matmul and not _differentiable_in_op(score):
+            return False  # the matmul kernel pulls dS back through the score_mod; inside a
+            # custom op there is no autograd to call, only a closed-form derivative
     return _describe(_bound_mask(call), _Parts()) is not None and (
-        score is None or _describe(score.bind(*call.BH, call.T, call.S), _Parts()) is not None
+        score is None or _describe(score, _Parts()) is not None
     )
+
+
+def _differentiable_in_op(score: M.ScoreMod) -> bool:
+    """Whether the op's backward can pull dS back through ``score`` without autograd: it gives
+    its derivative (softcap, ALiBi: only qkv's own types are described, and both give it) and
+    none of its tensors wants a gradient of its own."""
+    gives = type(score).derivative is not M.ScoreMod.derivative
+    return gives and not any(t.requires_grad for t in score.tensors())
 
 
 def tiled_attention_op(call: AttentionCall) -> tuple[Tensor, Tensor]:
