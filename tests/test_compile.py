@@ -766,3 +766,24 @@ def test_a_plain_mask_function_on_tiled_is_one_graph():
         torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))
     )
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("name", list(READY_SCORE_MODS))
+def test_every_ready_made_score_mod_is_one_graph_on_flex(name):
+    """The flex backend claims compile too (on CPU: forward only, D a power of two >= 16,
+    no sinks). Named in a compiled function it raised before it ran: its check for a C++
+    compiler (os.stat) cannot be traced, and is now taken as a constant."""
+    score_mod = READY_SCORE_MODS[name]()
+    q, k, v = (
+        torch.randn(B, H, 40, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)
+    )
+
+    def attend(q, k, v, backend="flex"):
+        kw = dict(is_causal=True, score_mod=score_mod, backend=backend)
+        return qkv.scaled_dot_product_attention(q, k, v, **kw)
+
+    compiled, counter = _compiled(attend)
+    with torch.no_grad():
+        got, want = compiled(q, k, v), attend(q, k, v, "reference")
+    torch.testing.assert_close(got, want)
+    assert counter.frame_count == 1

@@ -134,6 +134,8 @@ def _wants_grad(call: AttentionCall) -> bool:
 
 
 @functools.cache
+@torch.compiler.assume_constant_result  # under compile its answer, not a trace of its
+# file-system look-ups (dynamo cannot trace os.stat)
 def flex_available(device: str) -> str | None:
     """None when FlexAttention can be compiled for ``device`` here, else why not."""
     try:
