@@ -11,9 +11,11 @@ Forward is timed as inference (inputs that want no gradient); forward+backward a
 
   * ``qkv_ms``: ``qkv.scaled_dot_product_attention(..., backend="auto")``, the public API
     with everything a user's call pays (validation, planning, the mask contract);
-  * ``backends``: the same call with each registered backend named (the reference is the
-    slow twin and is left out: it materialises every (T, S) score); a backend that refuses
-    the call records its reason instead of a time;
+  * ``backends``: the same call with each registered backend named but those in ``--skip``
+    (the reference, the slow twin that holds every (T, S) score, and tiled, PyTorch ops per
+    block, by default); a backend that refuses the call records its reason instead of a time;
+  * ``auto``: which backend auto took and why (``qkv.dispatch.explain``: measured on this
+    machine with the times, or the static order);
   * ``flex_ms``: ``torch.compile(flex_attention)`` with ``create_block_mask`` of the same
     mask, the block mask built once outside the timing (none: no block mask);
   * ``cudnn_ms`` / ``flash_ms``: ``F.scaled_dot_product_attention`` held to
@@ -54,9 +56,10 @@ from pathlib import Path
 import torch
 
 import qkv
+from qkv import dispatch
 from qkv.bench import attention_flops, document_ids, mask_density
 from qkv.dispatch import backend_names
-from qkv.ops import BackendUnsupportedError
+from qkv.ops import AttentionCall, BackendUnsupportedError
 
 CASES = ("none", "causal", "window", "document")
 MODES = ("fwd", "fwdbwd")
@@ -101,7 +104,7 @@ def flex_block_mask(case: str, T: int, device):
     return create_block_mask(mask, None, None, T, T, device=str(device))
 
 
-def implementations(case: str, T: int, device, flex) -> dict:
+def implementations(case: str, T: int, device, flex, skip=("reference",)) -> dict:
     """name -> attend(q, k, v) for every implementation of the case (qkv's first)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -113,7 +116,7 @@ def implementations(case: str, T: int, device, flex) -> dict:
 
     impls = {"qkv": named("auto")}
     for name in backend_names():
-        if name != "reference":
+        if name not in skip:
             impls[f"qkv-{name}"] = named(name)
     block_mask = flex_block_mask(case, T, device)
     impls["flex"] = lambda q, k, v: flex(q, k, v, block_mask=block_mask)
@@ -229,7 +232,8 @@ def measure_config(case, T, D, args, device, flex, bench) -> list[dict]:
         torch.randn(B, H, T, D, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
         for _ in range(3)
     )
-    impls = implementations(case, T, device, flex)
+    impls = implementations(case, T, device, flex, args.skip)
+    kws = qkv_kwargs(case, T, device)
     q0, k0, v0 = (t.detach() for t in (q, k, v))
     with torch.no_grad():
         ours = impls["qkv"](q0, k0, v0).float()
@@ -254,6 +258,9 @@ def measure_config(case, T, D, args, device, flex, bench) -> list[dict]:
             if name.startswith("qkv"):
                 syncs[name] = sync_free(fn, device)
         peer, peer_ms, allowed = goal(case, times)
+        call = AttentionCall.build(q if mode == "fwdbwd" else q.detach(), k, v, **kws)
+        with torch.set_grad_enabled(mode == "fwdbwd"):
+            auto_took = dispatch.explain(call)  # which backend auto took, and why
         qkv_ms = times.get("qkv")
         ratio = qkv_ms / peer_ms if qkv_ms and peer_ms else None
         n = attention_flops(
@@ -277,6 +284,7 @@ def measure_config(case, T, D, args, device, flex, bench) -> list[dict]:
                 sync_free=syncs,
                 tflops={n_: n / (t * 1e-3) / 1e12 for n_, t in times.items()},
                 max_diff_vs_flex=max_diff,
+                auto=auto_took,
                 goal_peer=peer,
                 ratio=ratio,
                 goal=allowed,
@@ -383,6 +391,13 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=300.0, help="no new configuration after")
     p.add_argument("--tokens", type=int, default=TOKENS, help="B * T")
     p.add_argument("--width", type=int, default=WIDTH, help="H * D")
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=["reference", "tiled"],
+        help="qkv backends not timed by name (default: the reference, the slow twin, and tiled, "
+        "PyTorch ops per block: 20-1,100 ms a call on an H100, never a GPU choice)",
+    )
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: checks the script")
     args = p.parse_args(argv)
     if args.dry_run:
