@@ -30,6 +30,8 @@ CORE_TESTS=(tests/test_tiled.py tests/test_mask_contract.py tests/test_trust_ker
             tests/test_masks.py tests/test_vs_torch.py tests/test_sinks.py tests/test_gradients.py
             tests/test_dispatch.py)
 [ -f tests/test_host_reads.py ] && CORE_TESTS+=(tests/test_host_reads.py)
+# QKV_GPU_CORE_TESTS="tests/a.py tests/b.py" runs those instead (a short lease's second call)
+if [ -n "${QKV_GPU_CORE_TESTS:-}" ]; then read -r -a CORE_TESTS <<< "$QKV_GPU_CORE_TESTS"; fi
 
 {
     date -u +%FT%TZ
