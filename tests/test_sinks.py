@@ -289,3 +289,74 @@ def test_minus_inf_sink_on_a_row_with_no_key_outputs_zero(case, backend, dtype):
     assert_tolerance(out, gold, base)
     for name, a, g, b in zip(("q", "k", "v", "sinks"), got, gold_g, base_g):
         assert_tolerance(a, g, b, factor=GRAD_FACTOR, name=f"grad {name}")
+
+
+# --- the trace's lse with sinks, and sinks under compile (issue 41, item 6) -------------------
+
+
+@pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
+def test_the_trace_lse_includes_the_sink_and_is_the_sink_on_a_row_with_no_key(backend):
+    """AttentionTrace's lse is logaddexp(lse of the scores, sink): the sink itself on a row
+    that may attend to nothing (-inf only for a -inf sink), and the weights of a row sum to
+    1 - exp(sink - lse). Float64 math written here."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 3, 4, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    keep = torch.ones(4, 4, dtype=torch.bool)
+    keep[1] = False  # row 1 may attend to nothing
+    sinks = torch.tensor([float("-inf"), 0.5, -30.0], dtype=torch.float64)
+    _, trace = qkv.scaled_dot_product_attention(
+        q, k, v, attn_mask=keep, sinks=sinks, backend=backend, return_trace=True
+    )
+    s = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(~keep, float("-inf"))  # (1, 3, 4, 4)
+    col = sinks.view(1, 3, 1, 1).expand(1, 3, 4, 1)
+    want = torch.logsumexp(torch.cat([s, col], -1), -1)  # (1, 3, 4); -inf, 0.5, -30 on row 1
+    torch.testing.assert_close(trace.lse, want)
+    assert trace.lse[0, :, 1].tolist() == [float("-inf"), 0.5, -30.0]
+    share = torch.exp(sinks.view(1, 3, 1) - want).nan_to_num(0.0)  # the sink's weight
+    torch.testing.assert_close(trace.probs.sum(-1)[:, :, [0, 2, 3]], (1 - share)[:, :, [0, 2, 3]])
+    assert torch.equal(trace.probs[0, :, 1], torch.zeros(3, 4, dtype=torch.float64))
+
+
+_COMPILED_SINK_MASKS = {
+    "none": dict,
+    "causal": lambda: dict(is_causal=True),
+    "window": lambda: dict(mask_mod=M.sliding_window(20)),
+    "document": lambda: dict(mask_mod=M.document(torch.arange(96) // 30)),
+    "causal-alibi": lambda: dict(is_causal=True, score_mod=M.alibi(H)),
+    "causal-softcap": lambda: dict(is_causal=True, score_mod=M.softcap(3.0)),
+}
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("name", list(_COMPILED_SINK_MASKS))
+def test_sinks_under_compile_hold_no_T_by_S_tensor(name, grad):
+    """O(T + S) memory with sinks under compile: the call stays in the tiled op, and no value
+    in the graph has T * S elements (softcap with sinks ran the dense math, a (B, H, T, S)
+    score matrix, before the op carried softcap)."""
+    Tn = 96
+    q, k, v = (torch.randn(1, H, Tn, 16, requires_grad=grad) for _ in range(3))
+    sinks = torch.randn(H, requires_grad=grad)
+    kw = _COMPILED_SINK_MASKS[name]()
+
+    def attend(q, k, v, sinks):
+        return qkv.scaled_dot_product_attention(q, k, v, sinks=sinks, **kw)
+
+    graphs = []
+
+    def keep(gm, inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    got = torch.compile(attend, backend=keep, fullgraph=True)(q, k, v, sinks)
+    torch.testing.assert_close(got, attend(q, k, v, sinks))
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    assert "qkv.tiled_forward" in {str(n.target) for n in nodes if n.op == "call_function"}
+    sizes = [
+        n.meta["example_value"].numel() for n in nodes if _is_tensor(n.meta.get("example_value"))
+    ]
+    assert max(sizes) < Tn * Tn, f"a value of {max(sizes)} elements in the graph"
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)

@@ -34,8 +34,12 @@ class AttentionTrace:
     Attributes:
         scores: Scaled scores after masking, before softmax; masked entries are ``-inf``.
         probs: Attention weights (before dropout); each row sums to 1, or is all 0 for a
-            query row that may attend to nothing.
-        lse: Log-sum-exp of each row of ``scores``; ``-inf`` for a fully masked row.
+            query row that may attend to nothing. With attention ``sinks`` they are the
+            real keys' share only: a row sums to ``1 - exp(sink - lse)``.
+        lse: Log-sum-exp of each row of ``scores``; ``-inf`` for a fully masked row. With
+            ``sinks`` the sink is one more term, ``logaddexp(lse_of_scores, sink)``: a row
+            that may attend to nothing has its sink as lse (``-inf`` only for a ``-inf``
+            sink).
         backend: Name of the backend that computed the output.
 
     Shape:
