@@ -12,6 +12,7 @@ import tempfile
 
 import pytest
 import torch
+from routes import ROUTES, force_route
 
 TEST_DEVICE = os.environ.get("QKV_TEST_DEVICE", "cpu")
 
@@ -81,3 +82,11 @@ def make_mask(kind: str, B: int, H: int, T: int, S: int, dtype=torch.float64, p_
         m = torch.randn(B, H, T, S, dtype=dtype)
         return m.masked_fill(torch.rand(B, H, T, S) > p_keep, float("-inf"))
     raise ValueError(kind)
+
+
+@pytest.fixture(params=list(ROUTES))
+def cpu_route(request, monkeypatch):
+    """Each route the machine could pick (tests/routes.py), forced: a test that takes this
+    fixture runs on every route, whatever this machine would pick."""
+    force_route(monkeypatch, request.param)
+    return request.param

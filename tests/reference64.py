@@ -32,11 +32,13 @@ from torch import Tensor
 __all__ = [
     "alibi64",
     "attention64",
+    "attention64_trace",
     "causal_allowed",
     "document_allowed",
     "elementwise_mask",
     "elementwise_score",
     "key_lengths_allowed",
+    "product_size",
     "repeat_kv_heads",
     "softcap64",
     "window_allowed",
@@ -189,7 +191,30 @@ def attention64(
     score_mod: Callable[[Tensor], Tensor] | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
-    """Exact attention in float64 under qkv's mask contract.
+    """Exact attention in float64 under qkv's mask contract: the output of
+    :func:`attention64_trace`.
+
+    Shape:
+        q ``(B, H, T, D)``, k ``(B, G, S, D)``, v ``(B, G, S, Dv)`` -> ``(B, H, T, Dv)``.
+    """
+    out, _, _, _ = attention64_trace(
+        q, k, v, scale=scale, allowed=allowed, bias=bias, score_mod=score_mod, sinks=sinks
+    )
+    return out
+
+
+def attention64_trace(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    allowed: Tensor | None = None,
+    bias: Tensor | None = None,
+    score_mod: Callable[[Tensor], Tensor] | None = None,
+    sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Exact attention in float64 under qkv's mask contract, with what a trace holds.
 
     Args:
         q, k, v: float64 queries, keys, values (k, v with G heads, H a multiple of G).
@@ -200,10 +225,14 @@ def attention64(
         sinks: ``(H,)`` float64 logits that join each row's softmax with no value (gpt-oss).
 
     Returns:
-        The output; rows that may attend to nothing are exactly 0.
+        The output (rows that may attend to nothing are exactly 0); the scaled scores after
+        the masks (``-inf`` where a row may not attend); the weights (rows of 0 where a row
+        may attend to nothing); the log-sum-exp of each row (with the sink's term; ``-inf``
+        for a row with nothing to sum).
 
     Shape:
-        q ``(B, H, T, D)``, k ``(B, G, S, D)``, v ``(B, G, S, Dv)`` -> ``(B, H, T, Dv)``.
+        q ``(B, H, T, D)``, k ``(B, G, S, D)``, v ``(B, G, S, Dv)`` -> out
+        ``(B, H, T, Dv)``, scores and probs ``(B, H, T, S)``, lse ``(B, H, T)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != torch.float64:
@@ -238,4 +267,24 @@ def attention64(
     if sink is not None:
         total = total + torch.exp(sink - row_max)  # the sink's share of the denominator
     probs = exp / torch.where(total > 0, total, 1.0)  # (B, H, T, S); empty rows all 0
-    return torch.einsum("bhts,bhse->bhte", probs, v)  # (B, H, T, Dv)
+    out = torch.einsum("bhts,bhse->bhte", probs, v)  # (B, H, T, Dv)
+    lse = torch.where(total > 0, row_max + torch.log(total.clamp_min(1e-300)), float("-inf"))
+    lse = lse.squeeze(-1)  # (B, H, T)
+    return out, torch.where(ok, scores, float("-inf")), probs, lse
+
+
+def product_size(q: Tensor, k: Tensor, scale: float | None) -> float:
+    """``max(1, |scale| * max(|q| |k|^T))``: the largest sum of absolute products a score
+    is formed from. Float32 scores and their log-sum-exp are within about ``D * 2^-24``
+    times this of the exact ones, so ``1e-5`` times it bounds a float32 lse for D <= 64.
+
+    Shape:
+        q ``(B, H, T, D)``, k ``(B, G, S, D)`` (G divides H).
+    """
+    H, D = q.shape[1], q.shape[-1]
+    if q.numel() == 0 or k.numel() == 0:
+        return 1.0
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    k = repeat_kv_heads(k.detach().double().abs(), H)  # (B, H, S, D)
+    sums = q.detach().double().abs() @ k.transpose(-2, -1)  # (B, H, T, S)
+    return max(1.0, abs(scale) * float(sums.max()))

@@ -38,7 +38,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
-from reference64 import attention64
+from reference64 import attention64, attention64_trace, product_size
 from strategies import (
     COPYING_FREE_LAYOUTS,
     FLOAT_MASK_SHAPES,
@@ -56,6 +56,7 @@ from strategies import (
 )
 
 import qkv
+from qkv.testing import max_error as policy_error
 
 _COMMON = dict(
     deadline=None,
@@ -550,6 +551,97 @@ def test_autocast_matches_torch(backend, low, case):
     """Under CPU autocast, float32 inputs are computed as torch's SDPA computes them: in the
     autocast dtype, which the output has, within the policy (see ``check_autocast``)."""
     check_autocast(case, backend, low)
+
+
+# --- traces, on every CPU route ---------------------------------------------------------------
+# A trace comes by one of several paths (the one-pass weights under ``auto`` without a
+# gradient, a fast backend's lse otherwise), and some of them take a route the machine picks
+# (tests/routes.py). Each runs here on every route, against the float64 weights and lse.
+
+TRACE_PATHS = ["one-pass", "auto", "tiled", "torch"]
+
+
+def golden_trace(case: Case, inp: dict):
+    """reference64's output, scores, weights and lse on the float64 upcast of the inputs."""
+    mask = inp["mask"]
+    bias = None if mask is None or mask.dtype == torch.bool else mask.detach().double()
+    tensors64 = {n: t.detach().double() for n, t in inp["score_tensors"].items()}
+    return attention64_trace(
+        inp["q"].detach().double(),
+        inp["k"].detach().double(),
+        inp["v"].detach().double(),
+        scale=case.scale,
+        allowed=case.golden_allowed(),
+        bias=bias,
+        score_mod=case.golden_score_mod(tensors64),
+    )
+
+
+def check_lse(lse: torch.Tensor, golden: torch.Tensor, inp: dict, case: Case, where: str):
+    """The lse as float32 math gives it, whatever the inputs' dtype (float32 for half inputs,
+    formed from float32 scores): within ``ATOL`` times the largest product sum,
+    ``max(1, |scale| * max(|q| |k|^T))``, which bounds float32's rounding of the scores and
+    of their log-sum-exp; float64: assert_close."""
+    if case.dtype == "float64":
+        torch.testing.assert_close(lse, golden, msg=lambda m: f"{where}: lse: {m}")
+        return
+    size = product_size(inp["q"], inp["k"], case.scale)
+    err = policy_error(lse, golden)
+    assert err <= ATOL * size, (
+        f"{where}: lse: max|lse - golden| = {err:.3e} exceeds {ATOL:g} * {size:.3g}: not the "
+        f"lse of float32 scores"
+    )
+
+
+def check_trace_call(case: Case, path: str):
+    """Output, weights and, on the paths with a gradient, the gradients of ``case`` by
+    ``path``, within the tolerance policy of the float64 reference; the lse as accurate as
+    float32 makes it. (The trace's scores are left out: the reference's, the baseline, are
+    float32 where a float32 attn_mask meets half inputs, and a trace's are in the inputs'
+    dtype.)"""
+    one_pass = path == "one-pass"
+    inp = case.inputs(grad=not one_pass)
+    backend = "auto" if one_pass else path
+    where = f"path={path} route={os.environ.get('QKV_CPU_HALF_GEMM')}"
+    kw = case.qkv_kwargs(inp)
+    try:
+        with torch.no_grad() if one_pass else _nothing():
+            out, trace = qkv.scaled_dot_product_attention(
+                inp["q"], inp["k"], inp["v"], backend=backend, return_trace=True, **kw
+            )
+    except qkv.BackendUnsupportedError:
+        if backend == "auto":
+            raise
+        return
+    base, base_trace = qkv.scaled_dot_product_attention(
+        inp["q"], inp["k"], inp["v"], backend="reference", return_trace=True, **kw
+    )
+    gold_out, _, gold_probs, gold_lse = golden_trace(case, inp)
+    floor = flash_floor(case, "reference" if one_pass else path)
+    check("output", out, gold_out, base, OUTPUT_FACTOR, where, floor)
+    base_probs = base_trace.probs.to(case.torch_dtype)  # float32 where a float32 mask widened
+    check("probs", trace.probs, gold_probs, base_probs, OUTPUT_FACTOR, where, floor)
+    if not (trace.backend == "torch" and case.dtype == "bfloat16"):
+        # torch's own bfloat16 CPU kernel gives its lse to ~1e-5 relative (5.1e-5 at
+        # |lse| ~ 3; 4e-7 for float32 inputs): not float32's, and not qkv's to change. The
+        # weights formed from it are checked above.
+        check_lse(trace.lse, gold_lse, inp, case, where)
+    if one_pass:
+        return
+    _, gold_grads = golden_run(case, inp)
+    wrt = grad_inputs(inp)
+    got, want = grads(out, wrt, inp["dout"]), grads(base, wrt, inp["dout"])
+    for name in wrt:
+        check(f"grad {name}", got[name], gold_grads[name], want[name], GRAD_FACTOR, where, floor)
+
+
+@pytest.mark.parametrize("path", TRACE_PATHS)
+@budget(10)
+@given(case=cases())
+def test_traces_match_float64_reference_on_every_route(cpu_route, path, case):
+    """Every trace path on every CPU route (the ``cpu_route`` fixture forces each one):
+    output, scores, weights and gradients within the tolerance policy, the lse float32's."""
+    check_trace_call(case, path)
 
 
 # --- regressions ------------------------------------------------------------------------------

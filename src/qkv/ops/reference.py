@@ -2,8 +2,16 @@
 
 Supports every call the dispatcher accepts (any dtype including float64, any mask, causal,
 GQA, dropout, leading dims) and returns the full trace directly. It computes in the input
-dtype with no upcast, so in float16/bfloat16 it is also the "baseline" of the tolerance policy.
-Memory is O(T * S) per (batch, head): use a fast backend for long sequences.
+dtype with no upcast, so in float16/bfloat16 it is also the "baseline" of the tolerance policy:
+plain math in that dtype, its scores rounded to it as FlashAttention's own baseline
+(``attention_ref(upcast=False)``) rounds them. That makes it less accurate in bfloat16 than
+the fast backends, which keep scores in float32 (at scale=3, D=32: off by 0.19-0.27 where
+torch's kernel is off by 0.011), and it stays so on purpose: with float32 scores here, every
+half-precision bound of the suite tightens below what FlashAttention's algorithm meets (the
+tiled backend's gradients went beyond 3x that baseline's error on 3 of the property suite's
+cases, issue 37). The one-pass weights
+(:func:`attention_with_weights`) and the traces of the fast backends form half scores in
+float32. Memory is O(T * S) per (batch, head): use a fast backend for long sequences.
 
 Shape alphabet: T query length, S key length, D head dim, Dv value head dim; ``*batch`` is the
 broadcast of the inputs' leading dims.
@@ -22,7 +30,6 @@ from ..masks import apply_mask_, causal_bool, evaluate_mask, evaluate_score, ind
 from ._memory import empty_large
 from .base import BackendResult
 from .call import AttentionCall
-from .cpu_isa import half_gemm_route
 
 __all__ = [
     "ReferenceBackend",
@@ -146,9 +153,9 @@ def attention_with_weights(
     scores): the scores are computed into the weights' own buffer, turned into weights there
     in place and multiplied with the values, so that nothing ``(T, S)``-sized is allocated
     besides the weights returned.
-    Half inputs: scores and softmax in float32 (one block-sized buffer), rounded once into the
-    weights returned; the output is those weights times the values with float32 sums (as a
-    flash kernel does; on CPU multiplied in float32, where half GEMMs are slow). No dropout.
+    Half inputs: both products, the softmax and the lse in float32 (one block-sized buffer),
+    on every device and CPU route; the weights are rounded once into the weights returned,
+    and the output is the float32 weights times the values, rounded once. No dropout.
 
     ``lazy_lse``: for float32/float64 inputs, return instead of the log-sum-exp a function
     that computes it when called, ``max(scores) - log(max(weights))`` from the row maxima
@@ -167,15 +174,16 @@ def attention_with_weights(
     q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
     half = call.dtype in (torch.float16, torch.bfloat16)
     acc = torch.float32 if half else call.dtype  # scores and softmax
-    # half inputs on a CPU without native bfloat16 arithmetic (ops/cpu_isa.py): both products
-    # in float32 (the rounded weights times the values: same products and float32 sums as a
-    # half GEMM); torch's CPU bfloat16 GEMM without AVX-512-BF16/AMX ran at ~1.7 GFLOP/s on the
-    # 2-core EPYC box (8 heads, T=4096: 10.7 s against 0.68 s). With it (route "native"), both
-    # GEMMs run in the inputs' dtype, the scores rounded to it as the reference's own are, and
-    # the softmax stays in float32. Other devices: scores in float32, weights times values in half.
-    route = half_gemm_route() if half and dev.type == "cpu" else None
-    wide_pv = route == "float32"
-    half_qk = route == "native"
+    # Half inputs: both products in float32, on every device and CPU route (issue 37). torch's
+    # CPU half GEMMs round their output to half, and torch 2.13 has no CPU GEMM of half inputs
+    # with a float32 output (mm/bmm/baddbmm(out_dtype=) are CUDA only): scores rounded to
+    # bfloat16 (+-0.125 at a score of 40) moved the weights by up to 0.08 and the lse by 4e-3
+    # at scale=3, and a half baddbmm with alpha=0 reads its output buffer even with beta=0
+    # (NaN from the garbage of torch.empty at scale=0, issue 41). The output is the float32
+    # weights times the values, rounded once: the rounded weights times the values (a half
+    # GEMM) were outside the tolerance policy on 29 of 400 one-row bfloat16 calls, where
+    # torch's kernel and the tiled backend were on none. On the AMX Xeon, 8 heads, T=1024,
+    # D=64, that product took 3.8 ms in float32 against 0.8 ms as a bfloat16 GEMM.
     budget = _BLOCK_ELEMENTS // 8 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
     rows = max(1, min(T, budget // max(S, 1)))  # rows of a block
     heads = max(1, min(H, budget // max(T * S, 1))) if rows == T else 1  # heads of a block
@@ -198,19 +206,17 @@ def attention_with_weights(
     for bi in range(B):
         for h0 in range(0, H, heads):
             h1 = min(H, h0 + heads)
-            kt = _as(k[bi, h0:h1], call.dtype if half_qk else acc).transpose(-2, -1)  # (nh, D, S)
-            vb = _as(v[bi, h0:h1], acc if wide_pv else call.dtype)  # (nh, S, Dv)
+            kt = _as(k[bi, h0:h1], acc).transpose(-2, -1)  # (nh, D, S)
+            vb = _as(v[bi, h0:h1], acc)  # (nh, S, Dv)
             vb = vb.contiguous() if heads > 1 else vb
             for t0 in range(0, T, rows):
                 t1 = min(T, t0 + rows)
                 block = probs[bi, h0:h1, t0:t1]  # (nh, nr, S)
                 scores = block if work is None else work[: h1 - h0, : t1 - t0]
                 qb = q[bi, h0:h1, t0:t1]  # (nh, nr, D)
-                if half_qk:  # a native half GEMM into the weights' buffer, widened after
-                    torch.baddbmm(block, qb, kt, beta=0, alpha=call.scale, out=block)
-                    scores.copy_(block)
-                else:  # (nh, nr, S): scale * q k^T
-                    torch.baddbmm(scores, _as(qb, acc), kt, beta=0, alpha=call.scale, out=scores)
+                torch.baddbmm(  # (nh, nr, S): scale * q k^T
+                    scores, _as(qb, acc), kt, beta=0, alpha=call.scale, out=scores
+                )
                 if not plain:
                     scores = _modify_at(
                         call,
@@ -226,8 +232,7 @@ def attention_with_weights(
                 if scores.data_ptr() != block.data_ptr():
                     block.copy_(scores)  # rounded to half once, or a score_mod's new tensor
                 dst = out[bi, h0:h1, t0:t1]  # (nh, nr, Dv)
-                if wide_pv:
-                    scores.copy_(block)  # the rounded weights, back in float32
+                if half:  # the float32 weights, the output rounded once
                     dst.copy_(torch.matmul(scores, vb))
                 else:
                     torch.matmul(block, vb, out=dst)

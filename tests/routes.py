@@ -1,0 +1,58 @@
+"""Every route the machine picks for qkv, and how a test forces it (issue 37).
+
+Some of qkv's choices follow what the machine offers rather than the call, so a suite run on
+one machine exercises only the routes that machine picks. Each is listed here with the way a
+test forces it, and ``ROUTES`` names the combinations the suite runs (the ``cpu_route``
+fixture of conftest.py), so that every route runs on every machine:
+
+* ``QKV_CPU_HALF_GEMM`` (``qkv.ops.cpu_isa.half_gemm_route``, picked from the CPU's
+  AVX-512-BF16/AMX flags, ``torch.backends.cpu.get_cpu_capability()`` and
+  ``ONEDNN_MAX_CPU_ISA``): ``native`` multiplies half inputs by torch's half GEMMs,
+  ``float32`` widens them first. It reaches the one-pass weights
+  (``ops.reference.attention_with_weights``) and the modules' projections
+  (``ops.cpu_isa.linear``).
+* torch's CPU flash kernel (``qkv.ops._aten.flash_cpu_available``, a property of the torch
+  build): the tiled backend's ``flash`` inner kernel and the torch backend's lse for traces.
+  Hidden, they take their plain twins: the ``matmul`` inner kernel, and the lse derived by
+  the dispatcher.
+
+``test_every_machine_choice_is_listed`` (tests/test_cpu_routes.py) fails when the library
+reads another ``QKV_`` variable or probes the machine somewhere new, so that a new route is
+added here rather than left to the machines that pick it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from qkv.ops import tiled_plan, torch_sdpa
+
+HALF_GEMM_ROUTES = ("native", "float32")
+
+# name -> (QKV_CPU_HALF_GEMM, torch's CPU flash kernel used where it can be)
+ROUTES = {
+    "native": ("native", True),
+    "float32": ("float32", True),
+    "native-noflash": ("native", False),
+    "float32-noflash": ("float32", False),
+}
+
+# The library's readers of the machine and of the environment, by file (src/qkv/...): what
+# test_every_machine_choice_is_listed expects to find, each forced above or no route.
+MACHINE_PROBES = {
+    "ops/cpu_isa.py": "QKV_CPU_HALF_GEMM, the CPU's flags and capability: the half GEMM route",
+    "ops/_aten.py": "flash_cpu_available: the torch build's CPU flash kernel",
+    "ops/tiled_plan.py": "flash_cpu_available: hidden in the -noflash routes",
+    "ops/torch_sdpa.py": "flash_cpu_available: hidden in the -noflash routes",
+    "tasks/_cache.py": "QKV_CACHE: where generated data sets are kept, no route",
+    "bench/report.py": "/proc/cpuinfo: the CPU named in a benchmark's report, no route",
+}
+
+
+def force_route(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Force the route ``name`` of ``ROUTES`` for the rest of the test (undone after it)."""
+    half_gemm, flash = ROUTES[name]
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", half_gemm)
+    if not flash:
+        for module in (tiled_plan, torch_sdpa):
+            monkeypatch.setattr(module, "flash_cpu_available", lambda: False)
