@@ -16,6 +16,10 @@ fixture of conftest.py), so that every route runs on every machine:
   Hidden, they take their plain twins: the ``matmul`` inner kernel, and the lse derived by
   the dispatcher.
 
+``MACHINE_PROBES`` lists the rest of what reads the machine, and why each is no route of its
+own: ``auto``'s choice by measurement (``qkv.autotune``) picks among backends that the suite
+runs by name, and the flex backend runs where a compiler is found and declines elsewhere.
+
 ``test_every_machine_choice_is_listed`` (tests/test_cpu_routes.py) fails when the library
 reads another ``QKV_`` variable or probes the machine somewhere new, so that a new route is
 added here rather than left to the machines that pick it.
@@ -44,6 +48,11 @@ MACHINE_PROBES = {
     "ops/_aten.py": "flash_cpu_available: the torch build's CPU flash kernel",
     "ops/tiled_plan.py": "flash_cpu_available: hidden in the -noflash routes",
     "ops/torch_sdpa.py": "flash_cpu_available: hidden in the -noflash routes",
+    "ops/flex.py": "flex_available (a C++ compiler on CPU, triton on CUDA): without, flex "
+    "declines and says why; auto on CPU takes it only as measured (test_cpu_routes.py)",
+    "autotune.py": "QKV_AUTOTUNE, QKV_CACHE_DIR, the machine named in its cache: auto's "
+    "choice among backends by measurement, each of which the suite runs by name "
+    "(test_properties.py); off in the suite (conftest.py), on in test_autotune.py",
     "tasks/_cache.py": "QKV_CACHE: where generated data sets are kept, no route",
     "bench/report.py": "/proc/cpuinfo: the CPU named in a benchmark's report, no route",
 }

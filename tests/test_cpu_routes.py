@@ -180,6 +180,7 @@ def test_bf16_scale_zero_causal_repro(path, cpu_route):
 _PROBE_NAMES = {
     "get_cpu_capability",
     "flash_cpu_available",
+    "flex_available",
     "cpu_features",
     "native_bf16",
     "get_device_capability",
@@ -223,3 +224,19 @@ def test_every_machine_choice_is_listed():
         f"files probing the machine: {found}; tests/routes.py lists {sorted(MACHINE_PROBES)}"
     )
     assert set(ROUTES.values()) == set(itertools.product(HALF_GEMM_ROUTES, (True, False)))
+
+
+def test_without_a_compiler_flex_declines_and_auto_is_unchanged(monkeypatch):
+    """The flex backend needs a C++ compiler on CPU (``ops.flex.flex_available``): on a
+    machine without one it declines with that reason, and ``auto``, which takes flex on CPU
+    only as measured, gives the same result as where one is found."""
+    from qkv.ops import flex
+
+    q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
+    window = qkv.masks.sliding_window(5)
+    want = qkv.scaled_dot_product_attention(q, k, v, mask_mod=window)
+    reason = "compiled FlexAttention on CPU needs a C++ compiler (hidden by the test)"
+    monkeypatch.setattr(flex, "flex_available", lambda device: reason)
+    with pytest.raises(qkv.BackendUnsupportedError, match="needs a C\\+\\+ compiler"):
+        qkv.scaled_dot_product_attention(q, k, v, mask_mod=window, backend="flex")
+    assert torch.equal(qkv.scaled_dot_product_attention(q, k, v, mask_mod=window), want)
