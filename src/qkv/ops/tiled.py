@@ -270,9 +270,14 @@ class _TiledAttention(torch.autograd.Function):
 
 
 def sinks_by_row(call: AttentionCall) -> Tensor | None:
-    """The call's sinks as one logit per row of the 4-D view, ``(B, H, T)`` (autograd sums
-    the gradient back over the rows a head's logit stands for)."""
+    """The call's sinks as one logit per row of the 4-D view, ``(B, H, T)``, in the
+    accumulation dtype (or the sinks' own, if wider). Autograd sums the gradient back over
+    the rows a head's logit stands for, so that sum runs in float32 and is rounded to a half
+    sink once: summed in the half dtype, one rounding per row put a per-head sink's gradient
+    several times the reference's error off (bfloat16, float16; the property suite found it).
+    """
     if call.sinks is None:
         return None
     B, H = call.BH
-    return call.sinks.expand(call.batch + (call.T,)).reshape(B, H, call.T)
+    wide = torch.promote_types(_acc(call.work_dtype), call.sinks.dtype)
+    return call.sinks.to(wide).expand(call.batch + (call.T,)).reshape(B, H, call.T)
