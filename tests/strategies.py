@@ -14,7 +14,7 @@ D head dim, Dv value head dim.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import strategies as st
@@ -638,3 +638,172 @@ def learned_bias_cases(draw) -> Case:
         base.score_mod,
         base.seed,
     )
+
+
+# --- sinks and selections at their edges (issue 41) --------------------------------------------
+
+# Sink logits the way a hostile caller gives them: -inf (a head that never uses its sink),
+# large negative (underflows against any score), 0, large positive (takes the whole row).
+SINK_VALUES = (float("-inf"), -1e4, -30.0, 0.0, 30.0, 1e4)
+_ROW_SHAPES = ("TS", "1TS", "HTS", "BHTS", "B1TS", "T1")  # mask shapes with a T dim
+
+
+@st.composite
+def cases_with_empty_rows(draw, **kw) -> Case:
+    """:func:`cases` whose bool/float attn_mask leaves some query rows with no key at all
+    (and, unless every row is drawn, others with keys): a mask of a shape with a T dim."""
+    base = draw(cases(**kw))
+    T = max(base.T, 1)
+    dead = draw(st.lists(st.integers(0, T - 1), min_size=1, max_size=3, unique=True))
+    old = base.mask or MaskSpec()
+    shape = draw(st.sampled_from(_ROW_SHAPES))
+    mask = MaskSpec(
+        old.kind,
+        shape,
+        draw(st.sampled_from([1.0, 0.7])),
+        tuple(dead),
+        old.dtype,
+        old.grad,
+        old.seed,
+    )
+    return replace(base, T=T, mask=mask)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A sparse selection as transformers' indexers pass it: ``indices`` ``(B, T, k)`` key
+    positions (``block_size`` 0) or ``block_indices`` ``(B, H_idx, T, k)`` block positions
+    of blocks of ``block_size`` keys; -1 an empty slot; ``values`` may leave ``[-1, n)``."""
+
+    B: int
+    H: int
+    H_idx: int
+    T: int
+    S: int
+    block_size: int
+    values: tuple
+
+    @property
+    def n(self) -> int:
+        """Key positions, or blocks: ``ceil(S / block_size)``."""
+        return self.S if not self.block_size else -(-self.S // self.block_size)
+
+    def tensor(self) -> Tensor:
+        shape = (self.B, self.T, -1) if not self.block_size else (self.B, self.H_idx, self.T, -1)
+        return torch.tensor(self.values, dtype=torch.int32).view(shape)
+
+    def bad(self) -> list[int]:
+        return [x for x in self.values if x < -1 or x >= self.n]
+
+    def kept(self) -> Tensor:
+        """The keys each (b, h, t) keeps, by plain loops.
+
+        Shape:
+            ``(B, H, T, S)`` bool (indices: ``(B, 1, T, S)``).
+        """
+        sel = self.tensor()
+        if not self.block_size:
+            out = torch.zeros(self.B, 1, self.T, self.S, dtype=torch.bool)
+            for b in range(self.B):
+                for t in range(self.T):
+                    for j in sel[b, t].tolist():
+                        if j >= 0:
+                            out[b, 0, t, j] = True
+            return out
+        out = torch.zeros(self.B, self.H, self.T, self.S, dtype=torch.bool)
+        per = self.H // self.H_idx
+        for b in range(self.B):
+            for h in range(self.H):
+                for t in range(self.T):
+                    for blk in sel[b, h // per, t].tolist():
+                        if blk >= 0:
+                            lo = blk * self.block_size
+                            out[b, h, t, lo : min(lo + self.block_size, self.S)] = True
+        return out
+
+
+@st.composite
+def selections(draw) -> Selection:
+    """Selections of awkward sizes, mostly in range, often with one position out of it
+    (just past either end, or far)."""
+    B, T, S = draw(st.integers(1, 2)), draw(st.integers(1, 4)), draw(st.integers(1, 9))
+    k = draw(st.integers(1, 3))
+    size = draw(st.sampled_from([0, 0, 1, 2, 4, 5]))
+    H_idx, per = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2]))
+    n = S if not size else -(-S // size)
+    count = B * T * k * (1 if not size else H_idx)
+    values = draw(st.lists(st.integers(-1, n - 1), min_size=count, max_size=count))
+    if draw(st.booleans()):
+        bad = draw(st.sampled_from([n, n + 1, -2, -100, 10 * n + 7]))
+        values[draw(st.integers(0, count - 1))] = bad
+    return Selection(B, H_idx * per, H_idx, T, S, size, tuple(values))
+
+
+# --- in-place writes into the Hugging Face mask tensor (issue 41) ----------------------------
+
+MASK_WRITES = ("setitem-min", "setitem-zero", "masked_fill_", "zero_", "fill_", "add_", "view")
+
+
+@dataclass(frozen=True)
+class MaskWrites:
+    """A transformers mask ``(B, 1, T, T)`` (causal, or a sliding window of ``window``; batch
+    element ``b`` left-padded by ``pads[b]``) and in-place writes into it, in order: ``(kind,
+    row, col)`` (``row``/``col`` -1: all)."""
+
+    B: int
+    T: int
+    window: int
+    pads: tuple
+    writes: tuple
+
+    def build_args(self) -> dict:
+        from transformers import masking_utils as mu
+
+        pad = torch.ones(self.B, self.T, dtype=torch.bool)
+        for b, n in enumerate(self.pads):
+            pad[b, :n] = False
+        fn = mu.causal_mask_function
+        if self.window:
+            fn = mu.and_masks(fn, mu.sliding_window_overlay(self.window))
+        return dict(
+            batch_size=self.B,
+            q_length=self.T,
+            kv_length=self.T,
+            q_offset=0,
+            kv_offset=0,
+            mask_function=fn,
+            attention_mask=pad,
+            dtype=torch.float32,
+            device="cpu",
+        )
+
+    def apply(self, m: Tensor) -> None:
+        """The writes, on a mask ``m`` that is transformers' eager tensor or qkv's."""
+        low = torch.finfo(m.dtype).min
+        for kind, row, col in self.writes:
+            r = slice(None) if row < 0 else row
+            c = slice(None) if col < 0 else col
+            if kind == "setitem-min":
+                m[:, :, r, c] = low
+            elif kind == "setitem-zero":
+                m[:, :, r, c] = 0.0
+            elif kind == "masked_fill_":
+                m.masked_fill_(torch.arange(self.T) == max(col, 0), low)
+            elif kind == "zero_":
+                m.zero_()
+            elif kind == "fill_":
+                m.fill_(low)
+            elif kind == "add_":
+                m.add_(0.5)
+            elif kind == "view":  # through a view of the values
+                m[0, 0, r].fill_(0.0)
+
+
+@st.composite
+def mask_writes(draw) -> MaskWrites:
+    B, T = draw(st.integers(1, 2)), draw(st.integers(1, 6))
+    pads = tuple(draw(st.integers(0, T - 1)) for _ in range(B))
+    n = draw(st.integers(1, 3))
+    spot = st.integers(-1, T - 1)
+    writes = tuple((draw(st.sampled_from(MASK_WRITES)), draw(spot), draw(spot)) for _ in range(n))
+    return MaskWrites(B, T, draw(st.sampled_from([0, 2])), pads, writes)

@@ -14,6 +14,12 @@ baseline = qkv's ``reference`` backend in the inputs' dtype, and
 ``max|out - golden| <= F * max|baseline - golden| + 1e-5`` (F = 2 outputs, 3 gradients), no
 NaN anywhere (the golden never has one); float64 uses ``assert_close`` defaults.
 
+Issue 41 added the edges of the newest features: sinks of -inf, large negative, 0 and
+large positive on calls with rows that may attend to nothing; transformers' sparse
+selections (``indices=``, ``block_indices=``) in and out of range; in-place writes into the
+mask tensor Hugging Face models are handed. (Every ready-made score_mod under compile, on
+every backend that claims it: tests/test_compile.py.)
+
 ``tiled-small`` is the tiled backend with tiny blocks and chunks (patched for the test), so
 that calls of T, S <= 40 cross tile and block boundaries, skip blocks and merge chunks by
 their log-sum-exps, as long sequences do with the real sizes.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +49,7 @@ from reference64 import attention64, attention64_trace, product_size
 from strategies import (
     COPYING_FREE_LAYOUTS,
     FLOAT_MASK_SHAPES,
+    SINK_VALUES,
     Case,
     Causal,
     Combine,
@@ -52,7 +60,10 @@ from strategies import (
     Softcap,
     Window,
     cases,
+    cases_with_empty_rows,
     learned_bias_cases,
+    mask_writes,
+    selections,
 )
 
 import qkv
@@ -284,14 +295,22 @@ def check(
 
 
 def check_call(
-    case: Case, backend: str, tiles=None, *, with_grads: bool = True, sinks: bool = False
+    case: Case,
+    backend: str,
+    tiles=None,
+    *,
+    with_grads: bool = True,
+    sinks: bool | tuple = False,
 ):
     """Run ``case`` on ``backend`` and on the reference, compare both with the golden
-    (``sinks``: with attention sinks, one logit per query head drawn from the case's seed)."""
+    (``sinks``: with attention sinks, one logit per query head drawn from the case's seed,
+    or these logits, one per query head)."""
     inp = case.inputs()
-    if sinks:
+    if sinks is not False:
         gen = torch.Generator().manual_seed(case.seed + 5)
         logits = torch.randn(case.H, generator=gen, dtype=torch.float64) * 2
+        if isinstance(sinks, tuple):
+            logits = torch.tensor(sinks, dtype=torch.float64)
         inp["sinks"] = logits.to(case.torch_dtype).requires_grad_(True)
     where = f"backend={backend}" + (f" tiles={tiles}" if tiles else "")
     out = run_qkv(case, inp, backend, tiles)
@@ -341,6 +360,69 @@ def test_sinks_match_float64_reference(backend, case, data):
     output and gradients (the sinks' too) within the tolerance policy."""
     tiles = draw_tiles(data, case) if backend == "tiled-small" else None
     check_call(case, backend, tiles, sinks=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@budget(12)
+@given(case=cases_with_empty_rows(), data=st.data())
+def test_extreme_sinks_on_rows_with_and_without_keys_match_float64_reference(backend, case, data):
+    """Sinks of -inf, large negative, 0 and large positive (one per head, drawn) on calls with
+    rows that may attend to nothing beside rows that may (issue 41: a -inf sink on an empty
+    row gave NaN on tiled, auto and compiled tiled, where the contract says 0)."""
+    tiles = draw_tiles(data, case) if backend == "tiled-small" else None
+    values = tuple(data.draw(st.sampled_from(SINK_VALUES), label="sink") for _ in range(case.H))
+    check_call(case, backend, tiles, sinks=values)
+
+
+@budget(40)
+@given(sel=selections())
+def test_selections_in_range_keep_their_keys_and_out_of_range_raise(sel):
+    """transformers' sparse selections (``indices=``, ``block_indices=``): positions in
+    ``[-1, n)`` keep exactly their keys (plain loops); any other raises ValueError naming
+    the argument, a bad value and S (issue 41: they were dropped as empty slots)."""
+    from qkv.integrations.transformers import attention as hf_attention
+
+    module = torch.nn.Module()
+    arg = "indices"
+    if sel.block_size:
+        module.indexer = torch.nn.Module()
+        module.indexer.block_size = sel.block_size
+        arg = "block_indices"
+    query = torch.zeros(sel.B, sel.H, sel.T, 4)
+    kw = {arg: sel.tensor()}
+    if sel.bad():
+        pattern = rf"{arg}= holds (key|block) (-?\d+), outside \[-1, {sel.n}\).*S={sel.S}"
+        with pytest.raises(ValueError, match=pattern) as info:
+            hf_attention._selected_keys(module, query, sel.S, kw)
+        named = int(re.search(pattern, str(info.value)).group(2))
+        assert named in sel.bad()
+        return
+    kept = hf_attention._selected_keys(module, query, sel.S, kw)
+    assert torch.equal(kept, sel.kept())
+
+
+@budget(30)
+@given(w=mask_writes())
+def test_writes_into_the_hf_mask_reach_what_qkv_attention_reads(w):
+    """In-place writes into the mask transformers' model code is handed (an HFMaskTensor)
+    make qkv's attention read the written values, exactly transformers' eager mask under the
+    same writes (its dtype minimum read as -inf, may not attend); issue 41: they were
+    ignored."""
+    pytest.importorskip("transformers")
+    from transformers import masking_utils as mu
+
+    import qkv.integrations.transformers as qkv_hf
+    from qkv.integrations.transformers.masks import _mask_args
+
+    args = w.build_args()
+    mine, eager = qkv_hf.build_mask(**args), mu.eager_mask(**args)
+    assert torch.equal(mine[:, :, :, :], eager)  # a read, which changes nothing
+    w.apply(mine)
+    w.apply(eager)
+    got, mask_mod, causal = _mask_args(None, mine, w.T, w.T, None, None)
+    assert mask_mod is None and not causal
+    want = eager.masked_fill(eager == torch.finfo(eager.dtype).min, float("-inf"))
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -769,6 +851,35 @@ REGRESSIONS = [
 )
 def test_regression(case, backend, tiles):
     check_call(case, backend, tiles)
+
+
+SINK_REGRESSIONS = [
+    # a per-head sink's gradient, summed over its rows in bfloat16 after one rounding per
+    # row: 3.5x the reference's error (tiled and auto; the extreme-sinks property found it)
+    (
+        "bf16-bottom-right-dead-row-sinks-0-ninf",
+        Case(
+            H=2,
+            G=2,
+            T=3,
+            S=5,
+            D=4,
+            Dv=5,
+            dtype="bfloat16",
+            layouts=("contiguous", "transposed", "strided"),
+            mask=MaskSpec("bool", "TS", 1.0, (0,), seed=0),
+            mask_mod=Causal("bottom_right"),
+            seed=27685,
+        ),
+        (0.0, -math.inf),
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", ["tiled", "auto", "tiled-small"])
+@pytest.mark.parametrize("case, sinks", [pytest.param(c, s, id=i) for i, c, s in SINK_REGRESSIONS])
+def test_sink_regression(case, sinks, backend):
+    check_call(case, backend, (1, 1, 1, 1) if backend == "tiled-small" else None, sinks=sinks)
 
 
 POISON_REGRESSIONS = [
