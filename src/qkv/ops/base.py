@@ -71,6 +71,15 @@ def compiling_plainly() -> bool:
     ops and tensor subclasses trace (export's fake tensors and functorch's do not take them)."""
     return (
         torch.compiler.is_compiling()
-        and not torch.compiler.is_exporting()
+        and not _exporting()
         and not torch._C._are_functorch_transforms_active()
     )
+
+
+def _exporting() -> bool:
+    """``torch.compiler.is_exporting()``, read from the flag it returns: dynamo in torch 2.11
+    answers the call with True in every torch.compile trace (it folds it from a table of
+    tracing-state functions, all True there; 2.13 reads the flag), which sent every compiled
+    call off the tiled custom op to the dense math (an H100 with torch 2.11 showed it)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
