@@ -805,8 +805,9 @@ def test_the_tiled_op_is_used_where_is_exporting_answers_true_in_compile(monkeyp
     )
     q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
 
-    def attend(q, k, v):
-        return qkv.scaled_dot_product_attention(q, k, v, mask_mod=M.sliding_window(8))
+    def attend(q, k, v):  # tiled named: on CUDA auto prefers flex for a window
+        kw = dict(mask_mod=M.sliding_window(8), backend="tiled")
+        return qkv.scaled_dot_product_attention(q, k, v, **kw)
 
     dynamo.reset()
     graphs = _Graphs()
