@@ -157,8 +157,8 @@ def measured_choice(
         timed = [b for b in candidates if fresh or not compiles(b)]
         if len(timed) < 2:
             return None
-        times = {b.name: _time_backend(b, call) for b in timed}
-        times = {n: t for n, t in times.items() if t is not None}
+        timings = {b.name: _time_backend(b, call) for b in timed}
+        times = {n: t for n, t in timings.items() if t is not None}
         if not times:
             return None
         best = min(times, key=times.__getitem__)
