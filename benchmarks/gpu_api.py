@@ -54,10 +54,11 @@ import time
 from pathlib import Path
 
 import torch
+from triton_vs_flash import WINDOW, flex_mask, qkv_kwargs  # the same cases as the kernel runs
 
 import qkv
 from qkv import dispatch
-from qkv.bench import attention_flops, document_ids, mask_density
+from qkv.bench import attention_flops, mask_density
 from qkv.dispatch import backend_names
 from qkv.ops import AttentionCall, BackendUnsupportedError
 
@@ -65,43 +66,9 @@ CASES = ("none", "causal", "window", "document")
 MODES = ("fwd", "fwdbwd")
 LENGTHS = (4096, 1024, 16384)  # most informative first: the budget may stop the grid
 DIMS = (128, 64)
-WINDOW = 1024
 TOKENS, WIDTH = 16384, 2048  # B * T and H * D, as FlashAttention's benchmarks
 STRUCTURED_GOAL, PLAIN_GOAL = 1.0, 1.05  # qkv time / peer time, at most
 DEFAULT_OUT = Path("benchmarks/results/gpu_api.json")
-
-
-def qkv_kwargs(case: str, T: int, device) -> dict:
-    if case == "none":
-        return {}
-    if case == "causal":
-        return dict(is_causal=True)
-    if case == "window":
-        return dict(mask_mod=qkv.masks.sliding_window(WINDOW))
-    return dict(mask_mod=qkv.masks.document(document_ids(T).to(device)))
-
-
-def flex_block_mask(case: str, T: int, device):
-    """FlexAttention's block mask of the case (None for none), built once, untimed."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    if case == "none":
-        return None
-    if case == "causal":
-
-        def mask(b, h, q, kv):
-            return kv <= q
-    elif case == "window":
-
-        def mask(b, h, q, kv):
-            return (kv <= q) & (kv >= q - WINDOW)
-    else:
-        ids = document_ids(T).to(device)[0]  # (T,)
-
-        def mask(b, h, q, kv):
-            return ids[q] == ids[kv]
-
-    return create_block_mask(mask, None, None, T, T, device=str(device))
 
 
 def implementations(case: str, T: int, device, flex, skip=("reference",)) -> dict:
@@ -118,7 +85,7 @@ def implementations(case: str, T: int, device, flex, skip=("reference",)) -> dic
     for name in backend_names():
         if name not in skip:
             impls[f"qkv-{name}"] = named(name)
-    block_mask = flex_block_mask(case, T, device)
+    block_mask = flex_mask(case, 1, T, device)
     impls["flex"] = lambda q, k, v: flex(q, k, v, block_mask=block_mask)
     if case in ("none", "causal") and device.type == "cuda":
         kernels = (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))
