@@ -38,9 +38,11 @@ __all__ = [
     "elementwise_mask",
     "elementwise_score",
     "key_lengths_allowed",
+    "neighborhood_allowed",
     "product_size",
     "repeat_kv_heads",
     "softcap64",
+    "tile_order",
     "window_allowed",
 ]
 
@@ -105,6 +107,76 @@ def key_lengths_allowed(B: int, H: int, T: int, S: int, lengths) -> Tensor:
     _, _, _, kv = _indices(B, H, T, S)
     n = torch.as_tensor(lengths, dtype=torch.int64).reshape(-1, 1, 1, 1)  # (B or 1, 1, 1, 1)
     return _full(kv < n, B, H, T, S)
+
+
+def _natten_window(c: int, n: int, k: int, d: int, causal: bool) -> list[int]:
+    """Coordinates a query at ``c`` sees along one dim of ``n`` tokens, by NATTEN's rules
+    written as lists: the query's dilation group is every ``d``-th coordinate from ``c % d``;
+    a causal window is the ``k`` group members up to the query (fewer at the start); any other
+    is the ``k`` members centred on it (``k // 2`` before), slid inwards until it fits."""
+    group = list(range(c % d, n, d))
+    x = group.index(c)
+    if causal:
+        return group[max(x - k + 1, 0) : x + 1]
+    start = x - k // 2
+    start = max(0, min(start, len(group) - k))  # slid inwards at the borders
+    return group[start : start + k]
+
+
+def neighborhood_allowed(
+    shape: tuple, kernel: tuple, dilation: tuple, causal: tuple, perm: list | None = None
+) -> Tensor:
+    """NATTEN's neighborhood attention on a row-major token grid, by loops over coordinates:
+    key token ``j`` allowed for query token ``i`` iff along every dim ``j``'s coordinate is in
+    ``i``'s window. ``perm[p]``: the row-major token at position ``p`` (None: row-major).
+
+    Shape:
+        -> ``(N, N)``, bool, N = prod(shape).
+    """
+    coords = []
+    for t in range(math.prod(shape)):
+        c, rest = [], t
+        for n in reversed(shape):
+            c.append(rest % n)
+            rest //= n
+        coords.append(tuple(reversed(c)))
+    dims = range(len(shape))
+    windows = [
+        [set(_natten_window(c[a], shape[a], kernel[a], dilation[a], causal[a])) for a in dims]
+        for c in coords
+    ]
+    order = list(range(len(coords))) if perm is None else list(perm)
+    rows = [[all(coords[j][a] in windows[i][a] for a in dims) for j in order] for i in order]
+    return torch.tensor(rows, dtype=torch.bool).reshape(len(order), len(order))
+
+
+def tile_order(shape: tuple, tile: tuple) -> list[int]:
+    """Row-major tokens of a grid visited tile by tile (tiles row-major over the grid, tokens
+    row-major within a tile; edge tiles smaller), by loops.
+
+    Shape:
+        -> a list of N = prod(shape) token indices.
+    """
+    starts = [range(0, n, t) for n, t in zip(shape, tile)]
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    order = []
+
+    def visit(lo, hi, dim, prefix):
+        if dim == len(shape):
+            order.append(sum(c * s for c, s in zip(prefix, strides)))
+            return
+        for c in range(lo[dim], hi[dim]):
+            visit(lo, hi, dim + 1, prefix + [c])
+
+    def tiles(dim, lo):
+        if dim == len(shape):
+            visit(lo, [min(a + t, n) for a, t, n in zip(lo, tile, shape)], 0, [])
+            return
+        for a in starts[dim]:
+            tiles(dim + 1, lo + [a])
+
+    tiles(0, [])
+    return order
 
 
 _BHQK = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None))

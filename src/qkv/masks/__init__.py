@@ -5,12 +5,14 @@ to the scores' shape ``(*batch, T, S)`` as in PyTorch.
 
 Structured masks (``mask_mod``) and score changes (``score_mod``) in FlexAttention's
 vocabulary: ``causal``, ``sliding_window``, ``prefix_lm``, ``document``, ``key_lengths``,
-``and_masks``/``or_masks``, ``alibi``, ``softcap``, with ``to_dense`` (the dense twin of a
-mask) and ``block_summary`` (what a tiled backend skips).
+``and_masks``/``or_masks``, ``alibi``, ``softcap``, ``neighborhood`` (NATTEN's, on 1D-3D token
+grids, with ``tile_layout``), with ``to_dense`` (the dense twin of a mask) and
+``block_summary`` (what a tiled backend skips).
 
 One file per job; every name is used from here, ``qkv.masks.causal``:
 
 - ``vocabulary``: ``MaskMod``, ``ScoreMod`` and the ready-made masks and score mods.
+- ``grids``: token grids: ``neighborhood`` (NATTEN's windows) and ``tile_layout``.
 - ``blocks``: ``Grid``, ``EMPTY``/``PARTIAL``/``FULL``, ``block_states``, ``block_summary``.
 - ``structure``: a bound mask for a piece of its call (``offset_mask``), and the keys under
   which the tiled backend reuses block plans (``shift_invariant``, ``structure_key``).
@@ -18,8 +20,8 @@ One file per job; every name is used from here, ``qkv.masks.causal``:
   ``per_element``) and finding the tensors a score_mod reads (``score_mod_gradient_inputs``).
 - ``dense``: bool and float mask tensors (``causal_bool``, ``apply_mask_``, ``to_dense``).
 
-Imports inside the package run evaluation <- blocks <- vocabulary <- structure, dense; the two
-calls back up (``_captured_tensors`` to the mod classes, ``block_summary`` to
+Imports inside the package run evaluation <- blocks <- vocabulary <- grids <- structure,
+dense; the two calls back up (``_captured_tensors`` to the mod classes, ``block_summary`` to
 ``as_mask_mod``) import inside the function.
 
 Shape alphabet: T query length, S key length.
@@ -42,6 +44,8 @@ from .evaluation import (
     per_element,
     score_mod_gradient_inputs,
 )
+from .grids import TileLayout, neighborhood, tile_layout
+from .grids import _Neighborhood as _Neighborhood
 from .structure import _blocks_take_offsets as _blocks_take_offsets
 from .structure import offset_mask as offset_mask
 from .structure import offset_score as offset_score
@@ -83,6 +87,9 @@ __all__ = [  # noqa: RUF022 (grouped as the docs present them; test_masks_packag
     "alibi",
     "alibi_slopes",
     "softcap",
+    "neighborhood",
+    "tile_layout",
+    "TileLayout",
     "to_dense",
     "block_summary",
     "BlockSummary",

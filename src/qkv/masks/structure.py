@@ -18,6 +18,7 @@ import hashlib
 from torch import Tensor
 
 from .blocks import _classify_by_evaluation
+from .grids import _Neighborhood
 from .vocabulary import MaskMod, ScoreMod, _Alibi, _Combined, _Document, _KeysBefore, _Window
 
 
@@ -92,7 +93,7 @@ def _blocks_take_offsets(mask_mod: MaskMod) -> bool:
         return all(_blocks_take_offsets(m) for m in mask_mod.mods)
     if method is _Offset.blocks and isinstance(mask_mod, _Offset):
         return _blocks_take_offsets(mask_mod.inner)
-    return method in (_Window.blocks, _KeysBefore.blocks, _Document.blocks)
+    return method in (_Window.blocks, _KeysBefore.blocks, _Document.blocks, _Neighborhood.blocks)
 
 
 def shift_invariant(mod) -> bool:
@@ -127,6 +128,9 @@ def structure_key(mod) -> tuple | None:
     if kind is _Document:
         kv = "same" if mod.kv_ids is mod.q_ids else _content_key(mod.kv_ids)
         return ("document", _content_key(mod.q_ids), kv)
+    if kind is _Neighborhood:
+        layout = None if mod.layout is None else _content_key(mod.layout)
+        return ("neighborhood", mod.shape, mod.kernel_size, mod.dilation, mod.is_causal, layout)
     if kind is _Offset:
         inner = structure_key(mod.inner)
         return None if inner is None else ("offset", inner, mod.q_start, mod.kv_start)
