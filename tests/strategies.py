@@ -25,7 +25,9 @@ from reference64 import (
     elementwise_mask,
     elementwise_score,
     key_lengths_allowed,
+    neighborhood_allowed,
     softcap64,
+    tile_order,
     window_allowed,
 )
 from torch import Tensor
@@ -242,6 +244,30 @@ class KeyLengths(ModSpec):
 
     def dense(self, ctx):
         return key_lengths_allowed(ctx.B, ctx.H, ctx.T, ctx.S, self.values(ctx))
+
+
+@dataclass(frozen=True)
+class Neighborhood(ModSpec):
+    """NATTEN's neighborhood on a token grid of ``shape`` (T = S = prod(shape)), per-dim
+    ``kernel``, ``dilation`` and ``causal``; ``tile``: tokens laid out tile by tile (None:
+    row-major). The dense mask is reference64's loops, the layout its own tile order."""
+
+    shape: tuple = (2, 3)
+    kernel: tuple = (1, 3)
+    dilation: tuple = (1, 1)
+    causal: tuple = (False, False)
+    tile: tuple | None = None
+
+    def build(self, ctx):
+        layout = None if self.tile is None else qkv.masks.tile_layout(self.shape, self.tile)
+        return qkv.masks.neighborhood(
+            self.kernel, self.shape, self.dilation, self.causal, layout=layout
+        )
+
+    def dense(self, ctx):
+        perm = None if self.tile is None else tile_order(self.shape, self.tile)
+        allowed = neighborhood_allowed(self.shape, self.kernel, self.dilation, self.causal, perm)
+        return allowed.expand(ctx.B, ctx.H, ctx.T, ctx.S)
 
 
 # Plain functions written FlexAttention style (elementwise, 0-d indices); qkv calls them on
@@ -507,7 +533,10 @@ def mask_specs(draw, B: int, H: int, T: int, S: int, dtype: str) -> MaskSpec:
 
 @st.composite
 def leaf_mods(draw, T: int, S: int) -> ModSpec:
-    which = draw(st.sampled_from(["causal", "window", "document", "key_lengths", "fn"]))
+    kinds = ["causal", "window", "document", "key_lengths", "fn"]
+    which = draw(st.sampled_from(kinds + (["neighborhood"] if T == S > 0 else [])))
+    if which == "neighborhood":
+        return draw(neighborhoods(T))
     align = draw(st.sampled_from(["top_left", "bottom_right"]))
     if which == "causal":
         return Causal(align)
@@ -526,6 +555,27 @@ def leaf_mods(draw, T: int, S: int) -> ModSpec:
         n = draw(one | st.tuples(one, one, one))
         return KeyLengths(n)
     return MaskFn(draw(st.sampled_from(sorted(MASK_FUNCTIONS))))
+
+
+def _grids(N: int) -> list[tuple]:
+    """Grids of N tokens in 1 to 3 dims (every factorisation, dims of 1 included)."""
+    two = [(a, N // a) for a in range(1, N + 1) if N % a == 0]
+    three = [(a, b, bc // b) for a, bc in two for b in range(1, bc + 1) if bc % b == 0]
+    return [(N,), *two, *three]
+
+
+@st.composite
+def neighborhoods(draw, N: int) -> Neighborhood:
+    """A neighborhood on a grid of ``N`` tokens: per dim a dilation (1, or 2 where the dim
+    holds 2), a kernel from 1 to what the dim holds, causal or not; row-major or tiled."""
+    shape = draw(st.sampled_from(_grids(N)))
+    dilation = tuple(draw(st.sampled_from([1, 2] if n >= 2 else [1])) for n in shape)
+    kernel = tuple(draw(st.integers(1, n // d)) for n, d in zip(shape, dilation))
+    causal = tuple(draw(st.integers(0, 3)) == 3 for _ in shape)
+    tile = None
+    if draw(st.booleans()):
+        tile = tuple(draw(st.integers(1, n)) for n in shape)
+    return Neighborhood(shape, kernel, dilation, causal, tile)
 
 
 @st.composite
@@ -638,6 +688,20 @@ def learned_bias_cases(draw) -> Case:
         base.score_mod,
         base.seed,
     )
+
+
+@st.composite
+def neighborhood_cases(draw, **kw) -> Case:
+    """:func:`cases` made self-attention over a token grid (T = S = N, from the sizes the
+    suite draws, 1 to 40) with a neighborhood as mask_mod, alone or combined with another
+    leaf mask; the rest of the call (dtype, layouts, is_causal, score_mod, GQA, scale) as
+    drawn. No dense attn_mask: its dead rows were drawn for another T."""
+    base = draw(cases(**kw))
+    N = draw(small_len)
+    mod: ModSpec = draw(neighborhoods(N))
+    if draw(st.integers(0, 3)) == 3:
+        mod = Combine(draw(st.sampled_from(["and", "or"])), (mod, draw(leaf_mods(N, N))))
+    return replace(base, T=N, S=N, mask=None, mask_mod=mod)
 
 
 # --- sinks and selections at their edges (issue 41) --------------------------------------------

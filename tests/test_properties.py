@@ -63,6 +63,7 @@ from strategies import (
     cases_with_empty_rows,
     learned_bias_cases,
     mask_writes,
+    neighborhood_cases,
     selections,
 )
 
@@ -372,6 +373,17 @@ def test_extreme_sinks_on_rows_with_and_without_keys_match_float64_reference(bac
     tiles = draw_tiles(data, case) if backend == "tiled-small" else None
     values = tuple(data.draw(st.sampled_from(SINK_VALUES), label="sink") for _ in range(case.H))
     check_call(case, backend, tiles, sinks=values)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@budget(12)
+@given(case=neighborhood_cases(), data=st.data())
+def test_neighborhoods_match_float64_reference(backend, case, data):
+    """NATTEN's neighborhoods (issue 40) on grids of 1 to 40 tokens in 1 to 3 dims, row-major
+    or tiled, dilated, causal per dim, alone or combined, on every backend that takes a
+    mask_mod: output and gradients against reference64's loops over coordinates."""
+    tiles = draw_tiles(data, case) if backend == "tiled-small" else None
+    check_call(case, backend, tiles)
 
 
 @budget(40)
