@@ -11,7 +11,7 @@ import importlib as _importlib
 from . import models, tasks
 from .capture import Captured, capture, load_capture
 from .dispatch import backend_names
-from .functional import linear_attention, scaled_dot_product_attention
+from .functional import deformable_attention, linear_attention, scaled_dot_product_attention
 from .models import DecoderLM, EncoderClassifier, Seq2SeqTransformer, ViT, attention_kinds
 from .nn import (
     AdditiveAttention,
@@ -77,6 +77,7 @@ __all__ = [
     "attention_kinds",
     "backend_names",
     "capture",
+    "deformable_attention",
     "linear_attention",
     "load_capture",
     "models",

@@ -13,10 +13,11 @@ from torch import Tensor
 
 from . import dispatch, recording
 from .ops import AttentionCall, nonfinite
+from .ops import deformable as _deformable
 from .ops import linear as _linear
 from .trace import AttentionTrace
 
-__all__ = ["linear_attention", "scaled_dot_product_attention"]
+__all__ = ["deformable_attention", "linear_attention", "scaled_dot_product_attention"]
 
 
 def scaled_dot_product_attention(
@@ -281,3 +282,66 @@ def linear_attention(
 def _probs(scores: Tensor, lse: Tensor) -> Tensor:
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     return torch.exp(scores - safe.unsqueeze(-1))
+
+
+def deformable_attention(
+    value: Tensor,
+    spatial_shapes: Tensor,
+    sampling_locations: Tensor,
+    attention_weights: Tensor,
+    *,
+    level_start_index: Tensor | None = None,
+) -> Tensor:
+    """Multi-scale deformable attention (Deformable DETR; BEVFormer's two attentions), with
+    mmcv's meaning and argument order (``multi_scale_deformable_attn``).
+
+    Each query ``q`` and head ``m`` samples every level ``l`` of the value at ``P`` points and
+    sums the samples with its weights::
+
+        out[b, q, m] = sum_{l, p} attention_weights[b, q, m, l, p]
+                       * bilinear(value_l[b, :, m], sampling_locations[b, q, m, l, p])
+
+    * **Locations** are ``(x, y)`` in ``[0, 1]`` over each level's map, ``(0, 0)`` the top-left
+      corner of the top-left pixel: pixel coordinates are ``x * W - 0.5, y * H - 0.5``. The
+      sampling is ``F.grid_sample(..., mode="bilinear", padding_mode="zeros",
+      align_corners=False)`` at ``grid = 2 * location - 1``: a bilinear corner outside the map
+      counts as zero, so a point outside by a pixel or more gives nothing (its gradients are 0).
+    * **The weights** are used as given (Deformable DETR softmaxes them over ``L * P`` before).
+    * **Exact and deterministic**: held to a float64 ``grid_sample`` reference, forward and
+      gradients for value, locations and weights; the backward gives the same bits on every run
+      (no atomics). float16/bfloat16 accumulate in float32 and round once.
+    * **Fast on CPU**: a C++ kernel, built at first use and cached, that never materialises the
+      ``L * P`` samples per output that the ``grid_sample`` form does; where no C++ compiler is
+      found, the same computation in PyTorch ops, with a warning. ``QKV_DEFORMABLE_KERNEL=cpp``
+      or ``torch`` forces one. Other devices run the PyTorch ops.
+    * **Compiles and exports**: one custom op, ``qkv::deformable_attention``, with fake and
+      autograd rules, so ``torch.compile(fullgraph=True)`` and ``torch.export`` take it whole.
+
+    Args:
+        value: The levels' maps flattened and concatenated, level by level, each row-major.
+        spatial_shapes: ``(H, W)`` per level, an integer tensor (or a list of pairs).
+        sampling_locations: ``(x, y)`` per query, head, level and point, in ``[0, 1]``.
+        attention_weights: The weight of each sample.
+        level_start_index: Where each level starts in ``value`` (mmcv's argument; computed from
+            spatial_shapes when None, and checked against it when given).
+
+    Returns:
+        The weighted samples, heads concatenated.
+
+    Raises:
+        ValueError: Shapes that disagree, or spatial_shapes whose ``sum(H * W)`` is not ``S``,
+            or a level_start_index that disagrees with them (the message names the numbers).
+        TypeError: Non-float values, or the three float tensors in different dtypes.
+
+    Shape:
+        value ``(B, S, M, D)`` with ``S = sum_l H_l * W_l``; spatial_shapes ``(L, 2)``;
+        sampling_locations ``(B, Lq, M, L, P, 2)``; attention_weights ``(B, Lq, M, L, P)``;
+        level_start_index ``(L,)`` -> ``(B, Lq, M * D)``.
+    """
+    return _deformable.deformable_attention(
+        value,
+        spatial_shapes,
+        sampling_locations,
+        attention_weights,
+        level_start_index=level_start_index,
+    )

@@ -1,0 +1,58 @@
+"""Multi-scale deformable attention (Deformable DETR, BEVFormer) with mmcv's meaning.
+
+* ``naive.py``: the slow twin, one ``F.grid_sample`` per level (mmcv's PyTorch fallback);
+* ``gather.py``: plain PyTorch ops, forward and backward written out, nothing of ``L * P`` times
+  the output materialised; any device;
+* ``native.py`` + ``kernel.cpp``: the CPU kernel, C++ built at first use;
+* ``op.py``: both behind the custom op ``qkv::deformable_attention``;
+* ``inputs.py``: validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .inputs import KERNELS, as_spatial_shapes, check_inputs, level_starts
+from .naive import deformable_attention_naive
+from .op import ENV, kernel_from_env, pick_kernel
+
+__all__ = [
+    "ENV",
+    "deformable_attention",
+    "deformable_attention_naive",
+    "kernel_from_env",
+    "pick_kernel",
+]
+
+
+def deformable_attention(
+    value: Tensor,
+    spatial_shapes: Tensor | Sequence[Sequence[int]],
+    sampling_locations: Tensor,
+    attention_weights: Tensor,
+    *,
+    level_start_index: Tensor | None = None,
+    kernel: str | None = None,
+) -> Tensor:
+    """:func:`qkv.deformable_attention`, with the kernel named (``auto``, ``cpp``, ``torch``;
+    None reads ``QKV_DEFORMABLE_KERNEL``).
+
+    Shape:
+        value ``(B, S, M, D)``; spatial_shapes ``(L, 2)``; sampling_locations
+        ``(B, Lq, M, L, P, 2)``; attention_weights ``(B, Lq, M, L, P)``; level_start_index
+        ``(L,)`` -> ``(B, Lq, M * D)``.
+    """
+    spatial_shapes = as_spatial_shapes(spatial_shapes)
+    check_inputs(value, spatial_shapes, sampling_locations, attention_weights, level_start_index)
+    if kernel is None:
+        kernel = kernel_from_env()
+    elif kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}; use one of {', '.join(map(repr, KERNELS))}")
+    if level_start_index is None:
+        level_start_index = level_starts(spatial_shapes)
+    return torch.ops.qkv.deformable_attention(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, kernel
+    )

@@ -1,0 +1,150 @@
+"""The C++ kernel of multi-scale deformable attention (``kernel.cpp``), built at first use.
+
+It is built through ``torch.utils.cpp_extension.load`` (ninja, torch's headers, cached under
+``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; a later process loads the cached
+library in milliseconds) and called through ``ctypes`` on the tensors' data pointers: the source
+includes only ``ATen/Parallel.h`` and c10's half types, so the first build takes seconds, not the
+minute that ``torch/extension.h`` and pybind11 would.
+
+The build's name carries a hash of the source, the flags and torch's version, and the flags
+follow torch's CPU capability (AVX2, AVX512): a cache shared by machines of different CPUs
+keeps one library per capability, and none runs an instruction its CPU lacks.
+
+When it cannot be built (no C++ compiler, no ninja, a failed build), :func:`library` returns
+None with the reason, and ``deformable_attention`` runs the pure-PyTorch path (``gather.py``),
+which gives the same results to the tolerance policy, only slower; a warning says so once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .gather import acc_dtype
+
+__all__ = ["backward_cpp", "forward_cpp", "library", "unavailable_reason"]
+
+SOURCE = Path(__file__).with_name("kernel.cpp")
+_NAMES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+}
+# what torch's capability string guarantees (ATen's own CPU_CAPABILITY builds assume the same)
+_ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+
+
+def _flags() -> tuple[list[str], list[str]]:
+    """Compiler and linker flags: torch's ISA level, and OpenMP where ATen's threads are
+    OpenMP's (the library then links the libgomp torch has already loaded: one thread pool)."""
+    cflags = ["-O3", "-std=c++17", "-ffp-contract=off"]
+    cflags += _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+        return cflags + ["-fopenmp"], ["-fopenmp"]
+    return cflags + ["-fopenmp-simd"], []
+
+
+@functools.cache
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return None, f"no C++ compiler found ({compiler!r}, from $CXX or the default c++)"
+    cflags, ldflags = _flags()
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join(cflags + ldflags + [torch.__version__]).encode()
+    ).hexdigest()[:12]
+    capability = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
+    try:
+        from torch.utils import cpp_extension
+
+        path = cpp_extension.load(
+            name=f"qkv_deformable_{capability}_{key}",
+            sources=[str(SOURCE)],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            with_cuda=False,
+            is_python_module=False,
+        )
+        lib = ctypes.CDLL(str(path))
+    except Exception as exc:  # a failed build of any kind leaves the pure-PyTorch path
+        return None, f"the C++ kernel did not build: {type(exc).__name__}: {str(exc)[-300:]}"
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in _NAMES.values():
+        getattr(lib, f"qkv_deformable_forward_{name}").argtypes = [ptr] * 6 + [i64] * 7
+        getattr(lib, f"qkv_deformable_backward_{name}").argtypes = [ptr] * 9 + [i64] * 7
+    return lib, ""
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel library, or None (then :func:`unavailable_reason` says why; a warning
+    says it once per process)."""
+    lib, why = _build()
+    if lib is None:
+        _warn_once(why)
+    return lib
+
+
+def unavailable_reason() -> str:
+    """Why the C++ kernel cannot be used here ("" when it can); builds it if not yet tried."""
+    return _build()[1]
+
+
+@functools.cache
+def _warn_once(why: str) -> None:
+    warnings.warn(
+        f"qkv.deformable_attention runs its pure-PyTorch path (same results, slower): {why}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _dims(value: Tensor, loc: Tensor) -> list[int]:
+    B, S, M, D = value.shape
+    _, Lq, _, L, P, _ = loc.shape
+    return [B, S, M, D, Lq, L, P]
+
+
+def forward_cpp(
+    lib: ctypes.CDLL, value: Tensor, shapes: Tensor, starts: Tensor, loc: Tensor, attn: Tensor
+) -> Tensor:
+    """The output ``(B, Lq, M * D)`` in value's dtype. All inputs on the CPU, contiguous,
+    shapes and starts int64, the rest of one dtype."""
+    B, S, M, D, Lq, L, P = _dims(value, loc)
+    out = value.new_empty(B, Lq, M * D)
+    fn = getattr(lib, f"qkv_deformable_forward_{_NAMES[value.dtype]}")
+    ptrs = (t.data_ptr() for t in (value, shapes, starts, loc, attn, out))
+    fn(*ptrs, B, S, M, D, Lq, L, P)
+    return out
+
+
+def backward_cpp(
+    lib: ctypes.CDLL,
+    grad_out: Tensor,
+    value: Tensor,
+    shapes: Tensor,
+    starts: Tensor,
+    loc: Tensor,
+    attn: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients for value, loc and attn, as :func:`forward_cpp` takes its inputs; the value
+    gradient is accumulated in float32 for half types and rounded once."""
+    B, S, M, D, Lq, L, P = _dims(value, loc)
+    grad_value = torch.zeros(value.shape, dtype=acc_dtype(value.dtype))  # (B, S, M, D)
+    grad_loc, grad_attn = torch.empty_like(loc), torch.empty_like(attn)
+    fn = getattr(lib, f"qkv_deformable_backward_{_NAMES[value.dtype]}")
+    tensors = (grad_out, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn)
+    fn(*(t.data_ptr() for t in tensors), B, S, M, D, Lq, L, P)
+    return grad_value.to(value.dtype), grad_loc, grad_attn
