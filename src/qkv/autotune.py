@@ -79,34 +79,71 @@ class Choice:
         return f"{self.backend}: fastest measured on this machine ({shown}; {self.source})"
 
 
+_ENABLED: dict[str | None, bool] = {}  # QKV_AUTOTUNE's raw value -> on/off (read every call)
+
+
 def enabled() -> bool:
     """Whether ``auto`` measures (``QKV_AUTOTUNE``, default on)."""
-    value = os.environ.get("QKV_AUTOTUNE", "on").strip().lower()
+    raw = os.environ.get("QKV_AUTOTUNE")
+    known = _ENABLED.get(raw)
+    if known is not None:
+        return known
+    value = (raw or "on").strip().lower()
     if value in ("on", "1", "true", "yes", ""):
-        return True
-    if value in ("off", "0", "false", "no"):
-        return False
-    raise ValueError(f"QKV_AUTOTUNE={value!r}: use 'on' or 'off'")
+        _ENABLED[raw] = True
+    elif value in ("off", "0", "false", "no"):
+        _ENABLED[raw] = False
+    else:
+        raise ValueError(f"QKV_AUTOTUNE={value!r}: use 'on' or 'off'")
+    return _ENABLED[raw]
+
+
+def _key(call: AttentionCall) -> tuple:
+    """What decides speed, sizes in power-of-two buckets: the key of a kept choice (a tuple:
+    built on every call, so it is kept cheap; :func:`call_kind` is its readable form)."""
+    q, k, mask_mod, score_mod = call.query, call.key, call.mask_mod, call.score_mod
+    B, H = call.BH
+    return (
+        q.device.type,
+        q.dtype,
+        call.mask_kind if mask_mod is None else type(mask_mod),
+        call.is_causal,
+        None if score_mod is None else type(score_mod),
+        _wants_grad(call),
+        call.sinks is not None,
+        call.enable_gqa and k.shape[-3] != q.shape[-3],
+        _bucket(B * H),
+        _bucket(q.shape[-2]),
+        _bucket(k.shape[-2]),
+        q.shape[-1],
+        call.value.shape[-1],
+        call.dropout_p > 0,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _kind_string(key: tuple) -> str:
+    device, dtype, mask, causal, score, grad, sinks, gqa, bh, T, S, D, Dv, drop = key
+    mask = mask if isinstance(mask, str) else mask.__name__.strip("_")
+    if causal:
+        mask = "causal" if mask == "none" else f"{mask}+causal"
+    parts = [
+        device,
+        str(dtype).removeprefix("torch."),
+        mask,
+        "score:" + ("none" if score is None else score.__name__.strip("_")),
+        "grad" if grad else "nograd",
+        "sinks" if sinks else "",
+        "gqa" if gqa else "",
+        f"BH{bh}-T{T}-S{S}-D{D}-Dv{Dv}",
+        f"drop{drop:d}",
+    ]
+    return "/".join(p for p in parts if p)
 
 
 def call_kind(call: AttentionCall) -> str:
-    """The key under which a choice is kept: what decides speed, sizes in buckets."""
-    B, H = call.BH
-    mask = "causal" if call.is_causal and call.mask_mod is None else call.mask_kind
-    if call.mask_mod is not None:
-        mask = type(call.mask_mod).__name__.strip("_") + ("+causal" if call.is_causal else "")
-    parts = [
-        call.device.type,
-        str(call.dtype).removeprefix("torch."),
-        mask,
-        "score:" + (type(call.score_mod).__name__.strip("_") if call.score_mod else "none"),
-        "grad" if _wants_grad(call) else "nograd",
-        "sinks" if call.sinks is not None else "",
-        "gqa" if call.enable_gqa and call.key.shape[-3] != call.query.shape[-3] else "",
-        f"BH{_bucket(B * H)}-T{_bucket(call.T)}-S{_bucket(call.S)}-D{call.D}-Dv{call.Dv}",
-        f"drop{call.dropout_p > 0:d}",
-    ]
-    return "/".join(p for p in parts if p)
+    """The kind of a call, as kept on disk: what decides speed, sizes in buckets."""
+    return _kind_string(_key(call))
 
 
 def _bucket(n: int) -> int:
@@ -123,7 +160,7 @@ def _wants_grad(call: AttentionCall) -> bool:
 # --- the choice --------------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_chosen: dict[str, Choice] = {}  # call kind -> choice, for this process (never changes)
+_chosen: dict[tuple, Choice] = {}  # _key(call) -> choice, for this process (never changes)
 
 
 def measured_choice(
@@ -140,13 +177,17 @@ def measured_choice(
     by ``qkv tune``, whose verdict on disk counts). ``fresh``: measure every candidate, the
     compiling ones too, whatever is kept (``qkv tune``).
     """
-    if tracing() or call.device.type == "meta" or len(candidates) < 2:
+    if tracing() or call.device.type == "meta":
         return None
     if not fresh and not enabled():
         return None
-    kind = call_kind(call)
+    if len(candidates) < 2:
+        _keep_static(_key(call))
+        return None
+    key = _key(call)
+    kind = _kind_string(key)
     with _lock:
-        hit = None if fresh else _chosen.get(kind)
+        hit = None if fresh else _chosen.get(key)
     if hit is not None:
         return hit if any(b.name == hit.backend for b in candidates) else None
     names = {b.name for b in candidates}
@@ -156,6 +197,7 @@ def measured_choice(
     else:
         timed = [b for b in candidates if fresh or not compiles(b)]
         if len(timed) < 2:
+            _keep_static(key)
             return None
         timings = {b.name: _time_backend(b, call) for b in timed}
         times = {n: t for n, t in timings.items() if t is not None}
@@ -165,10 +207,20 @@ def measured_choice(
         choice = Choice(best, "measured", times)
         _disk_store(kind, choice)
     with _lock:
-        if fresh:
-            _chosen[kind] = choice
-        _chosen.setdefault(kind, choice)
-        return _chosen[kind]
+        if fresh or not _chosen.get(key, _STATIC).backend:
+            _chosen[key] = choice
+        _chosen.setdefault(key, choice)
+        return _chosen[key]
+
+
+_STATIC = Choice("", "static", {})  # kept for kinds that have nothing to measure
+
+
+def _keep_static(key: tuple) -> None:
+    """Remember that calls of this kind take the static order (fewer than two backends to
+    time), so later calls skip asking every backend."""
+    with _lock:
+        _chosen.setdefault(key, _STATIC)
 
 
 def _time_backend(backend: Backend, call: AttentionCall) -> float | None:
@@ -239,23 +291,24 @@ def forget() -> None:
 
 def stored_choice(call: AttentionCall) -> Choice | None:
     """The choice kept for ``call``'s kind, in this process or on disk (nothing is run)."""
-    kind = call_kind(call)
+    key = _key(call)
     with _lock:
-        hit = _chosen.get(kind)
-    if hit is not None:
+        hit = _chosen.get(key)
+    if hit is not None and hit.backend:
         return hit
-    stored = _disk().get(kind)
+    stored = _disk().get(_kind_string(key))
     if stored is None or "backend" not in stored:
         return None
     return Choice(stored["backend"], "disk", dict(stored.get("times", {})))
 
 
 def known(call: AttentionCall) -> str | None:
-    """The backend this process chose for ``call``'s kind, if it did (a dict lookup)."""
-    return None if not _chosen else _chosen.get(call_kind(call), _NONE).backend or None
-
-
-_NONE = Choice("", "", {})
+    """What this process keeps for ``call``'s kind (a dict lookup): a backend's name, ``""``
+    for the static order, None when the kind is new."""
+    if not _chosen:
+        return None
+    hit = _chosen.get(_key(call))
+    return None if hit is None else hit.backend
 
 
 # --- the disk ----------------------------------------------------------------------------------

@@ -133,7 +133,9 @@ def _static_choice(call: AttentionCall) -> Backend:
 def _measured(call: AttentionCall) -> Backend | None:
     """The backend measured fastest for calls of this kind on this machine (``autotune``),
     or None to walk the static order."""
-    name = autotune.known(call)  # chosen earlier in this process: a dict lookup
+    name = autotune.known(call)  # kept earlier in this process: a dict lookup
+    if name == "":
+        return None  # nothing to measure for calls of this kind: the static order
     if name is not None:
         known = _REGISTRY.get(name)
         if known is not None and known.supports(call) is None:
