@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .gather import acc_dtype
+from .._memory import empty_large
 
 __all__ = ["backward_cpp", "forward_cpp", "library", "unavailable_reason"]
 
@@ -139,12 +139,13 @@ def backward_cpp(
     loc: Tensor,
     attn: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients for value, loc and attn, as :func:`forward_cpp` takes its inputs; the value
-    gradient is accumulated in float32 for half types and rounded once."""
+    """Gradients for value, loc and attn, as :func:`forward_cpp` takes its inputs; accumulated
+    in float32 for half types and rounded once."""
     B, S, M, D, Lq, L, P = _dims(value, loc)
-    grad_value = torch.zeros(value.shape, dtype=acc_dtype(value.dtype))  # (B, S, M, D)
+    # huge pages where Linux gives them: its rows are written once each, at the end of a task
+    grad_value = empty_large(tuple(value.shape), dtype=value.dtype, device=value.device)
     grad_loc, grad_attn = torch.empty_like(loc), torch.empty_like(attn)
     fn = getattr(lib, f"qkv_deformable_backward_{_NAMES[value.dtype]}")
     tensors = (grad_out, value, shapes, starts, loc, attn, grad_value, grad_loc, grad_attn)
     fn(*(t.data_ptr() for t in tensors), B, S, M, D, Lq, L, P)
-    return grad_value.to(value.dtype), grad_loc, grad_attn
+    return grad_value, grad_loc, grad_attn
