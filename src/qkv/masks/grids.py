@@ -81,8 +81,14 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _coords(tokens: Tensor, shape: tuple[int, ...]) -> list[Tensor]:
-    """Grid coordinates of row-major token indices, one tensor per dim (tokens' shape)."""
-    return [(tokens // s) % n for s, n in zip(_strides(shape), shape)]
+    """Grid coordinates of row-major token indices ``< prod(shape)``, one tensor per dim
+    (tokens' shape). No division by a stride of 1 and no modulo on the first dim: integer
+    division is the costly part of a mask Flex evaluates per element."""
+    out = []
+    for i, (s, n) in enumerate(zip(_strides(shape), shape)):
+        c = tokens if s == 1 else tokens // s
+        out.append(c if i == 0 else c % n)
+    return out
 
 
 class TileLayout(NamedTuple):
@@ -253,10 +259,13 @@ def _allowed_1d(cq: Tensor, ck: Tensor, n: int, k: int, d: int, causal: bool) ->
     if causal:
         ok = (y <= x) & (y > x - k)
     else:
-        lo = (x - k // 2).clamp(min=0)
         # shifted inwards at the far border; the query's group holds ceil((n - g) / d) tokens
-        lo = lo.clamp(max=n - k) if d == 1 else torch.minimum(lo, (n - g + d - 1) // d - k)
-        ok = (y >= lo) & (y <= lo + (k - 1))
+        if d == 1:
+            lo = (x - k // 2).clamp(0, n - k)
+        else:
+            lo = torch.minimum((x - k // 2).clamp(min=0), (n - g + d - 1) // d - k)
+        offset = y - lo
+        ok = (offset >= 0) & (offset < k)
     if d > 1:
         ok = ok & (ck % d == g)  # the same dilation group
     return ok
