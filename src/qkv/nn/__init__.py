@@ -3,6 +3,7 @@
 from .additive import AdditiveAttention
 from .attention import MultiHeadAttention, SelfAttention
 from .cache import KVCache
+from .deformable import MultiScaleDeformableAttention
 from .efficient import LinearMultiHeadAttention, LocalMultiHeadAttention
 
 __all__ = [
@@ -11,5 +12,6 @@ __all__ = [
     "LinearMultiHeadAttention",
     "LocalMultiHeadAttention",
     "MultiHeadAttention",
+    "MultiScaleDeformableAttention",
     "SelfAttention",
 ]

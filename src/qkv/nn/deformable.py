@@ -1,0 +1,211 @@
+"""Multi-scale deformable attention as a module, laid out as mmcv's.
+
+:class:`MultiScaleDeformableAttention` takes mmcv's constructor arguments, holds mmcv's four
+projections under mmcv's names (``sampling_offsets``, ``attention_weights``, ``value_proj``,
+``output_proj``), initialises them as mmcv does, and computes mmcv's forward: a Deformable
+DETR, DINO or BEVFormer state dict laid out by mmcv loads unchanged, and gives the same
+outputs. The sampling itself is :func:`qkv.deformable_attention` (the C++ kernel on CPU).
+
+Shape alphabet: B batch, Lq queries, S flattened value length (sum of H_l * W_l), C model dim
+(mmcv's embed_dims), M heads, D head dim, L levels, P points.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from ..functional import deformable_attention
+from ..ops.deformable.inputs import as_spatial_shapes
+
+__all__ = ["MultiScaleDeformableAttention"]
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    """mmcv's ``MultiScaleDeformableAttention`` (Deformable DETR), on qkv's kernel.
+
+    Each query, moved by ``query_pos``, predicts per head, level and point an offset from its
+    reference point and a weight (softmaxed over levels x points); the projected value is
+    sampled there (:func:`qkv.deformable_attention`), the heads are concatenated and projected,
+    dropout is applied and ``identity`` (the query before ``query_pos``, by default) is added.
+
+    * 2-d ``reference_points`` ``(x, y)``: locations are ``reference + offset / (W, H)`` of each
+      level (offsets in pixels). 4-d reference boxes ``(x, y, w, h)``: locations are
+      ``(x, y) + offset / P * (w, h) / 2``.
+    * Padding: ``key_padding_mask`` is mmcv's, **True marks padding** (its values are zeroed
+      after ``value_proj``; the weights are not renormalised). qkv's own ``key_mask`` (True
+      marks a real value) is taken too; give one or the other.
+    * mmcv's ``im2col_step``, ``norm_cfg`` and ``init_cfg`` are accepted and unused (the kernel
+      needs no batch step; mmcv uses neither in this module), and extra keyword arguments of
+      ``forward`` (``key_pos``, ``attn_mask``, ... that mmcv's transformer layers pass to every
+      attention) are ignored, as mmcv ignores them.
+
+    Args:
+        embed_dims: Model dim C of queries and values.
+        num_heads: Heads M; ``int(embed_dims * value_proj_ratio)`` must divide by it.
+        num_levels: Levels L of the value.
+        num_points: Points P per head and level.
+        im2col_step: mmcv's CUDA batch step (unused).
+        dropout: Dropout on the output, before ``identity`` is added.
+        batch_first: Queries and values as ``(B, Lq, C)``; mmcv's default False takes
+            ``(Lq, B, C)``.
+        norm_cfg, init_cfg: mmcv's (unused).
+        value_proj_ratio: ``value_proj`` maps C to ``int(C * value_proj_ratio)``.
+        device, dtype: Of the parameters.
+
+    Shape:
+        query ``(B, Lq, C)`` (``(Lq, B, C)`` unless batch_first); value ``(B, S, C)`` likewise
+        (the query when None); reference_points ``(B, Lq, L, 2)`` or ``(B, Lq, L, 4)``;
+        spatial_shapes ``(L, 2)`` as (H, W); key_padding_mask / key_mask ``(B, S)`` -> the
+        query's shape.
+    """
+
+    def __init__(
+        self,
+        embed_dims: int = 256,
+        num_heads: int = 8,
+        num_levels: int = 4,
+        num_points: int = 4,
+        im2col_step: int = 64,
+        dropout: float = 0.1,
+        batch_first: bool = False,
+        norm_cfg: dict | None = None,
+        init_cfg: dict | None = None,
+        value_proj_ratio: float = 1.0,
+        *,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        value_dims = int(embed_dims * value_proj_ratio)
+        if embed_dims % num_heads != 0 or value_dims % num_heads != 0:
+            raise ValueError(
+                f"embed_dims={embed_dims} (value_proj to {value_dims}) must be divisible by "
+                f"num_heads={num_heads}"
+            )
+        if (value_dims // num_heads) & (value_dims // num_heads - 1):
+            warnings.warn(  # mmcv's warning; qkv's CPU kernel takes any head dim at one speed
+                f"MultiScaleDeformableAttention: head dim {value_dims // num_heads} is not a "
+                f"power of 2 (mmcv's CUDA kernel is faster with one)",
+                stacklevel=2,
+            )
+        self.embed_dims, self.num_heads = embed_dims, num_heads
+        self.num_levels, self.num_points = num_levels, num_points
+        self.im2col_step, self.batch_first = im2col_step, batch_first
+        self.norm_cfg, self.init_cfg = norm_cfg, init_cfg
+        self.dropout = nn.Dropout(dropout)
+        kw = dict(device=device, dtype=dtype)
+        samples = num_heads * num_levels * num_points
+        self.sampling_offsets = nn.Linear(embed_dims, samples * 2, **kw)
+        self.attention_weights = nn.Linear(embed_dims, samples, **kw)
+        self.value_proj = nn.Linear(embed_dims, value_dims, **kw)
+        self.output_proj = nn.Linear(value_dims, embed_dims, **kw)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """mmcv's initialisation: no offset weights, and offset biases that put head m's
+        points on a ray at angle ``2 pi m / M`` (scaled so its larger coordinate is 1), point
+        p at ``p + 1`` times it, on every level; zero weights (uniform after the softmax);
+        Xavier-uniform projections with zero biases."""
+        M, L, P = self.num_heads, self.num_levels, self.num_points
+        nn.init.zeros_(self.sampling_offsets.weight)
+        thetas = torch.arange(M, dtype=torch.float32) * (2.0 * math.pi / M)
+        grid = torch.stack([thetas.cos(), thetas.sin()], -1)  # (M, 2)
+        grid = grid / grid.abs().max(-1, keepdim=True)[0]
+        grid = grid.view(M, 1, 1, 2).repeat(1, L, P, 1)  # (M, L, P, 2)
+        grid = grid * torch.arange(1, P + 1, dtype=torch.float32).view(1, 1, P, 1)
+        self.sampling_offsets.bias.copy_(grid.view(-1))
+        nn.init.zeros_(self.attention_weights.weight)
+        nn.init.zeros_(self.attention_weights.bias)
+        for proj in (self.value_proj, self.output_proj):
+            nn.init.xavier_uniform_(proj.weight)
+            nn.init.zeros_(proj.bias)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        identity: Tensor | None = None,
+        query_pos: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        reference_points: Tensor | None = None,
+        spatial_shapes: Tensor | None = None,
+        level_start_index: Tensor | None = None,
+        *,
+        key_mask: Tensor | None = None,
+        **kwargs,
+    ) -> Tensor:
+        """mmcv's forward (``key`` is unused, as in mmcv). See the class for the shapes."""
+        if reference_points is None or spatial_shapes is None:
+            raise ValueError(
+                "MultiScaleDeformableAttention needs reference_points (B, Lq, L, 2 or 4) and "
+                "spatial_shapes (L, 2)"
+            )
+        value = query if value is None else value
+        identity = query if identity is None else identity
+        if query_pos is not None:
+            query = query + query_pos
+        if not self.batch_first:
+            query, value = query.transpose(0, 1), value.transpose(0, 1)  # (B, Lq, C), (B, S, C)
+        B, Lq, _ = query.shape
+        S = value.shape[1]
+        shapes = as_spatial_shapes(spatial_shapes)
+        value = self.value_proj(value)  # (B, S, M*D)
+        padding = _padding(key_padding_mask, key_mask, B, S)
+        if padding is not None:
+            value = value.masked_fill(padding[..., None], 0.0)
+        value = value.view(B, S, self.num_heads, -1)  # (B, S, M, D)
+        M, L, P = self.num_heads, self.num_levels, self.num_points
+        offsets = self.sampling_offsets(query).view(B, Lq, M, L, P, 2)
+        weights = self.attention_weights(query).view(B, Lq, M, L * P).softmax(-1)
+        weights = weights.view(B, Lq, M, L, P)
+        loc = self._locations(reference_points, offsets, shapes)  # (B, Lq, M, L, P, 2)
+        out = deformable_attention(
+            value, shapes, loc, weights, level_start_index=level_start_index
+        )  # (B, Lq, M*D)
+        out = self.output_proj(out)  # (B, Lq, C)
+        if not self.batch_first:
+            out = out.transpose(0, 1)  # (Lq, B, C)
+        return self.dropout(out) + identity
+
+    def _locations(self, reference_points: Tensor, offsets: Tensor, shapes: Tensor) -> Tensor:
+        """Sampling locations ``(B, Lq, M, L, P, 2)`` from reference points ``(B, Lq, L, 2)``
+        or boxes ``(B, Lq, L, 4)`` and offsets ``(B, Lq, M, L, P, 2)``."""
+        last = reference_points.shape[-1]
+        if reference_points.dim() != 4 or last not in (2, 4):
+            raise ValueError(
+                f"reference_points must be (B, Lq, L, 2) points or (B, Lq, L, 4) boxes; got "
+                f"shape {tuple(reference_points.shape)}"
+            )
+        ref = reference_points[:, :, None, :, None, :]  # (B, Lq, 1, L, 1, 2 or 4)
+        if last == 2:
+            wh = torch.stack([shapes[:, 1], shapes[:, 0]], -1).to(offsets)  # (L, 2) as (W, H)
+            return ref + offsets / wh[None, None, None, :, None, :]
+        return ref[..., :2] + offsets / self.num_points * ref[..., 2:] * 0.5
+
+
+def _padding(key_padding_mask: Tensor | None, key_mask: Tensor | None, B: int, S: int):
+    """The rows to zero, ``(B, S)`` bool (True = padding), from mmcv's or qkv's mask."""
+    if key_padding_mask is not None and key_mask is not None:
+        raise ValueError(
+            "give key_padding_mask (mmcv's: True marks padding) or key_mask (qkv's: True "
+            "marks a real value), not both"
+        )
+    mask, name = (
+        (key_padding_mask, "key_padding_mask") if key_mask is None else (key_mask, "key_mask")
+    )
+    if mask is None:
+        return None
+    if mask.dtype == torch.uint8 and key_mask is None:
+        mask = mask.bool()  # mmcv documents a ByteTensor
+    if mask.dtype != torch.bool or tuple(mask.shape) != (B, S):
+        raise ValueError(
+            f"{name} must be a bool tensor (B, S) = ({B}, {S}); got {mask.dtype} of shape "
+            f"{tuple(mask.shape)}"
+        )
+    return mask if key_mask is None else ~mask
