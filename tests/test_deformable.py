@@ -327,6 +327,35 @@ def test_exports_and_runs_at_another_query_count():
     torch.testing.assert_close(program.module()(value, loc, attn), Sample()(value, loc, attn))
 
 
+def test_vmap_and_per_sample_gradients_equal_a_loop():
+    """vmap over a leading dim of value and locations (the weights shared), and vmap of
+    torch.func.grad (both run the gather path as plain torch ops): each sample as its own
+    call would give."""
+    samples = [inputs(B=2, Lq=4, M=2, D=3, seed=20 + i) for i in range(3)]
+    shapes = samples[0][1]
+    value = torch.stack([s[0] for s in samples])  # (V, B, S, M, D)
+    loc = torch.stack([s[2] for s in samples])  # (V, B, Lq, M, L, P, 2)
+    attn = samples[0][3]  # shared
+
+    def attend(v, lo, a):
+        return qkv.deformable_attention(v, shapes, lo, a)
+
+    got = torch.vmap(attend, in_dims=(0, 0, None))(value, loc, attn)
+    want = torch.stack([attend(value[i], loc[i], attn) for i in range(3)])
+    torch.testing.assert_close(got, want)
+
+    def loss(v, lo, a):
+        return (attend(v, lo, a) ** 2).sum()
+
+    got = torch.vmap(torch.func.grad(loss, argnums=(0, 1, 2)), in_dims=(0, 0, None))(
+        value, loc, attn
+    )
+    for i in range(3):
+        want = torch.func.grad(loss, argnums=(0, 1, 2))(value[i], loc[i], attn)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g[i], w)
+
+
 # --- validation -----------------------------------------------------------------------------------
 
 

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch._C._functorch import is_functorch_wrapped_tensor
 
-from .inputs import KERNELS, as_spatial_shapes, check_inputs, level_starts
+from .gather import deformable_forward_gather
+from .inputs import KERNELS, as_spatial_shapes, check_inputs, check_levels, level_starts
 from .naive import deformable_attention_naive
 from .op import ENV, kernel_from_env, pick_kernel
 
@@ -53,6 +55,21 @@ def deformable_attention(
         raise ValueError(f"kernel={kernel!r}; use one of {', '.join(map(repr, KERNELS))}")
     if level_start_index is None:
         level_start_index = level_starts(spatial_shapes)
+    if torch._C._are_functorch_transforms_active():
+        return _transformed(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+        )
     return torch.ops.qkv.deformable_attention(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights, kernel
     )
+
+
+def _transformed(value, shapes, starts, loc, attn) -> Tensor:
+    """Under a ``torch.func`` transform (vmap, grad, jacrev: they take no custom op here): the
+    gather path's forward as differentiable torch ops, its gradients by autograd. The level
+    tensors are checked where they are plain tensors (not vmapped over)."""
+    plain = not any(is_functorch_wrapped_tensor(t) for t in (shapes, starts))
+    if plain and not torch.compiler.is_compiling():
+        check_levels(shapes, starts, value.shape[1])
+    shapes, starts = shapes.to(value.device, torch.int64), starts.to(value.device, torch.int64)
+    return deformable_forward_gather(value, shapes, starts, loc, attn, inplace=False)

@@ -94,9 +94,13 @@ def _padded_rows(value: Tensor) -> Tensor:
 
 
 def deformable_forward_gather(
-    value: Tensor, shapes: Tensor, starts: Tensor, loc: Tensor, attn: Tensor
+    value: Tensor, shapes: Tensor, starts: Tensor, loc: Tensor, attn: Tensor, *, inplace=True
 ) -> Tensor:
     """The output, accumulated in float32 for half inputs.
+
+    Made of differentiable torch ops: autograd (and ``torch.func``) can take it whole, with
+    ``inplace=False`` (under vmap, a sum started from zeros cannot take a batched addend in
+    place).
 
     Shape:
         value ``(B, S, M, D)``; shapes ``(L, 2)``; starts ``(L,)`` (int64, value's device);
@@ -115,7 +119,8 @@ def deformable_forward_gather(
         for p in range(P):
             for c in range(4):
                 picked = rows.index_select(0, lv.rows[..., p, c].reshape(-1))  # (N, D)
-                out.addcmul_(weights[..., p, c, None], picked.view(B, Lq, M, D))
+                w, picked = weights[..., p, c, None], picked.view(B, Lq, M, D)
+                out = out.addcmul_(w, picked) if inplace else out.addcmul(w, picked.to(acc))
     return out.to(value.dtype).view(B, Lq, M * D)  # (B, Lq, M*D)
 
 

@@ -3,6 +3,9 @@
 The op and its backward op have fake (meta) implementations and a registered autograd rule,
 so ``torch.compile(fullgraph=True)`` keeps the call as one node (the kernel's memory, not the
 ``grid_sample`` decomposition's) and ``torch.export`` holds it as ``qkv.deformable_attention``.
+Under ``torch.func`` transforms (vmap, grad, jacrev), which take no custom op here, the call
+runs the gather path's forward as plain differentiable torch ops instead (see
+``deformable_attention``).
 
 Which kernel runs is decided inside the op, at run time, from a constant string:
 
