@@ -9,7 +9,8 @@ points at once. Half precision gathers in its own dtype and accumulates in float
 
 The backward is written out too (no autograd graph is kept): the value gradient is
 accumulated with ``index_add_``, which is deterministic on CPU (torch documents only its CUDA
-form as nondeterministic); the location and weight gradients come from the dot product of
+form as nondeterministic, and deterministic under ``torch.use_deterministic_algorithms``);
+the location and weight gradients come from the dot product of
 each corner's value row with the output gradient.
 
 Corners outside a map read a zero row appended to the value (and scatter into a row that is

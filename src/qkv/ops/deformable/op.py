@@ -113,8 +113,8 @@ def _deformable_attention_backward(
     attention_weights: Tensor,
     kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients for value, sampling_locations and attention_weights; deterministic (the same
-    bits on every run: no atomics, a fixed order of accumulation)."""
+    """Gradients for value, sampling_locations and attention_weights; deterministic on CPU
+    (the same bits on every run: no atomics, a fixed order of accumulation)."""
     if value.numel() == 0 or attention_weights.numel() == 0:
         return (
             torch.zeros_like(value),
