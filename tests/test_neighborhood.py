@@ -365,3 +365,28 @@ def test_flex_compiled_cpu_inference_equals_dense_sdpa():
         got = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask, backend="flex")
         base = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask, backend="reference")
     assert_tolerance(got, _sdpa64(q64, k64, v64, allowed), base, name="flex float32")
+
+
+def test_compiles_whole_and_exports():
+    """``torch.compile(fullgraph=True)`` (forward and backward) and ``torch.export`` of a call
+    with a neighborhood in a tiled layout give the eager result (DESIGN: one graph)."""
+    shape, N = (5, 7), 35
+    mask = M.neighborhood(3, shape, is_causal=(False, True), layout=M.tile_layout(shape, (2, 4)))
+    q, k, v = _inputs(1, 2, N, 16, seed=6, dtype=torch.float32)
+
+    def attend(q, k, v):
+        return qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask)
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return attend(q, k, v)
+
+    eager = attend(q, k, v)
+    torch.testing.assert_close(torch.export.export(Attend(), (q, k, v)).module()(q, k, v), eager)
+    qg = q.clone().requires_grad_()
+    out = torch.compile(attend, fullgraph=True)(qg, k, v)
+    torch.testing.assert_close(out, eager)
+    q_eager = q.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(out.sum(), qg)
+    (want,) = torch.autograd.grad(attend(q_eager, k, v).sum(), q_eager)
+    torch.testing.assert_close(grad, want)

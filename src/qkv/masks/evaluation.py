@@ -59,13 +59,31 @@ def evaluate_mask(mask_mod, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor)
             f"mask_mod {mask_mod!r} returned {got}; it must return a bool tensor "
             f"(True = may attend), e.g. `return q_idx >= kv_idx`"
         )
-    full = torch.broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
+    full = _broadcast_shapes(b.shape, h.shape, q_idx.shape, kv_idx.shape)
     if out.dim() > 4 or (out.shape[-2:] != full[-2:] and _broadcast_fails(out.shape, full)):
         raise ValueError(
             f"mask_mod {mask_mod!r} returned shape {tuple(out.shape)} for indices of shape "
             f"{tuple(full)}; compute it from the index tensors so it broadcasts like them"
         )
     return out
+
+
+def _broadcast_shapes(*shapes) -> tuple:
+    """``torch.broadcast_shapes`` of a few short shapes of plain ints, in plain Python: torch's
+    goes through ``torch._refs`` (~37 us a call, on CPU), and the tiled backend evaluates a
+    mask once per masked chunk (736 chunks a call for a 128x128 neighborhood). Symbolic sizes
+    (under ``torch.compile``) go to torch's."""
+    if not all(type(d) is int for shape in shapes for d in shape):
+        return tuple(torch.broadcast_shapes(*shapes))
+    n = max(len(shape) for shape in shapes)
+    out = [1] * n
+    for shape in shapes:
+        for i, d in enumerate(shape, n - len(shape)):
+            if d != 1:
+                if out[i] not in (1, d):
+                    raise RuntimeError(f"shapes {shapes} do not broadcast (dim {i - n})")
+                out[i] = d
+    return tuple(out)
 
 
 def _broadcast_fails(shape, full) -> bool:
