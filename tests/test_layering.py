@@ -10,6 +10,7 @@ import qkv
 SRC = Path(qkv.__file__).parent
 LAYER = {
     "_files": 0,
+    "_identity": 0,
     "_progress": 0,
     "masks": 0,
     "trace": 0,

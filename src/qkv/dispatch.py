@@ -317,12 +317,17 @@ def _trace_of_weights(
 
 
 def _detached(call: AttentionCall) -> AttentionCall:
-    """The call with its query, key and value detached, to be kept by a trace (the same call
-    when none of them requires a gradient: no op to dispatch)."""
-    if not any(t.requires_grad for t in (call.query, call.key, call.value)):
+    """The call with its query, key and value (and the tensors they were copied from)
+    detached, to be kept by a trace (the same call when none of them requires a gradient: no
+    op to dispatch). A detached tensor shares its version counter: changes are still seen."""
+    if not any(t.requires_grad for t in (call.query, call.key, call.value, *call.sources)):
         return call
     return dataclasses.replace(
-        call, query=call.query.detach(), key=call.key.detach(), value=call.value.detach()
+        call,
+        query=call.query.detach(),
+        key=call.key.detach(),
+        value=call.value.detach(),
+        sources=tuple(t.detach() for t in call.sources),
     )
 
 
@@ -443,14 +448,15 @@ def _recompute(call: AttentionCall, fn):
 
 def _versions(call: AttentionCall) -> tuple[int, ...]:
     """Version counters of the call's inputs, to notice changes in place: query, key,
-    value, attn_mask, and the tensors its mask_mod and score_mod read (ALiBi slopes, lengths,
-    document ids, tensors a plain function captured).
+    value, attn_mask, the tensors they were copied from (``AttentionCall.sources``), and the
+    tensors its mask_mod and score_mod read (ALiBi slopes, lengths, document ids, tensors a
+    plain function captured).
 
     Inference tensors (made under ``torch.inference_mode()``) have no counter, so they are
     skipped: outside inference mode they cannot be changed in place at all; a change inside
     it goes unnoticed (torch keeps no record of it to check).
     """
-    tensors = [call.query, call.key, call.value, call.attn_mask]
+    tensors = [call.query, call.key, call.value, call.attn_mask, *call.sources]
     for mod in (call.mask_mod, call.score_mod):
         if mod is not None:
             tensors.extend(mod.tensors())

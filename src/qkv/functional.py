@@ -137,9 +137,6 @@ def scaled_dot_product_attention(
         plan = dispatch.choose(call, backend)  # plan: the backend, and how a trace is made
         guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract)  # bad inputs zeroed
         result = dispatch.run(guard.call, plan)  # kernel: out (*batch, T, Dv), or (out, trace)
-        guard = guard.inspect(result)  # no grad wanted: inputs read only if out is not finite
-        if guard.rerun:  # ... and they held NaN/inf: the kernel again, on them zeroed
-            result = dispatch.run(guard.call, plan)
         result = guard.restore(result)  # contract: NaN rows, overflowing scores refused
     if record is None:
         return result

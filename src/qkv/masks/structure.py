@@ -17,6 +17,7 @@ import hashlib
 
 from torch import Tensor
 
+from .._identity import IdentityCache
 from .blocks import _classify_by_evaluation
 from .grids import _Neighborhood
 from .vocabulary import MaskMod, ScoreMod, _Alibi, _Combined, _Document, _KeysBefore, _Window
@@ -141,7 +142,16 @@ def structure_key(mod) -> tuple | None:
 
 
 def _content_key(t: Tensor) -> tuple:
-    """dtype, shape, device and a 128-bit digest of ``t``'s values."""
+    """dtype, shape, device and a 128-bit digest of ``t``'s values; remembered by ``t``'s
+    identity and version (``qkv._identity``), so the next call with the same ids or lengths
+    reads nothing on the host (on CUDA, reading them is a device sync)."""
+    return _content_keys.get((t,), "content", lambda: _read_content_key(t))
+
+
+_content_keys = IdentityCache(64)
+
+
+def _read_content_key(t: Tensor) -> tuple:
     flat = t.detach().reshape(-1).to("cpu").contiguous()
     data = ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size())
     digest = hashlib.blake2b(data, digest_size=16).digest()

@@ -36,7 +36,9 @@ class KVCache:
 
     Shape:
         keys ``(B, G, position, D)``; values ``(B, G, position, Dv)``; key_mask
-        ``(B, position)`` (True = a real key) or None when no key was padding.
+        ``(B, position)`` (True = a real key) or None when no key_mask was given since the
+        last reset (whether a given one marks padding is not read: on GPUs that would be a
+        device sync per step).
     """
 
     def __init__(
@@ -64,7 +66,7 @@ class KVCache:
         self._k = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, **kw)  # (B, G, P, D)
         self._v = torch.zeros(batch_size, num_kv_heads, capacity, Dv, **kw)  # (B, G, P, Dv)
         self._mask = torch.ones(batch_size, capacity, dtype=torch.bool, device=device)  # (B, P)
-        self._padded = False  # any key so far marked as padding
+        self._padded = False  # a key_mask was given since the last reset
         self.capacity, self.position = capacity, 0
 
     @property
@@ -119,7 +121,8 @@ class KVCache:
                     f"{key_mask.dtype} {tuple(key_mask.shape)}"
                 )
             self._mask[:, self.position : end] = key_mask
-            self._padded = self._padded or not bool(key_mask.all())
+            self._padded = True  # (whether it marks any padding is not asked: that would read
+            # it on the host, a device sync per decoding step on GPUs)
         self.position = end
         return self.keys, self.values, self.key_mask
 

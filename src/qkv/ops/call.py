@@ -65,6 +65,10 @@ class AttentionCall:
     mask_mod: MaskMod | None = None
     score_mod: ScoreMod | None = None
     sinks: Tensor | None = None
+    # the caller's tensors that query, key and value were made from (the NaN/inf contract
+    # runs a kernel on copies with those zeroed): a trace recomputed later checks that they
+    # too are unchanged
+    sources: tuple[Tensor, ...] = ()
 
     @classmethod
     def build(

@@ -9,24 +9,38 @@ runs on zeros in their place, and then exactly the rows that may attend to a bad
 rows of a bad query that have a key to attend to, are set to NaN: what plain math gives those
 rows is not finite either.
 
-The contract is kept in steps around the kernel, which ``scaled_dot_product_attention``
+The contract is kept in two steps around the kernel, which ``scaled_dot_product_attention``
 (``functional.py``) takes in order::
 
-    guard = prepare(call)              # the call to run: bad inputs zeroed now, or not yet
+    guard = prepare(call)              # the call to run: bad inputs zeroed, or as it is
     result = kernel(guard.call)
-    guard = guard.inspect(result)      # inference: inputs looked at only if out is not finite
-    if guard.rerun:
-        result = kernel(guard.call)    # ... and run again when some were bad
     result = guard.restore(result)     # NaN on the rows plain math makes NaN
 
-Cost: when a gradient is wanted, one reduction over q, k and v per call (gradients can be
-spoiled while the output is finite), and one over the output. Otherwise only the output is
-checked, and the inputs only when it is not finite (a masked bad input always shows there as
-NaN). A non-finite output from finite inputs is looked at once more: when the scaled scores
-can overflow (a scale like 1e38), the call raises a ValueError naming that.
+Both are tensor operations, eagerly as under tracing: nothing is read on the host (on CUDA a
+read is a device sync; tests/test_host_reads.py counts them). What they cost on finite inputs:
 
-Under tracing (``torch.compile``, ``torch.export``, ``torch.func``) the same steps are tensor
-ops only: no ``.item()``, no branch on values, so the call stays one graph.
+* **No gradient wanted and every row may attend every key** (no mask, or windows and lengths
+  that leave every key to every row, as a decoding step's): nothing before the kernel (with
+  no key hidden from a row, no bad key can reach a row it should not); after it, one
+  reduction each of q, k and the output finds the bad query rows, the heads holding a bad
+  key and the rows a bad value reached, and those rows are set to NaN.
+* **Otherwise** (masks, gradients, traces): one reduction of each of q, k and v finds their
+  bad rows, and one copy of each has them zeroed (a masked key's NaN would reach its row as
+  ``0 * NaN``); after the kernel, the rows to set to NaN are counted from the masks' ranges,
+  documents or matrix (``ops/key_counts.py``), and set. The copy's gradient is passed
+  through as it is: the kernel's gradient is 0 on every bad row already (a NaN row passes no
+  gradient, and a masked pair's weight is exactly 0).
+
+A row's finiteness is one matrix-vector product, ``x @ w`` with ``w`` a power of two below
+``1 / (4 D)``: finite for every finite row (no overflow, unlike a sum), not finite for every
+row holding NaN or inf, and 20x faster than ``isfinite(x).all(-1)`` on CPU.
+
+A call whose ``scale`` can overflow the scores (beyond the square root of the largest float
+the scores are held in, like 1e38 in float32) is also checked for an output that is not
+finite from finite inputs, which raises a ValueError naming the overflow: that check reads the
+output on the host, for such scales only.
+
+Under tracing, the traced steps below keep the same contract in ops the compilers take.
 
 Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
 """
@@ -44,6 +58,7 @@ from torch import Tensor
 from ..masks import evaluate_mask, index_grid
 from .base import compiling_plainly, tracing
 from .call import AttentionCall
+from .key_counts import covers_every_key, key_counts
 
 __all__ = ["Guard", "prepare", "run"]
 
@@ -53,8 +68,9 @@ Result = Tensor | tuple[Tensor, Any]
 
 @dataclasses.dataclass
 class _Bad:
-    """Which keys and query rows held NaN/inf: ``keys`` ``(*kbatch, S)`` (GQA heads expanded),
-    ``rows`` ``(*qbatch, T)``; None where all were finite."""
+    """Which keys and query rows hold NaN/inf: eagerly ``keys`` ``(B, H, S)`` and ``rows``
+    ``(B, H, T)``; traced ``(*kbatch, S)`` (GQA heads expanded) and ``(*qbatch, T)``. The old
+    eager form (``_clean``, inside the compiled tiled ops) has None where all were finite."""
 
     keys: Tensor | None
     rows: Tensor | None
@@ -67,46 +83,41 @@ class Guard:
     ``call`` is what the kernel runs: the caller's call, or a copy with the bad rows of q, k
     and v zeroed. ``check`` is what is left to do after the kernel:
 
-    * ``"none"``: nothing (all finite, or a kernel that keeps the contract itself);
-    * ``"output"``: eager, no gradient wanted: look at the output, and only when it is not
-      finite at the inputs (:meth:`inspect`);
-    * ``"eager"``: the inputs were looked at, ``bad`` says which were bad (None: none);
-    * ``"traced"``: the same in tensor ops, ``bad`` holds both masks, all False when finite;
+    * ``"none"``: nothing (a kernel that keeps the contract itself, or nothing to check);
+    * ``"output"``: every row may attend every key and no gradient is wanted: the rows of a
+      head holding a bad key, the bad query rows and the output's rows that are not finite
+      become NaN;
+    * ``"eager"``: ``bad`` holds the bad keys ``(B, H, S)`` and query rows ``(B, H, T)`` (all
+      False when finite), and the rows that may attend a bad key become NaN;
+    * ``"traced"``: the same in the ops of ``_restore_traced``;
     * ``"in_graph"``: traced inference whose output the ``qkv::checked_output`` op checks.
-
-    ``rerun``: the kernel must run again, on ``call`` (the inputs were cleaned after it ran).
     """
 
     call: AttentionCall
     check: Literal["none", "output", "eager", "traced", "in_graph"]
     bad: _Bad | None = None
-    rerun: bool = False
-
-    def inspect(self, result: Result) -> Guard:
-        """After the kernel's first run. Eager inference checks the output alone: a finite
-        one is done; otherwise the inputs are cleaned now, and the call is to run again when
-        some were bad. Every other guard is returned as it is."""
-        if self.check != "output":
-            return self
-        if _finite_sum(_output(result)):
-            return Guard(self.call, "none")
-        cleaned, bad = _clean(self.call)
-        return Guard(cleaned, "eager", bad, rerun=bad is not None)
 
     def restore(self, result: Result) -> Result:
         """The kernel's result under the contract: NaN on every row that may attend to a bad
         key, and on every bad query row that may attend to some key; a ValueError when finite
-        inputs gave a non-finite output because the scaled scores overflow.
+        inputs gave a non-finite output because the scaled scores overflow (scales that can
+        overflow only).
 
         Shape:
             output ``(*batch, T, Dv)`` -> the same.
         """
-        if self.check == "eager":
-            return _restore_eager(self.call, self.bad, result)
-        if self.check == "traced":
+        if self.check == "output":
+            result = _with_output(result, _restore_output(self.call, _output(result)))
+        elif self.check == "eager":
+            assert self.bad is not None and self.bad.keys is not None and self.bad.rows is not None
+            result = _restore_eager(self.call, self.bad.keys, self.bad.rows, result)
+        elif self.check == "traced":
             return _restore_traced(self.call, self.bad, result)
-        if self.check == "in_graph":
+        elif self.check == "in_graph":
             return _checked_in_graph(self.call, result)
+        overflows = self.check != "none" and _scale_may_overflow(self.call)
+        if overflows and not _finite_sum(_output(result)):  # a host read, for such scales only
+            _refuse_overflow(self.call)
         return result
 
 
@@ -119,33 +130,151 @@ def prepare(call: AttentionCall, kept: bool = False) -> Guard:
         return Guard(call, "none")
     if tracing():
         return _prepare_traced(call)
-    if not _wants_grad(call):
-        return Guard(call, "output")  # one reduction over the output, after the kernel
-    cleaned, bad = _clean(call)
-    return Guard(cleaned, "eager", bad)
+    grad = _wants_grad(call)
+    if not grad and not call.return_trace and covers_every_key(call):
+        return Guard(call, "output")  # q, k and the output tell, after the kernel
+    with torch.no_grad():
+        rows = _bad_rows(call.query)  # (*qbatch, T)
+        keys = _bad_rows(call.key, call.value)  # (*kbatch, S)
+    B, H = call.BH
+    bad = _Bad(_as_bh(keys, call, call.S), rows.expand(call.batch + (call.T,)).reshape(B, H, -1))
+    return Guard(_zeroed_call(call, grad), "eager", bad)
 
 
 def run(call: AttentionCall, run_call: Callable[[AttentionCall], Result]) -> Result:
     """``run_call(call)`` under the contract, the steps above in order: for a caller that
     holds its kernel as a function (the ``qkv::checked_output`` op repairs an output so)."""
     guard = prepare(call)
-    result = run_call(guard.call)
-    guard = guard.inspect(result)
-    if guard.rerun:
-        result = run_call(guard.call)
-    return guard.restore(result)
+    return guard.restore(run_call(guard.call))
 
 
 # --- eager ----------------------------------------------------------------------------------
 
 
-def _restore_eager(call: AttentionCall, bad: _Bad | None, result: Result) -> Result:
+def _restore_eager(call: AttentionCall, keys: Tensor, rows: Tensor, result: Result) -> Result:
+    """NaN on the rows that may attend a bad key, and on the bad query rows that may attend
+    some key, counted by :func:`qkv.ops.key_counts.key_counts`.
+
+    Shape:
+        keys ``(B, H, S)``, rows ``(B, H, T)`` bool; output ``(*batch, T, Dv)`` -> the same.
+    """
+    n_bad, n_keys = key_counts(call, keys)  # (B, H, T) each
+    hit = (n_bad > 0) | (rows & (n_keys > 0))  # (B, H, T)
     out = _output(result)
-    if bad is not None:
-        return _with_output(result, _poison(out, call, bad))
-    if not _finite_sum(out):
-        _refuse_overflow(call)  # a non-finite output from finite inputs: overflowing scores?
-    return result
+    return _with_output(result, _set_rows_nan(out, hit.reshape(call.batch + (call.T,))))
+
+
+def _set_rows_nan(out: Tensor, hit: Tensor) -> Tensor:
+    """``out`` with the rows ``hit`` NaN, passing no gradient there.
+
+    Shape:
+        out ``(*batch, T, Dv)``; hit ``(*batch, T)`` bool -> ``(*batch, T, Dv)``.
+    """
+    hit = hit.unsqueeze(-1)  # (*batch, T, 1)
+    nan = out.new_zeros(hit.shape).masked_fill_(hit, float("nan"))  # (*batch, T, 1): 0 or NaN
+    if not out.requires_grad:
+        return out + nan  # (adding the rows is faster than a masked_fill of the output)
+    return torch.addcmul(nan, out, (~hit).to(out.dtype))  # out * keep + nan: no gradient to hit
+
+
+def _restore_output(call: AttentionCall, out: Tensor) -> Tensor:
+    """``out`` of a call whose every row may attend every key, with NaN on each row of a head
+    holding a bad key, on each bad query row, and on each row that is not finite (a bad
+    value shows there: its weight times NaN/inf). Keys and queries are looked at, not only
+    the output: torch's CPU kernels give some such rows finite values (0 for a NaN query row;
+    weight 0 for an infinite key), where plain math gives NaN.
+
+    Shape:
+        out ``(*batch, T, Dv)`` -> the same.
+    """
+    q, k = call.query, call.key
+    with torch.no_grad():
+        rows = out @ _row_weights(out) + q @ _row_weights(q)  # (*batch, T): each below max/4
+        keys = (k @ _row_weights(k, call.S)).sum(-1)  # (*kbatch,): below max/4
+        if call.enable_gqa:
+            keys = keys.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-1)  # (*, H)
+        nan = (rows + keys.unsqueeze(-1)) * 0  # (*batch, T): 0, or NaN where anything was bad
+    return out + nan.unsqueeze(-1)
+
+
+def _bad_rows(*tensors: Tensor) -> Tensor:
+    """Which rows hold a NaN or inf in any of ``tensors`` (of one row shape), by one matrix-
+    vector product each (see the module's notes).
+
+    Shape:
+        ``(*lead, L, E)`` each -> ``(*lead, L)`` bool (the broadcast of their leads).
+    """
+    total = None
+    for t in tensors:
+        row = t @ _row_weights(t)  # (*lead, L): below a quarter of the largest float if finite
+        total = row if total is None else total + row
+    assert total is not None
+    return (total * 0) != 0  # 0 * finite = 0; 0 * inf, 0 * NaN = NaN
+
+
+_WEIGHTS: dict[tuple, Tensor] = {}
+
+
+def _row_weights(t: Tensor, rows: int = 1) -> Tensor:
+    """``(E,)`` of ``2^-k`` with ``2^k > 4 E rows`` (E = ``t``'s last dim), in ``t``'s dtype and
+    device: the weighted sum of a finite row (summed over ``rows`` rows) stays below a quarter
+    of the largest float, so up to three such sums add up without overflow. Made once per
+    (E, rows, dtype, device)."""
+    E = t.shape[-1]
+    key = (E, rows, t.dtype, t.device)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        k = (4 * max(E, 1) * max(rows, 1)).bit_length()
+        w = torch.full((E,), 2.0**-k, dtype=t.dtype, device=t.device)
+        _WEIGHTS[key] = w
+    return w
+
+
+def _as_bh(keys: Tensor, call: AttentionCall, S: int) -> Tensor:
+    """Bad keys ``(*kbatch, S)`` as ``(B, H, S)``, GQA's key heads repeated for their
+    query heads."""
+    if call.enable_gqa:
+        keys = keys.repeat_interleave(call.query.shape[-3] // call.key.shape[-3], dim=-2)
+    B, H = call.BH
+    return keys.expand(call.batch + (S,)).reshape(B, H, S)
+
+
+def _zeroed_call(call: AttentionCall, grad: bool) -> AttentionCall:
+    """The call with every NaN/inf of q, k and v replaced by 0 (one copy each)."""
+    q, k, v = call.query, call.key, call.value
+    if grad:
+        q, k, v = _ZeroNonfinite.apply(q, k, v)
+    else:
+        q, k, v = (t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v))
+    sources = (call.query, call.key, call.value) + call.sources  # a trace checks them too
+    return dataclasses.replace(call, query=q, key=k, value=v, sources=sources)
+
+
+class _ZeroNonfinite(torch.autograd.Function):
+    """``nan_to_num(t, 0, 0, 0)`` of q, k and v, whose gradient is passed through as it is:
+    the kernel's gradient at a bad row is exactly 0 already (the rows that may attend it are
+    set to NaN and pass none; rows that may not give it weight exactly 0), and
+    ``nan_to_num``'s own backward (``grad * isfinite(t)``) costs a pass of a slow op per
+    tensor."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor):
+        return tuple(t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v))
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):
+        return dq, dk, dv
+
+    @staticmethod
+    def jvp(ctx, dq: Tensor, dk: Tensor, dv: Tensor):  # forward-mode AD: passed through alike
+        return dq, dk, dv
+
+
+def _scale_may_overflow(call: AttentionCall) -> bool:
+    """Whether ``scale`` is past the square root of the largest float the scores are held in
+    (float32 for half inputs): only then can inputs far from that float overflow the scores."""
+    largest = torch.finfo(torch.promote_types(call.dtype, torch.float32)).max
+    return abs(call.scale) > math.sqrt(largest)
 
 
 def _refuse_overflow(call: AttentionCall) -> None:
@@ -169,8 +298,12 @@ def _refuse_overflow(call: AttentionCall) -> None:
 
 
 def _wants_grad(call: AttentionCall) -> bool:
+    """Whether a gradient is wanted of the inputs the kernel reads (q, k, v, a float mask,
+    sinks): then a NaN row must pass no gradient, which the output's check alone does not
+    ensure."""
     return torch.is_grad_enabled() and any(
-        t.requires_grad for t in (call.query, call.key, call.value)
+        t is not None and t.requires_grad
+        for t in (call.query, call.key, call.value, call.attn_mask, call.sinks)
     )
 
 

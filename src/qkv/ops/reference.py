@@ -268,19 +268,24 @@ def _softmax_rows_(scores: Tensor, score_max: Tensor) -> None:
     values against ``masked_softmax``; other devices get a copy).
 
     Shape:
-        scores ``(..., S)``, score_max ``(...)``.
+        scores ``(..., S)`` with S > 0, score_max ``(...)``.
     """
     if score_max.dtype == scores.dtype:
         torch.amax(scores, -1, out=score_max)
     else:  # a score_mod widened the scores
         score_max.copy_(scores.amax(-1))
+    # a row that may attend to nothing (all -inf) gets its first score 0, so the softmax
+    # gives it the weights (1, 0, ..., 0) instead of NaN, and that 1 goes after: two ops on a
+    # column, where zeroing its NaN row would be a pass over the block (or a host read of
+    # whether there is one)
+    empty = score_max == float("-inf")  # (...)
+    first = scores[..., 0]  # (...), a view of the first column
+    first.masked_fill_(empty, 0.0)
     if scores.device.type == "cpu":  # written over its input: checked on CPU only
         torch.ops.aten._softmax.out(scores, -1, False, out=scores)
     else:
         scores.copy_(torch.softmax(scores, dim=-1))
-    empty = torch.isneginf(score_max)  # rows that may attend to nothing (now NaN)
-    if empty.any():
-        scores.masked_fill_(empty.unsqueeze(-1), 0.0)
+    first.masked_fill_(empty, 0.0)
 
 
 def _lse_of(score_max: Tensor, prob_max: Tensor) -> Tensor:

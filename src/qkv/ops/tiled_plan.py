@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .._identity import IdentityCache
 from ..masks import (
     EMPTY,
     FULL,
     Grid,
     MaskMod,
     ScoreMod,
+    _Combined,
     and_masks,
     block_states,
     causal,
@@ -176,10 +178,20 @@ def _plan_for(
     )
     plan = _Plan(B, H, T, S, scale, mask_mod, None, score_mod, inner, [], device)
     structure = structure_key(mask_mod)
-    if structure is None:  # a dense mask or a plain function: planned anew every call
-        plan.units = _plan_units(plan, bq, bk, groups)
+    sizes = (B, H, T, S, bq, bk, inner, groups, str(device), CHUNK_ELEMENTS)
+    if structure is None:
+        dense = _dense_structure(mask_mod)
+        if dense is None:  # a plain function: planned anew every call
+            plan.units = _plan_units(plan, bq, bk, groups)
+            return plan
+        # a dense mask (with structured ones): its plan is remembered by the mask's identity
+        # and version, so the next call with the same mask reads nothing of it on the host
+        structure, tensors = dense
+        plan.units = _dense_plans.get(
+            tensors, (structure,) + sizes, lambda: _plan_units(plan, bq, bk, groups)
+        )
         return plan
-    key = (structure, B, H, T, S, bq, bk, inner, groups, str(device), CHUNK_ELEMENTS)
+    key = (structure,) + sizes
     units, group_masks = _cached_units(key, lambda: _plan_units(plan, bq, bk, groups))
     plan.units = units
     if score_mod is None:  # the chunk masks come from the mask alone: shared too
@@ -222,6 +234,27 @@ PLAN_CACHE_SIZE = 64
 _plan_cache = PlanCache(PLAN_CACHE_SIZE)
 
 
+# Block plans of dense masks, by the masks' identity (qkv._identity): a mask a model passes to
+# every layer is read on the host once.
+_dense_plans = IdentityCache(PLAN_CACHE_SIZE)
+
+
+def _dense_structure(mod) -> tuple[tuple, tuple[Tensor, ...]] | None:
+    """A key like ``structure_key``'s for masks holding dense masks (``_DenseMask``, alone or
+    in ``and_masks``/``or_masks`` with qkv's own masks), with the dense masks' tensors apart:
+    the plan is theirs as long as they are unchanged. None for anything else."""
+    if type(mod) is _DenseMask:
+        return ("dense",), (mod.mask,)
+    if type(mod) is _Combined:
+        parts = [_dense_structure(m) for m in mod.mods]
+        if any(p is None for p in parts):
+            return None
+        tensors = tuple(t for p in parts if p is not None for t in p[1])
+        return (mod.op, tuple(p[0] for p in parts if p is not None)), tensors
+    key = structure_key(mod)
+    return None if key is None else (key, ())
+
+
 def _cached_units(key: tuple, make) -> tuple[list[_Unit], dict]:
     """``(units, group_masks)`` for ``key``: from the cache, or ``make()`` and remembered."""
     return _plan_cache.get(key, lambda: (make(), {}))
@@ -230,6 +263,7 @@ def _cached_units(key: tuple, make) -> tuple[list[_Unit], dict]:
 def clear_plan_cache() -> None:
     """Forget every remembered block plan (they are rebuilt on the next call)."""
     _plan_cache.clear()
+    _dense_plans.clear()
 
 
 def _refuse_flash(inner: str | None, why: str) -> str:

@@ -29,6 +29,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from .._identity import IdentityCache
 from ..masks import _Window
 from ._aten import _no_pairs, flash_cpu_available, flash_forward, sdpa
 from .base import BackendResult, tracing
@@ -59,7 +60,7 @@ class TorchBackend:
     def run(self, call: AttentionCall) -> BackendResult:
         mask = call.mask()
         is_causal = call.is_causal and mask is None  # merged into mask otherwise
-        mask, row_ok = _guard_empty_rows(mask)
+        mask, row_ok = _guard_empty_rows(mask, remember=mask is call.attn_mask)
         q, k, v = call.query, call.key, call.value
         if _upcast(call):
             q, k, v = q.float(), k.float(), v.float()
@@ -89,8 +90,8 @@ class TorchBackend:
             lse = None
         if out.dtype != call.dtype:
             out = out.to(call.dtype)
-        if row_ok is not None:
-            out = out.masked_fill(~row_ok.unsqueeze(-1), 0.0)  # rows with no key -> exactly 0
+        if row_ok is not None:  # rows with no key -> exactly 0 (a finite row: the guard's)
+            out = out * row_ok.unsqueeze(-1).to(out.dtype)
             if lse is not None:  # the kernel saw the guard's full row there
                 lse = lse.masked_fill(~row_ok, float("-inf"))
         return BackendResult(out=out, lse=lse)
@@ -133,27 +134,48 @@ def _is_bottom_right_causal(mask_mod) -> bool:
     )
 
 
-def _guard_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+def _guard_empty_rows(
+    mask: Tensor | None, remember: bool = True
+) -> tuple[Tensor | None, Tensor | None]:
     """Let rows that may attend to nothing attend everywhere; say which rows are real.
 
     Torch's kernels disagree on such rows across versions and devices (NaN, 0, or a uniform
     average). Giving them a harmless full row and zeroing their output afterwards makes the
     result exactly 0 and, since the zeroed output passes no gradient, the gradients 0 too.
+    Every row is guarded, in tensor ops: asking whether one is empty would read on the host
+    (a device sync on CUDA).
 
-    Returns (mask to hand to torch, row_ok or None when every row has a key).
+    ``remember``: ``mask`` is the caller's own tensor, which a model passes again and again:
+    the guarded mask is remembered by the mask's identity and version (``qkv._identity``)
+    when it is small enough to keep beside it.
+
+    Returns (mask to hand to torch, row_ok).
     Shape:
         mask ``(..., T, S)`` -> same, and row_ok ``(..., T)``.
     """
     if mask is None:
         return None, None
-    allowed = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
-    row_ok = allowed.any(dim=-1)  # (..., T)
-    if row_ok.device.type == "cpu" and not tracing() and bool(row_ok.all()):
-        return mask, None  # nothing to guard; on CPU the check costs no device sync (and a
-        # traced call always guards: a branch on values would break the graph)
-    fill = ~row_ok.unsqueeze(-1)  # (..., T, 1)
-    guarded = mask | fill if mask.dtype == torch.bool else mask.masked_fill(fill, 0.0)
-    return guarded, row_ok
+    if not remember or tracing() or mask.numel() > _REMEMBER_MAX:
+        return _guarded(mask)
+    return _guards.get((mask,), None, lambda: _guarded(mask))
+
+
+_guards = IdentityCache(16)
+_REMEMBER_MAX = 1 << 24  # masks of up to 16 Mi elements: the guarded copy is kept beside them
+
+
+def _guarded(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Every empty row of ``mask`` made full, and which rows were not empty, in tensor ops (the
+    bool ones through uint8 views, which this CPU reduces and compares 10-20x faster)."""
+    if mask.dtype == torch.bool:
+        bytes_ = mask.view(torch.uint8)  # (..., T, S)
+        row_ok = bytes_.amax(-1).view(torch.bool)  # (..., T)
+        empty = (~row_ok).view(torch.uint8).unsqueeze(-1)  # (..., T, 1)
+        return torch.maximum(bytes_, empty).view(torch.bool), row_ok
+    row_ok = mask.amax(-1) != float("-inf")  # (..., T): a NaN is not a hidden key
+    low = torch.zeros(row_ok.shape, dtype=mask.dtype, device=mask.device)
+    low = low.masked_fill_(row_ok, float("-inf")).unsqueeze(-1)  # (..., T, 1): 0 on empty rows
+    return torch.maximum(mask, low), row_ok  # an empty row's -inf become 0; others as they are
 
 
 def _upcast(call: AttentionCall) -> bool:

@@ -1,0 +1,268 @@
+"""How many keys each query row may attend, and how many of them are marked: tensor ops only.
+
+``ops/nonfinite.py`` needs, for every query row of a call, whether the row may attend any key
+and whether it may attend a key that holds NaN/inf; eagerly and under tracing alike, without
+reading a value on the host (each read is a device sync on CUDA). Three ways, by the masks:
+
+* **ranges**: causal, sliding windows and key lengths (and ``and_masks`` of them) let row ``i``
+  attend the keys ``[lo_i, hi_i)``; counts are differences of one cumulative sum over the
+  keys: O(T + S).
+* **documents** (``and`` ranges): the keys sorted by id, once per ids tensor (remembered by
+  identity, ``qkv._identity``), hold a row's keys of its own id within its range
+  consecutively: one cumulative sum in that order and two binary searches a row,
+  O((T + S) log S).
+* **anything else** (a dense ``attn_mask``, ``or_masks``, plain functions): the allowed pairs as
+  a 0/1 matrix times the keys' 0/1 columns, a block of rows at a time: O(T S). The matrix of
+  an ``attn_mask`` alone is remembered by the mask's identity.
+
+Shape alphabet: B batch, H heads, T query length, S key length (``(B, H) = call.BH``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._identity import IdentityCache
+from ..masks import _Combined, _Document, _KeysBefore, _Window, evaluate_mask, index_grid
+from .call import AttentionCall
+
+__all__ = ["covers_every_key", "key_counts"]
+
+# 0/1 matrices of dense masks and the sorted keys of document ids, by the tensors' identity: a
+# model passes one mask to every layer and step
+_matrices = IdentityCache(8)
+_sorted_ids = IdentityCache(16)
+
+# a block of the generic count holds at most this many (row, key) pairs
+_BLOCK_PAIRS = 1 << 24
+
+
+def key_counts(call: AttentionCall, marked: Tensor) -> tuple[Tensor, Tensor]:
+    """Per query row, how many marked keys it may attend and how many keys it may attend.
+
+    Shape:
+        marked ``(B, H, S)`` bool -> two ``(B, H, T)`` tensors of counts (any number dtype;
+        only ``> 0`` is meant).
+    """
+    ranges = _ranges(call)
+    if ranges is None:
+        return _by_matrix(call, marked)
+    lo, hi, doc = ranges
+    if doc is not None:
+        return _by_document(call, marked, lo, hi, doc)
+    B, H = call.BH
+    cum = _cumulative(marked)  # (B, H, S + 1)
+    lo = lo.expand(B, H, call.T)
+    hi = torch.maximum(hi.expand(B, H, call.T), lo)  # (B, H, T): an empty range is [lo, lo)
+    return cum.gather(-1, hi) - cum.gather(-1, lo), hi - lo
+
+
+def covers_every_key(call: AttentionCall) -> bool:
+    """Whether every query row may attend every key: no mask at all, or only windows (causal
+    included) and integer lengths that leave every key to every row. Told from the sizes and
+    the masks' integers alone."""
+    if call.attn_mask is not None:
+        return False
+    mods = _flat_and([_causal()] if call.is_causal else [])
+    if call.mask_mod is not None:
+        mods = _flat_and([call.mask_mod] + mods)
+    T, S = call.T, call.S
+    for mod in mods:
+        if _is_window(mod):
+            off = mod._off()
+            if mod.left is not None and T - 1 + off - mod.left > 0:
+                return False  # the last row cannot see key 0
+            if mod.right is not None and off + mod.right < S - 1:
+                return False  # the first row cannot see key S - 1
+        elif type(mod) is _KeysBefore and isinstance(mod.n, int):
+            if mod.n < S:
+                return False
+        else:
+            return False
+    return True
+
+
+# --- ranges ---------------------------------------------------------------------------------
+
+
+def _causal() -> _Window:
+    return _Window(None, 0, "top_left", "causal", 0)
+
+
+def _is_window(mod) -> bool:
+    """A ``_Window``, or a subclass that changes neither what it allows nor its offset."""
+    kind = type(mod)
+    return (
+        isinstance(mod, _Window) and kind.__call__ is _Window.__call__ and kind._off is _Window._off
+    )
+
+
+def _flat_and(mods: list) -> list:
+    """The masks that must all allow a pair: ``and_masks`` opened up, recursively."""
+    out = []
+    for mod in mods:
+        if type(mod) is _Combined and mod.op == "and":
+            out.extend(_flat_and(list(mod.mods)))
+        else:
+            out.append(mod)
+    return out
+
+
+def _ranges(call: AttentionCall):
+    """``(lo, hi, doc)``: row ``i`` may attend keys ``[lo_i, hi_i)`` (of its own document
+    when ``doc`` is a document mask); None when the masks are not of that form.
+
+    Shape:
+        lo, hi ``(B?, 1, T)`` int64, clamped to ``[0, S]``.
+    """
+    if call.attn_mask is not None:
+        return None
+    mods = _flat_and([call.mask_mod] if call.mask_mod is not None else [])
+    if call.is_causal:
+        mods.append(_causal())
+    T, S, dev = call.T, call.S, call.device
+    rows = torch.arange(T, device=dev).view(1, 1, T)  # (1, 1, T)
+    lo = torch.zeros((1, 1, 1), dtype=torch.long, device=dev)
+    hi = torch.full((1, 1, 1), S, dtype=torch.long, device=dev)
+    doc = None
+    for mod in mods:
+        if _is_window(mod):
+            off = mod._off()
+            if mod.left is not None:
+                lo = torch.maximum(lo, rows + (off - mod.left))
+            if mod.right is not None:
+                hi = torch.minimum(hi, rows + (off + mod.right + 1))
+        elif type(mod) is _KeysBefore:
+            if isinstance(mod.n, int):
+                hi = hi.clamp(max=mod.n)
+            else:
+                hi = torch.minimum(hi, mod.n.to(dev).view(-1, 1, 1))  # (B?, 1, 1)
+        elif type(mod) is _Document and doc is None:
+            doc = mod
+        else:
+            return None
+    return lo.clamp(0, S), hi.clamp(0, S), doc
+
+
+def _cumulative(marked: Tensor) -> Tensor:
+    """Marked keys before each key position: ``cum[..., j]`` counts keys ``< j``.
+
+    Shape:
+        ``(B, H, S)`` bool -> ``(B, H, S + 1)`` int32.
+    """
+    return torch.nn.functional.pad(marked.cumsum(-1, dtype=torch.int32), (1, 0))
+
+
+# --- documents ------------------------------------------------------------------------------
+
+
+def _sorted_keys(kv_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The keys sorted by document id (stably: by position within an id), as ``(ids, order,
+    code)``: the sorted ids, the key positions in that order, and ``start * (S + 1) + j`` for
+    key ``j`` whose id starts at sorted index ``start``, increasing along the order.
+
+    Shape:
+        kv_ids ``(B?, S)`` -> three ``(B?, S)`` int64.
+    """
+    ids, order = torch.sort(kv_ids, dim=-1, stable=True)  # (B?, S)
+    start = torch.searchsorted(ids, ids, side="left")  # (B?, S): first sorted index of an id
+    return ids, order, start * (kv_ids.shape[-1] + 1) + order
+
+
+def _by_document(call, marked, lo, hi, doc) -> tuple[Tensor, Tensor]:
+    """:func:`key_counts` for ``document(ids) & ranges``: a row's keys are those of its own id
+    with positions in ``[lo_i, hi_i)``, consecutive in the sorted order of :func:`_sorted_keys`
+    (an id's keys are one run there, in order of position)."""
+    B, H = call.BH
+    T, S, dev = call.T, call.S, call.device
+    ids, order, code = _sorted_ids.get(
+        (doc.kv_ids,), ("sorted", dev), lambda: _sorted_keys(doc.kv_ids.to(dev))
+    )  # (Bk, S) each, Bk 1 (ids shared by the batch) or B
+    Bk = ids.shape[0]
+    q = doc.q_ids.to(dev).expand(B, T).reshape(Bk, -1).contiguous()  # (Bk, B / Bk * T)
+    first = torch.searchsorted(ids, q, side="left")  # where the row's id starts, sorted
+    found = torch.searchsorted(ids, q, side="right") > first  # some key has the row's id
+    base = (first * (S + 1)).view(B, 1, T)  # (B, 1, T)
+    lo = lo.expand(B, 1, T)
+    hi = torch.maximum(hi.expand(B, 1, T), lo)  # (B, 1, T): an empty range is [lo, lo)
+    at_lo = torch.searchsorted(code, (base + lo).reshape(Bk, -1)).view(B, 1, T)
+    at_hi = torch.searchsorted(code, (base + hi).reshape(Bk, -1)).view(B, 1, T)
+    at_hi = torch.where(found.view(B, 1, T), at_hi, at_lo)  # an id no key has: no key
+    in_order = marked.gather(-1, order.view(Bk, 1, S).expand(B, H, S))  # (B, H, S), sorted
+    cum = _cumulative(in_order)  # (B, H, S + 1)
+    at_lo, at_hi = at_lo.expand(B, H, T), at_hi.expand(B, H, T)
+    return cum.gather(-1, at_hi) - cum.gather(-1, at_lo), at_hi - at_lo
+
+
+# --- any mask -------------------------------------------------------------------------------
+
+
+def _by_matrix(call: AttentionCall, marked: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`key_counts` for any masks: the allowed pairs as a 0/1 float32 matrix (exact
+    counts up to 2^24 keys) times the marked keys and a column of ones, a block of rows at a
+    time; the heads and batch elements the matrix does not depend on become columns of one
+    product."""
+    B, H = call.BH
+    T, S = call.T, call.S
+    cols = torch.stack([marked, torch.ones_like(marked)], -1).to(torch.float32)  # (B, H, S, 2)
+    out = torch.empty(B, H, T, 2, dtype=torch.float32, device=call.device)
+    mask = call.attn_mask
+    alone = call.mask_mod is None and not call.is_causal and mask is not None
+    if (
+        alone and mask is not None and mask.numel() <= _BLOCK_PAIRS
+    ):  # small enough to keep beside the mask
+        matrix = _matrices.get((mask,), call.batch, lambda: _allowed(call, 0, T))
+        _product(matrix, cols, out)
+        return out[..., 0], out[..., 1]
+    step = max(1, _BLOCK_PAIRS // max(B * H * S, 1))
+    for r0 in range(0, T, step):
+        r1 = min(T, r0 + step)
+        _product(_allowed(call, r0, r1), cols, out[:, :, r0:r1])
+    return out[..., 0], out[..., 1]
+
+
+def _allowed(call: AttentionCall, r0: int, r1: int) -> Tensor:
+    """Rows ``[r0, r1)`` of every mask of the call together, as 0/1 float32.
+
+    Shape:
+        ``(B?, H?, nr?, S?)`` float32, 1 where the masks do not vary (a key padding mask has
+        ``nr? = 1``).
+    """
+    B, H = call.BH
+    ok = None
+    if call.attn_mask is not None:
+        mask = call.mask_4d(call.attn_mask)  # (B?, H?, T?, S?)
+        mask = mask[..., r0:r1, :] if mask.shape[-2] > 1 else mask
+        ok = mask if mask.dtype == torch.bool else mask > float("-inf")
+    if call.is_causal or call.mask_mod is not None:
+        b, h, q, kv = index_grid(B, H, r1 - r0, call.S, q_start=r0, device=call.device)
+        if call.is_causal:
+            ok = (kv <= q) if ok is None else ok & (kv <= q)
+        if call.mask_mod is not None:
+            mod = evaluate_mask(call.mask_mod, b, h, q, kv)
+            ok = mod if ok is None else ok & mod
+    assert ok is not None  # _ranges took the calls without masks
+    ok = ok.reshape((1,) * (4 - ok.dim()) + tuple(ok.shape))
+    return ok.view(torch.uint8).to(torch.float32)  # (bool -> float32 by uint8: 3x faster)
+
+
+def _product(matrix: Tensor, cols: Tensor, out: Tensor) -> None:
+    """``out = matrix @ cols`` with the matrix's broadcast dims expanded: as one matrix
+    product whose columns are the batch elements and heads the matrix does not depend on.
+
+    Shape:
+        matrix ``(B?, H?, nr?, S?)``; cols ``(B, H, S, 2)``; out ``(B, H, nr, 2)``.
+    """
+    B, H, S, _ = cols.shape
+    nr = out.shape[2]
+    if matrix.shape[-1] == 1:  # a mask that does not depend on the key: every key or none
+        cols = cols.sum(-2, keepdim=True)  # (B, H, 1, 2)
+        S = 1
+    Bm, Hm = matrix.shape[0], matrix.shape[1]
+    m = matrix.expand(Bm, Hm, matrix.shape[2], S)
+    # the dims the matrix broadcasts over go to the columns: (Bm, Hm, S, B/Bm * H/Hm * 2)
+    c = cols.reshape(Bm, B // Bm, Hm, H // Hm, S, 2).permute(0, 2, 4, 1, 3, 5)
+    prod = m @ c.reshape(Bm, Hm, S, -1)  # (Bm, Hm, nr?, B/Bm * H/Hm * 2)
+    prod = prod.view(Bm, Hm, prod.shape[2], B // Bm, H // Hm, 2).permute(0, 3, 1, 4, 2, 5)
+    out.copy_(prod.reshape(B, H, prod.shape[-2], 2).expand(B, H, nr, 2))

@@ -1,0 +1,266 @@
+"""No host reads on the hot path (issue 38, DESIGN "No host reads on the hot path, eager too").
+
+On CUDA every op that moves a tensor's value to the host is a device sync. On CPU the same
+ops are counted here under a ``TorchDispatchMode``: ``_local_scalar_dense`` (``.item()``,
+``float(t)``, ``bool(t)``, ``if t:``), ``is_nonzero``, ``equal``/``allclose``, and the ops whose
+output shape depends on values (``nonzero``, ``masked_select``, ``unique``, a bool index,
+``repeat_interleave`` without ``output_size``, ``bincount``, ...). ``Tensor.tolist`` and
+``Tensor.numpy`` read memory without dispatching an op: they are counted by wrapping them.
+
+Each eager path runs twice with the same structure (fresh tensors of the same shapes); the
+first call may read (it plans and caches), the second must read nothing, forward and
+forward + backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import qkv
+from qkv import masks
+
+aten = torch.ops.aten
+
+# Ops whose result is a value read on the host, whatever their arguments.
+_READS = {
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.allclose.default,
+    aten.nonzero.default,
+    aten.argwhere.default,
+    aten.masked_select.default,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+    aten.histc.default,
+}
+
+
+def _is_read(func, args, kwargs) -> bool:
+    """Whether one dispatched op reads a value on the host."""
+    if func in _READS:
+        return True
+    if func in (aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor):
+        return kwargs.get("output_size") is None  # else the output's size is a sum of values
+    if func.overloadpacket in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return any(  # a bool index is a nonzero()
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
+        )
+    return False
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the host reads of the ops run under it; ``reads`` lists their names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_read(func, args, kwargs):
+            self.reads.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _names_cpu(args, kwargs) -> bool:
+    """Whether a ``Tensor.to`` call names the host by a string or ``torch.device("cpu")``
+    (``.to(other.device)`` is a copy to the call's own device, not counted)."""
+    for a in list(args[:1]) + [kwargs.get("device")]:
+        if isinstance(a, str) and a.startswith("cpu"):
+            return True
+    return False
+
+
+def count_reads(fn: Callable[[], object]) -> list[str]:
+    """The host reads ``fn()`` makes (op names, in order): the ops above, and ``.tolist()``,
+    ``.numpy()``, ``.cpu()`` and ``.to("cpu")`` (copies to the host, whatever device the
+    tensor is on: on CUDA they sync)."""
+    mode = HostReads()
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy", "cpu", "to")}
+
+    def counted(name, orig):
+        def wrapper(self, *args, **kwargs):
+            if name != "to" or _names_cpu(args, kwargs):
+                mode.reads.append(f"Tensor.{name}")
+            return orig(self, *args, **kwargs)
+
+        return wrapper
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name, orig in originals.items():
+            mp.setattr(torch.Tensor, name, counted(name, orig))
+        with mode:
+            fn()
+    return mode.reads
+
+
+# --- the paths --------------------------------------------------------------------------------
+
+B, H, T, S, D = 2, 4, 97, 97, 16
+KINDS = [
+    "plain",
+    "causal",
+    "bool_mask",
+    "float_mask",
+    "window",
+    "document",
+    "key_lengths",
+    "sinks",
+    "trace",
+]
+# backends that take each kind (torch's SDPA has no mask_mod and no sinks)
+_TAKES = {"torch": {"plain", "causal", "bool_mask", "float_mask", "trace"}}
+
+
+def _structure(kind: str) -> dict:
+    """The call's arguments besides q, k, v: its structure, made once and shared by the calls
+    of a path, as a model shares one mask between its layers and steps."""
+    g = torch.Generator().manual_seed(1)
+    if kind == "causal":
+        return {"is_causal": True}
+    if kind == "bool_mask":
+        return {"attn_mask": torch.rand(T, S, generator=g) < 0.7}
+    if kind == "float_mask":
+        bias = torch.randn(T, S, generator=g)
+        return {"attn_mask": bias.masked_fill(torch.rand(T, S, generator=g) > 0.7, float("-inf"))}
+    if kind == "window":
+        return {"mask_mod": masks.sliding_window(16)}
+    if kind == "document":
+        ids = torch.repeat_interleave(torch.arange(3), torch.tensor([30, 40, 27]))  # (T,)
+        return {"mask_mod": masks.document(ids.expand(B, T))}
+    if kind == "key_lengths":
+        return {"mask_mod": masks.key_lengths(torch.tensor([50, 97]))}
+    if kind == "sinks":
+        return {"sinks": torch.randn(H, generator=g)}
+    if kind == "trace":
+        return {"return_trace": True}
+    return {}
+
+
+def sdpa_path(kind: str, backend: str, grad: bool) -> Callable[[int], Callable[[], None]]:
+    """``make(seed)``: a call of this path on fresh inputs (its structure shared)."""
+    structure = _structure(kind)
+
+    def make(seed: int) -> Callable[[], None]:
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(B, H, L, D, generator=g).requires_grad_(grad) for L in (T, S, S))
+
+        def call() -> None:
+            res = qkv.scaled_dot_product_attention(q, k, v, backend=backend, **structure)
+            out = res[0] if isinstance(res, tuple) else res
+            if grad:
+                out.sum().backward()
+
+        return call
+
+    return make
+
+
+def mha_path(variant: str, grad: bool) -> Callable[[int], Callable[[], None]]:
+    """``make(seed)`` for the module: ``noweights``, ``weights`` (a trace), ``keymask`` (a
+    padded batch), ``decode`` (one KV-cache step after a prompt), ``decode-keymask`` (the
+    same, padded)."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(H * D, H)
+    decode = variant.startswith("decode")
+    padded = variant.endswith("keymask")
+    key_mask = torch.arange(T) < torch.tensor([[T], [T - 20]])  # (B, T): batch 1 padded
+    cache = mha.new_cache(B, 2 * T) if decode else None
+    if cache is not None:
+        with torch.no_grad():
+            mha(torch.randn(B, T, H * D), cache=cache, key_mask=key_mask if padded else None)
+    step_mask = torch.ones(B, 1, dtype=torch.bool) if padded and decode else None
+
+    def make(seed: int) -> Callable[[], None]:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(B, 1 if decode else T, H * D, generator=g)
+        x.requires_grad_(grad)
+        mask = step_mask if decode else key_mask if padded else None
+
+        def call() -> None:
+            with torch.set_grad_enabled(grad):
+                res = mha(x, return_trace=variant == "weights", cache=cache, key_mask=mask)
+            out = res[0] if isinstance(res, tuple) else res
+            if grad:
+                out.sum().backward()
+
+        return call
+
+    return make
+
+
+def all_paths() -> dict[str, Callable[[], Callable[[int], Callable[[], None]]]]:
+    """Every eager path by id (``window-tiled-fwd``, ``mha-weights-fwd+bwd``): a function that
+    sets the path up and gives its ``make(seed)``."""
+    paths = {}
+    for kind in KINDS:
+        for backend in ("auto", "tiled", "torch"):
+            if backend in _TAKES and kind not in _TAKES[backend]:
+                continue
+            for grad in (False, True):
+                name = f"{kind}-{backend}-{'fwd+bwd' if grad else 'fwd'}"
+                paths[name] = functools.partial(sdpa_path, kind, backend, grad)
+    for variant in ("noweights", "weights", "keymask"):
+        for grad in (False, True):
+            name = f"mha-{variant}-{'fwd+bwd' if grad else 'fwd'}"
+            paths[name] = functools.partial(mha_path, variant, grad)
+    for variant in ("decode", "decode-keymask"):
+        paths[f"mha-{variant}-fwd"] = functools.partial(mha_path, variant, False)
+    return paths
+
+
+# --- the tests --------------------------------------------------------------------------------
+
+
+def test_the_count_finds_every_kind_of_read():
+    """Each way of reading a value on the host counts once (and a tensor op does not)."""
+    x, b = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([True, False, True])
+    reads = {
+        "item": lambda: x.sum().item(),
+        "float": lambda: float(x[0]),
+        "bool": lambda: bool(b.any()),
+        "if": lambda: 1 if b.all() else 0,
+        "equal": functools.partial(torch.equal, x, x),
+        "allclose": functools.partial(torch.allclose, x, x),
+        "nonzero": b.nonzero,
+        "bool-index": lambda: x[b],
+        "masked_select": lambda: x.masked_select(b),
+        "unique": functools.partial(torch.unique, x),
+        "repeat_interleave-tensor": lambda: x.repeat_interleave(torch.tensor([1, 2, 1])),
+        "tolist": x.tolist,
+        "numpy": x.numpy,
+        "cpu": x.cpu,
+        "to-cpu": lambda: x.to("cpu"),
+    }
+    for name, fn in reads.items():
+        assert len(count_reads(fn)) == 1, name
+    ops = {
+        "isfinite-all": lambda: torch.isfinite(x).all(),
+        "where": lambda: torch.where(b, x, 0.0),
+        "repeat_interleave-int": lambda: x.repeat_interleave(2),
+        "repeat_interleave-sized": lambda: x.repeat_interleave(
+            torch.tensor([1, 2, 1]), output_size=4
+        ),
+        "to-own-device": lambda: x.to(x.device),
+    }
+    for name, fn in ops.items():
+        assert count_reads(fn) == [], name
+
+
+@pytest.mark.parametrize("path", list(all_paths()))
+def test_the_second_call_of_a_structure_reads_nothing_on_the_host(path):
+    """The first call of a structure may plan and remember; the second, on new q, k, v (and a
+    new input to the module), reads no tensor value on the host, forward and backward."""
+    make = all_paths()[path]()
+    count_reads(make(0))
+    assert count_reads(make(1)) == []
