@@ -266,3 +266,51 @@ def test_the_second_call_of_a_structure_reads_nothing_on_the_host(path):
     make = all_paths()[path]()
     count_reads(make(0))
     assert count_reads(make(1)) == []
+
+
+@pytest.mark.parametrize(
+    "kind, backend",
+    [
+        ("bool_mask", "tiled"),
+        ("bool_mask", "torch"),
+        ("float_mask", "torch"),
+        ("document", "tiled"),
+        ("key_lengths", "tiled"),
+    ],
+    ids=lambda x: x,
+)
+def test_a_mask_changed_in_place_between_calls_is_seen(kind, backend):
+    """What the first call remembered of a mask (block plans, guards, sorted ids, content
+    keys) is keyed by the mask tensor's version: changed in place, the next call follows it,
+    equal to float64 math on the new mask, a NaN value in a newly hidden key included."""
+    structure = _structure(kind)
+    if kind == "document":  # ids of their own memory, to write into
+        structure = {"mask_mod": masks.document(structure["mask_mod"].q_ids.clone())}
+    if kind == "float_mask":  # in the inputs' dtype: the call takes the tensor as it is
+        structure = {"attn_mask": structure["attn_mask"].double()}
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, H, L, D, generator=g, dtype=torch.float64) for L in (T, S, S))
+    qkv.scaled_dot_product_attention(q, k, v, backend=backend, **structure)  # remembered
+    with torch.no_grad():  # change the mask in place: hide key 5 from every row, show key 70
+        if kind == "bool_mask":
+            structure["attn_mask"][:, 5] = False
+            structure["attn_mask"][:, 70] = True
+        elif kind == "float_mask":
+            structure["attn_mask"][:, 5] = float("-inf")
+            structure["attn_mask"][:, 70] = 0.0
+        elif kind == "document":
+            structure["mask_mod"].q_ids[:, 5] = 7  # key 5 (and row 5) a document of its own
+        else:
+            structure["mask_mod"].n.fill_(5)  # keys 5.. padding in both batch elements
+    v[:, :, 5] = float("nan")  # now hidden from every row but (for documents) its own
+    out = qkv.scaled_dot_product_attention(q, k, v, backend=backend, **structure)
+    call = qkv.ops.AttentionCall.build(q, k, v, **structure)
+    ok = qkv.ops.nonfinite.allowed(call)  # (B, H, T, S)
+    scores = q @ k.transpose(-2, -1) / D**0.5
+    if kind == "float_mask":
+        scores = scores + structure["attn_mask"]
+    probs = torch.softmax(scores.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)
+    want = probs @ v.nan_to_num(0.0)  # (B, H, T, D)
+    hit = ok[..., 5]  # rows that may attend key 5: NaN
+    assert out[hit].isnan().all()
+    torch.testing.assert_close(out[~hit], want[~hit])

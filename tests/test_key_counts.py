@@ -9,7 +9,7 @@ import torch
 
 from qkv import masks
 from qkv.ops import AttentionCall
-from qkv.ops.key_counts import covers_every_key, key_counts
+from qkv.ops.key_counts import covers_every_key, key_counts, sees_own_position
 from qkv.ops.nonfinite import allowed
 
 B, H, D = 2, 3, 4
@@ -112,6 +112,8 @@ def test_counts_equal_the_grid_of_allowed_pairs(case, T, S):
     assert torch.equal(n_keys.double(), want_keys), case
     if covers_every_key(call):  # told from integers: it must be right when it says so
         assert bool(grid.all())
+    if sees_own_position(call):  # the same
+        assert bool(grid.diagonal(dim1=-2, dim2=-1).all())
 
 
 def test_a_document_ids_change_in_place_is_seen():

@@ -26,8 +26,9 @@ from torch import Tensor
 from .._identity import IdentityCache
 from ..masks import _Combined, _Document, _KeysBefore, _Window, evaluate_mask, index_grid
 from .call import AttentionCall
+from .plan_cache import PlanCache
 
-__all__ = ["covers_every_key", "key_counts"]
+__all__ = ["counts", "covers_every_key", "key_counts", "sees_own_position"]
 
 # 0/1 matrices of dense masks and the sorted keys of document ids, by the tensors' identity: a
 # model passes one mask to every layer and step
@@ -38,12 +39,13 @@ _sorted_ids = IdentityCache(16)
 _BLOCK_PAIRS = 1 << 24
 
 
-def key_counts(call: AttentionCall, marked: Tensor) -> tuple[Tensor, Tensor]:
-    """Per query row, how many marked keys it may attend and how many keys it may attend.
+def counts(call: AttentionCall, marked: Tensor) -> tuple[Tensor, Tensor]:
+    """Per query row, how many of the marked keys it may attend, and how many keys it may
+    attend (the latter from the masks alone: remembered with them where they are).
 
     Shape:
-        marked ``(B, H, S)`` bool -> two ``(B, H, T)`` tensors of counts (any number dtype;
-        only ``> 0`` is meant).
+        marked ``(B, H, S)`` float32 of 0 and 1 -> ``(B, H, T)`` float32 counts (exact up
+        to 2^24 keys; only ``> 0`` is meant), and counts broadcastable to ``(B, H, T)``.
     """
     ranges = _ranges(call)
     if ranges is None:
@@ -53,9 +55,15 @@ def key_counts(call: AttentionCall, marked: Tensor) -> tuple[Tensor, Tensor]:
         return _by_document(call, marked, lo, hi, doc)
     B, H = call.BH
     cum = _cumulative(marked)  # (B, H, S + 1)
-    lo = lo.expand(B, H, call.T)
-    hi = torch.maximum(hi.expand(B, H, call.T), lo)  # (B, H, T): an empty range is [lo, lo)
-    return cum.gather(-1, hi) - cum.gather(-1, lo), hi - lo
+    hi = torch.maximum(hi, lo)  # (B?, 1, T): an empty range is [lo, lo)
+    hits = cum.gather(-1, hi.expand(B, H, call.T)) - cum.gather(-1, lo.expand(B, H, call.T))
+    return hits, hi - lo
+
+
+def key_counts(call: AttentionCall, marked: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`counts` of a bool ``marked`` ``(B, H, S)``, both as ``(B, H, T)``."""
+    hits, keys = counts(call, marked.float())
+    return hits, keys.expand(hits.shape)
 
 
 def covers_every_key(call: AttentionCall) -> bool:
@@ -79,6 +87,27 @@ def covers_every_key(call: AttentionCall) -> bool:
             if mod.n < S:
                 return False
         else:
+            return False
+    return True
+
+
+def sees_own_position(call: AttentionCall) -> bool:
+    """Whether every query row ``i`` may attend key ``i`` (so every row has a key): causal,
+    windows of offset 0, integer lengths of at least T and self-attention documents, and
+    ``and_masks`` of them, with T <= S. Told from the sizes and the masks alone."""
+    if call.attn_mask is not None or call.T > call.S:
+        return False
+    mods = _flat_and([call.mask_mod] if call.mask_mod is not None else [])
+    for mod in mods:
+        if _is_window(mod):
+            if mod._off() != 0 or (mod.left is not None and mod.left < 0):
+                return False
+            if mod.right is not None and mod.right < 0:
+                return False
+        elif type(mod) is _KeysBefore:
+            if not isinstance(mod.n, int) or mod.n < call.T:
+                return False
+        elif type(mod) is not _Document or mod.kv_ids is not mod.q_ids:
             return False
     return True
 
@@ -111,7 +140,8 @@ def _flat_and(mods: list) -> list:
 
 def _ranges(call: AttentionCall):
     """``(lo, hi, doc)``: row ``i`` may attend keys ``[lo_i, hi_i)`` (of its own document
-    when ``doc`` is a document mask); None when the masks are not of that form.
+    when ``doc`` is a document mask); None when the masks are not of that form. The ranges of
+    windows and integer lengths are made once per (masks, T, S, device) and remembered.
 
     Shape:
         lo, hi ``(B?, 1, T)`` int64, clamped to ``[0, S]``.
@@ -121,37 +151,59 @@ def _ranges(call: AttentionCall):
     mods = _flat_and([call.mask_mod] if call.mask_mod is not None else [])
     if call.is_causal:
         mods.append(_causal())
-    T, S, dev = call.T, call.S, call.device
-    rows = torch.arange(T, device=dev).view(1, 1, T)  # (1, 1, T)
-    lo = torch.zeros((1, 1, 1), dtype=torch.long, device=dev)
-    hi = torch.full((1, 1, 1), S, dtype=torch.long, device=dev)
+    static: list[tuple] = []  # windows and integer lengths: ranges made once
+    lengths: list[Tensor] = []  # lengths per batch element
     doc = None
     for mod in mods:
         if _is_window(mod):
-            off = mod._off()
-            if mod.left is not None:
-                lo = torch.maximum(lo, rows + (off - mod.left))
-            if mod.right is not None:
-                hi = torch.minimum(hi, rows + (off + mod.right + 1))
+            static.append(("window", mod.left, mod.right, mod._off()))
         elif type(mod) is _KeysBefore:
             if isinstance(mod.n, int):
-                hi = hi.clamp(max=mod.n)
+                static.append(("keys", mod.n))
             else:
-                hi = torch.minimum(hi, mod.n.to(dev).view(-1, 1, 1))  # (B?, 1, 1)
+                lengths.append(mod.n)
         elif type(mod) is _Document and doc is None:
             doc = mod
         else:
             return None
-    return lo.clamp(0, S), hi.clamp(0, S), doc
+    key = (tuple(static), call.T, call.S, str(call.device))
+    lo, hi = _static_ranges.get(key, lambda: _window_ranges(static, call.T, call.S, call.device))
+    for n in lengths:  # per batch element: (B?, 1, 1)
+        hi = torch.minimum(hi, n.to(call.device).view(-1, 1, 1).clamp(0, call.S))
+    return lo, hi, doc
+
+
+_static_ranges = PlanCache(64)  # a model has a few mask shapes (never changed in place)
+
+
+def _window_ranges(static: list, T: int, S: int, device) -> tuple[Tensor, Tensor]:
+    """The ranges ``[lo_i, hi_i)`` of windows and integer lengths (see :func:`_ranges`).
+
+    Shape:
+        -> lo, hi ``(1, 1, T)`` int64 in ``[0, S]``.
+    """
+    rows = torch.arange(T, device=device).view(1, 1, T)  # (1, 1, T)
+    lo = torch.zeros_like(rows)
+    hi = torch.full_like(rows, S)
+    for part in static:
+        if part[0] == "window":
+            _, left, right, off = part
+            if left is not None:
+                lo = torch.maximum(lo, rows + (off - left))
+            if right is not None:
+                hi = torch.minimum(hi, rows + (off + right + 1))
+        else:
+            hi = hi.clamp(max=part[1])
+    return lo.clamp(0, S), hi.clamp(0, S)
 
 
 def _cumulative(marked: Tensor) -> Tensor:
     """Marked keys before each key position: ``cum[..., j]`` counts keys ``< j``.
 
     Shape:
-        ``(B, H, S)`` bool -> ``(B, H, S + 1)`` int32.
+        ``(B, H, S)`` float32 of 0 and 1 -> ``(B, H, S + 1)`` float32 (exact to 2^24).
     """
-    return torch.nn.functional.pad(marked.cumsum(-1, dtype=torch.int32), (1, 0))
+    return torch.nn.functional.pad(marked.cumsum(-1), (1, 0))
 
 
 # --- documents ------------------------------------------------------------------------------
@@ -199,27 +251,41 @@ def _by_document(call, marked, lo, hi, doc) -> tuple[Tensor, Tensor]:
 
 
 def _by_matrix(call: AttentionCall, marked: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`key_counts` for any masks: the allowed pairs as a 0/1 float32 matrix (exact
-    counts up to 2^24 keys) times the marked keys and a column of ones, a block of rows at a
-    time; the heads and batch elements the matrix does not depend on become columns of one
-    product."""
+    """:func:`counts` for any masks: the allowed pairs as a 0/1 float32 matrix (exact counts
+    up to 2^24 keys) times the marked keys, a block of rows at a time; the matrix of an
+    ``attn_mask`` alone (up to 2^24 pairs) and its rows' counts are remembered by the mask's
+    identity.
+
+    Shape:
+        marked ``(B, H, S)`` -> ``(B, H, T)`` and ``(B?, H?, T?)``.
+    """
     B, H = call.BH
     T, S = call.T, call.S
-    cols = torch.stack([marked, torch.ones_like(marked)], -1).to(torch.float32)  # (B, H, S, 2)
-    out = torch.empty(B, H, T, 2, dtype=torch.float32, device=call.device)
     mask = call.attn_mask
     alone = call.mask_mod is None and not call.is_causal and mask is not None
-    if (
-        alone and mask is not None and mask.numel() <= _BLOCK_PAIRS
-    ):  # small enough to keep beside the mask
-        matrix = _matrices.get((mask,), call.batch, lambda: _allowed(call, 0, T))
-        _product(matrix, cols, out)
-        return out[..., 0], out[..., 1]
+    if alone and mask is not None and mask.numel() <= _BLOCK_PAIRS:
+        matrix, keys = _matrices.get((mask,), call.batch, lambda: _with_counts(call, 0, T))
+        return _product(matrix, marked, T), keys
+    hits = torch.empty(B, H, T, dtype=torch.float32, device=call.device)
+    keys = torch.empty(B, H, T, dtype=torch.float32, device=call.device)
     step = max(1, _BLOCK_PAIRS // max(B * H * S, 1))
     for r0 in range(0, T, step):
         r1 = min(T, r0 + step)
-        _product(_allowed(call, r0, r1), cols, out[:, :, r0:r1])
-    return out[..., 0], out[..., 1]
+        matrix, n = _with_counts(call, r0, r1)
+        hits[:, :, r0:r1] = _product(matrix, marked, r1 - r0)
+        keys[:, :, r0:r1] = n
+    return hits, keys
+
+
+def _with_counts(call: AttentionCall, r0: int, r1: int) -> tuple[Tensor, Tensor]:
+    """:func:`_allowed` and how many keys each of its rows allows.
+
+    Shape:
+        -> ``(B?, H?, nr?, S?)`` and ``(B?, H?, nr?)`` (times S when the mask has S? = 1).
+    """
+    matrix = _allowed(call, r0, r1)
+    keys = matrix.sum(-1) * (call.S if matrix.shape[-1] == 1 else 1)
+    return matrix, keys
 
 
 def _allowed(call: AttentionCall, r0: int, r1: int) -> Tensor:
@@ -247,22 +313,26 @@ def _allowed(call: AttentionCall, r0: int, r1: int) -> Tensor:
     return ok.view(torch.uint8).to(torch.float32)  # (bool -> float32 by uint8: 3x faster)
 
 
-def _product(matrix: Tensor, cols: Tensor, out: Tensor) -> None:
-    """``out = matrix @ cols`` with the matrix's broadcast dims expanded: as one matrix
-    product whose columns are the batch elements and heads the matrix does not depend on.
+def _product(matrix: Tensor, marked: Tensor, nr: int) -> Tensor:
+    """``matrix @ marked`` per batch element and head, the matrix's broadcast dims expanded.
+    A small matrix is broadcast by ``matmul`` (which copies it per batch element and head);
+    a large one is multiplied once, with the batch elements and heads it does not depend on
+    as the columns.
 
     Shape:
-        matrix ``(B?, H?, nr?, S?)``; cols ``(B, H, S, 2)``; out ``(B, H, nr, 2)``.
+        matrix ``(B?, H?, nr?, S?)`` 0/1; marked ``(B, H, S)`` -> ``(B, H, nr)``.
     """
-    B, H, S, _ = cols.shape
-    nr = out.shape[2]
+    B, H, S = marked.shape
     if matrix.shape[-1] == 1:  # a mask that does not depend on the key: every key or none
-        cols = cols.sum(-2, keepdim=True)  # (B, H, 1, 2)
+        marked = marked.sum(-1, keepdim=True)  # (B, H, 1)
         S = 1
-    Bm, Hm = matrix.shape[0], matrix.shape[1]
-    m = matrix.expand(Bm, Hm, matrix.shape[2], S)
-    # the dims the matrix broadcasts over go to the columns: (Bm, Hm, S, B/Bm * H/Hm * 2)
-    c = cols.reshape(Bm, B // Bm, Hm, H // Hm, S, 2).permute(0, 2, 4, 1, 3, 5)
-    prod = m @ c.reshape(Bm, Hm, S, -1)  # (Bm, Hm, nr?, B/Bm * H/Hm * 2)
-    prod = prod.view(Bm, Hm, prod.shape[2], B // Bm, H // Hm, 2).permute(0, 3, 1, 4, 2, 5)
-    out.copy_(prod.reshape(B, H, prod.shape[-2], 2).expand(B, H, nr, 2))
+    Bm, Hm, Tm = matrix.shape[0], matrix.shape[1], matrix.shape[2]
+    if Bm * Hm == B * H or B * H * Tm * S <= _BLOCK_PAIRS // 16:
+        prod = (matrix @ marked.unsqueeze(-1)).squeeze(-1)  # (B, H, nr?)
+        return prod.expand(B, H, nr)
+    m = matrix.expand(Bm, Hm, Tm, S)
+    # the dims the matrix broadcasts over go to the columns: (Bm, Hm, S, B/Bm * H/Hm)
+    c = marked.reshape(Bm, B // Bm, Hm, H // Hm, S).permute(0, 2, 4, 1, 3)
+    prod = m @ c.reshape(Bm, Hm, S, -1)  # (Bm, Hm, nr?, B/Bm * H/Hm)
+    prod = prod.view(Bm, Hm, Tm, B // Bm, H // Hm).permute(0, 3, 1, 4, 2)
+    return prod.reshape(B, H, Tm).expand(B, H, nr)

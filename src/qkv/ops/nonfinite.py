@@ -58,7 +58,7 @@ from torch import Tensor
 from ..masks import evaluate_mask, index_grid
 from .base import compiling_plainly, tracing
 from .call import AttentionCall
-from .key_counts import covers_every_key, key_counts
+from .key_counts import counts, covers_every_key, sees_own_position
 
 __all__ = ["Guard", "prepare", "run"]
 
@@ -69,8 +69,9 @@ Result = Tensor | tuple[Tensor, Any]
 @dataclasses.dataclass
 class _Bad:
     """Which keys and query rows hold NaN/inf: eagerly ``keys`` ``(B, H, S)`` and ``rows``
-    ``(B, H, T)``; traced ``(*kbatch, S)`` (GQA heads expanded) and ``(*qbatch, T)``. The old
-    eager form (``_clean``, inside the compiled tiled ops) has None where all were finite."""
+    ``(B, H, T)`` float32 (1.0 = bad); traced ``(*kbatch, S)`` (GQA heads expanded) and
+    ``(*qbatch, T)`` bool. The old eager form (``_clean``, inside the compiled tiled ops) has
+    None where all were finite."""
 
     keys: Tensor | None
     rows: Tensor | None
@@ -134,11 +135,14 @@ def prepare(call: AttentionCall, kept: bool = False) -> Guard:
     if not grad and not call.return_trace and covers_every_key(call):
         return Guard(call, "output")  # q, k and the output tell, after the kernel
     with torch.no_grad():
-        rows = _bad_rows(call.query)  # (*qbatch, T)
+        rows = _bad_rows(call.query)  # (*qbatch, T): 1.0 on a bad row, else 0.0
         keys = _bad_rows(call.key, call.value)  # (*kbatch, S)
     B, H = call.BH
     bad = _Bad(_as_bh(keys, call, call.S), rows.expand(call.batch + (call.T,)).reshape(B, H, -1))
-    return Guard(_zeroed_call(call, grad), "eager", bad)
+    # a bad query row reaches its own output row only: where every row has a key, that row
+    # is set to NaN after the kernel whatever it holds, and q needs no copy
+    queries = grad or call.return_trace or not sees_own_position(call)
+    return Guard(_zeroed_call(call, grad, queries), "eager", bad)
 
 
 def run(call: AttentionCall, run_call: Callable[[AttentionCall], Result]) -> Result:
@@ -153,48 +157,59 @@ def run(call: AttentionCall, run_call: Callable[[AttentionCall], Result]) -> Res
 
 def _restore_eager(call: AttentionCall, keys: Tensor, rows: Tensor, result: Result) -> Result:
     """NaN on the rows that may attend a bad key, and on the bad query rows that may attend
-    some key, counted by :func:`qkv.ops.key_counts.key_counts`.
+    some key, counted by :func:`qkv.ops.key_counts.counts`.
 
     Shape:
-        keys ``(B, H, S)``, rows ``(B, H, T)`` bool; output ``(*batch, T, Dv)`` -> the same.
+        keys ``(B, H, S)``, rows ``(B, H, T)`` of 0.0 and 1.0 (1 = bad); output
+        ``(*batch, T, Dv)`` -> the same.
     """
-    n_bad, n_keys = key_counts(call, keys)  # (B, H, T) each
-    hit = (n_bad > 0) | (rows & (n_keys > 0))  # (B, H, T)
+    hits, n_keys = counts(call, keys)  # (B, H, T): bad keys each row may attend; its keys
+    hits = hits + (rows if sees_own_position(call) else rows * (n_keys > 0))  # (B, H, T)
+    nan = hits.neg_().sqrt_()  # (B, H, T): sqrt(-0) = -0, sqrt(-n) = NaN for n > 0
+    nan = nan.to(call.dtype).reshape(call.batch + (call.T, 1))  # (*batch, T, 1)
     out = _output(result)
-    return _with_output(result, _set_rows_nan(out, hit.reshape(call.batch + (call.T,))))
+    if out.requires_grad:
+        out = out * (nan == nan).to(out.dtype)  # no gradient through a NaN row
+    elif not _own(out):
+        return _with_output(result, out + nan)
+    return _with_output(result, out.add_(nan))
 
 
-def _set_rows_nan(out: Tensor, hit: Tensor) -> Tensor:
-    """``out`` with the rows ``hit`` NaN, passing no gradient there.
-
-    Shape:
-        out ``(*batch, T, Dv)``; hit ``(*batch, T)`` bool -> ``(*batch, T, Dv)``.
-    """
-    hit = hit.unsqueeze(-1)  # (*batch, T, 1)
-    nan = out.new_zeros(hit.shape).masked_fill_(hit, float("nan"))  # (*batch, T, 1): 0 or NaN
-    if not out.requires_grad:
-        return out + nan  # (adding the rows is faster than a masked_fill of the output)
-    return torch.addcmul(nan, out, (~hit).to(out.dtype))  # out * keep + nan: no gradient to hit
+def _own(out: Tensor) -> bool:
+    """Whether ``out`` may be written in place: a kernel's output of its own memory (not an
+    expanded view) that autograd does not need."""
+    return not out.requires_grad and (out._base is None or out.is_contiguous())
 
 
 def _restore_output(call: AttentionCall, out: Tensor) -> Tensor:
-    """``out`` of a call whose every row may attend every key, with NaN on each row of a head
-    holding a bad key, on each bad query row, and on each row that is not finite (a bad
-    value shows there: its weight times NaN/inf). Keys and queries are looked at, not only
-    the output: torch's CPU kernels give some such rows finite values (0 for a NaN query row;
-    weight 0 for an infinite key), where plain math gives NaN.
+    """``out`` of a call whose every row may attend every key, with NaN on each row that is
+    not finite (a bad key or value shows there: NaN scores, or its weight times NaN/inf)
+    and on each bad query row (torch's CPU kernels give some of those 0).
+
+    Keys are not read: that would double the cost of a decoding step's check (a pass over the
+    cache). An infinite key entry whose scores all come out ``-inf`` (weight 0, as plain math
+    gives) leaves the rows finite, and so does one a kernel drops (torch's bfloat16 CPU kernel
+    drops ``+inf``); eager qkv gave those rows as the kernel did before too.
 
     Shape:
         out ``(*batch, T, Dv)`` -> the same.
     """
-    q, k = call.query, call.key
-    with torch.no_grad():
-        rows = out @ _row_weights(out) + q @ _row_weights(q)  # (*batch, T): each below max/4
-        keys = (k @ _row_weights(k, call.S)).sum(-1)  # (*kbatch,): below max/4
-        if call.enable_gqa:
-            keys = keys.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-1)  # (*, H)
-        nan = (rows + keys.unsqueeze(-1)) * 0  # (*batch, T): 0, or NaN where anything was bad
-    return out + nan.unsqueeze(-1)
+    q = call.query  # (no gradient is wanted here: the ops record no graph)
+    rows = out @ _column(out)  # (*batch, T, 1): finite exactly where the row is
+    rows.add_(q @ _column(q))  # + the query rows' (each below a quarter of the largest float)
+    if _own(out):
+        return out.add_(rows, alpha=0)  # + 0 * rows: 0, or NaN where anything was bad
+    return out.add(rows, alpha=0)
+
+
+def _column(t: Tensor) -> Tensor:
+    """``(E, 1)`` weights for ``t @ column`` (E = ``t``'s last dim): a finite row's weighted
+    sum stays below a quarter of the largest float (see :func:`_row_weights`)."""
+    key = ("column", t.shape[-1], t.dtype, t.device)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        w = _WEIGHTS[key] = _row_weights(t).unsqueeze(-1)
+    return w
 
 
 def _bad_rows(*tensors: Tensor) -> Tensor:
@@ -202,30 +217,34 @@ def _bad_rows(*tensors: Tensor) -> Tensor:
     vector product each (see the module's notes).
 
     Shape:
-        ``(*lead, L, E)`` each -> ``(*lead, L)`` bool (the broadcast of their leads).
+        ``(*lead, L, E)`` each -> ``(*lead, L)`` float32, 1.0 on a bad row and 0.0 on others
+        (the broadcast of their leads).
     """
     total = None
     for t in tensors:
-        row = t @ _row_weights(t)  # (*lead, L): below a quarter of the largest float if finite
+        w = _row_weights(t)  # (E,)
+        if t.is_contiguous() and t.dim() > 2 and t.numel():  # one matrix-vector product
+            row = torch.mv(t.view(-1, t.shape[-1]), w).view(t.shape[:-1])  # (*lead, L)
+        else:
+            row = t @ w  # (*lead, L): below a quarter of the largest float when finite
         total = row if total is None else total + row
     assert total is not None
-    return (total * 0) != 0  # 0 * finite = 0; 0 * inf, 0 * NaN = NaN
+    # 0 * finite = 0; 0 * inf and 0 * NaN are NaN, which becomes 1
+    return torch.nan_to_num(total.float().mul_(0), nan=1.0)
 
 
 _WEIGHTS: dict[tuple, Tensor] = {}
 
 
-def _row_weights(t: Tensor, rows: int = 1) -> Tensor:
-    """``(E,)`` of ``2^-k`` with ``2^k > 4 E rows`` (E = ``t``'s last dim), in ``t``'s dtype and
-    device: the weighted sum of a finite row (summed over ``rows`` rows) stays below a quarter
-    of the largest float, so up to three such sums add up without overflow. Made once per
-    (E, rows, dtype, device)."""
+def _row_weights(t: Tensor) -> Tensor:
+    """``(E,)`` of ``2^-k`` with ``2^k > 4 E`` (E = ``t``'s last dim), in ``t``'s dtype and
+    device: a finite row's weighted sum stays below a quarter of the largest float, so up to
+    three such sums add up without overflow. Made once per (E, dtype, device)."""
     E = t.shape[-1]
-    key = (E, rows, t.dtype, t.device)
+    key = (E, t.dtype, t.device)
     w = _WEIGHTS.get(key)
     if w is None:
-        k = (4 * max(E, 1) * max(rows, 1)).bit_length()
-        w = torch.full((E,), 2.0**-k, dtype=t.dtype, device=t.device)
+        w = torch.full((E,), 2.0 ** -(4 * max(E, 1)).bit_length(), dtype=t.dtype, device=t.device)
         _WEIGHTS[key] = w
     return w
 
@@ -239,13 +258,15 @@ def _as_bh(keys: Tensor, call: AttentionCall, S: int) -> Tensor:
     return keys.expand(call.batch + (S,)).reshape(B, H, S)
 
 
-def _zeroed_call(call: AttentionCall, grad: bool) -> AttentionCall:
-    """The call with every NaN/inf of q, k and v replaced by 0 (one copy each)."""
+def _zeroed_call(call: AttentionCall, grad: bool, queries: bool = True) -> AttentionCall:
+    """The call with every NaN/inf of k and v (and of q, with ``queries``) replaced by 0 (one
+    copy each)."""
     q, k, v = call.query, call.key, call.value
     if grad:
         q, k, v = _ZeroNonfinite.apply(q, k, v)
     else:
-        q, k, v = (t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v))
+        q = q.nan_to_num(0.0, 0.0, 0.0) if queries else q
+        k, v = k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0)
     sources = (call.query, call.key, call.value) + call.sources  # a trace checks them too
     return dataclasses.replace(call, query=q, key=k, value=v, sources=sources)
 
@@ -273,8 +294,14 @@ class _ZeroNonfinite(torch.autograd.Function):
 def _scale_may_overflow(call: AttentionCall) -> bool:
     """Whether ``scale`` is past the square root of the largest float the scores are held in
     (float32 for half inputs): only then can inputs far from that float overflow the scores."""
-    largest = torch.finfo(torch.promote_types(call.dtype, torch.float32)).max
-    return abs(call.scale) > math.sqrt(largest)
+    bound = _SCALE_BOUND.get(call.dtype)
+    if bound is None:
+        largest = torch.finfo(torch.promote_types(call.dtype, torch.float32)).max
+        bound = _SCALE_BOUND[call.dtype] = math.sqrt(largest)
+    return abs(call.scale) > bound
+
+
+_SCALE_BOUND: dict[torch.dtype, float] = {}
 
 
 def _refuse_overflow(call: AttentionCall) -> None:

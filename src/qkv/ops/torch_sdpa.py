@@ -167,6 +167,8 @@ _REMEMBER_MAX = 1 << 24  # masks of up to 16 Mi elements: the guarded copy is ke
 def _guarded(mask: Tensor) -> tuple[Tensor, Tensor]:
     """Every empty row of ``mask`` made full, and which rows were not empty, in tensor ops (the
     bool ones through uint8 views, which this CPU reduces and compares 10-20x faster)."""
+    if mask.shape[-1] == 0:  # no key at all: no row has one (and no reduction of none)
+        return mask, torch.zeros(mask.shape[:-1], dtype=torch.bool, device=mask.device)
     if mask.dtype == torch.bool and tracing():  # (ONNX has no view of bool as uint8)
         row_ok = mask.any(-1)  # (..., T)
         return mask | ~row_ok.unsqueeze(-1), row_ok
