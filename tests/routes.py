@@ -55,6 +55,10 @@ MACHINE_PROBES = {
     "(test_properties.py); off in the suite (conftest.py), on in test_autotune.py",
     "tasks/_cache.py": "QKV_CACHE: where generated data sets are kept, no route",
     "bench/report.py": "/proc/cpuinfo: the CPU named in a benchmark's report, no route",
+    "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch): tests/test_deformable.py "
+    "runs both kernels by name",
+    "ops/deformable/native.py": "the CPU capability: the C++ kernel's ISA flags and its build "
+    "name, no route beyond the kernel",
 }
 
 
