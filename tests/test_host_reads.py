@@ -116,6 +116,7 @@ KINDS = [
     "window",
     "document",
     "key_lengths",
+    "neighborhood",
     "sinks",
     "trace",
 ]
@@ -141,6 +142,9 @@ def _structure(kind: str) -> dict:
         return {"mask_mod": masks.document(ids.expand(B, T))}
     if kind == "key_lengths":
         return {"mask_mod": masks.key_lengths(torch.tensor([50, 97]))}
+    if kind == "neighborhood":  # T = 97 tokens in a 1D grid, in a shuffled order of its own
+        order = torch.randperm(T, generator=g)
+        return {"mask_mod": masks.neighborhood(9, T, dilation=2, layout=order)}
     if kind == "sinks":
         return {"sinks": torch.randn(H, generator=g)}
     if kind == "trace":

@@ -390,3 +390,18 @@ def test_compiles_whole_and_exports():
     (grad,) = torch.autograd.grad(out.sum(), qg)
     (want,) = torch.autograd.grad(attend(q_eager, k, v).sum(), q_eager)
     torch.testing.assert_close(grad, want)
+
+
+def test_a_layout_changed_in_place_is_followed():
+    """The tiled backend's plan is kept by the mask's structure key, which reads the layout
+    by content: swapping two tokens of the layout in place makes the next call plan anew (a
+    stale plan would skip the blocks where the moved tokens' keys now are)."""
+    shape, N = (8, 32), 256  # four 8x8 tiles in a row: tile 0 sees tiles 0 and 1 only
+    layout = M.tile_layout(shape, (8, 8)).perm.clone()  # (N,) of its own memory
+    mask = M.neighborhood(3, shape, layout=layout)
+    q, k, v = _inputs(1, 2, N, 8, seed=7)
+    qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask, backend="tiled")  # planned
+    layout[[0, 255]] = layout[[255, 0]].clone()  # the first and last positions swap tokens
+    out = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask, backend="tiled")
+    allowed = neighborhood_allowed(shape, (3, 3), (1, 1), (False, False), perm=layout.tolist())
+    torch.testing.assert_close(out, _sdpa64(q, k, v, allowed))
