@@ -234,6 +234,37 @@ class _Neighborhood(MaskMod):
             full &= every
         return full, empty
 
+    def key_counts(self, marked: Tensor) -> tuple[Tensor, Tensor]:
+        """Per query position, how many of the ``marked`` keys its window holds, and how
+        many keys it holds, in O(N * dims) without evaluating the mask: the window is a box
+        of the grid, so the marks are summed dim by dim over each coordinate's window, by
+        differences of one cumulative sum per dim (taken every ``d``-th token, dilation
+        groups apart). What the NaN/inf part of the mask contract counts per row.
+
+        Shape:
+            marked ``(..., N)`` float (0 and 1, in the call's token order) -> hits
+            ``(..., N)`` in marked's dtype (exact up to 2^24 in float32) and keys ``(N,)``
+            int64.
+        """
+        N = math.prod(self.shape)
+        lead = marked.shape[:-1]
+        order = None if self.layout is None else self.layout.to(marked.device)
+        if order is not None:  # into row-major order: token order[p] sits at position p
+            marked = torch.zeros_like(marked).index_copy_(-1, order, marked)  # (..., N)
+        grid = marked.reshape(*lead, *self.shape)  # (..., *shape)
+        keys = torch.ones((), dtype=torch.long, device=marked.device)
+        for i, n in enumerate(self.shape):
+            lo, hi = _window_bounds(
+                n, self.kernel_size[i], self.dilation[i], self.is_causal[i], marked.device
+            )  # (n,) each: the first and last key coordinate of each query coordinate
+            grid = _window_sums(grid, len(lead) + i, lo, hi, self.dilation[i])
+            count = (hi - lo) // self.dilation[i] + 1  # (n,)
+            keys = keys.unsqueeze(-1) * count  # (n_0, ..., n_i)
+        hits, keys = grid.reshape(*lead, N), keys.reshape(N)
+        if order is not None:  # back to the call's order
+            hits, keys = hits.index_select(-1, order), keys.index_select(-1, order)
+        return hits, keys
+
     def __repr__(self):
         def one(t):
             return t[0] if len(set(t)) == 1 else t
@@ -269,6 +300,41 @@ def _allowed_1d(cq: Tensor, ck: Tensor, n: int, k: int, d: int, causal: bool) ->
     if d > 1:
         ok = ok & (ck % d == g)  # the same dilation group
     return ok
+
+
+def _window_bounds(n: int, k: int, d: int, causal: bool, device) -> tuple[Tensor, Tensor]:
+    """The first and last key coordinate of the window of each query coordinate along a dim
+    of ``n`` tokens (the keys between them are every ``d``-th).
+
+    Shape:
+        -> lo, hi ``(n,)`` int64.
+    """
+    c = torch.arange(n, device=device)  # (n,)
+    g, x = c % d, c // d
+    if causal:
+        start = (x - k + 1).clamp(min=0)
+        return start * d + g, c
+    start = torch.minimum((x - k // 2).clamp(min=0), (n - g + d - 1) // d - k)
+    return start * d + g, (start + k - 1) * d + g
+
+
+def _window_sums(grid: Tensor, dim: int, lo: Tensor, hi: Tensor, d: int) -> Tensor:
+    """Along ``dim`` of ``grid``: at each coordinate ``c``, the sum of ``grid`` at ``lo[c],
+    lo[c] + d, ..., hi[c]``, by the difference of two entries of a cumulative sum taken
+    every ``d``-th element (``cum[j] = grid[j] + cum[j - d]``).
+
+    Shape:
+        grid ``(..., n, ...)`` -> the same.
+    """
+    n = grid.shape[dim]
+    pad = -n % d
+    x = grid.movedim(dim, -1)  # (..., n)
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))  # (..., n + pad)
+    cum = x.unflatten(-1, (-1, d)).cumsum(-2).flatten(-2)  # (..., n + pad): every d-th summed
+    cum = torch.nn.functional.pad(cum, (d, 0))  # (..., d + n + pad): cum[j] at j + d, 0 before
+    sums = cum.index_select(-1, hi + d) - cum.index_select(-1, lo)  # (..., n)
+    return sums.movedim(-1, dim)
 
 
 def _interval_1d(xa, xb, ya, yb, n: int, k: int, causal: bool) -> tuple[Tensor, Tensor]:
