@@ -10,7 +10,8 @@ in float32 and bfloat16. Three implementations:
 * ``qkv-torch``: the same on its plain-PyTorch path, what runs where no compiler is found.
 
 Each (implementation, dtype, queries) is measured in a fresh process: the median time of a
-forward and of a forward+backward (``torch.utils.benchmark``, all of torch's threads), and the
+forward and of a forward+backward (``torch.utils.benchmark``; all of torch's threads, or
+``--threads N``: on a machine others share, one thread is the figure that holds still), and the
 peak resident memory a forward+backward adds to what its inputs hold (Linux's high-water mark,
 reset before the step; the gradients of the inputs count, for every implementation alike).
 Locations are uniform over the maps (``--locations uniform``: every corner a cache miss, the
@@ -25,6 +26,7 @@ Usage:
     python benchmarks/bench_deformable.py                    # 2,500 and 10,000 queries
     python benchmarks/bench_deformable.py --all              # and 40,000
     python benchmarks/bench_deformable.py --locations local
+    python benchmarks/bench_deformable.py --threads 1
     python benchmarks/bench_deformable.py --quick            # smoke run: small, to a temp dir
 """
 
@@ -89,9 +91,14 @@ def _reset_peak_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def measure(impl: str, dtype: str, queries: int, locations: str, min_run_time: float) -> dict:
-    """One record, measured in this process."""
+def measure(
+    impl: str, dtype: str, queries: int, locations: str, min_run_time: float, threads: int
+) -> dict:
+    """One record, measured in this process (with ``threads`` of torch's threads, 0: as set)."""
     from torch.utils import benchmark
+
+    if threads:
+        torch.set_num_threads(threads)
 
     attend = attend_fn(impl)
     value, shapes, loc, weights = make_inputs(queries, DTYPES[dtype], locations)
@@ -118,7 +125,8 @@ def measure(impl: str, dtype: str, queries: int, locations: str, min_run_time: f
     times = {}
     for name, fn in (("fwd", forward), ("fwdbwd", step)):
         timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-        times[name] = timer.blocked_autorange(min_run_time=min_run_time).median
+        m = timer.blocked_autorange(min_run_time=min_run_time)
+        times[name], times[f"{name}_min"] = m.median, min(m.times)
     return dict(
         impl=impl,
         dtype=dtype,
@@ -127,6 +135,8 @@ def measure(impl: str, dtype: str, queries: int, locations: str, min_run_time: f
         status="ok",
         fwd_s=times["fwd"],
         fwdbwd_s=times["fwdbwd"],
+        fwd_min_s=times["fwd_min"],
+        fwdbwd_min_s=times["fwdbwd_min"],
         peak_extra_mib=(peak - before) / 1024,
         threads=torch.get_num_threads(),
     )
@@ -167,7 +177,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment() -> dict:
+def environment(threads: int = 0) -> dict:
     from qkv.ops.deformable import native
 
     return dict(
@@ -175,11 +185,12 @@ def environment() -> dict:
         device="cpu",
         cpu=cpu_model(),
         cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        threads=torch.get_num_threads(),
+        threads=threads or torch.get_num_threads(),
         torch=torch.__version__,
         python=platform.python_version(),
         platform=platform.platform(),
         cpp_kernel=native.unavailable_reason() or "built",
+        load_average=os.getloadavg(),
         levels=LEVELS,
         heads=HEADS,
         head_dim=HEAD_DIM,
@@ -235,6 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     parser.add_argument("--locations", nargs="+", default=["uniform"], choices=["uniform", "local"])
     parser.add_argument("--min-run-time", type=float, default=1.0)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per measurement (0: torch's own)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--quick", action="store_true", help="250 queries, short runs, temp dir")
@@ -247,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         args.queries, args.min_run_time = [250], 0.1
         args.out = Path(tempfile.mkdtemp(prefix="qkv-bench-deformable-"))
     queries = args.queries + ([40000] if args.all else [])
-    env = environment()
+    env = environment(args.threads)
     records = []
     for locations in args.locations:
         for dtype in args.dtypes:
@@ -259,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
                         queries=q,
                         locations=locations,
                         min_run_time=args.min_run_time,
+                        threads=args.threads,
                     )
                     record = measure_in_child(job, args.timeout)
                     records.append(record)
@@ -270,6 +285,10 @@ def main(argv: list[str] | None = None) -> None:
                     path = args.out / "deformable.json"
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(json.dumps(dict(environment=env, records=records), indent=2))
+    env["load_average_after"] = os.getloadavg()
+    (args.out / "deformable.json").write_text(
+        json.dumps(dict(environment=env, records=records), indent=2)
+    )
     print(markdown(records, env))
 
 

@@ -44,9 +44,11 @@ def deformable_attention_naive(
     grids = 2 * sampling_locations - 1  # (B, Lq, M, L, P, 2), grid_sample's [-1, 1]
     samples = []
     for lvl, (h, w) in enumerate(spatial_shapes.tolist()):
-        v = (
-            levels[lvl].flatten(2).transpose(1, 2).reshape(B * M, D, int(h), int(w))
-        )  # (B*M, D, H, W)
+        v = levels[lvl].flatten(2).transpose(1, 2)  # (B, M*D, H*W)
+        v = v.reshape(B * M, D, int(h), int(w))  # (B*M, D, H, W), a strided view
+        if v.dtype in (torch.float16, torch.bfloat16):
+            v = v.contiguous()  # torch 2.13's CPU grid_sample crashes (SIGSEGV) on this strided
+            # half-precision view at one thread at BEVFormer's 116 x 200 level; a copy does not
         grid = grids[:, :, :, lvl].transpose(1, 2).flatten(0, 1)  # (B*M, Lq, P, 2)
         samples.append(
             F.grid_sample(v, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
