@@ -430,3 +430,22 @@ def test_a_layout_changed_in_place_is_followed():
     out = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask, backend="tiled")
     allowed = neighborhood_allowed(shape, (3, 3), (1, 1), (False, False), perm=layout.tolist())
     torch.testing.assert_close(out, _sdpa64(q, k, v, allowed))
+
+
+@pytest.mark.parametrize("backend", ["tiled", "reference"])
+def test_a_nan_key_reaches_exactly_the_rows_whose_window_holds_it(backend):
+    """The mask contract's NaN/inf part: a NaN value poisons the rows that may attend its key
+    (its window's queries) and no other; the rest equal float64 SDPA on the clean inputs."""
+    shape, ks, dil = (6, 9), (3, 4), (1, 2)
+    N = 54
+    layout = M.tile_layout(shape, (3, 3))
+    mask = M.neighborhood(ks, shape, dil, (False, True), layout=layout)
+    allowed = neighborhood_allowed(shape, ks, dil, (False, True), perm=layout.perm.tolist())
+    q, k, v = _inputs(1, 2, N, 8, seed=9)
+    clean = _sdpa64(q, k, v, allowed)
+    v[:, :, 20] = float("nan")
+    out = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask, backend=backend)
+    hit = allowed[:, 20]  # (T,): the rows whose window holds key 20
+    assert hit.any() and not hit.all()
+    assert out[:, :, hit].isnan().all()
+    torch.testing.assert_close(out[:, :, ~hit], clean[:, :, ~hit])
