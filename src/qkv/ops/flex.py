@@ -133,11 +133,19 @@ def _wants_grad(call: AttentionCall) -> bool:
     return any(t.requires_grad for t in tensors)
 
 
-@functools.cache
-@torch.compiler.assume_constant_result  # under compile its answer, not a trace of its
-# file-system look-ups (dynamo cannot trace os.stat)
 def flex_available(device: str) -> str | None:
-    """None when FlexAttention can be compiled for ``device`` here, else why not."""
+    """None when FlexAttention can be compiled for ``device`` here, else why not.
+
+    Under torch.compile the answer is None without looking: the caller's graph is being
+    compiled already, and Flex compiles with it (dynamo cannot trace the file-system look-ups,
+    and marking them constant would import dynamo with qkv)."""
+    if torch.compiler.is_compiling():
+        return None
+    return _flex_available(device)
+
+
+@functools.cache
+def _flex_available(device: str) -> str | None:
     try:
         from torch.nn.attention import flex_attention  # noqa: F401
     except ImportError as e:  # torch older than 2.5
