@@ -294,12 +294,6 @@ def test_tiled_2d_image_within_the_tolerance_policy(dtype):
         assert_tolerance(g, gold, b, factor=GRAD_FACTOR, name=f"grad {name} {dtype}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="since 55cabd4 (issue 38) the NaN/inf contract counts each row's keys with "
-    "qkv.ops.key_counts, which evaluates any mask it has no ranges for on all (T, S) pairs "
-    "every call; the neighborhood's own O(N) count (key_counts) is not wired in there yet",
-)
 def test_tiled_backend_never_builds_a_t_by_s_mask(monkeypatch):
     """The tiled backend classifies blocks from coordinate ranges and evaluates the mask only
     on the chunks it computes: no evaluation is (T, S)-sized."""
