@@ -61,6 +61,8 @@ def inputs(B=2, Lq=5, M=3, D=4, P=2, levels=ODD_LEVELS, dtype=torch.float64, see
 
 
 def cpp_or_skip():
+    if torch.empty(0).device.type != "cpu":
+        pytest.skip("the C++ kernel runs on the CPU (QKV_TEST_DEVICE puts tensors elsewhere)")
     if native.library() is None:
         pytest.skip(f"the C++ kernel is not built here: {native.unavailable_reason()}")
 
@@ -203,7 +205,9 @@ def test_level_start_index_given_and_spatial_shapes_as_a_list():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"]
+)
 def test_low_precision_within_the_policy(kernel, dtype):
     """Against the golden (float64 reference on the same rounded inputs): at most twice the
     error of the reference run in ``dtype`` (three times for gradients)."""
@@ -239,10 +243,12 @@ def test_cpp_and_torch_kernels_agree():
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_backward_is_bit_identical_across_runs_and_thread_counts(kernel, dtype):
     """Many queries hitting the same pixels (so a racy scatter would show), run three times at
     2 threads and once at 1: every gradient has the same bits."""
+    if torch.empty(0).device.type != "cpu":
+        pytest.skip("bit-identical on the CPU; CUDA's index_add_ adds in any order")
     value, shapes, loc, attn = inputs(B=1, Lq=400, M=2, D=8, P=4, dtype=dtype, seed=7, spread=0)
     go = torch.randn(1, 400, 16, generator=torch.Generator().manual_seed(8)).to(dtype)
     threads = torch.get_num_threads()
@@ -433,7 +439,7 @@ ERRORS = {
     "meta-device": (
         lambda: _bad(sampling_locations=torch.zeros(2, 5, 3, 3, 2, 2, device="meta")),
         ValueError,
-        r"sampling_locations is on meta but value is on cpu; move it to cpu",
+        r"sampling_locations is on meta but value is on (\S+); move it to \1",
     ),
 }
 
