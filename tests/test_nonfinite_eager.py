@@ -118,3 +118,36 @@ def test_bad_keys_reach_exactly_the_rows_that_may_attend_them(case, backend, gra
     for x, c, bad in zip(inputs, clean, (bad_q, bad_k, bad_v)):
         assert torch.isfinite(x.grad).all() and (x.grad[bad] == 0).all()
         torch.testing.assert_close(x.grad.double(), c.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "tiled", "reference"])
+@pytest.mark.parametrize("shape", ["key-padding", "one-row"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks_that_hide_keys_from_every_row_alike(backend, shape, kind):
+    """A key padding mask (or any mask of a one-row call, a decoding step's): a NaN in a
+    hidden key changes nothing; in a shown key it makes the head's rows NaN; a NaN query row
+    is NaN where it has a key and exactly 0 where it has none."""
+    g = torch.Generator().manual_seed(2)
+    Tq = 1 if shape == "one-row" else T
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (Tq, S, S))
+    shown = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    shown[0, 0, 0, 9:] = False  # batch 0: keys 9.. hidden
+    shown[1] = False  # batch 1: no key at all
+    if shape == "one-row":
+        shown = shown.expand(B, H, 1, S).clone()
+        shown[0, 2, 0, 3] = False  # one head hides key 3 too
+    mask = shown if kind == "bool" else torch.zeros(shown.shape).masked_fill(~shown, -math.inf)
+    ok = shown.expand(B, H, Tq, S)
+    want = _golden(q, k, v, ok)
+    k[0, 1, 11, 0] = math.nan  # hidden from every row of head (0, 1)
+    v[0, 2, 3, 1] = math.inf  # hidden in the one-row case, shown in the key-padding one
+    q[1, 0, 0, 2] = math.nan  # batch 1 has no key: its rows stay 0
+    q[0, 0, 0, 2] = math.nan  # batch 0, head 0 row 0 has keys: NaN
+    out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+    hit = torch.zeros(B, H, Tq, dtype=torch.bool)
+    hit[0, 0, 0] = True
+    if shape == "key-padding":
+        hit[0, 2] = True  # every row of head (0, 2) may attend key 3
+    assert out[hit].isnan().all()
+    assert (out[1] == 0).all()
+    torch.testing.assert_close(out[~hit].double(), want[~hit], rtol=1e-5, atol=1e-6)

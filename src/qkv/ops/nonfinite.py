@@ -22,14 +22,17 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
 * **No gradient wanted and every row may attend every key** (no mask, or windows and lengths
   that leave every key to every row, as a decoding step's): nothing before the kernel (with
   no key hidden from a row, no bad key can reach a row it should not); after it, one
-  reduction each of q, k and the output finds the bad query rows, the heads holding a bad
-  key and the rows a bad value reached, and those rows are set to NaN.
+  reduction each of q and the output finds the bad query rows and the rows a bad key or
+  value reached, and those rows are set to NaN (k is not read: see ``_restore_output``).
 * **Otherwise** (masks, gradients, traces): one reduction of each of q, k and v finds their
-  bad rows, and one copy of each has them zeroed (a masked key's NaN would reach its row as
-  ``0 * NaN``); after the kernel, the rows to set to NaN are counted from the masks' ranges,
-  documents or matrix (``ops/key_counts.py``), and set. The copy's gradient is passed
-  through as it is: the kernel's gradient is 0 on every bad row already (a NaN row passes no
-  gradient, and a masked pair's weight is exactly 0).
+  bad rows, and one copy of each of k and v (and of q, unless every row may attend its own
+  position) has them zeroed: a masked key's NaN would reach its row as ``0 * NaN``, and
+  no formulation in tensor ops avoids that copy without knowing the inputs are finite,
+  which is a read. After the kernel, the bad keys each row may attend are counted from the
+  masks' ranges, documents or matrix (``ops/key_counts.py``), and ``sqrt(-count)`` is the
+  column of 0 and NaN added to the output. The copy's gradient is passed through as it is:
+  the kernel's gradient is 0 on every bad row already (a NaN row passes no gradient, and a
+  masked pair's weight is exactly 0).
 
 A row's finiteness is one matrix-vector product, ``x @ w`` with ``w`` a power of two below
 ``1 / (4 D)``: finite for every finite row (no overflow, unlike a sum), not finite for every
@@ -137,8 +140,7 @@ def prepare(call: AttentionCall, kept: bool = False) -> Guard:
     with torch.no_grad():
         rows = _bad_rows(call.query)  # (*qbatch, T): 1.0 on a bad row, else 0.0
         keys = _bad_rows(call.key, call.value)  # (*kbatch, S)
-    B, H = call.BH
-    bad = _Bad(_as_bh(keys, call, call.S), rows.expand(call.batch + (call.T,)).reshape(B, H, -1))
+    bad = _Bad(_as_bh(keys, call, call.S), _as_bh(rows, call, call.T, queries=True))
     # a bad query row reaches its own output row only: where every row has a key, that row
     # is set to NaN after the kernel whatever it holds, and q needs no copy
     queries = grad or call.return_trace or not sees_own_position(call)
@@ -214,7 +216,8 @@ def _column(t: Tensor) -> Tensor:
 
 def _bad_rows(*tensors: Tensor) -> Tensor:
     """Which rows hold a NaN or inf in any of ``tensors`` (of one row shape), by one matrix-
-    vector product each (see the module's notes).
+    vector product each (see the module's notes), accumulated by ``addmv`` where the rows
+    line up (one op, not two: a short call's cost is the ops it dispatches).
 
     Shape:
         ``(*lead, L, E)`` each -> ``(*lead, L)`` float32, 1.0 on a bad row and 0.0 on others
@@ -223,11 +226,14 @@ def _bad_rows(*tensors: Tensor) -> Tensor:
     total = None
     for t in tensors:
         w = _row_weights(t)  # (E,)
-        if t.is_contiguous() and t.dim() > 2 and t.numel():  # one matrix-vector product
-            row = torch.mv(t.view(-1, t.shape[-1]), w).view(t.shape[:-1])  # (*lead, L)
+        flat = t.dim() > 2 and t.numel() and t.is_contiguous()
+        if flat and total is not None and total.shape == t.shape[:-1]:
+            total = torch.addmv(total.view(-1), t.view(-1, t.shape[-1]), w).view(total.shape)
+        elif flat:
+            total = torch.mv(t.view(-1, t.shape[-1]), w).view(t.shape[:-1])  # (*lead, L)
         else:
             row = t @ w  # (*lead, L): below a quarter of the largest float when finite
-        total = row if total is None else total + row
+            total = row if total is None else total + row
     assert total is not None
     # 0 * finite = 0; 0 * inf and 0 * NaN are NaN, which becomes 1
     return torch.nan_to_num(total.float().mul_(0), nan=1.0)
@@ -249,13 +255,20 @@ def _row_weights(t: Tensor) -> Tensor:
     return w
 
 
-def _as_bh(keys: Tensor, call: AttentionCall, S: int) -> Tensor:
-    """Bad keys ``(*kbatch, S)`` as ``(B, H, S)``, GQA's key heads repeated for their
-    query heads."""
-    if call.enable_gqa:
-        keys = keys.repeat_interleave(call.query.shape[-3] // call.key.shape[-3], dim=-2)
+def _as_bh(flags: Tensor, call: AttentionCall, L: int, queries: bool = False) -> Tensor:
+    """Bad keys ``(*kbatch, S)`` (or, with ``queries``, bad query rows ``(*qbatch, T)``) as
+    ``(B, H, L)``, GQA's key heads repeated for their query heads; no op where they are
+    so already.
+
+    Shape:
+        ``(*lead, L)`` -> ``(B, H, L)``.
+    """
+    if call.enable_gqa and not queries:
+        flags = flags.repeat_interleave(call.query.shape[-3] // call.key.shape[-3], dim=-2)
     B, H = call.BH
-    return keys.expand(call.batch + (S,)).reshape(B, H, S)
+    if flags.shape == (B, H, L):
+        return flags
+    return flags.expand(call.batch + (L,)).reshape(B, H, L)
 
 
 def _zeroed_call(call: AttentionCall, grad: bool, queries: bool = True) -> AttentionCall:
@@ -268,7 +281,15 @@ def _zeroed_call(call: AttentionCall, grad: bool, queries: bool = True) -> Atten
         q = q.nan_to_num(0.0, 0.0, 0.0) if queries else q
         k, v = k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0)
     sources = (call.query, call.key, call.value) + call.sources  # a trace checks them too
-    return dataclasses.replace(call, query=q, key=k, value=v, sources=sources)
+    return _with_inputs(call, q, k, v, sources)
+
+
+def _with_inputs(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, sources) -> AttentionCall:
+    """``dataclasses.replace(call, query=q, ...)`` in a fifth of its time (which runs
+    ``__init__`` anew; these inputs are the call's own, zeroed)."""
+    new = object.__new__(AttentionCall)
+    new.__dict__.update(call.__dict__, query=q, key=k, value=v, sources=sources)  # (frozen)
+    return new
 
 
 class _ZeroNonfinite(torch.autograd.Function):
