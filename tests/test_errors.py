@@ -135,7 +135,7 @@ BAD = {
     "unknown-backend": (
         ValueError,
         (
-            r"unknown backend 'flash'; choose 'auto' or one of torch, triton, "
+            r"unknown backend 'flash'; choose 'auto' or one of torch, flex, triton, "
             r"tiled, reference"
         ),
         dict(backend="flash"),
