@@ -22,7 +22,16 @@ def test_help_lists_every_subcommand():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: qkv ")
     commands = make_parser()._subparsers._group_actions[0].choices
-    assert set(commands) == {"seeds", "explain", "bench", "bench-decode", "train", "view", "lra"}
+    assert set(commands) == {
+        "seeds",
+        "explain",
+        "bench",
+        "bench-decode",
+        "train",
+        "view",
+        "lra",
+        "tune",
+    }
     for name in commands:
         assert f"    {name} " in proc.stdout, name
 

@@ -49,9 +49,9 @@ def counts(call: AttentionCall, marked: Tensor) -> tuple[Tensor, Tensor]:
     """
     ranges = _ranges(call)
     if ranges is None:
-        mod = call.mask_mod
-        if call.attn_mask is None and not call.is_causal and hasattr(mod, "key_counts"):
-            hits, keys = mod.key_counts(marked)  # a mask that counts its own windows (a
+        count = getattr(call.mask_mod, "key_counts", None)
+        if call.attn_mask is None and not call.is_causal and count is not None:
+            hits, keys = count(marked)  # a mask that counts its own windows (a
             # neighborhood: box sums in O(N), no (T, S) evaluation)
             return hits, keys.to(torch.float32)
         return _by_matrix(call, marked)
