@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_cpu_isa import cpu_model  # the CPU named as every CPU benchmark names it
 
 import qkv
 from qkv import masks as M
@@ -57,17 +57,6 @@ GRIDS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IMPLS = ("tiled-rows", "tiled-tiles", "sdpa-dense", "flex-rows", "flex-tiles", "sdpa-plain")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def commit() -> str:
