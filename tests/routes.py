@@ -16,6 +16,12 @@ fixture of conftest.py), so that every route runs on every machine:
   Hidden, they take their plain twins: the ``matmul`` inner kernel, and the lse derived by
   the dispatcher.
 
+* Host reads (``qkv.ops.nonfinite.host_reads_free``, the call's device type): on the CPU a
+  masked call without gradient runs on its inputs as they are and is checked after its kernel
+  by one read (``Guard.holds``); on CUDA, where a read is a sync, it runs on zeroed copies
+  checked in tensor ops. ``force_host_reads`` gives the CPU either way: the NaN/inf contract
+  tests (test_nonfinite_eager.py) run both, and test_host_reads.py counts CUDA's way.
+
 ``MACHINE_PROBES`` lists the rest of what reads the machine, and why each is no route of its
 own: ``auto``'s choice by measurement (``qkv.autotune``) picks among backends that the suite
 runs by name, and the flex backend runs where a compiler is found and declines elsewhere.
@@ -29,7 +35,7 @@ from __future__ import annotations
 
 import pytest
 
-from qkv.ops import tiled_plan, torch_sdpa
+from qkv.ops import nonfinite, tiled_plan, torch_sdpa
 
 HALF_GEMM_ROUTES = ("native", "float32")
 
@@ -69,3 +75,9 @@ def force_route(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     if not flash:
         for module in (tiled_plan, torch_sdpa):
             monkeypatch.setattr(module, "flash_cpu_available", lambda: False)
+
+
+def force_host_reads(monkeypatch: pytest.MonkeyPatch, free: bool) -> None:
+    """Run the NaN/inf contract the way of a device where a read on the host is ``free`` (the
+    CPU's) or a sync (CUDA's), whatever the call's device, for the rest of the test."""
+    monkeypatch.setattr(nonfinite, "host_reads_free", lambda device: free)

@@ -25,7 +25,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import qkv
 from qkv import masks
 
+from routes import force_host_reads
+
 aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _reads_as_on_cuda(monkeypatch):
+    """Every call runs the way it runs on CUDA, where a read is a sync: on the CPU a masked
+    call without gradient is checked after its kernel by one read instead (tests/routes.py),
+    counted in ``test_a_masked_inference_call_on_the_cpu_reads_once``."""
+    force_host_reads(monkeypatch, free=False)
 
 # Ops whose result is a value read on the host, whatever their arguments.
 _READS = {
@@ -318,3 +328,18 @@ def test_a_mask_changed_in_place_between_calls_is_seen(kind, backend):
     hit = ok[..., 5]  # rows that may attend key 5: NaN
     assert out[hit].isnan().all()
     torch.testing.assert_close(out[~hit], want[~hit])
+
+
+@pytest.mark.parametrize("kind", ["causal", "bool_mask", "float_mask", "window", "document"])
+def test_a_masked_inference_call_on_the_cpu_reads_once(monkeypatch, kind):
+    """On the CPU, where a read syncs nothing, a masked call without gradient runs on its
+    inputs as they are and reads one value after its kernel (``Guard.holds``: is the output of
+    finite queries finite?), instead of copying k and v; a call that needs no mask check reads
+    nothing."""
+    force_host_reads(monkeypatch, free=True)
+    make = sdpa_path(kind, "auto", grad=False)
+    count_reads(make(0))
+    assert count_reads(make(1)) == ["aten._local_scalar_dense.default"]
+    make = sdpa_path("plain", "auto", grad=False)
+    count_reads(make(0))
+    assert count_reads(make(1)) == []

@@ -3,6 +3,9 @@ math written here, for the ways the contract is now kept without reading on the 
 
 * A call with no mask and no gradient wanted checks its output alone: every row of a head
   that holds a bad key is NaN, every other row exact.
+* Any other call without gradient, where a read on the host is free (the CPU), runs on q,
+  k, v as they are and is checked by one read after its kernel; when that finds a NaN/inf it
+  runs again the next way.
 * Any other call runs on q, k, v with their NaN/inf zeroed and sets NaN on the rows that may
   attend a bad key (and on bad query rows that may attend some key), counted from the masks
   (ops/key_counts.py); gradients reach no bad input and come from no NaN row.
@@ -20,7 +23,16 @@ from qkv import masks
 from qkv.ops import AttentionCall
 from qkv.ops.nonfinite import allowed
 
+from routes import force_host_reads
+
 B, H, T, S, D = 2, 3, 11, 13, 8
+
+
+@pytest.fixture(autouse=True, params=["cpu-reads", "no-reads"])
+def _host_reads(request, monkeypatch):
+    """Each test runs both ways of keeping the contract (tests/routes.py): checked after the
+    kernel by a read on the host, as on the CPU, and in tensor ops only, as on CUDA."""
+    force_host_reads(monkeypatch, free=request.param == "cpu-reads")
 
 
 def _golden(q, k, v, ok):

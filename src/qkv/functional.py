@@ -137,6 +137,9 @@ def scaled_dot_product_attention(
         plan = dispatch.choose(call, backend)  # plan: the backend, and how a trace is made
         guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract)  # bad inputs zeroed
         result = dispatch.run(guard.call, plan)  # kernel: out (*batch, T, Dv), or (out, trace)
+        if not guard.holds(result):  # an optimistic run met NaN/inf: the full way
+            guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract, optimistic=False)
+            result = dispatch.run(guard.call, plan)
         result = guard.restore(result)  # contract: NaN rows, overflowing scores refused
     if record is None:
         return result

@@ -95,11 +95,30 @@ class Guard:
       False when finite), and the rows that may attend a bad key become NaN;
     * ``"traced"``: the same in the ops of ``_restore_traced``;
     * ``"in_graph"``: traced inference whose output the ``qkv::checked_output`` op checks.
+    * ``"optimistic"``: a masked call run on the inputs as they are, where a read on the host
+      costs no sync (:func:`host_reads_free`): :meth:`holds` says whether its result stands.
     """
 
     call: AttentionCall
     check: Literal["none", "output", "eager", "traced", "in_graph"]
     bad: _Bad | None = None
+
+    def holds(self, result: Result) -> bool:
+        """Whether ``result`` is the call's result under the contract as it is: False only for
+        an ``"optimistic"`` guard whose output or query holds a NaN/inf, and then the call is
+        to run again from ``prepare(call, optimistic=False)``.
+
+        Why one read decides it: a key or value a row may not attend reaches that row only as
+        a NaN (its score is hidden by ``-inf``, ``NaN + -inf = NaN``, and its weight 0 meets
+        its value as ``0 * inf = NaN``), or not at all (a hidden ``-inf`` score stays
+        ``-inf``). So a finite output of finite queries is what the zeroed inputs give too,
+        to the bit; anything else runs the full way, and only then costs twice.
+        """
+        if self.check != "optimistic":
+            return True
+        out, q = _output(result).detach(), self.call.query.detach()
+        wide = torch.promote_types(out.dtype, torch.float32)  # a half sum overflows early
+        return math.isfinite(out.sum(dtype=wide).add_(q.sum(dtype=wide)).item())
 
     def restore(self, result: Result) -> Result:
         """The kernel's result under the contract: NaN on every row that may attend to a bad
@@ -125,10 +144,12 @@ class Guard:
         return result
 
 
-def prepare(call: AttentionCall, kept: bool = False) -> Guard:
+def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) -> Guard:
     """The first step: the call the kernel is to run, and what is left to check after it.
 
     ``kept``: the kernel keeps the contract itself (``dispatch.Plan.keeps_nonfinite_contract``).
+    ``optimistic``: a call that may be checked after its kernel by a read on the host (see
+    :meth:`Guard.holds`) is; False after that check failed, for the call's second run.
     """
     if kept or call.device.type == "meta" or call.query.numel() == 0 or call.key.numel() == 0:
         return Guard(call, "none")
@@ -137,6 +158,8 @@ def prepare(call: AttentionCall, kept: bool = False) -> Guard:
     grad = _wants_grad(call)
     if not grad and not call.return_trace and covers_every_key(call):
         return Guard(call, "output")  # q, k and the output tell, after the kernel
+    if optimistic and not grad and not call.return_trace and _checked_after(call):
+        return Guard(call, "optimistic")  # the output and q tell, after the kernel, by a read
     with torch.no_grad():
         rows = _bad_rows(call.query)  # (*qbatch, T): 1.0 on a bad row, else 0.0
         keys = _bad_rows(call.key, call.value)  # (*kbatch, S)
@@ -151,7 +174,24 @@ def run(call: AttentionCall, run_call: Callable[[AttentionCall], Result]) -> Res
     """``run_call(call)`` under the contract, the steps above in order: for a caller that
     holds its kernel as a function (the ``qkv::checked_output`` op repairs an output so)."""
     guard = prepare(call)
-    return guard.restore(run_call(guard.call))
+    result = run_call(guard.call)
+    if not guard.holds(result):
+        guard = prepare(call, optimistic=False)
+        result = run_call(guard.call)
+    return guard.restore(result)
+
+
+def host_reads_free(device: torch.device) -> bool:
+    """Whether reading a value on the host costs no more than the op that makes it: on the
+    CPU, where no device runs ahead to be waited for (on CUDA each read is a sync). Tests
+    force False to run the CPU on CUDA's way (tests/routes.py)."""
+    return device.type == "cpu"
+
+
+def _checked_after(call: AttentionCall) -> bool:
+    """Whether ``call`` may run optimistically (``Guard.holds``): reads are free on its
+    device, and running it twice changes nothing (dropout would draw twice)."""
+    return call.dropout_p == 0.0 and host_reads_free(call.device)
 
 
 # --- eager ----------------------------------------------------------------------------------
