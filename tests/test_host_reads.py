@@ -20,12 +20,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from routes import force_host_reads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
 from qkv import masks
-
-from routes import force_host_reads
 
 aten = torch.ops.aten
 
@@ -36,6 +35,7 @@ def _reads_as_on_cuda(monkeypatch):
     call without gradient is checked after its kernel by one read instead (tests/routes.py),
     counted in ``test_a_masked_inference_call_on_the_cpu_reads_once``."""
     force_host_reads(monkeypatch, free=False)
+
 
 # Ops whose result is a value read on the host, whatever their arguments.
 _READS = {

@@ -17,13 +17,12 @@ import math
 
 import pytest
 import torch
+from routes import force_host_reads
 
 import qkv
 from qkv import masks
 from qkv.ops import AttentionCall
 from qkv.ops.nonfinite import allowed
-
-from routes import force_host_reads
 
 B, H, T, S, D = 2, 3, 11, 13, 8
 
