@@ -38,6 +38,7 @@ __all__ = [
     "elementwise_mask",
     "elementwise_score",
     "key_lengths_allowed",
+    "morton_code",
     "neighborhood_allowed",
     "product_size",
     "repeat_kv_heads",
@@ -177,6 +178,17 @@ def tile_order(shape: tuple, tile: tuple) -> list[int]:
 
     tiles(0, [])
     return order
+
+
+def morton_code(cell: tuple, depth: int) -> int:
+    """The z-order (Morton) code of a grid cell, by a loop over Python ints: bit ``j`` of
+    coordinate ``i`` (of ``n``) becomes bit ``j * n + (n - 1 - i)`` (the first coordinate the
+    most significant at each level, PTv3's ``xyz2key``)."""
+    n, code = len(cell), 0
+    for j in range(depth):
+        for i, c in enumerate(cell):
+            code += ((int(c) >> j) & 1) * 2 ** (j * n + n - 1 - i)
+    return code
 
 
 _BHQK = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None))

@@ -63,9 +63,10 @@ USED_ELSEWHERE = [
     "_blocks_take_offsets",
     "_captured_tensors",
 ]
-# Names added to ``__all__`` since the split (issue 40: NATTEN's neighborhoods).
-ADDED = ["neighborhood", "tile_layout", "TileLayout"]
-JOBS = ["vocabulary", "blocks", "structure", "evaluation", "dense", "grids"]
+# Names added to ``__all__`` since the split (issue 40: NATTEN's neighborhoods, PTv3's
+# serialization).
+ADDED = ["neighborhood", "tile_layout", "TileLayout", "serialize"]
+JOBS = ["vocabulary", "blocks", "structure", "evaluation", "dense", "grids", "points"]
 
 
 def test_all_is_unchanged():
@@ -101,6 +102,7 @@ def test_name_resolves(name):
         ("apply_mask_", "dense"),
         ("neighborhood", "grids"),
         ("tile_layout", "grids"),
+        ("serialize", "points"),
     ],
 )
 def test_name_is_the_jobs_object(name, job):

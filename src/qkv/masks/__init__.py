@@ -6,13 +6,15 @@ to the scores' shape ``(*batch, T, S)`` as in PyTorch.
 Structured masks (``mask_mod``) and score changes (``score_mod``) in FlexAttention's
 vocabulary: ``causal``, ``sliding_window``, ``prefix_lm``, ``document``, ``key_lengths``,
 ``and_masks``/``or_masks``, ``alibi``, ``softcap``, ``neighborhood`` (NATTEN's, on 1D-3D token
-grids, with ``tile_layout``), with ``to_dense`` (the dense twin of a mask) and
+grids, with ``tile_layout``), ``serialize`` (point clouds along a space-filling curve, PTv3's
+patches as documents), with ``to_dense`` (the dense twin of a mask) and
 ``block_summary`` (what a tiled backend skips).
 
 One file per job; every name is used from here, ``qkv.masks.causal``:
 
 - ``vocabulary``: ``MaskMod``, ``ScoreMod`` and the ready-made masks and score mods.
 - ``grids``: token grids: ``neighborhood`` (NATTEN's windows) and ``tile_layout``.
+- ``points``: point clouds: ``serialize`` (z-order and Hilbert curves, PTv3's serialization).
 - ``blocks``: ``Grid``, ``EMPTY``/``PARTIAL``/``FULL``, ``block_states``, ``block_summary``.
 - ``structure``: a bound mask for a piece of its call (``offset_mask``), and the keys under
   which the tiled backend reuses block plans (``shift_invariant``, ``structure_key``).
@@ -20,9 +22,9 @@ One file per job; every name is used from here, ``qkv.masks.causal``:
   ``per_element``) and finding the tensors a score_mod reads (``score_mod_gradient_inputs``).
 - ``dense``: bool and float mask tensors (``causal_bool``, ``apply_mask_``, ``to_dense``).
 
-Imports inside the package run evaluation <- blocks <- vocabulary <- grids <- structure,
-dense; the two calls back up (``_captured_tensors`` to the mod classes, ``block_summary`` to
-``as_mask_mod``) import inside the function.
+Imports inside the package run evaluation <- blocks <- vocabulary <- grids <- points,
+structure, dense; the two calls back up (``_captured_tensors`` to the mod classes,
+``block_summary`` to ``as_mask_mod``) import inside the function.
 
 Shape alphabet: T query length, S key length.
 """
@@ -46,6 +48,7 @@ from .evaluation import (
 )
 from .grids import TileLayout, neighborhood, tile_layout
 from .grids import _Neighborhood as _Neighborhood
+from .points import serialize
 from .structure import _blocks_take_offsets as _blocks_take_offsets
 from .structure import offset_mask as offset_mask
 from .structure import offset_score as offset_score
@@ -90,6 +93,7 @@ __all__ = [  # noqa: RUF022 (grouped as the docs present them; test_masks_packag
     "neighborhood",
     "tile_layout",
     "TileLayout",
+    "serialize",
     "to_dense",
     "block_summary",
     "BlockSummary",
