@@ -5,6 +5,8 @@
   the output materialised; any device;
 * ``native.py`` + ``kernel.cpp``: the CPU kernel, C++ built at first use;
 * ``op.py``: both behind the custom op ``qkv::deformable_attention``;
+* ``torch.onnx.export`` writes the slow twin instead (ONNX has no such op; ``GridSample`` is
+  standard since opset 16);
 * ``inputs.py``: validation.
 """
 
@@ -53,6 +55,13 @@ def deformable_attention(
         kernel = kernel_from_env()
     elif kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}; use one of {', '.join(map(repr, KERNELS))}")
+    if torch.onnx.is_in_onnx_export():
+        # ONNX has no deformable op: the model gets the slow twin's standard ops, one GridSample
+        # (opset 16) per level, with the level sizes read from spatial_shapes at run time where
+        # it is a graph input (level_start_index is implied by them, and not read)
+        return deformable_attention_naive(
+            value, spatial_shapes, sampling_locations, attention_weights
+        )
     if level_start_index is None:
         level_start_index = level_starts(spatial_shapes)
     if torch._C._are_functorch_transforms_active():

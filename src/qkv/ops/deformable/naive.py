@@ -7,7 +7,11 @@ This is mmcv's ``multi_scale_deformable_attn_pytorch`` (and Deformable DETR's
 ``L * P`` times the output's size, which is why ``gather.py`` and ``native.py`` exist; they are
 tested against it by name, and autograd through it gives the reference gradients.
 
-It reads ``spatial_shapes`` on the host (the per-level split needs Python ints).
+It reads ``spatial_shapes`` on the host (the per-level slices need sizes). Under
+``torch.export`` of a ``spatial_shapes`` that is a graph input those sizes are unbacked symbols;
+the ``torch._check`` calls tell the tracer what it needs to slice and reshape with them, so the
+same code exports, and it is what ``torch.onnx.export`` writes (one ``GridSample`` per level,
+see ``deformable_attention``).
 
 Shape alphabet: B batch, S flattened value length (sum of H_l * W_l), M heads, D head dim,
 Lq queries, L levels, P points per level and head.
@@ -39,13 +43,17 @@ def deformable_attention_naive(
     """
     B, _, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
-    sizes = [int(h) * int(w) for h, w in spatial_shapes.tolist()]
-    levels = value.split(sizes, dim=1)  # L x (B, H_l * W_l, M, D)
     grids = 2 * sampling_locations - 1  # (B, Lq, M, L, P, 2), grid_sample's [-1, 1]
     samples = []
+    start = 0
     for lvl, (h, w) in enumerate(spatial_shapes.tolist()):
-        v = levels[lvl].flatten(2).transpose(1, 2)  # (B, M*D, H*W)
-        v = v.reshape(B * M, D, int(h), int(w))  # (B*M, D, H, W), a strided view
+        torch._check(h >= 1)  # what an export needs to know of unbacked sizes (free in eager)
+        torch._check(w >= 1)
+        torch._check(start + h * w <= value.shape[1])
+        v = value.narrow(1, start, h * w)  # (B, H*W, M, D)
+        start = start + h * w
+        v = v.flatten(2).transpose(1, 2)  # (B, M*D, H*W)
+        v = v.reshape(B * M, D, h, w)  # (B*M, D, H, W), a strided view
         if v.dtype in (torch.float16, torch.bfloat16):
             v = v.contiguous()  # torch 2.13's CPU grid_sample crashes (SIGSEGV) on this strided
             # half-precision view at one thread at BEVFormer's 116 x 200 level; a copy does not
