@@ -1,5 +1,6 @@
 """Every bad input gets a ValueError/TypeError that names the numbers and the fix."""
 
+import math
 import re
 
 import pytest
@@ -183,3 +184,29 @@ def test_a_scale_that_overflows_the_scores_raises_naming_it(backend, grad):
     scores = q @ q.transpose(-2, -1)
     hard = torch.nn.functional.one_hot(scores.argmax(-1), 5).to(q.dtype) @ q  # the hard max
     torch.testing.assert_close(sharp, hard)
+
+
+def test_checks_still_refuse_after_a_structure_is_remembered():
+    """``AttentionCall.build`` remembers what its checks found for a structure (shapes,
+    dtypes, devices, mask layout, flags) and skips them for the next call of it; a look-alike
+    of a good call (``is_causal=1``, an int dropout, a mask of another dtype or shape) is not
+    that structure and is still refused, and a remembered call equals a checked one."""
+    from qkv.ops import AttentionCall
+
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    mask = torch.ones(5, 5, dtype=torch.bool)
+    first = AttentionCall.build(q, k, v, mask, 0.0, True, None)
+    again = AttentionCall.build(q.clone(), k, v, mask, 0.0, True, None)  # remembered
+    fields = set(first.__dict__) - {"query"}
+    assert {f: again.__dict__[f] for f in fields} == {f: first.__dict__[f] for f in fields}
+    assert again.scale == 1 / math.sqrt(8) and again.batch == (2, 3) and again.is_causal is True
+    with pytest.raises(TypeError, match="is_causal must be True or False"):
+        AttentionCall.build(q, k, v, mask, 0.0, 1, None)
+    with pytest.raises(TypeError, match="dropout_p must be a float"):
+        AttentionCall.build(q, k, v, mask, True, True, None)
+    with pytest.raises(TypeError, match=r"attn_mask has dtype torch\.int64"):
+        AttentionCall.build(q, k, v, mask.long(), 0.0, True, None)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        AttentionCall.build(q, k, v, torch.ones(4, 5, dtype=torch.bool), 0.0, True, None)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        AttentionCall.build(q, k, v, mask, 0.0, True, float("nan"))

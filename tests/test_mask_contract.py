@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import BACKENDS, DROPOUT_BACKENDS
+from routes import force_host_reads
 
 import qkv
 from qkv.masks import causal_bool
@@ -122,14 +123,22 @@ def test_causal_is_top_left_for_t_neq_s():
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_guard_used_when_rows_empty(kind):
+def test_guard_used_when_rows_empty(kind, monkeypatch):
     """The torch backend's guard hands torch a full row and reports which rows are real."""
     mask, keep = _row_masked(kind, torch.float32)
     guarded, row_ok = _guard_empty_rows(mask)
     assert torch.equal(row_ok, keep.any(-1))
     allowed = guarded if kind == "bool" else ~torch.isneginf(guarded)
     assert bool(allowed.any(-1).all())
-    # no row to guard: the guard runs anyway (asking whether it is needed would read on the
-    # host, a device sync on GPUs), and leaves the mask as it is
-    unguarded, ok = _guard_empty_rows(torch.ones(4, 4, dtype=torch.bool))
+    # no row to guard: on CUDA's way the guard runs anyway (asking whether it is needed would
+    # read on the host, a device sync there), and leaves the mask as it is; on the CPU's a
+    # mask remembered is asked once, and no row is zeroed after the kernel
+    full = torch.ones(4, 4, dtype=torch.bool)
+    force_host_reads(monkeypatch, free=False)
+    unguarded, ok = _guard_empty_rows(full.clone())
+    assert bool(unguarded.all()) and bool(ok.all())
+    force_host_reads(monkeypatch, free=True)
+    unguarded, ok = _guard_empty_rows(full.clone())
+    assert bool(unguarded.all()) and ok is None
+    unguarded, ok = _guard_empty_rows(full.clone(), remember=False)  # not asked: no read
     assert bool(unguarded.all()) and bool(ok.all())

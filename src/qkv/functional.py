@@ -116,36 +116,48 @@ def scaled_dot_product_attention(
     """
     record = recording.wanted()  # None unless a qkv.capture wants this call's weights
     amp = _autocast_dtype(query)  # None unless torch.autocast is on for the query's device
+    args = (attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    mods = (mask_mod, score_mod, sinks)
+    if record is None and amp is None:  # (almost every call: no context to enter)
+        return _attend(query, key, value, args, return_trace, mods, backend)
     query, key, value = (_amp_cast(t, amp) for t in (query, key, value))
-    # The call top-down: check (ops/call.py), plan (dispatch.py), kernel (a backend), and the
-    # NaN/inf contract around it (ops/nonfinite.py): inputs zeroed before, rows set after.
     with _autocast_off(query, amp), _recording_paused(record):
-        call = AttentionCall.build(  # check: ValueError/TypeError naming the numbers and fix
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            True if record is not None else return_trace,
-            mask_mod,
-            score_mod,
-            sinks,
-        )
-        plan = dispatch.choose(call, backend)  # plan: the backend, and how a trace is made
-        guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract)  # bad inputs zeroed
-        result = dispatch.run(guard.call, plan)  # kernel: out (*batch, T, Dv), or (out, trace)
-        if not guard.holds(result):  # an optimistic run met NaN/inf: the full way
-            guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract, optimistic=False)
-            result = dispatch.run(guard.call, plan)
-        result = guard.restore(result)  # contract: NaN rows, overflowing scores refused
+        trace_wanted = True if record is not None else return_trace
+        result = _attend(query, key, value, args, trace_wanted, mods, backend)
     if record is None:
         return result
     out, trace = result
     record(trace)
     return (out, trace) if return_trace else out
+
+
+def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: str):
+    """One call top-down: check (ops/call.py), plan (dispatch.py), kernel (a backend), and the
+    NaN/inf contract around it (ops/nonfinite.py): inputs zeroed before or the output checked
+    after, rows set after."""
+    attn_mask, dropout_p, is_causal, scale, enable_gqa = args
+    mask_mod, score_mod, sinks = mods
+    call = AttentionCall.build(  # check: ValueError/TypeError naming the numbers and fix
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        return_trace,
+        mask_mod,
+        score_mod,
+        sinks,
+    )
+    plan = dispatch.choose(call, backend)  # plan: the backend, and how a trace is made
+    guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract)  # bad inputs zeroed
+    result = dispatch.run(guard.call, plan)  # kernel: out (*batch, T, Dv), or (out, trace)
+    if not guard.holds(result):  # an optimistic run met NaN/inf: the full way
+        guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract, optimistic=False)
+        result = dispatch.run(guard.call, plan)
+    return guard.restore(result)  # contract: NaN rows, overflowing scores refused
 
 
 def _autocast_dtype(query) -> torch.dtype | None:

@@ -10,6 +10,7 @@ D head dim of query/key, Dv head dim of value. ``*batch`` is every dim before th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import sys
@@ -86,7 +87,26 @@ class AttentionCall:
         score_mod=None,
         sinks: Tensor | None = None,
     ) -> AttentionCall:
-        """Validate the arguments of ``scaled_dot_product_attention`` and resolve defaults."""
+        """Validate the arguments of ``scaled_dot_product_attention`` and resolve defaults.
+
+        A call of a structure met before (the same shapes, dtypes, devices, mask layout and
+        flags, see :func:`_structure`) takes what its checks found then: they depend on
+        nothing else, and at decode sizes they cost half of torch's kernel.
+        """
+        structure = (
+            _structure(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace
+            )
+            if mask_mod is None and score_mod is None and sinks is None
+            else None
+        )
+        if structure is not None:
+            known = _CHECKED.get(structure)
+            if known is not None:
+                new = object.__new__(cls)
+                new.__dict__.update(known, query=query, key=key, value=value, attn_mask=attn_mask)
+                return new  # (frozen: set as dataclasses' own __init__ does, in its dict)
+        given = attn_mask
         _check_tensors(query, key, value)
         batch = _check_shapes(query, key, value, bool(enable_gqa))
         T, S = query.shape[-2], key.shape[-2]
@@ -97,7 +117,7 @@ class AttentionCall:
         mask_mod, score_mod = _check_mods(mask_mod, score_mod, batch, T, S)
         if _is_top_left_causal(mask_mod):  # the same mask; torch's causal kernels can take it
             mask_mod, is_causal = None, True
-        return cls(
+        call = cls(
             query=query,
             key=key,
             value=value,
@@ -112,6 +132,9 @@ class AttentionCall:
             score_mod=score_mod,
             sinks=_check_sinks(sinks, query, batch),
         )
+        if structure is not None and call.attn_mask is given:
+            _remember(structure, call)  # (a mask reshaped or cast, rare: checked each time)
+        return call
 
     # Derived facts backends ask about.
     @property
@@ -260,6 +283,62 @@ def _check_mods(mask_mod, score_mod, batch: tuple, T: int, S: int):
     if score_mod is not None:
         score_mod = as_score_mod(score_mod).bind(B, H, T, S)
     return mask_mod, score_mod
+
+
+# structure -> the fields of a call of that structure besides its tensors
+_CHECKED: dict[tuple, dict] = {}
+_CHECKED_MAX = 256
+
+
+def _structure(
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_trace
+) -> tuple | None:
+    """What ``build``'s checks depend on, for a call of plain tensors and flags (no mods,
+    sinks, tensor subclasses or look-alike flags such as ``is_causal=1``, which the checks
+    refuse), outside tracing; None for any other call, which is checked in full."""
+    if (
+        type(query) is not Tensor
+        or type(key) is not Tensor
+        or type(value) is not Tensor
+        or (attn_mask is not None and type(attn_mask) is not Tensor)
+        or type(dropout_p) is not float
+        or type(is_causal) is not bool
+        or type(enable_gqa) is not bool
+        or type(return_trace) is not bool
+        or (scale is not None and type(scale) is not float)
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    mask = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device)
+    return (
+        query.shape,
+        key.shape,
+        value.shape,
+        query.dtype,
+        key.dtype,
+        value.dtype,
+        query.device,
+        key.device,
+        value.device,
+        mask,
+        dropout_p,
+        is_causal,
+        scale,
+        enable_gqa,
+        return_trace,
+    )
+
+
+def _remember(structure: tuple, call: AttentionCall) -> None:
+    """Keep the checked fields of ``call`` under its structure (the oldest dropped past
+    ``_CHECKED_MAX``: a model meets a handful of structures)."""
+    if len(_CHECKED) >= _CHECKED_MAX:
+        with contextlib.suppress(StopIteration, RuntimeError):  # (another thread emptied
+            _CHECKED.pop(next(iter(_CHECKED)), None)  # or changed it)
+    fields = dict(call.__dict__)
+    for name in ("query", "key", "value", "attn_mask"):
+        fields.pop(name)
+    _CHECKED[structure] = fields
 
 
 def _is_top_left_causal(mask_mod) -> bool:

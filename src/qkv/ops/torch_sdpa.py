@@ -31,6 +31,7 @@ from torch import Tensor
 
 from .._identity import IdentityCache
 from ..masks import _Window
+from . import nonfinite
 from ._aten import _no_pairs, flash_cpu_available, flash_forward, sdpa
 from .base import BackendResult, tracing
 from .call import AttentionCall
@@ -157,7 +158,16 @@ def _guard_empty_rows(
         return None, None
     if not remember or tracing() or mask.numel() > _REMEMBER_MAX:
         return _guarded(mask)
-    return _guards.get((mask,), None, lambda: _guarded(mask))
+    return _guards.get((mask,), None, lambda: _lean(*_guarded(mask)))
+
+
+def _lean(mask: Tensor, row_ok: Tensor) -> tuple[Tensor, Tensor | None]:
+    """A remembered guard without its ``row_ok`` where every row has a key (a padded batch's
+    mask, a decoding step's): nothing to zero after the kernel. Asked once per mask, by a
+    read on the host, where that read syncs nothing (``nonfinite.host_reads_free``)."""
+    if nonfinite.host_reads_free(mask.device) and bool(row_ok.all()):
+        return mask, None
+    return mask, row_ok
 
 
 _guards = IdentityCache(16)
