@@ -23,7 +23,7 @@ from .nn import (
 )
 from .ops import BackendUnsupportedError
 from .ops.linear import Favor, FeatureMap, LinearAttentionState
-from .trace import AttentionTrace, MultiHeadTrace
+from .trace import AttentionTrace, DeformableTrace, MultiHeadTrace
 
 __version__ = "0.1.0"
 
@@ -62,6 +62,7 @@ __all__ = [
     "BackendUnsupportedError",
     "Captured",
     "DecoderLM",
+    "DeformableTrace",
     "EncoderClassifier",
     "Favor",
     "FeatureMap",

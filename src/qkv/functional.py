@@ -15,7 +15,8 @@ from . import dispatch, recording
 from .ops import AttentionCall, nonfinite
 from .ops import deformable as _deformable
 from .ops import linear as _linear
-from .trace import AttentionTrace
+from .ops.deformable.inputs import as_spatial_shapes
+from .trace import AttentionTrace, DeformableTrace
 
 __all__ = ["deformable_attention", "linear_attention", "scaled_dot_product_attention"]
 
@@ -303,7 +304,8 @@ def deformable_attention(
     attention_weights: Tensor,
     *,
     level_start_index: Tensor | None = None,
-) -> Tensor:
+    return_trace: bool = False,
+) -> Tensor | tuple[Tensor, DeformableTrace]:
     """Multi-scale deformable attention (Deformable DETR; BEVFormer's two attentions), with
     mmcv's meaning and argument order (``multi_scale_deformable_attn``).
 
@@ -330,6 +332,9 @@ def deformable_attention(
       or ``torch`` forces one. Other devices run the PyTorch ops.
     * **Compiles and exports**: one custom op, ``qkv::deformable_attention``, with fake and
       autograd rules, so ``torch.compile(fullgraph=True)`` and ``torch.export`` take it whole.
+    * **See-through**: ``return_trace=True`` also returns a :class:`qkv.DeformableTrace`,
+      every sampling point in pixels of its level (``x * W - 0.5, y * H - 0.5``) with its
+      weight; ``qkv.capture`` records it from a call inside a model.
 
     Args:
         value: The levels' maps flattened and concatenated, level by level, each row-major.
@@ -338,9 +343,11 @@ def deformable_attention(
         attention_weights: The weight of each sample.
         level_start_index: Where each level starts in ``value`` (mmcv's argument; computed from
             spatial_shapes when None, and checked against it when given).
+        return_trace: Also return the :class:`qkv.DeformableTrace` of the call (its
+            ``reference_points`` are None: a bare call is given only the locations).
 
     Returns:
-        The weighted samples, heads concatenated.
+        The weighted samples, heads concatenated; with ``return_trace``, ``(output, trace)``.
 
     Raises:
         ValueError: Shapes that disagree, or spatial_shapes whose ``sum(H * W)`` is not ``S``,
@@ -352,10 +359,20 @@ def deformable_attention(
         sampling_locations ``(B, Lq, M, L, P, 2)``; attention_weights ``(B, Lq, M, L, P)``;
         level_start_index ``(L,)`` -> ``(B, Lq, M * D)``.
     """
-    return _deformable.deformable_attention(
-        value,
-        spatial_shapes,
-        sampling_locations,
-        attention_weights,
-        level_start_index=level_start_index,
+    record = recording.wanted()  # None unless a qkv.capture wants this call's points
+    with _recording_paused(record):
+        out = _deformable.deformable_attention(
+            value,
+            spatial_shapes,
+            sampling_locations,
+            attention_weights,
+            level_start_index=level_start_index,
+        )  # (B, Lq, M * D); the inputs are checked here, before the trace reads them
+    if record is None and not return_trace:
+        return out
+    trace = DeformableTrace.from_normalized(
+        as_spatial_shapes(spatial_shapes), sampling_locations, attention_weights
     )
+    if record is not None:
+        record(trace)
+    return (out, trace) if return_trace else out

@@ -1,9 +1,10 @@
 """The hook through which ``qkv.capture`` sees attention calls.
 
-``qkv.scaled_dot_product_attention`` (and ``qkv.linear_attention``) ask :func:`wanted` on
-every call. With no recorder active that costs one ``ContextVar.get``; a recorder that does
-not want the call (a layer nobody asked for) answers None, and the call runs exactly as it
-would uncaptured, without forming a trace. When it is wanted, the call runs with
+``qkv.scaled_dot_product_attention`` (and ``qkv.linear_attention``, ``qkv.deformable_attention``
+and ``qkv.nn.MultiScaleDeformableAttention``) ask :func:`wanted` on every call. With no
+recorder active that costs one ``ContextVar.get``; a recorder that does not want the call (a
+layer nobody asked for) answers None, and the call runs exactly as it would uncaptured,
+without forming a trace. When it is wanted, the call runs with
 ``return_trace=True`` under :func:`paused` (so the inner call is not recorded again), the
 trace goes to the function :func:`wanted` returned, and the caller gets what it asked for.
 
@@ -23,11 +24,13 @@ from contextvars import ContextVar, Token
 
 import torch
 
-from .trace import AttentionTrace
+from .trace import AttentionTrace, DeformableTrace
 
 __all__ = ["Recorder", "TraceSink", "paused", "start", "stop", "wanted"]
 
-TraceSink = Callable[[AttentionTrace], None]
+# A deformable attention call (qkv.nn.MultiScaleDeformableAttention, qkv.deformable_attention)
+# hands over its DeformableTrace, every other call its AttentionTrace.
+TraceSink = Callable[[AttentionTrace | DeformableTrace], None]
 
 
 class Recorder:
@@ -50,7 +53,7 @@ class _Both(Recorder):
         if a is None or b is None:
             return a if b is None else b
 
-        def both(trace: AttentionTrace) -> None:
+        def both(trace: AttentionTrace | DeformableTrace) -> None:
             a(trace)
             b(trace)
 

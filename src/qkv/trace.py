@@ -1,4 +1,5 @@
-"""AttentionTrace: the intermediates of one attention call, returned (never stored on self).
+"""AttentionTrace: the intermediates of one attention call, returned (never stored on self);
+DeformableTrace: the sampling points and weights of one deformable attention call.
 
 Shape alphabet: B batch, H query heads, T query length, S key length. ``*batch`` stands for
 whatever leading dims the call had (``()``, ``(H,)``, ``(B, H)``, ``(B, X, H)``).
@@ -7,11 +8,12 @@ whatever leading dims the call had (``()``, ``(H,)``, ``(B, H)``, ``(B, X, H)``)
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionTrace", "MultiHeadTrace", "probs_from_lse_"]
+__all__ = ["AttentionTrace", "DeformableTrace", "MultiHeadTrace", "probs_from_lse_"]
 
 
 class AttentionTrace:
@@ -294,3 +296,117 @@ def probs_from_lse_(scores: Tensor, lse: Tensor) -> Tensor:
     high = lse.to(scores.dtype)
     low = (lse - high.to(lse.dtype)).to(scores.dtype)
     return scores.sub_(high).sub_(low).exp_()
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class DeformableTrace:
+    """Where each query of a multi-scale deformable attention call sampled, and how much.
+
+    Deformable attention (Deformable DETR, BEVFormer) has no ``(T, S)`` weights: each query
+    and head samples each level at P points and sums the samples with its weights. This is
+    what it computed on the way: every sampling point, in **pixels of its level**, and its
+    weight. Returned by ``qkv.deformable_attention(..., return_trace=True)`` and
+    ``qkv.nn.MultiScaleDeformableAttention(..., return_trace=True)``; ``qkv.capture`` records
+    it; ``qkv.viz.html`` draws it (one panel per level, a dot per point, area by weight).
+
+    **Pixel convention** (``grid_sample`` with ``align_corners=False``, mmcv's and
+    ``qkv.deformable_attention``'s): a location ``(x, y)`` in ``[0, 1]`` over a level of
+    ``H x W`` pixels is the pixel coordinate ``(x * W - 0.5, y * H - 0.5)``. Pixel ``(i, j)``
+    (column i, row j) has its centre at ``(i, j)``; the map covers ``[-0.5, W - 0.5] x
+    [-0.5, H - 0.5]``, so ``(0, 0)`` normalised is the outer corner of the top-left pixel,
+    ``(-0.5, -0.5)``. Bilinear sampling at ``(px, py)`` mixes the four pixel centres around
+    it; a corner outside the map counts as zero.
+
+    The tensors are detached. ``locations`` and ``reference_points`` are float32 (float64 for
+    float64 inputs): half precision cannot hold a pixel position on a 200-pixel-wide map.
+
+    Attributes:
+        locations: Each sampling point ``(px, py)`` in pixels of its level.
+        weights: Each point's weight, as the sampling used it (the module softmaxes them over
+            levels x points, per query and head).
+        spatial_shapes: ``(H, W)`` of each level, int64, on the CPU.
+        reference_points: Each query's reference point ``(px, py)`` in pixels of each level
+            (of a reference box, its centre), or None when the call had none (a bare
+            ``qkv.deformable_attention`` call is given only the locations).
+
+    Shape:
+        locations ``(B, Lq, M, L, P, 2)``; weights ``(B, Lq, M, L, P)``; spatial_shapes
+        ``(L, 2)``; reference_points ``(B, Lq, L, 2)``. (B batch, Lq queries, M heads,
+        L levels, P points.)
+    """
+
+    locations: Tensor
+    weights: Tensor
+    spatial_shapes: Tensor
+    reference_points: Tensor | None = None
+
+    @classmethod
+    def from_normalized(
+        cls,
+        spatial_shapes: Tensor,
+        sampling_locations: Tensor,
+        attention_weights: Tensor,
+        reference_points: Tensor | None = None,
+    ) -> DeformableTrace:
+        """The trace of a call given mmcv's normalised ``[0, 1]`` locations (and reference
+        points ``(x, y)`` or boxes ``(x, y, w, h)`` per level), turned into pixels.
+
+        Shape:
+            spatial_shapes ``(L, 2)``; sampling_locations ``(B, Lq, M, L, P, 2)``;
+            attention_weights ``(B, Lq, M, L, P)``; reference_points ``(B, Lq, L, 2 or 4)``.
+        """
+        shapes = spatial_shapes.detach().to("cpu", torch.int64)
+        locations = _to_pixels(sampling_locations.detach(), shapes[:, None, :])
+        ref = None
+        if reference_points is not None:
+            ref = _to_pixels(reference_points.detach()[..., :2], shapes)  # (B, Lq, L, 2)
+        return cls(locations, _detach(attention_weights), shapes, ref)
+
+    @property
+    def sampling_locations(self) -> Tensor:
+        """The locations back in mmcv's normalised ``[0, 1]`` units: ``(px + 0.5) / W``,
+        ``(py + 0.5) / H``. Shape ``(B, Lq, M, L, P, 2)``."""
+        wh = self.spatial_shapes.flip(-1).to(self.locations)[:, None, :]  # (L, 1, 2) as (W, H)
+        return (self.locations + 0.5) / wh
+
+    def select(self, *, batch=None, heads=None, rows=None) -> DeformableTrace:
+        """The trace of some batch elements, heads and queries (rows) only; each index as
+        :meth:`AttentionTrace.select` takes it (None for all), dims kept.
+
+        Shape:
+            ``(B, Lq, M, L, P)`` -> ``(nb, nr, nh, L, P)``; reference_points ``(nb, nr, L, 2)``.
+        """
+        B, Lq, M = self.weights.shape[:3]
+        b, r, h = (
+            _index(name, i, n).to(self.weights.device)
+            for name, i, n in zip(("batch", "rows", "heads"), (batch, rows, heads), (B, Lq, M))
+        )
+        ref = self.reference_points
+        return DeformableTrace(
+            self.locations[b][:, r][:, :, h],  # (nb, nr, nh, L, P, 2)
+            self.weights[b][:, r][:, :, h],  # (nb, nr, nh, L, P)
+            self.spatial_shapes,
+            None if ref is None else ref[b][:, r],  # (nb, nr, L, 2)
+        )
+
+    def _repr_html_(self) -> str:
+        """Jupyter shows the trace as the viewer's sampling-point view (``qkv.viz.show``)."""
+        from .viz.notebook import repr_html
+
+        return repr_html(self)
+
+    def __repr__(self) -> str:
+        shapes = [tuple(int(n) for n in s) for s in self.spatial_shapes.tolist()]
+        return (
+            f"DeformableTrace(weights{tuple(self.weights.shape)}, levels {shapes}, "
+            f"reference_points={'None' if self.reference_points is None else 'pixels'})"
+        )
+
+
+def _to_pixels(xy: Tensor, shapes: Tensor) -> Tensor:
+    """Normalised ``(x, y)`` in ``[0, 1]`` to pixels ``(x * W - 0.5, y * H - 0.5)``, in float32
+    (float64 kept). ``shapes`` ``(..., 2)`` as (H, W) broadcasts against ``xy``'s dims before
+    the last."""
+    dtype = torch.float64 if xy.dtype == torch.float64 else torch.float32
+    wh = shapes.flip(-1).to(xy.device, dtype)  # (..., 2) as (W, H)
+    return xy.to(dtype) * wh - 0.5

@@ -7,10 +7,11 @@
     cap.layer(5)[0].probs               # (B, 2, 16, S): heads 0 and 3, query rows 8000..8015
     cap.save("attn.pt"); cap2 = qkv.load_capture("attn.pt")
 
-Every call of ``qkv.scaled_dot_product_attention`` (and ``qkv.linear_attention``) made while
-a submodule of ``model`` runs is seen, whatever called it: qkv's own modules and models, torch
-modules patched by ``qkv.torch_compat``, Hugging Face models with
-``attn_implementation="qkv"``; on every backend.
+Every call of ``qkv.scaled_dot_product_attention`` (and ``qkv.linear_attention``; and
+deformable attention, ``qkv.nn.MultiScaleDeformableAttention``, whose sampling points go to
+``cap.deformable``) made while a submodule of ``model`` runs is seen, whatever called it:
+qkv's own modules and models, torch modules patched by ``qkv.torch_compat``, Hugging Face
+models with ``attn_implementation="qkv"``; on every backend.
 
 * **Site**: the innermost submodule of ``model`` whose forward is running when attention is
   called (forward hooks on every submodule keep the stack of names; they are removed on exit,
@@ -38,13 +39,13 @@ layers, batch elements, heads and rows a capture keeps, and picking them from a 
 
 from __future__ import annotations
 
-from .captured import Captured, CapturedAttention, load_capture
+from .captured import Captured, CapturedAttention, CapturedDeformable, load_capture
 from .session import capture
 
-__all__ = ["Captured", "CapturedAttention", "capture", "load_capture"]
+__all__ = ["Captured", "CapturedAttention", "CapturedDeformable", "capture", "load_capture"]
 
 # Pickles (``torch.save(cap)`` of a Captured or its records, rather than ``cap.save``) name
 # the classes by where they lived before this module became a package: keep those names.
-for _obj in (Captured, CapturedAttention, capture, load_capture):
+for _obj in (Captured, CapturedAttention, CapturedDeformable, capture, load_capture):
     _obj.__module__ = __name__
 del _obj

@@ -1,8 +1,9 @@
-"""The records of a capture (:class:`Captured`, :class:`CapturedAttention`): looked up by site
-or layer, printed, saved to one file and read back (:func:`load_capture`).
+"""The records of a capture (:class:`Captured`, :class:`CapturedAttention`,
+:class:`CapturedDeformable`): looked up by site or layer, printed, saved to one file and read
+back (:func:`load_capture`).
 
 Shape alphabet: B batch, H query heads, T query length, S key length; nb, nh, nr the batch
-elements, heads and query rows kept.
+elements, heads and query rows kept. Deformable calls: Lq queries, M heads, L levels, P points.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["Captured", "CapturedAttention", "load_capture"]
+from ..trace import DeformableTrace
+
+__all__ = ["Captured", "CapturedAttention", "CapturedDeformable", "load_capture"]
 
 _FORMAT, _VERSION = "qkv.capture", 1
 
@@ -95,11 +98,109 @@ class CapturedAttention:
         )
 
 
+@dataclass(frozen=True, repr=False)
+class CapturedDeformable:
+    """The sampling points of one deformable attention call of a capture (a
+    ``qkv.nn.MultiScaleDeformableAttention``, or a ``qkv.deformable_attention`` call).
+
+    A deformable call has no ``(T, S)`` weights: each query and head samples each level at P
+    points. Kept are the points of the kept batch elements, queries (``rows``) and heads, in
+    pixels of their level as :class:`qkv.DeformableTrace` holds them (``x * W - 0.5``,
+    ``y * H - 0.5``: ``grid_sample``'s ``align_corners=False``).
+
+    Attributes:
+        name, layer, call: As in :class:`CapturedAttention`.
+        locations: Each kept sampling point ``(px, py)`` in pixels of its level.
+        weights: Each point's weight (softmaxed over levels x points by the module).
+        reference_points: Each kept query's reference point in pixels of each level (a
+            box's centre), or None for a bare ``qkv.deformable_attention`` call.
+        spatial_shapes: ``(H, W)`` of each level.
+        batch, heads, rows: Which batch elements, heads and queries of the call were kept.
+        shape: The call's ``(B, Lq, M, L, P)``.
+
+    Shape:
+        locations ``(nb, nr, nh, L, P, 2)``; weights ``(nb, nr, nh, L, P)``;
+        reference_points ``(nb, nr, L, 2)``; spatial_shapes ``(L, 2)``; batch ``(nb,)``,
+        heads ``(nh,)``, rows ``(nr,)`` int64.
+    """
+
+    name: str
+    layer: int
+    call: int
+    locations: Tensor
+    weights: Tensor
+    reference_points: Tensor | None
+    spatial_shapes: Tensor
+    batch: Tensor
+    heads: Tensor
+    rows: Tensor
+    shape: tuple[int, int, int, int, int]
+
+    @property
+    def trace(self) -> DeformableTrace:
+        """The kept points as a :class:`qkv.DeformableTrace` of ``(nb, nr, nh, L, P)``."""
+        return DeformableTrace(
+            self.locations, self.weights, self.spatial_shapes, self.reference_points
+        )
+
+    def __repr__(self) -> str:
+        B, Lq, M, _, _ = self.shape
+        kept = lambda t, n: "all" if len(t) == n else f"{len(t)} of {n}"  # noqa: E731
+        return (
+            f"CapturedDeformable({self.name!r}, layer={self.layer}, call={self.call}, "
+            f"weights{tuple(self.weights.shape)}, levels "
+            f"{[tuple(s) for s in self.spatial_shapes.tolist()]}, batch {kept(self.batch, B)}, "
+            f"heads {kept(self.heads, M)}, rows {kept(self.rows, Lq)})"
+        )
+
+    def _to_dict(self) -> dict:
+        ref = self.reference_points
+        return {
+            "name": self.name,
+            "layer": self.layer,
+            "call": self.call,
+            "locations": _compact(self.locations),
+            "weights": _compact(self.weights),
+            "reference_points": None if ref is None else _compact(ref),
+            "spatial_shapes": self.spatial_shapes,
+            "batch": self.batch,
+            "heads": self.heads,
+            "rows": self.rows,
+            "shape": list(self.shape),
+        }
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> CapturedDeformable:
+        B, Lq, M, L, P = (int(n) for n in d["shape"])
+        return cls(
+            d["name"],
+            int(d["layer"]),
+            int(d["call"]),
+            d["locations"],
+            d["weights"],
+            d["reference_points"],
+            d["spatial_shapes"],
+            d["batch"],
+            d["heads"],
+            d["rows"],
+            (B, Lq, M, L, P),
+        )
+
+
+Record = CapturedAttention | CapturedDeformable
+
+
 class Captured:
     """The records of a capture: iterate them in call order, or look them up by site.
 
+    Iteration and ``len`` go over ``records``, the calls with attention weights; deformable
+    attention calls, which have sampling points instead, are in ``deformable``. Looking up a
+    site or a layer (``cap[name]``, ``cap.layer(i)``) finds either kind.
+
     Attributes:
         records: One :class:`CapturedAttention` per recorded call, in call order.
+        deformable: One :class:`CapturedDeformable` per recorded deformable attention call
+            (``qkv.nn.MultiScaleDeformableAttention``), in call order.
         sites: Names of the sites that called attention, in layer order (``sites[i]`` is
             layer ``i``), including sites that ``layers`` left out.
         settings: What the capture asked for (``layers``, ``heads``, ``rows``, ``batch``,
@@ -111,10 +212,19 @@ class Captured:
         records: list[CapturedAttention] | None = None,
         sites: list[str] | None = None,
         settings: dict[str, str] | None = None,
+        deformable: list[CapturedDeformable] | None = None,
     ) -> None:
         self.records = list(records or [])
         self.sites = list(sites or [])
         self.settings = dict(settings or {})
+        self.deformable = list(deformable or [])
+
+    def __setstate__(self, state: dict) -> None:
+        state.setdefault("deformable", [])  # pickled before deformable records existed
+        self.__dict__.update(state)
+
+    def _all(self) -> list[Record]:
+        return [*self.records, *self.deformable]
 
     def __len__(self) -> int:
         return len(self.records)
@@ -123,28 +233,28 @@ class Captured:
         return iter(self.records)
 
     def __contains__(self, name: object) -> bool:
-        return any(r.name == name for r in self.records)
+        return any(r.name == name for r in self._all())
 
-    def __getitem__(self, name: str) -> list[CapturedAttention]:
+    def __getitem__(self, name: str) -> list[Record]:
         """The records of the site ``name``, in call order."""
         if not isinstance(name, str):
             raise TypeError(
                 f"index a Captured by site name (str), got {type(name).__name__} "
                 f"{name!r}; use cap.layer(i) for layer i, or cap.records[i]"
             )
-        found = [r for r in self.records if r.name == name]
+        found = [r for r in self._all() if r.name == name]
         if not found:
             raise KeyError(self._missing(f"site {name!r}", name in self.sites))
         return found
 
-    def layer(self, i: int) -> list[CapturedAttention]:
+    def layer(self, i: int) -> list[Record]:
         """The records of layer ``i`` (the i-th site to call attention), in call order."""
         if isinstance(i, bool) or not isinstance(i, int):
             raise TypeError(
                 f"layer takes an int, got {type(i).__name__} {i!r}; "
                 f"look a site up by name with cap[name]"
             )
-        found = [r for r in self.records if r.layer == i]
+        found = [r for r in self._all() if r.layer == i]
         if not found:
             raise IndexError(self._missing(f"layer {i}", 0 <= i < len(self.sites)))
         return found
@@ -156,7 +266,7 @@ class Captured:
             return (
                 f"{what} called attention but was not recorded (layers="
                 f"{self.settings.get('layers', 'None')}); recorded layers: "
-                f"{sorted({r.layer for r in self.records})}"
+                f"{sorted({r.layer for r in self._all()})}"
             )
         return (
             f"{what} did not call attention during the capture; the "
@@ -169,23 +279,30 @@ class Captured:
             for k, v in self.settings.items()
             if k not in ("model", "scores") and v != "None"
         )
+        deformable = f" and {len(self.deformable)} deformable" if self.deformable else ""
         head = (
-            f"Captured({self.settings.get('model', 'model')}: {len(self.records)} records "
-            f"from {len({r.layer for r in self.records})} of {len(self.sites)} sites"
-            f"{'; ' + asked if asked else ''})"
+            f"Captured({self.settings.get('model', 'model')}: {len(self.records)} records"
+            f"{deformable} from {len({r.layer for r in self._all()})} of {len(self.sites)} "
+            f"sites{'; ' + asked if asked else ''})"
         )
         lines = [head] if self.sites else [head, f"  nothing recorded: {_NOTHING}"]
         for layer, name in enumerate(self.sites[:16]):
-            recs = [r for r in self.records if r.layer == layer]
+            recs = [r for r in self._all() if r.layer == layer]
             if not recs:
                 lines.append(f"  layer {layer:>2}  {name or '(model)'}: not recorded")
                 continue
-            shapes = sorted({tuple(r.probs.shape) for r in recs})
+            att = [r for r in recs if isinstance(r, CapturedAttention)]
+            what = "probs" if att else "points"
+            shapes = sorted(
+                {tuple(r.probs.shape) for r in att}
+                or {tuple(r.weights.shape) for r in recs if isinstance(r, CapturedDeformable)}
+            )
             shown = str(shapes[0]) + ("" if len(shapes) == 1 else f" .. {shapes[-1]}")
+            dtype = att[0].probs.dtype if att else recs[0].weights.dtype  # type: ignore[union-attr]
             lines.append(
                 f"  layer {layer:>2}  {name or '(model)'}: {len(recs)} call"
-                f"{'s' if len(recs) != 1 else ''}, probs {shown} "
-                f"{recs[0].probs.dtype}, {recs[0].backend}"
+                f"{'s' if len(recs) != 1 else ''}, {what} {shown} "
+                f"{dtype}, {att[0].backend if att else 'deformable'}"
             )
         if len(self.sites) > 16:
             lines.append(f"  ... {len(self.sites) - 16} more sites")
@@ -209,6 +326,7 @@ class Captured:
             "sites": list(self.sites),
             "settings": dict(self.settings),
             "records": [r._to_dict() for r in self.records],
+            "deformable": [r._to_dict() for r in self.deformable],
         }
         tmp, f = _new_temp_beside(path)
         try:
@@ -234,16 +352,21 @@ def load_capture(path: str | os.PathLike, *, map_location=None) -> Captured:
             f"{data.get('version')!r}; this qkv reads version {_VERSION}"
         )
     return Captured(
-        [CapturedAttention._from_dict(d) for d in data["records"]], data["sites"], data["settings"]
+        [CapturedAttention._from_dict(d) for d in data["records"]],
+        data["sites"],
+        data["settings"],
+        [
+            CapturedDeformable._from_dict(d) for d in data.get("deformable", [])
+        ],  # files written before deformable records have none
     )
 
 
 _NOTHING = (
     "no qkv attention call ran inside the model: capture sees calls of "
-    "qkv.scaled_dot_product_attention and qkv.linear_attention made while a "
-    "submodule of the model runs. Run the model inside the with block; for torch "
-    "modules use qkv.torch_compat.patch, for Hugging Face models "
-    "attn_implementation='qkv'"
+    "qkv.scaled_dot_product_attention, qkv.linear_attention and deformable attention "
+    "(qkv.nn.MultiScaleDeformableAttention) made while a submodule of the model runs. "
+    "Run the model inside the with block; for torch modules use qkv.torch_compat.patch, "
+    "for Hugging Face models attn_implementation='qkv'"
 )
 
 

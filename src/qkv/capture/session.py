@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from .. import recording
-from ..trace import AttentionTrace
-from .captured import _NOTHING, Captured, CapturedAttention, _compact, _list
+from ..trace import AttentionTrace, DeformableTrace
+from .captured import _NOTHING, Captured, CapturedAttention, CapturedDeformable, _compact, _list
 from .selection import _batch_heads, _Index, _Layers, _selected
 
 __all__ = ["capture"]
@@ -60,10 +60,16 @@ def capture(
             saw no qkv attention call at all warns instead, and its :class:`Captured` says so
             when indexed). On entry, for a capture of a model already being captured.
 
+    Deformable attention (``qkv.nn.MultiScaleDeformableAttention``, ``qkv.deformable_attention``)
+    has sampling points instead of weights: each such call is a :class:`CapturedDeformable`
+    in ``cap.deformable`` (its points in pixels of each level, their weights and the
+    queries' reference points); ``rows`` pick its queries, ``heads`` and ``batch`` as above.
+
     Shape:
         Each record's ``probs`` is ``(nb, nh, nr, S)`` (all four dims always: the dims before
         ``(T, S)`` of a call are read as ``trace.select`` reads them, ``(B, H)``, ``(H,)`` or
-        none; more are folded into B). ``lse`` ``(nb, nh, nr)``.
+        none; more are folded into B). ``lse`` ``(nb, nh, nr)``. A deformable record's
+        ``locations`` ``(nb, nr, nh, L, P, 2)``, ``weights`` ``(nb, nr, nh, L, P)``.
 
     Example:
         >>> model = qkv.DecoderLM(100, 64, 4, 2).eval()
@@ -194,7 +200,12 @@ class _Capture(recording.Recorder):
             return None
         return lambda trace: self._record(name, site.layer, call, trace)
 
-    def _record(self, name: str, layer: int, call: int, trace: AttentionTrace) -> None:
+    def _record(
+        self, name: str, layer: int, call: int, trace: AttentionTrace | DeformableTrace
+    ) -> None:
+        if isinstance(trace, DeformableTrace):
+            self._record_deformable(name, layer, call, trace)
+            return
         with torch.no_grad():
             lead, T = tuple(trace.lse.shape[:-1]), trace.lse.shape[-1]
             B, H = _batch_heads(lead)
@@ -226,6 +237,33 @@ class _Capture(recording.Recorder):
         )
         self._captured.records.append(record)
 
+    def _record_deformable(self, name: str, layer: int, call: int, trace: DeformableTrace) -> None:
+        """Keep a deformable call's points: ``batch``, ``heads`` and ``rows`` (its queries)
+        pick them as they pick an attention call's weights."""
+        B, Lq, M, L, P = trace.weights.shape
+        where = f"the deformable attention call of {name or '(model)'!r} (layer {layer})"
+        b = self._batch.resolve(B, where)
+        h = self._heads.resolve(M, where)
+        r = self._rows.resolve(Lq, where)
+        kept = trace.select(batch=b, heads=h, rows=r) if self._bounded else trace
+        ref = kept.reference_points
+        self._most_rows = max(self._most_rows, Lq)
+        self._kept_rows = self._kept_rows or len(r) > 0
+        record = CapturedDeformable(
+            name,
+            layer,
+            call,
+            _compact(kept.locations),  # (nb, nr, nh, L, P, 2)
+            _compact(kept.weights),  # (nb, nr, nh, L, P)
+            None if ref is None else _compact(ref),  # (nb, nr, L, 2)
+            kept.spatial_shapes,
+            b,
+            h,
+            r,
+            (B, Lq, M, L, P),
+        )
+        self._captured.deformable.append(record)
+
     def _check(self) -> None:
         """After a block that raised nothing: say when what was asked for matched nothing."""
         sites = self._captured.sites
@@ -249,7 +287,8 @@ class _Capture(recording.Recorder):
                 f"{len(sites)} sites (layers 0..{len(sites) - 1}), in layer order: "
                 f"{_list(sites)}"
             )
-        if not self._rows.all and self._captured.records and not self._kept_rows:
+        recorded = self._captured.records or self._captured.deformable
+        if not self._rows.all and recorded and not self._kept_rows:
             raise ValueError(
                 f"qkv.capture: rows={self._captured.settings['rows']} matched no query row: "
                 f"the recorded calls had at most T={self._most_rows} query rows (rows index "

@@ -12,14 +12,17 @@ Shape alphabet: B batch, Lq queries, S flattened value length (sum of H_l * W_l)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
 import torch
 from torch import Tensor, nn
 
+from .. import recording
 from ..functional import deformable_attention
 from ..ops.deformable.inputs import as_spatial_shapes
+from ..trace import DeformableTrace
 
 __all__ = ["MultiScaleDeformableAttention"]
 
@@ -38,6 +41,9 @@ class MultiScaleDeformableAttention(nn.Module):
     * Padding: ``key_padding_mask`` is mmcv's, **True marks padding** (its values are zeroed
       after ``value_proj``; the weights are not renormalised). qkv's own ``key_mask`` (True
       marks a real value) is taken too; give one or the other.
+    * See-through: ``return_trace=True`` also returns a :class:`qkv.DeformableTrace`: every
+      sampling point in pixels of its level, its weight, and the query's reference point
+      (a box's centre) in pixels; ``qkv.capture`` records the same from a model.
     * mmcv's ``im2col_step``, ``norm_cfg`` and ``init_cfg`` are accepted and unused (the kernel
       needs no batch step; mmcv uses neither in this module), and extra keyword arguments of
       ``forward`` (``key_pos``, ``attn_mask``, ... that mmcv's transformer layers pass to every
@@ -60,7 +66,7 @@ class MultiScaleDeformableAttention(nn.Module):
         query ``(B, Lq, C)`` (``(Lq, B, C)`` unless batch_first); value ``(B, S, C)`` likewise
         (the query when None); reference_points ``(B, Lq, L, 2)`` or ``(B, Lq, L, 4)``;
         spatial_shapes ``(L, 2)`` as (H, W); key_padding_mask / key_mask ``(B, S)`` -> the
-        query's shape.
+        query's shape (and, with return_trace, the trace: locations ``(B, Lq, M, L, P, 2)``).
     """
 
     def __init__(
@@ -138,9 +144,11 @@ class MultiScaleDeformableAttention(nn.Module):
         level_start_index: Tensor | None = None,
         *,
         key_mask: Tensor | None = None,
+        return_trace: bool = False,
         **kwargs,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, DeformableTrace]:
         """mmcv's forward (``key`` is unused, as in mmcv). See the class for the shapes."""
+        record = recording.wanted()  # None unless a qkv.capture wants this call's points
         if reference_points is None or spatial_shapes is None:
             raise ValueError(
                 "MultiScaleDeformableAttention needs reference_points (B, Lq, L, 2 or 4) and "
@@ -165,13 +173,22 @@ class MultiScaleDeformableAttention(nn.Module):
         weights = self.attention_weights(query).view(B, Lq, M, L * P).softmax(-1)
         weights = weights.view(B, Lq, M, L, P)
         loc = self._locations(reference_points, offsets, shapes)  # (B, Lq, M, L, P, 2)
-        out = deformable_attention(
-            value, shapes, loc, weights, level_start_index=level_start_index
-        )  # (B, Lq, M*D)
+        # A recorded call is recorded here, with its reference points, not again inside
+        paused = contextlib.nullcontext() if record is None else recording.paused()
+        with paused:
+            out = deformable_attention(
+                value, shapes, loc, weights, level_start_index=level_start_index
+            )  # (B, Lq, M*D)
         out = self.output_proj(out)  # (B, Lq, C)
         if not self.batch_first:
             out = out.transpose(0, 1)  # (Lq, B, C)
-        return self.dropout(out) + identity
+        out = self.dropout(out) + identity
+        if record is None and not return_trace:
+            return out
+        trace = DeformableTrace.from_normalized(shapes, loc, weights, reference_points)
+        if record is not None:
+            record(trace)
+        return (out, trace) if return_trace else out
 
     def _locations(self, reference_points: Tensor, offsets: Tensor, shapes: Tensor) -> Tensor:
         """Sampling locations ``(B, Lq, M, L, P, 2)`` from reference points ``(B, Lq, L, 2)``
