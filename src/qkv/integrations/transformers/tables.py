@@ -1,6 +1,11 @@
-"""Models that keep their own tables of attention classes: :func:`refuse_in_own_tables`."""
+"""Models that keep their own tables of attention classes (:func:`refuse_in_own_tables`,
+:func:`withdraw_from_own_tables`), and the import finder that changes transformers' modeling
+modules as they load (:func:`watch_imports`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
 
 # --- models that keep their own tables of attention classes -------------------------------------
 #
@@ -13,17 +18,60 @@ from __future__ import annotations
 
 _OWN_TABLE_NAMES: set[str] = set()
 _TABLE_SUFFIX = "_ATTENTION_CLASSES"
+# what runs on each transformers modeling module as it loads, while the finder is installed
+_AFTER_IMPORT: list[Callable[[ModuleType], None]] = []
 
 
 def refuse_in_own_tables(name: str) -> None:
+    _OWN_TABLE_NAMES.add(name)
+    for module in modeling_modules():
+        _patch_tables(module)
+    watch_imports(_patch_tables)
+
+
+def withdraw_from_own_tables(name: str) -> None:
+    """Undo :func:`refuse_in_own_tables` for ``name``; the finder goes with the last name."""
+    _OWN_TABLE_NAMES.discard(name)
+    for module in modeling_modules():
+        for table in _tables(module):
+            entry = table.get(name)
+            if isinstance(entry, _OwnTableRefusal) and entry.name == name:
+                del table[name]
+    if not _OWN_TABLE_NAMES:
+        unwatch_imports(_patch_tables)
+
+
+def watch_imports(hook: Callable[[ModuleType], None]) -> None:
+    """Run ``hook`` on every transformers modeling module imported from now on (through a
+    finder on ``sys.meta_path``, installed with the first hook)."""
     import sys
 
-    _OWN_TABLE_NAMES.add(name)
-    for module_name, module in list(sys.modules.items()):
-        if _is_modeling_module(module_name) and module is not None:
-            _patch_tables(module)
+    if hook not in _AFTER_IMPORT:
+        _AFTER_IMPORT.append(hook)
     if not any(isinstance(f, _TablePatcher) for f in sys.meta_path):
         sys.meta_path.insert(0, _TablePatcher())
+
+
+def unwatch_imports(hook: Callable[[ModuleType], None]) -> None:
+    """Stop running ``hook``; the finder leaves ``sys.meta_path`` with the last hook."""
+    import sys
+
+    if hook in _AFTER_IMPORT:
+        _AFTER_IMPORT.remove(hook)
+    if not _AFTER_IMPORT:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _TablePatcher)]
+
+
+def watching(hook: Callable[[ModuleType], None]) -> bool:
+    """Whether ``hook`` runs on the modeling modules imported from now on."""
+    return hook in _AFTER_IMPORT
+
+
+def modeling_modules() -> list[ModuleType]:
+    """transformers' modeling modules loaded now (``transformers.models.<x>.modeling_<x>``)."""
+    import sys
+
+    return [m for n, m in list(sys.modules.items()) if _is_modeling_module(n) and m is not None]
 
 
 def _is_modeling_module(name: str) -> bool:
@@ -33,6 +81,14 @@ def _is_modeling_module(name: str) -> bool:
         and parts[:2] == ["transformers", "models"]
         and parts[3].startswith("modeling_")
     )
+
+
+def _tables(module) -> list[dict]:
+    return [
+        table
+        for attr, table in list(vars(module).items())
+        if attr.endswith(_TABLE_SUFFIX) and isinstance(table, dict)
+    ]
 
 
 def _patch_tables(module) -> None:
@@ -69,8 +125,8 @@ class _OwnTableRefusal:
 
 
 class _TablePatcher:
-    """A finder that lets transformers' modeling modules load as usual, then patches their
-    attention tables (see :func:`refuse_in_own_tables`)."""
+    """A finder that lets transformers' modeling modules load as usual, then runs the hooks of
+    :func:`watch_imports` on them (attention tables, deformable attention classes)."""
 
     def find_spec(self, fullname, path, target=None):
         import sys
@@ -92,7 +148,8 @@ class _TablePatcher:
 
         def exec_module(module):
             run(module)
-            _patch_tables(module)
+            for hook in list(_AFTER_IMPORT):
+                hook(module)
 
         loader.exec_module = exec_module
         return spec
