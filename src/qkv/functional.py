@@ -332,6 +332,8 @@ def deformable_attention(
       or ``torch`` forces one. Other devices run the PyTorch ops.
     * **Compiles and exports**: one custom op, ``qkv::deformable_attention``, with fake and
       autograd rules, so ``torch.compile(fullgraph=True)`` and ``torch.export`` take it whole.
+      ``torch.onnx.export`` (ONNX has no such op) writes standard operators instead: one
+      ``GridSample`` (opset 16) per level, the level sizes read from spatial_shapes at run time.
     * **See-through**: ``return_trace=True`` also returns a :class:`qkv.DeformableTrace`,
       every sampling point in pixels of its level (``x * W - 0.5, y * H - 0.5``) with its
       weight; ``qkv.capture`` records it from a call inside a model.
