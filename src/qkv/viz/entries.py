@@ -2,9 +2,11 @@
 a capture, traces or weights tensors, turned into signed differences by ``against=``, and the
 analyses passed in (rollout, flow, head scores, a comparison's changes) as viz reads them. viz
 computes no analysis: it reads the results of :mod:`qkv.analysis` by their attributes.
+Deformable attention (a ``DeformableTrace``, a capture's deformable records) has sampling
+points instead of weights: its entries (:class:`_Deform`) feed the Sampling points view.
 
 Shape alphabet: B batch, H heads, T query length, S key length, nr kept query rows, nh kept
-heads, P flow output positions.
+heads, P flow output positions (in a deformable entry: points per level); L levels.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..trace import AttentionTrace, MultiHeadTrace
-from .encode import _runs
+from ..trace import AttentionTrace, DeformableTrace, MultiHeadTrace
+from .encode import _bytes, _runs
 from .labels import _trace_steps
 
 
@@ -388,3 +390,156 @@ def _changes(entries: list[_Entry]) -> list[dict] | None:
             out.append({"entry": i, "hi": hi, "label": e.label, "head": h, "mean": mean, "max": mx})
     out.sort(key=lambda c: -c["mean"])  # stable: ties in entry, then head order
     return out
+
+
+# ---------------------------------------------------------------- deformable attention
+
+
+@dataclass
+class _Deform:
+    """One deformable attention call of the page: the sampling points of its kept queries
+    (the Sampling points view), in pixels of each level as ``DeformableTrace`` holds them."""
+
+    label: str
+    locations: Tensor  # (nr, nh, L, P, 2) pixels (x, y)
+    weights: Tensor  # (nr, nh, L, P)
+    reference: Tensor | None  # (nr, L, 2) pixels, or None
+    shapes: list[tuple[int, int]]  # (H, W) per level
+    heads: list[int]
+    rows: list[int]
+    Lq: int
+    layer: int | None = None
+    batch: int | None = None
+
+
+def _is_deformable_record(x: Any) -> bool:
+    return all(hasattr(x, a) for a in ("name", "layer", "call", "locations", "weights", "rows"))
+
+
+def _split_deformable(obj: Any, batch: int | None, call: int | str) -> tuple[Any, list[_Deform]]:
+    """``obj`` without its deformable attention (None when nothing else is left), and that
+    deformable attention as entries of the Sampling points view."""
+    if isinstance(obj, DeformableTrace):
+        return None, [_deform_of_trace(obj, "deformable attention", batch)]
+    if hasattr(obj, "records") and not isinstance(obj, (list, tuple, dict)):
+        found = list(getattr(obj, "deformable", []))
+        rest = obj if obj.records or not found else None
+        return rest, _deform_of_records(found, batch, call) if found else []
+    if isinstance(obj, (list, tuple)) and obj:
+        if all(_is_record(r) or _is_deformable_record(r) for r in obj):
+            found = [r for r in obj if _is_deformable_record(r)]
+            weights = [r for r in obj if not _is_deformable_record(r)]
+            return weights or None, _deform_of_records(found, batch, call) if found else []
+        if any(isinstance(x, DeformableTrace) for x in obj):
+            obj = {f"layer {i}": x for i, x in enumerate(obj)}  # labelled by their place
+    if isinstance(obj, dict) and any(isinstance(x, DeformableTrace) for x in obj.values()):
+        entries: list[_Deform] = []
+        left: dict = {}
+        for i, (name, x) in enumerate(obj.items()):
+            if isinstance(x, DeformableTrace):
+                entries.append(_deform_of_trace(x, str(name), batch))
+                entries[-1].layer = i
+            else:
+                left[name] = x
+        return left or None, entries
+    return obj, []
+
+
+def _deform_of_trace(t: DeformableTrace, label: str, batch: int | None) -> _Deform:
+    B, Lq, M = t.weights.shape[:3]
+    b = 0 if batch is None else batch
+    if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < B:
+        raise ValueError(
+            f"{label}: batch={batch!r} out of range for batch size {B}; pass 0..{B - 1}"
+        )
+    if min(t.weights.shape) == 0:
+        raise ValueError(f"{label}: the trace is empty, weights of shape {tuple(t.weights.shape)}")
+    ref = t.reference_points
+    return _Deform(
+        label,
+        t.locations[b],  # (Lq, M, L, P, 2)
+        t.weights[b],  # (Lq, M, L, P)
+        None if ref is None else ref[b],  # (Lq, L, 2)
+        [(int(h), int(w)) for h, w in t.spatial_shapes.tolist()],
+        list(range(M)),
+        list(range(Lq)),
+        Lq,
+        batch=b,
+    )
+
+
+def _deform_of_records(records: list, batch: int | None, call: int | str) -> list[_Deform]:
+    """Entries of a capture's deformable records: call ``call`` (or all), batch element
+    ``batch`` (a true index; default the first kept), the kept heads and queries."""
+    if call != "all" and (isinstance(call, bool) or not isinstance(call, int)):
+        raise TypeError(f"call must be an int or 'all', got {call!r}")
+    chosen = sorted(
+        (r for r in records if call == "all" or r.call == call),
+        key=lambda r: (int(r.layer), int(r.call)),
+    )
+    out = []
+    for r in chosen:
+        kept = [int(i) for i in r.batch]
+        if batch is not None and batch not in kept:
+            raise ValueError(
+                f"batch={batch} was not kept by the capture (site {r.name!r} kept batch "
+                f"elements {kept}); pass one of them"
+            )
+        if not kept or r.weights.shape[1] == 0:
+            continue  # no query of this call was kept
+        pos = 0 if batch is None else kept.index(batch)
+        label = f"layer {int(r.layer)} · {r.name or '(model)'}"
+        if call == "all":
+            label += f" · call {int(r.call)}"
+        ref = r.reference_points
+        out.append(
+            _Deform(
+                label,
+                r.locations[pos],  # (nr, nh, L, P, 2)
+                r.weights[pos],  # (nr, nh, L, P)
+                None if ref is None else ref[pos],  # (nr, L, 2)
+                [(int(h), int(w)) for h, w in r.spatial_shapes.tolist()],
+                [int(h) for h in r.heads],
+                [int(q) for q in r.rows],
+                int(r.shape[1]),
+                layer=int(r.layer),
+                batch=kept[pos],
+            )
+        )
+    return out
+
+
+def _deform_payload(d: _Deform) -> tuple[dict, bytes]:
+    """One deformable entry's metadata and payload: float32 little-endian ``locations``
+    ``(nr, nh, L, P, 2)``, then ``weights`` ``(nr, nh, L, P)``, then ``reference``
+    ``(nr, L, 2)`` when there is one."""
+    loc = d.locations.detach().to("cpu", torch.float32)
+    w = d.weights.detach().to("cpu", torch.float32)
+    parts = [loc, w]
+    if not bool(torch.isfinite(loc).all()):
+        raise ValueError(f"{d.label}: the sampling locations hold NaN or infinity")
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError(
+            f"{d.label}: the weights must be finite and >= 0 (a dot's area is its weight), "
+            f"got min {float(w.min()):.4g}"
+        )
+    if d.reference is not None:
+        ref = d.reference.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(ref).all()):
+            raise ValueError(f"{d.label}: the reference points hold NaN or infinity")
+        parts.append(ref)
+    nr, nh, L, P = w.shape
+    info = {
+        "label": d.label,
+        "layer": d.layer,
+        "batch": d.batch,
+        "Lq": d.Lq,
+        "nr": nr,
+        "rows": _runs(d.rows),
+        "heads": d.heads,
+        "shapes": [list(s) for s in d.shapes],
+        "P": P,
+        "ref": d.reference is not None,
+    }
+    assert (len(d.shapes), len(d.heads), len(d.rows)) == (L, nh, nr)
+    return info, b"".join(_bytes(t) for t in parts)

@@ -21,6 +21,14 @@ head selector:
 * **Model view**: every layer entry x head as a grid of thumbnails (bertviz's model view),
   drawn from the weights already stored (it adds nothing to the file); a click opens one.
 * **Explain** (when there are steps): the numbers of each step as tables, in the order given.
+* **Sampling points** (deformable attention: a ``DeformableTrace``, or the deformable records
+  of a capture, ``cap.deformable``): for a chosen call, query and head, one panel per level
+  (the level's map, ``H x W`` pixels, and a margin for points off it), the query's reference
+  point marked ``+``, each sampling point a dot of its head's colour whose **area is
+  proportional to its weight** (the largest shown has a radius of 14 px), and a table of the
+  numbers; hover a dot for them. Pixel coordinates are ``DeformableTrace``'s (``x * W - 0.5``:
+  pixel centres at integers, as ``grid_sample`` with ``align_corners=False``). A page of
+  deformable attention alone has this view only.
 
 Analyses (results of :mod:`qkv.analysis`, passed in: viz computes none of them):
 
@@ -48,6 +56,12 @@ query rows it kept, labelled by their true numbers. An ``AttentionTrace``/``Mult
 or a weights tensor ``(B, H, T, S)``, ``(H, T, S)`` or ``(T, S)``: one entry (batch element
 ``batch``, default 0). A list/tuple (or a dict name -> item) of traces or tensors: one entry
 each, in order (``AttentionMaps.decoder`` of a qkv model gives one).
+
+Deformable attention comes in beside: a ``DeformableTrace`` (batch element ``batch``), a
+capture's ``deformable`` records (``call`` and ``batch`` as above, their kept queries and
+heads), or such a trace in a list or dict, each one entry of the Sampling points view (not a
+layer option). ``tokens``, ``steps``, ``scores``, ``rollout`` and ``flow`` describe weights and
+are refused on a page of deformable attention alone; ``against=`` is refused beside it.
 
 Tokens. ``tokens`` labels positions: a list of ``T`` strings labels the queries (and the keys
 when ``S == T``); a list of at least ``S >= T`` strings labels the keys ``tokens[:S]`` and puts
@@ -93,6 +107,14 @@ type="application/octet-stream">`` holding base64 of little-endian arrays, ``mod
 uint16, or uint32 when ``ib == 4``: key indices, ascending within a row), then ``val``
 (``nr x k`` float16), then ``grid`` (``gr x gc`` float16 block maxima, blocks of ``block``).
 
+Deformable entries: ``deformable[i]`` (call option ``i`` of the Sampling points view) has
+``label``, ``layer``, ``batch``, ``Lq`` (the call's queries), ``nr`` and ``rows`` (the kept
+queries, as runs), ``heads`` (true numbers), ``shapes`` (``[H, W]`` per level), ``P``, ``ref``
+(whether reference points are stored) and ``blob``: float32 little-endian ``locations`` ``(nr,
+nh, L, P, 2)`` in pixels, then ``weights`` ``(nr, nh, L, P)``, then, with ``ref``, the reference
+points ``(nr, L, 2)`` in pixels. They take 12 bytes a point: at most ``2 * max_cells`` bytes in
+all (more raises, naming ``rows=`` of ``qkv.capture`` as the fix).
+
 DOM/JS contract (browser tests rely on it; kept stable):
 
 * ``document.body.dataset.ready === "1"`` once the first view is drawn.
@@ -117,6 +139,15 @@ DOM/JS contract (browser tests rely on it; kept stable):
   ``title`` ``k=<j> <value>``); ``#tab-changes``/
   ``#view-changes`` (``#change-by``, ``#changes-table``). A difference's hover text is
   ``q=<i> k=<j> d=<value>``.
+* Sampling points (``#tab-deformable``, ``#view-deformable``, when there is deformable
+  attention; the page opens on it when there is nothing else, with the tabs of the weights'
+  views and the layer/head selects hidden): ``<select id="deform-of">`` (values ``"0".."n-1"``,
+  the deformable entries), ``#deform-query`` (values the true query indices kept),
+  ``#deform-head`` (``"all"`` and head positions), one ``<canvas class="level"
+  data-level="l">`` per level inside ``#levels`` with a ``figcaption`` ``level <l> · <H>\u00d7<W>``
+  (then `` · reference (<x>, <y>)`` and the count of points outside the panel), ``#deform-table``
+  (one body row per point drawn: head, level, point, x, y, weight). Hovering a dot sets
+  ``#tooltip`` to ``head <h> level <l> point <p>: x=<x> y=<y> w=<w>`` (``toPrecision(4)``).
 * ``window.qkvViewer``: ``state`` (``{layer, head, view}``; head is ``"all"`` or a number),
   ``value(layer, head, q, k)`` (the number shown on hover for that cell; ``null`` outside the
   matrix), ``exact(layer, head, q, k)`` (whether that cell is stored), ``cellAt(clientX,
@@ -128,7 +159,12 @@ DOM/JS contract (browser tests rely on it; kept stable):
   ``saliency(entry, q, h = 0)`` (output ``q``'s row of a rollout/flow entry, head position
   ``h``), ``setSaliency(entry, q, h = 0)``,
   ``changeOrder()`` (``[entry, head position]``, most changed first), ``setChangeBy("mean" |
-  "max")``, ``colourOf(layer, head, q, k)`` (``[r, g, b]`` of that cell on the colour scale).
+  "max")``, ``colourOf(layer, head, q, k)`` (``[r, g, b]`` of that cell on the colour scale);
+  ``sampling(entry, q)`` (``{points: [{head, hi, level, point, x, y, w}], ref: [[x, y]] per
+  level or null}``: the stored points of query ``q``), ``setDeformable(entry, q, head =
+  "all")`` (opens the Sampling points view on them), ``points()`` (the dots drawn now: each
+  stored point with ``drawn``, ``r`` its radius and ``canvasX``/``canvasY`` its centre in its
+  level's canvas, ``cx``/``cy`` in client coordinates).
 
 Code, by job: this module writes the page (:func:`html`, and the text ``qkv.viz.show``
 embeds); ``encode`` stores each head's weights (the modes above), ``entries`` reads the inputs
@@ -140,6 +176,7 @@ Shape alphabet: B batch, H heads, T query length, S key length, nr kept query ro
 
 from __future__ import annotations
 
+import base64
 import os
 import tempfile
 from collections.abc import Sequence
@@ -154,10 +191,12 @@ from .entries import (
     _analysis_entries,
     _changes,
     _compared_entries,
+    _deform_payload,
     _diff_entries,
     _entries,
     _is_comparison,
     _scores_meta,
+    _split_deformable,
 )
 from .labels import _tokens, _user_steps
 from .page import _asset as _asset  # tests read the inlined assets through it
@@ -186,7 +225,8 @@ def html(
     Args:
         obj: A capture (``Captured`` or a list of its records), an ``AttentionTrace`` /
             ``MultiHeadTrace``, a weights tensor, or a list/tuple/dict of traces or tensors
-            (one layer each).
+            (one layer each); deformable attention (a ``DeformableTrace``, a capture's
+            deformable records) goes to the Sampling points view.
         path: Where to write (``.html`` is added to a name without a suffix; missing folders
             are created). Written atomically: a temporary file beside it, renamed over it.
         tokens: Labels of the positions: a list of str, or a pair ``(query_tokens,
@@ -225,7 +265,8 @@ def html(
     Raises:
         TypeError: ``obj``, ``tokens`` or ``steps`` of the wrong type.
         ValueError: Weights outside [0, 1] or NaN, tokens of the wrong length, a batch
-            element or call the input does not have, steps too large.
+            element or call the input does not have, steps too large; deformable weights
+            below 0 or not finite, or more sampling points than ``max_cells`` allows.
 
     Shape:
         Weights ``(B, H, T, S)``, ``(H, T, S)`` or ``(T, S)``; a capture record's probs
@@ -267,7 +308,19 @@ def _page_text(
     a notebook's iframe)."""
     if isinstance(max_cells, bool) or not isinstance(max_cells, int) or max_cells < 1:
         raise ValueError(f"max_cells must be a positive int, got {max_cells!r}")
-    entries = _entries(obj, batch, call)
+    rest, deform = _split_deformable(obj, batch, call)
+    if rest is None and not deform:
+        raise ValueError(
+            f"every deformable record with call={call} kept 0 queries (rows outside those "
+            f"calls); capture other rows or pass call='all'"
+        )
+    deform_meta, deform_blobs = _deform_meta(deform, max_cells, against)
+    if rest is None:  # only deformable attention: the Sampling points view alone
+        _only_points(tokens, steps, scores, rollout, flow)
+        meta = _meta(title, [], [], [], 0, None, None)
+        meta["deformable"] = deform_meta
+        return _page(meta, deform_blobs)
+    entries = _entries(rest, batch, call)
     if against is not None:
         if scores is not None or rollout is not None or flow is not None:
             raise ValueError(
@@ -312,17 +365,74 @@ def _page_text(
                 "layer": e.layer,
             }
         )
-    meta = {
+    meta = _meta(
+        title,
+        token_lists,
+        meta_entries,
+        user_steps,
+        budget,
+        _scores_meta(scores, entries),
+        _changes(entries),
+    )
+    meta["deformable"] = [
+        dict(d, blob=f"qkv-blob-{len(blobs) + i}") for i, d in enumerate(deform_meta)
+    ]
+    return _page(meta, blobs + deform_blobs)
+
+
+def _meta(title, tokens, entries, steps, budget, scores, changes) -> dict:
+    return {
         "version": 1,
         "title": title or "qkv attention",
-        "tokens": token_lists,
-        "entries": meta_entries,
-        "steps": user_steps,
+        "tokens": tokens,
+        "entries": entries,
+        "steps": steps,
         "budget": budget,
-        "scores": _scores_meta(scores, entries),
-        "changes": _changes(entries),
+        "scores": scores,
+        "changes": changes,
     }
-    return _page(meta, blobs)
+
+
+def _deform_meta(deform: list, max_cells: int, against: Any) -> tuple[list[dict], list[str]]:
+    """The Sampling points view's entries (metadata, with blob ids counted from 0) and their
+    payloads; within the same bytes as ``max_cells`` weights (2 each)."""
+    if deform and against is not None:
+        raise ValueError(
+            "against= compares attention weights; deformable attention's sampling points "
+            "are not compared: pass captures or traces without them"
+        )
+    metas: list[dict] = []
+    payloads: list[bytes] = []
+    for d in deform:
+        info, raw = _deform_payload(d)
+        metas.append(dict(info, blob=f"qkv-blob-{len(payloads)}"))
+        payloads.append(raw)
+    size = sum(len(p) for p in payloads)
+    if size > 2 * max_cells:
+        points = sum(d.weights.numel() for d in deform)
+        raise ValueError(
+            f"the deformable attention holds {points:,} sampling points ({size:,} bytes as "
+            f"float32), more than max_cells={max_cells:,} allows ({2 * max_cells:,} bytes): "
+            f"capture fewer queries (qkv.capture(model, rows=range(0, 4096, 64))) or pass "
+            f"a larger max_cells"
+        )
+    return metas, [base64.b64encode(p).decode() for p in payloads]
+
+
+def _only_points(tokens: Any, steps: Any, scores: Any, rollout: Any, flow: Any) -> None:
+    """A page of deformable attention alone takes none of the arguments about weights."""
+    given = [
+        name
+        for name, v in (("tokens", tokens), ("steps", steps or None), ("scores", scores),
+                        ("rollout", rollout), ("flow", flow))
+        if v is not None
+    ]  # fmt: skip
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} describe attention weights, and this page shows only "
+            f"deformable attention (sampling points, no weights over keys): leave "
+            f"{'it' if len(given) == 1 else 'them'} out"
+        )
 
 
 def _write_atomic(path: Path, text: str) -> Path:

@@ -36,6 +36,9 @@ def _page(meta: dict, blobs: list[str]) -> str:
     if meta["changes"] is not None:
         tab_explain += '<button id="tab-changes" type="button">Changes</button>'
         view_explain += _VIEW_CHANGES
+    if meta.get("deformable"):
+        tab_explain += '<button id="tab-deformable" type="button">Sampling points</button>'
+        view_explain += _VIEW_DEFORMABLE
     data = "\n".join(
         f'<script type="application/octet-stream" id="qkv-blob-{i}">{b}</script>'
         for i, b in enumerate(blobs)
@@ -82,6 +85,19 @@ _VIEW_CHANGES = """
     <span class="note">a click on a head opens its difference in the matrix view</span>
   </div>
   <table id="changes-table" class="num"></table>
+</section>"""
+
+_VIEW_DEFORMABLE = """
+<section id="view-deformable" class="view">
+  <div class="controls">
+    <label>call <select id="deform-of"></select></label>
+    <label>query <select id="deform-query"></select></label>
+    <label>head <select id="deform-head"></select></label>
+  </div>
+  <div id="deform-legend"></div>
+  <div id="levels"></div>
+  <p id="deform-note" class="note"></p>
+  <div class="scroll"><table id="deform-table" class="num"></table></div>
 </section>"""
 
 _TEMPLATE = """<!DOCTYPE html>

@@ -221,8 +221,8 @@
 
   // ------------------------------------------------------------------ state
   const state = { layer: 0, head: "all", view: "head" };
-  const VIEWS = ["head", "matrix", "overview", "model"].concat(
-    ["explain", "scores", "saliency", "changes"].filter((v) => $("view-" + v)));
+  const VIEWS = (ENTRIES.length ? ["head", "matrix", "overview", "model"] : []).concat(
+    ["explain", "scores", "saliency", "changes", "deformable"].filter((v) => $("view-" + v)));
   let zoom = null; // matrix view: {r0, r1, c0, c1} in cells
   let zoomKey = "";
   let thumbsFor = "";
@@ -950,6 +950,203 @@
     if (META.changes) $("change-by").addEventListener("change", () => setChangeBy($("change-by").value));
   }
 
+  // ------------------------------------------------------------------ sampling points (deformable)
+  // Deformable attention has no weights over keys: each query and head samples each level at
+  // P points. One panel per level (the map, a margin around it); each point a dot of its
+  // head's colour whose area is proportional to its weight; + marks the reference point.
+  const DEFORM = META.deformable || [];
+  let dfm = DEFORM.length ? { li: 0, q: rowsOf(DEFORM[0])[0], head: "all" } : null;
+  let drawnPoints = []; // the dots of the last drawing (points(), the hover)
+  let deformFilled = -1; // the entry whose queries fill #deform-query
+  const PANEL = 280, RMAX = 14;
+  const MAP_FILL = "#eef1f5", MAP_GRID = "#d9dee6", MAP_EDGE = "#9aa1ad";
+
+  function deformData(li) { // float32: locations (nr, nh, L, P, 2), weights, reference (nr, L, 2)
+    const d = DEFORM[li];
+    if (!d._data) {
+      const buf = blobBytes(d.blob).buffer, n = d.nr * d.heads.length * d.shapes.length * d.P;
+      d._data = { loc: new Float32Array(buf, 0, 2 * n), w: new Float32Array(buf, 8 * n, n),
+        ref: d.ref ? new Float32Array(buf, 12 * n, 2 * d.nr * d.shapes.length) : null };
+    }
+    return d._data;
+  }
+
+  /** Query q's stored points in entry li, in head, level, point order ({head, hi, level,
+   *  point, x, y, w}: x, y in pixels of the level), and its reference point per level. */
+  function sampling(li, q) {
+    const d = DEFORM[+li];
+    if (!d) return null;
+    const r = posOf(d, +q);
+    if (r < 0) return null;
+    const { loc, w, ref } = deformData(+li), nh = d.heads.length, L = d.shapes.length, P = d.P;
+    const points = [];
+    for (let hi = 0; hi < nh; hi++) for (let l = 0; l < L; l++) for (let p = 0; p < P; p++) {
+      const i = ((r * nh + hi) * L + l) * P + p;
+      points.push({ head: d.heads[hi], hi, level: l, point: p, x: loc[2 * i], y: loc[2 * i + 1], w: w[i] });
+    }
+    const refs = ref ? d.shapes.map((_, l) => [ref[2 * (r * L + l)], ref[2 * (r * L + l) + 1]]) : null;
+    return { points, ref: refs };
+  }
+
+  /** What a level's panel shows, in its pixel coordinates, and the scale: the map, and the
+   *  points xy (every head's, so a head's choice keeps the frame) up to a map's size beyond
+   *  each side; a margin of 6% for the dots. */
+  function panelOf(H, W, xy) {
+    let x0 = -0.5, x1 = W - 0.5, y0 = -0.5, y1 = H - 0.5;
+    for (const [x, y] of xy) {
+      if (x >= -0.5 - W && x <= 2 * W - 0.5) { x0 = Math.min(x0, x); x1 = Math.max(x1, x); }
+      if (y >= -0.5 - H && y <= 2 * H - 0.5) { y0 = Math.min(y0, y); y1 = Math.max(y1, y); }
+    }
+    const m = 0.06 * Math.max(x1 - x0, y1 - y0);
+    x0 -= m; x1 += m; y0 -= m; y1 += m;
+    const s = PANEL / Math.max(x1 - x0, y1 - y0);
+    return { x0, y0, s, cw: Math.round((x1 - x0) * s), ch: Math.round((y1 - y0) * s) };
+  }
+
+  function fillDeformSelects() {
+    const d = DEFORM[dfm.li], of = $("deform-of"), qs = $("deform-query"), hs = $("deform-head");
+    if (of.options.length !== DEFORM.length) {
+      DEFORM.forEach((e, i) => { const o = document.createElement("option"); o.value = String(i); o.textContent = e.label; of.appendChild(o); });
+    }
+    of.value = String(dfm.li);
+    if (deformFilled !== dfm.li) {
+      qs.innerHTML = ""; hs.innerHTML = "";
+      for (const q of rowsOf(d)) { const o = document.createElement("option"); o.value = o.textContent = String(q); qs.appendChild(o); }
+      const add = (v, t) => { const o = document.createElement("option"); o.value = v; o.textContent = t; hs.appendChild(o); };
+      add("all", `all (${d.heads.length})`);
+      d.heads.forEach((h, i) => add(String(i), "head " + h));
+      deformFilled = dfm.li;
+    }
+    qs.value = String(dfm.q); hs.value = String(dfm.head);
+  }
+
+  function drawDeformable() {
+    fillDeformSelects();
+    const d = DEFORM[dfm.li], L = d.shapes.length, data = sampling(dfm.li, dfm.q);
+    const shown = data.points.filter((p) => dfm.head === "all" || p.hi === dfm.head);
+    const wmax = shown.reduce((a, p) => Math.max(a, p.w), 0);
+    $("summary").textContent = `${d.label}: ${d.nr} of ${d.Lq} queries kept, ${d.heads.length} head` +
+      `${d.heads.length === 1 ? "" : "s"}, ${L} level${L === 1 ? "" : "s"} × ${d.P} point${d.P === 1 ? "" : "s"}` +
+      ` · ${DEFORM.length} deformable call${DEFORM.length === 1 ? "" : "s"}`;
+    $("precision").textContent = "Sampling points and weights stored as float32: the numbers shown are the trace's, to toPrecision(4).";
+    const box = $("levels");
+    box.innerHTML = "";
+    drawnPoints = [];
+    d.shapes.forEach(([H, W], l) => {
+      const xy = data.points.filter((p) => p.level === l).map((p) => [p.x, p.y]).concat(data.ref ? [data.ref[l]] : []);
+      const g = panelOf(H, W, xy), fig = document.createElement("figure"), c = document.createElement("canvas");
+      fig.style.width = (g.cw + 2) + "px";
+      c.className = "level"; c.dataset.level = String(l); c.width = g.cw; c.height = g.ch;
+      const ctx = c.getContext("2d"), X = (x) => (x - g.x0) * g.s, Y = (y) => (y - g.y0) * g.s;
+      ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, g.cw, g.ch);
+      ctx.fillStyle = MAP_FILL; ctx.fillRect(X(-0.5), Y(-0.5), W * g.s, H * g.s);
+      if (g.s >= 8) { // pixel boundaries, once pixels are large enough to tell apart
+        ctx.strokeStyle = MAP_GRID; ctx.lineWidth = 1; ctx.beginPath();
+        for (let i = 1; i < W; i++) { ctx.moveTo(Math.round(X(i - 0.5)) + 0.5, Y(-0.5)); ctx.lineTo(Math.round(X(i - 0.5)) + 0.5, Y(H - 0.5)); }
+        for (let j = 1; j < H; j++) { ctx.moveTo(X(-0.5), Math.round(Y(j - 0.5)) + 0.5); ctx.lineTo(X(W - 0.5), Math.round(Y(j - 0.5)) + 0.5); }
+        ctx.stroke();
+      }
+      ctx.strokeStyle = MAP_EDGE; ctx.strokeRect(X(-0.5), Y(-0.5), W * g.s, H * g.s);
+      // Larger dots first, so a small one on top of a large one stays visible.
+      const mine = shown.filter((p) => p.level === l).sort((a, b) => b.w - a.w);
+      let outside = 0;
+      for (const p of mine) {
+        const cx = X(p.x), cy = Y(p.y), r = wmax > 0 ? RMAX * Math.sqrt(p.w / wmax) : 0;
+        const drawn = cx >= 0 && cy >= 0 && cx <= g.cw && cy <= g.ch;
+        if (!drawn) outside++;
+        else if (r > 0) {
+          ctx.globalAlpha = 0.75; ctx.fillStyle = headColour(p.hi);
+          ctx.beginPath(); ctx.arc(cx, cy, r, 0, 2 * Math.PI); ctx.fill(); ctx.globalAlpha = 1;
+        }
+        drawnPoints.push(Object.assign({ canvas: c, cx, cy, r, drawn }, p));
+      }
+      let caption = `level ${l} · ${H}×${W}`;
+      if (data.ref) {
+        const [rx, ry] = data.ref[l], cx = X(rx), cy = Y(ry);
+        ctx.lineWidth = 4; ctx.strokeStyle = "#fff"; cross(ctx, cx, cy);
+        ctx.lineWidth = 2; ctx.strokeStyle = "#1d2433"; cross(ctx, cx, cy);
+        caption += ` · reference (${fmt(rx)}, ${fmt(ry)})`;
+      }
+      if (outside) caption += ` · ${outside} point${outside === 1 ? "" : "s"} outside the panel`;
+      const cap = document.createElement("figcaption"); cap.textContent = caption;
+      fig.appendChild(c); fig.appendChild(cap); box.appendChild(fig);
+    });
+    const heads = dfm.head === "all" ? d.heads.map((_, i) => i) : [dfm.head];
+    $("deform-legend").innerHTML = "";
+    for (const hi of heads) {
+      const s = document.createElement("span"), i = document.createElement("i");
+      i.style.background = headColour(hi); s.appendChild(i);
+      s.appendChild(document.createTextNode("head " + d.heads[hi])); $("deform-legend").appendChild(s);
+    }
+    $("deform-note").textContent = `Query ${dfm.q}: each dot is a sampling point, coloured by head; its area is proportional ` +
+      `to its weight (the largest shown, w = ${fmt(wmax)}, has radius ${RMAX} px)` + (data.ref ? "; + marks the query's reference point" : "") +
+      ". Pixel coordinates as grid_sample's align_corners=False: x·W − 0.5, y·H − 0.5 (pixel centres at integers; a map spans −0.5 .. W − 0.5). Hover a dot for its numbers.";
+    const t = $("deform-table");
+    t.innerHTML = "";
+    const head = t.createTHead().insertRow();
+    for (const name of ["head", "level", "point", "x (px)", "y (px)", "weight"]) { const th = document.createElement("th"); th.textContent = name; head.appendChild(th); }
+    const body = t.createTBody();
+    for (const p of shown) {
+      const tr = body.insertRow();
+      for (const v of [p.head, p.level, p.point, fmt(p.x), fmt(p.y), fmt(p.w)]) tr.insertCell().textContent = String(v);
+    }
+  }
+
+  function cross(ctx, x, y) {
+    ctx.beginPath(); ctx.moveTo(x - 7, y); ctx.lineTo(x + 7, y); ctx.moveTo(x, y - 7); ctx.lineTo(x, y + 7); ctx.stroke();
+  }
+
+  /** The dots drawn now: each stored point ({head, hi, level, point, x, y, w}) with where it
+   *  is drawn (cx, cy: client coordinates of its centre; canvasX, canvasY in its level's
+   *  canvas; r: radius in canvas pixels) and whether it is inside its panel (drawn). */
+  function points() {
+    return drawnPoints.map((p) => {
+      const rect = p.canvas.getBoundingClientRect(), kx = rect.width / p.canvas.width, ky = rect.height / p.canvas.height;
+      return { head: p.head, hi: p.hi, level: p.level, point: p.point, x: p.x, y: p.y, w: p.w, drawn: p.drawn,
+        r: p.r, canvasX: p.cx, canvasY: p.cy, cx: rect.left + p.cx * kx, cy: rect.top + p.cy * ky };
+    });
+  }
+
+  function setDeformable(li, q, head = "all") {
+    const d = DEFORM[+li];
+    if (!d) throw new Error(`setDeformable: no deformable entry ${li}; ${DEFORM.length ? "0.." + (DEFORM.length - 1) : "this page has none"}`);
+    if (posOf(d, +q) < 0) throw new Error(`setDeformable: query ${q} was not kept in ${d.label}; kept: ${runsText(d.rows)}`);
+    if (head !== "all" && !(Number.isInteger(+head) && +head >= 0 && +head < d.heads.length)) {
+      throw new Error(`setDeformable: no head position ${head}; "all" or 0..${d.heads.length - 1}`);
+    }
+    dfm = { li: +li, q: +q, head: head === "all" ? "all" : +head };
+    if (state.view !== "deformable") setView("deformable"); else draw();
+  }
+
+  function hoverPoint(ev) {
+    const tip = $("tooltip"), c = ev.target;
+    let best = null, bestD = Infinity;
+    if (c.tagName === "CANVAS") {
+      const rect = c.getBoundingClientRect(), x = (ev.clientX - rect.left) * c.width / rect.width, y = (ev.clientY - rect.top) * c.height / rect.height;
+      for (const p of drawnPoints) {
+        if (p.canvas !== c || !p.drawn) continue;
+        const dist = Math.hypot(p.cx - x, p.cy - y);
+        if (dist <= p.r + 3 && dist < bestD) { best = p; bestD = dist; }
+      }
+    }
+    if (!best) { tip.style.display = "none"; return; }
+    tip.textContent = `head ${best.head} level ${best.level} point ${best.point}: x=${fmt(best.x)} y=${fmt(best.y)} w=${fmt(best.w)}`;
+    tip.style.display = "block";
+    tip.style.left = (ev.clientX + 14) + "px"; tip.style.top = (ev.clientY + 14) + "px";
+  }
+
+  function wireDeformable() {
+    if (!dfm) return;
+    $("deform-of").addEventListener("change", () => {
+      const li = +$("deform-of").value, rows = rowsOf(DEFORM[li]);
+      setDeformable(li, rows.includes(dfm.q) ? dfm.q : rows[0], "all");
+    });
+    $("deform-query").addEventListener("change", () => setDeformable(dfm.li, +$("deform-query").value, dfm.head));
+    $("deform-head").addEventListener("change", () => setDeformable(dfm.li, dfm.q, $("deform-head").value));
+    $("levels").addEventListener("mousemove", hoverPoint);
+    $("levels").addEventListener("mouseleave", () => { $("tooltip").style.display = "none"; });
+  }
+
   // ------------------------------------------------------------------ views and selectors
   const PRECISION = {
     f4: "stored as float32: exact to the digits shown",
@@ -961,6 +1158,7 @@
   };
 
   function draw() {
+    if (state.view === "deformable") { drawDeformable(); return; }
     const e = entry(), hi = shownHead(), h = e.heads[hi];
     $("summary").textContent = `${e.label}: ${e.nr} of ${e.T} query rows, ${e.S} keys, ${e.heads.length} head` +
       (e.heads.length === 1 ? "" : "s") + ` · ${META.entries.length} layer entr${META.entries.length === 1 ? "y" : "ies"}`;
@@ -1038,12 +1236,17 @@
     sel.addEventListener("change", () => setLayer(sel.value));
     $("head").addEventListener("change", () => setHead($("head").value));
     for (const v of VIEWS) $("tab-" + v).addEventListener("click", () => setView(v));
-    wireMatrix(); wireHead(); wireAnalysis();
+    wireMatrix(); wireHead(); wireAnalysis(); wireDeformable();
     state.head = "all";
-    state.layer = 0; $("layer").value = "0"; fillHeads(); resetHeadWindows();
+    if (ENTRIES.length) { state.layer = 0; $("layer").value = "0"; fillHeads(); resetHeadWindows(); }
+    else { // deformable attention alone: no weights over keys, so none of their views
+      for (const id of ["tab-head", "tab-matrix", "tab-overview", "tab-model"]) $(id).hidden = true;
+      $("layer").parentElement.hidden = true; $("head").parentElement.hidden = true;
+    }
     window.qkvViewer = { state, value, exact, cellAt, cellCenter, digest, setView, setLayer, setHead,
-      setScore, scoreOrder, saliency, setSaliency, changeOrder, setChangeBy, colourOf };
-    setView(ENTRIES[0].kind === "diff" ? "matrix" : "head");
+      setScore, scoreOrder, saliency, setSaliency, changeOrder, setChangeBy, colourOf,
+      sampling, points, setDeformable };
+    setView(!ENTRIES.length ? "deformable" : ENTRIES[0].kind === "diff" ? "matrix" : "head");
     document.body.dataset.ready = "1";
   }
 
