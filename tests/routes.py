@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import pytest
 
-from qkv.ops import nonfinite, tiled_plan, torch_sdpa
+from qkv.ops import nonfinite, torch_sdpa
+from qkv.ops.tiled import plan as tiled_plan
 
 HALF_GEMM_ROUTES = ("native", "float32")
 
@@ -52,7 +53,7 @@ ROUTES = {
 MACHINE_PROBES = {
     "ops/cpu_isa.py": "QKV_CPU_HALF_GEMM, the CPU's flags and capability: the half GEMM route",
     "ops/_aten.py": "flash_cpu_available: the torch build's CPU flash kernel",
-    "ops/tiled_plan.py": "flash_cpu_available: hidden in the -noflash routes",
+    "ops/tiled/plan.py": "flash_cpu_available: hidden in the -noflash routes",
     "ops/torch_sdpa.py": "flash_cpu_available: hidden in the -noflash routes",
     "ops/flex.py": "flex_available (a C++ compiler on CPU, triton on CUDA): without, flex "
     "declines and says why; auto on CPU takes it only as measured (test_cpu_routes.py)",

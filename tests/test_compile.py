@@ -15,7 +15,7 @@ What traces as one graph, forward and backward, equal to eager:
 - ``torch.func``: vmap over a leading dim, grad, jacrev and per-sample gradients.
 
 How: ``qkv.ops.base.tracing`` tells compile, export and torch.func transforms apart from eager
-runs; under compile ``auto`` takes torch's SDPA, the tiled custom ops (``ops/tiled_op.py``)
+runs; under compile ``auto`` takes torch's SDPA, the tiled custom ops (``ops/tiled/op.py``)
 for the masks they carry, or the reference math; the NaN/inf contract needs no ``.item()``.
 Graphs are counted with dynamo's counters (or a backend that keeps them), and results are
 compared with eager qkv. Static-cache ``generate()`` and sinks: ``test_hf_mask_tensor.py``,

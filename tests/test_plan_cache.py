@@ -1,4 +1,4 @@
-"""The tiled backend's block plans, reused across calls (``qkv.ops.tiled_plan._cached_units``) under
+"""The tiled backend's block plans, reused across calls (``qkv.ops.tiled.plan._cached_units``) under
 ``qkv.masks.structure_key``: the same structure and sizes reuse a plan, anything else plans
 anew, and a reused plan gives the answer of a fresh one (float64, compared with the reference).
 """

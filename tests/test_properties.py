@@ -111,7 +111,9 @@ def small_tiles(case: Case, bq: int, bk: int, chunk_blocks: int, full_run: int):
     ``chunk_blocks`` blocks (for ``case``'s B * H) and runs of ``full_run`` full blocks taken
     unmasked."""
     from qkv.ops import tiled as tiled_mod
-    from qkv.ops import tiled_plan  # planning reads CHUNK_ELEMENTS and MIN_FULL_RUN there
+    from qkv.ops.tiled import (
+        plan as tiled_plan,
+    )  # planning reads CHUNK_ELEMENTS and MIN_FULL_RUN there
 
     fn = tiled_mod.tiled_attention
     kw = getattr(fn, "__kwdefaults__", None) or {}

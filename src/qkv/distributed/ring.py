@@ -5,7 +5,7 @@ Each of the R ranks holds the queries, keys and values of some positions (a *sha
 step t = 1 .. R-1, rank r sends its own shard to rank ``r + t`` and receives the shard of rank
 ``r - t`` (mod R), while it computes on the shard that arrived at the step before. Each shard it
 computes on gives a partial output normalised over those keys and their log-sum-exp; partials
-merge by log-sum-exp, exactly as the tiled backend's chunks do (``ops/tiled.py``), so the
+merge by log-sum-exp, exactly as the tiled backend's chunks do (``ops/tiled/``), so the
 result is the single-process one up to summation order.
 
 Skipping: the mask is known on every rank, so before any message every rank works out, from

@@ -489,7 +489,7 @@ def _restore_traced(call: AttentionCall, bad: _Bad | None, result: Result) -> Re
     input is finite (``tiled_op.nonfinite_rows``) where the masks can be carried to it;
     otherwise from a search of the whole ``(T, S)`` grid of allowed pairs, which the compiler
     fuses into one reduction instead of materialising it."""
-    from . import tiled_op
+    from .tiled import op as tiled_op
 
     assert bad is not None and bad.keys is not None and bad.rows is not None  # _prepare_traced
     hit = tiled_op.nonfinite_rows(call, bad.rows, bad.keys)  # (*batch, T), or None
@@ -504,7 +504,7 @@ def _output_checkable_in_graph(call: AttentionCall) -> bool:
     """Whether ``tiled_op.checked_inference`` takes ``call``: its own conditions (compiling
     plainly; no dropout, trace or sinks; masks and score_mod it can describe), asked before
     the kernel runs, since the inputs are cleaned before it where the op cannot be used."""
-    from . import tiled_op
+    from .tiled import op as tiled_op
 
     if not compiling_plainly() or call.dropout_p > 0 or call.return_trace or call.sinks is not None:
         return False
@@ -517,7 +517,7 @@ def _output_checkable_in_graph(call: AttentionCall) -> bool:
 def _checked_in_graph(call: AttentionCall, result: Result) -> Result:
     """The output of an inference call, summed in the ``qkv::checked_output`` op and redone
     there under the eager contract only when it is not finite."""
-    from . import tiled_op
+    from .tiled import op as tiled_op
 
     # checked_inference takes the kernel as a function; the kernel has already run here
     checked = tiled_op.checked_inference(call, lambda _: result)

@@ -1,4 +1,4 @@
-"""The tiled backend's forward (``tiled.py``): every unit of a plan (``tiled_plan.py``), each
+"""The tiled backend's forward (``backend.py``): every unit of a plan (``plan.py``), each
 chunk through an inner kernel, the chunks merged by log-sum-exp (the online softmax).
 
 ``flash`` runs a chunk through torch's CPU flash kernel, a diagonal group's tiles in one call
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import evaluate_score, index_grid
-from ._aten import flash_forward
-from .tiled_plan import _Plan, _tile, _Unit
+from ...masks import evaluate_score, index_grid
+from .._aten import flash_forward
+from .plan import _Plan, _tile, _Unit
 
 
 def _with_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:

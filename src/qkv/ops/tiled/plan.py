@@ -1,4 +1,4 @@
-"""Block planning for the tiled backend (``tiled.py``): from a call's masks to the units
+"""Block planning for the tiled backend (``backend.py``): from a call's masks to the units
 of work, cached by mask structure and sizes.
 
 The masks combine into one bound mask_mod (``_plan``), which classifies every (tile, block)
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .._identity import IdentityCache
-from ..masks import (
+from ..._identity import IdentityCache
+from ...masks import (
     EMPTY,
     FULL,
     Grid,
@@ -38,9 +38,9 @@ from ..masks import (
     shift_invariant,
     structure_key,
 )
-from ._aten import flash_cpu_available
-from .call import AttentionCall
-from .plan_cache import PlanCache
+from .._aten import flash_cpu_available
+from ..call import AttentionCall
+from ..plan_cache import PlanCache
 
 BLOCK_Q = 64  # query rows per tile
 BLOCK_K = 64  # keys per block (the unit of skipping)

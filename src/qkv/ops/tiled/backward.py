@@ -1,6 +1,6 @@
-"""The tiled backend's backward (``tiled.py``): FlashAttention's backward over the plan's units
-(``tiled_plan.py``), chunk by chunk from the saved output and log-sum-exp; each chunk's
-weights are recomputed with the forward's helpers (``tiled_forward.py``).
+"""The tiled backend's backward (``backend.py``): FlashAttention's backward over the plan's units
+(``plan.py``), chunk by chunk from the saved output and log-sum-exp; each chunk's
+weights are recomputed with the forward's helpers (``forward.py``).
 
 ``flash`` takes torch's CPU flash backward, which reads the *global* output and log-sum-exp:
 exactly the per-chunk decomposition. ``matmul`` writes dV, dS, dQ and dK out, pulling dS back
@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import index_grid
-from ._aten import flash_backward
-from .tiled_forward import (
+from ...masks import index_grid
+from .._aten import flash_backward
+from .forward import (
     _acc,
     _chunk_scores,
     _group_mask,
@@ -27,7 +27,7 @@ from .tiled_forward import (
     _raw_scores,
     _stacked,
 )
-from .tiled_plan import _Plan, _tile, _Unit
+from .plan import _Plan, _tile, _Unit
 
 
 def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> Tensor:

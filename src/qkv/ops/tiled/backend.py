@@ -17,7 +17,7 @@ and the log-sum-exp of its scores, and chunks merge by their log-sum-exps (the o
 softmax). Only the output and the log-sum-exp are kept: extra memory is O(T + S) plus one
 chunk's scores. Backward recomputes each chunk's weights from the saved log-sum-exp.
 
-Tiles are joined into units before any arithmetic (``tiled_plan.py``: ``_units``), so that
+Tiles are joined into units before any arithmetic (``plan.py``: ``_units``), so that
 the kernel sees few, large calls: consecutive tiles that visit the same keys become one tall
 tile (a document's rows; its partial edge blocks are then cut to the keys every row may
 attend, and a tile straddling two documents is cut at the boundary, so it needs no mask:
@@ -40,18 +40,18 @@ rounded to half, and the weights meet the values unrounded), and the softmax, th
 all gradient accumulation are float32 on both kernels; on CPU, float16 inputs and half inputs
 with a float32 attn_mask run in float32 (``AttentionCall.work_dtype``).
 
-The files, one job each, importing one way (tiled -> tiled_backward -> tiled_forward ->
-tiled_plan):
-  * ``tiled.py`` (this file): the backend and its ``supports`` reason, the entry points
+The package's files, one job each, importing one way (backend -> backward -> forward ->
+plan):
+  * ``backend.py`` (this file): the backend and its ``supports`` reason, the entry points
     (:func:`tiled_attention`; :func:`piece_forward` and :func:`piece_backward` for a ring's
     pieces) and the autograd Function that joins the two passes, sinks included;
-  * ``tiled_plan.py``: block planning, from the masks to the units to compute, and the cache
+  * ``plan.py``: block planning, from the masks to the units to compute, and the cache
     of plans;
-  * ``tiled_forward.py``: the pass over the units, each inner kernel's chunk, the merge by
+  * ``forward.py``: the pass over the units, each inner kernel's chunk, the merge by
     log-sum-exp;
-  * ``tiled_backward.py``: FlashAttention's backward over the same units, recomputing each
+  * ``backward.py``: FlashAttention's backward over the same units, recomputing each
     chunk's weights with the forward's score helpers.
-``tiled_op.py`` runs the same passes as ``torch.library`` custom ops under ``torch.compile``.
+``op.py`` runs the same passes as ``torch.library`` custom ops under ``torch.compile``.
 
 Shape alphabet: B batch, H query heads, T query length, S key length, D head dim, Dv value
 head dim; a tile has ``tq`` queries and a chunk ``kc`` keys.
@@ -62,20 +62,20 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import score_mod_gradient_inputs
-from .base import BackendResult, tracing
-from .call import AttentionCall
-from .reference import ReferenceBackend
-from .tiled_backward import _backward, _sink_grad
-from .tiled_forward import _acc, _forward, _with_sinks, merge_by_lse
-from .tiled_plan import BLOCK_K, BLOCK_Q, _Plan, _plan, _refuse_flash
+from ...masks import score_mod_gradient_inputs
+from ..base import BackendResult, tracing
+from ..call import AttentionCall
+from ..reference import ReferenceBackend
+from .backward import _backward, _sink_grad
+from .forward import _acc, _forward, _with_sinks, merge_by_lse
+from .plan import BLOCK_K, BLOCK_Q, _Plan, _plan, _refuse_flash
 
 # names read from here before planning had a file of its own (tests, docs): a monkeypatch
-# goes to tiled_plan, the module that reads them
-from .tiled_plan import MIN_FULL_RUN as MIN_FULL_RUN
-from .tiled_plan import PLAN_CACHE_SIZE as PLAN_CACHE_SIZE
-from .tiled_plan import _plan_cache as _plan_cache
-from .tiled_plan import clear_plan_cache as clear_plan_cache
+# goes to plan.py, the module that reads them
+from .plan import MIN_FULL_RUN as MIN_FULL_RUN
+from .plan import PLAN_CACHE_SIZE as PLAN_CACHE_SIZE
+from .plan import _plan_cache as _plan_cache
+from .plan import clear_plan_cache as clear_plan_cache
 
 __all__ = [
     "TiledBackend",
@@ -100,7 +100,7 @@ class TiledBackend:
 
     def traceable(self, call: AttentionCall) -> bool:
         """Under torch.compile, calls whose masks the custom ops can carry (``tiled_op``)."""
-        from . import tiled_op
+        from . import op as tiled_op
 
         return tiled_op.usable(call)
 
@@ -108,7 +108,7 @@ class TiledBackend:
         if _nothing_to_tile(call):
             return ReferenceBackend().run(call)
         if tracing():
-            from . import tiled_op
+            from . import op as tiled_op
 
             if tiled_op.usable(call):
                 out, lse = tiled_op.tiled_attention_op(call)
