@@ -192,10 +192,13 @@ def host_reads_free(device: torch.device) -> bool:
 def _all_finite(out: Tensor, q: Tensor) -> bool:
     """Whether ``out`` and ``q`` hold no NaN/inf, by one read of their sums (a finite sum that
     overflows, beyond float32's range, only sends the call the full way)."""
-    with torch.no_grad():
-        wide = torch.float64 if out.dtype == torch.float64 else torch.float32  # (a half sum
-        # overflows early)
-        return math.isfinite(out.sum(dtype=wide).add_(q.sum(dtype=wide)).item())
+    if out.requires_grad or q.requires_grad:  # (no graph for a check)
+        out, q = out.detach(), q.detach()
+    if out.dtype in (torch.float16, torch.bfloat16):  # a half sum overflows early
+        return math.isfinite(
+            out.sum(dtype=torch.float32).item() + q.sum(dtype=torch.float32).item()
+        )
+    return math.isfinite(out.sum().item() + q.sum().item())
 
 
 def _checked_after(call: AttentionCall) -> bool:
