@@ -18,7 +18,7 @@ fixture of conftest.py), so that every route runs on every machine:
 
 * Host reads (``qkv.ops.nonfinite.host_reads_free``, the call's device type): on the CPU a
   masked call without gradient runs on its inputs as they are and is checked after its kernel
-  by one read (``Guard.holds``); on CUDA, where a read is a sync, it runs on zeroed copies
+  by reading two sums (``Guard.holds``); on CUDA, where a read is a sync, it runs on zeroed copies
   checked in tensor ops. ``force_host_reads`` gives the CPU either way: the NaN/inf contract
   tests (test_nonfinite_eager.py) run both, and test_host_reads.py counts CUDA's way.
 

@@ -32,8 +32,8 @@ aten = torch.ops.aten
 @pytest.fixture(autouse=True)
 def _reads_as_on_cuda(monkeypatch):
     """Every call runs the way it runs on CUDA, where a read is a sync: on the CPU a masked
-    call without gradient is checked after its kernel by one read instead (tests/routes.py),
-    counted in ``test_a_masked_inference_call_on_the_cpu_reads_once``."""
+    call without gradient is checked after its kernel by reading two sums instead (tests/routes.py),
+    counted in ``test_an_inference_call_on_the_cpu_reads_two_sums``."""
     force_host_reads(monkeypatch, free=False)
 
 
@@ -331,16 +331,16 @@ def test_a_mask_changed_in_place_between_calls_is_seen(kind, backend):
 
 
 @pytest.mark.parametrize("kind", ["causal", "bool_mask", "float_mask", "window", "document"])
-def test_an_inference_call_on_the_cpu_reads_once(monkeypatch, kind):
+def test_an_inference_call_on_the_cpu_reads_two_sums(monkeypatch, kind):
     """On the CPU, where a read syncs nothing, a call without gradient runs on its inputs as
-    they are and reads one value after its kernel (``Guard.holds``: is the output of finite
+    they are and reads two sums after its kernel (``Guard.holds``: is the output of finite
     queries finite?), instead of copying k and v (masked) or finding the bad rows by matmuls
     (plain); with a gradient wanted it reads nothing."""
     force_host_reads(monkeypatch, free=True)
     for name, grad in ((kind, False), ("plain", False)):
         make = sdpa_path(name, "auto", grad=grad)
         count_reads(make(0))
-        assert count_reads(make(1)) == ["aten._local_scalar_dense.default"], name
+        assert count_reads(make(1)) == ["aten._local_scalar_dense.default"] * 2, name
     make = sdpa_path(kind, "auto", grad=True)
     count_reads(make(0))
     assert count_reads(make(1)) == []

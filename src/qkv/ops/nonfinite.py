@@ -108,7 +108,7 @@ class Guard:
         an ``"optimistic"`` guard whose output or query holds a NaN/inf, and then the call is
         to run again from ``prepare(call, optimistic=False)``.
 
-        Why one read decides it: a key or value a row may not attend reaches that row only as
+        Why two sums decide it: a key or value a row may not attend reaches that row only as
         a NaN (its score is hidden by ``-inf``, ``NaN + -inf = NaN``, and its weight 0 meets
         its value as ``0 * inf = NaN``), or not at all (a hidden ``-inf`` score stays
         ``-inf``). So a finite output of finite queries is what the zeroed inputs give too,
@@ -129,7 +129,7 @@ class Guard:
         """
         if self.check == "output":
             out = _output(result)
-            # on the CPU one read of two sums is a third of the matmuls that find the rows
+            # on the CPU two sums read are a third of the matmuls that find the rows
             if not host_reads_free(out.device) or not _all_finite(out, self.call.query):
                 result = _with_output(result, _restore_output(self.call, out))
         elif self.check == "eager":
@@ -190,7 +190,7 @@ def host_reads_free(device: torch.device) -> bool:
 
 
 def _all_finite(out: Tensor, q: Tensor) -> bool:
-    """Whether ``out`` and ``q`` hold no NaN/inf, by one read of their sums (a finite sum that
+    """Whether ``out`` and ``q`` hold no NaN/inf, by reading their two sums (a finite sum that
     overflows, beyond float32's range, only sends the call the full way)."""
     if out.requires_grad or q.requires_grad:  # (no graph for a check)
         out, q = out.detach(), q.detach()
