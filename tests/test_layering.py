@@ -20,6 +20,7 @@ LAYER = {
     "ops": 1,
     "dispatch": 2,
     "autotune": 2,
+    "lazy_trace": 2,
     "functional": 3,
     "nn": 4,
     "models": 5,
@@ -104,7 +105,7 @@ def test_imports_point_down():
 
 
 def test_import_scanner_sees_relative_imports():
-    assert _qkv_imports(SRC / "dispatch.py") == {"autotune", "ops", "trace"}
+    assert _qkv_imports(SRC / "dispatch.py") == {"autotune", "lazy_trace", "ops", "trace"}
     assert _qkv_imports(SRC / "trace.py") == set()  # its _repr_html_'s viz is a display hook
     assert _qkv_imports(SRC / "ops" / "reference.py") == {"masks", "ops"}
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qkv
-from qkv import dispatch
+from qkv import lazy_trace
 from qkv.ops import AttentionCall
 from qkv.testing import assert_tolerance
 
@@ -76,7 +76,7 @@ def test_half_trace_without_backend_lse(dtype):
     keep[5] = False  # a row with no key: weights 0
     golden, baseline = _traces(low, scale=3.0, attn_mask=keep)
     call = AttentionCall.build(*low, attn_mask=keep, scale=3.0, return_trace=True)
-    trace = dispatch._trace_from_lse(call, None, "no-lse")
+    trace = lazy_trace.trace_from_lse(call, None, "no-lse")
     assert trace.lse.dtype == torch.float32
     assert torch.all(trace.probs[..., 5, :] == 0) and torch.isneginf(trace.lse[..., 5]).all()
     assert_tolerance(trace.probs, golden.probs, baseline.probs, name="probs")
@@ -111,12 +111,12 @@ BLOCK_CASES = {
 @pytest.mark.parametrize("case", list(BLOCK_CASES))
 def test_trace_computed_in_row_blocks_equals_reference(case, monkeypatch):
     """Blocks of 16 rows (the smallest) give exactly the reference's trace, lse included."""
-    monkeypatch.setattr(dispatch, "_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(lazy_trace, "_BLOCK_ELEMENTS", 1)
     qs, ks, kw = BLOCK_CASES[case]
     q, k, v = (torch.randn(*s, dtype=torch.float64) for s in (qs, ks, ks))
     _, ref = qkv.scaled_dot_product_attention(q, k, v, backend="reference", return_trace=True, **kw)
     call = AttentionCall.build(q, k, v, return_trace=True, **kw)
     for lse in (ref.lse, None):
-        trace = dispatch._trace_from_lse(call, lse, "blocks")
+        trace = lazy_trace.trace_from_lse(call, lse, "blocks")
         for name in ("scores", "probs", "lse"):
             torch.testing.assert_close(getattr(trace, name), getattr(ref, name), rtol=0, atol=1e-12)

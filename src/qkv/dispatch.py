@@ -11,18 +11,21 @@ silently.
 :func:`choose` makes the plan (the backend, and how a wanted trace is made), :func:`run`
 carries it out: ``run(call, choose(call, backend))``, or ``run(call, backend)`` in one go.
 
+Read top-down: the plan and its run; how the backend is chosen (named by the caller, measured
+by ``autotune``, or the static order); the registry. A trace whose weights are recomputed
+after the kernel is made by ``lazy_trace``.
+
 Shape alphabet: T query length, S key length, Dv value head dim; ``*batch`` as in the call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from . import autotune
+from . import autotune, lazy_trace
 from .ops import (
     AttentionCall,
     Backend,
@@ -34,9 +37,9 @@ from .ops import (
 )
 from .ops.base import tracing
 from .ops.flex import FlexBackend
-from .ops.reference import _shaped, attention_scores_at, attention_with_weights, take, widened
+from .ops.reference import attention_with_weights
 from .ops.triton import TritonBackend
-from .trace import AttentionTrace, probs_from_lse_
+from .trace import AttentionTrace
 
 __all__ = [
     "Plan",
@@ -53,131 +56,8 @@ __all__ = [
     "unregister_backend",
 ]
 
-_REGISTRY: dict[str, Backend] = {}
-_ORDER: list[Backend] = []  # fastest first; rebuilt on registration (auto walks it every call)
 
-
-def register_backend(backend: Backend, *, replace: bool = False) -> None:
-    """Add a backend to the registry under ``backend.name``."""
-    if backend.name == "auto":
-        raise ValueError("'auto' is the dispatcher's own choice; name the backend otherwise")
-    if backend.name in _REGISTRY and not replace:
-        raise ValueError(f"a backend named {backend.name!r} is already registered")
-    _REGISTRY[backend.name] = backend
-    _ORDER[:] = sorted(_REGISTRY.values(), key=lambda b: b.priority)
-
-
-def unregister_backend(name: str) -> Backend:
-    """Remove the backend registered as ``name`` and return it."""
-    backend = get_backend(name)
-    del _REGISTRY[name]
-    _ORDER.remove(backend)
-    return backend
-
-
-def backend_names() -> list[str]:
-    """Registered backends, fastest first (the order ``auto`` tries them in)."""
-    return [b.name for b in _ORDER]
-
-
-def get_backend(name: str) -> Backend:
-    """The backend registered as ``name``; ValueError listing the names otherwise."""
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(
-            f"unknown backend {name!r}; choose 'auto' or one of {', '.join(backend_names())}"
-        )
-    return _REGISTRY[name]
-
-
-def check_backends(call: AttentionCall) -> dict[str, str | None]:
-    """Each backend's answer to ``supports(call)``, fastest first: None means it can."""
-    return {name: _REGISTRY[name].supports(call) for name in backend_names()}
-
-
-def select(call: AttentionCall, backend: str = "auto") -> Backend:
-    """The backend that will run ``call``."""
-    if backend == "auto":
-        traced = tracing()
-        if not traced and autotune.enabled():
-            measured = _measured(call)
-            if measured is not None:
-                return measured
-        return _static_choice(call)
-    chosen = get_backend(backend)
-    reason = chosen.supports(call)
-    if reason is not None:
-        able = [n for n, r in check_backends(call).items() if r is None]
-        raise BackendUnsupportedError(
-            f"backend {backend!r} cannot take this call: {reason}. "
-            f"Backends that can: {', '.join(able) or 'none'}; or pass backend='auto'"
-        )
-    return chosen
-
-
-def _static_choice(call: AttentionCall) -> Backend:
-    """The first backend of the static order (``priority``) that takes ``call`` and does not
-    leave auto (``auto_prefers``); under tracing, one that traces."""
-    traced = tracing()
-    for candidate in _ORDER:
-        if traced and not _traceable(candidate, call):
-            continue  # one graph under torch.compile: torch's SDPA, tiled's custom ops
-            # for the masks they carry, or the reference math
-        if not _auto_prefers(candidate, call):
-            continue  # a backend auto leaves to be named (flex off CUDA)
-        if candidate.supports(call) is None:
-            return candidate
-    reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
-    raise BackendUnsupportedError(f"no backend can take this call ({reasons})")
-
-
-def _measured(call: AttentionCall) -> Backend | None:
-    """The backend measured fastest for calls of this kind on this machine (``autotune``),
-    or None to walk the static order."""
-    name = autotune.known(call)  # kept earlier in this process: a dict lookup
-    if name == "":
-        return None  # nothing to measure for calls of this kind: the static order
-    if name is not None:
-        known = _REGISTRY.get(name)
-        if known is not None and known.supports(call) is None:
-            return known
-    able = [b for b in _ORDER if b.name != "reference" and b.supports(call) is None]
-    choice = autotune.measured_choice(call, able, lambda b: not _auto_prefers(b, call))
-    return None if choice is None else _REGISTRY.get(choice.backend)
-
-
-def explain(call: AttentionCall) -> str:
-    """Which backend ``auto`` takes for ``call``, and why: measured on this machine (with the
-    times), read from the disk cache, or the static order (measuring off or not done yet).
-    Runs nothing."""
-    kept = autotune.stored_choice(call) if autotune.enabled() and not tracing() else None
-    if kept is not None:
-        backend = _REGISTRY.get(kept.backend)
-        if backend is not None and backend.supports(call) is None:
-            return kept.reason()
-    static = _static_choice(call)
-    why = "measuring is off (QKV_AUTOTUNE=off)" if not autotune.enabled() else "not measured"
-    return f"{static.name}: the first backend of the static order that takes it ({why})"
-
-
-def tune(call: AttentionCall) -> autotune.Choice | None:
-    """Measure every backend that can take ``call`` (those that compile on first use too),
-    keep the fastest for calls of its kind (in this process and on disk), and return it; None
-    when fewer than two can take it. What ``qkv tune`` runs."""
-    able = [b for b in _ORDER if b.name != "reference" and b.supports(call) is None]
-    return autotune.measured_choice(call, able, lambda b: False, fresh=True)
-
-
-def _auto_prefers(backend: Backend, call: AttentionCall) -> bool:
-    """A backend's ``auto_prefers(call)`` where it has one (else True): whether ``auto`` may
-    pick it for this call, or only a caller who names it."""
-    prefers = getattr(backend, "auto_prefers", None)
-    return True if prefers is None else bool(prefers(call))
-
-
-def _traceable(backend: Backend, call: AttentionCall) -> bool:
-    """A backend's ``traceable``: a bool, or a method telling it call by call."""
-    answer = getattr(backend, "traceable", False)
-    return answer(call) if callable(answer) else bool(answer)
+# --- the plan and its run ----------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,12 +96,6 @@ def choose(call: AttentionCall, backend: str = "auto") -> Plan:
     return Plan(chosen, keeps)
 
 
-def keeps_nonfinite_contract(call: AttentionCall, backend: str = "auto") -> bool:
-    """Whether the backend :func:`choose` picks keeps the NaN/inf contract itself (kept for
-    callers from before :class:`Plan`: ``choose(call, backend).keeps_nonfinite_contract``)."""
-    return choose(call, backend).keeps_nonfinite_contract
-
-
 def run(
     call: AttentionCall, backend: str | Plan = "auto"
 ) -> Tensor | tuple[Tensor, AttentionTrace]:
@@ -234,11 +108,17 @@ def run(
     plan = backend if isinstance(backend, Plan) else choose(call, backend)
     if plan.backend is None:
         out, probs, lse = attention_with_weights(call, lazy_lse=True)
-        return out, _trace_of_weights(call, probs, lse)
+        return out, lazy_trace.trace_of_weights(call, probs, lse)
     result = plan.backend.run(call)
     if not call.return_trace:
         return result.out
     return result.out, _trace_of_result(call, result, plan.backend.name)
+
+
+def keeps_nonfinite_contract(call: AttentionCall, backend: str = "auto") -> bool:
+    """Whether the backend :func:`choose` picks keeps the NaN/inf contract itself (kept for
+    callers from before :class:`Plan`: ``choose(call, backend).keeps_nonfinite_contract``)."""
+    return choose(call, backend).keeps_nonfinite_contract
 
 
 def _trace_of_result(call: AttentionCall, result: BackendResult, name: str) -> AttentionTrace:
@@ -251,7 +131,7 @@ def _trace_of_result(call: AttentionCall, result: BackendResult, name: str) -> A
             assert ref.scores is not None and ref.probs is not None and ref.lse is not None
             return AttentionTrace(ref.scores.detach(), ref.probs.detach(), ref.lse.detach(), name)
         with torch.no_grad():
-            return _trace_from_lse(call, result.lse, name)
+            return lazy_trace.trace_from_lse(call, result.lse, name)
     assert result.scores is not None and result.lse is not None  # BackendResult: all three
     return AttentionTrace(result.scores.detach(), result.probs.detach(), result.lse.detach(), name)
 
@@ -290,177 +170,138 @@ def _weights_in_one_pass(call: AttentionCall) -> bool:
     return True
 
 
-def _trace_of_weights(
-    call: AttentionCall, probs: Tensor, lse: Tensor | Callable[[], Tensor]
-) -> AttentionTrace:
-    """The trace of :func:`attention_with_weights`: its weights, and scores recomputed when
-    first read; its lse too when given as a function (``lazy_lse``), which is right only
-    while the weights are as it made them: once they were changed in place (they are the
-    caller's), the lse is computed from the inputs instead. Inference tensors keep no record
-    of such changes, so their lse is computed now."""
-    call = _detached(call)
-    probs4 = _shaped(probs, call.BH + (call.T, call.S))  # (B, H, T, S)
-
-    def subset(b, h, rows):
-        scores = attention_scores_at(widened(call), b, h, rows)  # (nb, nh, nr, S)
-        return scores.to(call.dtype), take(probs4, b, h, rows)
-
-    if callable(lse):
-        lse = lse() if probs.is_inference() else _lse_while_unchanged(call, probs, lse)
-    return AttentionTrace(
-        _recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
-        probs,
-        lse,
-        "reference",
-        subset=_recompute(call, subset),
-    )
+# --- the backend: named, measured (autotune), or the static order -------------------------
 
 
-def _detached(call: AttentionCall) -> AttentionCall:
-    """The call with its query, key and value (and the tensors they were copied from)
-    detached, to be kept by a trace (the same call when none of them requires a gradient: no
-    op to dispatch). A detached tensor shares its version counter: changes are still seen."""
-    if not any(t.requires_grad for t in (call.query, call.key, call.value, *call.sources)):
-        return call
-    return dataclasses.replace(
-        call,
-        query=call.query.detach(),
-        key=call.key.detach(),
-        value=call.value.detach(),
-        sources=tuple(t.detach() for t in call.sources),
-    )
+def select(call: AttentionCall, backend: str = "auto") -> Backend:
+    """The backend that will run ``call``."""
+    if backend == "auto":
+        traced = tracing()
+        if not traced and autotune.enabled():
+            measured = _measured(call)
+            if measured is not None:
+                return measured
+        return _static_choice(call)
+    chosen = get_backend(backend)
+    reason = chosen.supports(call)
+    if reason is not None:
+        able = [n for n, r in check_backends(call).items() if r is None]
+        raise BackendUnsupportedError(
+            f"backend {backend!r} cannot take this call: {reason}. "
+            f"Backends that can: {', '.join(able) or 'none'}; or pass backend='auto'"
+        )
+    return chosen
 
 
-def _lse_while_unchanged(
-    call: AttentionCall, probs: Tensor, from_weights: Callable[[], Tensor]
-) -> Callable[[], Tensor]:
-    """``from_weights()`` while ``probs`` is unchanged since now, else the lse recomputed
-    from the call's inputs (which must be unchanged: :func:`_recompute`)."""
-    version = probs._version
-    recompute = _recompute(call, lambda: _lse_by_blocks(call))
-
-    def lse() -> Tensor:
-        if probs._version == version:
-            return from_weights()
-        return recompute()
-
-    return lse
-
-
-def _trace_from_lse(call: AttentionCall, lse, backend: str) -> AttentionTrace:
-    """The trace of a backend that gives no weights: ``exp(scores - lse)``, recomputed.
-
-    Lazy: nothing ``(T, S)``-sized exists until it is read. ``trace.scores``/``trace.probs``
-    are then computed a block of query rows at a time into one ``(*batch, T, S)`` buffer,
-    and ``trace.select`` computes only the rows asked for. Without the backend's lse, it is
-    computed now, block by block, from the scores.
-
-    Scores of float16/bfloat16 inputs are recomputed in float32, and the weights formed
-    there before rounding to the inputs' dtype: the backend's lse comes from float32 scores,
-    and half scores (bfloat16 keeps 8 bits: +-0.125 at a score of 40) minus it would scale
-    whole rows by up to e^0.125. Reading after the inputs were modified in place raises.
-    """
-    call = _detached(call)
-    lse = _lse_by_blocks(call) if lse is None else lse.detach()  # (*batch, T)
-    lse4 = lse.reshape(call.BH + (call.T,))  # (B, H, T)
-
-    def probs_at(wide: AttentionCall, b, h, rows) -> Tensor:
-        scores = attention_scores_at(wide, b, h, rows)  # (nb, nh, nr, S)
-        return probs_from_lse_(scores, take(lse4, b, h, rows))
-
-    def subset(b, h, rows):
-        scores = attention_scores_at(widened(call), b, h, rows)  # (nb, nh, nr, S)
-        probs = probs_from_lse_(scores.clone(), take(lse4, b, h, rows))
-        return scores.to(call.dtype), probs.to(call.dtype)
-
-    return AttentionTrace(
-        _recompute(call, lambda: _by_row_blocks(call, attention_scores_at)),
-        _recompute(call, lambda: _by_row_blocks(call, probs_at)),
-        lse,
-        backend,
-        subset=_recompute(call, subset),
-    )
+def _measured(call: AttentionCall) -> Backend | None:
+    """The backend measured fastest for calls of this kind on this machine (``autotune``),
+    or None to walk the static order."""
+    name = autotune.known(call)  # kept earlier in this process: a dict lookup
+    if name == "":
+        return None  # nothing to measure for calls of this kind: the static order
+    if name is not None:
+        known = _REGISTRY.get(name)
+        if known is not None and known.supports(call) is None:
+            return known
+    able = [b for b in _ORDER if b.name != "reference" and b.supports(call) is None]
+    choice = autotune.measured_choice(call, able, lambda b: not _auto_prefers(b, call))
+    return None if choice is None else _REGISTRY.get(choice.backend)
 
 
-# A block of trace rows holds about 2^24 scores (64 MiB in float32), and at least 16 rows, so
-# that the per-block indexing of keys stays small beside the block's matmul.
-_BLOCK_ELEMENTS, _BLOCK_ROWS_MIN = 2**24, 16
+def _static_choice(call: AttentionCall) -> Backend:
+    """The first backend of the static order (``priority``) that takes ``call`` and does not
+    leave auto (``auto_prefers``); under tracing, one that traces."""
+    traced = tracing()
+    for candidate in _ORDER:
+        if traced and not _traceable(candidate, call):
+            continue  # one graph under torch.compile: torch's SDPA, tiled's custom ops
+            # for the masks they carry, or the reference math
+        if not _auto_prefers(candidate, call):
+            continue  # a backend auto leaves to be named (flex off CUDA)
+        if candidate.supports(call) is None:
+            return candidate
+    reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
+    raise BackendUnsupportedError(f"no backend can take this call ({reasons})")
 
 
-def _by_row_blocks(
-    call: AttentionCall, fn, dtype: torch.dtype | None = None, tail: tuple[int, ...] | None = None
-) -> Tensor:
-    """``fn(wide_call, b, h, rows)`` for every query row, a block of rows at a time, in one
-    buffer of ``dtype`` (default the inputs'): the float32 scores of a half call never exist
-    at full size, only a block of them.
-
-    Shape:
-        fn gives ``(B, H, nr, *tail)`` (tail default ``(S,)``) -> ``(*batch, T, *tail)``.
-    """
-    wide = widened(call)
-    B, H = call.BH
-    tail = (call.S,) if tail is None else tail
-    dev = "cpu"  # host-side indices (a view is taken where they are consecutive), whatever
-    b, h = torch.arange(B, device=dev), torch.arange(H, device=dev)  # the default device
-    step = max(_BLOCK_ROWS_MIN, _BLOCK_ELEMENTS // max(B * H * call.S, 1))
-    if step >= call.T:  # one block: its result is the buffer
-        whole = fn(wide, b, h, torch.arange(call.T, device=dev)).to(
-            dtype or call.dtype
-        )  # (B, H, T, *tail)
-        return whole.reshape(call.batch + (call.T,) + tail)
-    out = torch.empty((B, H, call.T) + tail, dtype=dtype or call.dtype, device=call.device)
-    for start in range(0, call.T, step):
-        rows = torch.arange(start, min(start + step, call.T), device=dev)
-        out[:, :, start : start + len(rows)] = fn(wide, b, h, rows)  # (B, H, nr, *tail)
-    return out.reshape(call.batch + (call.T,) + tail)
+def _auto_prefers(backend: Backend, call: AttentionCall) -> bool:
+    """A backend's ``auto_prefers(call)`` where it has one (else True): whether ``auto`` may
+    pick it for this call, or only a caller who names it."""
+    prefers = getattr(backend, "auto_prefers", None)
+    return True if prefers is None else bool(prefers(call))
 
 
-def _lse_by_blocks(call: AttentionCall) -> Tensor:
-    """Log-sum-exp of each row of the scores (in at least float32), block by block.
-
-    Shape:
-        ``(*batch, T)``; ``-inf`` for a row with no key.
-    """
-
-    def lse_at(wide: AttentionCall, b, h, rows) -> Tensor:
-        return torch.logsumexp(attention_scores_at(wide, b, h, rows), dim=-1)  # (B, H, nr)
-
-    return _by_row_blocks(call, lse_at, torch.promote_types(call.dtype, torch.float32), ())
+def _traceable(backend: Backend, call: AttentionCall) -> bool:
+    """A backend's ``traceable``: a bool, or a method telling it call by call."""
+    answer = getattr(backend, "traceable", False)
+    return answer(call) if callable(answer) else bool(answer)
 
 
-def _recompute(call: AttentionCall, fn):
-    """``fn`` run without grad, refusing when the call's inputs changed in place since."""
-    versions = _versions(call)
-
-    def run(*args):
-        if _versions(call) != versions:
-            raise RuntimeError(
-                "the inputs of this attention call (query, key, value, attn_mask or a tensor "
-                "its mask_mod/score_mod reads) were modified in place after it ran, so its "
-                "weights can no longer be recomputed; read trace.probs (or trace.select(...)) "
-                "before changing them, or pass copies"
-            )
-        with torch.no_grad():
-            return fn(*args)
-
-    return run
+def explain(call: AttentionCall) -> str:
+    """Which backend ``auto`` takes for ``call``, and why: measured on this machine (with the
+    times), read from the disk cache, or the static order (measuring off or not done yet).
+    Runs nothing."""
+    kept = autotune.stored_choice(call) if autotune.enabled() and not tracing() else None
+    if kept is not None:
+        backend = _REGISTRY.get(kept.backend)
+        if backend is not None and backend.supports(call) is None:
+            return kept.reason()
+    static = _static_choice(call)
+    why = "measuring is off (QKV_AUTOTUNE=off)" if not autotune.enabled() else "not measured"
+    return f"{static.name}: the first backend of the static order that takes it ({why})"
 
 
-def _versions(call: AttentionCall) -> tuple[int, ...]:
-    """Version counters of the call's inputs, to notice changes in place: query, key,
-    value, attn_mask, the tensors they were copied from (``AttentionCall.sources``), and the
-    tensors its mask_mod and score_mod read (ALiBi slopes, lengths, document ids, tensors a
-    plain function captured).
+def tune(call: AttentionCall) -> autotune.Choice | None:
+    """Measure every backend that can take ``call`` (those that compile on first use too),
+    keep the fastest for calls of its kind (in this process and on disk), and return it; None
+    when fewer than two can take it. What ``qkv tune`` runs."""
+    able = [b for b in _ORDER if b.name != "reference" and b.supports(call) is None]
+    return autotune.measured_choice(call, able, lambda b: False, fresh=True)
 
-    Inference tensors (made under ``torch.inference_mode()``) have no counter, so they are
-    skipped: outside inference mode they cannot be changed in place at all; a change inside
-    it goes unnoticed (torch keeps no record of it to check).
-    """
-    tensors = [call.query, call.key, call.value, call.attn_mask, *call.sources]
-    for mod in (call.mask_mod, call.score_mod):
-        if mod is not None:
-            tensors.extend(mod.tensors())
-    return tuple(t._version for t in tensors if t is not None and not t.is_inference())
+
+# --- the registry -------------------------------------------------------------------------
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+_ORDER: list[Backend] = []  # fastest first; rebuilt on registration (auto walks it every call)
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> None:
+    """Add a backend to the registry under ``backend.name``."""
+    if backend.name == "auto":
+        raise ValueError("'auto' is the dispatcher's own choice; name the backend otherwise")
+    if backend.name in _REGISTRY and not replace:
+        raise ValueError(f"a backend named {backend.name!r} is already registered")
+    _REGISTRY[backend.name] = backend
+    _ORDER[:] = sorted(_REGISTRY.values(), key=lambda b: b.priority)
+
+
+def unregister_backend(name: str) -> Backend:
+    """Remove the backend registered as ``name`` and return it."""
+    backend = get_backend(name)
+    del _REGISTRY[name]
+    _ORDER.remove(backend)
+    return backend
+
+
+def backend_names() -> list[str]:
+    """Registered backends, fastest first (the order ``auto`` tries them in)."""
+    return [b.name for b in _ORDER]
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; ValueError listing the names otherwise."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(
+            f"unknown backend {name!r}; choose 'auto' or one of {', '.join(backend_names())}"
+        )
+    return _REGISTRY[name]
+
+
+def check_backends(call: AttentionCall) -> dict[str, str | None]:
+    """Each backend's answer to ``supports(call)``, fastest first: None means it can."""
+    return {name: _REGISTRY[name].supports(call) for name in backend_names()}
 
 
 register_backend(FlexBackend())  # priority 12: CUDA calls torch cannot take, before triton

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .. import dispatch
+from .. import lazy_trace
 from ..masks import (
     EMPTY,
     Grid,
@@ -473,7 +473,7 @@ class _Ring:
             mask_mod=None if self.mask is None else _AtRows(self.mask, rows),
             score_mod=None if self.score is None else _AtRowsScore(self.score, rows),
         )
-        return dispatch._trace_from_lse(call, lse, "ring")
+        return lazy_trace.trace_from_lse(call, lse, "ring")
 
     def gather_keys(self, k: Tensor) -> Tensor:
         """Every rank's keys in position order (an all-gather, shards padded to the longest)."""

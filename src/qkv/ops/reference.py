@@ -161,7 +161,7 @@ def attention_with_weights(
     that computes it when called, ``max(scores) - log(max(weights))`` from the row maxima
     kept here and the weights returned (a pass over the weights that a caller who never reads
     the lse does not pay). It is right only while the weights are as returned: the caller
-    checks that (``dispatch._trace_of_weights``).
+    checks that (``qkv.lazy_trace.trace_of_weights``).
 
     Shape:
         -> out ``(*batch, T, Dv)``, probs ``(*batch, T, S)``, lse ``(*batch, T)`` (float32,
