@@ -5,12 +5,13 @@ one machine exercises only the routes that machine picks. Each is listed here wi
 test forces it, and ``ROUTES`` names the combinations the suite runs (the ``cpu_route``
 fixture of conftest.py), so that every route runs on every machine:
 
-* ``QKV_CPU_HALF_GEMM`` (``qkv.ops.cpu_isa.half_gemm_route``, picked from the CPU's
-  AVX-512-BF16/AMX flags, ``torch.backends.cpu.get_cpu_capability()`` and
+* ``QKV_CPU_HALF_GEMM`` (``qkv.ops.cpu_isa.half_gemm_route``, measured once per process and
+  half dtype where ``QKV_AUTOTUNE`` is on, kept on disk; with it off, as in the suite, picked
+  from the CPU's AVX-512-BF16/AMX flags, ``torch.backends.cpu.get_cpu_capability()`` and
   ``ONEDNN_MAX_CPU_ISA``): ``native`` multiplies half inputs by torch's half GEMMs,
-  ``float32`` widens them first. It reaches the one-pass weights
-  (``ops.reference.attention_with_weights``) and the modules' projections
-  (``ops.cpu_isa.linear``).
+  ``float32`` widens them first. It reaches the modules' projections
+  (``ops.cpu_isa.linear``); the measurement itself is tested with a fake clock
+  (test_cpu_isa.py).
 * torch's CPU flash kernel (``qkv.ops._aten.flash_cpu_available``, a property of the torch
   build): the tiled backend's ``flash`` inner kernel and the torch backend's lse for traces.
   Hidden, they take their plain twins: the ``matmul`` inner kernel, and the lse derived by
@@ -23,8 +24,9 @@ fixture of conftest.py), so that every route runs on every machine:
   tests (test_nonfinite_eager.py) run both, and test_host_reads.py counts CUDA's way.
 
 ``MACHINE_PROBES`` lists the rest of what reads the machine, and why each is no route of its
-own: ``auto``'s choice by measurement (``qkv.autotune``) picks among backends that the suite
-runs by name, and the flex backend runs where a compiler is found and declines elsewhere.
+own: ``auto``'s choice by measurement (``qkv.autotune``, on ``qkv._measured``) picks among
+backends that the suite runs by name, and the flex backend runs where a compiler is found
+and declines elsewhere.
 
 ``test_every_machine_choice_is_listed`` (tests/test_cpu_routes.py) fails when the library
 reads another ``QKV_`` variable or probes the machine somewhere new, so that a new route is
@@ -57,9 +59,11 @@ MACHINE_PROBES = {
     "ops/torch_sdpa.py": "flash_cpu_available: hidden in the -noflash routes",
     "ops/flex.py": "flex_available (a C++ compiler on CPU, triton on CUDA): without, flex "
     "declines and says why; auto on CPU takes it only as measured (test_cpu_routes.py)",
-    "autotune.py": "QKV_AUTOTUNE, QKV_CACHE_DIR, the machine named in its cache: auto's "
-    "choice among backends by measurement, each of which the suite runs by name "
-    "(test_properties.py); off in the suite (conftest.py), on in test_autotune.py",
+    "_measured.py": "QKV_AUTOTUNE, QKV_CACHE_DIR, the machine named in the cache (CPU flags, "
+    "capability, ONEDNN_/DNNL_MAX_CPU_ISA, GPU): the measured choices of auto (among backends, "
+    "each of which the suite runs by name, test_properties.py) and of the half GEMM route "
+    "(forced above); off in the suite (conftest.py), on in test_autotune.py and "
+    "test_cpu_isa.py with a fake clock",
     "tasks/_cache.py": "QKV_CACHE: where generated data sets are kept, no route",
     "bench/report.py": "/proc/cpuinfo: the CPU named in a benchmark's report, no route",
     "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch): tests/test_deformable.py "

@@ -10,6 +10,7 @@ which and why.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -142,11 +143,14 @@ def test_measuring_leaves_the_callers_tensors_alone(fakes):
 
 def test_qkv_tune_keeps_its_choices_for_later_processes(tmp_path, monkeypatch, capsys):
     """``qkv tune`` times the backends of each configuration (real clock) and writes the
-    winner where a later process's auto reads it."""
+    winner where a later process's auto reads it; the CPU's half-GEMM routes too, one line
+    each."""
     from qkv.cli import main
+    from qkv.ops import cpu_isa
 
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.delenv("QKV_CPU_HALF_GEMM", raising=False)
     autotune.forget()
     try:
         argv = ["tune", "--lengths", "40", "--dtypes", "float32", "--cases", "causal"]
@@ -155,10 +159,14 @@ def test_qkv_tune_keeps_its_choices_for_later_processes(tmp_path, monkeypatch, c
         (row,) = json.loads((tmp_path / "rows.json").read_text())
         assert row["backend"] in ("torch", "tiled") and set(row["times"]) == {"torch", "tiled"}
         assert f"-> {row['backend']}" in printed
+        for name in ("bfloat16", "float16"):
+            line = rf"half GEMM {name} +-> (native|float32): faster measured on this machine"
+            assert re.search(line, printed), printed
         autotune.forget()  # a later process
         q, k, v = (torch.randn(1, 8, 40, 24) for _ in range(3))
         call = AttentionCall.build(q, k, v, is_causal=True)
         assert dispatch.select(call).name == row["backend"]
         assert "; disk)" in dispatch.explain(call)
+        assert cpu_isa.half_gemm_choice(torch.bfloat16).source == "disk"
     finally:
         autotune.forget()

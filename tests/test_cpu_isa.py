@@ -8,6 +8,8 @@ held to the tolerance policy whatever the machine.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -51,6 +53,7 @@ def test_native_bf16_from_capability(features, capability, onednn, native):
 
 
 def test_environment_overrides_the_route(monkeypatch):
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")  # the flag rule
     monkeypatch.setattr(cpu_isa, "native_bf16", lambda: False)
     monkeypatch.delenv("QKV_CPU_HALF_GEMM", raising=False)
     assert cpu_isa.half_gemm_route() == "float32"
@@ -183,3 +186,205 @@ def test_torch_compat_module_in_bf16_matches_torch_by_either_route(route, monkey
         out, w = qm(x, x, x, average_attn_weights=False)
     torch.testing.assert_close(out, want, rtol=0, atol=3e-2)
     torch.testing.assert_close(w, want_w, rtol=0, atol=1e-2)
+
+
+# --- the route by measurement (issue 38, item 2) -----------------------------------------------
+
+
+class Clock:
+    now = 0.0
+
+
+class FakeGemms:
+    """``cpu_isa._gemm_runners`` with fake costs: each run of a route advances the fake clock
+    by its cost (seconds, per dtype) and counts itself."""
+
+    def __init__(self, costs: dict[torch.dtype, dict[str, float]]):
+        self.costs = {dt: dict(c) for dt, c in costs.items()}  # a test may change its copy
+        self.runs = {dt: dict.fromkeys(("native", "float32"), 0) for dt in costs}
+
+    def __call__(self, dtype):
+        def runner(route):
+            def run():
+                self.runs[dtype][route] += 1
+                Clock.now += self.costs[dtype][route]
+
+            return run
+
+        return {route: runner(route) for route in ("native", "float32")}
+
+    def total(self) -> int:
+        return sum(n for per_dtype in self.runs.values() for n in per_dtype.values())
+
+
+BF16, F16 = torch.bfloat16, torch.float16
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """Measuring on, a fresh cache folder, no forced route, the fake clock; the flag rule
+    says float32 (so a measured "native" is the measurement's doing). Yields a function
+    that installs fake GEMM costs."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("QKV_CPU_HALF_GEMM", raising=False)
+    monkeypatch.setattr(cpu_isa, "_clock", lambda: Clock.now)
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda: False)
+    cpu_isa.forget()
+
+    def install(costs):
+        fake = FakeGemms(costs)
+        monkeypatch.setattr(cpu_isa, "_gemm_runners", fake)
+        return fake
+
+    yield install
+    cpu_isa.forget()
+
+
+# native 1 ms vs float32 4 ms in bfloat16 (AMX), the other way round in float16
+AMX_LIKE = {BF16: {"native": 1e-3, "float32": 4e-3}, F16: {"native": 9e-3, "float32": 3e-3}}
+
+
+def test_the_route_measured_faster_is_taken_for_each_dtype(measuring):
+    """Timed both ways, each dtype takes its faster route, whatever the flags say (float32
+    here): bfloat16 native, float16 widened; the tensors' products follow."""
+    fake = measuring(AMX_LIKE)
+    assert cpu_isa.half_gemm_route(BF16) == "native"
+    assert cpu_isa.half_gemm_route(F16) == "float32"
+    choice = cpu_isa.half_gemm_choice(BF16)
+    assert choice.source == "measured"
+    assert choice.times == pytest.approx({"native": 1e-3, "float32": 4e-3})
+    assert fake.runs[BF16]["native"] >= 3 and fake.runs[BF16]["float32"] >= 3  # 1 untimed, 2+
+    assert not cpu_isa.widens_half(torch.ones(2, 3, dtype=BF16))
+    assert cpu_isa.widens_half(torch.ones(2, 3, dtype=F16))
+    why = cpu_isa.explain_half_gemm(BF16)
+    assert why == (
+        "half GEMM bfloat16 -> native: faster measured on this machine "
+        "(native 1 ms, float32 4 ms; measured)"
+    )
+
+
+def test_a_route_is_measured_once_per_process(measuring):
+    fake = measuring(AMX_LIKE)
+    assert cpu_isa.half_gemm_route(BF16) == "native"
+    runs = fake.total()
+    fake.costs[BF16] = {"native": 8e-3, "float32": 1e-3}  # slower now: the route holds
+    for _ in range(3):
+        assert cpu_isa.half_gemm_route(BF16) == "native"
+    assert fake.total() == runs
+
+
+def test_the_route_goes_to_disk_and_a_later_process_reads_it(measuring, tmp_path):
+    """The verdict is written beside auto's choices (same file, same machine key) and read
+    back by a fresh process (``forget``) without measuring; ``qkv.autotune.forget`` drops
+    the routes too."""
+    from qkv import autotune
+
+    fake = measuring(AMX_LIKE)
+    cpu_isa.half_gemm_route(BF16)
+    (stored,) = tmp_path.glob("autotune-*.json")
+    assert stored == autotune.cache_path()
+    data = json.loads(stored.read_text())
+    assert data["machine"] == autotune.machine_key()
+    entry = data["choices"]["route:half_gemm/bfloat16"]
+    assert entry["route"] == "native"
+    assert entry["times"] == pytest.approx({"native": 1e-3, "float32": 4e-3})
+    autotune.forget()  # as a new process: memory empty, the file stays
+    runs = fake.total()
+    assert cpu_isa.half_gemm_route(BF16) == "native" and fake.total() == runs
+    assert cpu_isa.half_gemm_choice(BF16).source == "disk"
+    assert cpu_isa.explain_half_gemm(BF16).endswith("(native 1 ms, float32 4 ms; disk)")
+    assert cpu_isa.half_gemm_route(F16) == "float32" and fake.total() > runs  # not on disk
+
+
+def test_the_environment_wins_over_the_measurement(measuring, monkeypatch):
+    fake = measuring(AMX_LIKE)
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "float32")
+    assert cpu_isa.half_gemm_route(BF16) == "float32" and fake.total() == 0
+    assert cpu_isa.explain_half_gemm(BF16) == (
+        "half GEMM bfloat16 -> float32: forced by QKV_CPU_HALF_GEMM=float32"
+    )
+    monkeypatch.delenv("QKV_CPU_HALF_GEMM")
+    assert cpu_isa.half_gemm_route(BF16) == "native"  # measured now
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "float32")
+    assert cpu_isa.half_gemm_route(BF16) == "float32"  # and forced over the kept verdict
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["flags-native", "flags-float32"])
+def test_autotune_off_gives_the_flag_rule(measuring, monkeypatch, native):
+    fake = measuring(AMX_LIKE)
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    monkeypatch.setattr(cpu_isa, "native_bf16", lambda: native)
+    want = "native" if native else "float32"
+    assert cpu_isa.half_gemm_route(BF16) == cpu_isa.half_gemm_route(F16) == want
+    assert fake.total() == 0
+    assert "QKV_AUTOTUNE=off" in cpu_isa.explain_half_gemm(BF16)
+
+
+def test_nothing_is_measured_under_tracing(measuring, monkeypatch):
+    """Under vmap (torch.func) and under a dispatch mode (fake tensors), the route is the
+    flag rule's and nothing is timed or kept: the next plain call measures. A verdict
+    already known (here from disk) is what tracing takes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = measuring(AMX_LIKE)
+    w, b = torch.randn(6, 4).to(BF16), torch.randn(6).to(BF16)
+    xs = torch.randn(3, 5, 4).to(BF16)  # (N, T, C)
+    seen = []
+
+    def project(x):  # (T, C) -> (T, 3C/2)
+        seen.append(cpu_isa.half_gemm_route(BF16))
+        return cpu_isa.linear(x, w, b)
+
+    torch.func.vmap(project)(xs)
+    with FakeTensorMode():
+        seen.append(cpu_isa.half_gemm_route(BF16))
+    assert seen == ["float32", "float32"] and fake.total() == 0
+    assert cpu_isa.half_gemm_route(BF16) == "native" and fake.total() > 0  # measured now
+    cpu_isa.forget()  # a later process: the verdict is on disk
+    seen.clear()
+    torch.func.vmap(project)(xs)
+    assert seen == ["native"]
+
+
+def test_torch_compile_takes_the_known_route_without_measuring(measuring):
+    """Under torch.compile (fullgraph) the route is looked up at trace time, a constant in
+    the graph: the disk's verdict, and nothing is timed."""
+    fake = measuring(AMX_LIKE)
+    cpu_isa.half_gemm_route(BF16)
+    cpu_isa.forget()  # a later process: the verdict is on disk
+    runs = fake.total()
+    w = torch.randn(6, 4).to(BF16)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def project(x):
+        return cpu_isa.linear(x, w) if cpu_isa.half_gemm_route(BF16) == "native" else -x
+
+    x = torch.randn(5, 4).to(BF16)
+    torch.testing.assert_close(project(x), torch.nn.functional.linear(x, w))
+    assert fake.total() == runs
+
+
+def test_measuring_leaves_the_global_generator_and_grad_mode_alone(monkeypatch, tmp_path):
+    """The real GEMMs run (fake clock: no timing asserted): the inputs come from a
+    generator of their own, under no_grad and without autocast, which stay as they were."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("QKV_CPU_HALF_GEMM", raising=False)
+    monkeypatch.setattr(cpu_isa, "_clock", lambda: Clock.now)
+    cpu_isa.forget()
+    try:
+        state = torch.get_rng_state()
+        with torch.autocast("cpu", dtype=BF16):
+            choice = cpu_isa.half_gemm_choice(F16)
+            assert torch.is_autocast_enabled("cpu")
+        assert choice.source == "measured" and set(choice.times) == {"native", "float32"}
+        assert torch.equal(torch.get_rng_state(), state) and torch.is_grad_enabled()
+    finally:
+        cpu_isa.forget()
+
+
+def test_the_dtype_must_be_half():
+    want = r"dtype must be torch\.bfloat16 or torch\.float16, got torch\.float32"
+    with pytest.raises(ValueError, match=want):
+        cpu_isa.half_gemm_choice(torch.float32)

@@ -7,8 +7,10 @@ buckets), it runs each backend that can take the call a few times on the call's 
 each; a wanted trace does not count: its weights come after any kernel alike), picks the
 fastest, and keeps the choice: in memory for the process (the choice never changes within
 it), and on disk for the next process on the same machine (``$QKV_CACHE_DIR``, else
-``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``; one JSON file per machine: CPU model and
-flags or GPU name, torch and qkv versions).
+``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``; one JSON file per machine: CPU model, flags
+and the ISA torch may use, or GPU name, torch and qkv versions). The file, the machine's name,
+the switch and the timer are ``qkv._measured``'s, shared with the CPU routes' choices
+(``qkv.ops.cpu_isa``: native or float32 half GEMMs), which live below ``auto``.
 
 What is not measured:
   * a call only one backend can take, and the reference backend (the slow twin, which holds
@@ -18,11 +20,11 @@ What is not measured:
   * calls under tracing (torch.compile, export, vmap: nothing may run twice there) and calls
     on meta tensors: the static order (``priority``) decides them.
 
-``QKV_AUTOTUNE=off`` turns measuring off (the static order, as before); ``=on`` (the default)
-measures. Whatever wins, every backend meets the tolerance policy, so the choice changes speed
-and never the result beyond it. ``qkv.dispatch.explain(call)`` says which backend a call
-would take and why; ``qkv tune`` (``qkv.dispatch.tune``) measures ahead of time, compiling
-backends included.
+``QKV_AUTOTUNE=off`` turns measuring off (the static order, as before; the CPU routes' flag
+rules too); ``=on`` (the default) measures. Whatever wins, every backend meets the tolerance
+policy, so the choice changes speed and never the result beyond it.
+``qkv.dispatch.explain(call)`` says which backend a call would take and why; ``qkv tune``
+(``qkv.dispatch.tune``) measures ahead of time, compiling backends included.
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim.
 """
@@ -30,18 +32,16 @@ Shape alphabet: B batch, H heads, T query length, S key length, D head dim.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
-import platform
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from . import _measured
+from ._measured import cache_path, enabled, machine_key
+from ._measured import clock as _clock
+from .ops import cpu_isa
 from .ops.base import Backend, tracing
 from .ops.call import AttentionCall
 
@@ -51,6 +51,7 @@ __all__ = [
     "enabled",
     "forget",
     "known",
+    "machine_key",
     "measured_choice",
     "stored_choice",
 ]
@@ -77,25 +78,6 @@ class Choice:
         ranked = sorted(self.times.items(), key=lambda kv: kv[1])
         shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
         return f"{self.backend}: fastest measured on this machine ({shown}; {self.source})"
-
-
-_ENABLED: dict[str | None, bool] = {}  # QKV_AUTOTUNE's raw value -> on/off (read every call)
-
-
-def enabled() -> bool:
-    """Whether ``auto`` measures (``QKV_AUTOTUNE``, default on)."""
-    raw = os.environ.get("QKV_AUTOTUNE")
-    known = _ENABLED.get(raw)
-    if known is not None:
-        return known
-    value = (raw or "on").strip().lower()
-    if value in ("on", "1", "true", "yes", ""):
-        _ENABLED[raw] = True
-    elif value in ("off", "0", "false", "no"):
-        _ENABLED[raw] = False
-    else:
-        raise ValueError(f"QKV_AUTOTUNE={value!r}: use 'on' or 'off'")
-    return _ENABLED[raw]
 
 
 def _key(call: AttentionCall) -> tuple:
@@ -191,7 +173,7 @@ def measured_choice(
     if hit is not None:
         return hit if any(b.name == hit.backend for b in candidates) else None
     names = {b.name for b in candidates}
-    stored = None if fresh else _disk().get(kind)
+    stored = None if fresh else _measured.stored(kind)
     if stored is not None and stored.get("backend") in names:
         choice = Choice(stored["backend"], "disk", dict(stored.get("times", {})))
     else:
@@ -205,7 +187,7 @@ def measured_choice(
             return None
         best = min(times, key=times.__getitem__)
         choice = Choice(best, "measured", times)
-        _disk_store(kind, choice)
+        _measured.store(kind, {"backend": choice.backend, "times": choice.times})
     with _lock:
         if fresh or not _chosen.get(key, _STATIC).backend:
             _chosen[key] = choice
@@ -276,17 +258,12 @@ def _runner(backend: Backend, call: AttentionCall) -> Callable[[], None]:
     return both
 
 
-def _clock() -> float:
-    """The timer (tests replace it with a fake one)."""
-    return time.perf_counter()
-
-
 def forget() -> None:
-    """Drop this process's choices (the next call of each kind is measured again, or read
-    from disk)."""
+    """Drop this process's choices, the CPU routes' too (``ops.cpu_isa``): as in a new
+    process, the next call of each kind is measured again, or read from disk."""
     with _lock:
         _chosen.clear()
-    _disk.cache_clear()
+    cpu_isa.forget()
 
 
 def stored_choice(call: AttentionCall) -> Choice | None:
@@ -296,7 +273,7 @@ def stored_choice(call: AttentionCall) -> Choice | None:
         hit = _chosen.get(key)
     if hit is not None and hit.backend:
         return hit
-    stored = _disk().get(_kind_string(key))
+    stored = _measured.stored(_kind_string(key))
     if stored is None or "backend" not in stored:
         return None
     return Choice(stored["backend"], "disk", dict(stored.get("times", {})))
@@ -309,71 +286,3 @@ def known(call: AttentionCall) -> str | None:
         return None
     hit = _chosen.get(_key(call))
     return None if hit is None else hit.backend
-
-
-# --- the disk ----------------------------------------------------------------------------------
-
-
-def machine_key() -> str:
-    """What a measurement holds for: the processor (GPU name or CPU model and flags), torch's
-    and qkv's versions."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from .ops.cpu_isa import cpu_features
-
-    try:
-        qkv_version = version("qkv")
-    except PackageNotFoundError:  # run from a source tree, not installed
-        qkv_version = "source"
-
-    parts = [platform.machine(), _cpu_model(), " ".join(sorted(cpu_features()))]
-    if torch.cuda.is_available():
-        parts += [torch.cuda.get_device_name(), str(torch.cuda.get_device_capability())]
-    parts += [f"torch {torch.__version__}", f"qkv {qkv_version}"]
-    return " | ".join(parts)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cache_path() -> Path:
-    """The file this machine's choices are kept in."""
-    root = os.environ.get("QKV_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-        root = str(Path(xdg) / "qkv")
-    digest = hashlib.blake2b(machine_key().encode(), digest_size=8).hexdigest()
-    return Path(root) / f"autotune-{digest}.json"
-
-
-@functools.cache
-def _disk() -> dict:
-    """The stored choices (read once per process; an unreadable file counts as empty)."""
-    try:
-        data = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data.get("choices", {}) if isinstance(data, dict) else {}
-
-
-def _disk_store(kind: str, choice: Choice) -> None:
-    """Keep ``choice`` on disk too (atomically; a cache that cannot be written is skipped:
-    the choice still holds for this process)."""
-    stored = _disk()
-    stored[kind] = {"backend": choice.backend, "times": choice.times}
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"machine": machine_key(), "choices": stored}, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass

@@ -1,4 +1,5 @@
-"""What ``qkv tune`` runs: ``auto``'s choice measured ahead of time over a grid of calls.
+"""What ``qkv tune`` runs: ``auto``'s choice measured ahead of time over a grid of calls, and
+the CPU routes' choices (``qkv.ops.cpu_isa``: native or float32 half GEMMs, per half dtype).
 
 Each configuration (case x dtype x length, on one device) becomes a call on random inputs,
 and :func:`qkv.dispatch.tune` times every backend that can take it, those that compile on
@@ -15,10 +16,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .. import dispatch, masks
-from ..ops import AttentionCall
+from ..ops import AttentionCall, cpu_isa
 from .specs import document_ids
 
-__all__ = ["TUNE_CASES", "tune_grid"]
+__all__ = ["TUNE_CASES", "tune_grid", "tune_routes"]
 
 TUNE_CASES = ("none", "causal", "window", "document")
 
@@ -74,3 +75,20 @@ def tune_grid(
                 if progress is not None:
                     progress(row)
                 yield row
+
+
+def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict]:
+    """Measure each CPU route choice and keep it (in this process and on disk, where later
+    processes read it); yield one row per choice: ``{choice, route, times, reason}``, with
+    ``forced`` naming what ``QKV_CPU_HALF_GEMM`` holds this process to, if set."""
+    for dtype in (torch.bfloat16, torch.float16):
+        choice = cpu_isa.half_gemm_choice(dtype, fresh=True)
+        name = str(dtype).removeprefix("torch.")
+        row: dict = dict(choice=f"half GEMM {name}", route=choice.route, times=choice.times)
+        row["reason"] = choice.reason()
+        held = cpu_isa.half_gemm_choice(dtype, measure=False)
+        if held.source == "forced":
+            row["forced"] = held.route
+        if progress is not None:
+            progress(row)
+        yield row

@@ -1,4 +1,5 @@
-"""``qkv tune``: measure ``auto``'s choice of backend on this machine ahead of time."""
+"""``qkv tune``: measure ``auto``'s choice of backend and the CPU routes' choices (native or
+float32 half GEMMs) on this machine ahead of time."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import sys
 
 from .. import autotune
-from ..bench.tune import TUNE_CASES, tune_grid
+from ..bench.tune import TUNE_CASES, tune_grid, tune_routes
 
 __all__ = ["add_parser", "run_tune"]
 
@@ -19,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="For each case, dtype and length, time every backend that can take the "
         "call (those that compile on first use too, such as flex) and keep the fastest on "
         "disk, where backend='auto' finds it in later processes on this machine "
-        "(QKV_AUTOTUNE=off ignores it). Prints one line per configuration.",
+        "(QKV_AUTOTUNE=off ignores it); first the CPU's route choices (native or float32 "
+        "half GEMMs, per half dtype), kept the same way. Prints one line per choice.",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -38,6 +40,8 @@ def run_tune(args: argparse.Namespace) -> int:
             raise ValueError(f"--dtypes: unknown dtype {name!r}; use float32, float16, bfloat16")
     print(f"machine: {autotune.machine_key()}")
     print(f"choices kept in {autotune.cache_path()}")
+    for _ in tune_routes(progress=_print_route):  # kept on disk as they are measured
+        pass
     rows = list(
         tune_grid(
             device=args.device,
@@ -54,6 +58,12 @@ def run_tune(args: argparse.Namespace) -> int:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _print_route(row: dict) -> None:
+    forced = row.get("forced")
+    held = "" if forced is None else f" [QKV_CPU_HALF_GEMM={forced} holds this process]"
+    print(f"{row['choice']:28s} -> {row['reason']}{held}", flush=True)
 
 
 def _print_row(row: dict) -> None:

@@ -1,40 +1,66 @@
-"""What this CPU does well, for the speed choices of the CPU kernels (issue 25).
+"""What this CPU does well, for the speed choices of the CPU kernels (issues 25 and 38).
 
 torch's half-precision (bfloat16/float16) GEMM on a CPU is fast only where the CPU multiplies
-bfloat16 natively (AVX-512-BF16, AMX): there oneDNN runs it at float32's rate or better. Without
-them (AVX2 machines, AVX-512 machines without the BF16 extension) it ran at ~1.7 GFLOP/s on
-the 2-core EPYC (Zen 3) box, and multiplying in float32 was 16x faster. So half inputs on the
-CPU are multiplied in float32 unless the CPU has native bfloat16 arithmetic that torch is
-allowed to use (``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA`` can hold it to AVX2).
+half natively (AVX-512-BF16, AMX, AVX-512-FP16) and torch may use it: there oneDNN runs it at
+float32's rate or better. Without (AVX2 machines, AVX-512 machines without the BF16
+extension, or torch held to AVX2 by ``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA``) it ran at
+~1.7 GFLOP/s on the 2-core EPYC (Zen 3) box, and multiplying in float32 was 16x faster. Which
+holds on the machine at hand is measured, not read from the flags (issue 38; flags guess,
+timings know): the first half GEMM of each dtype in a process times a representative one (the
+fused in-projection of 128 tokens, C=256 to 3C, as :func:`linear` forms it) both ways, a few
+milliseconds, and takes the faster route for the process. The verdict is kept on disk beside
+``auto``'s (``qkv._measured``: same file, same machine key), where the next process reads it;
+``qkv tune`` measures it ahead of time. Either route meets the tolerance policy (issue 37: the
+suite forces both), so the choice changes speed only.
 
-``QKV_CPU_HALF_GEMM=float32`` or ``=native`` overrides the choice (for benchmarks).
+* ``QKV_CPU_HALF_GEMM=float32`` or ``=native`` forces the route (for benchmarks and tests).
+* ``QKV_AUTOTUNE=off`` (and tracing: torch.compile, export, vmap, or a dispatch mode, where
+  nothing may be timed) gives the flag rule (:func:`native_bf16`), or under tracing a verdict
+  already known (this process or the disk).
+* :func:`half_gemm_choice` says which route a dtype takes and why (forced, measured with the
+  times, from disk, from the flags); :func:`explain_half_gemm` says it in a line and runs
+  nothing.
 """
 
 from __future__ import annotations
 
-import functools
 import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["cpu_features", "half_gemm_route", "linear", "native_bf16", "widens_half"]
+from .. import _measured
+from .._measured import clock as _clock
+from .._measured import cpu_features
+from .base import tracing
 
+__all__ = [
+    "HALF_GEMM_ROUTES",
+    "RouteChoice",
+    "cpu_features",
+    "explain_half_gemm",
+    "forget",
+    "half_gemm_choice",
+    "half_gemm_route",
+    "linear",
+    "native_bf16",
+    "widens_half",
+]
+
+HALF_GEMM_ROUTES = ("native", "float32")
+_HALF = (torch.bfloat16, torch.float16)
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
-
-@functools.cache
-def cpu_features() -> frozenset[str]:
-    """The CPU's feature flags (``/proc/cpuinfo``; empty where that cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+# The representative GEMM: the fused in-projection (x @ W.T + b) of 128 tokens of a C=256
+# model, (128, 256) x (768, 256)^T: 50 MFLOP, 0.13 ms native with AMX, 0.5 ms in float32, and
+# 5 ms native where torch's half GEMM is slow (AVX2); small enough that the slow route's
+# runs (one untimed, two timed) stay under 20 ms once per process and dtype.
+_ROWS, _IN, _OUT = 128, 256, 768
+_ROUNDS, _BUDGET_S = 5, 0.004  # rounds of one timed run each, stopping after ~4 ms (2 at least)
 
 
 def native_bf16(
@@ -54,26 +80,181 @@ def native_bf16(
     return not held and any(f in features for f in _NATIVE_BF16_FLAGS)
 
 
-def half_gemm_route() -> str:
-    """``"native"``: half inputs are multiplied by torch in their own dtype; ``"float32"``:
-    widened to float32 first (same products, float32 sums). From ``QKV_CPU_HALF_GEMM`` when set,
-    else from :func:`native_bf16`."""
+@dataclass(frozen=True)
+class RouteChoice:
+    """The half-GEMM route a dtype takes, and why.
+
+    ``source``: ``"forced"`` (``QKV_CPU_HALF_GEMM``), ``"measured"`` (in this process),
+    ``"disk"`` (an earlier process or ``qkv tune``), ``"flags"`` (the flag rule: measuring
+    off, under tracing, or not measured yet); ``times``: seconds per representative GEMM of
+    each route (empty unless measured).
+    """
+
+    route: str
+    source: str
+    times: dict[str, float]
+    note: str = ""
+
+    def reason(self) -> str:
+        if self.times:
+            ranked = sorted(self.times.items(), key=lambda kv: kv[1])
+            shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
+            return f"{self.route}: faster measured on this machine ({shown}; {self.source})"
+        return f"{self.route}: {self.note or self.source}"
+
+
+_lock = threading.Lock()
+_chosen: dict[torch.dtype, RouteChoice] = {}  # dtype -> this process's route (never changes)
+
+
+def half_gemm_route(dtype: torch.dtype = torch.bfloat16) -> str:
+    """``"native"``: half inputs of ``dtype`` are multiplied by torch in their own dtype;
+    ``"float32"``: widened to float32 first (same products, float32 sums). Forced by
+    ``QKV_CPU_HALF_GEMM``; else measured once per process and dtype (or read from disk), or
+    with ``QKV_AUTOTUNE=off`` from the flags (:func:`native_bf16`). The hot path: after the
+    first call, two environment reads and a dict lookup."""
+    forced = _forced()
+    if forced is not None:
+        return forced
+    if not _measured.enabled():
+        return _flag_route()
+    hit = _chosen.get(dtype)
+    if hit is not None:
+        return hit.route
+    if _cannot_time():
+        return _route_without_timing(dtype)
+    return half_gemm_choice(dtype).route
+
+
+def half_gemm_choice(
+    dtype: torch.dtype = torch.bfloat16, *, measure: bool = True, fresh: bool = False
+) -> RouteChoice:
+    """The route ``dtype``'s half GEMMs take here, and why (see :class:`RouteChoice`).
+
+    ``measure=False`` runs nothing: a route not yet known is the flag rule's.
+    ``fresh=True`` (``qkv tune``) measures whatever is kept, forced or off, and keeps the
+    verdict for this process and on disk.
+    """
+    if dtype not in _HALF:
+        raise ValueError(
+            f"half_gemm_choice: dtype must be torch.bfloat16 or torch.float16, got {dtype}"
+        )
+    if not fresh:
+        forced = _forced()
+        if forced is not None:
+            return RouteChoice(forced, "forced", {}, f"forced by QKV_CPU_HALF_GEMM={forced}")
+        if not _measured.enabled():
+            return _flag_choice("measuring is off, QKV_AUTOTUNE=off")
+        hit = _chosen.get(dtype) or _from_disk(dtype)
+        if hit is not None:
+            if measure:
+                with _lock:
+                    hit = _chosen.setdefault(dtype, hit)
+            return hit
+        if not measure:
+            return _flag_choice("not measured yet")
+    if _cannot_time():
+        return _flag_choice("not measured under tracing")
+    times = _time_routes(dtype)
+    choice = RouteChoice(min(times, key=times.__getitem__), "measured", times)
+    _measured.store(_disk_name(dtype), {"route": choice.route, "times": times})
+    with _lock:
+        if fresh:
+            _chosen[dtype] = choice
+        return _chosen.setdefault(dtype, choice)
+
+
+def explain_half_gemm(dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which route ``dtype``'s half GEMMs take on this CPU and why, in a line; runs nothing
+    (a route not yet measured shows the flag rule's)."""
+    name = str(dtype).removeprefix("torch.")
+    return f"half GEMM {name} -> {half_gemm_choice(dtype, measure=False).reason()}"
+
+
+def forget() -> None:
+    """Drop this process's routes (the next half GEMM of each dtype is measured again, or
+    read from disk; the disk is read again)."""
+    with _lock:
+        _chosen.clear()
+    _measured.forget()
+
+
+def _forced() -> str | None:
     forced = os.environ.get("QKV_CPU_HALF_GEMM", "").strip().lower()
-    if forced in ("native", "float32"):
+    if forced in HALF_GEMM_ROUTES:
         return forced
     if forced:
         raise ValueError(f"QKV_CPU_HALF_GEMM must be 'native' or 'float32', got {forced!r}")
+    return None
+
+
+def _flag_route() -> str:
     return "native" if native_bf16() else "float32"
 
 
+def _flag_choice(why: str) -> RouteChoice:
+    route = _flag_route()
+    has = "has" if route == "native" else "has no"
+    note = f"the CPU flags' rule (torch {has} AVX-512-BF16/AMX to use; {why})"
+    return RouteChoice(route, "flags", {}, note)
+
+
+def _disk_name(dtype: torch.dtype) -> str:
+    return f"route:half_gemm/{str(dtype).removeprefix('torch.')}"
+
+
+def _from_disk(dtype: torch.dtype) -> RouteChoice | None:
+    entry = _measured.stored(_disk_name(dtype))
+    if entry is None or entry.get("route") not in HALF_GEMM_ROUTES:
+        return None
+    return RouteChoice(entry["route"], "disk", dict(entry.get("times", {})))
+
+
+def _cannot_time() -> bool:
+    """Under torch.compile, export, a torch.func transform or a dispatch mode (fake tensors,
+    op counters): nothing may run for timing there, nor would it time the kernels."""
+    return tracing() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def _route_without_timing(dtype: torch.dtype) -> str:
+    """A route known (this process, the disk) or the flag rule's: what tracing takes. Under
+    torch.compile this runs at trace time and enters the graph as a constant (it reads a
+    file, which dynamo would not trace)."""
+    return half_gemm_choice(dtype, measure=False).route
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo with qkv
+vars(_route_without_timing)["_dynamo_marked_constant"] = True
+
+
+def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """The representative GEMM by each route, as :func:`linear` forms it (the flag rule's
+    route first: it wins a tie). Drawn from a generator of its own: the global one is left as
+    it was."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(_ROWS, _IN, generator=g, device="cpu").to(dtype)  # (T, C)
+    w = torch.randn(_OUT, _IN, generator=g, device="cpu").to(dtype)  # (3C, C)
+    b = torch.randn(_OUT, generator=g, device="cpu").to(dtype)  # (3C,)
+    runners: dict[str, Callable[[], object]] = {
+        "native": lambda: F.linear(x, w, b),  # (T, 3C)
+        "float32": lambda: F.linear(x.float(), w.float(), b.float()).to(dtype),  # (T, 3C)
+    }
+    first = _flag_route()
+    return {first: runners[first]} | {n: r for n, r in runners.items() if n != first}
+
+
+def _time_routes(dtype: torch.dtype) -> dict[str, float]:
+    """Seconds per representative GEMM of each route (autocast off: it would turn the float32
+    route into a half one)."""
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        runners = _gemm_runners(dtype)
+        return _measured.time_each(runners, rounds=_ROUNDS, budget_s=_BUDGET_S, clock=_clock)
+
+
 def widens_half(x: Tensor) -> bool:
-    """Whether ``x``'s products are to be formed in float32: a float16/bfloat16 CPU tensor on
-    a CPU whose half GEMMs are slow (:func:`half_gemm_route` ``"float32"``)."""
-    return (
-        x.dtype in (torch.float16, torch.bfloat16)
-        and x.device.type == "cpu"
-        and half_gemm_route() == "float32"
-    )
+    """Whether ``x``'s products are to be formed in float32: a float16/bfloat16 CPU tensor
+    whose dtype's half GEMMs take the float32 route here (:func:`half_gemm_route`)."""
+    return x.dtype in _HALF and x.device.type == "cpu" and half_gemm_route(x.dtype) == "float32"
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -81,7 +262,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     :func:`widens_half` are multiplied in float32 and rounded once to their dtype (float32
     sums, as torch's half GEMM has; the bfloat16 in-projection of 8 heads, E=512, T=256 took
     2.1 ms this way against 7.5 ms as a bfloat16 GEMM, on the 2-core AVX-512 Xeon without
-    AVX-512-BF16).
+    AVX-512-BF16, and the other way round with AMX: the route is measured).
     Differentiable; a gradient is formed in float32 too.
 
     Shape:

@@ -1,0 +1,206 @@
+"""Choices measured on this machine, kept on disk: what ``auto`` and the CPU routes share.
+
+qkv makes its speed choices by timing on the machine at hand (issue 38): ``auto``'s backend
+(``qkv.autotune``) and the CPU kernels' routes (``qkv.ops.cpu_isa``: native or float32 half
+GEMMs). Each kind of choice is measured once, kept in memory for the process, and kept on
+disk for the next process on the same machine. This module is the part they share, below
+both (``ops`` may not import ``autotune``): the switch, the timer, the machine's name and the
+file.
+
+* ``QKV_AUTOTUNE=off`` turns measuring off everywhere (each choice falls back to its fixed
+  rule: the static order of backends, the CPU flags for half GEMMs); ``=on`` (the default)
+  measures.
+* The file: ``$QKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``;
+  ``autotune-<digest>.json``, one per machine (CPU model and flags or GPU name, torch and qkv
+  versions), a JSON object ``{"machine": ..., "choices": {name: entry}}``. The names of
+  ``auto``'s choices are call kinds (``cpu/float32/causal/...``); a CPU route's name starts
+  with ``route:``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "cache_path",
+    "clock",
+    "cpu_features",
+    "cpu_model",
+    "enabled",
+    "forget",
+    "machine_key",
+    "store",
+    "stored",
+    "time_each",
+]
+
+_ENABLED: dict[str | None, bool] = {}  # QKV_AUTOTUNE's raw value -> on/off (read every call)
+
+
+def enabled() -> bool:
+    """Whether qkv measures its speed choices (``QKV_AUTOTUNE``, default on)."""
+    raw = os.environ.get("QKV_AUTOTUNE")
+    known = _ENABLED.get(raw)
+    if known is not None:
+        return known
+    value = (raw or "on").strip().lower()
+    if value in ("on", "1", "true", "yes", ""):
+        _ENABLED[raw] = True
+    elif value in ("off", "0", "false", "no"):
+        _ENABLED[raw] = False
+    else:
+        raise ValueError(f"QKV_AUTOTUNE={value!r}: use 'on' or 'off'")
+    return _ENABLED[raw]
+
+
+def clock() -> float:
+    """Seconds, for timing (each user reads it through a module global of its own, which
+    tests replace with a fake clock)."""
+    return time.perf_counter()
+
+
+def time_each(
+    runners: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    budget_s: float,
+    clock: Callable[[], float] = clock,
+) -> dict[str, float]:
+    """Seconds per run of each runner: the fastest of up to ``rounds`` timed runs, after one
+    untimed run each (first-use costs: kernels generated, caches filled). The runners take
+    turns within a round, so that a burst of load on a shared machine falls on all of them;
+    rounds stop once ``budget_s`` has passed (two rounds at least)."""
+    for run in runners.values():
+        run()
+    best = dict.fromkeys(runners, float("inf"))
+    start = clock()
+    for i in range(rounds):
+        for name, run in runners.items():
+            t0 = clock()
+            run()
+            best[name] = min(best[name], clock() - t0)
+        if i >= 1 and clock() - start > budget_s:
+            break
+    return best
+
+
+# --- the machine -------------------------------------------------------------------------------
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where that cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_key() -> str:
+    """What a measurement holds for: the processor (GPU name or CPU model and flags), the
+    instructions torch and oneDNN may use (``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA`` hold
+    them to AVX2, and half GEMMs slow down 10x), torch's and qkv's versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        qkv_version = version("qkv")
+    except PackageNotFoundError:  # run from a source tree, not installed
+        qkv_version = "source"
+
+    parts = [platform.machine(), cpu_model(), " ".join(sorted(cpu_features()))]
+    parts.append(f"aten {torch.backends.cpu.get_cpu_capability()}")
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if onednn:
+        parts.append(f"onednn {onednn}")
+    if torch.cuda.is_available():
+        parts += [torch.cuda.get_device_name(), str(torch.cuda.get_device_capability())]
+    parts += [f"torch {torch.__version__}", f"qkv {qkv_version}"]
+    return " | ".join(parts)
+
+
+# --- the file ----------------------------------------------------------------------------------
+
+
+def cache_path() -> Path:
+    """The file this machine's choices are kept in."""
+    root = os.environ.get("QKV_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        root = str(Path(xdg) / "qkv")
+    digest = hashlib.blake2b(machine_key().encode(), digest_size=8).hexdigest()
+    return Path(root) / f"autotune-{digest}.json"
+
+
+_lock = threading.Lock()
+
+
+def _read(path: Path) -> dict:
+    """The choices in ``path`` (an unreadable or foreign file counts as empty)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    choices = data.get("choices", {}) if isinstance(data, dict) else {}
+    return choices if isinstance(choices, dict) else {}
+
+
+@functools.cache
+def _disk() -> dict:
+    """The stored choices, read once per process (later processes' writes are not seen)."""
+    return _read(cache_path())
+
+
+def stored(name: str) -> dict | None:
+    """The entry kept on disk under ``name`` (as this process first read the file, plus its
+    own writes), or None."""
+    entry = _disk().get(name)
+    return entry if isinstance(entry, dict) else None
+
+
+def store(name: str, entry: dict) -> None:
+    """Keep ``entry`` on disk under ``name``: merged into the file as it is now (another
+    process's choices stay), written atomically. A cache that cannot be written is skipped:
+    the choice still holds for this process."""
+    with _lock:
+        _disk()[name] = entry
+        path = cache_path()
+        merged = {**_read(path), name: entry}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"machine": machine_key(), "choices": merged}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+
+def forget() -> None:
+    """Drop this process's copy of the file (the next read reads it again)."""
+    _disk.cache_clear()
