@@ -66,8 +66,9 @@ MACHINE_PROBES = {
     "test_cpu_isa.py with a fake clock",
     "tasks/_cache.py": "QKV_CACHE: where generated data sets are kept, no route",
     "bench/report.py": "/proc/cpuinfo: the CPU named in a benchmark's report, no route",
-    "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch): tests/test_deformable.py "
-    "runs both kernels by name",
+    "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch, triton): "
+    "tests/test_deformable.py runs cpp and torch by name, tests/test_deformable_triton.py "
+    "triton under the CPU interpreter",
     "ops/deformable/native.py": "the CPU capability: the C++ kernel's ISA flags and its build "
     "name, no route beyond the kernel",
 }

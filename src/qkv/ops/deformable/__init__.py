@@ -4,7 +4,9 @@
 * ``gather.py``: plain PyTorch ops, forward and backward written out, nothing of ``L * P`` times
   the output materialised; any device;
 * ``native.py`` + ``kernel.cpp``: the CPU kernel, C++ built at first use;
-* ``op.py``: both behind the custom op ``qkv::deformable_attention``;
+* ``triton_launch.py`` + ``triton_kernels.py``: the CUDA kernels, Triton, with a deterministic
+  backward (tested on CPU under triton's interpreter);
+* ``op.py``: all three behind the custom op ``qkv::deformable_attention``;
 * ``torch.onnx.export`` writes the slow twin instead (ONNX has no such op; ``GridSample`` is
   standard since opset 16);
 * ``inputs.py``: validation.
@@ -41,8 +43,8 @@ def deformable_attention(
     level_start_index: Tensor | None = None,
     kernel: str | None = None,
 ) -> Tensor:
-    """:func:`qkv.deformable_attention`, with the kernel named (``auto``, ``cpp``, ``torch``;
-    None reads ``QKV_DEFORMABLE_KERNEL``).
+    """:func:`qkv.deformable_attention`, with the kernel named (``auto``, ``cpp``, ``torch``,
+    ``triton``; None reads ``QKV_DEFORMABLE_KERNEL``).
 
     Shape:
         value ``(B, S, M, D)``; spatial_shapes ``(L, 2)``; sampling_locations

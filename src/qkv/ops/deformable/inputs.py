@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-KERNELS = ("auto", "cpp", "torch")
+KERNELS = ("auto", "cpp", "torch", "triton")
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 

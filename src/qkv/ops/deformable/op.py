@@ -10,14 +10,18 @@ runs the gather path's forward as plain differentiable torch ops instead (see
 Which kernel runs is decided inside the op, at run time, from a constant string:
 
 * ``"cpp"``: ``native.py``'s C++ loop (CPU tensors; built at first use);
+* ``"triton"``: ``triton_launch.py``'s fused kernels (CUDA tensors where triton imports; CPU
+  tensors only inside ``qkv.ops.triton.interpreter()``, for tests);
 * ``"torch"``: ``gather.py``'s plain PyTorch ops (any device);
-* ``"auto"``: ``"cpp"`` for CPU tensors where it builds, else ``"torch"``. The C++ kernel is
-  not timed against the other: it does the same gathers with no per-corner tensor and no
-  launch per (level, point, corner), so it is the faster one on every CPU (the benchmark
-  ``benchmarks/bench_deformable.py`` records by how much).
+* ``"auto"``: ``"cpp"`` for CPU tensors where it builds, ``"triton"`` for CUDA tensors where
+  triton imports, else ``"torch"``. Neither is timed against ``"torch"``: each does the same
+  gathers with no per-corner tensor and no launch per (level, point, corner), where the torch
+  path launches ``4 * L * P`` gathers and adds each into the output, so the fused kernel is
+  the faster one (``benchmarks/bench_deformable.py`` records by how much on the CPU,
+  ``benchmarks/gpu_deformable.py`` on a GPU).
 
-``QKV_DEFORMABLE_KERNEL`` forces one for every call (tests, benchmarks); ``"cpp"`` forced where it
-cannot build raises with the reason instead of falling back.
+``QKV_DEFORMABLE_KERNEL`` forces one for every call (tests, benchmarks); ``"cpp"`` or
+``"triton"`` forced where it cannot run raises with the reason instead of falling back.
 
 Shape alphabet: B batch, S flattened value length, M heads, D head dim, Lq queries, L levels,
 P points.
@@ -30,7 +34,7 @@ import os
 import torch
 from torch import Tensor
 
-from . import native
+from . import native, triton_launch
 from .gather import deformable_backward_gather, deformable_forward_gather
 from .inputs import KERNELS, check_levels
 
@@ -40,7 +44,8 @@ ENV = "QKV_DEFORMABLE_KERNEL"
 
 
 def kernel_from_env() -> str:
-    """``QKV_DEFORMABLE_KERNEL`` (``auto``, ``cpp`` or ``torch``; ``auto`` when unset)."""
+    """``QKV_DEFORMABLE_KERNEL`` (``auto``, ``cpp``, ``torch`` or ``triton``; ``auto`` when
+    unset)."""
     kernel = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if kernel not in KERNELS:
         raise ValueError(f"{ENV}={kernel!r}; use one of {', '.join(KERNELS)}")
@@ -48,9 +53,16 @@ def kernel_from_env() -> str:
 
 
 def pick_kernel(kernel: str, device: torch.device) -> str:
-    """The kernel that runs: ``cpp`` or ``torch``."""
+    """The kernel that runs: ``cpp``, ``triton`` or ``torch``."""
     if kernel == "torch":
         return "torch"
+    if kernel == "triton" or (kernel == "auto" and device.type == "cuda"):
+        why = triton_launch.unavailable_reason(device)
+        if not why:
+            return "triton"
+        if kernel == "triton":
+            raise RuntimeError(f"{ENV}=triton (the Triton kernels) cannot run: {why}")
+        return "torch"  # auto on CUDA without triton
     if device.type == "cpu" and native.library() is not None:
         return "cpp"
     if kernel == "cpp":
@@ -94,6 +106,8 @@ def _deformable_attention(
         lib = native.library()
         assert lib is not None  # pick_kernel said cpp
         return native.forward_cpp(lib, *args)
+    if kernel == "triton":
+        return triton_launch.forward_triton(*args)
     return deformable_forward_gather(*args)
 
 
@@ -113,8 +127,9 @@ def _deformable_attention_backward(
     attention_weights: Tensor,
     kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients for value, sampling_locations and attention_weights; deterministic on CPU
-    (the same bits on every run: no atomics, a fixed order of accumulation)."""
+    """Gradients for value, sampling_locations and attention_weights; deterministic from the
+    cpp and triton kernels (the same bits on every run: no atomics, a fixed order of
+    accumulation), and from torch on the CPU (CUDA's ``index_add_`` adds in any order)."""
     if value.numel() == 0 or attention_weights.numel() == 0:
         return (
             torch.zeros_like(value),
@@ -130,6 +145,8 @@ def _deformable_attention_backward(
         lib = native.library()
         assert lib is not None
         return native.backward_cpp(lib, grad_out, *args)
+    if kernel == "triton":
+        return triton_launch.backward_triton(grad_out, *args)
     return deformable_backward_gather(grad_out, *args)
 
 

@@ -11,6 +11,7 @@ from .backend import (
     TritonBackend,
     default_blocks,
     interpreter,
+    interpreting,
     triton_attention,
     triton_available,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "TritonBackend",
     "default_blocks",
     "interpreter",
+    "interpreting",
     "triton_attention",
     "triton_available",
 ]

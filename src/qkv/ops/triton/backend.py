@@ -45,6 +45,7 @@ __all__ = [
     "clear_block_list_cache",
     "default_blocks",
     "interpreter",
+    "interpreting",
     "triton_attention",
     "triton_available",
 ]
@@ -71,6 +72,12 @@ def interpreter():
         yield
     finally:
         _INTERPRET["on"] = before
+
+
+def interpreting() -> bool:
+    """Whether CPU calls run under triton's interpreter now (inside :func:`interpreter`); the
+    deformable kernels (``qkv.ops.deformable.triton_launch``) follow the same switch."""
+    return _INTERPRET["on"]
 
 
 @functools.cache
