@@ -367,19 +367,26 @@ def test_torch_compile_takes_the_known_route_without_measuring(measuring):
 
 def test_measuring_leaves_the_global_generator_and_grad_mode_alone(monkeypatch, tmp_path):
     """The real GEMMs run (fake clock: no timing asserted): the inputs come from a
-    generator of their own, under no_grad and without autocast, which stay as they were."""
+    generator of their own, on one thread, under no_grad and without autocast; the global
+    generator, the thread count, grad mode and autocast stay as they were."""
     monkeypatch.setenv("QKV_AUTOTUNE", "on")
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("QKV_CPU_HALF_GEMM", raising=False)
     monkeypatch.setattr(cpu_isa, "_clock", lambda: Clock.now)
     cpu_isa.forget()
+    seen = []
+    real = torch.nn.functional.linear
+    monkeypatch.setattr(
+        cpu_isa.F, "linear", lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+    )
     try:
-        state = torch.get_rng_state()
+        state, threads = torch.get_rng_state(), torch.get_num_threads()
         with torch.autocast("cpu", dtype=BF16):
             choice = cpu_isa.half_gemm_choice(F16)
             assert torch.is_autocast_enabled("cpu")
         assert choice.source == "measured" and set(choice.times) == {"native", "float32"}
         assert torch.equal(torch.get_rng_state(), state) and torch.is_grad_enabled()
+        assert set(seen) == {1} and len(seen) >= 6 and torch.get_num_threads() == threads
     finally:
         cpu_isa.forget()
 

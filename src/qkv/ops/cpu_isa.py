@@ -8,10 +8,14 @@ extension, or torch held to AVX2 by ``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA
 holds on the machine at hand is measured, not read from the flags (issue 38; flags guess,
 timings know): the first half GEMM of each dtype in a process times a representative one (the
 fused in-projection of 128 tokens, C=256 to 3C, as :func:`linear` forms it) both ways, a few
-milliseconds, and takes the faster route for the process. The verdict is kept on disk beside
-``auto``'s (``qkv._measured``: same file, same machine key), where the next process reads it;
-``qkv tune`` measures it ahead of time. Either route meets the tolerance policy (issue 37: the
-suite forces both), so the choice changes speed only.
+milliseconds on one thread, and takes the faster route for the process. One thread, because
+the verdict is the kernels' speed per core and outlasts the moment: with torch's threads as
+many as the cores of a loaded machine, each parallel region waits for a descheduled thread
+(a small op took 13-29 ms on two threads of the shared 2-core Xeon box at load 2.5, 0.016 ms
+on one), which made the five-kernel float32 route lose to AVX2's slow half GEMM, at random. The
+verdict is kept on disk beside ``auto``'s (``qkv._measured``: same file, same machine key),
+where the next process reads it; ``qkv tune`` measures it ahead of time. Either route meets
+the tolerance policy (issue 37: the suite forces both), so the choice changes speed only.
 
 * ``QKV_CPU_HALF_GEMM=float32`` or ``=native`` forces the route (for benchmarks and tests).
 * ``QKV_AUTOTUNE=off`` (and tracing: torch.compile, export, vmap, or a dispatch mode, where
@@ -244,11 +248,16 @@ def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
 
 
 def _time_routes(dtype: torch.dtype) -> dict[str, float]:
-    """Seconds per representative GEMM of each route (autocast off: it would turn the float32
-    route into a half one)."""
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        runners = _gemm_runners(dtype)
-        return _measured.time_each(runners, rounds=_ROUNDS, budget_s=_BUDGET_S, clock=_clock)
+    """Seconds per representative GEMM of each route, on one thread (torch's count is put
+    back after), without autocast (it would turn the float32 route into a half one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            runners = _gemm_runners(dtype)
+            return _measured.time_each(runners, rounds=_ROUNDS, budget_s=_BUDGET_S, clock=_clock)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def widens_half(x: Tensor) -> bool:

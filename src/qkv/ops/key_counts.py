@@ -35,7 +35,10 @@ __all__ = ["counts", "covers_every_key", "key_counts", "sees_own_position"]
 _matrices = IdentityCache(8)
 _sorted_ids = IdentityCache(16)
 
-# a block of the generic count holds at most this many (row, key) pairs
+# a block of the generic count holds at most this many (row, key) pairs: a memory bound (the
+# 0/1 float32 matrix of a block is 64 MiB, and a remembered mask's matrix at most that), not
+# a speed choice, so it is not measured per machine (issue 38): the count is one GEMM per
+# block, whose cost per pair does not depend on the block once it is this large
 _BLOCK_PAIRS = 1 << 24
 
 

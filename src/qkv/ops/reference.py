@@ -138,7 +138,8 @@ def widened(call: AttentionCall) -> AttentionCall:
 # native AVX-512 class and with torch held to AVX2. Half inputs use an eighth of it (their
 # float32 scores live in a work buffer besides the weights): bf16, T=1024/4096, blocks of
 # 2^21 took 16.5-18.2/300-312 ms against 18.4-21.5/313-329 in 2^20 and 17.6-21.2/296-309 in
-# 2^22.
+# 2^22. Not measured per machine (issue 38): past the per-call cost the budget is flat (the
+# 4-10% above, on both ISA classes), and it is the bound of the half inputs' work buffer.
 _BLOCK_ELEMENTS = 2**24
 
 

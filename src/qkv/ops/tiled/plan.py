@@ -45,7 +45,13 @@ from ..plan_cache import PlanCache
 BLOCK_Q = 64  # query rows per tile
 BLOCK_K = 64  # keys per block (the unit of skipping)
 MIN_FULL_RUN = 8  # full blocks worth a chunk of their own (no mask) rather than riding along
-CHUNK_ELEMENTS = 1 << 22  # B*H*tq*kc scores per chunk: 16 MiB in float32
+# B*H*tq*kc scores per chunk: 16 MiB in float32. It bounds each kernel call's scores, and
+# its speed is flat, so it is not measured per machine (issue 38): on the AMX Xeon box (one
+# thread, 8 heads, D=64, T=4096, medians of 5), 2^20 / 2^22 / 2^24 took for window(256)
+# 37.9/37.4/36.9 ms fp32 and 44.3/43.6/44.8 bf16, document 100/91/88 and 54/51/51, causal
+# 238/257/285 and 152/156/195: 2^22 within 8% of the best of the three in each case, and no
+# one budget best across cases (which a measured constant per machine would need).
+CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
