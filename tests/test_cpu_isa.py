@@ -218,6 +218,7 @@ class FakeGemms:
 
 
 BF16, F16 = torch.bfloat16, torch.float16
+NATIVE_BF16 = cpu_isa.native_bf16  # as the library has it (the fixture below replaces it)
 
 
 @pytest.fixture
@@ -395,3 +396,24 @@ def test_the_dtype_must_be_half():
     want = r"dtype must be torch\.bfloat16 or torch\.float16, got torch\.float32"
     with pytest.raises(ValueError, match=want):
         cpu_isa.half_gemm_choice(torch.float32)
+
+
+@pytest.mark.parametrize("autotune", ["on", "off"])
+def test_a_bf16_module_compiles_whole(measuring, monkeypatch, autotune):
+    """A bfloat16 MultiHeadAttention traces whole under torch.compile(fullgraph=True) with
+    measuring on (the route not yet known: the flag rule's, nothing timed) and off. Before,
+    dynamo traced the route's lookup into open("/proc/cpuinfo") and gave up."""
+    fake = measuring(AMX_LIKE)
+    monkeypatch.setenv("QKV_AUTOTUNE", autotune)
+    monkeypatch.setattr(cpu_isa, "native_bf16", NATIVE_BF16)  # the real flags: /proc/cpuinfo
+    flag_route = "native" if NATIVE_BF16() else "float32"
+    torch.manual_seed(0)
+    m = qkv.MultiHeadAttention(32, 4, dtype=BF16).eval()
+    x = torch.randn(2, 9, 32).to(BF16)  # (B, T, C)
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        got = compiled(x)
+        assert fake.total() == 0
+        monkeypatch.setenv("QKV_CPU_HALF_GEMM", flag_route)
+        want = m(x)
+    assert torch.equal(got, want)

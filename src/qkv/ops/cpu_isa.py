@@ -125,9 +125,18 @@ def half_gemm_route(dtype: torch.dtype = torch.bfloat16) -> str:
     hit = _chosen.get(dtype)
     if hit is not None:
         return hit.route
-    if _cannot_time():
-        return _route_without_timing(dtype)
+    if _cannot_time():  # a route known (this process, the disk), else the flag rule's
+        return half_gemm_choice(dtype, measure=False).route
     return half_gemm_choice(dtype).route
+
+
+# What torch.compiler.assume_constant_result sets, without importing torch._dynamo with qkv:
+# under torch.compile the route is looked up once, in Python at trace time (where it reads no
+# clock: tracing), and enters the graph as a constant. Traced, it failed: dynamo traces
+# through functools.cache into open("/proc/cpuinfo"), and a dict the lookup fills was guarded
+# in the frame that filled it. The graph keeps the route it was traced with, as the process
+# keeps the route it measured.
+vars(half_gemm_route)["_dynamo_marked_constant"] = True
 
 
 def half_gemm_choice(
@@ -218,17 +227,6 @@ def _cannot_time() -> bool:
     """Under torch.compile, export, a torch.func transform or a dispatch mode (fake tensors,
     op counters): nothing may run for timing there, nor would it time the kernels."""
     return tracing() or torch._C._len_torch_dispatch_stack() > 0
-
-
-def _route_without_timing(dtype: torch.dtype) -> str:
-    """A route known (this process, the disk) or the flag rule's: what tracing takes. Under
-    torch.compile this runs at trace time and enters the graph as a constant (it reads a
-    file, which dynamo would not trace)."""
-    return half_gemm_choice(dtype, measure=False).route
-
-
-# What torch.compiler.assume_constant_result sets, without importing torch._dynamo with qkv
-vars(_route_without_timing)["_dynamo_marked_constant"] = True
 
 
 def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
