@@ -52,7 +52,8 @@ sweep-hf: $(STAMP)
 	$(PY) benchmarks/hf_sweep.py --out benchmarks/results/hf_sweep.json
 
 # On a lent GPU machine (issue 39): the CUDA tests and the core files on CUDA, then the public
-# API against Flex, cuDNN and flash into $(GPU_OUT)/gpu_api.json (about 8 minutes; the
+# API against Flex, cuDNN and flash into $(GPU_OUT)/gpu_api.json and deformable attention's
+# Triton kernels against grid_sample into $(GPU_OUT)/gpu_deformable.json (about 9 minutes; the
 # machine's own python and torch). `make gpu-check DRY=1` checks it here, without a GPU.
 GPU_OUT ?= benchmarks/results
 gpu-check:

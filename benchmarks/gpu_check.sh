@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# `make gpu-check` (issue 39): everything a lent GPU should run, in one call of about 8 minutes.
+# `make gpu-check` (issue 39): everything a lent GPU should run, in one call of about 9 minutes.
 #
 #   1. the CUDA tests (tests/test_cuda.py) and the core files with CUDA as torch's default
 #      device (QKV_TEST_DEVICE=cuda), the two at once on the machine's cores;
 #   2. benchmarks/gpu_api.py: the public API (auto and each backend by name) against compiled
-#      Flex, SDPA-cuDNN and SDPA-flash, within a time budget.
+#      Flex, SDPA-cuDNN and SDPA-flash, within a time budget;
+#   3. benchmarks/gpu_deformable.py: multi-scale deformable attention's Triton kernels against
+#      the grid_sample fallback at BEVFormer's sizes (issue 40), within a budget of its own
+#      (QKV_GPU_DEFORM_S, default 60 s; 0 skips it).
 #
 # Writes into OUTDIR (first argument; default benchmarks/results): gpu_api.json, gpu_api.md,
-# tests_cuda.log, tests_core.log, failures.log, environment.txt. Uses the python that holds
+# gpu_deformable.json, gpu_deformable.md, tests_cuda.log, tests_core.log, failures.log,
+# environment.txt. Uses the python that holds
 # torch (PYTHON, default: .venv's if there is one, else python3) with this checkout's src/ first.
 #
 #   bash benchmarks/gpu_check.sh "$OUT"        # on the GPU machine
@@ -26,6 +30,7 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 TEST_BUDGET=${QKV_GPU_TEST_S:-170}   # seconds for the tests (both runs at once)
 BENCH_BUDGET=${QKV_GPU_BENCH_S:-200} # seconds after which the benchmark takes no new row
+DEFORM_BUDGET=${QKV_GPU_DEFORM_S:-60} # the same for the deformable benchmark; 0: not run
 CORE_TESTS=(tests/test_tiled.py tests/test_mask_contract.py tests/test_trust_kernels.py
             tests/test_masks.py tests/test_vs_torch.py tests/test_sinks.py tests/test_gradients.py
             tests/test_dispatch.py)
@@ -65,6 +70,9 @@ if [ "$DRY" = 1 ]; then
         > "$OUTDIR/gpu_api.md"
     status=$?
     cat "$OUTDIR/gpu_api.md"
+    "$PYTHON" benchmarks/gpu_deformable.py --dry-run --out "$OUTDIR/gpu_deformable.json" \
+        > "$OUTDIR/gpu_deformable.md" || status=1
+    cat "$OUTDIR/gpu_deformable.md"
     exit $status
 fi
 
@@ -86,4 +94,13 @@ timeout $(( BENCH_BUDGET + 120 )) "$PYTHON" benchmarks/gpu_api.py --budget-s "$B
     --out "$OUTDIR/gpu_api.json" > "$OUTDIR/gpu_api.md"
 status=$?
 cat "$OUTDIR/gpu_api.md"
+
+if [ "$DEFORM_BUDGET" != 0 ]; then
+    # one configuration (dtype, queries) takes about 5-20 s, the first one compiling the kernels
+    echo "== deformable attention (no new configuration after ${DEFORM_BUDGET}s)"
+    timeout $(( DEFORM_BUDGET + 60 )) "$PYTHON" benchmarks/gpu_deformable.py \
+        --budget-s "$DEFORM_BUDGET" --out "$OUTDIR/gpu_deformable.json" \
+        > "$OUTDIR/gpu_deformable.md" || status=1
+    cat "$OUTDIR/gpu_deformable.md"
+fi
 exit $status

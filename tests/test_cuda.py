@@ -10,7 +10,9 @@ torch, tiled, triton and auto backends, float32/bfloat16/float16, every mask the
 evaluate (causal both alignments, windows, key lengths, documents, ALiBi, softcap, dense bool
 masks with dead rows, a learned float bias), GQA, head dims 64 and 128 and odd lengths. Then the
 mask contract on the GPU (rows with no key give exactly 0 and zero gradients; NaN in keys a row
-may not see changes nothing) and whether a call synchronises the host with the device.
+may not see changes nothing) and whether a call synchronises the host with the device. Last,
+``qkv.deformable_attention``'s Triton kernels against a float64 ``grid_sample`` reference, and
+their backward bit-identical run to run.
 
 Shape alphabet: B batch, H query heads, G key/value heads, T query length, S key length,
 D head dim.
@@ -23,7 +25,7 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.ops import BackendUnsupportedError
+from qkv.ops import BackendUnsupportedError, deformable
 from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -286,3 +288,100 @@ def test_broadcast_masks_of_rank_0_and_1_on_cuda(backend):
         out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
         want = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="reference")
         torch.testing.assert_close(out, want)
+
+
+# --- multi-scale deformable attention's Triton kernels (issue 40, item 1) -------------------------
+
+DEFORM_LEVELS = [(13, 17), (7, 9), (4, 5), (2, 3)]  # odd sizes, four levels as BEVFormer's
+
+
+def _deform_reference(value, levels, loc, attn):
+    """One ``F.grid_sample`` per level (bilinear, zeros, ``align_corners=False``) at
+    ``2 * loc - 1``, the samples summed with their weights (mmcv's pytorch fallback).
+
+    Shape: value (B, S, M, D); loc (B, Lq, M, L, P, 2); attn (B, Lq, M, L, P) -> (B, Lq, M*D).
+    """
+    import torch.nn.functional as F
+
+    B, _, M, D = value.shape
+    Lq, P = loc.shape[1], loc.shape[4]
+    out = 0
+    for lvl, flat in enumerate(value.split([h * w for h, w in levels], dim=1)):
+        h, w = levels[lvl]
+        v = flat.permute(0, 2, 3, 1).reshape(B * M, D, h, w)  # (B*M, D, H, W)
+        grid = (2 * loc[:, :, :, lvl] - 1).transpose(1, 2).flatten(0, 1)  # (B*M, Lq, P, 2)
+        sampled = F.grid_sample(v, grid, "bilinear", "zeros", align_corners=False)
+        a = attn[:, :, :, lvl].transpose(1, 2).reshape(B * M, 1, Lq, P)
+        out = out + (sampled * a).sum(-1)  # (B*M, D, Lq)
+    return out.view(B, M * D, Lq).transpose(1, 2)  # (B, Lq, M*D)
+
+
+def _deform_inputs(B=2, Lq=300, M=4, D=32, P=4, spread=0.2, seed=0):
+    """float64 CPU value, locations (some outside the maps), weights and an output gradient."""
+    g = torch.Generator().manual_seed(seed)
+    S, L = sum(h * w for h, w in DEFORM_LEVELS), len(DEFORM_LEVELS)
+    value = torch.randn(B, S, M, D, generator=g, dtype=torch.float64)
+    loc = torch.rand(B, Lq, M, L, P, 2, generator=g, dtype=torch.float64) * (1 + 2 * spread)
+    attn = torch.rand(B, Lq, M, L, P, generator=g, dtype=torch.float64)
+    go = torch.randn(B, Lq, M * D, generator=g, dtype=torch.float64)
+    return value, loc - spread, attn, go
+
+
+def _deform_grads(fn, value, loc, attn, go):
+    leaves = [t.detach().requires_grad_() for t in (value, loc, attn)]
+    out = fn(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, leaves, go))
+
+
+def _deform_triton(v, lo, a, kernel="triton"):
+    """The op with its kernel named (``auto``: the public call, which picks it)."""
+    shapes = torch.tensor(DEFORM_LEVELS, device=v.device)  # on the GPU, as mmcv keeps it
+    if kernel == "auto":
+        return qkv.deformable_attention(v, shapes, lo, a)
+    return deformable.deformable_attention(v, shapes, lo, a, kernel=kernel)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+    ids=["bf16", "f16", "f32", "f64"],
+)
+def test_deformable_triton_matches_the_float64_reference(dtype):
+    """Forward and gradients for value, locations and weights on the GPU against the float64
+    grid_sample reference on the CPU: float64 to assert_close's defaults, the rest by the
+    tolerance policy (baseline: grid_sample in the dtype on the GPU)."""
+    value, loc, attn, go = _deform_inputs()
+    rounded = [t.to(dtype) for t in (value, loc, attn, go)]
+    got = _deform_grads(_deform_triton, *(t.to(CUDA) for t in rounded))
+    golden = _deform_grads(
+        lambda v, lo, a: _deform_reference(v, DEFORM_LEVELS, lo, a),
+        *(t.double() for t in rounded),
+    )
+    names = ("out", "d_value", "d_loc", "d_attn")
+    assert all(g.device.type == CUDA.type and g.dtype == dtype for g in got)
+    if dtype == torch.float64:
+        for name, a, b in zip(names, got, golden):
+            torch.testing.assert_close(a.cpu(), b, msg=lambda m, name=name: f"{name}: {m}")
+        return
+    baseline = _deform_grads(
+        lambda v, lo, a: _deform_reference(v, DEFORM_LEVELS, lo, a),
+        *(t.to(CUDA) for t in rounded),
+    )
+    for i, (name, a, b, c) in enumerate(zip(names, got, golden, baseline)):
+        factor = OUTPUT_FACTOR if i == 0 else GRAD_FACTOR
+        assert_tolerance(a.cpu().double(), b, c.cpu().double(), factor=factor, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_deformable_triton_backward_is_bit_identical_and_auto_takes_it(dtype):
+    """Thousands of samples on the same pixels (where the original kernel's atomicAdd would
+    add in a different order each run): three backward runs give the same bits; auto on CUDA
+    is the Triton kernel, bit for bit."""
+    value, loc, attn, go = (
+        t.to(CUDA, dtype) for t in _deform_inputs(B=1, Lq=2000, M=2, P=4, spread=0.0, seed=1)
+    )
+    runs = [_deform_grads(_deform_triton, value, loc, attn, go) for _ in range(3)]
+    auto = _deform_grads(lambda v, lo, a: _deform_triton(v, lo, a, "auto"), value, loc, attn, go)
+    for other in [*runs[1:], auto]:
+        for x, y in zip(runs[0], other):
+            assert torch.equal(x, y)

@@ -34,15 +34,23 @@ elements of every query in the block and accumulates them with their weights; no
      for every value row and each of its four corner roles the run of samples for which it
      is that corner (``searchsorted``: the row at (y, x) is corner (dy, dx) of the samples
      whose top-left is (y - dy, x - dx)).
-  3. :func:`deformable_bwd_value`: one program per block of BLOCK_R value rows sums, in that
-     fixed order, ``attn * bilinear weight * grad_out`` over its runs, in the accumulator
-     dtype, and writes each row once.
+  3. :func:`deformable_bwd_value`: one program per block of BLOCK_R value rows sums, in a
+     fixed order (the j-th sample of each of the four runs, for j = 0, 1, ...),
+     ``attn * bilinear weight * grad_out`` over its runs, in the accumulator dtype, and
+     writes each row once.
 
 The value gradient is therefore the same bits on every run (torch's sort and searchsorted
 are deterministic; each row is summed by one program in a fixed order), where the original
 CUDA kernel's ``atomicAdd`` is not. A sample's bilinear weights are recomputed in step 3
 from its location by the same code as in step 1; which pixel it lands on comes from its key
 alone, so the two steps cannot disagree about it.
+
+Cost: the forward and step 1 read each sample's four corner rows once, as the original kernel
+does. Step 3 reads each sample's location, weight and output-gradient row once per corner (four
+times), and a row sums its runs serially: on a coarse level many samples share a pixel (40,000
+queries x 4 points on BEVFormer's 15 x 25 map: about 400 a pixel per head), so its programs run
+longest; ``benchmarks/gpu_deformable.py`` measures the whole against grid_sample, whose
+backward adds with atomics.
 
 Interpreter: reductions go through ``tl.reduce`` with triton's own combine functions (see
 ``qkv/ops/triton/kernels.py``: ``tl.sum``/``tl.max`` are jit functions decorated when triton
@@ -213,55 +221,59 @@ def deformable_bwd_samples(grad_out, value, shapes, starts, loc, attn, grad_loc,
 
 
 @triton.jit
-def _run_sum(acc, grad_out, shapes, loc, attn, order, lo, hi, L, P, d, d_ok, DX: tl.constexpr,
-             DY: tl.constexpr, D: tl.constexpr, F64: tl.constexpr):
-    """``acc`` plus, per value row of the block, the samples ``order[lo:hi]`` (those for which
-    the row is corner (DY, DX)) times their corner weight times their query's output
-    gradient, added in order."""
-    count = hi - lo  # (BLOCK_R,)
-    longest = tl.reduce(count, 0, _MAX).to(tl.int32)  # a run is shorter than 2**31
-    for j in range(longest):
-        ok = j < count
-        i = tl.load(order + lo + j, mask=ok, other=0)  # (BLOCK_R,) sample indices
-        lvl = (i // P) % L
-        H = tl.load(shapes + 2 * lvl, mask=ok, other=1)
-        W = tl.load(shapes + 2 * lvl + 1, mask=ok, other=1)
-        # the pixel comes from the key, not from x0 and y0; the weights from the same code
-        # as step 1's
-        a, _, _, _, fx, fy = _sample(loc, attn, i, W, H, ok, F64)
-        wx = fx if DX == 1 else 1.0 - fx
-        wy = fy if DY == 1 else 1.0 - fy
-        coef = tl.where(ok, a * (wy * wx), 0.0)  # (BLOCK_R,)
-        n = i // (L * P)  # (BLOCK_R,) the sample's (query, head) row of grad_out
-        go_ptrs = grad_out + n[:, None] * D + d[None, :]
-        go = _acc(tl.load(go_ptrs, mask=ok[:, None] & d_ok[None, :], other=0.0), F64)
-        acc += coef[:, None] * go
-    return acc
+def _term(grad_out, shapes, loc, attn, order, lo, count, j, L, P, d, d_ok, DX: tl.constexpr,
+          DY: tl.constexpr, D: tl.constexpr, F64: tl.constexpr):
+    """Per value row of the block, the ``j``-th sample of its run ``order[lo:lo + count]``
+    (the samples for which the row is corner (DY, DX)) times its corner weight times its
+    query's output gradient: a (BLOCK_R, BLOCK_D) tile, zero past the run's end."""
+    ok = j < count  # (BLOCK_R,)
+    i = tl.load(order + lo + j, mask=ok, other=0)  # (BLOCK_R,) sample indices
+    lvl = (i // P) % L
+    H = tl.load(shapes + 2 * lvl, mask=ok, other=1)
+    W = tl.load(shapes + 2 * lvl + 1, mask=ok, other=1)
+    # the pixel comes from the key, not from x0 and y0; the weights from the same code as
+    # step 1's
+    a, _, _, _, fx, fy = _sample(loc, attn, i, W, H, ok, F64)
+    wx = fx if DX == 1 else 1.0 - fx
+    wy = fy if DY == 1 else 1.0 - fy
+    coef = tl.where(ok, a * (wy * wx), 0.0)  # (BLOCK_R,)
+    n = i // (L * P)  # (BLOCK_R,) the sample's (query, head) row of grad_out
+    go_ptrs = grad_out + n[:, None] * D + d[None, :]
+    go = _acc(tl.load(go_ptrs, mask=ok[:, None] & d_ok[None, :], other=0.0), F64)
+    return coef[:, None] * go
 
 
 @triton.jit
 def deformable_bwd_value(grad_out, shapes, loc, attn, order, runs, grad_value, R, L, P,
                          D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                          F64: tl.constexpr):
-    """Step 3 of the backward: value rows ``(b, s, m)`` ``r`` of the block, each the sum over
-    its four runs of samples (``runs`` (R, 4, 2): start and end in ``order`` per corner role
-    (0, 0), (0, 1), (1, 0), (1, 1)), written once."""
+    """Step 3 of the backward: value rows ``(b, s, m)`` ``r`` of the block, each the sum of its
+    four runs of samples (``runs`` (R, 4, 2): start and end in ``order`` per corner role
+    (0, 0), (0, 1), (1, 0), (1, 1)), written once.
+
+    Step ``j`` adds the ``j``-th sample of the four runs at once (in role order), so a row's
+    serial chain of loads is its longest run, not the four end to end; the order of adding is
+    still fixed."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
     d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
     r_ok = r < R
     d_ok = d < D
     acc = _acc(tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32), F64)  # (BLOCK_R, BLOCK_D)
-    lo = tl.load(runs + r * 8 + 0, mask=r_ok, other=0)
-    hi = tl.load(runs + r * 8 + 1, mask=r_ok, other=0)
-    acc = _run_sum(acc, grad_out, shapes, loc, attn, order, lo, hi, L, P, d, d_ok, 0, 0, D, F64)
-    lo = tl.load(runs + r * 8 + 2, mask=r_ok, other=0)
-    hi = tl.load(runs + r * 8 + 3, mask=r_ok, other=0)
-    acc = _run_sum(acc, grad_out, shapes, loc, attn, order, lo, hi, L, P, d, d_ok, 1, 0, D, F64)
-    lo = tl.load(runs + r * 8 + 4, mask=r_ok, other=0)
-    hi = tl.load(runs + r * 8 + 5, mask=r_ok, other=0)
-    acc = _run_sum(acc, grad_out, shapes, loc, attn, order, lo, hi, L, P, d, d_ok, 0, 1, D, F64)
-    lo = tl.load(runs + r * 8 + 6, mask=r_ok, other=0)
-    hi = tl.load(runs + r * 8 + 7, mask=r_ok, other=0)
-    acc = _run_sum(acc, grad_out, shapes, loc, attn, order, lo, hi, L, P, d, d_ok, 1, 1, D, F64)
+    lo0 = tl.load(runs + r * 8 + 0, mask=r_ok, other=0)
+    n0 = tl.load(runs + r * 8 + 1, mask=r_ok, other=0) - lo0
+    lo1 = tl.load(runs + r * 8 + 2, mask=r_ok, other=0)
+    n1 = tl.load(runs + r * 8 + 3, mask=r_ok, other=0) - lo1
+    lo2 = tl.load(runs + r * 8 + 4, mask=r_ok, other=0)
+    n2 = tl.load(runs + r * 8 + 5, mask=r_ok, other=0) - lo2
+    lo3 = tl.load(runs + r * 8 + 6, mask=r_ok, other=0)
+    n3 = tl.load(runs + r * 8 + 7, mask=r_ok, other=0) - lo3
+    most = tl.maximum(tl.maximum(n0, n1), tl.maximum(n2, n3))  # (BLOCK_R,)
+    longest = tl.reduce(most, 0, _MAX).to(tl.int32)  # a run is shorter than 2**31
+    for j in range(longest):
+        t = _term(grad_out, shapes, loc, attn, order, lo0, n0, j, L, P, d, d_ok, 0, 0, D, F64)
+        t += _term(grad_out, shapes, loc, attn, order, lo1, n1, j, L, P, d, d_ok, 1, 0, D, F64)
+        t += _term(grad_out, shapes, loc, attn, order, lo2, n2, j, L, P, d, d_ok, 0, 1, D, F64)
+        t += _term(grad_out, shapes, loc, attn, order, lo3, n3, j, L, P, d, d_ok, 1, 1, D, F64)
+        acc += t
     ptrs = grad_value + r[:, None] * D + d[None, :]
     tl.store(ptrs, acc.to(grad_value.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
