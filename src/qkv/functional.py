@@ -322,14 +322,14 @@ def deformable_attention(
       counts as zero, so a point outside by a pixel or more gives nothing (its gradients are 0).
     * **The weights** are used as given (Deformable DETR softmaxes them over ``L * P`` before).
     * **Exact and deterministic**: held to a float64 ``grid_sample`` reference, forward and
-      gradients for value, locations and weights; on CPU the backward gives the same bits on
-      every run and at every thread count (no atomics; on CUDA, under
-      ``torch.use_deterministic_algorithms(True)``). float16/bfloat16 accumulate in float32 and
-      round once.
+      gradients for value, locations and weights; the backward gives the same bits on every
+      run (no atomics: on CPU at every thread count; on CUDA the Triton kernel sums each value
+      row's samples in a fixed order). float16/bfloat16 accumulate in float32 and round once.
     * **Fast on CPU**: a C++ kernel, built at first use and cached, that never materialises the
       ``L * P`` samples per output that the ``grid_sample`` form does; where no C++ compiler is
-      found, the same computation in PyTorch ops, with a warning. ``QKV_DEFORMABLE_KERNEL=cpp``
-      or ``torch`` forces one. Other devices run the PyTorch ops.
+      found, the same computation in PyTorch ops, with a warning. On CUDA a Triton kernel
+      (not yet measured on a GPU), else the PyTorch ops. ``QKV_DEFORMABLE_KERNEL=cpp``,
+      ``triton`` or ``torch`` forces one.
     * **Compiles and exports**: one custom op, ``qkv::deformable_attention``, with fake and
       autograd rules, so ``torch.compile(fullgraph=True)`` and ``torch.export`` take it whole.
       ``torch.onnx.export`` (ONNX has no such op) writes standard operators instead: one
