@@ -65,7 +65,6 @@ MACHINE_PROBES = {
     "(forced above); off in the suite (conftest.py), on in test_autotune.py and "
     "test_cpu_isa.py with a fake clock",
     "tasks/_cache.py": "QKV_CACHE: where generated data sets are kept, no route",
-    "bench/report.py": "/proc/cpuinfo: the CPU named in a benchmark's report, no route",
     "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch, triton): "
     "tests/test_deformable.py runs cpp and torch by name, tests/test_deformable_triton.py "
     "triton under the CPU interpreter",

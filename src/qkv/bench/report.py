@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .._measured import cpu_model
 from ..ops.linear import BLOCK, CHUNK_SIZE
 from .specs import (
     DOC_MAX,
@@ -332,14 +333,8 @@ def _qkv_version() -> str:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU a report names (``qkv._measured.cpu_model``, else the machine's type)."""
+    return cpu_model() or platform.machine()
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
