@@ -45,15 +45,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
+import gpu_common
 import torch
+from gpu_common import sync_free, timer, write_json
 from triton_vs_flash import WINDOW, flex_mask, qkv_kwargs  # the same cases as the kernel runs
 
 import qkv
@@ -112,44 +110,6 @@ def step(attend, q, k, v, mode: str):
     return fwd_bwd
 
 
-def timer(dry: bool, warmup: int, rep: int):
-    """fn -> median ms: triton's do_bench on a GPU, a few plain rounds in a dry run."""
-    if not dry:
-        from triton.testing import do_bench
-
-        return lambda fn: do_bench(fn, warmup=warmup, rep=rep)
-
-    def plain(fn):
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return plain
-
-
-def sync_free(fn, device) -> bool | None:
-    """Whether one call ran without synchronising the device (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-        return True
-    except RuntimeError as e:
-        if "synchroniz" not in str(e):
-            raise
-        return False
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
-        torch.cuda.synchronize()
-
-
 def goal(case: str, times: dict) -> tuple[str | None, float | None, float]:
     """(the peer the goal names, its ms, the largest qkv/peer ratio allowed)."""
     if case in ("window", "document"):
@@ -162,33 +122,15 @@ def goal(case: str, times: dict) -> tuple[str | None, float | None, float]:
 
 
 def environment(device, dry: bool) -> dict:
-    env = dict(
-        benchmark="gpu_api",
-        dry_run=dry,
+    return gpu_common.environment(
+        "gpu_api",
+        device,
+        dry,
         dtype="bf16",
-        torch=torch.__version__,
-        qkv=getattr(qkv, "__version__", "unknown"),
-        python=platform.python_version(),
         window=WINDOW,
         backends=backend_names(),
         flops="4*B*H*T*S*D*density forward; x3.5 forward+backward",
-        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        command=" ".join([sys.executable] + sys.argv),
     )
-    if device.type == "cuda":
-        import triton
-
-        env.update(
-            device=torch.cuda.get_device_name(),
-            capability=".".join(map(str, torch.cuda.get_device_capability())),
-            cuda=torch.version.cuda,
-            cudnn=torch.backends.cudnn.version(),
-            triton=triton.__version__,
-            timer="triton.testing.do_bench median (ms)",
-        )
-    else:
-        env.update(device=f"cpu ({platform.processor() or platform.machine()}), dry run")
-    return env
 
 
 def measure_config(case, T, D, args, device, flex, bench) -> list[dict]:
@@ -271,13 +213,6 @@ def _line(r: dict) -> str:
     return f"{r['case']:8s} T={r['T']:5d} D={r['D']:3d} {r['mode']:6s} ms: {ms} | {own} | {rat}"
 
 
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-
-
 def markdown(data: dict) -> str:
     """The table for RESULTS.md: ms per implementation, the goal's ratio, syncs."""
     own = sorted({n for r in data["rows"] for n in r["backends"]})
@@ -341,8 +276,8 @@ def run(args) -> dict:
                         continue
                     data["rows"] += measure_config(case, T, D, args, device, flex, bench)
                     data["elapsed_s"] = round(time.monotonic() - t0, 1)
-                    _write(args.out, data)
-    _write(args.out, data)
+                    write_json(args.out, data)
+    write_json(args.out, data)
     return data
 
 

@@ -41,17 +41,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 
+import gpu_common
 import torch
 from bench_deformable import LEVELS, make_inputs  # the CPU benchmark's inputs
+from gpu_common import sync_free, timer, write_json
 
-import qkv
 from qkv.ops import deformable
 from qkv.ops.deformable import op
 
@@ -70,21 +68,6 @@ def attend_fn(impl: str):
         return deformable.deformable_attention_naive
     kernel = impl.removeprefix("qkv-")
     return lambda *args: deformable.deformable_attention(*args, kernel=kernel)
-
-
-def timer(dry: bool, warmup: int, rep: int):
-    """fn -> median ms: triton's do_bench on a GPU, one plain call in a dry run."""
-    if not dry:
-        from triton.testing import do_bench
-
-        return lambda fn: do_bench(fn, warmup=warmup, rep=rep)
-
-    def plain(fn):  # one call: the interpreter takes seconds, and the figure means nothing
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    return plain
 
 
 def step(attend, inputs, mode: str):
@@ -107,25 +90,6 @@ def outputs_and_grads(attend, inputs, grad_out) -> list[torch.Tensor]:
     leaves = [t.requires_grad_() for t in (value, loc, weights)]
     out = attend(leaves[0], shapes, leaves[1], leaves[2])
     return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
-
-
-def sync_free(fn, device) -> bool | None:
-    """Whether one call ran without synchronising the device (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fn()
-        return True
-    except RuntimeError as e:
-        if "synchroniz" not in str(e):
-            raise
-        return False
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
-        torch.cuda.synchronize()
 
 
 def peak_mib(fn, device) -> float | None:
@@ -221,41 +185,17 @@ def _line(r: dict) -> str:
 
 
 def environment(device, dry: bool, levels) -> dict:
-    env = dict(
-        benchmark="gpu_deformable",
-        dry_run=dry,
-        torch=torch.__version__,
-        qkv=getattr(qkv, "__version__", "unknown"),
-        python=platform.python_version(),
+    return gpu_common.environment(
+        "gpu_deformable",
+        device,
+        dry,
         levels=levels,
         heads=8,
         head_dim=32,
         points=4,
         batch=1,
         locations="uniform",
-        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        command=" ".join([sys.executable] + sys.argv),
     )
-    if device.type == "cuda":
-        import triton
-
-        env.update(
-            device=torch.cuda.get_device_name(),
-            capability=".".join(map(str, torch.cuda.get_device_capability())),
-            cuda=torch.version.cuda,
-            triton=triton.__version__,
-            timer="triton.testing.do_bench median (ms)",
-        )
-    else:
-        env.update(device=f"cpu ({platform.processor() or platform.machine()}), dry run")
-    return env
-
-
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
 
 
 def markdown(data: dict) -> str:
@@ -300,7 +240,7 @@ def markdown(data: dict) -> str:
 
 def run(args) -> dict:
     device = torch.device("cpu" if args.dry_run else "cuda")
-    bench = timer(args.dry_run, args.warmup, args.rep)
+    bench = timer(args.dry_run, args.warmup, args.rep, rounds=1)  # the interpreter: one call
     data = dict(environment(device, args.dry_run, args.levels), rows=[], skipped=[])
     args.device_name = data["device"]
     t0 = time.monotonic()
@@ -311,8 +251,8 @@ def run(args) -> dict:
                 continue
             data["rows"] += measure_config(dtype, queries, args, device, bench)
             data["elapsed_s"] = round(time.monotonic() - t0, 1)
-            _write(args.out, data)
-    _write(args.out, data)
+            write_json(args.out, data)
+    write_json(args.out, data)
     return data
 
 
