@@ -14,7 +14,8 @@ Two measurements, one thread (``torch.set_num_threads(1)``), float32, no_grad, i
 Timing: ``--rounds`` rounds, each timing ``--calls`` calls of qkv then of torch (the order
 alternating by round); the ratio is the median over rounds of qkv's time / torch's (below 1:
 qkv faster). Goals (issue 38): sdpa at most 1.5x, the decode step at most 1.1x. Prints a table
-and writes ``--out`` (JSON, the CPU named).
+and writes ``--out`` (JSON, the CPU named). Run it with ``QKV_CPU_HOST_READS=1`` too: the
+contract kept by two sums read after the kernel instead of tensor ops (off by default).
 
 Usage:
     python benchmarks/bench_call_cost.py [--rounds 15] [--calls 200]
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from bench_cpu_isa import cpu_model
 
 import qkv
+from qkv.ops import nonfinite
 
 B, H, D, C, S, CAP, POS = 1, 8, 64, 512, 128, 256, 128
 
@@ -142,12 +144,14 @@ def main(argv=None) -> int:
         torch=torch.__version__,
         threads=1,
         autotune=qkv.autotune.enabled(),
+        host_reads=nonfinite.host_reads_free(torch.device("cpu")),  # QKV_CPU_HOST_READS
         command=" ".join(["python", *sys.argv]),
         rows=rows,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2))
-    print(f"CPU: {data['cpu']} ({data['capability']}), torch {data['torch']}, one thread")
+    reads = "host reads on" if data["host_reads"] else "no host reads"
+    print(f"CPU: {data['cpu']} ({data['capability']}), torch {data['torch']}, one thread, {reads}")
     print("| case | qkv µs | torch µs | qkv/torch | goal |\n|---|---|---|---|---|")
     for r in rows:
         met = "met" if r["ratio"] <= r["goal"] else "missed"

@@ -17,11 +17,11 @@ fixture of conftest.py), so that every route runs on every machine:
   Hidden, they take their plain twins: the ``matmul`` inner kernel, and the lse derived by
   the dispatcher.
 
-* Host reads (``qkv.ops.nonfinite.host_reads_free``, the call's device type): on the CPU a
-  masked call without gradient runs on its inputs as they are and is checked after its kernel
-  by reading two sums (``Guard.holds``); on CUDA, where a read is a sync, it runs on zeroed copies
-  checked in tensor ops. ``force_host_reads`` gives the CPU either way: the NaN/inf contract
-  tests (test_nonfinite_eager.py) run both, and test_host_reads.py counts CUDA's way.
+* Host reads (``qkv.ops.nonfinite.host_reads_free``: ``QKV_CPU_HOST_READS=1`` on the CPU;
+  off by default and always on CUDA): with reads, a call without gradient runs on its inputs
+  as they are and is checked after its kernel by reading two sums (``Guard.holds``); without,
+  it runs on zeroed copies checked in tensor ops. ``force_host_reads`` gives either way: the
+  NaN/inf contract tests (test_nonfinite_eager.py) run both, test_host_reads.py counts both.
 
 ``MACHINE_PROBES`` lists the rest of what reads the machine, and why each is no route of its
 own: ``auto``'s choice by measurement (``qkv.autotune``, on ``qkv._measured``) picks among
@@ -53,6 +53,8 @@ ROUTES = {
 # The library's readers of the machine and of the environment, by file (src/qkv/...): what
 # test_every_machine_choice_is_listed expects to find, each forced above or no route.
 MACHINE_PROBES = {
+    "ops/nonfinite.py": "QKV_CPU_HOST_READS: the host-read route, forced both ways "
+    "(force_host_reads)",
     "ops/cpu_isa.py": "QKV_CPU_HALF_GEMM, the CPU's flags and capability: the half GEMM route",
     "ops/_aten.py": "flash_cpu_available: the torch build's CPU flash kernel",
     "ops/tiled/plan.py": "flash_cpu_available: hidden in the -noflash routes",

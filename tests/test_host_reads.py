@@ -31,9 +31,9 @@ aten = torch.ops.aten
 
 @pytest.fixture(autouse=True)
 def _reads_as_on_cuda(monkeypatch):
-    """Every call runs the way it runs on CUDA, where a read is a sync: on the CPU a masked
-    call without gradient is checked after its kernel by reading two sums instead (tests/routes.py),
-    counted in ``test_an_inference_call_on_the_cpu_reads_two_sums``."""
+    """Every call runs the way it runs by default and on CUDA, where a read is a sync, whatever
+    ``QKV_CPU_HOST_READS`` says in the environment; the CPU's opt-in reads (tests/routes.py)
+    are counted in ``test_an_inference_call_on_the_cpu_reads_two_sums``."""
     force_host_reads(monkeypatch, free=False)
 
 
@@ -332,10 +332,11 @@ def test_a_mask_changed_in_place_between_calls_is_seen(kind, backend):
 
 @pytest.mark.parametrize("kind", ["causal", "bool_mask", "float_mask", "window", "document"])
 def test_an_inference_call_on_the_cpu_reads_two_sums(monkeypatch, kind):
-    """On the CPU, where a read syncs nothing, a call without gradient runs on its inputs as
-    they are and reads two sums after its kernel (``Guard.holds``: is the output of finite
-    queries finite?), instead of copying k and v (masked) or finding the bad rows by matmuls
-    (plain); with a gradient wanted it reads nothing."""
+    """On the CPU with ``QKV_CPU_HOST_READS=1`` (a read there syncs nothing), a call without
+    gradient runs on its inputs as they are and reads two sums after its kernel
+    (``Guard.holds``: is the output of finite queries finite?), instead of copying k and v
+    (masked) or finding the bad rows by matmuls (plain); with a gradient wanted it reads
+    nothing."""
     force_host_reads(monkeypatch, free=True)
     for name, grad in ((kind, False), ("plain", False)):
         make = sdpa_path(name, "auto", grad=grad)
@@ -344,3 +345,24 @@ def test_an_inference_call_on_the_cpu_reads_two_sums(monkeypatch, kind):
     make = sdpa_path(kind, "auto", grad=True)
     count_reads(make(0))
     assert count_reads(make(1)) == []
+
+
+def test_the_cpu_reads_only_when_asked(monkeypatch):
+    """``QKV_CPU_HOST_READS``: off by default (DESIGN: no host reads after a structure's first
+    use), on with 1, never on another device, and a value it does not know is refused."""
+    from qkv.ops import nonfinite
+
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    monkeypatch.delenv("QKV_CPU_HOST_READS", raising=False)
+    assert not nonfinite.host_reads_free(cpu)
+    make = sdpa_path("bool_mask", "auto", grad=False)
+    count_reads(make(0))
+    monkeypatch.undo()  # (this file's fixture forced the answer: ask the real switch)
+    monkeypatch.delenv("QKV_CPU_HOST_READS", raising=False)
+    assert count_reads(make(1)) == []
+    monkeypatch.setenv("QKV_CPU_HOST_READS", "1")
+    assert nonfinite.host_reads_free(cpu) and not nonfinite.host_reads_free(meta)
+    assert count_reads(make(2)) == ["aten._local_scalar_dense.default"] * 2
+    monkeypatch.setenv("QKV_CPU_HOST_READS", "yes please")
+    with pytest.raises(ValueError, match="QKV_CPU_HOST_READS='yes please': use 1"):
+        nonfinite.host_reads_free(cpu)

@@ -164,7 +164,7 @@ def _guard_empty_rows(
 def _lean(mask: Tensor, row_ok: Tensor) -> tuple[Tensor, Tensor | None]:
     """A remembered guard without its ``row_ok`` where every row has a key (a padded batch's
     mask, a decoding step's): nothing to zero after the kernel. Asked once per mask, by a
-    read on the host, where that read syncs nothing (``nonfinite.host_reads_free``)."""
+    read on the host, where such reads are allowed (``nonfinite.host_reads_free``)."""
     if nonfinite.host_reads_free(mask.device) and bool(row_ok.all()):
         return mask, None
     return mask, row_ok
