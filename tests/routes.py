@@ -70,8 +70,10 @@ MACHINE_PROBES = {
     "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch, triton): "
     "tests/test_deformable.py runs cpp and torch by name, tests/test_deformable_triton.py "
     "triton under the CPU interpreter",
-    "ops/deformable/native.py": "the CPU capability: the C++ kernel's ISA flags and its build "
-    "name, no route beyond the kernel",
+    "ops/_native_build.py": "the CPU capability: the C++ kernels' ISA flags and build names "
+    "(the deformable kernel, the bf16 score kernel), no route beyond each kernel; the bf16 score "
+    "kernel (ops/bf16_scores.py) runs where oneDNN packs bfloat16 for AMX, and "
+    "tests/test_bf16_scores.py runs the one-pass weights with it forced on and off",
 }
 
 

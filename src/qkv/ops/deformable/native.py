@@ -1,14 +1,9 @@
 """The C++ kernel of multi-scale deformable attention (``kernel.cpp``), built at first use.
 
-It is built through ``torch.utils.cpp_extension.load`` (ninja, torch's headers, cached under
-``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; a later process loads the cached
-library in milliseconds) and called through ``ctypes`` on the tensors' data pointers: the source
-includes only ``ATen/Parallel.h`` and c10's half types, so the first build takes seconds, not the
-minute that ``torch/extension.h`` and pybind11 would.
-
-The build's name carries a hash of the source, the flags and torch's version, and the flags
-follow torch's CPU capability (AVX2, AVX512): a cache shared by machines of different CPUs
-keeps one library per capability, and none runs an instruction its CPU lacks.
+It is built by ``ops/_native_build.py`` (``torch.utils.cpp_extension.load``, cached, flags
+and build name following torch's CPU capability) and called through ``ctypes`` on the tensors'
+data pointers: the source includes only ``ATen/Parallel.h`` and c10's half types, so the
+first build takes seconds.
 
 When it cannot be built (no C++ compiler, no ninja, a failed build), :func:`library` returns
 None with the reason, and ``deformable_attention`` runs the pure-PyTorch path (``gather.py``),
@@ -19,10 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -30,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .._memory import empty_large
+from .._native_build import build
 
 __all__ = ["backward_cpp", "forward_cpp", "library", "unavailable_reason"]
 
@@ -40,47 +32,13 @@ _NAMES = {
     torch.bfloat16: "bfloat16",
     torch.float16: "float16",
 }
-# what torch's capability string guarantees (ATen's own CPU_CAPABILITY builds assume the same)
-_ISA_FLAGS = {
-    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
-    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
-}
-
-
-def _flags() -> tuple[list[str], list[str]]:
-    """Compiler and linker flags: torch's ISA level, and OpenMP where ATen's threads are
-    OpenMP's (the library then links the libgomp torch has already loaded: one thread pool)."""
-    cflags = ["-O3", "-std=c++17", "-ffp-contract=off"]
-    cflags += _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
-        return cflags + ["-fopenmp"], ["-fopenmp"]
-    return cflags + ["-fopenmp-simd"], []
 
 
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return None, f"no C++ compiler found ({compiler!r}, from $CXX or the default c++)"
-    cflags, ldflags = _flags()
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(cflags + ldflags + [torch.__version__]).encode()
-    ).hexdigest()[:12]
-    capability = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
-    try:
-        from torch.utils import cpp_extension
-
-        path = cpp_extension.load(
-            name=f"qkv_deformable_{capability}_{key}",
-            sources=[str(SOURCE)],
-            extra_cflags=cflags,
-            extra_ldflags=ldflags,
-            with_cuda=False,
-            is_python_module=False,
-        )
-        lib = ctypes.CDLL(str(path))
-    except Exception as exc:  # a failed build of any kind leaves the pure-PyTorch path
-        return None, f"the C++ kernel did not build: {type(exc).__name__}: {str(exc)[-300:]}"
+    lib, why = build(SOURCE, "qkv_deformable")
+    if lib is None:
+        return None, why
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in _NAMES.values():
         getattr(lib, f"qkv_deformable_forward_{name}").argtypes = [ptr] * 6 + [i64] * 7

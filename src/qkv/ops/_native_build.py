@@ -1,0 +1,70 @@
+"""Build a C++ source of qkv at first use, cached, and load it for ``ctypes`` (the deformable
+kernel, the bf16 score GEMM).
+
+It is built through ``torch.utils.cpp_extension.load`` (ninja, torch's headers, cached under
+``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``; a later process loads the cached
+library in milliseconds) and called through ``ctypes`` on the tensors' data pointers: the
+sources include only ATen/c10 headers, never ``torch/extension.h`` and pybind11, so a first
+build takes seconds, not a minute.
+
+The build's name carries a hash of the source, the flags and torch's version, and the flags
+follow torch's CPU capability (AVX2, AVX512): a cache shared by machines of different CPUs
+keeps one library per capability, and none runs an instruction its CPU lacks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["build"]
+
+# what torch's capability string guarantees (ATen's own CPU_CAPABILITY builds assume the same)
+_ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+
+
+def _flags() -> tuple[list[str], list[str]]:
+    """Compiler and linker flags: torch's ISA level, and OpenMP where ATen's threads are
+    OpenMP's (the library then links the libgomp torch has already loaded: one thread pool)."""
+    cflags = ["-O3", "-std=c++17", "-ffp-contract=off"]
+    cflags += _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+        return cflags + ["-fopenmp"], ["-fopenmp"]
+    return cflags + ["-fopenmp-simd"], []
+
+
+def build(source: Path, prefix: str) -> tuple[ctypes.CDLL | None, str]:
+    """The library built from ``source`` (named ``prefix`` + capability + hash) and ``""``,
+    or None and why it could not be built (no C++ compiler, a failed build). Not cached here:
+    each caller keeps its own result (a ``functools.cache``)."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return None, f"no C++ compiler found ({compiler!r}, from $CXX or the default c++)"
+    cflags, ldflags = _flags()
+    key = hashlib.sha256(
+        source.read_bytes() + " ".join(cflags + ldflags + [torch.__version__]).encode()
+    ).hexdigest()[:12]
+    capability = torch.backends.cpu.get_cpu_capability().lower().replace(" ", "_")
+    try:
+        from torch.utils import cpp_extension
+
+        path = cpp_extension.load(
+            name=f"{prefix}_{capability}_{key}",
+            sources=[str(source)],
+            extra_cflags=cflags,
+            extra_ldflags=ldflags,
+            with_cuda=False,
+            is_python_module=False,
+        )
+        return ctypes.CDLL(str(path)), ""
+    except Exception as exc:  # a failed build of any kind: the caller takes its torch path
+        return None, f"the C++ kernel did not build: {type(exc).__name__}: {str(exc)[-300:]}"

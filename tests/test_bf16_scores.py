@@ -1,0 +1,222 @@
+"""bfloat16 attention scores in float32 by oneDNN's micro-kernel (issues 37, 38).
+
+``qkv.ops.bf16_scores`` forms ``scale * q @ k^T`` of bfloat16 inputs with float32 sums, never
+rounded to bfloat16, on the CPU's AMX units (``bf16_scores.cpp``); the one-pass weights take it
+on the native half route. Its results are held to float64 math of the same bfloat16 inputs,
+written here: float32 accumulation error only. Where it cannot run (no AMX, no compiler), the
+widened float32 GEMM (its slow twin, ``scores_widened_``) is taken, and the kernel's own tests
+skip with the reason; the fallback tests run everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import pytest
+import torch
+
+import qkv
+from qkv.ops import bf16_scores
+from qkv.testing import ATOL, OUTPUT_FACTOR, assert_tolerance, max_error
+
+SIZES = [1, 7, 33, 100, 257]
+HEAD_DIMS = [16, 64, 80, 128]
+# float32 sums of D exact products: |error| <= ~D * 2^-24 * sum|q_i k_i| <= D * 6e-8 * |q||k|;
+# the brief's bound for D=64 is 1e-6 of |q||k| (64 * 6e-8 = 3.8e-6 is the worst case, the
+# typical error of a sum of random signs is far below it)
+REL_BOUND = 1e-6
+
+
+def kernel_or_skip() -> None:
+    if not bf16_scores.available():
+        pytest.skip(
+            f"the bfloat16 score kernel does not run here: {bf16_scores.unavailable_reason()}"
+        )
+
+
+def _inputs(N, T, S, D, seed=0, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # (N, T, D) views of a (T, N, D) layout, as a module's heads are
+        q = torch.randn(T, N, D, generator=g).bfloat16().transpose(0, 1)  # (N, T, D)
+        k = torch.randn(S, N, D, generator=g).bfloat16().transpose(0, 1)  # (N, S, D)
+    else:
+        q = torch.randn(N, T, D, generator=g).bfloat16()
+        k = torch.randn(N, S, D, generator=g).bfloat16()
+    return q, k
+
+
+def _relative_error(out, q, k, scale):
+    """max |out - float64 math| / (|scale| |q_t| |k_s|), over every score."""
+    exact = scale * (q.double() @ k.double().transpose(-2, -1))  # (N, T, S)
+    norms = q.double().norm(dim=-1)[..., :, None] * k.double().norm(dim=-1)[..., None, :]
+    return float(((out.double() - exact).abs() / (abs(scale) * norms).clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS, ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("S", SIZES, ids=lambda s: f"S{s}")
+@pytest.mark.parametrize("T", SIZES, ids=lambda t: f"T{t}")
+def test_kernel_equals_float64_math(T, S, D):
+    kernel_or_skip()
+    q, k = _inputs(3, T, S, D, seed=T * 1000 + S)
+    out = torch.full((3, T, S), float("nan"))  # every element must be written
+    bf16_scores.scores_kernel_(out, q, k, 0.125)
+    assert not out.isnan().any()
+    err = _relative_error(out, q, k, 0.125)
+    assert err < REL_BOUND, f"relative error {err:.3g} at T={T} S={S} D={D}"
+
+
+@pytest.mark.parametrize(
+    "T,S,D,strided",
+    [(33, 100, 64, True), (257, 7, 80, True), (100, 257, 15, False), (7, 33, 1, False)],
+    ids=["T33-S100-D64-strided", "T257-S7-D80-strided", "T100-S257-D15-odd", "T7-S33-D1-odd"],
+)
+def test_kernel_strided_inputs_odd_head_dims_and_a_strided_output(T, S, D, strided):
+    kernel_or_skip()
+    q, k = _inputs(4, T, S, D, seed=5, strided=strided)
+    buf = torch.full((4, T + 3, S), float("nan"))  # out is a view with a row stride of S
+    out = buf[:, 1 : T + 1]  # (4, T, S)
+    bf16_scores.scores_kernel_(out, q, k, -0.5)
+    assert _relative_error(out, q, k, -0.5) < REL_BOUND
+    assert buf[:, 0].isnan().all() and buf[:, T + 1 :].isnan().all(), "wrote outside out"
+
+
+def test_kernel_is_deterministic_across_thread_counts():
+    kernel_or_skip()
+    q, k = _inputs(6, 257, 193, 64, seed=3)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(bf16_scores.scores_kernel_(torch.empty(6, 257, 193), q, k, 0.3))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+def test_kernel_scale_zero_gives_zeros_not_nan():
+    kernel_or_skip()
+    q, k = _inputs(2, 7, 65, 16, seed=4)
+    out = torch.full((2, 7, 65), float("nan"))
+    assert torch.equal(bf16_scores.scores_kernel_(out, q, k, 0.0), torch.zeros(2, 7, 65))
+
+
+def test_kernel_refuses_wrong_dtypes_and_shapes_with_the_numbers():
+    kernel_or_skip()
+    q, k = _inputs(2, 7, 9, 16)
+    with pytest.raises(TypeError, match=r"bfloat16.*torch\.float16"):
+        bf16_scores.scores_kernel_(torch.empty(2, 7, 9), q.half(), k, 1.0)
+    with pytest.raises(ValueError, match=r"got out \(2, 9, 7\)"):
+        bf16_scores.scores_kernel_(torch.empty(2, 9, 7), q, k, 1.0)
+
+
+# --- the fallback: runs on every machine ---------------------------------------------------
+
+
+def _hide_kernel(monkeypatch, why="hidden by the test"):
+    """As on a CPU where the kernel cannot run: a fresh build cache that reports ``why``."""
+    monkeypatch.setattr(bf16_scores, "_build", functools.cache(lambda: (None, why)))
+    monkeypatch.setattr(
+        bf16_scores, "_note_once", functools.cache(bf16_scores._note_once.__wrapped__)
+    )
+
+
+@pytest.mark.parametrize(
+    "T,S,D",
+    [(1, 1, 16), (33, 257, 64), (100, 7, 80)],
+    ids=["T1-S1-D16", "T33-S257-D64", "T100-S7-D80"],
+)
+def test_without_the_kernel_scores_take_the_widened_gemm(monkeypatch, T, S, D):
+    _hide_kernel(monkeypatch)
+    assert not bf16_scores.available()
+    assert bf16_scores.unavailable_reason() == "hidden by the test"
+    q, k = _inputs(2, T, S, D, seed=7)
+    out = bf16_scores.scores_(torch.empty(2, T, S), q, k, 0.125)
+    assert _relative_error(out, q, k, 0.125) < REL_BOUND
+    with pytest.raises(RuntimeError, match="cannot run here: hidden by the test"):
+        bf16_scores.scores_kernel_(torch.empty(2, T, S), q, k, 0.125)
+
+
+def test_without_a_compiler_the_kernel_is_unavailable_quietly(monkeypatch, caplog):
+    monkeypatch.setattr(bf16_scores, "_build", functools.cache(bf16_scores._build.__wrapped__))
+    monkeypatch.setattr(
+        bf16_scores, "_note_once", functools.cache(bf16_scores._note_once.__wrapped__)
+    )
+    monkeypatch.setenv("CXX", "qkv-no-such-compiler")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning, only a debug note
+        with caplog.at_level(logging.DEBUG, logger=bf16_scores.__name__):
+            assert not bf16_scores.available() and not bf16_scores.available()
+    assert "no C++ compiler found" in bf16_scores.unavailable_reason()
+    notes = [r for r in caplog.records if r.name == bf16_scores.__name__]
+    assert len(notes) == 1 and notes[0].levelno == logging.DEBUG
+
+
+# --- the one-pass weights, kernel on and off --------------------------------------------------
+
+
+def _golden_and_baseline(q, k, v, scale, causal):
+    """Attention in float64 of the bfloat16 inputs, and the same plain math in bfloat16."""
+    T, S = q.shape[-2], k.shape[-2]
+    keep = (
+        torch.ones(T, S, dtype=torch.bool).tril() if causal else torch.ones(T, S, dtype=torch.bool)
+    )
+
+    def attend(q, k, v):
+        scores = ((q @ k.transpose(-2, -1)) * scale).masked_fill(
+            ~keep, float("-inf")
+        )  # (B, H, T, S)
+        probs = torch.softmax(scores, dim=-1)
+        return probs @ v, probs, scores
+
+    return attend(q.double(), k.double(), v.double()), attend(q, k, v)
+
+
+@pytest.mark.parametrize("kernel", ["kernel", "widened"])
+@pytest.mark.parametrize(
+    "T,scale,causal",
+    [(1, None, False), (33, 3.0, False), (100, 0.0, True), (257, None, True)],
+    ids=["T1", "T33-scale3", "T100-scale0-causal", "T257-causal"],
+)
+def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel, T, scale, causal):
+    """B2-H4-D64 bfloat16 with a trace on the native route: the one-pass weights take the
+    kernel (forced on: skipped where it cannot run) or the widened GEMM (forced off)."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    if kernel == "kernel":
+        kernel_or_skip()
+    else:
+        _hide_kernel(monkeypatch)
+    calls = []
+    real = bf16_scores.scores_kernel_
+    monkeypatch.setattr(bf16_scores, "scores_kernel_", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, 4, T, 64, generator=g).bfloat16() for _ in range(3))
+    with torch.no_grad():
+        out, trace = qkv.scaled_dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal, return_trace=True
+        )
+    assert trace.backend == "reference" and not callable(trace._probs), "not the one-pass path"
+    assert bool(calls) == (kernel == "kernel")
+    s = 64**-0.5 if scale is None else scale
+    gold, base = _golden_and_baseline(q, k, v, s, causal)
+    assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
+    assert_tolerance(trace.probs, gold[1], base[1], factor=OUTPUT_FACTOR, name="probs")
+    # the lse from float32 scores: float32's relative error of the largest score
+    size = max(1.0, float(gold[2].masked_fill(gold[2].isinf(), 0).abs().max()))
+    assert max_error(trace.lse, torch.logsumexp(gold[2], dim=-1)) <= ATOL * size
+
+
+def test_float16_and_the_float32_route_keep_the_widened_gemm(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bf16_scores, "scores_kernel_", lambda *a: calls.append(1))
+    q, k, v = (torch.randn(1, 2, 17, 16) for _ in range(3))
+    with torch.no_grad():
+        monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+        qkv.scaled_dot_product_attention(q.half(), k.half(), v.half(), return_trace=True)
+        monkeypatch.setenv("QKV_CPU_HALF_GEMM", "float32")
+        qkv.scaled_dot_product_attention(
+            q.bfloat16(), k.bfloat16(), v.bfloat16(), return_trace=True
+        )
+    assert calls == []
