@@ -11,6 +11,7 @@ SRC = Path(qkv.__file__).parent
 LAYER = {
     "_files": 0,
     "_identity": 0,
+    "_lru": 0,
     "_measured": 0,
     "_progress": 0,
     "masks": 0,

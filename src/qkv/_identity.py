@@ -18,13 +18,13 @@ does for autograd.
 
 from __future__ import annotations
 
-import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
+
+from ._lru import LRU
 
 __all__ = ["IdentityCache", "identity_key"]
 
@@ -51,12 +51,14 @@ class IdentityCache:
     """Least-recently-used memo of at most ``size`` values derived from tensors."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self._entries: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._memo = LRU(size)
+
+    @property
+    def size(self) -> int:
+        return self._memo.size
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._memo)
 
     def get(
         self,
@@ -72,23 +74,19 @@ class IdentityCache:
         keys = tuple(identity_key(t) for t in tensors)
         if None in keys:
             return (fresh or make)()
-        key = (keys, extra)
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                refs, value = hit
-                if all(r() is not None for r in refs):
-                    self._entries.move_to_end(key)
-                    return value
-                del self._entries[key]  # a base was freed: its memory may hold another tensor
-        value = make()
-        refs = tuple(weakref.ref(t if t._base is None else t._base) for t in tensors)
-        with self._lock:
-            self._entries[key] = (refs, value)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+
+        def made() -> tuple:
+            value = make()
+            return tuple(weakref.ref(t if t._base is None else t._base) for t in tensors), value
+
+        # a base freed since: its memory may hold another tensor, so the entry is made anew
+        _, value = self._memo.get((keys, extra), made, _bases_alive)
         return value
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        self._memo.clear()
+
+
+def _bases_alive(entry: tuple) -> bool:
+    refs, _ = entry
+    return all(r() is not None for r in refs)

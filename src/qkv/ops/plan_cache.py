@@ -10,37 +10,8 @@ modified after they are made.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from .._lru import LRU
 
 
-class PlanCache:
-    """Least-recently-used memo of at most ``size`` plans."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._entries: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: tuple, make: Callable[[], Any]) -> Any:
-        """The plan under ``key``: remembered, or ``make()`` and remembered."""
-        with self._lock:
-            hit = self._entries.get(key)
-            if hit is not None:
-                self._entries.move_to_end(key)
-                return hit
-        entry = make()  # outside the lock: planning may be slow, and two threads may both plan
-        with self._lock:
-            self._entries[key] = entry
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
-        return entry
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+class PlanCache(LRU):
+    """Least-recently-used memo of at most ``size`` plans (``get(key, make)``)."""
