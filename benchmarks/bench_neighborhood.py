@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import torch
 from bench_cpu_isa import cpu_model  # the CPU named as every CPU benchmark names it
+from bench_structured import interleaved  # median per call, timed round-robin
 
 import qkv
 from qkv import masks as M
@@ -117,28 +117,6 @@ def implementations(grid: str, N: int, dense_max: int, flex: bool):
         except Exception as e:  # no compiler, no inductor CPU backend: say why
             skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     return impls, skipped, (rows, tiles, layout)
-
-
-def interleaved(steps: dict, min_time: float, rounds_min: int = 3) -> tuple[dict, dict]:
-    """Median seconds per call of each step, timed round-robin; failures as reasons."""
-    times: dict = {n: [] for n in steps}
-    failed = {}
-    for name, fn in list(steps.items()):  # warm-up (compiles flex, plans tiled); drop failures
-        try:
-            fn()
-            fn()
-        except Exception as e:
-            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-            steps.pop(name)
-            times.pop(name)
-    start, rounds = time.perf_counter(), 0
-    while steps and (rounds < rounds_min or time.perf_counter() - start < min_time * len(steps)):
-        for name, fn in steps.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-        rounds += 1
-    return {n: statistics.median(t) for n, t in times.items()}, failed
 
 
 def first_call(attend, args) -> float:
@@ -225,6 +203,12 @@ def run(args) -> list[dict]:
     return records
 
 
+def ratio(times: list, best: float | None) -> float | None:
+    """The fastest of ``times`` over ``best``; None where either is missing (skipped)."""
+    times = [t for t in times if t is not None]
+    return min(times) / best if times and best else None
+
+
 def table(records: list[dict]) -> str:
     by = {(r["grid"], r["dtype"], r["impl"]): r for r in records}
     head = (
@@ -253,8 +237,8 @@ def table(records: list[dict]) -> str:
             f"| {grid} {'x'.join(map(str, r0['shape']))} | {'x'.join(map(str, r0['kernel']))} "
             f"| {dt} | {cell(ms('tiled-rows'))} | {cell(ms('tiled-tiles'))} | {cell(gflops)} | "
             f"{cell(ms('sdpa-dense'))} | {cell(ms('flex-rows'))} | {cell(ms('flex-tiles'))} | "
-            f"{cell(ms('sdpa-dense') and best and ms('sdpa-dense') / best, '{:.2f}')} | "
-            f"{cell(flex and best and min(flex) / best, '{:.2f}')} | "
+            f"{cell(ratio([ms('sdpa-dense')], best), '{:.2f}')} | "
+            f"{cell(ratio(flex, best), '{:.2f}')} | "
             f"{cell(plain['gflops'] if plain and plain['status'] == 'ok' else None)} |"
         )
     return "\n".join(lines)
