@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
 import qkv
-from qkv.ops import bf16_scores
+from qkv.ops import bf16_scores, reference
 from qkv.testing import ATOL, OUTPUT_FACTOR, assert_tolerance, max_error
 
 SIZES = [1, 7, 33, 100, 257]
@@ -174,23 +178,29 @@ def _golden_and_baseline(q, k, v, scale, causal):
     return attend(q.double(), k.double(), v.double()), attend(q, k, v)
 
 
-@pytest.mark.parametrize("kernel", ["kernel", "widened"])
+@pytest.mark.parametrize("kernel", ["fused", "scores", "widened"])
 @pytest.mark.parametrize(
     "T,scale,causal",
     [(1, None, False), (33, 3.0, False), (100, 0.0, True), (257, None, True)],
     ids=["T1", "T33-scale3", "T100-scale0-causal", "T257-causal"],
 )
 def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel, T, scale, causal):
-    """B2-H4-D64 bfloat16 with a trace on the native route: the one-pass weights take the
-    kernel (forced on: skipped where it cannot run) or the widened GEMM (forced off)."""
+    """B2-H4-D64 bfloat16 with a trace on the native route: the one-pass weights take the fused
+    kernel, the score kernel with the rest in torch ops (the fused one forced off), or the
+    widened GEMM (both kernels forced off); the kernels' cases skip where they cannot run."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
-    if kernel == "kernel":
-        kernel_or_skip()
-    else:
+    if kernel == "widened":
         _hide_kernel(monkeypatch)
+    else:
+        kernel_or_skip()
+    if kernel == "scores":
+        monkeypatch.setattr(reference, "_bf16_fused_here", lambda call: False)
     calls = []
-    real = bf16_scores.scores_kernel_
-    monkeypatch.setattr(bf16_scores, "scores_kernel_", lambda *a: calls.append(1) or real(*a))
+    for name in ("scores_kernel_", "weights_kernel"):
+        real = getattr(bf16_scores, name)
+        monkeypatch.setattr(
+            bf16_scores, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw)
+        )
     g = torch.Generator().manual_seed(T)
     q, k, v = (torch.randn(2, 4, T, 64, generator=g).bfloat16() for _ in range(3))
     with torch.no_grad():
@@ -198,7 +208,8 @@ def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel,
             q, k, v, scale=scale, is_causal=causal, return_trace=True
         )
     assert trace.backend == "reference" and not callable(trace._probs), "not the one-pass path"
-    assert bool(calls) == (kernel == "kernel")
+    expected = {"fused": {"weights_kernel"}, "scores": {"scores_kernel_"}, "widened": set()}
+    assert set(calls) == expected[kernel]
     s = 64**-0.5 if scale is None else scale
     gold, base = _golden_and_baseline(q, k, v, s, causal)
     assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
@@ -206,6 +217,121 @@ def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel,
     # the lse from float32 scores: float32's relative error of the largest score
     size = max(1.0, float(gold[2].masked_fill(gold[2].isinf(), 0).abs().max()))
     assert max_error(trace.lse, torch.logsumexp(gold[2], dim=-1)) <= ATOL * size
+
+
+# --- the fused one-pass kernel (weights_kernel) -----------------------------------------------
+
+FUSED_CASES = [  # N, T, S, D, Dv, scale, causal: block edges of 64 keys, odd D, Dv past 64
+    (2, 1, 1, 16, 16, 0.25, False),
+    (3, 7, 5, 15, 3, 3.0, False),
+    (2, 65, 63, 64, 64, -0.5, True),
+    (2, 64, 64, 64, 100, 0.125, False),
+    (1, 300, 65, 33, 128, 0.0, False),
+    (2, 70, 300, 64, 16, 3.0, True),
+    (1, 257, 1000, 80, 64, 0.125, False),
+    (1, 500, 200, 64, 64, 0.2, True),
+]
+
+
+def _fused_inputs(N, T, S, D, Dv, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(N, T, D, generator=g).bfloat16()
+    k = torch.randn(N, S, D, generator=g).bfloat16()
+    v = torch.randn(N, S, Dv, generator=g).bfloat16()
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "N,T,S,D,Dv,scale,causal",
+    FUSED_CASES,
+    ids=[
+        f"N{c[0]}-T{c[1]}-S{c[2]}-D{c[3]}-Dv{c[4]}-scale{c[5]}" + ("-causal" * c[6])
+        for c in FUSED_CASES
+    ],
+)
+def test_fused_kernel_equals_float64_math(N, T, S, D, Dv, scale, causal):
+    kernel_or_skip()
+    q, k, v = _fused_inputs(N, T, S, D, Dv, seed=T + S)
+    out, probs, lse = bf16_scores.weights_kernel(q, k, v, scale, causal=causal)
+    assert out.dtype == probs.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    gold, base = _golden_and_baseline(q, k, v, scale, causal)
+    assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
+    # each weight is a float32-accurate weight rounded once: within one bfloat16 step (2^-8
+    # of it) of float64's, and exactly 0 where causal hides the key
+    assert float(((probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30
+    if causal:
+        hidden = ~torch.ones(T, S, dtype=torch.bool).tril()
+        assert (probs[:, hidden] == 0).all()
+    size = max(1.0, float(gold[2].masked_fill(gold[2].isinf(), 0).abs().max()))
+    assert max_error(lse, torch.logsumexp(gold[2], dim=-1)) <= ATOL * size
+
+
+def test_fused_kernel_is_deterministic_across_thread_counts():
+    kernel_or_skip()
+    q, k, v = _fused_inputs(3, 257, 193, 64, 80, seed=5)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(bf16_scores.weights_kernel(q, k, v, 0.3, causal=True))
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+
+
+def test_fused_kernel_scale_zero_is_the_mean_of_the_values_for_long_rows():
+    """scale=0 with S > 256 (issue 41 item 4's NaN): weights 1/S, lse log S, the mean of v."""
+    kernel_or_skip()
+    q, k, v = _fused_inputs(2, 3, 700, 32, 16, seed=6)
+    out, probs, lse = bf16_scores.weights_kernel(q, k, v, 0.0, causal=False)
+    assert torch.equal(probs, torch.full_like(probs, 1 / 700))
+    assert max_error(lse, torch.full((2, 3), math.log(700))) <= 1e-6
+    mean = v.double().mean(-2, keepdim=True).expand(2, 3, 16)
+    assert max_error(out, mean) <= float(mean.abs().max()) * 2**-8
+
+
+def test_fused_kernel_empty_sizes_and_refusals():
+    kernel_or_skip()
+    q, k, v = _fused_inputs(2, 0, 5, 16, 8, seed=0)
+    out, probs, lse = bf16_scores.weights_kernel(q, k, v, 1.0, causal=False)
+    assert out.shape == (2, 0, 8) and probs.shape == (2, 0, 5) and lse.shape == (2, 0)
+    q, k, v = _fused_inputs(2, 3, 5, 16, 0, seed=0)  # no value columns: weights still formed
+    out, probs, lse = bf16_scores.weights_kernel(q, k, v, 1.0, causal=False)
+    assert out.shape == (2, 3, 0) and torch.allclose(
+        probs.float().sum(-1), torch.ones(2, 3), atol=0.02
+    )
+    with pytest.raises(ValueError, match=r"S >= 1.*k \(2, 0, 16\)"):
+        bf16_scores.weights_kernel(q, k[:, :0], v[:, :0], 1.0, causal=False)
+    with pytest.raises(TypeError, match=r"torch\.float16"):
+        bf16_scores.weights_kernel(q.half(), k, v, 1.0, causal=False)
+
+
+_CONVERT_SCRIPT = """
+import sys, torch
+from qkv.ops import bf16_scores, reference
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(2, 97, 64, generator=g).bfloat16() for _ in range(3))
+q[0, 5, 3] = float("nan")
+torch.save(bf16_scores.weights_kernel(q, k, v, 2.0, causal=True), sys.argv[1])
+"""
+
+
+def test_fused_kernel_rounds_alike_with_and_without_avx512_bf16(tmp_path):
+    """The weights are rounded by AVX512-BF16's instruction where the CPU has it, else by
+    integer arithmetic (QKV_BF16_GENERIC_CVT=1 forces that, read once per process): the two
+    give the same bits, NaN rows included."""
+    kernel_or_skip()
+    runs = []
+    for generic in ("", "1"):
+        path = tmp_path / f"run{generic}.pt"
+        env = {**os.environ, "QKV_BF16_GENERIC_CVT": generic}
+        subprocess.run([sys.executable, "-c", _CONVERT_SCRIPT, str(path)], env=env, check=True)
+        runs.append(torch.load(path))
+    for a, b in zip(*runs):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    assert runs[0][1][0, 5, :6].isnan().all() and not runs[0][1][0, 4].isnan().any()
 
 
 def test_float16_and_the_float32_route_keep_the_widened_gemm(monkeypatch):

@@ -17,12 +17,31 @@
 // Then every (head, block of kM query rows) is one task: for each key block one brgemm call (M rows,
 // N=64, K=D) into a thread-local tile, scaled and copied into out. Each output element is summed by one
 // brgemm call over D in a fixed order, so results do not depend on the thread count.
+//
+// qkv_bf16_weights: the one-pass weights of plain or causal bfloat16 attention, fused per (head, block of
+// kM query rows): the scores by brgemm into a float32 tile (never rounded to bfloat16), the softmax of each
+// row in float32, the weights rounded once into `probs`, the lse in float32, and the output as the float32
+// weights times the values: the weights are split into hi = bf16(p) (the rounded weights returned) and
+// lo = bf16(p - hi), and hi @ v + lo @ v is summed in float32 by two brgemm calls (|p - (hi + lo)| <= 2^-16 p,
+// far below the output's one rounding to bfloat16), then rounded once. Nothing (T, S)-sized is allocated
+// besides the weights returned. Values are packed per head like the keys, in blocks of kN keys and of up to
+// 64 value columns.
+#if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
+#define CPU_CAPABILITY_AVX512  // at::vec's 512-bit Vectorized<float> (its own namespace, not libtorch's)
+#elif defined(__AVX2__) && !defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX2)
+#define CPU_CAPABILITY_AVX2
+#endif
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <utility>
 #include <cstdio>
 #include <exception>
 #include <memory>
@@ -89,6 +108,207 @@ void scores(const bf16* q, const bf16* packed, float* out, int64_t BH, int64_t T
   });
 }
 
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kV = Vec::size();
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Value columns per packed block: oneDNN's pack takes N in {16, 32, 48, 64}; Dv is padded to 16.
+int64_t value_block(int64_t Dvp, int64_t c0) { return std::min<int64_t>(64, Dvp - c0); }
+
+// v (BH, S, Dv) -> per head, per block of <= 64 columns (Dv padded to Dvp, a multiple of 16), the VNNI
+// layout of the (Sp, width) matrix, zero rows past S and zero columns past Dv.
+void pack_values(const bf16* v, bf16* packed, int64_t BH, int64_t S, int64_t Dv, int64_t Sp,
+                 int64_t Dvp) {
+  const int64_t nS = Sp / kN;
+  at::parallel_for(0, BH * nS, 1, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> blk(kN * 64);  // (kN keys, <= 64 columns)
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nS, j = task % nS;
+      const int64_t n0 = j * kN, nb = std::min(kN, std::max<int64_t>(S - n0, 0));
+      for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
+        const int64_t w = value_block(Dvp, c0);
+        for (int64_t n = 0; n < kN; ++n) {
+          const bf16* src = v + (bh * S + n0 + n) * Dv;
+          for (int64_t c = 0; c < w; ++c)
+            blk[n * w + c] = (n < nb && c0 + c < Dv) ? src[c0 + c] : bf16(0.0f);
+        }
+        // this column block of head bh: (Sp, w) in VNNI; keys n0.. start at row n0 of it
+        bf16* dst = packed + bh * Sp * Dvp + c0 * Sp + n0 * w;
+        cpublas::pack(kN, w, w, w, at::kBFloat16, at::kBFloat16, blk.data(), dst);
+      }
+    }
+  });
+}
+
+template <typename F>
+float lanes(const Vec& x, float init, F op) {
+  alignas(64) float buf[kV];
+  x.store(buf);
+  for (int64_t i = 0; i < kV; ++i) init = op(init, buf[i]);
+  return init;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// float32 -> bfloat16 rounded to nearest even (NaN stays NaN), 16 at a time, as c10::BFloat16(float)
+inline __m256i to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_srli_epi32(r, 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0), r);
+  return _mm512_cvtepi32_epi16(r);
+}
+
+inline __m512 from_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// The largest and the smallest of x[0, n), n >= 1; NaN if any is NaN.
+std::pair<float, float> reduce_extremes(const float* x, int64_t n) {
+  const float inf = std::numeric_limits<float>::infinity();
+  Vec hi(-inf), lo(inf);
+  int64_t i = 0;
+  for (; i + kV <= n; i += kV) {
+    const Vec xi = Vec::loadu(x + i);
+    hi = at::vec::maximum(hi, xi);
+    lo = at::vec::minimum(lo, xi);
+  }
+  const auto up = [](float a, float b) { return (std::isnan(b) || b > a) ? b : a; };
+  const auto down = [](float a, float b) { return (std::isnan(b) || b < a) ? b : a; };
+  float top = lanes(hi, -inf, up), bottom = lanes(lo, inf, down);
+  for (; i < n; ++i) top = up(top, x[i]), bottom = down(bottom, x[i]);
+  return {top, bottom};
+}
+
+// p[0, n) -> hi = bf16(p) (into hi and probs) and lo = bf16(p - hi), both rounded to nearest even.
+void split_generic(const float* e, float inv, int64_t n, bf16* probs, bf16* hi, bf16* lo) {
+  int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; c + 16 <= n; c += 16) {
+    const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + c), vinv);
+    const __m256i h = to_bf16(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), h);
+    const __m256i l = to_bf16(_mm512_sub_ps(p, from_bf16(h)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), l);
+  }
+#endif
+  for (; c < n; ++c) {
+    const float p = e[c] * inv;
+    const bf16 h(p);
+    hi[c] = h;
+    probs[c] = h;
+    lo[c] = bf16(p - static_cast<float>(h));
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The same by AVX512-BF16's conversion (one instruction for 16, rounding to nearest even as above;
+// tests/test_bf16_weights.py checks both ways bit for bit), where the CPU has it.
+__attribute__((target("avx512bf16"))) void split_bf16(const float* e, float inv, int64_t n,
+                                                      bf16* probs, bf16* hi, bf16* lo) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + c), vinv);
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), h);
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, from_bf16(h)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), l);
+  }
+  split_generic(e + c, inv, n - c, probs + c, hi + c, lo + c);
+}
+#endif
+
+bool has_bf16_convert() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && !std::getenv("QKV_BF16_GENERIC_CVT");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// One row of raw scores s[0, n) (q.k, not yet scaled), n >= 1 -> the weights of softmax(scale * s):
+// hi/lo[0, K) (zeros past n), probs[0, S) (zeros past n); returns the lse. s is overwritten.
+// scale * s - max(scale * s) is one fused multiply-add per score, the max taken from the raw
+// extremes (the smallest raw score is the largest scaled one for a negative scale).
+float softmax_row(float* s, int64_t n, float scale, int64_t S, int64_t K, bf16* probs, bf16* hi,
+                  bf16* lo) {
+  const auto [top, bottom] = reduce_extremes(s, n);
+  const float m = scale >= 0.0f ? scale * top : scale * bottom;  // max of the scaled scores
+  // a row whose largest score is +inf or NaN: NaN throughout, as exp(s - m) is in torch's softmax
+  const float shift = std::isfinite(m) ? m : 0.0f;
+  const Vec vs_scale(scale), vshift(-shift);
+  Vec vs(0.0f);
+  int64_t i = 0;
+  for (; i + kV <= n; i += kV) {
+    const Vec e = at::vec::fmadd(Vec::loadu(s + i), vs_scale, vshift).exp_u20();
+    e.store(s + i);
+    vs = vs + e;
+  }
+  float sum = lanes(vs, 0.0f, [](float a, float b) { return a + b; });
+  for (; i < n; ++i) {
+    s[i] = std::exp(std::fma(s[i], scale, -shift));
+    sum += s[i];
+  }
+  if (!std::isfinite(m)) sum = std::numeric_limits<float>::quiet_NaN();
+#if defined(CPU_CAPABILITY_AVX512)
+  if (has_bf16_convert())
+    split_bf16(s, 1.0f / sum, n, probs, hi, lo);
+  else
+#endif
+    split_generic(s, 1.0f / sum, n, probs, hi, lo);
+  std::fill(hi + n, hi + K, bf16(0.0f));
+  std::fill(lo + n, lo + K, bf16(0.0f));
+  std::fill(probs + n, probs + S, bf16(0.0f));
+  return m + std::log(sum);
+}
+
+void weights(const bf16* q, const bf16* pk, const bf16* pv, bf16* probs, bf16* out, float* lse,
+             int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, int64_t Sp, int64_t Dvp,
+             int64_t rows, float scale, bool causal) {
+  const int64_t nT = (T + rows - 1) / rows;
+  at::parallel_for(0, BH * nT, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sc(rows * Sp), acc(rows * Dvp);
+    std::vector<bf16> hi(rows * Sp), lo(rows * Sp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / nT, i = task % nT;
+      const int64_t t0 = i * rows, mb = std::min(rows, T - t0);
+      // keys some row of this block sees: all, or up to its last row (causal, top-left)
+      const int64_t seen = causal ? std::min(S, t0 + mb) : S;
+      const int64_t K = round_up(seen, kN);  // a multiple of kN: few distinct brgemm shapes
+      const bf16* a = q + (bh * T + t0) * D;
+      for (int64_t n0 = 0; n0 < seen; n0 += kN)
+        cpublas::brgemm(mb, kN, D, D, kN, Sp, false, a, pk + (bh * (Sp / kN) + n0 / kN) * D * kN,
+                        sc.data() + n0, true);
+      for (int64_t r = 0; r < mb; ++r) {
+        float* s = sc.data() + r * Sp;
+        const int64_t n = causal ? std::min(S, t0 + r + 1) : S;
+        lse[bh * T + t0 + r] = softmax_row(s, n, scale, S, K, probs + (bh * T + t0 + r) * S,
+                                           hi.data() + r * Sp, lo.data() + r * Sp);
+      }
+      for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
+        const int64_t w = value_block(Dvp, c0);
+        const bf16* b = pv + bh * Sp * Dvp + c0 * Sp;
+        cpublas::brgemm(mb, w, K, Sp, w, Dvp, false, hi.data(), b, acc.data() + c0, true);
+        cpublas::brgemm(mb, w, K, Sp, w, Dvp, true, lo.data(), b, acc.data() + c0, true);
+      }
+      for (int64_t r = 0; r < mb; ++r) {
+        bf16* dst = out + (bh * T + t0 + r) * Dv;
+        const float* src = acc.data() + r * Dvp;
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(src[c]);
+      }
+    }
+    cpublas::brgemm_release(true);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -113,6 +333,26 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
     std::unique_ptr<bf16[]> packed(new bf16[BH * nS * D * kN]);
     pack_keys(k, packed.get(), BH, S, D);
     scores(q, packed.get(), out, BH, T, S, D, out_bh, out_t, scale);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(last_error, sizeof(last_error), "%s", e.what());
+    return 1;
+  }
+}
+
+// The one-pass weights of plain (causal = 0) or causal top-left (causal = 1) bfloat16 attention: q (BH, T, D),
+// k (BH, S, D), v (BH, S, Dv) contiguous, D even, S >= 1; probs (BH, T, S) and out (BH, T, Dv) bfloat16 and
+// lse (BH, T) float32, contiguous, written whole. 0 on success, 1 on an error (qkv_bf16_scores_error).
+int qkv_bf16_weights(const bf16* q, const bf16* k, const bf16* v, bf16* probs, bf16* out, float* lse,
+                     int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale, int causal) {
+  try {
+    const int64_t Sp = round_up(S, kN), Dvp = round_up(Dv, 16);
+    // rows per task: a float32 score tile and two bfloat16 tiles of rows x Sp stay near the cache
+    const int64_t rows = std::clamp<int64_t>((int64_t{1} << 18) / Sp / 16 * 16, 16, kM);
+    std::unique_ptr<bf16[]> pk(new bf16[BH * Sp * D]), pv(new bf16[BH * Sp * Dvp]);
+    pack_keys(k, pk.get(), BH, S, D);
+    pack_values(v, pv.get(), BH, S, Dv, Sp, Dvp);
+    weights(q, pk.get(), pv.get(), probs, out, lse, BH, T, S, D, Dv, Sp, Dvp, rows, scale, causal != 0);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());

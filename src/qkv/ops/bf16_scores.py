@@ -11,6 +11,14 @@ float32's, as in the widened GEMM.
 
 * :func:`scores_` forms ``scale * q @ k^T`` into a float32 buffer, by the kernel where
   :func:`available`, else by its slow twin :func:`scores_widened_` (the widened GEMM).
+* :func:`weights_kernel` runs the whole one-pass weights of a plain or causal bfloat16 call
+  fused (``qkv_bf16_weights``): scores into a float32 tile per block of query rows, the
+  softmax and lse in float32, the weights rounded once, and the output as the float32
+  weights times the values, by two bf16 GEMMs of the weights split into a rounded part and
+  its remainder (``hi + lo`` is the float32 weight to 2^-16 of it), summed in float32 and
+  rounded once. The rounding to bfloat16 takes AVX512-BF16's instruction where the CPU has
+  it, else integer arithmetic that gives the same bits; ``QKV_BF16_GENERIC_CVT=1`` forces the
+  latter (read once per process, for the test that compares them).
 * The kernel is built at first use (``ops/_native_build.py``); where it cannot run (no C++
   compiler, a failed build, a CPU without AMX that oneDNN packs bfloat16 for), it is not used,
   and one debug-level log line says why.
@@ -31,7 +39,14 @@ from torch import Tensor
 
 from ._native_build import build
 
-__all__ = ["available", "scores_", "scores_kernel_", "scores_widened_", "unavailable_reason"]
+__all__ = [
+    "available",
+    "scores_",
+    "scores_kernel_",
+    "scores_widened_",
+    "unavailable_reason",
+    "weights_kernel",
+]
 
 SOURCE = Path(__file__).with_name("bf16_scores.cpp")
 _log = logging.getLogger(__name__)
@@ -45,6 +60,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.qkv_bf16_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float]
     lib.qkv_bf16_scores.restype = ctypes.c_int
+    lib.qkv_bf16_weights.argtypes = [ptr] * 6 + [i64] * 5 + [ctypes.c_float, ctypes.c_int]
+    lib.qkv_bf16_weights.restype = ctypes.c_int
     lib.qkv_bf16_scores_usable.restype = ctypes.c_int
     lib.qkv_bf16_scores_error.restype = ctypes.c_char_p
     if not lib.qkv_bf16_scores_usable():
@@ -142,3 +159,61 @@ def scores_kernel_(out: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
             f"the bfloat16 score kernel failed: {lib.qkv_bf16_scores_error().decode()}"
         )
     return out
+
+
+def weights_kernel(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Output, weights and lse of plain or causal (top-left) bfloat16 attention in one fused
+    pass of the C++ kernel (:func:`available` must be true): float32 scores, softmax and lse;
+    the weights rounded once; the output the float32 weights times the values, rounded once.
+
+    q, k and v are made contiguous (T*D, S*D and S*Dv copies at most), an odd D is padded
+    with a zero column.
+
+    Shape:
+        q ``(N, T, D)``, k ``(N, S, D)``, v ``(N, S, Dv)`` bfloat16, S >= 1 -> out
+        ``(N, T, Dv)`` bfloat16, probs ``(N, T, S)`` bfloat16, lse ``(N, T)`` float32.
+    """
+    lib, why = _build()
+    if lib is None:
+        raise RuntimeError(f"the bfloat16 weights kernel cannot run here: {why}")
+    N, T, D = q.shape
+    S, Dv = v.shape[-2:]
+    if {q.dtype, k.dtype, v.dtype} != {torch.bfloat16}:
+        raise TypeError(
+            f"weights_kernel: q, k and v must be bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.shape != (N, S, D) or v.shape != (N, S, Dv) or S == 0:
+        raise ValueError(
+            f"weights_kernel: want q (N, T, D), k (N, S, D), v (N, S, Dv) with S >= 1; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    out = torch.empty(N, T, Dv, dtype=torch.bfloat16)
+    probs = torch.empty(N, T, S, dtype=torch.bfloat16)
+    lse = torch.empty(N, T, dtype=torch.float32)
+    if N * T == 0:
+        return out, probs, lse
+    if D % 2:  # VNNI reads D in pairs: a zero column adds nothing to any score
+        q, k = F.pad(q, (0, 1)), F.pad(k, (0, 1))  # (N, T, D+1), (N, S, D+1)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    rc = lib.qkv_bf16_weights(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        probs.data_ptr(),
+        out.data_ptr(),
+        lse.data_ptr(),
+        N,
+        T,
+        S,
+        q.shape[-1],
+        Dv,
+        float(scale),
+        int(causal),
+    )
+    if rc != 0:
+        raise RuntimeError(
+            f"the bfloat16 weights kernel failed: {lib.qkv_bf16_scores_error().decode()}"
+        )
+    return out, probs, lse
