@@ -302,7 +302,7 @@ def test_fused_kernel_empty_sizes_and_refusals():
     assert out.shape == (2, 3, 0) and torch.allclose(
         probs.float().sum(-1), torch.ones(2, 3), atol=0.02
     )
-    with pytest.raises(ValueError, match=r"S >= 1.*k \(2, 0, 16\)"):
+    with pytest.raises(ValueError, match=r"S >= 1.*k \(1, 2, 0, 16\)"):
         bf16_scores.weights_kernel(q, k[:, :0], v[:, :0], 1.0, causal=False)
     with pytest.raises(TypeError, match=r"torch\.float16"):
         bf16_scores.weights_kernel(q.half(), k, v, 1.0, causal=False)
@@ -313,7 +313,7 @@ import sys, torch
 from qkv.ops import bf16_scores, reference
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(2, 97, 64, generator=g).bfloat16() for _ in range(3))
-q[0, 5, 3] = float("nan")
+q[0, 5] = 3e38  # its scores overflow to +-inf in float32: a NaN row of weights, as torch's
 torch.save(bf16_scores.weights_kernel(q, k, v, 2.0, causal=True), sys.argv[1])
 """
 
@@ -321,7 +321,7 @@ torch.save(bf16_scores.weights_kernel(q, k, v, 2.0, causal=True), sys.argv[1])
 def test_fused_kernel_rounds_alike_with_and_without_avx512_bf16(tmp_path):
     """The weights are rounded by AVX512-BF16's instruction where the CPU has it, else by
     integer arithmetic (QKV_BF16_GENERIC_CVT=1 forces that, read once per process): the two
-    give the same bits, NaN rows included."""
+    give the same bits, NaN rows (from scores that overflow) included."""
     kernel_or_skip()
     runs = []
     for generic in ("", "1"):
@@ -346,3 +346,72 @@ def test_float16_and_the_float32_route_keep_the_widened_gemm(monkeypatch):
             q.bfloat16(), k.bfloat16(), v.bfloat16(), return_trace=True
         )
     assert calls == []
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("where", ["q", "k", "v", "none"])
+def test_fused_kernel_keeps_the_nonfinite_contract_as_the_guard_does(monkeypatch, where, causal):
+    """NaN/inf in q, k or v (B2-H3-T70-S70-D16 bfloat16 with a trace): the fused kernel keeps
+    the contract itself (nonfinite has nothing to add), and gives the bits of the same kernel
+    under ops/nonfinite.py's guard: finite weights and lse from the zeroed inputs, NaN output on
+    the bad query row and on every row that may attend the bad key."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, 70, 16, generator=g).bfloat16() for _ in range(3))
+    bad = {"q": q, "k": k, "v": v}.get(where)
+    if bad is not None:
+        bad[1, 2, 40, 5] = float("nan")
+        bad[0, 0, 65, 0] = float("inf")
+    calls = []
+    real = bf16_scores.weights_kernel
+    monkeypatch.setattr(
+        bf16_scores, "weights_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+
+    def attend():
+        with torch.no_grad():
+            return qkv.scaled_dot_product_attention(q, k, v, is_causal=causal, return_trace=True)
+
+    call = qkv.ops.call.AttentionCall.build(q, k, v, is_causal=causal, return_trace=True)
+    assert qkv.dispatch.choose(call).keeps_nonfinite_contract
+    out, trace = attend()
+    assert calls == [1]
+    # the same kernel on the inputs ops/nonfinite.py zeroes, its NaN rows added after
+    monkeypatch.setattr(qkv.dispatch, "one_pass_keeps_contract", lambda call: False)
+    assert not qkv.dispatch.choose(call).keeps_nonfinite_contract
+    out_guarded, trace_guarded = attend()
+    assert calls == [1, 1]
+    assert torch.equal(out.nan_to_num(9.0), out_guarded.nan_to_num(9.0))
+    assert torch.equal(trace.probs, trace_guarded.probs) and torch.equal(
+        trace.lse, trace_guarded.lse
+    )
+    assert trace.probs.isfinite().all() and trace.lse.isfinite().all()
+    rows = out.isnan().all(-1)  # (B, H, T): NaN rows, and no row NaN only in part
+    assert torch.equal(rows, out.isnan().any(-1))
+    expected = torch.zeros(2, 3, 70, dtype=torch.bool)
+    t = torch.arange(70)
+    if where == "q":
+        expected[1, 2, 40] = expected[0, 0, 65] = True
+    elif where in ("k", "v"):
+        expected[1, 2] = t >= 40 if causal else True
+        expected[0, 0] = t >= 65 if causal else True
+    assert torch.equal(rows, expected)
+
+
+def test_fused_kernel_reads_strided_heads_and_writes_heads_merged():
+    """A module's heads ((B, T, H, D) memory seen as (B, H, T, D)) and a value with a last
+    stride of 2 give the bits of contiguous inputs; the output is (B, T, H, Dv) memory."""
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(8)
+    B, T, S, H, D = 2, 77, 90, 3, 32
+    q = torch.randn(B, T, H, D, generator=g).bfloat16().transpose(1, 2)  # (B, H, T, D)
+    k = torch.randn(B, S, H, D, generator=g).bfloat16().transpose(1, 2)  # (B, H, S, D)
+    v = torch.randn(B, H, S, 2 * D, generator=g).bfloat16()[..., ::2]  # (B, H, S, D), stride 2
+    strided = bf16_scores.weights_kernel(q, k, v, 0.3, causal=True)
+    dense = bf16_scores.weights_kernel(
+        q.contiguous(), k.contiguous(), v.contiguous(), 0.3, causal=True
+    )
+    assert all(torch.equal(a, b) for a, b in zip(strided, dense))
+    out = strided[0]
+    assert out.shape == (B, H, T, D) and out.transpose(1, 2).is_contiguous()

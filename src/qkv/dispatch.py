@@ -38,6 +38,7 @@ from .ops import (
 from .ops.base import tracing
 from .ops.flex import FlexBackend
 from .ops.reference import attention_with_weights
+from .ops.reference import keeps_nonfinite_contract as one_pass_keeps_contract
 from .ops.triton import TritonBackend
 from .trace import AttentionTrace
 
@@ -84,7 +85,7 @@ def choose(call: AttentionCall, backend: str = "auto") -> Plan:
             backend = "reference"  # the plain math gives the whole trace in the graph (the
             # one-pass and lazy traces branch on values and index on the host)
         elif _weights_in_one_pass(call):
-            return Plan(None)
+            return Plan(None, one_pass_keeps_contract(call))
     chosen = select(call, backend)
     keeps = (
         tracing()

@@ -57,18 +57,50 @@ constexpr int64_t kM = 64;  // query rows per task
 
 char last_error[512] = "";
 
-void pack_keys(const bf16* k, bf16* packed, int64_t BH, int64_t S, int64_t D) {
+// Rows of a (B, H, L, E) tensor with unit last stride and any other strides, heads flattened
+// as bh = b * H + h: row(bh, l) points at its E entries.
+template <typename P>
+struct Rows {
+  P* p;
+  int64_t H, sB, sH, sL;
+  P* row(int64_t bh, int64_t l) const { return p + (bh / H) * sB + (bh % H) * sH + l * sL; }
+};
+using InRows = Rows<const bf16>;
+using OutRows = Rows<bf16>;
+
+// Whether x[0, n) is all finite: a bfloat16 is NaN/inf where its exponent bits are all ones
+// (a loop of integer ops the compiler vectorises; isfinite per element was 5% of a call).
+bool finite_row(const bf16* x, int64_t n) {
+  const auto* bits = reinterpret_cast<const uint16_t*>(x);
+  uint16_t any = 0;
+  for (int64_t i = 0; i < n; ++i) any |= static_cast<uint16_t>((bits[i] & 0x7F80) == 0x7F80);
+  return any == 0;
+}
+
+// x[0, n) with NaN/inf entries as 0, in place.
+void zero_nonfinite(bf16* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(static_cast<float>(x[i]))) x[i] = bf16(0.0f);
+}
+
+// bad (optional, BH x S): set to 1 for a key holding NaN/inf, whose such entries are packed as 0.
+void pack_keys(InRows k, bf16* packed, int64_t BH, int64_t S, int64_t D, uint8_t* bad = nullptr) {
   const int64_t nS = (S + kN - 1) / kN;
   at::parallel_for(0, BH * nS, 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> kt(D * kN);  // one block of keys transposed: (D, kN)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nS, j = task % nS;
       const int64_t n0 = j * kN, nb = std::min(kN, S - n0);
-      const bf16* src = k + (bh * S + n0) * D;
+      const bf16* src = k.row(bh, n0);
+      bool clean = true;  // no NaN/inf in this block's keys
+      if (bad != nullptr)
+        for (int64_t n = 0; n < nb; ++n)
+          if (!finite_row(src + n * k.sL, D)) bad[bh * S + n0 + n] = 1, clean = false;
       for (int64_t d = 0; d < D; ++d) {
         bf16* row = kt.data() + d * kN;
-        for (int64_t n = 0; n < nb; ++n) row[n] = src[n * D + d];
+        for (int64_t n = 0; n < nb; ++n) row[n] = src[n * k.sL + d];
         for (int64_t n = nb; n < kN; ++n) row[n] = bf16(0.0f);
+        if (!clean) zero_nonfinite(row, nb);
       }
       cpublas::pack(D, kN, kN, kN, at::kBFloat16, at::kBFloat16, kt.data(),
                     packed + (bh * nS + j) * D * kN);
@@ -119,8 +151,8 @@ int64_t value_block(int64_t Dvp, int64_t c0) { return std::min<int64_t>(64, Dvp 
 
 // v (BH, S, Dv) -> per head, per block of <= 64 columns (Dv padded to Dvp, a multiple of 16), the VNNI
 // layout of the (Sp, width) matrix, zero rows past S and zero columns past Dv.
-void pack_values(const bf16* v, bf16* packed, int64_t BH, int64_t S, int64_t Dv, int64_t Sp,
-                 int64_t Dvp) {
+void pack_values(InRows v, bf16* packed, int64_t BH, int64_t S, int64_t Dv, int64_t Sp,
+                 int64_t Dvp, uint8_t* bad) {
   const int64_t nS = Sp / kN;
   at::parallel_for(0, BH * nS, 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> blk(kN * 64);  // (kN keys, <= 64 columns)
@@ -129,10 +161,13 @@ void pack_values(const bf16* v, bf16* packed, int64_t BH, int64_t S, int64_t Dv,
       const int64_t n0 = j * kN, nb = std::min(kN, std::max<int64_t>(S - n0, 0));
       for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
         const int64_t w = value_block(Dvp, c0);
+        const int64_t wv = std::max<int64_t>(0, std::min(w, Dv - c0));  // real value columns
         for (int64_t n = 0; n < kN; ++n) {
-          const bf16* src = v + (bh * S + n0 + n) * Dv;
-          for (int64_t c = 0; c < w; ++c)
-            blk[n * w + c] = (n < nb && c0 + c < Dv) ? src[c0 + c] : bf16(0.0f);
+          bf16* dst = blk.data() + n * w;
+          std::fill(dst, dst + w, bf16(0.0f));
+          if (n >= nb) continue;
+          std::copy(v.row(bh, n0 + n) + c0, v.row(bh, n0 + n) + c0 + wv, dst);
+          if (!finite_row(dst, wv)) zero_nonfinite(dst, wv), bad[bh * S + n0 + n] = 1;
         }
         // this column block of head bh: (Sp, w) in VNNI; keys n0.. start at row n0 of it
         bf16* dst = packed + bh * Sp * Dvp + c0 * Sp + n0 * w;
@@ -270,20 +305,29 @@ float softmax_row(float* s, int64_t n, float scale, int64_t S, int64_t K, bf16* 
   return m + std::log(sum);
 }
 
-void weights(const bf16* q, const bf16* pk, const bf16* pv, bf16* probs, bf16* out, float* lse,
-             int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, int64_t Sp, int64_t Dvp,
-             int64_t rows, float scale, bool causal) {
+// first_bad (BH): the first key of each head holding NaN/inf (S if none).
+void weights(InRows q, const bf16* pk, const bf16* pv, const int64_t* first_bad, bf16* probs,
+             OutRows out, float* lse, int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv,
+             int64_t Sp, int64_t Dvp, int64_t rows, float scale, bool causal) {
   const int64_t nT = (T + rows - 1) / rows;
   at::parallel_for(0, BH * nT, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(rows * Sp), acc(rows * Dvp);
-    std::vector<bf16> hi(rows * Sp), lo(rows * Sp);
+    std::vector<bf16> hi(rows * Sp), lo(rows * Sp), qz(rows * D);
+    std::vector<uint8_t> row_bad(rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nT, i = task % nT;
       const int64_t t0 = i * rows, mb = std::min(rows, T - t0);
       // keys some row of this block sees: all, or up to its last row (causal, top-left)
       const int64_t seen = causal ? std::min(S, t0 + mb) : S;
       const int64_t K = round_up(seen, kN);  // a multiple of kN: few distinct brgemm shapes
-      const bf16* a = q + (bh * T + t0) * D;
+      // the block's query rows with NaN/inf entries as 0 (the contract's zeroed inputs)
+      for (int64_t r = 0; r < mb; ++r) {
+        const bf16* src = q.row(bh, t0 + r);
+        std::copy(src, src + D, qz.begin() + r * D);
+        row_bad[r] = !finite_row(src, D);
+        if (row_bad[r]) zero_nonfinite(qz.data() + r * D, D);
+      }
+      const bf16* a = qz.data();
       for (int64_t n0 = 0; n0 < seen; n0 += kN)
         cpublas::brgemm(mb, kN, D, D, kN, Sp, false, a, pk + (bh * (Sp / kN) + n0 / kN) * D * kN,
                         sc.data() + n0, true);
@@ -300,9 +344,14 @@ void weights(const bf16* q, const bf16* pk, const bf16* pv, bf16* probs, bf16* o
         cpublas::brgemm(mb, w, K, Sp, w, Dvp, true, lo.data(), b, acc.data() + c0, true);
       }
       for (int64_t r = 0; r < mb; ++r) {
-        bf16* dst = out + (bh * T + t0 + r) * Dv;
+        bf16* dst = out.row(bh, t0 + r);
         const float* src = acc.data() + r * Dvp;
-        for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(src[c]);
+        // NaN on a bad query row and on a row that may attend a bad key (plain math's NaN rows)
+        const int64_t last = causal ? std::min(S - 1, t0 + r) : S - 1;  // last key the row sees
+        if (row_bad[r] || first_bad[bh] <= last)
+          std::fill(dst, dst + Dv, bf16(std::numeric_limits<float>::quiet_NaN()));
+        else
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(src[c]);
       }
     }
     cpublas::brgemm_release(true);
@@ -331,7 +380,7 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
   try {
     const int64_t nS = (S + kN - 1) / kN;
     std::unique_ptr<bf16[]> packed(new bf16[BH * nS * D * kN]);
-    pack_keys(k, packed.get(), BH, S, D);
+    pack_keys(InRows{k, 1, S * D, 0, D}, packed.get(), BH, S, D);
     scores(q, packed.get(), out, BH, T, S, D, out_bh, out_t, scale);
     return 0;
   } catch (const std::exception& e) {
@@ -340,19 +389,33 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
   }
 }
 
-// The one-pass weights of plain (causal = 0) or causal top-left (causal = 1) bfloat16 attention: q (BH, T, D),
-// k (BH, S, D), v (BH, S, Dv) contiguous, D even, S >= 1; probs (BH, T, S) and out (BH, T, Dv) bfloat16 and
-// lse (BH, T) float32, contiguous, written whole. 0 on success, 1 on an error (qkv_bf16_scores_error).
+// The one-pass weights of plain (causal = 0) or causal top-left (causal = 1) bfloat16 attention: q (B, H, T, D),
+// k (B, H, S, D), v (B, H, S, Dv) and out (B, H, T, Dv) with unit last stride and the (batch, head, row)
+// strides given, BH = B * H, D even, S >= 1; probs (BH, T, S) bfloat16 and lse (BH, T) float32
+// contiguous; out, probs and lse written whole. It keeps qkv's NaN/inf contract itself, as
+// ops/nonfinite.py's eager guard does: NaN/inf entries of q, k and v count as 0 for the weights, the lse
+// and the output, and then a query row holding one, and every row that may attend a key whose key or
+// value holds one, outputs NaN. 0 on success, 1 on an error (qkv_bf16_scores_error).
 int qkv_bf16_weights(const bf16* q, const bf16* k, const bf16* v, bf16* probs, bf16* out, float* lse,
-                     int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale, int causal) {
+                     const int64_t* strides, int64_t H, int64_t BH, int64_t T, int64_t S, int64_t D,
+                     int64_t Dv, float scale, int causal) {
   try {
     const int64_t Sp = round_up(S, kN), Dvp = round_up(Dv, 16);
     // rows per task: a float32 score tile and two bfloat16 tiles of rows x Sp stay near the cache
     const int64_t rows = std::clamp<int64_t>((int64_t{1} << 18) / Sp / 16 * 16, 16, kM);
     std::unique_ptr<bf16[]> pk(new bf16[BH * Sp * D]), pv(new bf16[BH * Sp * Dvp]);
-    pack_keys(k, pk.get(), BH, S, D);
-    pack_values(v, pv.get(), BH, S, Dv, Sp, Dvp);
-    weights(q, pk.get(), pv.get(), probs, out, lse, BH, T, S, D, Dv, Sp, Dvp, rows, scale, causal != 0);
+    std::vector<uint8_t> bad(BH * S, 0);  // keys whose key or value holds NaN/inf
+    // strides: (batch, head, row) of q, k, v and out, in that order
+    const InRows qr{q, H, strides[0], strides[1], strides[2]}, kr{k, H, strides[3], strides[4], strides[5]};
+    const InRows vr{v, H, strides[6], strides[7], strides[8]};
+    const OutRows outr{out, H, strides[9], strides[10], strides[11]};
+    pack_keys(kr, pk.get(), BH, S, D, bad.data());
+    pack_values(vr, pv.get(), BH, S, Dv, Sp, Dvp, bad.data());
+    std::vector<int64_t> first_bad(BH);
+    for (int64_t bh = 0; bh < BH; ++bh)
+      first_bad[bh] = std::find(bad.begin() + bh * S, bad.begin() + (bh + 1) * S, 1) - (bad.begin() + bh * S);
+    weights(qr, pk.get(), pv.get(), first_bad.data(), probs, outr, lse, BH, T, S, D, Dv, Sp, Dvp, rows,
+            scale, causal != 0);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());

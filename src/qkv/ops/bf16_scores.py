@@ -60,7 +60,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.qkv_bf16_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float]
     lib.qkv_bf16_scores.restype = ctypes.c_int
-    lib.qkv_bf16_weights.argtypes = [ptr] * 6 + [i64] * 5 + [ctypes.c_float, ctypes.c_int]
+    lib.qkv_bf16_weights.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.qkv_bf16_weights.restype = ctypes.c_int
     lib.qkv_bf16_scores_usable.restype = ctypes.c_int
     lib.qkv_bf16_scores_error.restype = ctypes.c_char_p
@@ -167,36 +167,46 @@ def weights_kernel(
     """Output, weights and lse of plain or causal (top-left) bfloat16 attention in one fused
     pass of the C++ kernel (:func:`available` must be true): float32 scores, softmax and lse;
     the weights rounded once; the output the float32 weights times the values, rounded once.
+    NaN/inf entries of q, k and v count as 0, and a query row holding one and every row that
+    may attend a key whose key or value holds one output NaN (the contract of
+    ``ops/nonfinite.py``, kept here without copies of the inputs).
 
-    q, k and v are made contiguous (T*D, S*D and S*Dv copies at most), an odd D is padded
-    with a zero column.
+    q, k and v are read through their strides (a module's heads need no copy; only a last
+    dim that is not contiguous is copied, and an odd D is padded with a zero column). The
+    output of 4-d inputs is a (B, H, T, Dv) view of (B, T, H, Dv) memory: a module's merge of
+    the heads is then a view.
 
     Shape:
-        q ``(N, T, D)``, k ``(N, S, D)``, v ``(N, S, Dv)`` bfloat16, S >= 1 -> out
-        ``(N, T, Dv)`` bfloat16, probs ``(N, T, S)`` bfloat16, lse ``(N, T)`` float32.
+        q ``(B, H, T, D)`` (or ``(N, T, D)``), k ``(B, H, S, D)``, v ``(B, H, S, Dv)``
+        bfloat16, S >= 1 -> out ``(B, H, T, Dv)``, probs ``(B, H, T, S)`` bfloat16, lse
+        ``(B, H, T)`` float32 (without B for 3-d inputs).
     """
     lib, why = _build()
     if lib is None:
         raise RuntimeError(f"the bfloat16 weights kernel cannot run here: {why}")
-    N, T, D = q.shape
+    if q.dim() == 3:  # (N, T, D): one batch element of N heads
+        out, probs, lse = weights_kernel(q[None], k[None], v[None], scale, causal=causal)
+        return out[0], probs[0], lse[0]
+    B, H, T, D = q.shape
     S, Dv = v.shape[-2:]
     if {q.dtype, k.dtype, v.dtype} != {torch.bfloat16}:
         raise TypeError(
             f"weights_kernel: q, k and v must be bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if k.shape != (N, S, D) or v.shape != (N, S, Dv) or S == 0:
+    if k.shape != (B, H, S, D) or v.shape != (B, H, S, Dv) or S == 0:
         raise ValueError(
-            f"weights_kernel: want q (N, T, D), k (N, S, D), v (N, S, Dv) with S >= 1; got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"weights_kernel: want q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv) with S >= 1;"
+            f" got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    out = torch.empty(N, T, Dv, dtype=torch.bfloat16)
-    probs = torch.empty(N, T, S, dtype=torch.bfloat16)
-    lse = torch.empty(N, T, dtype=torch.float32)
-    if N * T == 0:
+    out = torch.empty(B, T, H, Dv, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, T, Dv)
+    probs = torch.empty(B, H, T, S, dtype=torch.bfloat16)
+    lse = torch.empty(B, H, T, dtype=torch.float32)
+    if B * H * T == 0:
         return out, probs, lse
     if D % 2:  # VNNI reads D in pairs: a zero column adds nothing to any score
-        q, k = F.pad(q, (0, 1)), F.pad(k, (0, 1))  # (N, T, D+1), (N, S, D+1)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k = F.pad(q, (0, 1)), F.pad(k, (0, 1))  # (B, H, T, D+1), (B, H, S, D+1)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    strides = [x for t in (q, k, v, out) for x in t.stride()[:3]]  # (batch, head, row) each
     rc = lib.qkv_bf16_weights(
         q.data_ptr(),
         k.data_ptr(),
@@ -204,7 +214,9 @@ def weights_kernel(
         probs.data_ptr(),
         out.data_ptr(),
         lse.data_ptr(),
-        N,
+        (ctypes.c_int64 * 12)(*strides),
+        H,
+        B * H,
         T,
         S,
         q.shape[-1],

@@ -20,6 +20,7 @@ broadcast of the inputs' leading dims.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "attention_scores",
     "attention_scores_at",
     "attention_with_weights",
+    "keeps_nonfinite_contract",
     "masked_softmax",
     "widened",
 ]
@@ -260,6 +262,22 @@ def attention_with_weights(
     return out, probs_out, deferred_lse
 
 
+def keeps_nonfinite_contract(call: AttentionCall) -> bool:
+    """Whether :func:`attention_with_weights` keeps the NaN/inf part of the mask contract for
+    ``call`` itself, so that ``ops/nonfinite.py`` has nothing to add: the fused bfloat16
+    kernel does (NaN/inf entries count as 0, then NaN on the bad query rows and the rows that
+    may attend a bad key, as the eager guard gives), for scales that cannot overflow its
+    float32 scores (those are checked after the call, which the guard does)."""
+    return (
+        _bf16_scores_here(call)
+        and _bf16_fused_here(call)
+        and abs(call.scale) <= _FLOAT32_SCALE_BOUND
+    )
+
+
+_FLOAT32_SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
+
+
 def _bf16_fused_here(call: AttentionCall) -> bool:
     """Whether a call whose scores take the bfloat16 kernel takes the fused one-pass kernel
     too: plain or causal (no mask tensor, mask_mod or score_mod), S >= 1. Tests force it off
@@ -283,20 +301,12 @@ def _bf16_fused(
         q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)`` -> as
         :func:`attention_with_weights`.
     """
-    B, H, T, D = q.shape
-    S, Dv = v.shape[-2:]
-    out, probs, lse = bf16_scores.weights_kernel(
-        q.reshape(B * H, T, D),  # (BH, T, D)
-        k.reshape(B * H, S, D),  # (BH, S, D)
-        v.reshape(B * H, S, Dv),  # (BH, S, Dv)
-        call.scale,
-        causal=call.is_causal,
-    )
+    out, probs, lse = bf16_scores.weights_kernel(q, k, v, call.scale, causal=call.is_causal)
     lead = call.batch
     return (
-        _shaped(out.view(B, H, T, Dv), call.out_shape),
-        _shaped(probs, lead + (T, S)),
-        _shaped(lse, lead + (T,)),
+        _shaped(out, call.out_shape),  # (B, H, T, Dv) view of (B, T, H, Dv) memory, or copied
+        _shaped(probs, lead + (call.T, call.S)),
+        _shaped(lse, lead + (call.T,)),
     )
 
 
