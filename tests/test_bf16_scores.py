@@ -415,3 +415,124 @@ def test_fused_kernel_reads_strided_heads_and_writes_heads_merged():
     assert all(torch.equal(a, b) for a, b in zip(strided, dense))
     out = strided[0]
     assert out.shape == (B, H, T, D) and out.transpose(1, 2).is_contiguous()
+
+
+# --- the fused kernel with rows' key ranges (attend_kernel), and the tiled backend on it -----
+
+
+def _range_golden(q, k, v, scale, allowed):
+    """float64 and bfloat16 plain math of a bool mask, rows with no key 0 (the contract)."""
+
+    def attend(q, k, v):
+        scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty rows: 0
+        return probs @ v, probs, torch.logsumexp(scores, dim=-1)
+
+    return attend(q.double(), k.double(), v.double()), attend(q, k, v)
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["shared", "per-batch"])
+def test_attend_kernel_with_key_ranges_equals_float64_math(weights, per_batch):
+    """B2-H3-T150-S200-D32 with random ranges, empty ones included: the keys outside each
+    row's range have no effect and weight 0; a row with no key outputs 0 and lse -inf."""
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(12)
+    B, H, T, S, D = 2, 3, 150, 200, 32
+    q = torch.randn(B, H, T, D, generator=g).bfloat16()
+    k = torch.randn(B, H, S, D, generator=g).bfloat16()
+    v = torch.randn(B, H, S, D, generator=g).bfloat16()
+    nb = B if per_batch else 1
+    lo = torch.randint(0, S, (nb, T), generator=g)
+    hi = (lo + torch.randint(-20, 120, (nb, T), generator=g)).clamp(0, S)  # some lo >= hi
+    assert (lo >= hi).any() and (hi - lo > 64).any()
+    out, probs, lse = bf16_scores.attend_kernel(q, k, v, 0.2, lo, hi, weights=weights)
+    j = torch.arange(S)
+    allowed = ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]  # (nb, 1, T, S)
+    gold, base = _range_golden(q, k, v, 0.2, allowed)
+    assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
+    empty = (lo >= hi)[:, None].expand(B, H, T)
+    assert (out[empty] == 0).all() and lse[empty].isneginf().all()
+    assert max_error(lse, gold[2]) <= ATOL * 10
+    if weights:
+        assert probs is not None and (probs[~allowed.expand(B, H, T, S)] == 0).all()
+        assert float(((probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30
+    else:
+        assert probs is None
+
+
+_I, _J = torch.arange(130).view(130, 1), torch.arange(130).view(1, 130)
+_LENGTHS = torch.tensor([0, 97]).view(2, 1, 1, 1)
+RANGE_MASKS = {  # the call's mask arguments, and its allowed pairs by hand (B?, 1, T, S)
+    "window16": (dict(mask_mod=qkv.masks.sliding_window(16)), (_J >= _I - 16) & (_J <= _I)),
+    "window40-right7": (
+        dict(mask_mod=qkv.masks.sliding_window(40, 7)),
+        (_J >= _I - 40) & (_J <= _I + 7),
+    ),
+    "causal": (dict(is_causal=True), _J <= _I),
+    "lengths": (dict(mask_mod=qkv.masks.key_lengths(torch.tensor([0, 97]))), _J < _LENGTHS),
+    "window-and-lengths": (
+        dict(
+            mask_mod=qkv.masks.and_masks(
+                qkv.masks.sliding_window(30), qkv.masks.key_lengths(torch.tensor([0, 97]))
+            )
+        ),
+        (_J >= _I - 30) & (_J <= _I) & (_J < _LENGTHS),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(RANGE_MASKS))
+def test_tiled_bf16_inference_with_range_masks_runs_the_kernel(monkeypatch, kind):
+    """The tiled backend sends bfloat16 inference with range masks to the kernel (B2-H4-T130
+    -D64), within the tolerance policy of float64 math; with a gradient wanted it does not."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    calls = []
+    real = bf16_scores.attend_kernel
+    monkeypatch.setattr(
+        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, 4, 130, 64, generator=g).bfloat16() for _ in range(3))
+    kw, allowed = RANGE_MASKS[kind]
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+    assert calls == [1]
+    gold, base = _range_golden(q, k, v, 64**-0.5, allowed)
+    assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
+    qg = q.clone().requires_grad_()
+    qkv.scaled_dot_product_attention(qg, k, v, backend="tiled", **kw)
+    assert calls == [1], "a call that wants a gradient took the inference kernel"
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_tiled_bf16_kernel_keeps_the_nonfinite_contract(monkeypatch, where):
+    """NaN/inf in q, k or v with a window (and a batch element with no key at all): the kernel
+    keeps the contract itself (nonfinite adds nothing) and NaNs the rows the tiled loop under
+    the guard does, with the same finite rows within the policy; rows with no key stay 0."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(2, 2, 90, 16, generator=g).bfloat16() for _ in range(3))
+    bad = {"q": q, "k": k, "v": v}[where]
+    bad[1, 1, 40, 3] = float("nan")
+    bad[0, 0, 5, 0] = float("-inf")
+    mod = qkv.masks.and_masks(
+        qkv.masks.sliding_window(10), qkv.masks.key_lengths(torch.tensor([0, 90]))
+    )
+    call = qkv.ops.call.AttentionCall.build(q, k, v, mask_mod=mod)
+    with torch.no_grad():
+        assert qkv.dispatch.choose(call, "tiled").keeps_nonfinite_contract
+        out = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mod, backend="tiled")
+        monkeypatch.setattr(qkv.ops.tiled.backend, "bf16_ranges", lambda call: None)
+        assert not qkv.dispatch.choose(call, "tiled").keeps_nonfinite_contract
+        looped = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mod, backend="tiled")
+    assert torch.equal(out.isnan(), looped.isnan())
+    assert (out[0] == 0).all(), "batch element 0 has no key: its rows are 0, never NaN"
+    t = torch.arange(90)
+    nan_rows = out[1, 1].isnan().all(-1)
+    expected = (t == 40) if where == "q" else (t >= 40) & (t <= 50)
+    assert torch.equal(nan_rows, expected)
+    assert max_error(out.nan_to_num(0), looped.nan_to_num(0)) <= 2**-7

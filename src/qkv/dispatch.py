@@ -87,12 +87,14 @@ def choose(call: AttentionCall, backend: str = "auto") -> Plan:
         elif _weights_in_one_pass(call):
             return Plan(None, one_pass_keeps_contract(call))
     chosen = select(call, backend)
-    keeps = (
-        tracing()
-        and not call.return_trace
-        and backend in ("auto", "tiled")
-        and isinstance(chosen, TiledBackend)
-        and _traceable(chosen, call)
+    keeps = isinstance(chosen, TiledBackend) and (
+        chosen.keeps_nonfinite_contract(call)  # eager: the bfloat16 kernel of range masks
+        or (
+            tracing()
+            and not call.return_trace
+            and backend in ("auto", "tiled")
+            and _traceable(chosen, call)
+        )
     )
     return Plan(chosen, keeps)
 

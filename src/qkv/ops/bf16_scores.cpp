@@ -18,14 +18,15 @@
 // N=64, K=D) into a thread-local tile, scaled and copied into out. Each output element is summed by one
 // brgemm call over D in a fixed order, so results do not depend on the thread count.
 //
-// qkv_bf16_weights: the one-pass weights of plain or causal bfloat16 attention, fused per (head, block of
-// kM query rows): the scores by brgemm into a float32 tile (never rounded to bfloat16), the softmax of each
-// row in float32, the weights rounded once into `probs`, the lse in float32, and the output as the float32
-// weights times the values: the weights are split into hi = bf16(p) (the rounded weights returned) and
-// lo = bf16(p - hi), and hi @ v + lo @ v is summed in float32 by two brgemm calls (|p - (hi + lo)| <= 2^-16 p,
-// far below the output's one rounding to bfloat16), then rounded once. Nothing (T, S)-sized is allocated
-// besides the weights returned. Values are packed per head like the keys, in blocks of kN keys and of up to
-// 64 value columns.
+// qkv_bf16_attend: bfloat16 attention whose rows attend ranges of keys (plain, causal, sliding windows,
+// key lengths), with or without its weights, fused per (head, block of query rows): the scores of the
+// keys the block's rows see (whole blocks of kN) by brgemm into a float32 tile (never rounded to bfloat16),
+// the softmax of each row in float32, the weights rounded once into `probs` when wanted, the lse in
+// float32, and the output as the float32 weights times the values: the weights are split into
+// hi = bf16(p) (the rounded weights returned) and lo = bf16(p - hi), and hi @ v + lo @ v is summed in
+// float32 by two brgemm calls (|p - (hi + lo)| <= 2^-16 p, far below the output's one rounding to
+// bfloat16), then rounded once. Nothing (T, S)-sized is allocated besides the weights returned. Values are
+// packed per head like the keys, in blocks of kN keys and of up to 64 value columns.
 #if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
 #define CPU_CAPABILITY_AVX512  // at::vec's 512-bit Vectorized<float> (its own namespace, not libtorch's)
 #elif defined(__AVX2__) && !defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX2)
@@ -218,7 +219,8 @@ std::pair<float, float> reduce_extremes(const float* x, int64_t n) {
   return {top, bottom};
 }
 
-// p[0, n) -> hi = bf16(p) (into hi and probs) and lo = bf16(p - hi), both rounded to nearest even.
+// p[0, n) -> hi = bf16(p) (into hi, and probs unless null) and lo = bf16(p - hi), both rounded to
+// nearest even.
 void split_generic(const float* e, float inv, int64_t n, bf16* probs, bf16* hi, bf16* lo) {
   int64_t c = 0;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -227,7 +229,7 @@ void split_generic(const float* e, float inv, int64_t n, bf16* probs, bf16* hi, 
     const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + c), vinv);
     const __m256i h = to_bf16(p);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), h);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), h);
+    if (probs != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), h);
     const __m256i l = to_bf16(_mm512_sub_ps(p, from_bf16(h)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), l);
   }
@@ -236,7 +238,7 @@ void split_generic(const float* e, float inv, int64_t n, bf16* probs, bf16* hi, 
     const float p = e[c] * inv;
     const bf16 h(p);
     hi[c] = h;
-    probs[c] = h;
+    if (probs != nullptr) probs[c] = h;
     lo[c] = bf16(p - static_cast<float>(h));
   }
 }
@@ -252,11 +254,11 @@ __attribute__((target("avx512bf16"))) void split_bf16(const float* e, float inv,
     const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + c), vinv);
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), h);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), h);
+    if (probs != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), h);
     const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, from_bf16(h)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), l);
   }
-  split_generic(e + c, inv, n - c, probs + c, hi + c, lo + c);
+  split_generic(e + c, inv, n - c, probs == nullptr ? nullptr : probs + c, hi + c, lo + c);
 }
 #endif
 
@@ -269,12 +271,23 @@ bool has_bf16_convert() {
 #endif
 }
 
-// One row of raw scores s[0, n) (q.k, not yet scaled), n >= 1 -> the weights of softmax(scale * s):
-// hi/lo[0, K) (zeros past n), probs[0, S) (zeros past n); returns the lse. s is overwritten.
-// scale * s - max(scale * s) is one fused multiply-add per score, the max taken from the raw
-// extremes (the smallest raw score is the largest scaled one for a negative scale).
-float softmax_row(float* s, int64_t n, float scale, int64_t S, int64_t K, bf16* probs, bf16* hi,
+// One row of raw scores s[0, K) (q.k, not yet scaled, keys kb0 + [0, K)) whose keys are [a, b) of it:
+// the weights of softmax(scale * s[a, b)) into hi/lo[0, K) (zeros outside [a, b)) and, unless null,
+// probs (the row's S weights, from key kb0 + a; zeros elsewhere, written by the caller); returns the lse
+// (-inf for a row with no key, a < b false). s is overwritten. scale * s - max(scale * s) is one fused
+// multiply-add per score, the max taken from the raw extremes (the smallest raw score is the largest
+// scaled one for a negative scale).
+float softmax_row(float* s, int64_t a, int64_t b, float scale, int64_t K, bf16* probs, bf16* hi,
                   bf16* lo) {
+  std::fill(hi, hi + std::max<int64_t>(a, 0), bf16(0.0f));
+  std::fill(lo, lo + std::max<int64_t>(a, 0), bf16(0.0f));
+  if (a >= b) {
+    std::fill(hi, hi + K, bf16(0.0f));
+    std::fill(lo, lo + K, bf16(0.0f));
+    return -std::numeric_limits<float>::infinity();
+  }
+  s += a, hi += a, lo += a;
+  const int64_t n = b - a;
   const auto [top, bottom] = reduce_extremes(s, n);
   const float m = scale >= 0.0f ? scale * top : scale * bottom;  // max of the scaled scores
   // a row whose largest score is +inf or NaN: NaN throughout, as exp(s - m) is in torch's softmax
@@ -287,7 +300,7 @@ float softmax_row(float* s, int64_t n, float scale, int64_t S, int64_t K, bf16* 
     e.store(s + i);
     vs = vs + e;
   }
-  float sum = lanes(vs, 0.0f, [](float a, float b) { return a + b; });
+  float sum = lanes(vs, 0.0f, [](float x, float y) { return x + y; });
   for (; i < n; ++i) {
     s[i] = std::exp(std::fma(s[i], scale, -shift));
     sum += s[i];
@@ -299,16 +312,23 @@ float softmax_row(float* s, int64_t n, float scale, int64_t S, int64_t K, bf16* 
   else
 #endif
     split_generic(s, 1.0f / sum, n, probs, hi, lo);
-  std::fill(hi + n, hi + K, bf16(0.0f));
-  std::fill(lo + n, lo + K, bf16(0.0f));
-  std::fill(probs + n, probs + S, bf16(0.0f));
+  std::fill(hi + n, hi + (K - a), bf16(0.0f));
+  std::fill(lo + n, lo + (K - a), bf16(0.0f));
   return m + std::log(sum);
 }
 
-// first_bad (BH): the first key of each head holding NaN/inf (S if none).
-void weights(InRows q, const bf16* pk, const bf16* pv, const int64_t* first_bad, bf16* probs,
-             OutRows out, float* lse, int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv,
-             int64_t Sp, int64_t Dvp, int64_t rows, float scale, bool causal) {
+// Each query row's keys [lo, hi): (B or 1, T) int64 arrays, batch stride sB (0: one for all).
+struct Ranges {
+  const int64_t *lo, *hi;
+  int64_t H, sB;
+  int64_t at(const int64_t* x, int64_t bh, int64_t t) const { return x[(bh / H) * sB + t]; }
+};
+
+// bad_before (BH x (S + 1)): keys before each position whose key or value holds NaN/inf.
+// probs: null, or (BH, T, S) written whole.
+void attend(InRows q, const bf16* pk, const bf16* pv, const int32_t* bad_before, Ranges ranges,
+            bf16* probs, OutRows out, float* lse, int64_t BH, int64_t T, int64_t S, int64_t D,
+            int64_t Dv, int64_t Sp, int64_t Dvp, int64_t rows, float scale) {
   const int64_t nT = (T + rows - 1) / rows;
   at::parallel_for(0, BH * nT, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(rows * Sp), acc(rows * Dvp);
@@ -317,9 +337,15 @@ void weights(InRows q, const bf16* pk, const bf16* pv, const int64_t* first_bad,
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nT, i = task % nT;
       const int64_t t0 = i * rows, mb = std::min(rows, T - t0);
-      // keys some row of this block sees: all, or up to its last row (causal, top-left)
-      const int64_t seen = causal ? std::min(S, t0 + mb) : S;
-      const int64_t K = round_up(seen, kN);  // a multiple of kN: few distinct brgemm shapes
+      // the keys some row of this block sees, in whole blocks of kN: [kb0, kb1)
+      int64_t first = S, last = 0;
+      for (int64_t r = 0; r < mb; ++r) {
+        const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
+        if (a < b) first = std::min(first, a), last = std::max(last, b);
+      }
+      const int64_t kb0 = first < last ? first / kN * kN : 0;
+      const int64_t kb1 = first < last ? round_up(last, kN) : 0;
+      const int64_t K = kb1 - kb0;  // a multiple of kN: few distinct brgemm shapes
       // the block's query rows with NaN/inf entries as 0 (the contract's zeroed inputs)
       for (int64_t r = 0; r < mb; ++r) {
         const bf16* src = q.row(bh, t0 + r);
@@ -327,31 +353,40 @@ void weights(InRows q, const bf16* pk, const bf16* pv, const int64_t* first_bad,
         row_bad[r] = !finite_row(src, D);
         if (row_bad[r]) zero_nonfinite(qz.data() + r * D, D);
       }
-      const bf16* a = qz.data();
-      for (int64_t n0 = 0; n0 < seen; n0 += kN)
-        cpublas::brgemm(mb, kN, D, D, kN, Sp, false, a, pk + (bh * (Sp / kN) + n0 / kN) * D * kN,
-                        sc.data() + n0, true);
+      for (int64_t n0 = kb0; n0 < kb1; n0 += kN)
+        cpublas::brgemm(mb, kN, D, D, kN, Sp, false, qz.data(),
+                        pk + (bh * (Sp / kN) + n0 / kN) * D * kN, sc.data() + (n0 - kb0), true);
       for (int64_t r = 0; r < mb; ++r) {
-        float* s = sc.data() + r * Sp;
-        const int64_t n = causal ? std::min(S, t0 + r + 1) : S;
-        lse[bh * T + t0 + r] = softmax_row(s, n, scale, S, K, probs + (bh * T + t0 + r) * S,
+        const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
+        bf16* prow = probs == nullptr ? nullptr : probs + (bh * T + t0 + r) * S;
+        if (prow != nullptr) {
+          std::fill(prow, prow + std::max<int64_t>(a, 0), bf16(0.0f));
+          std::fill(prow + std::max(a, b), prow + S, bf16(0.0f));
+        }
+        lse[bh * T + t0 + r] = softmax_row(sc.data() + r * Sp, a - kb0, b - kb0, scale, K,
+                                           prow == nullptr ? nullptr : prow + a,
                                            hi.data() + r * Sp, lo.data() + r * Sp);
       }
-      for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
-        const int64_t w = value_block(Dvp, c0);
-        const bf16* b = pv + bh * Sp * Dvp + c0 * Sp;
-        cpublas::brgemm(mb, w, K, Sp, w, Dvp, false, hi.data(), b, acc.data() + c0, true);
-        cpublas::brgemm(mb, w, K, Sp, w, Dvp, true, lo.data(), b, acc.data() + c0, true);
-      }
+      if (K > 0)
+        for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
+          const int64_t w = value_block(Dvp, c0);
+          const bf16* bv = pv + bh * Sp * Dvp + c0 * Sp + kb0 * w;  // VNNI rows from key kb0
+          cpublas::brgemm(mb, w, K, Sp, w, Dvp, false, hi.data(), bv, acc.data() + c0, true);
+          cpublas::brgemm(mb, w, K, Sp, w, Dvp, true, lo.data(), bv, acc.data() + c0, true);
+        }
+      const int32_t* before = bad_before + bh * (S + 1);
       for (int64_t r = 0; r < mb; ++r) {
         bf16* dst = out.row(bh, t0 + r);
         const float* src = acc.data() + r * Dvp;
-        // NaN on a bad query row and on a row that may attend a bad key (plain math's NaN rows)
-        const int64_t last = causal ? std::min(S - 1, t0 + r) : S - 1;  // last key the row sees
-        if (row_bad[r] || first_bad[bh] <= last)
+        const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
+        if (a >= b) {  // a row that may attend to nothing: exactly 0, never NaN
+          std::fill(dst, dst + Dv, bf16(0.0f));
+        } else if (row_bad[r] || before[b] > before[a]) {
+          // NaN on a bad query row and on a row that may attend a bad key (plain math's NaN rows)
           std::fill(dst, dst + Dv, bf16(std::numeric_limits<float>::quiet_NaN()));
-        else
+        } else {
           for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(src[c]);
+        }
       }
     }
     cpublas::brgemm_release(true);
@@ -389,20 +424,24 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
   }
 }
 
-// The one-pass weights of plain (causal = 0) or causal top-left (causal = 1) bfloat16 attention: q (B, H, T, D),
-// k (B, H, S, D), v (B, H, S, Dv) and out (B, H, T, Dv) with unit last stride and the (batch, head, row)
-// strides given, BH = B * H, D even, S >= 1; probs (BH, T, S) bfloat16 and lse (BH, T) float32
-// contiguous; out, probs and lse written whole. It keeps qkv's NaN/inf contract itself, as
-// ops/nonfinite.py's eager guard does: NaN/inf entries of q, k and v count as 0 for the weights, the lse
-// and the output, and then a query row holding one, and every row that may attend a key whose key or
-// value holds one, outputs NaN. 0 on success, 1 on an error (qkv_bf16_scores_error).
-int qkv_bf16_weights(const bf16* q, const bf16* k, const bf16* v, bf16* probs, bf16* out, float* lse,
-                     const int64_t* strides, int64_t H, int64_t BH, int64_t T, int64_t S, int64_t D,
-                     int64_t Dv, float scale, int causal) {
+// bfloat16 attention whose query row t may attend the keys [lo_t, hi_t) (0 <= lo, hi <= S; lo >= hi: no
+// key), in one fused pass: q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv) and out (B, H, T, Dv) with unit
+// last stride and the (batch, head, row) strides given, BH = B * H, D even, S >= 1; lo and hi (B or 1, T)
+// int64 with batch stride range_sB; lse (BH, T) float32 contiguous; probs null (no weights wanted) or
+// (BH, T, S) bfloat16 contiguous; out, probs and lse written whole. A row with no key outputs 0, weights 0
+// and lse -inf. It keeps qkv's NaN/inf contract itself, as ops/nonfinite.py's eager guard does: NaN/inf
+// entries of q, k and v count as 0 for the weights, the lse and the output, and then a query row holding
+// one, and every row that may attend a key whose key or value holds one, outputs NaN (if it has a key).
+// 0 on success, 1 on an error (qkv_bf16_scores_error).
+int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* lo, const int64_t* hi,
+                    bf16* probs, bf16* out, float* lse, const int64_t* strides, int64_t range_sB,
+                    int64_t H, int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale,
+                    int64_t rows) {
   try {
     const int64_t Sp = round_up(S, kN), Dvp = round_up(Dv, 16);
     // rows per task: a float32 score tile and two bfloat16 tiles of rows x Sp stay near the cache
-    const int64_t rows = std::clamp<int64_t>((int64_t{1} << 18) / Sp / 16 * 16, 16, kM);
+    // (rows > 0: as given, for benchmarks of the choice)
+    if (rows <= 0) rows = std::clamp<int64_t>((int64_t{1} << 18) / Sp / 16 * 16, 16, kM);
     std::unique_ptr<bf16[]> pk(new bf16[BH * Sp * D]), pv(new bf16[BH * Sp * Dvp]);
     std::vector<uint8_t> bad(BH * S, 0);  // keys whose key or value holds NaN/inf
     // strides: (batch, head, row) of q, k, v and out, in that order
@@ -411,11 +450,14 @@ int qkv_bf16_weights(const bf16* q, const bf16* k, const bf16* v, bf16* probs, b
     const OutRows outr{out, H, strides[9], strides[10], strides[11]};
     pack_keys(kr, pk.get(), BH, S, D, bad.data());
     pack_values(vr, pv.get(), BH, S, Dv, Sp, Dvp, bad.data());
-    std::vector<int64_t> first_bad(BH);
-    for (int64_t bh = 0; bh < BH; ++bh)
-      first_bad[bh] = std::find(bad.begin() + bh * S, bad.begin() + (bh + 1) * S, 1) - (bad.begin() + bh * S);
-    weights(qr, pk.get(), pv.get(), first_bad.data(), probs, outr, lse, BH, T, S, D, Dv, Sp, Dvp, rows,
-            scale, causal != 0);
+    std::vector<int32_t> bad_before(BH * (S + 1));
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      int32_t* before = bad_before.data() + bh * (S + 1);
+      before[0] = 0;
+      for (int64_t j = 0; j < S; ++j) before[j + 1] = before[j] + bad[bh * S + j];
+    }
+    attend(qr, pk.get(), pv.get(), bad_before.data(), Ranges{lo, hi, H, range_sB}, probs, outr, lse,
+           BH, T, S, D, Dv, Sp, Dvp, rows, scale);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());

@@ -40,6 +40,7 @@ from torch import Tensor
 from ._native_build import build
 
 __all__ = [
+    "attend_kernel",
     "available",
     "scores_",
     "scores_kernel_",
@@ -60,8 +61,8 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.qkv_bf16_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float]
     lib.qkv_bf16_scores.restype = ctypes.c_int
-    lib.qkv_bf16_weights.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
-    lib.qkv_bf16_weights.restype = ctypes.c_int
+    lib.qkv_bf16_attend.argtypes = [ptr] * 9 + [i64] * 7 + [ctypes.c_float, i64]
+    lib.qkv_bf16_attend.restype = ctypes.c_int
     lib.qkv_bf16_scores_usable.restype = ctypes.c_int
     lib.qkv_bf16_scores_error.restype = ctypes.c_char_p
     if not lib.qkv_bf16_scores_usable():
@@ -162,59 +163,100 @@ def scores_kernel_(out: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
 
 
 def weights_kernel(
-    q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *, causal: bool, rows: int = 0
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Output, weights and lse of plain or causal (top-left) bfloat16 attention in one fused
-    pass of the C++ kernel (:func:`available` must be true): float32 scores, softmax and lse;
-    the weights rounded once; the output the float32 weights times the values, rounded once.
+    pass of the C++ kernel: :func:`attend_kernel` with every row's keys ``[0, S)``, or
+    ``[0, t + 1)`` for causal row ``t``.
+
+    Shape:
+        as :func:`attend_kernel`; the weights ``(B, H, T, S)``.
+    """
+    T, S = q.shape[-2], k.shape[-2]
+    lo = torch.zeros(1, T, dtype=torch.int64)
+    hi = torch.arange(1, T + 1).clamp_(max=S).view(1, T) if causal else torch.full((1, T), S)
+    out, probs, lse = attend_kernel(q, k, v, scale, lo, hi, weights=True, rows=rows)
+    assert probs is not None
+    return out, probs, lse
+
+
+def attend_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float,
+    lo: Tensor,
+    hi: Tensor,
+    *,
+    weights: bool,
+    rows: int = 0,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """bfloat16 attention whose query row ``t`` attends the keys ``[lo_t, hi_t)``, in one
+    fused pass of the C++ kernel (:func:`available` must be true): float32 scores, softmax and
+    lse; the weights rounded once (with ``weights``); the output the float32 weights times the
+    values, rounded once. Only the key blocks some row of a block of rows sees are computed
+    (windows cost their width, not S). A row with no key outputs 0, weights 0 and lse -inf.
     NaN/inf entries of q, k and v count as 0, and a query row holding one and every row that
-    may attend a key whose key or value holds one output NaN (the contract of
-    ``ops/nonfinite.py``, kept here without copies of the inputs).
+    may attend a key whose key or value holds one output NaN (if it has a key: the contract
+    of ``ops/nonfinite.py``, kept here without copies of the inputs).
 
     q, k and v are read through their strides (a module's heads need no copy; only a last
     dim that is not contiguous is copied, and an odd D is padded with a zero column). The
     output of 4-d inputs is a (B, H, T, Dv) view of (B, T, H, Dv) memory: a module's merge of
-    the heads is then a view.
+    the heads is then a view. ``rows``: query rows per task (0: the kernel's choice, a float32
+    score tile of about 1 MiB, 16-64 rows; benchmarks try others).
 
     Shape:
         q ``(B, H, T, D)`` (or ``(N, T, D)``), k ``(B, H, S, D)``, v ``(B, H, S, Dv)``
-        bfloat16, S >= 1 -> out ``(B, H, T, Dv)``, probs ``(B, H, T, S)`` bfloat16, lse
-        ``(B, H, T)`` float32 (without B for 3-d inputs).
+        bfloat16, S >= 1; lo, hi ``(B or 1, T)`` int64 in ``[0, S]`` -> out ``(B, H, T, Dv)``,
+        probs ``(B, H, T, S)`` bfloat16 or None, lse ``(B, H, T)`` float32 (without B for 3-d
+        inputs).
     """
     lib, why = _build()
     if lib is None:
-        raise RuntimeError(f"the bfloat16 weights kernel cannot run here: {why}")
+        raise RuntimeError(f"the bfloat16 attention kernel cannot run here: {why}")
     if q.dim() == 3:  # (N, T, D): one batch element of N heads
-        out, probs, lse = weights_kernel(q[None], k[None], v[None], scale, causal=causal)
-        return out[0], probs[0], lse[0]
+        out, probs, lse = attend_kernel(
+            q[None], k[None], v[None], scale, lo, hi, weights=weights, rows=rows
+        )
+        return out[0], None if probs is None else probs[0], lse[0]
     B, H, T, D = q.shape
     S, Dv = v.shape[-2:]
     if {q.dtype, k.dtype, v.dtype} != {torch.bfloat16}:
         raise TypeError(
-            f"weights_kernel: q, k and v must be bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
+            f"attend_kernel: q, k and v must be bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
     if k.shape != (B, H, S, D) or v.shape != (B, H, S, Dv) or S == 0:
         raise ValueError(
-            f"weights_kernel: want q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv) with S >= 1;"
+            f"attend_kernel: want q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv) with S >= 1;"
             f" got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
+    if lo.shape != hi.shape or lo.dim() != 2 or lo.shape[1] != T or lo.shape[0] not in (1, B):
+        raise ValueError(
+            f"attend_kernel: want lo and hi (B or 1, T) = ({B} or 1, {T}), got "
+            f"{tuple(lo.shape)} and {tuple(hi.shape)}"
+        )
     out = torch.empty(B, T, H, Dv, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, T, Dv)
-    probs = torch.empty(B, H, T, S, dtype=torch.bfloat16)
+    probs = torch.empty(B, H, T, S, dtype=torch.bfloat16) if weights else None
     lse = torch.empty(B, H, T, dtype=torch.float32)
     if B * H * T == 0:
         return out, probs, lse
     if D % 2:  # VNNI reads D in pairs: a zero column adds nothing to any score
         q, k = F.pad(q, (0, 1)), F.pad(k, (0, 1))  # (B, H, T, D+1), (B, H, S, D+1)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    lo, hi = (r.to(torch.int64).clamp(0, S).contiguous() for r in (lo, hi))  # (B?, T)
     strides = [x for t in (q, k, v, out) for x in t.stride()[:3]]  # (batch, head, row) each
-    rc = lib.qkv_bf16_weights(
+    rc = lib.qkv_bf16_attend(
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
-        probs.data_ptr(),
+        lo.data_ptr(),
+        hi.data_ptr(),
+        None if probs is None else probs.data_ptr(),
         out.data_ptr(),
         lse.data_ptr(),
         (ctypes.c_int64 * 12)(*strides),
+        T if lo.shape[0] > 1 else 0,
         H,
         B * H,
         T,
@@ -222,10 +264,10 @@ def weights_kernel(
         q.shape[-1],
         Dv,
         float(scale),
-        int(causal),
+        rows,
     )
     if rc != 0:
         raise RuntimeError(
-            f"the bfloat16 weights kernel failed: {lib.qkv_bf16_scores_error().decode()}"
+            f"the bfloat16 attention kernel failed: {lib.qkv_bf16_scores_error().decode()}"
         )
     return out, probs, lse

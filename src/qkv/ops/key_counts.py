@@ -28,7 +28,7 @@ from ..masks import _Combined, _Document, _KeysBefore, _Window, evaluate_mask, i
 from .call import AttentionCall
 from .plan_cache import PlanCache
 
-__all__ = ["counts", "covers_every_key", "key_counts", "sees_own_position"]
+__all__ = ["counts", "covers_every_key", "key_counts", "ranges", "sees_own_position"]
 
 # 0/1 matrices of dense masks and the sorted keys of document ids, by the tensors' identity: a
 # model passes one mask to every layer and step
@@ -182,6 +182,12 @@ def _ranges(call: AttentionCall):
 
 
 _static_ranges = PlanCache(64)  # a model has a few mask shapes (never changed in place)
+
+
+def ranges(call: AttentionCall):
+    """``(lo, hi, doc)`` of :func:`_ranges`, for kernels that take rows' key ranges
+    (``ops/bf16_scores.py``); None when the masks are not of that form."""
+    return _ranges(call)
 
 
 def _window_ranges(static: list, T: int, S: int, device) -> tuple[Tensor, Tensor]:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..masks import apply_mask_, causal_bool, evaluate_mask, evaluate_score, index_grid
-from . import bf16_scores, cpu_isa
+from . import bf16_scores, cpu_isa, key_counts
 from ._memory import empty_large
 from .base import BackendResult, tracing
 from .call import AttentionCall
@@ -38,6 +38,7 @@ __all__ = [
     "attention_scores",
     "attention_scores_at",
     "attention_with_weights",
+    "bf16_ranges",
     "keeps_nonfinite_contract",
     "masked_softmax",
     "widened",
@@ -276,6 +277,36 @@ def keeps_nonfinite_contract(call: AttentionCall) -> bool:
 
 
 _FLOAT32_SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
+
+
+def bf16_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
+    """``(lo, hi)`` when the fused bfloat16 kernel (``bf16_scores.attend_kernel``) runs
+    ``call`` for the tiled backend: row ``t`` attends keys ``[lo_t, hi_t)``. That is bfloat16
+    on the CPU's native route where the kernel runs, inference (no gradient wanted), no
+    score_mod, sinks, dropout or mask tensor, and masks that are ranges (causal, sliding
+    windows, key lengths and their ``and``; not documents), at scales that cannot overflow
+    float32 scores. Else None. The kernel keeps the NaN/inf contract itself.
+
+    Shape:
+        -> lo, hi ``(B or 1, T)`` int64.
+    """
+    if not _bf16_scores_here(call) or call.S == 0 or call.T == 0:
+        return None
+    if call.score_mod is not None or call.sinks is not None or call.dropout_p > 0:
+        return None
+    if abs(call.scale) > _FLOAT32_SCALE_BOUND or call.attn_mask is not None:
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
+        return None
+    ranges = key_counts.ranges(call)
+    if ranges is None or ranges[2] is not None:  # not ranges, or a document mask
+        return None
+    lo, hi = ranges[0].squeeze(-2), ranges[1].squeeze(-2)  # (B?, T)
+    if lo.shape != hi.shape or lo.shape[0] not in (1, call.BH[0]):
+        lo, hi = torch.broadcast_tensors(lo, hi)
+        if lo.shape[0] not in (1, call.BH[0]):
+            return None
+    return lo, hi
 
 
 def _bf16_fused_here(call: AttentionCall) -> bool:
