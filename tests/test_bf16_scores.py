@@ -194,9 +194,9 @@ def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel,
     else:
         kernel_or_skip()
     if kernel == "scores":
-        monkeypatch.setattr(reference, "_bf16_fused_here", lambda call: False)
+        monkeypatch.setattr(reference, "_fused_ranges", lambda call: None)
     calls = []
-    for name in ("scores_kernel_", "weights_kernel"):
+    for name in ("scores_kernel_", "attend_kernel"):
         real = getattr(bf16_scores, name)
         monkeypatch.setattr(
             bf16_scores, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw)
@@ -208,7 +208,7 @@ def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel,
             q, k, v, scale=scale, is_causal=causal, return_trace=True
         )
     assert trace.backend == "reference" and not callable(trace._probs), "not the one-pass path"
-    expected = {"fused": {"weights_kernel"}, "scores": {"scores_kernel_"}, "widened": set()}
+    expected = {"fused": {"attend_kernel"}, "scores": {"scores_kernel_"}, "widened": set()}
     assert set(calls) == expected[kernel]
     s = 64**-0.5 if scale is None else scale
     gold, base = _golden_and_baseline(q, k, v, s, causal)
@@ -364,9 +364,9 @@ def test_fused_kernel_keeps_the_nonfinite_contract_as_the_guard_does(monkeypatch
         bad[1, 2, 40, 5] = float("nan")
         bad[0, 0, 65, 0] = float("inf")
     calls = []
-    real = bf16_scores.weights_kernel
+    real = bf16_scores.attend_kernel
     monkeypatch.setattr(
-        bf16_scores, "weights_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
 
     def attend():
@@ -536,3 +536,26 @@ def test_tiled_bf16_kernel_keeps_the_nonfinite_contract(monkeypatch, where):
     expected = (t == 40) if where == "q" else (t >= 40) & (t <= 50)
     assert torch.equal(nan_rows, expected)
     assert max_error(out.nan_to_num(0), looped.nan_to_num(0)) <= 2**-7
+
+
+@pytest.mark.parametrize("kind", ["window40-right7", "window-and-lengths"])
+def test_bf16_traces_of_range_masks_take_the_fused_kernel(monkeypatch, kind):
+    """A bfloat16 trace (the one-pass weights) of a window or of lengths runs the kernel with
+    weights: every weight within one bfloat16 step of float64's, 0 outside the mask; rows with
+    no key (batch element 0 of the lengths) output 0 with weights 0."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    calls = []
+    real = bf16_scores.attend_kernel
+    monkeypatch.setattr(
+        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(kw["weights"]) or real(*a, **kw)
+    )
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(2, 4, 130, 64, generator=g).bfloat16() for _ in range(3))
+    kw, allowed = RANGE_MASKS[kind]
+    with torch.no_grad():
+        out, trace = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, **kw)
+    assert calls == [True] and trace.backend == "reference"
+    gold, base = _range_golden(q, k, v, 64**-0.5, allowed)
+    assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
+    assert float(((trace.probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30

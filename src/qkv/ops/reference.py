@@ -192,8 +192,9 @@ def attention_with_weights(
     # bfloat16 scores on the native route: by oneDNN's bf16 x bf16 -> f32 micro-kernel
     # (ops/bf16_scores.py; the same float32 sums, no widened copies of q and k), where it runs.
     bf16_kernel = _bf16_scores_here(call)
-    if bf16_kernel and _bf16_fused_here(call):  # plain or causal: the whole pass in the kernel
-        return _bf16_fused(call, q, k, v)
+    fused = _fused_ranges(call) if bf16_kernel else None
+    if fused is not None:  # rows attend ranges of keys: the whole pass in the kernel
+        return _bf16_fused(call, q, k, v, *fused)
     budget = _BLOCK_ELEMENTS // 8 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
     rows = max(1, min(T, budget // max(S, 1)))  # rows of a block
     heads = max(1, min(H, budget // max(T * S, 1))) if rows == T else 1  # heads of a block
@@ -267,25 +268,30 @@ def keeps_nonfinite_contract(call: AttentionCall) -> bool:
     """Whether :func:`attention_with_weights` keeps the NaN/inf part of the mask contract for
     ``call`` itself, so that ``ops/nonfinite.py`` has nothing to add: the fused bfloat16
     kernel does (NaN/inf entries count as 0, then NaN on the bad query rows and the rows that
-    may attend a bad key, as the eager guard gives), for scales that cannot overflow its
-    float32 scores (those are checked after the call, which the guard does)."""
-    return (
-        _bf16_scores_here(call)
-        and _bf16_fused_here(call)
-        and abs(call.scale) <= _FLOAT32_SCALE_BOUND
-    )
-
-
-_FLOAT32_SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
+    may attend a bad key, as the eager guard gives)."""
+    return _fused_ranges(call) is not None
 
 
 def bf16_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
-    """``(lo, hi)`` when the fused bfloat16 kernel (``bf16_scores.attend_kernel``) runs
-    ``call`` for the tiled backend: row ``t`` attends keys ``[lo_t, hi_t)``. That is bfloat16
-    on the CPU's native route where the kernel runs, inference (no gradient wanted), no
-    score_mod, sinks, dropout or mask tensor, and masks that are ranges (causal, sliding
-    windows, key lengths and their ``and``; not documents), at scales that cannot overflow
-    float32 scores. Else None. The kernel keeps the NaN/inf contract itself.
+    """``(lo, hi)`` when the fused bfloat16 kernel (``bf16_scores.attend_kernel``) runs an
+    inference call for the tiled backend (see :func:`_fused_ranges`; no gradient wanted),
+    else None. The kernel keeps the NaN/inf contract itself.
+
+    Shape:
+        -> lo, hi ``(B or 1, T)`` int64.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
+        return None
+    return _fused_ranges(call)
+
+
+def _fused_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
+    """``(lo, hi)``, row ``t`` attending keys ``[lo_t, hi_t)``, when the fused bfloat16
+    kernel can run ``call``: bfloat16 on the CPU's native route where the kernel runs (see
+    :func:`_bf16_scores_here`), no score_mod, sinks, dropout or mask tensor, masks that are
+    ranges (none, causal, sliding windows, key lengths and their ``and``; not documents), and
+    a scale that cannot overflow float32 scores (those are checked after the call by the
+    guard). Else None. Tests force it off to run the unfused ways on the same calls.
 
     Shape:
         -> lo, hi ``(B or 1, T)`` int64.
@@ -296,43 +302,33 @@ def bf16_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
         return None
     if abs(call.scale) > _FLOAT32_SCALE_BOUND or call.attn_mask is not None:
         return None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
-        return None
     ranges = key_counts.ranges(call)
     if ranges is None or ranges[2] is not None:  # not ranges, or a document mask
         return None
-    lo, hi = ranges[0].squeeze(-2), ranges[1].squeeze(-2)  # (B?, T)
-    if lo.shape != hi.shape or lo.shape[0] not in (1, call.BH[0]):
-        lo, hi = torch.broadcast_tensors(lo, hi)
-        if lo.shape[0] not in (1, call.BH[0]):
-            return None
-    return lo, hi
+    lo, hi = torch.broadcast_tensors(ranges[0], ranges[1])  # (B?, 1, T)
+    lo, hi = lo.squeeze(-2), hi.squeeze(-2)  # (B?, T)
+    return (lo, hi) if lo.shape[0] in (1, call.BH[0]) else None
 
 
-def _bf16_fused_here(call: AttentionCall) -> bool:
-    """Whether a call whose scores take the bfloat16 kernel takes the fused one-pass kernel
-    too: plain or causal (no mask tensor, mask_mod or score_mod), S >= 1. Tests force it off
-    to run the unfused pass on the same calls."""
-    return (
-        call.S > 0 and call.attn_mask is None and call.mask_mod is None and call.score_mod is None
-    )
+_FLOAT32_SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
 
 
 def _bf16_fused(
-    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor
+    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`attention_with_weights` of a plain or causal bfloat16 call by the fused kernel
-    (``bf16_scores.weights_kernel``): the same float32 scores, softmax and lse, the weights
-    rounded once, the output the float32 weights times the values rounded once. On the AMX
-    Xeon, 8 heads, T=S=1024, D=64, it replaces a float32 product of the weights and the
-    values, the softmax, two passes for the row maxima and the copies to bfloat16 (about
-    29 ms of the unfused pass's 35-40 at one thread).
+    """:func:`attention_with_weights` of a bfloat16 call whose rows attend ranges of keys, by
+    the fused kernel (``bf16_scores.attend_kernel``): the same float32 scores, softmax and
+    lse, the weights rounded once, the output the float32 weights times the values rounded
+    once. On the AMX Xeon, 8 heads, T=S=1024, D=64, it replaces a float32 product of the
+    weights and the values, the softmax, two passes for the row maxima, the copies to
+    bfloat16 and the guard's zeroed copies of q, k and v.
 
     Shape:
-        q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)`` -> as
+        q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)``, lo, hi ``(B?, T)`` -> as
         :func:`attention_with_weights`.
     """
-    out, probs, lse = bf16_scores.weights_kernel(q, k, v, call.scale, causal=call.is_causal)
+    out, probs, lse = bf16_scores.attend_kernel(q, k, v, call.scale, lo, hi, weights=True)
+    assert probs is not None
     lead = call.batch
     return (
         _shaped(out, call.out_shape),  # (B, H, T, Dv) view of (B, T, H, Dv) memory, or copied
