@@ -11,14 +11,20 @@ Two measurements, one thread (``torch.set_num_threads(1)``), float32, no_grad, i
     ``F.scaled_dot_product_attention`` over the positions so far, the out-projection. The cache
     is rewound to position 128 before each step, outside the clock.
 
+With ``--long``, also the call at T=1024 (B=1, H=8, D=64, plain and causal, float32 and
+bfloat16, no_grad): there the check around torch's kernel is passes over q, k, v and the
+output, not Python (goal: at most 1.05x SDPA); ``--threads`` sets torch's threads (1 by
+default; 0 keeps torch's own count).
+
 Timing: ``--rounds`` rounds, each timing ``--calls`` calls of qkv then of torch (the order
-alternating by round); the ratio is the median over rounds of qkv's time / torch's (below 1:
-qkv faster). Goals (issue 38): sdpa at most 1.5x, the decode step at most 1.1x. Prints a table
-and writes ``--out`` (JSON, the CPU named). Run it with ``QKV_CPU_HOST_READS=1`` too: the
-contract kept by two sums read after the kernel instead of tensor ops (off by default).
+alternating by round; at T=1024 a tenth of the calls); the ratio is the median over rounds of
+qkv's time / torch's (below 1: qkv faster). Goals (issue 38): sdpa at most 1.5x, the decode
+step at most 1.1x. Prints a table and writes ``--out`` (JSON, the CPU named). Run it with
+``QKV_CPU_HOST_READS=1`` too: the contract kept by two sums read after the kernel instead of
+tensor ops (off by default).
 
 Usage:
-    python benchmarks/bench_call_cost.py [--rounds 15] [--calls 200]
+    python benchmarks/bench_call_cost.py [--rounds 15] [--calls 200] [--long] [--threads 1]
 """
 
 from __future__ import annotations
@@ -55,6 +61,21 @@ def sdpa_pairs() -> dict:
         )
         for name, kw in cases.items()
     }
+
+
+def long_pairs() -> dict:
+    """case -> (qkv call, torch call) at T=1024: plain and causal, float32 and bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, 1024, D, generator=g) for _ in range(3))
+    pairs = {}
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
+        for case, kw in (("plain", {}), ("causal", dict(is_causal=True))):
+            pairs[f"T=1024 {case} {name}"] = (
+                lambda kw=kw, t=(qd, kd, vd): qkv.scaled_dot_product_attention(*t, **kw),
+                lambda kw=kw, t=(qd, kd, vd): F.scaled_dot_product_attention(*t, **kw),
+            )
+    return pairs
 
 
 def decode_pair() -> tuple:
@@ -120,10 +141,18 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/call_cost.json"))
+    p.add_argument("--long", action="store_true", help="also plain and causal at T=1024")
+    p.add_argument("--threads", type=int, default=1, help="torch's threads (0: its own)")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     with torch.no_grad():
+        if args.long:
+            for name, (ours, theirs) in long_pairs().items():
+                calls = max(1, args.calls // 10)
+                rows.append(dict(case=name, goal=1.05, **paired(ours, theirs, args.rounds, calls)))
+                print(rows[-1], file=sys.stderr, flush=True)
         for name, (ours, theirs) in sdpa_pairs().items():
             rows.append(
                 dict(case=f"sdpa {name}", goal=1.5, **paired(ours, theirs, args.rounds, args.calls))
@@ -142,7 +171,7 @@ def main(argv=None) -> int:
         cpu=cpu_model(),
         capability=torch.backends.cpu.get_cpu_capability(),
         torch=torch.__version__,
-        threads=1,
+        threads=torch.get_num_threads(),
         autotune=qkv.autotune.enabled(),
         host_reads=nonfinite.host_reads_free(torch.device("cpu")),  # QKV_CPU_HOST_READS
         command=" ".join(["python", *sys.argv]),
@@ -151,7 +180,8 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2))
     reads = "host reads on" if data["host_reads"] else "no host reads"
-    print(f"CPU: {data['cpu']} ({data['capability']}), torch {data['torch']}, one thread, {reads}")
+    threads = f"{data['threads']} thread" + ("s" if data["threads"] > 1 else "")
+    print(f"CPU: {data['cpu']} ({data['capability']}), torch {data['torch']}, {threads}, {reads}")
     print("| case | qkv µs | torch µs | qkv/torch | goal |\n|---|---|---|---|---|")
     for r in rows:
         met = "met" if r["ratio"] <= r["goal"] else "missed"

@@ -23,6 +23,11 @@ fixture of conftest.py), so that every route runs on every machine:
   it runs on zeroed copies checked in tensor ops. ``force_host_reads`` gives either way: the
   NaN/inf contract tests (test_nonfinite_eager.py) run both, test_host_reads.py counts both.
 
+* The NaN/inf contract's fused row passes (``qkv.ops.nonfinite_rows``: C++ built at first use,
+  for CPU tensors without gradient): where they cannot be built, or on another device, the
+  contract runs as tensor ops. ``force_native_rows`` gives either way: the contract tests
+  (test_nonfinite_eager.py) run both.
+
 ``MACHINE_PROBES`` lists the rest of what reads the machine, and why each is no route of its
 own: ``auto``'s choice by measurement (``qkv.autotune``, on ``qkv._measured``) picks among
 backends that the suite runs by name, and the flex backend runs where a compiler is found
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 import pytest
 
-from qkv.ops import nonfinite, torch_sdpa
+from qkv.ops import nonfinite, nonfinite_rows, torch_sdpa
 from qkv.ops.tiled import plan as tiled_plan
 
 HALF_GEMM_ROUTES = ("native", "float32")
@@ -90,3 +95,13 @@ def force_host_reads(monkeypatch: pytest.MonkeyPatch, free: bool) -> None:
     """Run the NaN/inf contract the way of a device where a read on the host is ``free`` (the
     CPU's) or a sync (CUDA's), whatever the call's device, for the rest of the test."""
     monkeypatch.setattr(nonfinite, "host_reads_free", lambda device: free)
+
+
+def force_native_rows(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Keep the NaN/inf contract by the fused C++ row passes (``on``, where they build: else
+    the test is skipped) or by tensor ops only, as where no compiler is found, for the rest of
+    the test."""
+    if not on:  # as where the library did not build
+        monkeypatch.setattr(nonfinite_rows, "_build", lambda: (None, "hidden by the test"))
+    elif not nonfinite_rows.available():
+        pytest.skip("the fused row passes of qkv.ops.nonfinite_rows did not build here")

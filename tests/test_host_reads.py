@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from routes import force_host_reads
+from routes import force_host_reads, force_native_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
@@ -335,14 +335,22 @@ def test_an_inference_call_on_the_cpu_reads_two_sums(monkeypatch, kind):
     """On the CPU with ``QKV_CPU_HOST_READS=1`` (a read there syncs nothing), a call without
     gradient runs on its inputs as they are and reads two sums after its kernel
     (``Guard.holds``: is the output of finite queries finite?), instead of copying k and v
-    (masked) or finding the bad rows by matmuls (plain); with a gradient wanted it reads
+    (masked) or finding the bad rows by matmuls (plain, where the fused row pass of
+    ``nonfinite_rows`` is not taken: it reads nothing); with a gradient wanted it reads
     nothing."""
     force_host_reads(monkeypatch, free=True)
+    force_native_rows(monkeypatch, on=False)
     for name, grad in ((kind, False), ("plain", False)):
         make = sdpa_path(name, "auto", grad=grad)
         count_reads(make(0))
         assert count_reads(make(1)) == ["aten._local_scalar_dense.default"] * 2, name
     make = sdpa_path(kind, "auto", grad=True)
+    count_reads(make(0))
+    assert count_reads(make(1)) == []
+    monkeypatch.undo()  # the fused pass, where it builds, checks a plain call without a read
+    force_host_reads(monkeypatch, free=True)
+    force_native_rows(monkeypatch, on=True)
+    make = sdpa_path("plain", "auto", grad=False)
     count_reads(make(0))
     assert count_reads(make(1)) == []
 

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from routes import force_host_reads
+from routes import force_host_reads, force_native_rows
 
 import qkv
 from qkv import masks
@@ -27,11 +27,13 @@ from qkv.ops.nonfinite import allowed
 B, H, T, S, D = 2, 3, 11, 13, 8
 
 
-@pytest.fixture(autouse=True, params=["cpu-reads", "no-reads"])
+@pytest.fixture(autouse=True, params=["cpu-reads", "no-reads", "no-reads-fused"])
 def _host_reads(request, monkeypatch):
-    """Each test runs both ways of keeping the contract (tests/routes.py): checked after the
-    kernel by a read on the host, as on the CPU, and in tensor ops only, as on CUDA."""
+    """Each test runs every way of keeping the contract (tests/routes.py): checked after the
+    kernel by a read on the host, as on the CPU on request; in tensor ops only, as on CUDA;
+    and by the CPU's fused row passes (``nonfinite_rows``), the default on the CPU."""
     force_host_reads(monkeypatch, free=request.param == "cpu-reads")
+    force_native_rows(monkeypatch, on=request.param == "no-reads-fused")
 
 
 def _golden(q, k, v, ok):

@@ -50,6 +50,7 @@ __all__ = [
     "cache_path",
     "enabled",
     "forget",
+    "generation",
     "known",
     "machine_key",
     "measured_choice",
@@ -191,6 +192,7 @@ def measured_choice(
     with _lock:
         if fresh or not _chosen.get(key, _STATIC).backend:
             _chosen[key] = choice
+            _generation[0] += 1
         _chosen.setdefault(key, choice)
         return _chosen[key]
 
@@ -263,7 +265,17 @@ def forget() -> None:
     process, the next call of each kind is measured again, or read from disk."""
     with _lock:
         _chosen.clear()
+        _generation[0] += 1
     cpu_isa.forget()
+
+
+_generation = [0]  # bumped whenever a kept choice is dropped or replaced
+
+
+def generation() -> int:
+    """A number that changes whenever this process drops or replaces a kept choice
+    (:func:`forget`, ``qkv tune``): plans made from the choices before are stale."""
+    return _generation[0]
 
 
 def stored_choice(call: AttentionCall) -> Choice | None:

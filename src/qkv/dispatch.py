@@ -86,7 +86,7 @@ def choose(call: AttentionCall, backend: str = "auto") -> Plan:
             # one-pass and lazy traces branch on values and index on the host)
         elif _weights_in_one_pass(call):
             return Plan(None, one_pass_keeps_contract(call))
-    chosen = select(call, backend)
+    chosen = _kept_select(call, backend)
     keeps = isinstance(chosen, TiledBackend) and (
         chosen.keeps_nonfinite_contract(call)  # eager: the bfloat16 kernel of range masks
         or (
@@ -174,6 +174,40 @@ def _weights_in_one_pass(call: AttentionCall) -> bool:
 
 
 # --- the backend: named, measured (autotune), or the static order -------------------------
+
+
+def _kept_select(call: AttentionCall, backend: str) -> Backend:
+    """:func:`select`, kept per call structure (``AttentionCall.structure``) with the backend
+    name, whether a gradient is wanted and the measuring switch: ``auto``'s choice for a kind
+    of call never changes within a process, and changing the registry or ``autotune``
+    forgetting its choices starts over. (At decode sizes the choice cost a sixth of torch's
+    kernel.) Not for traces, whose choice reads sizes a structure does not fix alone."""
+    structure = call.structure
+    if structure is None or call.return_trace or tracing():
+        return select(call, backend)
+    key = (structure, backend, _wants_grad(call), autotune.enabled(), autotune.generation())
+    chosen = _selected.get(key)
+    if chosen is None or _selected_from[0] is not _ORDER:
+        if _selected_from[0] is not _ORDER or len(_selected) >= _SELECTED_MAX:
+            _selected.clear()  # (a model meets a handful of structures)
+            _selected_from[0] = _ORDER
+        chosen = _selected[key] = select(call, backend)
+    return chosen
+
+
+def _wants_grad(call: AttentionCall) -> bool:
+    """Whether a gradient is wanted of q, k, v or the mask (what the choice depends on)."""
+    return torch.is_grad_enabled() and (
+        call.query.requires_grad
+        or call.key.requires_grad
+        or call.value.requires_grad
+        or (call.attn_mask is not None and call.attn_mask.requires_grad)
+    )
+
+
+_selected: dict[tuple, Backend] = {}  # (structure, name, grad, measuring, generation) -> backend
+_selected_from: list = [None]  # the registry order list they were chosen from
+_SELECTED_MAX = 256
 
 
 def select(call: AttentionCall, backend: str = "auto") -> Backend:
@@ -278,6 +312,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
         raise ValueError(f"a backend named {backend.name!r} is already registered")
     _REGISTRY[backend.name] = backend
     _ORDER[:] = sorted(_REGISTRY.values(), key=lambda b: b.priority)
+    _selected.clear()
 
 
 def unregister_backend(name: str) -> Backend:
@@ -285,6 +320,7 @@ def unregister_backend(name: str) -> Backend:
     backend = get_backend(name)
     del _REGISTRY[name]
     _ORDER.remove(backend)
+    _selected.clear()
     return backend
 
 

@@ -163,7 +163,9 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
 
 def _autocast_dtype(query) -> torch.dtype | None:
     """The dtype torch.autocast runs SDPA in on the query's device, or None when it is off."""
-    device_type = getattr(getattr(query, "device", None), "type", None)
+    device_type: str | None = "cpu"  # (``device.type`` makes a string each call)
+    if type(query) is not Tensor or not query.is_cpu:
+        device_type = getattr(getattr(query, "device", None), "type", None)
     try:
         if device_type is None or not torch.is_autocast_enabled(device_type):
             return None

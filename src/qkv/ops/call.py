@@ -11,6 +11,7 @@ D head dim of query/key, Dv head dim of value. ``*batch`` is every dim before th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import sys
@@ -70,6 +71,10 @@ class AttentionCall:
     # runs a kernel on copies with those zeroed): a trace recomputed later checks that they
     # too are unchanged
     sources: tuple[Tensor, ...] = ()
+    # what the call's checks depended on (``_structure``), for the calls ``build`` remembers;
+    # None for others and for every call made from one (``dataclasses.replace`` leaves it
+    # out): a plan or guard kept under it holds for any call of the same structure
+    structure: tuple | None = dataclasses.field(default=None, init=False, compare=False)
 
     @classmethod
     def build(
@@ -133,6 +138,7 @@ class AttentionCall:
             sinks=_check_sinks(sinks, query, batch),
         )
         if structure is not None and call.attn_mask is given:
+            object.__setattr__(call, "structure", structure)  # (frozen)
             _remember(structure, call)  # (a mask reshaped or cast, rare: checked each time)
         return call
 
@@ -167,7 +173,7 @@ class AttentionCall:
         CPU kernel is slow and inexact, see ``torch_sdpa.py``) and for half inputs with a
         float32 ``attn_mask`` (the mask keeps its precision through the softmax, as plain math
         promotes it); otherwise the inputs' dtype."""
-        if self.device.type != "cpu" or self.dtype not in (torch.float16, torch.bfloat16):
+        if not self.query.is_cpu or self.dtype not in (torch.float16, torch.bfloat16):
             return self.dtype
         float32_mask = self.attn_mask is not None and self.attn_mask.dtype == torch.float32
         return torch.float32 if self.dtype == torch.float16 or float32_mask else self.dtype

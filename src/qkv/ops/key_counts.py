@@ -80,6 +80,8 @@ def covers_every_key(call: AttentionCall) -> bool:
     the masks' integers alone."""
     if call.attn_mask is not None:
         return False
+    if not call.is_causal and call.mask_mod is None:
+        return True  # no mask at all
     mods = _flat_and([_causal()] if call.is_causal else [])
     if call.mask_mod is not None:
         mods = _flat_and([call.mask_mod] + mods)

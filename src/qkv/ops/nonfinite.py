@@ -59,7 +59,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .._identity import IdentityCache
 from ..masks import evaluate_mask, index_grid
+from . import nonfinite_rows
 from .base import compiling_plainly, tracing
 from .call import AttentionCall
 from .key_counts import counts, covers_every_key, sees_own_position
@@ -99,11 +101,15 @@ class Guard:
     * ``"optimistic"``: a masked call run on the inputs as they are, where reads on the host
       are allowed (:func:`host_reads_free`: the CPU, on request): :meth:`holds` says whether
       its result stands.
+    * ``"keys"``: a key mask (the same keys hidden from every row of a head) whose hidden keys
+      were zeroed in the copies the kernel runs on: as ``"output"``, and the rows without a
+      key (``has_key`` False) are 0.
     """
 
     call: AttentionCall
-    check: Literal["none", "output", "eager", "traced", "in_graph", "optimistic"]
+    check: Literal["none", "output", "eager", "traced", "in_graph", "optimistic", "keys"]
     bad: _Bad | None = None
+    has_key: Tensor | None = None  # "keys": which rows have a key, broadcastable to (*batch, T)
 
     def holds(self, result: Result) -> bool:
         """Whether ``result`` is the call's result under the contract as it is: False only for
@@ -130,13 +136,19 @@ class Guard:
             output ``(*batch, T, Dv)`` -> the same.
         """
         if self.check == "output":
-            out = _output(result)
-            # where reads are allowed, two sums read cost a third of the matmuls that find
-            # the rows
-            if not host_reads_free(out.device) or not _all_finite(out, self.call.query):
-                result = _with_output(result, _restore_output(self.call, out))
+            out, call = _output(result), self.call
+            # one fused pass where the CPU takes it (nonfinite_rows: no read); else, where
+            # reads are allowed, two sums read cost a third of the matmuls that find the rows
+            inputs = (call.query, call.key, call.value)
+            if not nonfinite_rows.check_rows(out, call.query, inputs) and (
+                not host_reads_free(out.device) or not _all_finite(out, call.query)
+            ):
+                result = _with_output(result, _restore_output(call, out))
+        elif self.check == "keys":
+            assert self.has_key is not None
+            result = _with_output(result, _restore_keys(self.call, _output(result), self.has_key))
         elif self.check == "eager":
-            assert self.bad is not None and self.bad.keys is not None and self.bad.rows is not None
+            assert self.bad is not None and self.bad.keys is not None
             result = _restore_eager(self.call, self.bad.keys, self.bad.rows, result)
         elif self.check == "traced":
             return _restore_traced(self.call, self.bad, result)
@@ -155,15 +167,33 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
     ``optimistic``: a call that may be checked after its kernel by a read on the host (see
     :meth:`Guard.holds`) is; False after that check failed, for the call's second run.
     """
-    if kept or call.device.type == "meta" or call.query.numel() == 0 or call.key.numel() == 0:
+    if kept or call.query.is_meta or call.query.numel() == 0 or call.key.numel() == 0:
         return Guard(call, "none")
     if tracing():
         return _prepare_traced(call)
     grad = _wants_grad(call)
-    if not grad and not call.return_trace and covers_every_key(call):
-        return Guard(call, "output")  # q, k and the output tell, after the kernel
-    if optimistic and not grad and not call.return_trace and _checked_after(call):
-        return Guard(call, "optimistic")  # the output and q tell, after the kernel, by a read
+    inference = not grad and not call.return_trace
+    if inference:
+        call = _without_hidden_keys(call)
+        if covers_every_key(call):
+            return Guard(call, "output")  # q, k and the output tell, after the kernel
+        if optimistic and _checked_after(call):
+            return Guard(call, "optimistic")  # the output and q tell, after the kernel, by a read
+        keyed = _prepare_key_mask(call)
+        if keyed is not None:
+            return keyed
+    if (
+        inference
+        and _native(call.query, call.key, call.value)
+        and call.key.shape == call.value.shape
+    ):
+        # one pass each: the zeroed copies of k and v and their bad rows; q is checked in the
+        # output's pass after the kernel (nonfinite_rows.restore_rows), so it needs no copy
+        keys = torch.zeros(call.key.shape[:-1], dtype=torch.float32)  # (*kbatch, S)
+        k = nonfinite_rows.copy_rows(call.key, zero_nonfinite=True, flags=keys)
+        v = nonfinite_rows.copy_rows(call.value, zero_nonfinite=True, flags=keys)
+        zeroed = _with_inputs(call, call.query, k, v, (call.key, call.value) + call.sources)
+        return Guard(zeroed, "eager", _Bad(_as_bh(keys, call, call.S), None))
     with torch.no_grad():
         rows = _bad_rows(call.query)  # (*qbatch, T): 1.0 on a bad row, else 0.0
         keys = _bad_rows(call.key, call.value)  # (*kbatch, S)
@@ -172,6 +202,94 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
     # is set to NaN after the kernel whatever it holds, and q needs no copy
     queries = grad or call.return_trace or not sees_own_position(call)
     return Guard(_zeroed_call(call, grad, queries), "eager", bad)
+
+
+def _without_hidden_keys(call: AttentionCall) -> AttentionCall:
+    """``call`` without the keys every row is hidden from, where that is told by the sizes:
+    top-left causal attention with fewer queries than keys (row ``i`` sees keys ``0..i``, so
+    keys ``T..S-1`` reach no row) runs on the first T keys (views). A decoding step of one
+    query (T = 1) is then a call whose one row sees its one key: the cheap check of
+    ``"output"`` instead of zeroed copies. Not with dropout (its draws are per (T, S)
+    element), traces (their (T, S) weights) or other masks; the output is the same."""
+    T = call.T
+    if (
+        not call.is_causal
+        or T >= call.S
+        or call.attn_mask is not None
+        or call.mask_mod is not None
+        or call.score_mod is not None
+        or call.sinks is not None
+        or call.dropout_p > 0
+    ):
+        return call
+    k, v = call.key.narrow(-2, 0, T), call.value.narrow(-2, 0, T)  # (*kbatch, T, D|Dv)
+    return _with_inputs(call, call.query, k, v, call.sources)
+
+
+def _prepare_key_mask(call: AttentionCall) -> Guard | None:
+    """The guard of a key mask (an ``attn_mask`` of one row, ``(..., 1, S)``: every row of a
+    batch element and head sees the same keys) without gradient: the keys it hides are zeroed
+    in copies of k and v, so no hidden NaN/inf can reach a row, and what a visible one does
+    shows in the output, as with no mask. None for other calls, and for a mask that varies
+    where k and v are shared (a broadcast batch, GQA's heads): each would need its own copy.
+
+    Shape:
+        attn_mask ``(*mbatch, 1, S?)``.
+    """
+    mask = call.attn_mask
+    if mask is None or call.is_causal or call.mask_mod is not None or mask.shape[-2] != 1:
+        return None
+    keep, has_key = _key_mask_rows(mask)  # (*mbatch, S?) bool, (*mbatch, 1) bool
+    for t in (call.key, call.value):
+        if not _broadcasts_onto(keep.shape, t.shape[:-1], gqa=call.enable_gqa):
+            return None
+    if _native(call.key, call.value) and keep.is_cpu:
+        k = nonfinite_rows.copy_rows(call.key, zero_nonfinite=False, keep=keep)
+        v = nonfinite_rows.copy_rows(call.value, zero_nonfinite=False, keep=keep)
+    else:
+        zero = torch.zeros((), dtype=call.dtype, device=call.device)
+        k = torch.where(keep.unsqueeze(-1), call.key, zero)  # (*kbatch, S, D)
+        v = torch.where(keep.unsqueeze(-1), call.value, zero)  # (*kbatch, S, Dv)
+    zeroed = _with_inputs(call, call.query, k, v, (call.key, call.value) + call.sources)
+    return Guard(zeroed, "keys", has_key=has_key)
+
+
+_key_masks = IdentityCache(16)  # a model passes one padding mask to every layer and step
+
+
+def _key_mask_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Which keys a key mask lets through, and which of its rows have any (remembered by the
+    mask's identity and version).
+
+    Shape:
+        mask ``(*mbatch, 1, S?)`` -> ``(*mbatch, S?)`` bool and ``(*mbatch, 1)`` bool.
+    """
+
+    def rows() -> tuple[Tensor, Tensor]:
+        keep = mask[..., 0, :]  # (*mbatch, S?)
+        keep = keep if keep.dtype == torch.bool else ~torch.isneginf(keep)  # a NaN is no hidden key
+        return keep.contiguous(), keep.any(-1, keepdim=True)  # (*mbatch, S?), (*mbatch, 1)
+
+    return _key_masks.get((mask,), None, rows)
+
+
+def _broadcasts_onto(shape: tuple, target: tuple, gqa: bool) -> bool:
+    """Whether a per-key ``shape`` ``(*mbatch, S?)`` broadcasts onto a tensor's rows
+    ``(*kbatch, S)`` without expanding them: each of its dims 1 or the tensor's, its head dim
+    1 under GQA (key heads serve several query heads), and no dim beyond the tensor's but 1s."""
+    extra = len(shape) - len(target)
+    if extra > 0 and any(n != 1 for n in shape[:extra]):
+        return False
+    for i in range(1, min(len(shape), len(target)) + 1):
+        if shape[-i] != 1 and (shape[-i] != target[-i] or (gqa and i == 2)):
+            return False
+    return True
+
+
+def _native(*tensors: Tensor | None) -> bool:
+    """Whether the fused passes of ``nonfinite_rows`` take these tensors (the CPU, no
+    gradient, outside tracing: see that module)."""
+    return nonfinite_rows.takes(*tensors)
 
 
 def run(call: AttentionCall, run_call: Callable[[AttentionCall], Result]) -> Result:
@@ -232,24 +350,86 @@ def _checked_after(call: AttentionCall) -> bool:
 # --- eager ----------------------------------------------------------------------------------
 
 
-def _restore_eager(call: AttentionCall, keys: Tensor, rows: Tensor, result: Result) -> Result:
+def _restore_eager(
+    call: AttentionCall, keys: Tensor, rows: Tensor | None, result: Result
+) -> Result:
     """NaN on the rows that may attend a bad key, and on the bad query rows that may attend
-    some key, counted by :func:`qkv.ops.key_counts.counts`.
+    some key, counted by :func:`qkv.ops.key_counts.counts`. ``rows`` None: the query rows are
+    checked here, in the output's pass (``nonfinite_rows.restore_rows``), which also sets the
+    rows without a key to 0 (what a kernel gave for a bad query there does not count).
 
     Shape:
         keys ``(B, H, S)``, rows ``(B, H, T)`` of 0.0 and 1.0 (1 = bad); output
         ``(*batch, T, Dv)`` -> the same.
     """
     hits, n_keys = counts(call, keys)  # (B, H, T): bad keys each row may attend; its keys
-    hits = hits + (rows if sees_own_position(call) else rows * (n_keys > 0))  # (B, H, T)
+    out = _output(result)
+    own = sees_own_position(call)  # (then every row has a key)
+    if rows is None and _native(out, call.query) and len(call.batch) <= 2:
+        if not _writable(out, call):
+            out = out.clone()
+        has_key = None if own else _as_batch((n_keys > 0).expand(hits.shape), call)
+        out = nonfinite_rows.restore_rows(
+            out, query=call.query, flags=_as_batch(hits, call), has_key=has_key
+        )
+        return _with_output(result, out)
+    if rows is None:  # (the query was not zeroed: a row without a key is set to 0 here)
+        rows = _as_bh(_bad_rows(call.query), call, call.T, queries=True)  # (B, H, T)
+        if not own:
+            has_key = (n_keys > 0).expand(hits.shape).reshape(call.batch + (call.T, 1))
+            out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype))
+    hits = hits + (rows if own else rows * (n_keys > 0))  # (B, H, T)
     nan = hits.neg_().sqrt_()  # (B, H, T): sqrt(-0) = -0, sqrt(-n) = NaN for n > 0
     nan = nan.to(call.dtype).reshape(call.batch + (call.T, 1))  # (*batch, T, 1)
-    out = _output(result)
     if out.requires_grad:
         out = out * (nan == nan).to(out.dtype)  # no gradient through a NaN row
     elif not _own(out):
         return _with_output(result, out + nan)
     return _with_output(result, out.add_(nan))
+
+
+def _as_batch(flags: Tensor, call: AttentionCall) -> Tensor:
+    """Per-row flags ``(B, H, T)`` in the call's batch layout (a view).
+
+    Shape:
+        ``(B, H, T)`` -> ``(*batch, T)``.
+    """
+    return flags if len(call.batch) == 2 else flags.reshape(call.batch + (call.T,))
+
+
+def _writable(out: Tensor, call: AttentionCall) -> bool:
+    """Whether ``out`` may be written in place row by row: a kernel's output of its own memory
+    (its own buffer, or a permuted view of one, as torch's CPU flash kernel returns) that
+    autograd does not need, with no broadcast dim, and none of the call's inputs."""
+    if out.requires_grad:
+        return False
+    for n, st in zip(out.shape, out.stride()):
+        if st == 0 and n > 1:
+            return False  # a broadcast dim: one write would land in several rows
+    base = out._base
+    if base is None:
+        base = out
+    elif base.numel() != out.numel():
+        return False  # a slice of something larger
+    return not any(base is t or base is t._base for t in (call.query, call.key, call.value))
+
+
+def _restore_keys(call: AttentionCall, out: Tensor, has_key: Tensor) -> Tensor:
+    """The output of a key mask's call (its hidden keys zeroed): NaN on each row that is not
+    finite (a visible bad key or value reached it) and on each bad query row, then 0 on the
+    rows without a key (whatever a kernel gave there for a bad query).
+
+    Shape:
+        out ``(*batch, T, Dv)``, has_key broadcastable to ``(*batch, T)`` -> the same.
+    """
+    if _native(out, call.query):
+        if not _writable(out, call):
+            out = out.clone()
+        return nonfinite_rows.restore_rows(out, query=call.query, check_out=True, has_key=has_key)
+    rows = out @ _column(out)  # (*batch, T, 1): finite exactly where the row is
+    query_rows = call.query @ _column(call.query)  # (*qbatch, T, 1)
+    rows = rows + torch.where(has_key.unsqueeze(-1), query_rows, 0.0)  # (*batch, T, 1)
+    return torch.where(has_key.unsqueeze(-1), out.add(rows, alpha=0), 0.0)
 
 
 def _own(out: Tensor) -> bool:
@@ -363,7 +543,9 @@ def _with_inputs(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, sources) 
     """``dataclasses.replace(call, query=q, ...)`` in a fifth of its time (which runs
     ``__init__`` anew; these inputs are the call's own, zeroed)."""
     new = object.__new__(AttentionCall)
-    new.__dict__.update(call.__dict__, query=q, key=k, value=v, sources=sources)  # (frozen)
+    new.__dict__.update(  # (frozen); another call's inputs: no structure of its own
+        call.__dict__, query=q, key=k, value=v, sources=sources, structure=None
+    )
     return new
 
 

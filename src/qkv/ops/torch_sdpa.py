@@ -59,10 +59,30 @@ class TorchBackend:
         return None
 
     def run(self, call: AttentionCall) -> BackendResult:
+        q, k, v = call.query, call.key, call.value
+        if (  # the common call (a decoding step's): torch's kernel as it is, nothing around it
+            call.attn_mask is None
+            and call.mask_mod is None
+            and not call.return_trace
+            and q.is_cpu
+            and call.work_dtype == call.dtype
+        ):
+            out = sdpa(
+                q,
+                k,
+                v,
+                attn_mask=None,
+                dropout_p=call.dropout_p,
+                is_causal=call.is_causal,
+                scale=call.scale,
+                enable_gqa=call.enable_gqa,
+            )  # (*batch, T, Dv)
+            return BackendResult(out=out)
         mask = call.mask()
         is_causal = call.is_causal and mask is None  # merged into mask otherwise
-        mask, row_ok = _guard_empty_rows(mask, remember=mask is call.attn_mask)
-        q, k, v = call.query, call.key, call.value
+        mask, row_ok, factor = _guard_for_kernel(
+            mask, remember=mask is call.attn_mask, dtype=call.work_dtype
+        )
         if _upcast(call):
             q, k, v = q.float(), k.float(), v.float()
             mask = mask.float() if mask is not None and mask.is_floating_point() else mask
@@ -92,7 +112,9 @@ class TorchBackend:
         if out.dtype != call.dtype:
             out = out.to(call.dtype)
         if row_ok is not None:  # rows with no key -> exactly 0 (a finite row: the guard's)
-            out = out * row_ok.unsqueeze(-1).to(out.dtype)
+            if factor is None or factor.dtype != out.dtype:
+                factor = row_ok.unsqueeze(-1).to(out.dtype)  # (..., T, 1)
+            out = out * factor if out.requires_grad else out.mul_(factor)  # (a fresh output)
             if lse is not None:  # the kernel saw the guard's full row there
                 lse = lse.masked_fill(~row_ok, float("-inf"))
         return BackendResult(out=out, lse=lse)
@@ -154,24 +176,41 @@ def _guard_empty_rows(
     Shape:
         mask ``(..., T, S)`` -> same, and row_ok ``(..., T)``.
     """
+    guarded, row_ok, _ = _guard_for_kernel(mask, remember)
+    return guarded, row_ok
+
+
+def _guard_for_kernel(
+    mask: Tensor | None, remember: bool = True, dtype: torch.dtype | None = None
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`_guard_empty_rows`, and for a remembered mask with the kernel's ``dtype``: a
+    small bool mask as the additive mask torch would make of it each call, and ``row_ok`` as
+    the factor ``(..., T, 1)`` in ``dtype`` that zeroes the empty rows (else None)."""
     if mask is None:
-        return None, None
+        return None, None, None
     if not remember or tracing() or mask.numel() > _REMEMBER_MAX:
-        return _guarded(mask)
-    return _guards.get((mask,), None, lambda: _lean(*_guarded(mask)))
+        return (*_guarded(mask), None)
+    return _guards.get((mask,), dtype, lambda: _lean(*_guarded(mask), dtype))
 
 
-def _lean(mask: Tensor, row_ok: Tensor) -> tuple[Tensor, Tensor | None]:
-    """A remembered guard without its ``row_ok`` where every row has a key (a padded batch's
-    mask, a decoding step's): nothing to zero after the kernel. Asked once per mask, by a
-    read on the host, where such reads are allowed (``nonfinite.host_reads_free``)."""
+def _lean(
+    mask: Tensor, row_ok: Tensor, dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """A remembered guard: a small bool mask made additive once (torch converts one each call),
+    and without its ``row_ok`` where every row has a key (a padded batch's mask, a decoding
+    step's): nothing to zero after the kernel. That is asked once per mask, by a read on the
+    host, where such reads are allowed (``nonfinite.host_reads_free``)."""
+    if dtype is not None and mask.dtype == torch.bool and mask.numel() <= _ADDITIVE_MAX:
+        mask = _as_additive(mask, dtype)
     if nonfinite.host_reads_free(mask.device) and bool(row_ok.all()):
-        return mask, None
-    return mask, row_ok
+        return mask, None, None
+    factor = None if dtype is None else row_ok.unsqueeze(-1).to(dtype)  # (..., T, 1)
+    return mask, row_ok, factor
 
 
 _guards = IdentityCache(16)
 _REMEMBER_MAX = 1 << 24  # masks of up to 16 Mi elements: the guarded copy is kept beside them
+_ADDITIVE_MAX = 1 << 16  # bool masks of up to 64 Ki elements (key masks) kept additive
 
 
 def _guarded(mask: Tensor) -> tuple[Tensor, Tensor]:

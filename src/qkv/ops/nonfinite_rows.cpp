@@ -1,0 +1,229 @@
+// The NaN/inf contract's passes over rows (ops/nonfinite.py), each in one pass of C++ where the
+// tensor ops take two or three: which rows hold a NaN/inf, copies with them zeroed, and the output
+// rows set to NaN or 0 after the kernel.
+//
+// Built by qkv/ops/nonfinite_rows.py through torch.utils.cpp_extension at first use
+// (ops/_native_build.py) and called through ctypes on raw pointers, for CPU tensors without
+// gradient, outside tracing. What decides a row is read and written inside the pass, never
+// returned to the caller: the work a call dispatches does not depend on the values (issue 38: no
+// host reads).
+//
+// Supports: float32, float64, bfloat16, float16 (told non-finite by their exponent bits, so no
+// float arithmetic and no rounding: a copy is bit for bit); rows of E contiguous elements, indexed
+// by three leading dims of any strides (0 for a broadcast dim). Does not support: a last dim with a
+// stride other than 1 (the caller's torch ops take those).
+//
+// Shape alphabet: rows (n0, n1, n2), E elements each (D, Dv or the key length's row).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// A row's elements as unsigned integers of the float's width, its exponent mask and a quiet NaN.
+template <typename U, U kExp, U kNaN>
+struct Bits {
+  using word = U;
+  static constexpr U exp = kExp;
+  static constexpr U nan = kNaN;
+};
+using F32 = Bits<uint32_t, 0x7f800000u, 0x7fc00000u>;
+using F64 = Bits<uint64_t, 0x7ff0000000000000ull, 0x7ff8000000000000ull>;
+using BF16 = Bits<uint16_t, 0x7f80u, 0x7fc0u>;
+using F16 = Bits<uint16_t, 0x7c00u, 0x7e00u>;
+
+struct Rows {  // three leading dims of a tensor of rows
+  int64_t n0, n1, n2;
+  int64_t count() const { return n0 * n1 * n2; }
+};
+
+struct Strides {  // of the three leading dims, in elements (0 along a broadcast dim)
+  int64_t s0, s1, s2;
+};
+
+// Where row r (of n0 x n1 x n2, row-major) starts.
+inline int64_t offset(int64_t r, const Rows& n, const Strides& s) {
+  const int64_t i2 = r % n.n2, i01 = r / n.n2;
+  return (i01 / n.n1) * s.s0 + (i01 % n.n1) * s.s1 + i2 * s.s2;
+}
+
+// Calls f(first, last) for the runs of rows [first, last) within [begin, end) that share their
+// first two indices: consecutive along the last row dim, so a run of rows of stride E is one span.
+template <typename F>
+inline void runs(const Rows& n, int64_t begin, int64_t end, F&& f) {
+  for (int64_t r = begin; r < end;) {
+    const int64_t last = std::min(end, (r / n.n2 + 1) * n.n2);
+    f(r, last);
+    r = last;
+  }
+}
+
+template <typename B>
+inline bool nonfinite(const typename B::word* x, int64_t count) {
+  typename B::word bad = 0;
+  for (int64_t e = 0; e < count; ++e) {
+    bad |= static_cast<typename B::word>((x[e] & B::exp) == B::exp);
+  }
+  return bad != 0;
+}
+
+// Whether rows [first, last) of x (E elements each, stride s) hold a non-finite element; one
+// span when the rows are consecutive.
+template <typename B>
+inline bool any_nonfinite(const typename B::word* x, const Rows& n, const Strides& s, int64_t E,
+                          int64_t first, int64_t last) {
+  const typename B::word* p = x + offset(first, n, s);
+  if (s.s2 == E || last - first == 1) return nonfinite<B>(p, (last - first) * E);
+  for (int64_t r = first; r < last; ++r, p += s.s2) {
+    if (nonfinite<B>(p, E)) return true;
+  }
+  return false;
+}
+
+// y = x with its non-finite elements zeroed; whether there was one.
+template <typename B>
+inline bool zeroed_copy(const typename B::word* x, typename B::word* y, int64_t count) {
+  using W = typename B::word;
+  W bad = 0;
+  for (int64_t e = 0; e < count; ++e) {
+    const W v = x[e];
+    const W nf = static_cast<W>((v & B::exp) == B::exp);
+    y[e] = nf ? W(0) : v;
+    bad |= nf;
+  }
+  return bad != 0;
+}
+
+// dst = src with non-finite elements zeroed (zero_nonfinite), or as is; rows with keep == 0 all
+// zero; flags[r] = 1 where a kept row held a non-finite element (left as it was elsewhere).
+template <typename B>
+void copy(const Rows n, int64_t E, const void* src_, const Strides s, void* dst_,
+          const uint8_t* keep, const Strides k, int zero_nonfinite, float* flags) {
+  using W = typename B::word;
+  const W* src = static_cast<const W*>(src_);
+  W* dst = static_cast<W*>(dst_);
+  const int64_t grain = 1 + (1 << 15) / (E > 0 ? E : 1);  // ~32k elements a task
+  at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
+    runs(n, begin, end, [&](int64_t first, int64_t last) {
+      const W* x = src + offset(first, n, s);
+      W* y = dst + first * E;
+      if (keep == nullptr && (s.s2 == E || last - first == 1)) {  // one span: copy, then flag
+        const int64_t count = (last - first) * E;
+        bool bad = false;
+        if (zero_nonfinite) {
+          bad = zeroed_copy<B>(x, y, count);
+        } else {
+          std::memcpy(y, x, count * sizeof(W));
+          bad = flags != nullptr && nonfinite<B>(x, count);
+        }
+        if (!bad || flags == nullptr) return;  // (else find its rows: rare)
+        for (int64_t r = first; r < last; ++r) {
+          if (nonfinite<B>(x + (r - first) * E, E)) flags[r] = 1.0f;
+        }
+        return;
+      }
+      const uint8_t* kept = keep == nullptr ? nullptr : keep + offset(first, n, k);
+      for (int64_t r = first; r < last; ++r, x += s.s2, y += E) {
+        if (kept != nullptr && kept[(r - first) * k.s2] == 0) {
+          std::memset(y, 0, E * sizeof(W));
+          continue;
+        }
+        bool bad;
+        if (zero_nonfinite) {
+          bad = zeroed_copy<B>(x, y, E);
+        } else {
+          std::memcpy(y, x, E * sizeof(W));
+          bad = flags != nullptr && nonfinite<B>(x, E);
+        }
+        if (bad && flags != nullptr) flags[r] = 1.0f;
+      }
+    });
+  });
+}
+
+// Each row of out: 0 where has_key is given and 0 there; else NaN where flags[r] != 0, or a row of
+// q holds a non-finite element, or (check_out) the row itself does; else left as it is.
+template <typename B>
+void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_out, const void* q_,
+             const Strides qs, int64_t D, const float* flags, const Strides f,
+             const uint8_t* has_key, const Strides h) {
+  using W = typename B::word;
+  W* out = static_cast<W*>(out_);
+  const W* q = static_cast<const W*>(q_);
+  const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
+  at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
+    runs(n, begin, end, [&](int64_t first, int64_t last) {
+      // the common case first: no flag, no key missing, every row finite: nothing to write
+      if (flags == nullptr && has_key == nullptr) {
+        const bool bad = (check_out && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
+                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
+        if (!bad) return;
+      }
+      W* y = out + offset(first, n, o);
+      const W* x = q == nullptr ? nullptr : q + offset(first, n, qs);
+      const float* flag = flags == nullptr ? nullptr : flags + offset(first, n, f);
+      const uint8_t* key = has_key == nullptr ? nullptr : has_key + offset(first, n, h);
+      for (int64_t i = 0; i < last - first; ++i, y += o.s2) {
+        if (key != nullptr && key[i * h.s2] == 0) {
+          std::memset(y, 0, Dv * sizeof(W));
+          continue;
+        }
+        const bool bad = (flag != nullptr && flag[i * f.s2] != 0.0f) ||
+                         (x != nullptr && nonfinite<B>(x + i * qs.s2, D)) ||
+                         (check_out && nonfinite<B>(y, Dv));
+        if (bad) {
+          for (int64_t e = 0; e < Dv; ++e) y[e] = B::nan;
+        }
+      }
+    });
+  });
+}
+
+template <typename F>
+int by_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case 0: f(F32{}); return 0;
+    case 1: f(F64{}); return 0;
+    case 2: f(BF16{}); return 0;
+    case 3: f(F16{}); return 0;
+    default: return 1;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The arguments as one array of int64 (one argument to marshal through ctypes, not twenty):
+//   a[0] dtype (0 float32, 1 float64, 2 bfloat16, 3 float16); a[1..3] rows n0, n1, n2;
+// then per function, pointers as integers (0 for none) and strides in elements:
+//   copy:    a[4] E, a[5] src, a[6..8] its strides, a[9] dst (contiguous), a[10] keep (uint8),
+//            a[11..13] its strides, a[14] zero_nonfinite, a[15] flags (float32, contiguous rows)
+//   restore: a[4] out, a[5..7] its strides, a[8] Dv, a[9] check_out, a[10] q, a[11..13] its
+//            strides, a[14] D, a[15] flags (float32), a[16..18] its strides, a[19] has_key
+//            (uint8), a[20..22] its strides
+// Returns 0, or 1 for an unknown dtype.
+int qkv_rows_copy(const int64_t* a) {
+  const Rows n{a[1], a[2], a[3]};
+  return by_dtype(static_cast<int>(a[0]), [&](auto b) {
+    copy<decltype(b)>(n, a[4], reinterpret_cast<const void*>(a[5]), Strides{a[6], a[7], a[8]},
+                      reinterpret_cast<void*>(a[9]), reinterpret_cast<const uint8_t*>(a[10]),
+                      Strides{a[11], a[12], a[13]}, static_cast<int>(a[14]),
+                      reinterpret_cast<float*>(a[15]));
+  });
+}
+
+int qkv_rows_restore(const int64_t* a) {
+  const Rows n{a[1], a[2], a[3]};
+  return by_dtype(static_cast<int>(a[0]), [&](auto b) {
+    restore<decltype(b)>(n, reinterpret_cast<void*>(a[4]), Strides{a[5], a[6], a[7]}, a[8],
+                         static_cast<int>(a[9]), reinterpret_cast<const void*>(a[10]),
+                         Strides{a[11], a[12], a[13]}, a[14],
+                         reinterpret_cast<const float*>(a[15]), Strides{a[16], a[17], a[18]},
+                         reinterpret_cast<const uint8_t*>(a[19]), Strides{a[20], a[21], a[22]});
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,278 @@
+"""Cheap calls (issue 38, item 4): what a call dispatches around torch's kernel, and the
+contract on the routes that keep it cheap, against float64 math written here.
+
+* A call without gradient whose rows see every key is checked after its kernel by one fused
+  pass over the output and the queries (``ops/nonfinite_rows.py``, C++ on the CPU), not by two
+  matrix-vector products and two adds.
+* Top-left causal attention with fewer queries than keys runs on the first T keys: keys
+  T.. reach no row (a decoding step of one query then sees its one key).
+* A key mask (the same keys hidden from every row of a head) zeroes the keys it hides in copies
+  of k and v; whatever a shown key holds shows in the output.
+* ``dispatch.choose`` keeps its backend choice per call structure, and drops it when the registry or
+  ``autotune`` changes.
+
+Each runs with the fused passes and without them (their slow twin: tensor ops), as where no
+C++ compiler is found (tests/routes.py, ``force_native_rows``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from routes import force_host_reads, force_native_rows
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import qkv
+from qkv import dispatch
+from qkv.ops import AttentionCall, nonfinite_rows
+
+B, H, D = 2, 3, 8
+
+
+@pytest.fixture(params=["fused", "tensor-ops"])
+def route(request, monkeypatch):
+    """Both ways of keeping the contract without host reads (the default on the CPU, and
+    CUDA's way)."""
+    force_host_reads(monkeypatch, free=False)
+    force_native_rows(monkeypatch, on=request.param == "fused")
+    return request.param
+
+
+def _golden(q, k, v, ok):
+    """float64 attention under the allowed pairs ``ok`` (broadcastable to (B, H, T, S)); rows
+    with no key 0."""
+    scores = (q.double() @ k.double().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    probs = torch.softmax(scores.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)
+    return probs @ v.double()
+
+
+class Ops(TorchDispatchMode):
+    """The ops dispatched under it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(fn) -> list[str]:
+    with Ops() as mode:
+        fn()
+    return mode.ops
+
+
+# --- causal with fewer queries than keys -------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 3, 12])
+def test_causal_keys_past_the_queries_reach_no_row(route, T):
+    """Top-left causal, T < S = 13: NaN/inf in keys T.. (hidden from every row) change
+    nothing; a NaN in key 0 makes every row NaN; a bad query row is NaN, the others exact."""
+    S = 13
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (T, S, S))
+    ok = torch.ones(T, S, dtype=torch.bool).tril()  # row i sees keys 0..i
+    want = _golden(q, k, v, ok)
+    k[0, 1, T:, 2] = math.nan  # hidden from every row of head (0, 1)
+    v[1, 0, S - 1, 0] = math.inf
+    v[1, 2, 0, 3] = math.nan  # key 0: every row of head (1, 2) sees it
+    q[0, 0, T - 1, 1] = -math.inf
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, is_causal=True)
+    hit = torch.zeros(B, H, T, dtype=torch.bool)
+    hit[1, 2] = True
+    hit[0, 0, T - 1] = True
+    assert out[hit].isnan().all()
+    torch.testing.assert_close(out[~hit].double(), want[~hit], rtol=1e-5, atol=1e-6)
+
+
+def test_causal_with_dropout_keeps_every_key_so_draws_match_torch():
+    """With dropout the keys are not cut (torch draws per (T, S) element): the same seed gives
+    torch's output."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, D, generator=g) for n in (2, 9, 9))
+    torch.manual_seed(5)
+    ours = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.3)
+    torch.manual_seed(5)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, dropout_p=0.3
+    )
+    torch.testing.assert_close(ours, theirs)
+
+
+# --- key masks ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["B11S", "BH1S", "1S", "gqa-B11S", "gqa-BH1S", "shared-kv"],
+)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_key_masks_hide_keys_whatever_they_hold(route, layout, kind):
+    """A key mask of each layout (GQA with one mask per query head, and k/v shared by the
+    batch while the mask is not, cannot zero one copy per row: they take the general way): a
+    NaN/inf in a hidden key changes nothing, in a shown key makes the rows that see it NaN; a
+    row with no key is 0 even for a NaN query."""
+    T, S, G = 4, 11, H
+    gqa = layout.startswith("gqa")
+    Hq = 2 * G if gqa else H
+    kb = 1 if layout == "shared-kv" else B
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, Hq, T, D, generator=g)
+    k, v = (torch.randn(kb, G, S, D, generator=g) for _ in range(2))
+    shown = torch.rand(B, Hq, 1, S, generator=g) < 0.6  # (B, Hq, 1, S)
+    if layout in ("B11S", "gqa-B11S", "shared-kv"):
+        shown = shown[:, :1]  # (B, 1, 1, S)
+    elif layout == "1S":
+        shown = shown[0, 0]  # (1, S)
+    shown[..., 0] = True
+    shown[..., 1] = False
+    if shown.dim() == 4:
+        shown[-1] = False  # the last batch element: no key at all
+    mask = shown if kind == "bool" else torch.zeros(shown.shape).masked_fill(~shown, -math.inf)
+    ok = shown.expand(B, Hq, T, S)
+    k[..., 1, 2] = math.nan  # key 1: hidden everywhere
+    v[..., 0, 0] = math.inf  # key 0: shown wherever a row has keys
+    q[0, 0, 1, 3] = math.nan
+    q[-1, 0, 2, 3] = math.nan
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    has_key = ok.any(-1)  # (B, Hq, T)
+    assert (out[~has_key] == 0).all()
+    assert out[has_key].isnan().all()  # key 0 is shown to every row that has keys
+    # the same with key 0 finite: exact, and the NaN query rows alone are NaN
+    v[..., 0, 0] = 1.0
+    kk, vv = (  # (B, Hq, S, D): each query head's keys and values, key 1 (hidden) zeroed
+        t.nan_to_num(0.0).repeat_interleave(Hq // G, dim=1).expand(B, Hq, S, D) for t in (k, v)
+    )
+    want = _golden(q.nan_to_num(0.0), kk, vv, ok)
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    bad_q = torch.zeros(B, Hq, T, dtype=torch.bool)
+    bad_q[0, 0, 1] = True
+    bad_q[-1, 0, 2] = True
+    hit = bad_q & has_key
+    assert out[hit].isnan().all()
+    assert (out[~has_key] == 0).all()
+    torch.testing.assert_close(out[~hit].double(), want[~hit], rtol=1e-5, atol=1e-6)
+
+
+# --- the fused passes and their slow twin ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
+    """``nonfinite_rows`` against the tensor ops it replaces: the zeroed copy and its bad rows
+    (``nan_to_num`` and ``isfinite``), a key mask's copy (``where``), and the output's rows
+    set to NaN or 0, through strided and broadcast layouts."""
+    if not nonfinite_rows.available():
+        pytest.skip("the fused row passes did not build here")
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 3, 40, 8, generator=g).to(dtype)  # a KV cache's buffer
+    src = cache[:, :, :17]  # (2, 3, 17, 8): strided heads
+    src[0, 1, 4, 2], src[1, 2, 16, 7], src[1, 0, 0, 0] = math.nan, math.inf, -math.inf
+    flags = torch.zeros(2, 3, 17)
+    copy = nonfinite_rows.copy_rows(src, zero_nonfinite=True, flags=flags)
+    assert torch.equal(copy.view(torch.int8), src.nan_to_num(0.0, 0.0, 0.0).view(torch.int8))
+    assert torch.equal(flags, (~torch.isfinite(src).all(-1)).float())
+    keep = torch.rand(2, 1, 17, generator=g) < 0.5  # (2, 1, 17): per batch element
+    kept = nonfinite_rows.copy_rows(src, zero_nonfinite=False, keep=keep)
+    want = torch.where(keep.unsqueeze(-1), src, torch.zeros((), dtype=dtype))
+    assert torch.equal(kept.view(torch.int8), want.view(torch.int8))
+
+    base = torch.randn(2, 17, 3, 8, generator=g).to(dtype)  # torch's flash output layout
+    out = base.transpose(1, 2)  # (2, 3, 17, 8)
+    out[0, 0, 3, 1], out[1, 2, 9, 0] = math.inf, math.nan
+    query = torch.randn(1, 3, 17, 5, generator=g).to(dtype)  # broadcast over the batch
+    query[0, 1, 2, 4] = math.nan
+    before = out.clone()
+    nonfinite_rows.check_rows(out, query)
+    bad = ~torch.isfinite(before).all(-1) | ~torch.isfinite(query).all(-1)  # (2, 3, 17)
+    assert out[bad].isnan().all()
+    assert torch.equal(out[~bad].view(torch.int8), before[~bad].view(torch.int8))
+    has_key = torch.rand(2, 1, 17, generator=g) < 0.7
+    hits = torch.zeros(2, 3, 17)
+    hits[1, 1, 1], hits[0, 2, 5] = 3.0, 1.0
+    out = before.clone()
+    nonfinite_rows.restore_rows(out, flags=hits, has_key=has_key)
+    has = has_key.expand(2, 3, 17)
+    assert (out[~has] == 0).all() and out[has & (hits > 0)].isnan().all()
+    rest = has & (hits == 0)
+    assert torch.equal(out[rest].view(torch.int8), before[rest].view(torch.int8))
+
+
+# --- what a decode-size call dispatches --------------------------------------------------------
+
+
+def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
+    """T=1, S=128 without gradient, after the structure's first call: a plain call dispatches
+    torch's kernel alone, a causal one two views and the kernel (it sees key 0 only), a key
+    mask's the copies of k and v and the kernel and the empty rows' factor; the checks run in
+    the fused passes. (Before: 9, 31 and 40 ops.)"""
+    force_host_reads(monkeypatch, free=False)
+    force_native_rows(monkeypatch, on=True)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 1, 64, generator=g)
+    k, v = (torch.randn(1, 8, 128, 64, generator=g) for _ in range(2))
+    keep = torch.ones(1, 1, 1, 128, dtype=torch.bool)
+    keep[..., -7:] = False
+    kernel = "_scaled_dot_product_flash_attention_for_cpu"
+    want = {
+        "plain": ({}, [kernel]),
+        "causal": (dict(is_causal=True), ["slice", "slice", kernel]),
+        "key-mask": (dict(attn_mask=keep), ["empty", "empty", kernel, "mul_"]),
+    }
+    with torch.no_grad():
+        for name, (kw, ops) in want.items():
+            qkv.scaled_dot_product_attention(q, k, v, **kw)  # plans, guards, the library
+            got = _ops(lambda kw=kw: qkv.scaled_dot_product_attention(q, k, v, **kw))
+            assert got == ops, name
+
+
+# --- plans kept per structure ------------------------------------------------------------------
+
+
+class _Everything:
+    """A backend that takes every call, first in the order, and counts its runs."""
+
+    name, priority, traceable = "everything", -1, False
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def supports(self, call: AttentionCall) -> None:
+        return None
+
+    def run(self, call: AttentionCall):
+        self.runs += 1
+        return dispatch.get_backend("reference").run(call)
+
+
+def test_a_kept_plan_is_dropped_when_the_registry_or_autotune_changes(monkeypatch):
+    """The plan ``choose`` keeps for a structure gives way to a backend registered after it,
+    and comes back when it is unregistered or ``autotune`` forgets its choices."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    q, k, v = (torch.randn(1, 2, 5, D) for _ in range(3))
+    call = AttentionCall.build(q, k, v)
+    assert call.structure is not None
+    before = dispatch.choose(call).backend
+    assert dispatch.choose(AttentionCall.build(q, k, v)).backend is before  # kept
+    extra = _Everything()
+    dispatch.register_backend(extra)
+    try:
+        assert dispatch.choose(AttentionCall.build(q, k, v)).backend is extra
+        qkv.scaled_dot_product_attention(q, k, v)
+        assert extra.runs == 1
+    finally:
+        dispatch.unregister_backend(extra.name)
+    assert dispatch.choose(AttentionCall.build(q, k, v)).backend is before
+    with torch.enable_grad():  # a gradient wanted: a plan of its own
+        qg = q.clone().requires_grad_()
+        assert dispatch.choose(AttentionCall.build(qg, k, v)).backend is before
+    qkv.autotune.forget()
+    assert dispatch.choose(AttentionCall.build(q, k, v)).backend is before
