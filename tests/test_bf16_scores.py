@@ -579,3 +579,77 @@ def test_fused_kernel_one_row_calls_meet_the_policy_with_and_without_weights():
             hi = torch.full((1, 1), S)
             out, _, _ = bf16_scores.attend_kernel(q, k, v, 0.5, lo, hi, weights=weights)
             assert_tolerance(out, gold[0], base[0], name=f"case {i}, weights={weights}")
+
+
+def test_attend_kernel_with_document_ids_equals_float64_math():
+    """Ids compared within each row's range (B2-H2-T120-S140-D16): keys of other ids have no
+    effect; ids need not be contiguous; a row whose id no key carries, or whose range holds
+    none of its id, outputs 0 with lse -inf."""
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(16)
+    B, H, T, S = 2, 2, 120, 140
+    q = torch.randn(B, H, T, 16, generator=g).bfloat16()
+    k = torch.randn(B, H, S, 16, generator=g).bfloat16()
+    v = torch.randn(B, H, S, 16, generator=g).bfloat16()
+    q_ids = torch.randint(0, 5, (B, T), generator=g)
+    kv_ids = torch.randint(0, 4, (1, S), generator=g)  # shared; id 4 has no key
+    lo = torch.randint(0, 70, (1, T), generator=g)
+    hi = (lo + torch.randint(0, 90, (1, T), generator=g)).clamp(max=S)
+    out, probs, lse = bf16_scores.attend_kernel(
+        q, k, v, 0.3, lo, hi, weights=True, ids=(q_ids, kv_ids)
+    )
+    j = torch.arange(S)
+    allowed = (j >= lo[..., None]) & (j < hi[..., None]) & (q_ids[..., None] == kv_ids[:, None])
+    allowed = allowed[:, None]  # (B, 1, T, S)
+    gold, base = _range_golden(q, k, v, 0.3, allowed)
+    assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
+    none = ~allowed.any(-1).expand(B, H, T)
+    assert none.any() and (out[none] == 0).all() and lse[none].isneginf().all()
+    assert (probs[~allowed.expand(B, H, T, S)] == 0).all()
+    assert float(((probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30
+    assert max_error(lse, gold[2]) <= ATOL * 10
+
+
+def _packed_ids(T, g):
+    """Packed sequences of 5-40 tokens: (1, T) ids, each one contiguous run."""
+    lengths = torch.randint(5, 40, (T,), generator=g)
+    return torch.repeat_interleave(torch.arange(T), lengths)[:T].view(1, T)
+
+
+@pytest.mark.parametrize("layout", ["packed", "shuffled", "packed-causal"])
+def test_tiled_bf16_documents_run_the_kernel(monkeypatch, layout):
+    """Documents through the tiled backend in inference and through traces take the kernel,
+    within the tolerance policy of float64 math, NaN/inf kept to its document (B2-H2-T150)."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    calls = []
+    real = bf16_scores.attend_kernel
+    monkeypatch.setattr(
+        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(kw["weights"]) or real(*a, **kw)
+    )
+    g = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(2, 2, 150, 32, generator=g).bfloat16() for _ in range(3))
+    ids = _packed_ids(150, g)
+    if layout == "shuffled":
+        ids = ids[:, torch.randperm(150, generator=g)]
+    mod = qkv.masks.document(ids)
+    allowed = (ids[:, :, None] == ids[:, None, :])[:, None]  # (1, 1, T, S)
+    if layout == "packed-causal":
+        mod = qkv.masks.and_masks(mod, qkv.masks.causal())
+        allowed = allowed & torch.ones(150, 150, dtype=torch.bool).tril()
+    v[1, 0, 60, 2] = float("nan")
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mod, backend="tiled")
+        traced, trace = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mod, return_trace=True)
+    assert calls == [False, True]
+    nan_rows = allowed[0, 0, :, 60]  # the rows that may attend key 60 of (1, 0)
+    assert torch.equal(out[1, 0].isnan().all(-1), nan_rows) and not out[1, 1].isnan().any()
+    assert torch.equal(traced.isnan(), out.isnan())
+    v[1, 0, 60, 2] = 0.0
+    gold, base = _range_golden(q, k, v, 32**-0.5, allowed)
+    finite = ~out.isnan()
+    for got in (out, traced):
+        assert_tolerance(
+            got.nan_to_num(0), gold[0].masked_fill(~finite, 0), base[0].masked_fill(~finite, 0)
+        )
+    assert float(((trace.probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30

@@ -290,6 +290,12 @@ float softmax_row(float* s, int64_t a, int64_t b, float scale, int64_t K, bf16* 
   const int64_t n = b - a;
   const auto [top, bottom] = reduce_extremes(s, n);
   const float m = scale >= 0.0f ? scale * top : scale * bottom;  // max of the scaled scores
+  if (m == -std::numeric_limits<float>::infinity()) {  // every key masked (documents): no key
+    std::fill(hi - a, hi - a + K, bf16(0.0f));
+    std::fill(lo - a, lo - a + K, bf16(0.0f));
+    if (probs != nullptr) std::fill(probs, probs + n, bf16(0.0f));
+    return m;
+  }
   // a row whose largest score is +inf or NaN: NaN throughout, as exp(s - m) is in torch's softmax
   const float shift = std::isfinite(m) ? m : 0.0f;
   const Vec vs_scale(scale), vshift(-shift);
@@ -317,16 +323,34 @@ float softmax_row(float* s, int64_t a, int64_t b, float scale, int64_t K, bf16* 
   return m + std::log(sum);
 }
 
-// Each query row's keys [lo, hi): (B or 1, T) int64 arrays, batch stride sB (0: one for all).
+// Each query row's keys [lo, hi): (B or 1, T) int64 arrays, batch stride sB (0: one for all). With
+// document ids (q_ids (B or 1, T), kv_ids (B or 1, S), batch strides qs, ks; else null), of those only
+// the keys whose id is the row's.
 struct Ranges {
   const int64_t *lo, *hi;
   int64_t H, sB;
+  const int64_t *q_ids, *kv_ids;
+  int64_t qs, ks;
   int64_t at(const int64_t* x, int64_t bh, int64_t t) const { return x[(bh / H) * sB + t]; }
+  int64_t q_id(int64_t bh, int64_t t) const { return q_ids[(bh / H) * qs + t]; }
+  const int64_t* kv_row(int64_t bh) const { return kv_ids + (bh / H) * ks; }
 };
 
 // bad_before (BH x (S + 1)): keys before each position whose key or value holds NaN/inf.
 // probs: null, or (BH, T, S) written whole.
-void attend(InRows q, const bf16* pk, const bf16* pv, const int32_t* bad_before, Ranges ranges,
+// Whether row t of head bh may attend a key holding NaN/inf among [a, b) (of its id, with documents).
+bool bad_in_range(const uint8_t* bad, const int32_t* before, int64_t a, int64_t b, const Ranges& ranges,
+                  int64_t bh, int64_t t) {
+  if (before[b] == before[a]) return false;
+  if (ranges.q_ids == nullptr) return true;
+  const int64_t id = ranges.q_id(bh, t), *kid = ranges.kv_row(bh);
+  for (int64_t j = a; j < b; ++j)
+    if (bad[j] && kid[j] == id) return true;
+  return false;
+}
+
+void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
+            const int32_t* bad_before, Ranges ranges,
             bf16* probs, OutRows out, float* lse, int64_t BH, int64_t T, int64_t S, int64_t D,
             int64_t Dv, int64_t Sp, int64_t Dvp, int64_t rows, float scale) {
   const int64_t nT = (T + rows - 1) / rows;
@@ -363,7 +387,15 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const int32_t* bad_before,
           std::fill(prow, prow + std::max<int64_t>(a, 0), bf16(0.0f));
           std::fill(prow + std::max(a, b), prow + S, bf16(0.0f));
         }
-        lse[bh * T + t0 + r] = softmax_row(sc.data() + r * Sp, a - kb0, b - kb0, scale, K,
+        float row_scale = scale;
+        if (ranges.q_ids != nullptr && a < b) {  // documents: other ids' keys -inf, scaled here
+          float* srow = sc.data() + r * Sp + (a - kb0);
+          const int64_t id = ranges.q_id(bh, t0 + r), *kid = ranges.kv_row(bh) + a;
+          const float ninf = -std::numeric_limits<float>::infinity();
+          for (int64_t c = 0; c < b - a; ++c) srow[c] = kid[c] == id ? srow[c] * scale : ninf;
+          row_scale = 1.0f;
+        }
+        lse[bh * T + t0 + r] = softmax_row(sc.data() + r * Sp, a - kb0, b - kb0, row_scale, K,
                                            prow == nullptr ? nullptr : prow + a,
                                            hi.data() + r * Sp, lo.data() + r * Sp);
       }
@@ -379,9 +411,10 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const int32_t* bad_before,
         bf16* dst = out.row(bh, t0 + r);
         const float* src = acc.data() + r * Dvp;
         const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
-        if (a >= b) {  // a row that may attend to nothing: exactly 0, never NaN
+        if (a >= b || lse[bh * T + t0 + r] == -std::numeric_limits<float>::infinity()) {
+          // a row that may attend to nothing: exactly 0, never NaN
           std::fill(dst, dst + Dv, bf16(0.0f));
-        } else if (row_bad[r] || before[b] > before[a]) {
+        } else if (row_bad[r] || bad_in_range(bad_flags + bh * S, before, a, b, ranges, bh, t0 + r)) {
           // NaN on a bad query row and on a row that may attend a bad key (plain math's NaN rows)
           std::fill(dst, dst + Dv, bf16(std::numeric_limits<float>::quiet_NaN()));
         } else {
@@ -427,13 +460,16 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
 // bfloat16 attention whose query row t may attend the keys [lo_t, hi_t) (0 <= lo, hi <= S; lo >= hi: no
 // key), in one fused pass: q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv) and out (B, H, T, Dv) with unit
 // last stride and the (batch, head, row) strides given, BH = B * H, D even, S >= 1; lo and hi (B or 1, T)
-// int64 with batch stride range_sB; lse (BH, T) float32 contiguous; probs null (no weights wanted) or
+// int64 with batch stride range_sB; q_ids (B or 1, T) and kv_ids (B or 1, S) int64 document ids (null:
+// none) with batch strides q_ids_sB and kv_ids_sB: a row attends only keys of its own id in its range;
+// lse (BH, T) float32 contiguous; probs null (no weights wanted) or
 // (BH, T, S) bfloat16 contiguous; out, probs and lse written whole. A row with no key outputs 0, weights 0
 // and lse -inf. It keeps qkv's NaN/inf contract itself, as ops/nonfinite.py's eager guard does: NaN/inf
 // entries of q, k and v count as 0 for the weights, the lse and the output, and then a query row holding
 // one, and every row that may attend a key whose key or value holds one, outputs NaN (if it has a key).
 // 0 on success, 1 on an error (qkv_bf16_scores_error).
 int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* lo, const int64_t* hi,
+                    const int64_t* q_ids, const int64_t* kv_ids, int64_t q_ids_sB, int64_t kv_ids_sB,
                     bf16* probs, bf16* out, float* lse, const int64_t* strides, int64_t range_sB,
                     int64_t H, int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale,
                     int64_t rows) {
@@ -456,7 +492,8 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
       before[0] = 0;
       for (int64_t j = 0; j < S; ++j) before[j + 1] = before[j] + bad[bh * S + j];
     }
-    attend(qr, pk.get(), pv.get(), bad_before.data(), Ranges{lo, hi, H, range_sB}, probs, outr, lse,
+    const Ranges ranges{lo, hi, H, range_sB, q_ids, kv_ids, q_ids_sB, kv_ids_sB};
+    attend(qr, pk.get(), pv.get(), bad.data(), bad_before.data(), ranges, probs, outr, lse,
            BH, T, S, D, Dv, Sp, Dvp, rows, scale);
     return 0;
   } catch (const std::exception& e) {

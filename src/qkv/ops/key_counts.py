@@ -28,7 +28,14 @@ from ..masks import _Combined, _Document, _KeysBefore, _Window, evaluate_mask, i
 from .call import AttentionCall
 from .plan_cache import PlanCache
 
-__all__ = ["counts", "covers_every_key", "key_counts", "ranges", "sees_own_position"]
+__all__ = [
+    "counts",
+    "covers_every_key",
+    "document_ranges",
+    "key_counts",
+    "ranges",
+    "sees_own_position",
+]
 
 # 0/1 matrices of dense masks and the sorted keys of document ids, by the tensors' identity: a
 # model passes one mask to every layer and step
@@ -190,6 +197,32 @@ def ranges(call: AttentionCall):
     """``(lo, hi, doc)`` of :func:`_ranges`, for kernels that take rows' key ranges
     (``ops/bf16_scores.py``); None when the masks are not of that form."""
     return _ranges(call)
+
+
+def document_ranges(call: AttentionCall, lo: Tensor, hi: Tensor, doc) -> tuple[Tensor, Tensor]:
+    """``[lo_i, hi_i)`` narrowed to the span of row ``i``'s document among the keys, from the
+    first key of its id to the last (empty where no key has it): a kernel that also compares
+    ids within it (``ops/bf16_scores.py``) then visits only that span, which is the whole
+    document for packed sequences. Tensor ops, with the sorted keys remembered per ids tensor.
+
+    Shape:
+        lo, hi ``(B?, 1, T)`` -> ``(Bd, T)`` int64 (Bd: B or 1).
+    """
+    S, dev = call.S, call.device
+    ids, order, _ = _sorted_ids.get(
+        (doc.kv_ids,), ("sorted", dev), lambda: _sorted_keys(doc.kv_ids.to(dev))
+    )  # (Bk, S) each
+    q = doc.q_ids.to(dev)  # (Bq, T)
+    Bd = max(ids.shape[0], q.shape[0], lo.shape[0], hi.shape[0])
+    ids, order = ids.expand(Bd, S).contiguous(), order.expand(Bd, S)
+    q = q.expand(Bd, call.T).contiguous()
+    first = torch.searchsorted(ids, q, side="left")  # (Bd, T): the id's first sorted index
+    last = torch.searchsorted(ids, q, side="right") - 1  # its last; < first: no key has it
+    # a stable sort keeps an id's keys in order of position: its first and last positions
+    d_lo = order.gather(-1, first.clamp(max=S - 1))  # (Bd, T)
+    d_hi = torch.where(last >= first, order.gather(-1, last.clamp(min=0)) + 1, d_lo)
+    lo = torch.maximum(lo.reshape(-1, call.T), d_lo)  # (Bd, T)
+    return lo, torch.maximum(torch.minimum(hi.reshape(-1, call.T), d_hi), lo)
 
 
 def _window_ranges(static: list, T: int, S: int, device) -> tuple[Tensor, Tensor]:

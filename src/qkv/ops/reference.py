@@ -272,29 +272,30 @@ def keeps_nonfinite_contract(call: AttentionCall) -> bool:
     return _fused_ranges(call) is not None
 
 
-def bf16_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
-    """``(lo, hi)`` when the fused bfloat16 kernel (``bf16_scores.attend_kernel``) runs an
-    inference call for the tiled backend (see :func:`_fused_ranges`; no gradient wanted),
-    else None. The kernel keeps the NaN/inf contract itself.
-
-    Shape:
-        -> lo, hi ``(B or 1, T)`` int64.
-    """
+def bf16_ranges(
+    call: AttentionCall,
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None] | None:
+    """``(lo, hi, ids)`` of :func:`_fused_ranges` when the fused bfloat16 kernel
+    (``bf16_scores.attend_kernel``) runs an inference call for the tiled backend (no gradient
+    wanted), else None. The kernel keeps the NaN/inf contract itself."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
         return None
     return _fused_ranges(call)
 
 
-def _fused_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
-    """``(lo, hi)``, row ``t`` attending keys ``[lo_t, hi_t)``, when the fused bfloat16
+def _fused_ranges(
+    call: AttentionCall,
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None] | None:
+    """``(lo, hi, ids)``, row ``t`` attending keys ``[lo_t, hi_t)`` (of its own document
+    when ``ids``, the queries' and keys' document ids, is given), when the fused bfloat16
     kernel can run ``call``: bfloat16 on the CPU's native route where the kernel runs (see
     :func:`_bf16_scores_here`), no score_mod, sinks, dropout or mask tensor, masks that are
-    ranges (none, causal, sliding windows, key lengths and their ``and``; not documents), and
+    ranges (none, causal, sliding windows, key lengths, documents and their ``and``), and
     a scale that cannot overflow float32 scores (those are checked after the call by the
     guard). Else None. Tests force it off to run the unfused ways on the same calls.
 
     Shape:
-        -> lo, hi ``(B or 1, T)`` int64.
+        -> lo, hi ``(B or 1, T)`` int64; ids ``(B or 1, T)``, ``(B or 1, S)``.
     """
     if not _bf16_scores_here(call) or call.S == 0 or call.T == 0:
         return None
@@ -303,18 +304,31 @@ def _fused_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
     if abs(call.scale) > _FLOAT32_SCALE_BOUND or call.attn_mask is not None:
         return None
     ranges = key_counts.ranges(call)
-    if ranges is None or ranges[2] is not None:  # not ranges, or a document mask
+    if ranges is None:
         return None
-    lo, hi = torch.broadcast_tensors(ranges[0], ranges[1])  # (B?, 1, T)
+    lo, hi, doc = ranges  # (B?, 1, T) each, and a document mask or None
+    B = call.BH[0]
+    if doc is not None:  # each row's document span, ids compared within it by the kernel
+        if any(i.shape[0] not in (1, B) for i in (doc.q_ids, doc.kv_ids)):
+            return None
+        lo, hi = key_counts.document_ranges(call, lo, hi, doc)  # (B?, T)
+        return lo, hi, (doc.q_ids, doc.kv_ids)
+    lo, hi = torch.broadcast_tensors(lo, hi)  # (B?, 1, T)
     lo, hi = lo.squeeze(-2), hi.squeeze(-2)  # (B?, T)
-    return (lo, hi) if lo.shape[0] in (1, call.BH[0]) else None
+    return (lo, hi, None) if lo.shape[0] in (1, B) else None
 
 
 _FLOAT32_SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
 
 
 def _bf16_fused(
-    call: AttentionCall, q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor
+    call: AttentionCall,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    ids: tuple[Tensor, Tensor] | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`attention_with_weights` of a bfloat16 call whose rows attend ranges of keys, by
     the fused kernel (``bf16_scores.attend_kernel``): the same float32 scores, softmax and
@@ -324,10 +338,10 @@ def _bf16_fused(
     bfloat16 and the guard's zeroed copies of q, k and v.
 
     Shape:
-        q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)``, lo, hi ``(B?, T)`` -> as
-        :func:`attention_with_weights`.
+        q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)``, lo, hi ``(B?, T)``, ids as
+        :func:`_fused_ranges` -> as :func:`attention_with_weights`.
     """
-    out, probs, lse = bf16_scores.attend_kernel(q, k, v, call.scale, lo, hi, weights=True)
+    out, probs, lse = bf16_scores.attend_kernel(q, k, v, call.scale, lo, hi, weights=True, ids=ids)
     assert probs is not None
     lead = call.batch
     return (

@@ -123,7 +123,10 @@ class TiledBackend:
         ranges = bf16_ranges(call)
         if ranges is not None:  # bfloat16 inference with ranges of keys: the AMX kernel
             q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
-            out, _, lse = bf16_scores.attend_kernel(q, k, v, call.scale, *ranges, weights=False)
+            lo, hi, ids = ranges
+            out, _, lse = bf16_scores.attend_kernel(
+                q, k, v, call.scale, lo, hi, weights=False, ids=ids
+            )
             return BackendResult(
                 out=out.reshape(call.out_shape), lse=lse.reshape(call.batch + (call.T,))
             )
