@@ -653,3 +653,27 @@ def test_tiled_bf16_documents_run_the_kernel(monkeypatch, layout):
             got.nan_to_num(0), gold[0].masked_fill(~finite, 0), base[0].masked_fill(~finite, 0)
         )
     assert float(((trace.probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30
+
+
+def test_calls_past_the_kernels_key_bound_take_the_other_ways(monkeypatch):
+    """More keys than FUSED_MAX_KEYS (lowered to 64 here): the tiled loop and the unfused
+    pass run the call, within the policy, and the kernel is not called."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    monkeypatch.setattr(reference, "FUSED_MAX_KEYS", 64)
+    calls = []
+    real = bf16_scores.attend_kernel
+    monkeypatch.setattr(
+        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    g = torch.Generator().manual_seed(18)
+    q, k, v = (torch.randn(1, 2, 65, 16, generator=g).bfloat16() for _ in range(3))
+    kw, _ = RANGE_MASKS["window16"]
+    allowed = RANGE_MASKS["window16"][1][:65, :65]
+    gold, base = _range_golden(q, k, v, 16**-0.5, allowed)
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+        traced, _ = qkv.scaled_dot_product_attention(q, k, v, return_trace=True, **kw)
+    assert calls == []
+    assert_tolerance(out, gold[0], base[0])
+    assert_tolerance(traced, gold[0], base[0])

@@ -478,6 +478,7 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
     // rows per task: a float32 score tile and two bfloat16 tiles of rows x Sp stay near the cache
     // (rows > 0: as given, for benchmarks of the choice)
     if (rows <= 0) rows = std::clamp<int64_t>((int64_t{1} << 18) / Sp / 16 * 16, 16, kM);
+    rows = std::min(rows, std::max<int64_t>(T, 1));  // a short call's tiles hold its rows only
     std::unique_ptr<bf16[]> pk(new bf16[BH * Sp * D]), pv(new bf16[BH * Sp * Dvp]);
     std::vector<uint8_t> bad(BH * S, 0);  // keys whose key or value holds NaN/inf
     // strides: (batch, head, row) of q, k, v and out, in that order

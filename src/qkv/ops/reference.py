@@ -290,14 +290,15 @@ def _fused_ranges(
     when ``ids``, the queries' and keys' document ids, is given), when the fused bfloat16
     kernel can run ``call``: bfloat16 on the CPU's native route where the kernel runs (see
     :func:`_bf16_scores_here`), no score_mod, sinks, dropout or mask tensor, masks that are
-    ranges (none, causal, sliding windows, key lengths, documents and their ``and``), and
+    ranges (none, causal, sliding windows, key lengths, documents and their ``and``), at most
+    ``FUSED_MAX_KEYS`` keys, and
     a scale that cannot overflow float32 scores (those are checked after the call by the
     guard). Else None. Tests force it off to run the unfused ways on the same calls.
 
     Shape:
         -> lo, hi ``(B or 1, T)`` int64; ids ``(B or 1, T)``, ``(B or 1, S)``.
     """
-    if not _bf16_scores_here(call) or call.S == 0 or call.T == 0:
+    if not _bf16_scores_here(call) or not 0 < call.S <= FUSED_MAX_KEYS or call.T == 0:
         return None
     if call.score_mod is not None or call.sinks is not None or call.dropout_p > 0:
         return None
@@ -319,6 +320,10 @@ def _fused_ranges(
 
 
 _FLOAT32_SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
+
+# The fused kernel holds a float32 score row and two bfloat16 rows per query row of a task
+# (16-64 rows a thread): 128 MiB a thread at this many keys. Longer calls take the other ways.
+FUSED_MAX_KEYS = 1 << 20
 
 
 def _bf16_fused(
