@@ -162,6 +162,44 @@ def test_key_masks_hide_keys_whatever_they_hold(route, layout, kind):
     torch.testing.assert_close(out[~hit].double(), want[~hit], rtol=1e-5, atol=1e-6)
 
 
+# --- range masks: bad keys counted in the output's pass --------------------------------------
+
+
+@pytest.mark.parametrize("mask", ["causal-T>S", "window", "key-lengths"])
+def test_range_masks_count_bad_keys_per_row(route, mask):
+    """Masks whose rows see a range of keys (causal, windows, key lengths; the fused pass
+    counts a row's bad keys from the range, ``key_counts.ranges``): a NaN/inf key reaches
+    exactly the rows whose range holds it, a row whose range is empty is 0 even for a NaN
+    query, every other row exact."""
+    T, S = {"causal-T>S": (9, 6), "window": (14, 6), "key-lengths": (7, 12)}[mask]
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (T, S, S))
+    kw: dict = {}
+    if mask == "causal-T>S":
+        kw = dict(is_causal=True)
+    elif mask == "window":  # row i sees keys [i - 1, i]: rows 7.. see none
+        kw = dict(mask_mod=qkv.masks.sliding_window(1))
+    else:
+        kw = dict(mask_mod=qkv.masks.key_lengths(torch.tensor([0, 5])))  # batch 0: no key
+    call = AttentionCall.build(q, k, v, **kw)
+    ok = qkv.ops.nonfinite.allowed(call)  # (B, H, T, S)
+    want = _golden(q, k, v, ok)
+    k[0, 1, 4, 0] = math.nan
+    v[1, 2, 2, 3] = math.inf
+    q[:, 0, 0, 1] = math.nan  # row 0 of head 0: NaN where it has a key, else 0
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, **kw)
+    has_key = ok.any(-1)  # (B, H, T)
+    hit = torch.zeros(B, H, T, dtype=torch.bool)
+    hit[0, 1] = ok[0, 1, :, 4]
+    hit[1, 2] |= ok[1, 2, :, 2]
+    hit[:, 0, 0] = True
+    hit &= has_key
+    assert (out[~has_key] == 0).all()
+    assert out[hit].isnan().all()
+    torch.testing.assert_close(out[~hit].double(), want[~hit], rtol=1e-5, atol=1e-6)
+
+
 # --- the fused passes and their slow twin ------------------------------------------------------
 
 
@@ -212,8 +250,9 @@ def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
 def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
     """T=1, S=128 without gradient, after the structure's first call: a plain call dispatches
     torch's kernel alone, a causal one two views and the kernel (it sees key 0 only), a key
-    mask's the copies of k and v and the kernel and the empty rows' factor; the checks run in
-    the fused passes. (Before: 9, 31 and 40 ops.)"""
+    mask's the copies of k and v and the kernel and the empty rows' factor; a causal call of
+    T = S (rows hide keys from each other) the bad keys' flags, the copies and the kernel.
+    The checks run in the fused passes. (Before: 9, 31, 40 and 31 ops.)"""
     force_host_reads(monkeypatch, free=False)
     force_native_rows(monkeypatch, on=True)
     g = torch.Generator().manual_seed(0)
@@ -226,11 +265,13 @@ def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
         "plain": ({}, [kernel]),
         "causal": (dict(is_causal=True), ["slice", "slice", kernel]),
         "key-mask": (dict(attn_mask=keep), ["empty", "empty", kernel, "mul_"]),
+        "causal T=S": (dict(is_causal=True), ["zeros", "empty", "empty", kernel]),
     }
     with torch.no_grad():
         for name, (kw, ops) in want.items():
-            qkv.scaled_dot_product_attention(q, k, v, **kw)  # plans, guards, the library
-            got = _ops(lambda kw=kw: qkv.scaled_dot_product_attention(q, k, v, **kw))
+            qq = k if name == "causal T=S" else q  # (1, 8, 128, 64) queries
+            qkv.scaled_dot_product_attention(qq, k, v, **kw)  # plans, guards, the library
+            got = _ops(lambda kw=kw, qq=qq: qkv.scaled_dot_product_attention(qq, k, v, **kw))
             assert got == ops, name
 
 

@@ -64,7 +64,7 @@ from ..masks import evaluate_mask, index_grid
 from . import nonfinite_rows
 from .base import compiling_plainly, tracing
 from .call import AttentionCall
-from .key_counts import counts, covers_every_key, sees_own_position
+from .key_counts import counts, covers_every_key, ranges, sees_own_position
 
 __all__ = ["Guard", "prepare", "run"]
 
@@ -362,12 +362,19 @@ def _restore_eager(
         keys ``(B, H, S)``, rows ``(B, H, T)`` of 0.0 and 1.0 (1 = bad); output
         ``(*batch, T, Dv)`` -> the same.
     """
-    hits, n_keys = counts(call, keys)  # (B, H, T): bad keys each row may attend; its keys
     out = _output(result)
-    own = sees_own_position(call)  # (then every row has a key)
     if rows is None and _native(out, call.query) and len(call.batch) <= 2:
         if not _writable(out, call):
             out = out.clone()
+        spans = ranges(call)  # (lo, hi, doc): causal, windows, key lengths; None for others
+        if spans is not None and spans[2] is None:  # counted in the output's pass
+            out = nonfinite_rows.restore_rows(
+                out, query=call.query, ranges=(keys.contiguous(), spans[0], spans[1])
+            )
+            return _with_output(result, out)
+    hits, n_keys = counts(call, keys)  # (B, H, T): bad keys each row may attend; its keys
+    own = sees_own_position(call)  # (then every row has a key)
+    if rows is None and _native(out, call.query) and len(call.batch) <= 2:
         has_key = None if own else _as_batch((n_keys > 0).expand(hits.shape), call)
         out = nonfinite_rows.restore_rows(
             out, query=call.query, flags=_as_batch(hits, call), has_key=has_key

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -143,36 +144,66 @@ void copy(const Rows n, int64_t E, const void* src_, const Strides s, void* dst_
   });
 }
 
-// Each row of out: 0 where has_key is given and 0 there; else NaN where flags[r] != 0, or a row of
-// q holds a non-finite element, or (check_out) the row itself does; else left as it is.
+// The keys each row sees as a range [lo, hi) (causal, windows, key lengths) and which keys are bad:
+// a row sees a bad key where the bad keys before hi outnumber those before lo.
+struct KeyRanges {
+  const float* keys;  // bad keys (1.0), S of them for each of the first two row dims
+  int64_t k0, k1, S;  // strides of keys along those dims
+  const int64_t* lo;  // per row, clamped to [0, S]
+  Strides l;
+  const int64_t* hi;  // per row, clamped to [0, S]
+  Strides u;
+};
+
+// Each row of out: 0 where has_key is given and 0 there, or where the row's key range is empty;
+// else NaN where flags[r] != 0, or its key range holds a bad key, or a row of q holds a non-finite
+// element, or (check_out) the row itself does; else left as it is.
 template <typename B>
 void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_out, const void* q_,
              const Strides qs, int64_t D, const float* flags, const Strides f,
-             const uint8_t* has_key, const Strides h) {
+             const uint8_t* has_key, const Strides h, const KeyRanges kr) {
   using W = typename B::word;
   W* out = static_cast<W*>(out_);
   const W* q = static_cast<const W*>(q_);
   const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> before;  // bad keys before each key position, for one run's (b, h)
     runs(n, begin, end, [&](int64_t first, int64_t last) {
       // the common case first: no flag, no key missing, every row finite: nothing to write
-      if (flags == nullptr && has_key == nullptr) {
+      if (flags == nullptr && has_key == nullptr && kr.keys == nullptr) {
         const bool bad = (check_out && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
                          (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
         if (!bad) return;
+      }
+      if (kr.keys != nullptr) {  // a run shares its (b, h): the counts of its bad keys, once
+        const int64_t i01 = first / n.n2;
+        const float* k = kr.keys + (i01 / n.n1) * kr.k0 + (i01 % n.n1) * kr.k1;
+        before.assign(kr.S + 1, 0.0f);
+        for (int64_t j = 0; j < kr.S; ++j) before[j + 1] = before[j] + k[j];
       }
       W* y = out + offset(first, n, o);
       const W* x = q == nullptr ? nullptr : q + offset(first, n, qs);
       const float* flag = flags == nullptr ? nullptr : flags + offset(first, n, f);
       const uint8_t* key = has_key == nullptr ? nullptr : has_key + offset(first, n, h);
+      const int64_t* lo = kr.keys == nullptr ? nullptr : kr.lo + offset(first, n, kr.l);
+      const int64_t* hi = kr.keys == nullptr ? nullptr : kr.hi + offset(first, n, kr.u);
       for (int64_t i = 0; i < last - first; ++i, y += o.s2) {
+        bool bad = false;
+        if (lo != nullptr) {
+          const int64_t a = lo[i * kr.l.s2], b = std::max(hi[i * kr.u.s2], a);
+          if (b == a) {
+            std::memset(y, 0, Dv * sizeof(W));  // no key in its range
+            continue;
+          }
+          bad = before[b] > before[a];
+        }
         if (key != nullptr && key[i * h.s2] == 0) {
           std::memset(y, 0, Dv * sizeof(W));
           continue;
         }
-        const bool bad = (flag != nullptr && flag[i * f.s2] != 0.0f) ||
-                         (x != nullptr && nonfinite<B>(x + i * qs.s2, D)) ||
-                         (check_out && nonfinite<B>(y, Dv));
+        bad = bad || (flag != nullptr && flag[i * f.s2] != 0.0f) ||
+              (x != nullptr && nonfinite<B>(x + i * qs.s2, D)) ||
+              (check_out && nonfinite<B>(y, Dv));
         if (bad) {
           for (int64_t e = 0; e < Dv; ++e) y[e] = B::nan;
         }
@@ -203,7 +234,9 @@ extern "C" {
 //            a[11..13] its strides, a[14] zero_nonfinite, a[15] flags (float32, contiguous rows)
 //   restore: a[4] out, a[5..7] its strides, a[8] Dv, a[9] check_out, a[10] q, a[11..13] its
 //            strides, a[14] D, a[15] flags (float32), a[16..18] its strides, a[19] has_key
-//            (uint8), a[20..22] its strides
+//            (uint8), a[20..22] its strides, a[23] bad keys (float32, 0 for none: no ranges),
+//            a[24..25] its strides along the first two row dims, a[26] S (keys are contiguous),
+//            a[27] lo (int64), a[28..30] its strides, a[31] hi (int64), a[32..34] its strides
 // Returns 0, or 1 for an unknown dtype.
 int qkv_rows_copy(const int64_t* a) {
   const Rows n{a[1], a[2], a[3]};
@@ -222,7 +255,12 @@ int qkv_rows_restore(const int64_t* a) {
                          static_cast<int>(a[9]), reinterpret_cast<const void*>(a[10]),
                          Strides{a[11], a[12], a[13]}, a[14],
                          reinterpret_cast<const float*>(a[15]), Strides{a[16], a[17], a[18]},
-                         reinterpret_cast<const uint8_t*>(a[19]), Strides{a[20], a[21], a[22]});
+                         reinterpret_cast<const uint8_t*>(a[19]), Strides{a[20], a[21], a[22]},
+                         KeyRanges{reinterpret_cast<const float*>(a[23]), a[24], a[25], a[26],
+                                   reinterpret_cast<const int64_t*>(a[27]),
+                                   Strides{a[28], a[29], a[30]},
+                                   reinterpret_cast<const int64_t*>(a[31]),
+                                   Strides{a[32], a[33], a[34]}});
   });
 }
 

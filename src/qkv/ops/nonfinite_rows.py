@@ -42,7 +42,8 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16:
 # the arguments of each function as one array of int64 (layouts in the source): ctypes takes
 # one argument in a third of the time of twenty, and a call here costs what an op does
 _COPY_ARGS = struct.Struct("16q")
-_RESTORE_ARGS = struct.Struct("23q")
+_RESTORE_ARGS = struct.Struct("35q")
+_NO_RANGES = (0,) * 12  # restore's last arguments, without key ranges
 _log = logging.getLogger(__name__)
 
 
@@ -145,18 +146,25 @@ def restore_rows(
     check_out: bool = False,
     flags: Tensor | None = None,
     has_key: Tensor | None = None,
+    ranges: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """``out`` with each row set in place, in one pass: 0 where ``has_key`` is False; else NaN
-    where ``flags`` is not 0, or the row of ``query`` holds a NaN/inf, or (``check_out``) the
-    row itself does; else as it is. Only the rows set are written. ``out`` and ``query`` must
-    be ones :func:`takes` takes.
+    """``out`` with each row set in place, in one pass: 0 where ``has_key`` is False or its
+    range of keys is empty; else NaN where ``flags`` is not 0, or its range holds a bad key,
+    or the row of ``query`` holds a NaN/inf, or (``check_out``) the row itself does; else as
+    it is. Only the rows set are written. ``out`` and ``query`` must be ones :func:`takes`
+    takes.
+
+    ``ranges``: ``(keys, lo, hi)``: which keys are bad (1.0) per batch element and head, and
+    the keys ``[lo, hi)`` each row may attend (``key_counts.ranges``: causal, windows, key
+    lengths), counted here instead of by ``key_counts.counts``' ops.
 
     ``out`` must be the kernel's own (no other tensor shares its memory) with no broadcast dim
     (a row written through two indices): the caller checks.
 
     Shape:
         out ``(*batch, T, Dv)``; query ``(*qbatch, T, D)``; flags float32 and has_key bool,
-        each broadcastable to ``(*batch, T)`` -> out.
+        each broadcastable to ``(*batch, T)``; keys ``(B, H, S)`` float32 contiguous and lo,
+        hi ``(B?, 1, T)`` int64, with ``(B, H)`` the batch as two dims -> out.
     """
     lib = _build()[0]
     assert lib is not None
@@ -164,6 +172,21 @@ def restore_rows(
     lead = shape[:-1]
     strides = out.stride()[:-1]
     assert flags is None or flags.dtype == torch.float32
+    tail: tuple[int, ...] = _NO_RANGES
+    if ranges is not None:
+        keys, lo, hi = ranges
+        assert keys.dtype == torch.float32 and keys.stride(-1) == 1 and keys.dim() == 3
+        assert lo.dtype == hi.dtype == torch.int64
+        k0, k1, _ = _aligned(keys.shape[:-1] + (1,), keys.stride()[:-1] + (0,))  # (B, H)
+        tail = (
+            keys.data_ptr(),
+            k0,
+            k1,
+            keys.shape[-1],
+            lo.data_ptr(),
+            *_aligned(lo.shape, lo.stride()),
+        )
+        tail += (hi.data_ptr(), *_aligned(hi.shape, hi.stride()))
     failed = lib.qkv_rows_restore(
         _RESTORE_ARGS.pack(
             _DTYPES[out.dtype],
@@ -179,6 +202,7 @@ def restore_rows(
             *((0, 0, 0) if flags is None else _aligned(flags.shape, flags.stride())),
             0 if has_key is None else has_key.data_ptr(),
             *((0, 0, 0) if has_key is None else _aligned(has_key.shape, has_key.stride())),
+            *tail,
         )
     )
     assert not failed
@@ -243,6 +267,7 @@ def check_rows(out: Tensor, query: Tensor, inputs: tuple[Tensor, ...] = ()) -> b
             0,
             0,
             0,
+            *_NO_RANGES,
         )
     )
     assert not failed

@@ -1,0 +1,174 @@
+"""Per-call cost of two versions of qkv against torch, interleaved in one process (issue 38).
+
+On a shared machine the load changes between processes, so a before/after comparison made
+by running ``bench_call_cost.py`` twice compares two loads. Here the older version is
+imported beside the tree's own: ``git archive REV src/qkv`` unpacked as a package
+``qkv_base`` in a temporary folder (its ``torch.library`` namespace renamed from ``qkv`` to
+``qkvbase``, so that both register their ops), and every round times torch, the old and the
+new version in turn (the order rotating by round). Ratios are medians over rounds of each
+version's time over torch's in the same round.
+
+Cases: ``short`` (T=1, S=128, B=1, H=8, D=64: plain, causal, a bool key mask (B, 1, 1, S)),
+``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
+against the same step by hand in torch, as in ``bench_call_cost.py``), ``long`` (T=1024:
+plain and causal, float32 and bfloat16). All without gradient; ``--threads`` sets torch's
+threads (1 by default; 0 keeps torch's own).
+
+Usage:
+    PYTHONPATH=src python benchmarks/bench_call_cost_ab.py --rev 9723628 [--cases short step long]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import qkv
+
+B, H, D, C, S, CAP, POS = 1, 8, 64, 512, 128, 256, 128
+
+
+def import_base(rev: str, into: Path):
+    """qkv as of git revision ``rev``, imported as the package ``qkv_base``."""
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"], text=True).strip())
+    tar = subprocess.check_output(["git", "-C", str(root), "archive", rev, "src/qkv"])
+    subprocess.run(["tar", "-x", "-C", str(into)], input=tar, check=True)
+    pkg = into / "qkv_base"
+    (into / "src" / "qkv").rename(pkg)
+    for path in pkg.rglob("*.py"):
+        text = path.read_text()
+        if "qkv::" in text or "torch.ops.qkv." in text:
+            text = text.replace("qkv::", "qkvbase::").replace(
+                "torch.ops.qkv.", "torch.ops.qkvbase."
+            )
+            path.write_text(text)
+    sys.path.insert(0, str(into))
+    return importlib.import_module("qkv_base")
+
+
+def timed(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def compare(name: str, fns: dict, rounds: int, n: int) -> None:
+    """Print torch's median µs and each version's, with the median per-round ratio."""
+    names = list(fns)
+    for fn in fns.values():
+        for _ in range(3 if n == 1 else 50):  # plans, caches, the C++ libraries
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            times[k].append(timed(fns[k], n))
+    cells = [f"torch {statistics.median(times['torch']) * 1e6:.1f} µs"]
+    for k in names[1:]:
+        ratio = statistics.median(a / b for a, b in zip(times[k], times["torch"]))
+        cells.append(f"{k} {statistics.median(times[k]) * 1e6:.1f} µs ({ratio:.2f}x)")
+    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+def short_cases(base, rounds: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(2))
+    keep = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    keep[..., -7:] = False
+    for case, kw in (
+        ("plain", {}),
+        ("causal", dict(is_causal=True)),
+        ("key mask", dict(attn_mask=keep)),
+    ):
+        fns = {
+            "torch": lambda kw=kw: F.scaled_dot_product_attention(q, k, v, **kw),
+            "before": lambda kw=kw: base.scaled_dot_product_attention(q, k, v, **kw),
+            "after": lambda kw=kw: qkv.scaled_dot_product_attention(q, k, v, **kw),
+        }
+        compare(f"T=1, S=128, {case}", fns, rounds, 200)
+
+
+def step_case(base, rounds: int) -> None:
+    steps = {}
+    for name, lib in (("before", base), ("after", qkv)):
+        torch.manual_seed(0)
+        mha = lib.MultiHeadAttention(C, H).eval()
+        cache = mha.new_cache(B, CAP)
+        mha(torch.randn(B, POS, C, generator=torch.Generator().manual_seed(1)), cache=cache)
+        steps[name] = (mha, cache)
+    x = torch.randn(B, 1, C)
+    mha = steps["after"][0]
+    w_in, b_in = mha.in_proj_weight, mha.in_proj_bias  # (3C, C), (3C,)
+    w_out, b_out = mha.out_proj.weight, mha.out_proj.bias
+    keys, values = torch.zeros(B, H, CAP, D), torch.zeros(B, H, CAP, D)
+
+    def by_hand():
+        p = POS
+        t = F.linear(x, w_in, b_in).view(B, 1, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, B, H, 1, D)
+        keys[:, :, p : p + 1], values[:, :, p : p + 1] = t[1], t[2]
+        out = F.scaled_dot_product_attention(t[0], keys[:, :, : p + 1], values[:, :, : p + 1])
+        return F.linear(out.transpose(1, 2).reshape(B, 1, C), w_out, b_out)  # (B, 1, C)
+
+    def step(name):
+        mha, cache = steps[name]
+
+        def run():
+            cache.position = POS  # rewound: every step at position 128
+            return mha(x, cache=cache)
+
+        return run
+
+    compare(
+        "MHA decode step",
+        {"torch": by_hand, "before": step("before"), "after": step("after")},
+        rounds,
+        200,
+    )
+
+
+def long_cases(base, rounds: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(B, H, 1024, D, generator=g) for _ in range(3)]
+    for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        t = tuple(x.to(dtype) for x in inputs)
+        for case, kw in (("plain", {}), ("causal", dict(is_causal=True))):
+            fns = {
+                "torch": lambda kw=kw, t=t: F.scaled_dot_product_attention(*t, **kw),
+                "before": lambda kw=kw, t=t: base.scaled_dot_product_attention(*t, **kw),
+                "after": lambda kw=kw, t=t: qkv.scaled_dot_product_attention(*t, **kw),
+            }
+            compare(f"T=1024, {case}, {dname}", fns, rounds, 1)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rev", required=True, help="the git revision to compare against")
+    p.add_argument("--cases", nargs="+", default=["short", "step", "long"])
+    p.add_argument("--rounds", type=int, default=21)
+    p.add_argument("--threads", type=int, default=1, help="torch's threads (0: its own)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        base = import_base(args.rev, Path(tmp))
+        print(
+            f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} thread(s); before = {args.rev}"
+        )
+        for case in args.cases:
+            {"short": short_cases, "step": step_case, "long": long_cases}[case](base, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
