@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._memory import empty_large
 from ._native_build import build
 
 __all__ = [
@@ -243,7 +244,7 @@ def attend_kernel(
             f"{tuple(lo.shape)} and {tuple(hi.shape)}"
         )
     out = torch.empty(B, T, H, Dv, dtype=torch.bfloat16).transpose(1, 2)  # (B, H, T, Dv)
-    probs = torch.empty(B, H, T, S, dtype=torch.bfloat16) if weights else None
+    probs = empty_large((B, H, T, S), dtype=torch.bfloat16, device=q.device) if weights else None
     lse = torch.empty(B, H, T, dtype=torch.float32)
     if B * H * T == 0:
         return out, probs, lse
