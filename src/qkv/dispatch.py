@@ -87,7 +87,12 @@ def choose(call: AttentionCall, backend: str = "auto") -> Plan:
         elif _weights_in_one_pass(call):
             return Plan(None, one_pass_keeps_contract(call))
     chosen = _kept_select(call, backend)
-    keeps = isinstance(chosen, TiledBackend) and (
+    if not isinstance(chosen, TiledBackend):
+        plan = _PLANS.get(chosen)  # (one plan object per backend: none keeps the contract)
+        if plan is None:
+            plan = _PLANS[chosen] = Plan(chosen, False)
+        return plan
+    keeps = (
         chosen.keeps_nonfinite_contract(call)  # eager: the bfloat16 kernel of range masks
         or (
             tracing()
@@ -97,6 +102,9 @@ def choose(call: AttentionCall, backend: str = "auto") -> Plan:
         )
     )
     return Plan(chosen, keeps)
+
+
+_PLANS: dict[Backend, Plan] = {}  # backend -> its plan, for backends that never keep the contract
 
 
 def run(

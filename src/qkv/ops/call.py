@@ -71,10 +71,12 @@ class AttentionCall:
     # runs a kernel on copies with those zeroed): a trace recomputed later checks that they
     # too are unchanged
     sources: tuple[Tensor, ...] = ()
-    # what the call's checks depended on (``_structure``), for the calls ``build`` remembers;
-    # None for others and for every call made from one (``dataclasses.replace`` leaves it
-    # out): a plan or guard kept under it holds for any call of the same structure
-    structure: tuple | None = dataclasses.field(default=None, init=False, compare=False)
+    # a key for what the call's checks depended on (``_structure``), for the calls ``build``
+    # remembers: one object per remembered structure (hashed by identity, not over the
+    # structure's fifteen fields on every call); None for others and for every call made
+    # from one (``dataclasses.replace`` leaves it out). A choice kept under it holds for any
+    # call of the same structure.
+    structure: object | None = dataclasses.field(default=None, init=False, compare=False)
 
     @classmethod
     def build(
@@ -138,7 +140,7 @@ class AttentionCall:
             sinks=_check_sinks(sinks, query, batch),
         )
         if structure is not None and call.attn_mask is given:
-            object.__setattr__(call, "structure", structure)  # (frozen)
+            object.__setattr__(call, "structure", _StructureKey())  # (frozen)
             _remember(structure, call)  # (a mask reshaped or cast, rare: checked each time)
         return call
 
@@ -333,6 +335,12 @@ def _structure(
         enable_gqa,
         return_trace,
     )
+
+
+class _StructureKey:
+    """The identity of one remembered call structure (``AttentionCall.structure``)."""
+
+    __slots__ = ()
 
 
 def _remember(structure: tuple, call: AttentionCall) -> None:
