@@ -331,6 +331,10 @@ struct Ranges {
   int64_t H, sB;
   const int64_t *q_ids, *kv_ids;
   int64_t qs, ks;
+  const uint8_t* mixed;  // (B or 1, T), batch stride qs: 0 where the row's range holds its id only
+  bool compare(int64_t bh, int64_t t) const {
+    return q_ids != nullptr && (mixed == nullptr || mixed[(bh / H) * qs + t] != 0);
+  }
   int64_t at(const int64_t* x, int64_t bh, int64_t t) const { return x[(bh / H) * sB + t]; }
   int64_t q_id(int64_t bh, int64_t t) const { return q_ids[(bh / H) * qs + t]; }
   const int64_t* kv_row(int64_t bh) const { return kv_ids + (bh / H) * ks; }
@@ -342,7 +346,7 @@ struct Ranges {
 bool bad_in_range(const uint8_t* bad, const int32_t* before, int64_t a, int64_t b, const Ranges& ranges,
                   int64_t bh, int64_t t) {
   if (before[b] == before[a]) return false;
-  if (ranges.q_ids == nullptr) return true;
+  if (!ranges.compare(bh, t)) return true;
   const int64_t id = ranges.q_id(bh, t), *kid = ranges.kv_row(bh);
   for (int64_t j = a; j < b; ++j)
     if (bad[j] && kid[j] == id) return true;
@@ -388,7 +392,7 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
           std::fill(prow + std::max(a, b), prow + S, bf16(0.0f));
         }
         float row_scale = scale;
-        if (ranges.q_ids != nullptr && a < b) {  // documents: other ids' keys -inf, scaled here
+        if (a < b && ranges.compare(bh, t0 + r)) {  // documents: other ids' keys -inf, scaled here
           float* srow = sc.data() + r * Sp + (a - kb0);
           const int64_t id = ranges.q_id(bh, t0 + r), *kid = ranges.kv_row(bh) + a;
           const float ninf = -std::numeric_limits<float>::infinity();
@@ -461,7 +465,8 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
 // key), in one fused pass: q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv) and out (B, H, T, Dv) with unit
 // last stride and the (batch, head, row) strides given, BH = B * H, D even, S >= 1; lo and hi (B or 1, T)
 // int64 with batch stride range_sB; q_ids (B or 1, T) and kv_ids (B or 1, S) int64 document ids (null:
-// none) with batch strides q_ids_sB and kv_ids_sB: a row attends only keys of its own id in its range;
+// none) with batch strides q_ids_sB and kv_ids_sB: a row attends only keys of its own id in its range,
+// compared where mixed (bool (B or 1, T) like q_ids, or null: everywhere) says its range holds other ids;
 // lse (BH, T) float32 contiguous; probs null (no weights wanted) or
 // (BH, T, S) bfloat16 contiguous; out, probs and lse written whole. A row with no key outputs 0, weights 0
 // and lse -inf. It keeps qkv's NaN/inf contract itself, as ops/nonfinite.py's eager guard does: NaN/inf
@@ -469,7 +474,8 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
 // one, and every row that may attend a key whose key or value holds one, outputs NaN (if it has a key).
 // 0 on success, 1 on an error (qkv_bf16_scores_error).
 int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* lo, const int64_t* hi,
-                    const int64_t* q_ids, const int64_t* kv_ids, int64_t q_ids_sB, int64_t kv_ids_sB,
+                    const int64_t* q_ids, const int64_t* kv_ids, const uint8_t* mixed,
+                    int64_t q_ids_sB, int64_t kv_ids_sB,
                     bf16* probs, bf16* out, float* lse, const int64_t* strides, int64_t range_sB,
                     int64_t H, int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale,
                     int64_t rows) {
@@ -493,7 +499,7 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
       before[0] = 0;
       for (int64_t j = 0; j < S; ++j) before[j + 1] = before[j] + bad[bh * S + j];
     }
-    const Ranges ranges{lo, hi, H, range_sB, q_ids, kv_ids, q_ids_sB, kv_ids_sB};
+    const Ranges ranges{lo, hi, H, range_sB, q_ids, kv_ids, q_ids_sB, kv_ids_sB, mixed};
     attend(qr, pk.get(), pv.get(), bad.data(), bad_before.data(), ranges, probs, outr, lse,
            BH, T, S, D, Dv, Sp, Dvp, rows, scale);
     return 0;

@@ -63,7 +63,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.qkv_bf16_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float]
     lib.qkv_bf16_scores.restype = ctypes.c_int
     args: list[type] = []
-    for kind, n in ((ptr, 7), (i64, 2), (ptr, 4), (i64, 7), (ctypes.c_float, 1), (i64, 1)):
+    for kind, n in ((ptr, 8), (i64, 2), (ptr, 4), (i64, 7), (ctypes.c_float, 1), (i64, 1)):
         args += [kind] * n
     lib.qkv_bf16_attend.argtypes = args
     lib.qkv_bf16_attend.restype = ctypes.c_int
@@ -193,7 +193,7 @@ def attend_kernel(
     hi: Tensor,
     *,
     weights: bool,
-    ids: tuple[Tensor, Tensor] | None = None,
+    ids: tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor] | None = None,
     rows: int = 0,
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """bfloat16 attention whose query row ``t`` attends the keys ``[lo_t, hi_t)``, in one
@@ -201,7 +201,8 @@ def attend_kernel(
     lse; the weights rounded once (with ``weights``); the output the float32 weights times the
     values, rounded once. Only the key blocks some row of a block of rows sees are computed
     (windows cost their width, not S). With ``ids`` (document ids of the queries and the
-    keys), a row attends only the keys of its own id within its range. A row with no key
+    keys, and optionally which rows' ranges hold other ids: only those are compared), a row
+    attends only the keys of its own id within its range. A row with no key
     outputs 0, weights 0 and lse -inf.
     NaN/inf entries of q, k and v count as 0, and a query row holding one and every row that
     may attend a key whose key or value holds one output NaN (if it has a key: the contract
@@ -217,7 +218,7 @@ def attend_kernel(
         q ``(B, H, T, D)`` (or ``(N, T, D)``), k ``(B, H, S, D)``, v ``(B, H, S, Dv)``
         bfloat16, S >= 1; lo, hi ``(B or 1, T)`` int64 in ``[0, S]`` -> out ``(B, H, T, Dv)``,
         probs ``(B, H, T, S)`` bfloat16 or None, lse ``(B, H, T)`` float32 (without B for 3-d
-        inputs); ids ``(B or 1, T)`` and ``(B or 1, S)`` integers.
+        inputs); ids ``(B or 1, T)`` and ``(B or 1, S)`` integers, and ``(B or 1, T)`` bool.
     """
     lib, why = _build()
     if lib is None:
@@ -252,9 +253,11 @@ def attend_kernel(
         q, k = F.pad(q, (0, 1)), F.pad(k, (0, 1))  # (B, H, T, D+1), (B, H, S, D+1)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     lo, hi = (r.to(torch.int64).clamp(0, S).contiguous() for r in (lo, hi))  # (B?, T)
-    q_ids = kv_ids = None
+    q_ids = kv_ids = mixed = None
     if ids is not None:
-        q_ids, kv_ids = (i.to(torch.int64).contiguous() for i in ids)  # (B?, T), (B?, S)
+        q_ids, kv_ids = (i.to(torch.int64).contiguous() for i in ids[:2])  # (B?, T), (B?, S)
+        if len(ids) == 3:  # rows whose range holds other ids: the others need no comparing
+            mixed = ids[2].to(torch.uint8).expand(q_ids.shape).contiguous()  # (B?, T)
         if q_ids.dim() != 2 or kv_ids.dim() != 2 or q_ids.shape[1] != T or kv_ids.shape[1] != S:
             raise ValueError(
                 f"attend_kernel: want ids (B or 1, {T}) and (B or 1, {S}), got "
@@ -269,6 +272,7 @@ def attend_kernel(
         hi.data_ptr(),
         None if q_ids is None else q_ids.data_ptr(),
         None if kv_ids is None else kv_ids.data_ptr(),
+        None if mixed is None else mixed.data_ptr(),
         T if q_ids is not None and q_ids.shape[0] > 1 else 0,
         S if kv_ids is not None and kv_ids.shape[0] > 1 else 0,
         None if probs is None else probs.data_ptr(),

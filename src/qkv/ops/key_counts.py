@@ -199,14 +199,18 @@ def ranges(call: AttentionCall):
     return _ranges(call)
 
 
-def document_ranges(call: AttentionCall, lo: Tensor, hi: Tensor, doc) -> tuple[Tensor, Tensor]:
+def document_ranges(
+    call: AttentionCall, lo: Tensor, hi: Tensor, doc
+) -> tuple[Tensor, Tensor, Tensor]:
     """``[lo_i, hi_i)`` narrowed to the span of row ``i``'s document among the keys, from the
     first key of its id to the last (empty where no key has it): a kernel that also compares
     ids within it (``ops/bf16_scores.py``) then visits only that span, which is the whole
     document for packed sequences. Tensor ops, with the sorted keys remembered per ids tensor.
+    Also which rows' spans hold keys of other ids (an id in more than one run): only there
+    must ids be compared.
 
     Shape:
-        lo, hi ``(B?, 1, T)`` -> ``(Bd, T)`` int64 (Bd: B or 1).
+        lo, hi ``(B?, 1, T)`` -> lo, hi ``(Bd, T)`` int64 (Bd: B or 1), mixed ``(Bd, T)`` bool.
     """
     S, dev = call.S, call.device
     ids, order, _ = _sorted_ids.get(
@@ -221,8 +225,9 @@ def document_ranges(call: AttentionCall, lo: Tensor, hi: Tensor, doc) -> tuple[T
     # a stable sort keeps an id's keys in order of position: its first and last positions
     d_lo = order.gather(-1, first.clamp(max=S - 1))  # (Bd, T)
     d_hi = torch.where(last >= first, order.gather(-1, last.clamp(min=0)) + 1, d_lo)
+    mixed = d_hi - d_lo != last - first + 1  # (Bd, T): the span holds more than its id's keys
     lo = torch.maximum(lo.reshape(-1, call.T), d_lo)  # (Bd, T)
-    return lo, torch.maximum(torch.minimum(hi.reshape(-1, call.T), d_hi), lo)
+    return lo, torch.maximum(torch.minimum(hi.reshape(-1, call.T), d_hi), lo), mixed
 
 
 def _window_ranges(static: list, T: int, S: int, device) -> tuple[Tensor, Tensor]:

@@ -274,7 +274,7 @@ def keeps_nonfinite_contract(call: AttentionCall) -> bool:
 
 def bf16_ranges(
     call: AttentionCall,
-) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None] | None:
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None] | None:
     """``(lo, hi, ids)`` of :func:`_fused_ranges` when the fused bfloat16 kernel
     (``bf16_scores.attend_kernel``) runs an inference call for the tiled backend (no gradient
     wanted), else None. The kernel keeps the NaN/inf contract itself."""
@@ -285,7 +285,7 @@ def bf16_ranges(
 
 def _fused_ranges(
     call: AttentionCall,
-) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None] | None:
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None] | None:
     """``(lo, hi, ids)``, row ``t`` attending keys ``[lo_t, hi_t)`` (of its own document
     when ``ids``, the queries' and keys' document ids, is given), when the fused bfloat16
     kernel can run ``call``: bfloat16 on the CPU's native route where the kernel runs (see
@@ -296,7 +296,8 @@ def _fused_ranges(
     guard). Else None. Tests force it off to run the unfused ways on the same calls.
 
     Shape:
-        -> lo, hi ``(B or 1, T)`` int64; ids ``(B or 1, T)``, ``(B or 1, S)``.
+        -> lo, hi ``(B or 1, T)`` int64; ids ``(B or 1, T)``, ``(B or 1, S)`` and the rows
+        whose range holds other ids, ``(B or 1, T)`` bool.
     """
     if not _bf16_scores_here(call) or not 0 < call.S <= FUSED_MAX_KEYS or call.T == 0:
         return None
@@ -312,8 +313,8 @@ def _fused_ranges(
     if doc is not None:  # each row's document span, ids compared within it by the kernel
         if any(i.shape[0] not in (1, B) for i in (doc.q_ids, doc.kv_ids)):
             return None
-        lo, hi = key_counts.document_ranges(call, lo, hi, doc)  # (B?, T)
-        return lo, hi, (doc.q_ids, doc.kv_ids)
+        lo, hi, mixed = key_counts.document_ranges(call, lo, hi, doc)  # (B?, T) each
+        return lo, hi, (doc.q_ids, doc.kv_ids, mixed)
     lo, hi = torch.broadcast_tensors(lo, hi)  # (B?, 1, T)
     lo, hi = lo.squeeze(-2), hi.squeeze(-2)  # (B?, T)
     return (lo, hi, None) if lo.shape[0] in (1, B) else None
@@ -333,7 +334,7 @@ def _bf16_fused(
     v: Tensor,
     lo: Tensor,
     hi: Tensor,
-    ids: tuple[Tensor, Tensor] | None,
+    ids: tuple[Tensor, Tensor, Tensor] | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`attention_with_weights` of a bfloat16 call whose rows attend ranges of keys, by
     the fused kernel (``bf16_scores.attend_kernel``): the same float32 scores, softmax and
