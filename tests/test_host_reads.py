@@ -374,3 +374,30 @@ def test_the_cpu_reads_only_when_asked(monkeypatch):
     monkeypatch.setenv("QKV_CPU_HOST_READS", "yes please")
     with pytest.raises(ValueError, match="QKV_CPU_HOST_READS='yes please': use 1"):
         nonfinite.host_reads_free(cpu)
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "window", "document", "key_lengths"])
+@pytest.mark.parametrize("trace", [False, True], ids=["tiled", "trace"])
+def test_bf16_calls_on_the_native_route_read_nothing_on_the_host(monkeypatch, kind, trace):
+    """bfloat16 inference through the tiled backend and bfloat16 traces on the native half
+    route: on an AMX CPU the fused kernel runs them (ops/bf16_scores.py; elsewhere the other
+    ways), from rows' key ranges and document spans made in tensor ops: the second call of a
+    structure reads nothing."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    structure = _structure(kind)
+
+    def make(seed: int) -> Callable[[], None]:
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(B, H, L, D, generator=g).bfloat16() for L in (T, S, S))
+
+        def call() -> None:
+            with torch.no_grad():
+                if trace:
+                    qkv.scaled_dot_product_attention(q, k, v, return_trace=True, **structure)
+                else:
+                    qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **structure)
+
+        return call
+
+    count_reads(make(0))
+    assert count_reads(make(1)) == []
