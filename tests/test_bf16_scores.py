@@ -194,7 +194,7 @@ def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel,
     else:
         kernel_or_skip()
     if kernel == "scores":
-        monkeypatch.setattr(reference, "_fused_ranges", lambda call: None)
+        monkeypatch.setattr(reference, "_fusable", lambda call: None)
     calls = []
     for name in ("scores_kernel_", "attend_kernel"):
         real = getattr(bf16_scores, name)
@@ -526,7 +526,7 @@ def test_tiled_bf16_kernel_keeps_the_nonfinite_contract(monkeypatch, where):
     with torch.no_grad():
         assert qkv.dispatch.choose(call, "tiled").keeps_nonfinite_contract
         out = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mod, backend="tiled")
-        monkeypatch.setattr(qkv.ops.tiled.backend, "bf16_ranges", lambda call: None)
+        monkeypatch.setattr(qkv.ops.tiled.backend, "bf16_fusable", lambda call: False)
         assert not qkv.dispatch.choose(call, "tiled").keeps_nonfinite_contract
         looped = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mod, backend="tiled")
     assert torch.equal(out.isnan(), looped.isnan())

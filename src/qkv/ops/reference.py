@@ -38,7 +38,8 @@ __all__ = [
     "attention_scores",
     "attention_scores_at",
     "attention_with_weights",
-    "bf16_ranges",
+    "bf16_fusable",
+    "fused_ranges",
     "keeps_nonfinite_contract",
     "masked_softmax",
     "widened",
@@ -192,7 +193,7 @@ def attention_with_weights(
     # bfloat16 scores on the native route: by oneDNN's bf16 x bf16 -> f32 micro-kernel
     # (ops/bf16_scores.py; the same float32 sums, no widened copies of q and k), where it runs.
     bf16_kernel = _bf16_scores_here(call)
-    fused = _fused_ranges(call) if bf16_kernel else None
+    fused = fused_ranges(call) if bf16_kernel else None
     if fused is not None:  # rows attend ranges of keys: the whole pass in the kernel
         return _bf16_fused(call, q, k, v, *fused)
     budget = _BLOCK_ELEMENTS // 8 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
@@ -268,56 +269,63 @@ def keeps_nonfinite_contract(call: AttentionCall) -> bool:
     """Whether :func:`attention_with_weights` keeps the NaN/inf part of the mask contract for
     ``call`` itself, so that ``ops/nonfinite.py`` has nothing to add: the fused bfloat16
     kernel does (NaN/inf entries count as 0, then NaN on the bad query rows and the rows that
-    may attend a bad key, as the eager guard gives)."""
-    return _fused_ranges(call) is not None
+    may attend a bad key, as the eager guard gives). Decided without forming the ranges."""
+    return _fusable(call) is not None
 
 
-def bf16_ranges(
-    call: AttentionCall,
-) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None] | None:
-    """``(lo, hi, ids)`` of :func:`_fused_ranges` when the fused bfloat16 kernel
-    (``bf16_scores.attend_kernel``) runs an inference call for the tiled backend (no gradient
-    wanted), else None. The kernel keeps the NaN/inf contract itself."""
+def bf16_fusable(call: AttentionCall) -> bool:
+    """Whether the tiled backend runs this eager call by the fused bfloat16 kernel (see
+    :func:`_fusable`; inference only: no gradient wanted). Decided without forming the
+    ranges (:func:`fused_ranges` forms them)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (call.query, call.key, call.value)):
-        return None
-    return _fused_ranges(call)
+        return False
+    return _fusable(call) is not None
 
 
-def _fused_ranges(
-    call: AttentionCall,
-) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None] | None:
-    """``(lo, hi, ids)``, row ``t`` attending keys ``[lo_t, hi_t)`` (of its own document
-    when ``ids``, the queries' and keys' document ids, is given), when the fused bfloat16
-    kernel can run ``call``: bfloat16 on the CPU's native route where the kernel runs (see
-    :func:`_bf16_scores_here`), no score_mod, sinks, dropout or mask tensor, masks that are
-    ranges (none, causal, sliding windows, key lengths, documents and their ``and``), at most
-    ``FUSED_MAX_KEYS`` keys, and
-    a scale that cannot overflow float32 scores (those are checked after the call by the
-    guard). Else None. Tests force it off to run the unfused ways on the same calls.
-
-    Shape:
-        -> lo, hi ``(B or 1, T)`` int64; ids ``(B or 1, T)``, ``(B or 1, S)`` and the rows
-        whose range holds other ids, ``(B or 1, T)`` bool.
-    """
+def _fusable(call: AttentionCall) -> tuple | None:
+    """The rows' key ranges of ``call`` as ``key_counts.ranges`` gives them (``(lo, hi, doc)``)
+    when the fused bfloat16 kernel can run it, else None: bfloat16 on the CPU's native route
+    where the kernel runs (see :func:`_bf16_scores_here`), 1 to ``FUSED_MAX_KEYS`` keys, no
+    score_mod, sinks, dropout or mask tensor, masks that are ranges (none, causal, sliding
+    windows, key lengths, documents and their ``and``) of the call's batch, and a scale that
+    cannot overflow float32 scores (those are checked after the call by the guard). Tests
+    force it off to run the unfused ways on the same calls."""
     if not _bf16_scores_here(call) or not 0 < call.S <= FUSED_MAX_KEYS or call.T == 0:
         return None
     if call.score_mod is not None or call.sinks is not None or call.dropout_p > 0:
         return None
     if abs(call.scale) > _FLOAT32_SCALE_BOUND or call.attn_mask is not None:
         return None
-    ranges = key_counts.ranges(call)
+    ranges = key_counts.ranges(call)  # (lo, hi, doc): lo, hi (B?, 1, T), remembered per masks
+    if ranges is None:
+        return None
+    lo, hi, doc = ranges
+    batches = [lo.shape[0], hi.shape[0]]
+    if doc is not None:
+        batches += [doc.q_ids.shape[0], doc.kv_ids.shape[0]]
+    return ranges if all(n in (1, call.BH[0]) for n in batches) else None
+
+
+def fused_ranges(
+    call: AttentionCall,
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None] | None:
+    """``(lo, hi, ids)`` where :func:`_fusable`: row ``t`` attends keys ``[lo_t, hi_t)``, of
+    its own document when ``ids`` (the queries' and keys' document ids, and which rows' spans
+    hold other ids) is given.
+
+    Shape:
+        -> lo, hi ``(B or 1, T)`` int64; ids ``(B or 1, T)``, ``(B or 1, S)`` and
+        ``(B or 1, T)`` bool.
+    """
+    ranges = _fusable(call)
     if ranges is None:
         return None
     lo, hi, doc = ranges  # (B?, 1, T) each, and a document mask or None
-    B = call.BH[0]
     if doc is not None:  # each row's document span, ids compared within it by the kernel
-        if any(i.shape[0] not in (1, B) for i in (doc.q_ids, doc.kv_ids)):
-            return None
         lo, hi, mixed = key_counts.document_ranges(call, lo, hi, doc)  # (B?, T) each
         return lo, hi, (doc.q_ids, doc.kv_ids, mixed)
     lo, hi = torch.broadcast_tensors(lo, hi)  # (B?, 1, T)
-    lo, hi = lo.squeeze(-2), hi.squeeze(-2)  # (B?, T)
-    return (lo, hi, None) if lo.shape[0] in (1, B) else None
+    return lo.squeeze(-2), hi.squeeze(-2), None  # (B?, T) each
 
 
 _FLOAT32_SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
@@ -345,7 +353,7 @@ def _bf16_fused(
 
     Shape:
         q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)``, lo, hi ``(B?, T)``, ids as
-        :func:`_fused_ranges` -> as :func:`attention_with_weights`.
+        :func:`fused_ranges` -> as :func:`attention_with_weights`.
     """
     out, probs, lse = bf16_scores.attend_kernel(q, k, v, call.scale, lo, hi, weights=True, ids=ids)
     assert probs is not None

@@ -66,7 +66,7 @@ from ...masks import score_mod_gradient_inputs
 from .. import bf16_scores
 from ..base import BackendResult, tracing
 from ..call import AttentionCall
-from ..reference import ReferenceBackend, bf16_ranges
+from ..reference import ReferenceBackend, bf16_fusable, fused_ranges
 from .backward import _backward, _sink_grad
 from .forward import _acc, _forward, _with_sinks, merge_by_lse
 from .plan import BLOCK_K, BLOCK_Q, _Plan, _plan, _refuse_flash
@@ -120,7 +120,7 @@ class TiledBackend:
             # math in the graph instead, as ``auto`` does there (docs/compile.md): same
             # numbers, a (T, S) score matrix
             return ReferenceBackend().run(call)
-        ranges = bf16_ranges(call)
+        ranges = fused_ranges(call) if bf16_fusable(call) else None
         if ranges is not None:  # bfloat16 inference with ranges of keys: the AMX kernel
             q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
             lo, hi, ids = ranges
@@ -135,8 +135,8 @@ class TiledBackend:
 
     def keeps_nonfinite_contract(self, call: AttentionCall) -> bool:
         """Whether an eager call keeps the NaN/inf contract itself: the bfloat16 kernel of
-        range masks does (see :func:`qkv.ops.reference.bf16_ranges`)."""
-        return not tracing() and not _nothing_to_tile(call) and bf16_ranges(call) is not None
+        range masks does (see :func:`qkv.ops.reference.bf16_fusable`)."""
+        return not tracing() and not _nothing_to_tile(call) and bf16_fusable(call)
 
 
 def _nothing_to_tile(call: AttentionCall) -> bool:
