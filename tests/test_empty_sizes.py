@@ -2,14 +2,17 @@
 
 torch's CPU flash kernel dies of SIGFPE when B, H, T or S is 0, and ``return_trace=True`` on
 the torch and auto backends called it, so the whole process went. Each backend's sweep runs
-in a subprocess: a signal fails the test instead of killing pytest. In the subprocess every
-call is compared with the reference backend (shapes, values, the trace, gradients).
+in a process of its own: a signal fails the test instead of killing pytest. One interpreter
+imports torch and qkv (most of the start-up time, computing nothing) and forks a child per
+backend. In the child every call is compared with the reference backend (shapes, values, the
+trace, gradients).
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim, Dv value dim.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -67,18 +70,63 @@ SWEEP = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto", "tiled", "reference"])
-def test_empty_sizes_never_kill_the_process(backend):
+BACKENDS = ["torch", "auto", "tiled", "reference"]
+
+# Forks a child per backend named in argv[2:] that runs SWEEP (argv[1]); prints one JSON line
+# per backend: its exit code (negative: the signal that killed it) and what it printed.
+_FORKER = textwrap.dedent("""
+    import json, os, sys, traceback
+    import torch, qkv
+
+    sweep = sys.argv[1]
+    for backend in sys.argv[2:]:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: stdout and stderr into the pipe, SWEEP's exit code out
+            os.close(r)
+            os.dup2(w, 1)
+            os.dup2(w, 2)
+            sys.argv = ["sweep", backend]
+            code = 0
+            try:
+                exec(compile(sweep, "sweep", "exec"), {"__name__": "__main__"})
+            except SystemExit as done:
+                code = done.code if isinstance(done.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        os.close(w)
+        with os.fdopen(r, errors="replace") as f:
+            printed = f.read()
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        print(json.dumps(dict(backend=backend, code=code, printed=printed)), flush=True)
+""")
+
+
+@pytest.fixture(scope="module")
+def sweeps() -> dict[str, dict]:
+    """Each backend's sweep: ``{"code": exit code or -signal, "printed": its output}``."""
     run = subprocess.run(
-        [sys.executable, "-c", SWEEP, backend],
+        [sys.executable, "-c", _FORKER, SWEEP, *BACKENDS],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
     )
-    last = run.stdout.strip().splitlines()[-1:] or ["(nothing printed)"]
-    assert run.returncode >= 0, (
-        f"killed by {signal.Signals(-run.returncode).name} during: {last[0]}\n{run.stderr[-2000:]}"
-    )
-    assert run.returncode == 0, f"{last[0]}\n{run.stderr[-3000:]}"
-    assert "BAD []" in run.stdout
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    return {r["backend"]: r for r in found}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_sizes_never_kill_the_process(sweeps, backend):
+    code, printed = sweeps[backend]["code"], sweeps[backend]["printed"]
+    lines = [line for line in printed.strip().splitlines() if not line.startswith(" ")]
+    last = lines[-1:] or ["(nothing printed)"]
+    assert code >= 0, f"killed by {signal.Signals(-code).name} during: {last[0]}\n{printed[-2000:]}"
+    assert code == 0, f"{last[0]}\n{printed[-3000:]}"
+    assert "BAD []" in printed
