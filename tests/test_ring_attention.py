@@ -365,11 +365,15 @@ def test_bad_calls_raise_the_same_clear_error_on_every_rank():
         assert found["ok"] == (1, 2, 5, D)
 
 
-def _one_rank_stays_away(rank, R):
+def _one_rank_stays_away(rank, R, done):
+    from pathlib import Path
+
     from qkv.distributed import PeerError, ring_attention
 
-    if rank == 1:
-        time.sleep(8)  # never calls ring_attention
+    if rank == 1:  # never calls ring_attention; stays until rank 0 has given up (at most 30 s)
+        deadline = time.monotonic() + 30
+        while not Path(done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return "away"
     q = torch.randn(1, 1, 6, D)
     start = time.monotonic()
@@ -377,11 +381,14 @@ def _one_rank_stays_away(rank, R):
         ring_attention(q, q, q, timeout=2)
     except PeerError as err:
         return (time.monotonic() - start, str(err))
+    finally:
+        Path(done).touch()
     return "no error"
 
 
-def test_a_rank_that_does_not_answer_makes_the_others_fail_within_the_timeout():
-    waited, message = run_local(_one_rank_stays_away, 2, timeout=120)[0]
+def test_a_rank_that_does_not_answer_makes_the_others_fail_within_the_timeout(tmp_path):
+    done = str(tmp_path / "rank-0-returned")
+    waited, message = run_local(_one_rank_stays_away, 2, done, timeout=120)[0]
     assert waited < 10
     assert "did not complete within 2 s" in message and "a rank died" in message
 
