@@ -1,8 +1,6 @@
 """qkv.viz heatmaps: one panel per head, labelled axes, weights in the cells, a real PNG."""
 
-import subprocess
-import sys
-
+import fresh
 import pytest
 import torch
 
@@ -129,13 +127,7 @@ def test_viz_imports_matplotlib_lazily_and_never_pyplot(tmp_path):
         f"qkv.viz.plot_attention(torch.eye(2), {str(tmp_path / 'a.png')!r})\n"
         "print('matplotlib.pyplot' in sys.modules)\n"
     )
-    env_free = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={"PATH": "/usr/bin:/bin", "MPLBACKEND": ""},
-    )
+    env_free = fresh.run(code, check=True, env={"PATH": "/usr/bin:/bin", "MPLBACKEND": ""})
     assert env_free.stdout.split() == ["False", "False"]
     assert (tmp_path / "a.png").stat().st_size > 1000
 

@@ -15,12 +15,11 @@ Shape alphabet: B batch, C model dim.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from collections import Counter
 from pathlib import Path
 
+import fresh
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -217,9 +216,7 @@ def test_unregister_gives_transformers_back_as_it_was():
         print("restored")
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
-    )
+    done = fresh.run(script, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "restored"
 

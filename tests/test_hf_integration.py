@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
+import fresh
 import pytest
 import torch
 
@@ -594,8 +595,6 @@ def test_models_with_their_own_attention_tables_say_why_not():
     """git, sam and the like pick attention classes from their own tables; with "qkv" they
     raised KeyError: 'qkv'. Now one error names the model and the way out, in modules imported
     before register() and in those imported after (through the finder register() adds)."""
-    import subprocess
-    import sys
 
     from transformers.models.git import modeling_git
 
@@ -631,9 +630,7 @@ def test_models_with_their_own_attention_tables_say_why_not():
         "try:\n    m.SUPERGLUE_SELF_ATTENTION_CLASSES['qkv'](None)\n"
         "except NotImplementedError as e:\n    print(e)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
-    )
+    done = fresh.run(code, timeout=300)  # a fresh interpreter: superglue never imported
     assert done.returncode == 0, done.stderr[-2000:]
     assert "superglue picks its attention classes from its own table" in done.stdout
 

@@ -124,19 +124,13 @@ def test_import_qkv_needs_only_torch():
     """``import qkv`` loads no optional library (matplotlib, triton, transformers) beyond what
     torch itself loads: ``torch._dynamo``, which qkv imports, pulls in triton whenever it is
     installed, so the modules torch loads are the baseline."""
-    import subprocess
-    import sys
+    import fresh
 
     optional = ("matplotlib", "triton", "transformers", "networkx", "scipy")
     code = "import sys, {}; print(sorted(m for m in sys.modules if m.split('.')[0] in {!r}))"
 
     def loaded(imports):
-        out = subprocess.run(
-            [sys.executable, "-c", code.format(imports, optional)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        out = fresh.run(code.format(imports, optional), check=True)  # torch imported, no more
         return set(eval(out.stdout))  # a printed list of module names
 
     assert loaded("qkv") - loaded("torch, torch._dynamo") == set()

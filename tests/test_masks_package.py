@@ -5,10 +5,9 @@ or the tests take from ``qkv.masks``, still resolves from ``qkv.masks``, as the 
 the job's file defines.
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
+import fresh
 import pytest
 
 import qkv
@@ -133,5 +132,5 @@ for job in {JOBS!r}:
     importlib.import_module("qkv.masks." + job)
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    out = fresh.run(code)  # a fresh interpreter: this one imported the package
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
