@@ -20,8 +20,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
-__all__ = ["run"]
+__all__ = ["as_subprocess_module", "run"]
 
 _SERVER = textwrap.dedent("""
     import json, os, signal, sys, tempfile, time, traceback
@@ -134,3 +135,25 @@ def run(
     if check:
         done.check_returncode()
     return done
+
+
+def _run_command(cmd, *, env=None, timeout=None, check=False, **_capture_and_text):
+    """``subprocess.run`` of a ``[python, "-c", code, *argv]`` command with ``capture_output``
+    and ``text``, by :func:`run`; any other command as ``subprocess.run`` runs it."""
+    if len(cmd) < 3 or cmd[0] != sys.executable or cmd[1] != "-c":
+        return subprocess.run(cmd, env=env, timeout=timeout, check=check, **_capture_and_text)
+    return run(cmd[2], *cmd[3:], env=env, timeout=timeout or 600, check=check)
+
+
+def as_subprocess_module():
+    """A stand-in for the ``subprocess`` module of a library file that starts
+    ``python -c`` children (the benchmark runners, a fresh process per measurement): its
+    ``run`` forks them from the server; its exceptions and classes are subprocess's own. A
+    test sets it with ``monkeypatch.setattr(module, "subprocess", fresh.as_subprocess_module())``
+    where the fresh process itself is checked elsewhere."""
+    return SimpleNamespace(
+        run=_run_command,
+        TimeoutExpired=subprocess.TimeoutExpired,
+        CompletedProcess=subprocess.CompletedProcess,
+        CalledProcessError=subprocess.CalledProcessError,
+    )

@@ -2,6 +2,7 @@
 
 import json
 
+import fresh
 import pytest
 import torch
 
@@ -283,7 +284,11 @@ def test_resume_keeps_measured_records_and_refuses_another_machine(tmp_path):
         load_previous(tmp_path / "linear.json", dict(env, torch="0.0"))
 
 
-def test_decode_run_writes_its_json(tmp_path, capsys):
+def test_decode_run_writes_its_json(tmp_path, capsys, monkeypatch):
+    # each measurement's process forked by tests/fresh.py (torch imported once for the six):
+    # the real child process is started by test_cli_global_state's bench-decode and
+    # test_layout_names; here the records, ratios and table are checked
+    monkeypatch.setattr("qkv.bench.decode.subprocess", fresh.as_subprocess_module())
     code = main(
         [
             "bench-decode",
@@ -375,7 +380,12 @@ def test_bench_linear_markdown_states_crossover_and_targets():
     assert [s.T for s in bench_linear.grid_specs([1024, 32768])].count(32768) == 4  # fwd only
 
 
-def test_tiny_linear_run_writes_linear_json_with_ratios_against_torch(tmp_path, capsys):
+def test_tiny_linear_run_writes_linear_json_with_ratios_against_torch(
+    tmp_path, capsys, monkeypatch
+):
+    # the workers forked by tests/fresh.py; test_tiny_run_writes_records_and_png starts them
+    # as real processes
+    monkeypatch.setattr("qkv.bench.runner.subprocess", fresh.as_subprocess_module())
     code = main(
         [
             "bench",
