@@ -221,6 +221,20 @@ def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel,
 
 # --- the fused one-pass kernel (weights_kernel) -----------------------------------------------
 
+
+def _spy_on_the_kernel(monkeypatch) -> list[bool]:
+    """The list that each later ``attend_kernel`` call appends its ``weights`` flag to."""
+    calls: list[bool] = []
+    real = bf16_scores.attend_kernel
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["weights"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bf16_scores, "attend_kernel", spy)
+    return calls
+
+
 FUSED_CASES = [  # N, T, S, D, Dv, scale, causal: block edges of 64 keys, odd D, Dv past 64
     (2, 1, 1, 16, 16, 0.25, False),
     (3, 7, 5, 15, 3, 3.0, False),
@@ -363,11 +377,7 @@ def test_fused_kernel_keeps_the_nonfinite_contract_as_the_guard_does(monkeypatch
     if bad is not None:
         bad[1, 2, 40, 5] = float("nan")
         bad[0, 0, 65, 0] = float("inf")
-    calls = []
-    real = bf16_scores.attend_kernel
-    monkeypatch.setattr(
-        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
+    calls = _spy_on_the_kernel(monkeypatch)
 
     def attend():
         with torch.no_grad():
@@ -376,12 +386,12 @@ def test_fused_kernel_keeps_the_nonfinite_contract_as_the_guard_does(monkeypatch
     call = qkv.ops.call.AttentionCall.build(q, k, v, is_causal=causal, return_trace=True)
     assert qkv.dispatch.choose(call).keeps_nonfinite_contract
     out, trace = attend()
-    assert calls == [1]
+    assert calls == [True]
     # the same kernel on the inputs ops/nonfinite.py zeroes, its NaN rows added after
     monkeypatch.setattr(qkv.dispatch, "one_pass_keeps_contract", lambda call: False)
     assert not qkv.dispatch.choose(call).keeps_nonfinite_contract
     out_guarded, trace_guarded = attend()
-    assert calls == [1, 1]
+    assert calls == [True, True]
     assert torch.equal(out.nan_to_num(9.0), out_guarded.nan_to_num(9.0))
     assert torch.equal(trace.probs, trace_guarded.probs) and torch.equal(
         trace.lse, trace_guarded.lse
@@ -489,22 +499,18 @@ def test_tiled_bf16_inference_with_range_masks_runs_the_kernel(monkeypatch, kind
     -D64), within the tolerance policy of float64 math; with a gradient wanted it does not."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
     kernel_or_skip()
-    calls = []
-    real = bf16_scores.attend_kernel
-    monkeypatch.setattr(
-        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
+    calls = _spy_on_the_kernel(monkeypatch)
     g = torch.Generator().manual_seed(13)
     q, k, v = (torch.randn(2, 4, 130, 64, generator=g).bfloat16() for _ in range(3))
     kw, allowed = RANGE_MASKS[kind]
     with torch.no_grad():
         out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
-    assert calls == [1]
+    assert calls == [False]
     gold, base = _range_golden(q, k, v, 64**-0.5, allowed)
     assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
     qg = q.clone().requires_grad_()
     qkv.scaled_dot_product_attention(qg, k, v, backend="tiled", **kw)
-    assert calls == [1], "a call that wants a gradient took the inference kernel"
+    assert calls == [False], "a call that wants a gradient took the inference kernel"
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
@@ -545,11 +551,7 @@ def test_bf16_traces_of_range_masks_take_the_fused_kernel(monkeypatch, kind):
     no key (batch element 0 of the lengths) output 0 with weights 0."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
     kernel_or_skip()
-    calls = []
-    real = bf16_scores.attend_kernel
-    monkeypatch.setattr(
-        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(kw["weights"]) or real(*a, **kw)
-    )
+    calls = _spy_on_the_kernel(monkeypatch)
     g = torch.Generator().manual_seed(15)
     q, k, v = (torch.randn(2, 4, 130, 64, generator=g).bfloat16() for _ in range(3))
     kw, allowed = RANGE_MASKS[kind]
@@ -622,11 +624,7 @@ def test_tiled_bf16_documents_run_the_kernel(monkeypatch, layout):
     within the tolerance policy of float64 math, NaN/inf kept to its document (B2-H2-T150)."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
     kernel_or_skip()
-    calls = []
-    real = bf16_scores.attend_kernel
-    monkeypatch.setattr(
-        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(kw["weights"]) or real(*a, **kw)
-    )
+    calls = _spy_on_the_kernel(monkeypatch)
     g = torch.Generator().manual_seed(17)
     q, k, v = (torch.randn(2, 2, 150, 32, generator=g).bfloat16() for _ in range(3))
     ids = _packed_ids(150, g)
@@ -661,11 +659,7 @@ def test_calls_past_the_kernels_key_bound_take_the_other_ways(monkeypatch):
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
     kernel_or_skip()
     monkeypatch.setattr(reference, "FUSED_MAX_KEYS", 64)
-    calls = []
-    real = bf16_scores.attend_kernel
-    monkeypatch.setattr(
-        bf16_scores, "attend_kernel", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
+    calls = _spy_on_the_kernel(monkeypatch)
     g = torch.Generator().manual_seed(18)
     q, k, v = (torch.randn(1, 2, 65, 16, generator=g).bfloat16() for _ in range(3))
     kw, _ = RANGE_MASKS["window16"]
