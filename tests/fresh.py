@@ -15,6 +15,7 @@ stderr (the file descriptors: C libraries' output too).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import subprocess
@@ -22,7 +23,9 @@ import sys
 import textwrap
 from types import SimpleNamespace
 
-__all__ = ["as_subprocess_module", "run"]
+import pytest
+
+__all__ = ["as_subprocess_module", "forked_ranks", "run"]
 
 _SERVER = textwrap.dedent("""
     import json, os, signal, sys, tempfile, time, traceback
@@ -157,3 +160,22 @@ def as_subprocess_module():
         CompletedProcess=subprocess.CompletedProcess,
         CalledProcessError=subprocess.CalledProcessError,
     )
+
+
+@contextlib.contextmanager
+def forked_ranks():
+    """``qkv.distributed.run_local``'s ranks forked from one server process that imported
+    torch and qkv (multiprocessing's forkserver) instead of spawned afresh (2 s of imports a
+    group of ranks). Each rank is still a process of its own that unpickles the function by
+    name, joins the group and runs; the server computes nothing before it forks. For
+    arguments holding few tensors: each tensor's memory goes to the rank as a file descriptor,
+    and the forkserver passes at most 252 (test_context_parallel's state dicts pass more)."""
+    import torch.multiprocessing as torch_mp
+
+    from qkv.distributed import local
+
+    torch_mp.set_forkserver_preload(["torch", "qkv", "qkv.distributed"])
+    forked = SimpleNamespace(get_context=lambda method="spawn": torch_mp.get_context("forkserver"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(local, "mp", forked)
+        yield

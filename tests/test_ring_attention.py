@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import fresh
 import pytest
 import torch
 
@@ -22,6 +23,13 @@ from qkv.distributed.layout import assemble
 from qkv.testing import GRAD_FACTOR, OUTPUT_FACTOR, assert_tolerance
 
 D = 8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forked_ranks():
+    """The ranks forked from a server that imported torch and qkv (tests/fresh.py)."""
+    with fresh.forked_ranks():
+        yield
 
 
 def _third(b, h, q_idx, kv_idx):  # a plain-function mask: nothing known about its blocks
