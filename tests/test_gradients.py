@@ -28,7 +28,9 @@ def test_gradcheck(backend, case):
     if "attn_mask" in kw:
         kw["attn_mask"] = kw["attn_mask"].clone()
         kw["attn_mask"][:, 0] = True  # gradcheck needs a smooth function: no empty rows here
-    q, k, v = _leaves((2, 3, 5, 4), (2, 3, 7, 4), (2, 3, 7, 3))
+    # D = 2: each perturbed element costs gradcheck two calls; D = 59 and Dv != D at full
+    # precision are test_float64_gradients_equal_torch's
+    q, k, v = _leaves((2, 3, 5, 2), (2, 3, 7, 2), (2, 3, 7, 3))
 
     def f(q, k, v):
         return qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
@@ -38,7 +40,7 @@ def test_gradcheck(backend, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradcheck_gqa_and_float_mask(backend):
-    q, k, v = _leaves((2, 4, 5, 4), (2, 2, 7, 4), (2, 2, 7, 4))
+    q, k, v = _leaves((2, 4, 5, 2), (2, 2, 7, 2), (2, 2, 7, 2))
     bias = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
 
     def f(q, k, v, bias):
