@@ -94,7 +94,9 @@ def test_lra_preset_is_lras_released_listops_config():
     assert plan(_args("listops", "--preset", "lra", "--out", "x"))[0]["data"] == {"variant": "full"}
 
 
-def test_ctrl_c_on_the_command_leaves_a_checkpoint_that_resumes_to_the_same_result(tmp_path):
+def test_ctrl_c_on_the_command_leaves_a_checkpoint_that_resumes_to_the_same_result(
+    tmp_path, monkeypatch
+):
     """SIGINT to a running ``qkv train``: exit 130 with a checkpoint; ``--resume`` then ends
     with the uninterrupted run's final loss, to the bit."""
     import signal
@@ -103,6 +105,13 @@ def test_ctrl_c_on_the_command_leaves_a_checkpoint_that_resumes_to_the_same_resu
     import time
 
     import torch
+
+    from qkv.training.recipes import Seq2SeqRecipe
+
+    # the two runs in this process draw no pictures (1-2 s each; the results compared here
+    # come before them, and test_short_reverse_run_writes_metrics_checkpoint_and_picture
+    # checks the picture of a run of the command)
+    monkeypatch.setattr(Seq2SeqRecipe, "pictures", lambda self, model, out_dir, device: [])
 
     common = [
         "reverse",
