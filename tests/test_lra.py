@@ -12,6 +12,7 @@ import torch
 
 from qkv.cli.main import main
 from qkv.training import lra
+from qkv.training.recipes import ClassifierRecipe, PixelRecipe
 
 TINY = [
     "--variant",
@@ -105,6 +106,11 @@ def test_ctrl_c_keeps_finished_cells_and_resume_continues_the_interrupted_one(
         if recipe.task == "listops":  # SIGINT to this process: the trainer's handler stops
             kw["on_step"] = lambda s: os.kill(os.getpid(), signal.SIGINT) if s == 2 else None
         return real_train(recipe, config, out_dir, **kw)
+
+    # no pictures (3 s; the cells, steps and resume are what this test checks, the pictures
+    # of every cell test_tiny_table_has_every_cell_with_values_in_range_and_resume_skips_them's)
+    for kind in (ClassifierRecipe, PixelRecipe):
+        monkeypatch.setattr(kind, "pictures", lambda self, model, out_dir, device: [])
 
     monkeypatch.setattr(lra, "train", ctrl_c_at_step_2_of_listops)
     assert main(args) == 130
