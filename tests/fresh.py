@@ -170,12 +170,21 @@ def forked_ranks():
     name, joins the group and runs; the server computes nothing before it forks. For
     arguments holding few tensors: each tensor's memory goes to the rank as a file descriptor,
     and the forkserver passes at most 252 (test_context_parallel's state dicts pass more)."""
+    from multiprocessing import forkserver
+
     import torch.multiprocessing as torch_mp
 
     from qkv.distributed import local
 
+    server = forkserver._forkserver  # the process's one forkserver, started at first use
+    preload = list(getattr(server, "_preload_modules", ["__main__"]))
     torch_mp.set_forkserver_preload(["torch", "qkv", "qkv.distributed"])
     forked = SimpleNamespace(get_context=lambda method="spawn": torch_mp.get_context("forkserver"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(local, "mp", forked)
-        yield
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(local, "mp", forked)
+            yield
+    finally:  # nothing left behind: no server process, multiprocessing's preload list as it was
+        if hasattr(server, "_stop"):
+            server._stop()
+        torch_mp.set_forkserver_preload(preload)
