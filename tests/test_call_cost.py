@@ -317,3 +317,153 @@ def test_a_kept_plan_is_dropped_when_the_registry_or_autotune_changes(monkeypatc
         assert dispatch.choose(AttentionCall.build(qg, k, v)).backend is before
     qkv.autotune.forget()
     assert dispatch.choose(AttentionCall.build(q, k, v)).backend is before
+
+
+# --- the lane: a decoding step's call, its steps kept (functional.py) --------------------------
+
+
+class _Steps:
+    """Counts the calls that take the full steps (``functional._attend``) instead of a lane."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        monkeypatch.setattr(qkv.functional, "_LANES", {})  # no lane from an earlier test
+        full = qkv.functional._attend
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return full(*args, **kwargs)
+
+        monkeypatch.setattr(qkv.functional, "_attend", counted)
+
+
+def _full_steps(q, k, v, **kw):
+    """The call by the full steps, never a lane."""
+    args = (None, 0.0, kw.get("is_causal", False), kw.get("scale"), kw.get("enable_gqa", False))
+    return qkv.functional._attend(q, k, v, args, False, (None, None, None), "auto")
+
+
+def _same_bits(a, b) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.isnan(), b.isnan())
+        and (torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+    )
+
+
+_LANE_CASES = {
+    # name: (q shape, k/v shape, flags)
+    "B2-H3-T1-S37-plain": ((2, 3, 1, D), (2, 3, 37, D), {}),
+    "B2-H3-T1-S37-causal": ((2, 3, 1, D), (2, 3, 37, D), dict(is_causal=True)),
+    "B2-H3-T4-S37-causal": ((2, 3, 4, D), (2, 3, 37, D), dict(is_causal=True)),
+    "B2-H3-T5-S5-causal": ((2, 3, 5, D), (2, 3, 5, D), dict(is_causal=True)),
+    "B2-H4-G2-T1-S19-gqa": ((2, 4, 1, D), (2, 2, 19, D), dict(enable_gqa=True)),
+    "B1-kv-broadcast-T2-S9": ((3, 2, 2, D), (1, 2, 9, D), {}),
+    "H3-T1-S9-unbatched": ((3, 1, D), (3, 9, D), {}),
+    "T3-S9-two-dims-scale-neg": ((3, D), (9, D), dict(scale=-0.7)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("bad", ["finite", "nan-key", "inf-value", "inf-query", "-inf-key-entry"])
+@pytest.mark.parametrize("case", list(_LANE_CASES))
+def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, dtype):
+    """A call of a kind met before takes its lane where one is kept (not float16, which the CPU
+    computes in float32, causal calls whose rows hide keys from each other, or without the
+    fused check: the full steps then), and gives the same
+    bits as the full steps, NaN rows included, and the float64 math's values where every input
+    is finite."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    qs, ks, kw = _LANE_CASES[case]
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(qs, generator=g, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(ks, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    if bad == "nan-key":
+        k[..., 0, 1] = float("nan")
+    elif bad == "inf-value":
+        v[..., -1, 2] = float("inf")
+    elif bad == "inf-query":
+        q[..., -1, 0] = float("inf")
+    elif bad == "-inf-key-entry":  # a score of -inf: weight 0, as in the plain math
+        q = q.abs() + 0.1
+        k[..., 0, 3] = float("-inf")
+    with torch.no_grad():
+        full = _full_steps(q, k, v, **kw)
+        steps = _Steps(monkeypatch)
+        first = qkv.scaled_dot_product_attention(q, k, v, **kw)
+        second = qkv.scaled_dot_product_attention(q, k, v, **kw)
+    # causal with T > 1: rows hide keys from each other, the zeroed copies' way (no lane)
+    hides = kw.get("is_causal", False) and qs[-2] > 1
+    laned = route == "fused" and dtype != torch.float16 and not hides
+    assert steps.count == (1 if laned else 2)
+    assert _same_bits(first, full) and _same_bits(second, full)
+    if bad == "finite":
+        T, S = q.shape[-2], k.shape[-2]
+        ok = torch.ones(T, S, dtype=torch.bool)
+        if kw.get("is_causal"):
+            ok = ok.tril()
+        kk, vv = k, v
+        if kw.get("enable_gqa"):
+            kk, vv = (t.repeat_interleave(q.shape[-3] // t.shape[-3], -3) for t in (k, v))
+        scale = kw.get("scale", 1 / math.sqrt(q.shape[-1]))
+        scores = (q.double() @ kk.double().transpose(-2, -1)) * scale
+        want = torch.softmax(scores.masked_fill(~ok, float("-inf")), -1) @ vv.double()
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2)
+        torch.testing.assert_close(second.double(), want, atol=tol, rtol=tol)
+
+
+def test_a_lane_holds_while_the_keys_grow_within_their_bucket(monkeypatch):
+    """A decoding loop's cache grows by one key a step: the steps of S = 129 hold for every S up
+    to 256 (``auto``'s choices are kept per power-of-two bucket), so one call of the loop takes
+    the full steps and the rest their lane, each equal to torch's kernel; S = 257 starts a lane
+    of its own."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    force_native_rows(monkeypatch, on=True)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, D, generator=g)
+    k, v = (torch.randn(1, 4, 300, D, generator=g) for _ in range(2))
+    steps = _Steps(monkeypatch)
+    with torch.no_grad():
+        for S in range(129, 258):
+            out = qkv.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S])
+            want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S])
+            assert torch.equal(out, want), S
+    assert steps.count == 2
+
+
+def test_a_lane_gives_way_to_a_change_of_registry_autotune_or_gradient(monkeypatch):
+    """A kept lane is not taken once a backend is registered (the new backend runs the call),
+    while ``QKV_AUTOTUNE`` is changed or ``autotune`` forgets its choices (the steps choose
+    again), or when a gradient is wanted (the gradient flows as torch's)."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    force_native_rows(monkeypatch, on=True)
+    q, k, v = (torch.randn(1, 2, n, D) for n in (1, 6, 6))
+    steps = _Steps(monkeypatch)
+    call = lambda: qkv.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    with torch.no_grad():
+        call(), call()
+        assert steps.count == 1
+        extra = _Everything()
+        dispatch.register_backend(extra)
+        try:
+            call(), call()
+            assert extra.runs == 2
+        finally:
+            dispatch.unregister_backend(extra.name)
+        call(), call()
+        assert steps.count == 4  # a new lane after the registry's change
+        monkeypatch.setenv("QKV_AUTOTUNE", "on")
+        call()
+        monkeypatch.setenv("QKV_AUTOTUNE", "off")
+        call()
+        qkv.autotune.forget()
+        call()
+        assert steps.count == 7
+    qg = q.clone().requires_grad_()
+    out = qkv.scaled_dot_product_attention(qg, k, v)
+    out.sum().backward()
+    qt = q.clone().requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(qt, k, v).sum().backward()
+    torch.testing.assert_close(qg.grad, qt.grad)
+    assert steps.count == 8

@@ -47,6 +47,7 @@ from .ops.call import AttentionCall
 
 __all__ = [
     "Choice",
+    "bucket",
     "cache_path",
     "enabled",
     "forget",
@@ -95,9 +96,9 @@ def _key(call: AttentionCall) -> tuple:
         _wants_grad(call),
         call.sinks is not None,
         call.enable_gqa and k.shape[-3] != q.shape[-3],
-        _bucket(B * H),
-        _bucket(q.shape[-2]),
-        _bucket(k.shape[-2]),
+        bucket(B * H),
+        bucket(q.shape[-2]),
+        bucket(k.shape[-2]),
         q.shape[-1],
         call.value.shape[-1],
         call.dropout_p > 0,
@@ -129,7 +130,7 @@ def call_kind(call: AttentionCall) -> str:
     return _kind_string(_key(call))
 
 
-def _bucket(n: int) -> int:
+def bucket(n: int) -> int:
     """n rounded up to a power of two (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -50,6 +50,7 @@ __all__ = [
     "explain",
     "get_backend",
     "keeps_nonfinite_contract",
+    "kept_plans_state",
     "register_backend",
     "run",
     "select",
@@ -321,6 +322,7 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
     _REGISTRY[backend.name] = backend
     _ORDER[:] = sorted(_REGISTRY.values(), key=lambda b: b.priority)
     _selected.clear()
+    _registry_changed()
 
 
 def unregister_backend(name: str) -> Backend:
@@ -329,7 +331,29 @@ def unregister_backend(name: str) -> Backend:
     del _REGISTRY[name]
     _ORDER.remove(backend)
     _selected.clear()
+    _registry_changed()
     return backend
+
+
+def kept_plans_state() -> tuple | None:
+    """What a plan kept beyond one call structure depends on besides the call: the measuring
+    switch, the generation of ``autotune``'s kept choices and the registry's; None while a
+    backend that is not qkv's own is registered (its ``supports`` may turn on exact sizes,
+    while ``auto``'s kept choices are per power-of-two size bucket). A caller that keeps a
+    plan compares this with the value it kept it under."""
+    if not _REGISTRY_BUILTIN[0]:
+        return None
+    return (autotune.enabled(), autotune.generation(), _REGISTRY_GENERATION[0])
+
+
+_REGISTRY_GENERATION = [0]  # bumped on each change of the registry
+_REGISTRY_BUILTIN = [True]  # whether every registered backend is one of qkv's own
+
+
+def _registry_changed() -> None:
+    _REGISTRY_GENERATION[0] += 1
+    own = (FlexBackend, TritonBackend, TorchBackend, TiledBackend, ReferenceBackend)
+    _REGISTRY_BUILTIN[0] = all(type(b) in own for b in _REGISTRY.values())
 
 
 def backend_names() -> list[str]:

@@ -12,9 +12,12 @@ import torch
 from torch import Tensor
 
 from . import dispatch, recording
-from .ops import AttentionCall, nonfinite
+from .autotune import bucket
+from .ops import AttentionCall, TorchBackend, nonfinite, nonfinite_rows
 from .ops import deformable as _deformable
 from .ops import linear as _linear
+from .ops._aten import sdpa
+from .ops.base import tracing
 from .ops.deformable.inputs import as_spatial_shapes
 from .trace import AttentionTrace, DeformableTrace
 
@@ -120,7 +123,14 @@ def scaled_dot_product_attention(
     args = (attn_mask, dropout_p, is_causal, scale, enable_gqa)
     mods = (mask_mod, score_mod, sinks)
     if record is None and amp is None:  # (almost every call: no context to enter)
-        return _attend(query, key, value, args, return_trace, mods, backend)
+        lane = None
+        if attn_mask is None and not return_trace and mods == _NO_MODS:
+            lane = _lane_key(query, key, value, args, backend)  # None: not a lane's call
+            if lane is not None:
+                out = _run_lane(lane, query, key, value)
+                if out is not None:
+                    return out
+        return _attend(query, key, value, args, return_trace, mods, backend, lane)
     query, key, value = (_amp_cast(t, amp) for t in (query, key, value))
     with _autocast_off(query, amp), _recording_paused(record):
         trace_wanted = True if record is not None else return_trace
@@ -132,10 +142,11 @@ def scaled_dot_product_attention(
     return (out, trace) if return_trace else out
 
 
-def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: str):
+def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: str, lane=None):
     """One call top-down: check (ops/call.py), plan (dispatch.py), kernel (a backend), and the
     NaN/inf contract around it (ops/nonfinite.py): inputs zeroed before or the output checked
-    after, rows set after."""
+    after, rows set after. ``lane``: the key under which the steps of this call are kept
+    when they make a lane (:func:`_keep_lane`)."""
     attn_mask, dropout_p, is_causal, scale, enable_gqa = args
     mask_mod, score_mod, sinks = mods
     call = AttentionCall.build(  # check: ValueError/TypeError naming the numbers and fix
@@ -158,7 +169,133 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
     if not guard.holds(result):  # an optimistic run met NaN/inf: the full way
         guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract, optimistic=False)
         result = dispatch.run(guard.call, plan)
+    if lane is not None:
+        _keep_lane(lane, call, plan, guard)
     return guard.restore(result)  # contract: NaN rows, overflowing scores refused
+
+
+# --- the lane: a decoding step's call, its steps kept --------------------------------------
+#
+# At decode sizes (one query, a few hundred keys) torch's kernel takes ~20 us and the steps
+# above ~20 more in Python: checking the call, choosing its plan, preparing its guard. A call
+# without mask, trace, gradient or dropout that ``auto`` sends to torch's kernel with the
+# output's check after it ("output": every row sees every key) comes to the same two steps
+# every time: torch's kernel (causal with fewer queries than keys: on the first T keys, which
+# are all a row can see), then the contract's fused pass over the output and the queries.
+# The first call of a kind takes the steps above and keeps those two as its lane; later
+# calls of the kind run the lane alone, to the same bits. A kind is what the steps depend on:
+# the inputs' shapes (the keys' count by its power-of-two bucket, as ``auto``'s measured
+# choice is kept, so that a decoding loop whose cache grows by a key a step stays in it),
+# dtypes, the flags, and the dispatcher's state (``dispatch.kept_plans_state``).
+
+
+class _Lane:
+    """The kept steps of one kind of call (see above); ``ok`` False for a kind that has none."""
+
+    __slots__ = ("causal", "check", "gqa", "narrow", "ok", "scale", "state")
+
+    def __init__(self, state, ok=False, scale=0.0, causal=False, gqa=False, narrow=False):
+        self.state, self.ok, self.scale = state, ok, scale
+        self.causal, self.gqa, self.narrow = causal, gqa, narrow
+        self.check = nonfinite_rows.RowsCheck()
+
+
+_LANES: dict[tuple, _Lane] = {}
+_LANES_MAX = 256  # kinds kept (a model meets a handful)
+_NO_MODS = (None, None, None)
+
+
+def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
+    """The kind of a call that may have a lane, or None: plain CPU tensors, nothing wanting a
+    gradient, outside tracing, flags of their own types, no dropout, at least one key."""
+    _, dropout_p, is_causal, scale, enable_gqa = args
+    if (
+        type(query) is not Tensor
+        or type(key) is not Tensor
+        or type(value) is not Tensor
+        or not (query.is_cpu and key.is_cpu and value.is_cpu)
+        or type(dropout_p) is not float
+        or dropout_p != 0.0
+        or type(is_causal) is not bool
+        or type(enable_gqa) is not bool
+        or (scale is not None and type(scale) is not float)
+        or type(backend) is not str
+        or tracing()
+    ):
+        return None
+    if torch.is_grad_enabled() and (
+        query.requires_grad or key.requires_grad or value.requires_grad
+    ):
+        return None
+    qs, ks, vs = query.shape, key.shape, value.shape
+    if len(ks) < 2 or len(vs) < 2 or len(qs) < 2:
+        return None
+    S = ks[-2]
+    if S == 0 or vs[-2] != S:
+        return None
+    return (
+        qs,
+        ks[:-2],
+        ks[-1],
+        vs[:-2],
+        vs[-1],
+        bucket(S),
+        is_causal and qs[-2] < S,
+        query.dtype,
+        key.dtype,
+        value.dtype,
+        is_causal,
+        scale,
+        enable_gqa,
+        backend,
+    )
+
+
+def _run_lane(kind: tuple, query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+    """The call by its kind's lane; None when it has none (yet), or its check cannot take
+    this output (then the steps above run it)."""
+    lane = _LANES.get(kind)
+    if lane is None or not lane.ok or lane.state != dispatch.kept_plans_state():
+        return None
+    if lane.narrow:  # top-left causal, T < S: keys T.. reach no row
+        T = query.shape[-2]
+        key, value = key.narrow(-2, 0, T), value.narrow(-2, 0, T)  # (*kbatch, T, D|Dv)
+    out = sdpa(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=lane.causal,
+        scale=lane.scale,
+        enable_gqa=lane.gqa,
+    )  # (*batch, T, Dv)
+    if lane.check(out, query, (query, key, value)):
+        return out
+    if nonfinite_rows.available():  # the check cannot take this layout: the steps above from
+        _LANES[kind] = _Lane(lane.state)  # now on (without the library: until it is back)
+    return None
+
+
+def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> None:
+    """Keep the lane of ``call``'s kind, or that it has none (the steps it took, see above)."""
+    state = dispatch.kept_plans_state()
+    if state is None:
+        return
+    narrow = call.is_causal and call.T < call.S
+    ok = (
+        type(plan.backend) is TorchBackend
+        and not plan.keeps_nonfinite_contract
+        and guard.check == "output"
+        and call.attn_mask is None
+        and call.mask_mod is None
+        and call.work_dtype == call.dtype
+        and not nonfinite.scale_may_overflow(call)
+        and guard.call.key.shape[-2] == (call.T if narrow else call.S)
+    )
+    if len(_LANES) >= _LANES_MAX:
+        _LANES.clear()
+    _LANES[kind] = _Lane(state, ok, call.scale, call.is_causal, call.enable_gqa, narrow)
 
 
 def _autocast_dtype(query) -> torch.dtype | None:

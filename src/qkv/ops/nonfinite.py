@@ -66,7 +66,7 @@ from .base import compiling_plainly, tracing
 from .call import AttentionCall
 from .key_counts import counts, covers_every_key, ranges, sees_own_position
 
-__all__ = ["Guard", "prepare", "run"]
+__all__ = ["Guard", "prepare", "run", "scale_may_overflow"]
 
 # What a kernel gives: the output, or ``(output, trace)`` when the call asks for a trace.
 Result = Tensor | tuple[Tensor, Any]
@@ -154,7 +154,7 @@ class Guard:
             return _restore_traced(self.call, self.bad, result)
         elif self.check == "in_graph":
             return _checked_in_graph(self.call, result)
-        overflows = self.check != "none" and _scale_may_overflow(self.call)
+        overflows = self.check != "none" and scale_may_overflow(self.call)
         if overflows and not _finite_sum(_output(result)):  # a host read, for such scales only
             _refuse_overflow(self.call)
         return result
@@ -576,7 +576,7 @@ class _ZeroNonfinite(torch.autograd.Function):
         return dq, dk, dv
 
 
-def _scale_may_overflow(call: AttentionCall) -> bool:
+def scale_may_overflow(call: AttentionCall) -> bool:
     """Whether ``scale`` is past the square root of the largest float the scores are held in
     (float32 for half inputs): only then can inputs far from that float overflow the scores."""
     bound = _SCALE_BOUND.get(call.dtype)

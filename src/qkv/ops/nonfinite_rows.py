@@ -29,13 +29,14 @@ import functools
 import logging
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ._native_build import build
 
-__all__ = ["available", "check_rows", "copy_rows", "restore_rows", "takes"]
+__all__ = ["RowsCheck", "available", "check_rows", "copy_rows", "restore_rows", "takes"]
 
 SOURCE = Path(__file__).with_name("nonfinite_rows.cpp")
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -222,53 +223,89 @@ def check_rows(out: Tensor, query: Tensor, inputs: tuple[Tensor, ...] = ()) -> b
     Shape:
         out ``(*batch, T, Dv)``; query ``(*qbatch, T, D)`` -> out.
     """
-    if type(out) is not Tensor or type(query) is not Tensor or not (out.is_cpu and query.is_cpu):
+    args = _check_args(out, query)
+    lib = _build()[0]
+    if args is None or lib is None or not _own_memory(out, inputs):
         return False
+    failed = lib.qkv_rows_restore(_RESTORE_ARGS.pack(*args))
+    assert not failed
+    return True
+
+
+class RowsCheck:
+    """:func:`check_rows` for calls whose ``out`` and ``query`` keep one layout (a decoding
+    step's): its tests made and its arguments packed at the first call and whenever the
+    layout changes; later calls read the two tensors' strides and pointers only. For one kind
+    of call (the same dtypes and devices, no gradient): the caller holds one per kind."""
+
+    __slots__ = ("_args", "_fn", "_layout")
+
+    def __init__(self) -> None:
+        self._layout: tuple | None = None
+        self._args = (ctypes.c_int64 * (_RESTORE_ARGS.size // 8))()  # (35 int64)
+        self._fn: Any = None  # the library's function, its own handle
+
+    def __call__(self, out: Tensor, query: Tensor, inputs: tuple[Tensor, ...]) -> bool:
+        lib = _build()[0]  # (asked each call: a test hides the library)
+        layout = (out.shape, out.stride(), query.shape, query.stride(), lib)
+        if layout != self._layout:
+            packed = _check_args(out, query)
+            if packed is None or lib is None:
+                return False
+            self._args[:] = packed
+            self._layout = layout
+            self._fn = lib["qkv_rows_restore"]  # its own handle, taking the array as it is
+            self._fn.restype = ctypes.c_int
+        if not _own_memory(out, inputs):
+            return False
+        args = self._args
+        args[4], args[10] = out.data_ptr(), query.data_ptr()
+        failed = self._fn(args)
+        assert not failed
+        return True
+
+
+def _check_args(out: Tensor, query: Tensor) -> list | None:
+    """The arguments of ``qkv_rows_restore`` for :func:`check_rows`, or None where this module
+    does not take ``out`` and ``query`` (see there): everything but whose memory ``out`` is."""
+    if type(out) is not Tensor or type(query) is not Tensor or not (out.is_cpu and query.is_cpu):
+        return None
     code = _DTYPES.get(out.dtype)
     if code is None or query.dtype != out.dtype or out.requires_grad or query.requires_grad:
-        return False
+        return None
     shape, strides, qshape, qstrides = out.shape, out.stride(), query.shape, query.stride()
     n, nq = len(shape), len(qshape)
     if not (2 <= n <= 4 and 2 <= nq <= 4) or (strides[-1] != 1 and shape[-1] > 1):
-        return False
+        return None
     if qstrides[-1] != 1 and qshape[-1] > 1:
-        return False
+        return None
     for i in range(n - 1):
         if strides[i] == 0 and shape[i] > 1:
-            return False  # a broadcast dim
+            return None  # a broadcast dim
+    if _build()[0] is None:
+        return None
+    lead, qlead = shape[:-1], qshape[:-1]
+    return [
+        code,
+        *_rows(lead),
+        out.data_ptr(),  # [4]
+        *_aligned(lead, strides[:-1]),
+        shape[-1],
+        1,
+        query.data_ptr(),  # [10]
+        *_aligned(qlead, qstrides[:-1]),
+        qshape[-1],
+        *(0,) * 8,
+        *_NO_RANGES,
+    ]
+
+
+def _own_memory(out: Tensor, inputs: tuple[Tensor, ...]) -> bool:
+    """Whether ``out``'s memory is its own, or all of a buffer it is a view of, and none of
+    ``inputs`` (compared by identity: ``in`` would compare values)."""
     base = out._base
     if base is None:
         base = out
     elif base.numel() != out.numel():
         return False  # a slice of something larger
-    for t in inputs:  # (by identity: ``in`` would compare values)
-        if base is t or base is t._base:
-            return False
-    lib = _build()[0]
-    if lib is None:
-        return False
-    lead, qlead = shape[:-1], qshape[:-1]
-    failed = lib.qkv_rows_restore(
-        _RESTORE_ARGS.pack(
-            code,
-            *_rows(lead),
-            out.data_ptr(),
-            *_aligned(lead, strides[:-1]),
-            shape[-1],
-            1,
-            query.data_ptr(),
-            *_aligned(qlead, qstrides[:-1]),
-            qshape[-1],
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            0,
-            *_NO_RANGES,
-        )
-    )
-    assert not failed
-    return True
+    return all(base is not t and base is not t._base for t in inputs)
