@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkv
 from qkv import dispatch
-from qkv.ops import AttentionCall, nonfinite_rows
+from qkv.ops import AttentionCall, nonfinite, nonfinite_rows
 
 B, H, D = 2, 3, 8
 
@@ -162,6 +162,28 @@ def test_key_masks_hide_keys_whatever_they_hold(route, layout, kind):
     torch.testing.assert_close(out[~hit].double(), want[~hit], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [nonfinite.KEYS_IN_PLACE_MAX_T, nonfinite.KEYS_IN_PLACE_MAX_T + 1])
+def test_a_key_mask_of_many_rows_takes_its_copies(route, T):
+    """Up to ``KEYS_IN_PLACE_MAX_T`` query rows a bool key mask runs on k and v as they are and
+    the rows a hidden NaN reached are computed again; past it (a prompt, whose every row a hidden
+    NaN reaches) the hidden keys are zeroed in copies. Both give the float64 math's rows."""
+    S = 23
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 2, T, D, generator=g)
+    k, v = (torch.randn(1, 2, S, D, generator=g) for _ in range(2))
+    shown = torch.ones(1, 1, 1, S, dtype=torch.bool)
+    shown[..., 5] = False
+    k[..., 5, 1], v[..., 5, 2] = math.nan, math.inf
+    with torch.no_grad():
+        call = AttentionCall.build(q, k, v, shown)
+        guard = nonfinite.prepare(call)
+        out = qkv.scaled_dot_product_attention(q, k, v, attn_mask=shown)
+    in_place = route == "fused" and T <= nonfinite.KEYS_IN_PLACE_MAX_T
+    assert (guard.check == "keys_in_place") == in_place
+    kk, vv = (t.nan_to_num(0.0, 0.0, 0.0) for t in (k, v))
+    torch.testing.assert_close(out.double(), _golden(q, kk, vv, shown), rtol=1e-5, atol=1e-6)
+
+
 # --- range masks: bad keys counted in the output's pass --------------------------------------
 
 
@@ -250,9 +272,12 @@ def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
 def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
     """T=1, S=128 without gradient, after the structure's first call: a plain call dispatches
     torch's kernel alone, a causal one two views and the kernel (it sees key 0 only), a key
-    mask's the copies of k and v and the kernel and the empty rows' factor; a causal call of
-    T = S (rows hide keys from each other) the bad keys' flags, the copies and the kernel.
-    The checks run in the fused passes. (Before: 9, 31, 40 and 31 ops.)"""
+    mask's the kernel with the mask as it is and a view of the mask's keys (no copies of k
+    and v: the rows a hidden NaN/inf reaches are computed again in the fused pass); a causal
+    call of T = S (rows hide keys from each other) the bad keys' flags, the copies and the
+    kernel. The checks run in the fused passes. (Before issue 38's work: 9, 31, 40 and 31
+    ops; before the key mask's pass in place, the key mask's were the copies of k and v, the
+    kernel and the empty rows' factor.)"""
     force_host_reads(monkeypatch, free=False)
     force_native_rows(monkeypatch, on=True)
     g = torch.Generator().manual_seed(0)
@@ -264,7 +289,11 @@ def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
     want = {
         "plain": ({}, [kernel]),
         "causal": (dict(is_causal=True), ["slice", "slice", kernel]),
-        "key-mask": (dict(attn_mask=keep), ["empty", "empty", kernel, "mul_"]),
+        # torch's own bool mask to -inf (its first three), the kernel, the mask's row of keys
+        "key-mask": (
+            dict(attn_mask=keep),
+            ["scalar_tensor", "scalar_tensor", "where", kernel, "select"],
+        ),
         "causal T=S": (dict(is_causal=True), ["zeros", "empty", "empty", kernel]),
     }
     with torch.no_grad():
@@ -339,7 +368,8 @@ class _Steps:
 
 def _full_steps(q, k, v, **kw):
     """The call by the full steps, never a lane."""
-    args = (None, 0.0, kw.get("is_causal", False), kw.get("scale"), kw.get("enable_gqa", False))
+    flags = (kw.get("is_causal", False), kw.get("scale"), kw.get("enable_gqa", False))
+    args = (kw.get("attn_mask"), 0.0, *flags)
     return qkv.functional._attend(q, k, v, args, False, (None, None, None), "auto")
 
 
@@ -362,12 +392,26 @@ _LANE_CASES = {
     "B1-kv-broadcast-T2-S9": ((3, 2, 2, D), (1, 2, 9, D), {}),
     "H3-T1-S9-unbatched": ((3, 1, D), (3, 9, D), {}),
     "T3-S9-two-dims-scale-neg": ((3, D), (9, D), dict(scale=-0.7)),
+    # bool key masks (..., 1, S): keys 1 and S-1 hidden, the last batch element's every key
+    "B2-H3-T1-S37-keymask-B11S": ((2, 3, 1, D), (2, 3, 37, D), dict(attn_mask=(2, 1, 1, 37))),
+    "B2-H3-T3-S37-keymask-BH1S": ((2, 3, 3, D), (2, 3, 37, D), dict(attn_mask=(2, 3, 1, 37))),
+    "H3-T1-S9-keymask-1S": ((3, 1, D), (3, 9, D), dict(attn_mask=(1, 9))),
 }
 
 
+_BAD = ["finite", "nan-key", "inf-value", "inf-query", "-inf-key-entry"]
+_HIDDEN_BAD = ["nan-hidden-key", "inf-hidden-value"]  # (cases with a mask: a key to hide)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("bad", ["finite", "nan-key", "inf-value", "inf-query", "-inf-key-entry"])
-@pytest.mark.parametrize("case", list(_LANE_CASES))
+@pytest.mark.parametrize(
+    ("case", "bad"),
+    [
+        (case, bad)
+        for case, (_, _, kw) in _LANE_CASES.items()
+        for bad in _BAD + (_HIDDEN_BAD if "attn_mask" in kw else [])
+    ],
+)
 def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, dtype):
     """A call of a kind met before takes its lane where one is kept (not float16, which the CPU
     computes in float32, causal calls whose rows hide keys from each other, or without the
@@ -376,9 +420,17 @@ def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, 
     is finite."""
     monkeypatch.setenv("QKV_AUTOTUNE", "off")
     qs, ks, kw = _LANE_CASES[case]
+    kw = dict(kw)
     g = torch.Generator().manual_seed(7)
     q = torch.randn(qs, generator=g, dtype=torch.float64).to(dtype)
     k, v = (torch.randn(ks, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    shown = None
+    if "attn_mask" in kw:
+        shown = torch.rand(kw["attn_mask"], generator=g) < 0.7
+        shown[..., 0], shown[..., 1], shown[..., -1] = True, False, False
+        if shown.dim() == 4:
+            shown[-1] = False  # no key at all: rows of 0
+        kw["attn_mask"] = shown
     if bad == "nan-key":
         k[..., 0, 1] = float("nan")
     elif bad == "inf-value":
@@ -388,6 +440,10 @@ def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, 
     elif bad == "-inf-key-entry":  # a score of -inf: weight 0, as in the plain math
         q = q.abs() + 0.1
         k[..., 0, 3] = float("-inf")
+    elif bad == "nan-hidden-key":  # hidden everywhere: changes nothing
+        k[..., 1, 0] = float("nan")
+    elif bad == "inf-hidden-value":
+        v[..., -1, 4] = float("inf")
     with torch.no_grad():
         full = _full_steps(q, k, v, **kw)
         steps = _Steps(monkeypatch)
@@ -398,17 +454,21 @@ def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, 
     laned = route == "fused" and dtype != torch.float16 and not hides
     assert steps.count == (1 if laned else 2)
     assert _same_bits(first, full) and _same_bits(second, full)
-    if bad == "finite":
+    if bad in ("finite", "nan-hidden-key", "inf-hidden-value"):
         T, S = q.shape[-2], k.shape[-2]
         ok = torch.ones(T, S, dtype=torch.bool)
         if kw.get("is_causal"):
             ok = ok.tril()
+        if shown is not None:
+            ok = ok & shown
+            k, v = k.nan_to_num(0.0, 0.0, 0.0), v.nan_to_num(0.0, 0.0, 0.0)  # hidden: any value
         kk, vv = k, v
         if kw.get("enable_gqa"):
             kk, vv = (t.repeat_interleave(q.shape[-3] // t.shape[-3], -3) for t in (k, v))
         scale = kw.get("scale", 1 / math.sqrt(q.shape[-1]))
         scores = (q.double() @ kk.double().transpose(-2, -1)) * scale
-        want = torch.softmax(scores.masked_fill(~ok, float("-inf")), -1) @ vv.double()
+        probs = torch.softmax(scores.masked_fill(~ok, float("-inf")), -1).nan_to_num(0.0)
+        want = probs @ vv.double()  # rows with no key: 0
         tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2)
         torch.testing.assert_close(second.double(), want, atol=tol, rtol=tol)
 
@@ -416,20 +476,28 @@ def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, 
 def test_a_lane_holds_while_the_keys_grow_within_their_bucket(monkeypatch):
     """A decoding loop's cache grows by one key a step: the steps of S = 129 hold for every S up
     to 256 (``auto``'s choices are kept per power-of-two bucket), so one call of the loop takes
-    the full steps and the rest their lane, each equal to torch's kernel; S = 257 starts a lane
-    of its own."""
+    the full steps and the rest their lane, each equal to torch's kernel, with a padding mask
+    too; S = 257 starts lanes of its own."""
     monkeypatch.setenv("QKV_AUTOTUNE", "off")
     force_native_rows(monkeypatch, on=True)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 1, D, generator=g)
     k, v = (torch.randn(1, 4, 300, D, generator=g) for _ in range(2))
+    pads = torch.rand(1, 1, 1, 300, generator=g) < 0.8  # (1, 1, 1, S): a padding mask
+    pads[..., 0] = True
     steps = _Steps(monkeypatch)
     with torch.no_grad():
         for S in range(129, 258):
             out = qkv.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S])
             want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S])
             assert torch.equal(out, want), S
-    assert steps.count == 2
+            mask = pads[..., :S].clone()  # (a new mask each step, as a model makes)
+            out = qkv.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S], attn_mask=mask)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, k[:, :, :S], v[:, :, :S], attn_mask=mask
+            )
+            assert torch.equal(out, want), S
+    assert steps.count == 4
 
 
 def test_a_lane_gives_way_to_a_change_of_registry_autotune_or_gradient(monkeypatch):

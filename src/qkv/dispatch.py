@@ -337,23 +337,25 @@ def unregister_backend(name: str) -> Backend:
 
 def kept_plans_state() -> tuple | None:
     """What a plan kept beyond one call structure depends on besides the call: the measuring
-    switch, the generation of ``autotune``'s kept choices and the registry's; None while a
-    backend that is not qkv's own is registered (its ``supports`` may turn on exact sizes,
-    while ``auto``'s kept choices are per power-of-two size bucket). A caller that keeps a
-    plan compares this with the value it kept it under."""
-    if not _REGISTRY_BUILTIN[0]:
+    switch, the generation of ``autotune``'s kept choices and the registry (which one, and its
+    generation); None while a backend that is not qkv's own is registered (its ``supports`` may
+    turn on exact sizes, while ``auto``'s kept choices are per power-of-two size bucket). A
+    caller that keeps a plan compares this with the value it kept it under."""
+    mark = (id(_REGISTRY), id(_ORDER), _REGISTRY_GENERATION[0])
+    if _BUILTIN[0] != mark:  # (the registry changed, or a test put another in its place)
+        own = (FlexBackend, TritonBackend, TorchBackend, TiledBackend, ReferenceBackend)
+        _BUILTIN[:] = [mark, all(type(b) in own for b in _REGISTRY.values())]
+    if not _BUILTIN[1]:
         return None
-    return (autotune.enabled(), autotune.generation(), _REGISTRY_GENERATION[0])
+    return (autotune.enabled(), autotune.generation(), mark)
 
 
 _REGISTRY_GENERATION = [0]  # bumped on each change of the registry
-_REGISTRY_BUILTIN = [True]  # whether every registered backend is one of qkv's own
+_BUILTIN: list = [None, True]  # (the registry's mark, whether all its backends are qkv's own)
 
 
 def _registry_changed() -> None:
     _REGISTRY_GENERATION[0] += 1
-    own = (FlexBackend, TritonBackend, TorchBackend, TiledBackend, ReferenceBackend)
-    _REGISTRY_BUILTIN[0] = all(type(b) in own for b in _REGISTRY.values())
 
 
 def backend_names() -> list[str]:

@@ -124,10 +124,10 @@ def scaled_dot_product_attention(
     mods = (mask_mod, score_mod, sinks)
     if record is None and amp is None:  # (almost every call: no context to enter)
         lane = None
-        if attn_mask is None and not return_trace and mods == _NO_MODS:
+        if not return_trace and mods == _NO_MODS:
             lane = _lane_key(query, key, value, args, backend)  # None: not a lane's call
             if lane is not None:
-                out = _run_lane(lane, query, key, value)
+                out = _run_lane(lane, query, key, value, attn_mask)
                 if out is not None:
                     return out
         return _attend(query, key, value, args, return_trace, mods, backend, lane)
@@ -178,26 +178,31 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
 #
 # At decode sizes (one query, a few hundred keys) torch's kernel takes ~20 us and the steps
 # above ~20 more in Python: checking the call, choosing its plan, preparing its guard. A call
-# without mask, trace, gradient or dropout that ``auto`` sends to torch's kernel with the
-# output's check after it ("output": every row sees every key) comes to the same two steps
-# every time: torch's kernel (causal with fewer queries than keys: on the first T keys, which
-# are all a row can see), then the contract's fused pass over the output and the queries.
+# without trace, gradient or dropout that ``auto`` sends to torch's kernel comes to the same
+# two steps every time when it has
+#   * no mask, and its check after the kernel ("output": every row sees every key): torch's
+#     kernel (causal with fewer queries than keys: on the first T keys, which are all a row
+#     can see), then the contract's fused pass over the output and the queries;
+#   * a bool key mask ``(..., 1, S)`` checked in place ("keys_in_place"): torch's kernel with
+#     the mask, then the fused pass that computes again the rows a NaN/inf reached.
 # The first call of a kind takes the steps above and keeps those two as its lane; later
 # calls of the kind run the lane alone, to the same bits. A kind is what the steps depend on:
 # the inputs' shapes (the keys' count by its power-of-two bucket, as ``auto``'s measured
 # choice is kept, so that a decoding loop whose cache grows by a key a step stays in it),
-# dtypes, the flags, and the dispatcher's state (``dispatch.kept_plans_state``).
+# the mask's shape but its keys, dtypes, the flags, and the dispatcher's state
+# (``dispatch.kept_plans_state``).
 
 
 class _Lane:
     """The kept steps of one kind of call (see above); ``ok`` False for a kind that has none."""
 
-    __slots__ = ("causal", "check", "gqa", "narrow", "ok", "scale", "state")
+    __slots__ = ("causal", "check", "gqa", "keys", "narrow", "ok", "scale", "state")
 
     def __init__(self, state, ok=False, scale=0.0, causal=False, gqa=False, narrow=False):
         self.state, self.ok, self.scale = state, ok, scale
         self.causal, self.gqa, self.narrow = causal, gqa, narrow
         self.check = nonfinite_rows.RowsCheck()
+        self.keys = nonfinite_rows.KeymaskRows()
 
 
 _LANES: dict[tuple, _Lane] = {}
@@ -207,8 +212,22 @@ _NO_MODS = (None, None, None)
 
 def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
     """The kind of a call that may have a lane, or None: plain CPU tensors, nothing wanting a
-    gradient, outside tracing, flags of their own types, no dropout, at least one key."""
-    _, dropout_p, is_causal, scale, enable_gqa = args
+    gradient, outside tracing, flags of their own types, no dropout, at least one key, no
+    mask or a bool key mask with contiguous keys."""
+    attn_mask, dropout_p, is_causal, scale, enable_gqa = args
+    mask = None
+    if attn_mask is not None:
+        if (
+            type(attn_mask) is not Tensor
+            or attn_mask.dtype != torch.bool
+            or not attn_mask.is_cpu
+            or attn_mask.dim() < 2
+            or attn_mask.shape[-2] != 1
+            or attn_mask.shape[-1] != key.shape[-2]
+            or attn_mask.stride(-1) != 1
+        ):
+            return None
+        mask = attn_mask.shape[:-1]
     if (
         type(query) is not Tensor
         or type(key) is not Tensor
@@ -248,14 +267,33 @@ def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
         scale,
         enable_gqa,
         backend,
+        mask,
     )
 
 
-def _run_lane(kind: tuple, query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+def _run_lane(
+    kind: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+) -> Tensor | None:
     """The call by its kind's lane; None when it has none (yet), or its check cannot take
     this output (then the steps above run it)."""
     lane = _LANES.get(kind)
     if lane is None or not lane.ok or lane.state != dispatch.kept_plans_state():
+        return None
+    if mask is not None:
+        out = sdpa(
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=0.0,
+            is_causal=False,
+            scale=lane.scale,
+            enable_gqa=False,
+        )  # (*batch, T, Dv)
+        if lane.keys(out, query, key, value, mask.select(-2, 0), lane.scale):
+            return out
+        if nonfinite_rows.available():  # (as below)
+            _LANES[kind] = _Lane(lane.state)
         return None
     if lane.narrow:  # top-left causal, T < S: keys T.. reach no row
         T = query.shape[-2]
@@ -283,15 +321,25 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
     if state is None:
         return
     narrow = call.is_causal and call.T < call.S
+    if call.attn_mask is None:
+        steps = guard.check == "output" and guard.call.key.shape[-2] == (
+            call.T if narrow else call.S
+        )
+    else:  # a bool key mask (``_lane_key``), without GQA (its rows' key heads: the steps')
+        steps = (
+            guard.check == "keys_in_place"
+            and guard.call is call
+            and not call.is_causal
+            and not call.enable_gqa
+            and call.attn_mask.dtype == torch.bool
+        )
     ok = (
-        type(plan.backend) is TorchBackend
+        steps
+        and type(plan.backend) is TorchBackend
         and not plan.keeps_nonfinite_contract
-        and guard.check == "output"
-        and call.attn_mask is None
         and call.mask_mod is None
         and call.work_dtype == call.dtype
         and not nonfinite.scale_may_overflow(call)
-        and guard.call.key.shape[-2] == (call.T if narrow else call.S)
     )
     if len(_LANES) >= _LANES_MAX:
         _LANES.clear()

@@ -104,12 +104,18 @@ class Guard:
     * ``"keys"``: a key mask (the same keys hidden from every row of a head) whose hidden keys
       were zeroed in the copies the kernel runs on: as ``"output"``, and the rows without a
       key (``has_key`` False) are 0.
+    * ``"keys_in_place"``: a bool key mask run on k and v as they are (CPU, no gradient, the
+      fused passes built): the rows a hidden NaN/inf reached (no longer finite) are computed
+      again from their visible keys (``keep``) in the output's pass, then as ``"keys"``.
     """
 
     call: AttentionCall
-    check: Literal["none", "output", "eager", "traced", "in_graph", "optimistic", "keys"]
+    check: Literal[
+        "none", "output", "eager", "traced", "in_graph", "optimistic", "keys", "keys_in_place"
+    ]
     bad: _Bad | None = None
     has_key: Tensor | None = None  # "keys": which rows have a key, broadcastable to (*batch, T)
+    keep: Tensor | None = None  # "keys_in_place": the visible keys, bool (*mbatch, S)
 
     def holds(self, result: Result) -> bool:
         """Whether ``result`` is the call's result under the contract as it is: False only for
@@ -147,6 +153,9 @@ class Guard:
         elif self.check == "keys":
             assert self.has_key is not None
             result = _with_output(result, _restore_keys(self.call, _output(result), self.has_key))
+        elif self.check == "keys_in_place":
+            assert self.has_key is not None and self.keep is not None
+            result = _with_output(result, _restore_keys_in_place(self, _output(result)))
         elif self.check == "eager":
             assert self.bad is not None and self.bad.keys is not None
             result = _restore_eager(self.call, self.bad.keys, self.bad.rows, result)
@@ -240,6 +249,16 @@ def _prepare_key_mask(call: AttentionCall) -> Guard | None:
     if mask is None or call.is_causal or call.mask_mod is not None or mask.shape[-2] != 1:
         return None
     keep, has_key = _key_mask_rows(mask)  # (*mbatch, S?) bool, (*mbatch, 1) bool
+    if mask.dtype == torch.bool and keep.shape[-1] != call.S:
+        keep = keep.expand(*keep.shape[:-1], call.S).contiguous()  # (*mbatch, S)
+    if (
+        mask.dtype == torch.bool
+        and call.T <= KEYS_IN_PLACE_MAX_T
+        and nonfinite_rows.takes_keymask(call.query, call.key, call.value, keep)
+    ):
+        # the kernel on k and v as they are; its rows that are not finite computed again in
+        # the output's pass (nonfinite_rows.keymask_rows), no copies
+        return Guard(call, "keys_in_place", has_key=has_key, keep=keep)
     for t in (call.key, call.value):
         if not _broadcasts_onto(keep.shape, t.shape[:-1], gqa=call.enable_gqa):
             return None
@@ -253,6 +272,12 @@ def _prepare_key_mask(call: AttentionCall) -> Guard | None:
     zeroed = _with_inputs(call, call.query, k, v, (call.key, call.value) + call.sources)
     return Guard(zeroed, "keys", has_key=has_key)
 
+
+# Key masks of at most this many query rows are run on k and v as they are, and the rows a
+# hidden NaN/inf reached computed again (in double, O(S * D) each: a decoding step's few rows);
+# longer calls, whose every row a hidden NaN can reach, pay their copies instead (O(S * D) once,
+# against their kernel's O(T * S * D)).
+KEYS_IN_PLACE_MAX_T = 64
 
 _key_masks = IdentityCache(16)  # a model passes one padding mask to every layer and step
 
@@ -437,6 +462,25 @@ def _restore_keys(call: AttentionCall, out: Tensor, has_key: Tensor) -> Tensor:
     query_rows = call.query @ _column(call.query)  # (*qbatch, T, 1)
     rows = rows + torch.where(has_key.unsqueeze(-1), query_rows, 0.0)  # (*batch, T, 1)
     return torch.where(has_key.unsqueeze(-1), out.add(rows, alpha=0), 0.0)
+
+
+def _restore_keys_in_place(guard: Guard, out: Tensor) -> Tensor:
+    """The output of a bool key mask's call run on k and v as they are: rows without a key 0,
+    rows that are not finite (a hidden or visible bad key reached them) or have a bad query
+    row computed again from their visible keys (``nonfinite_rows.keymask_rows``).
+
+    Shape:
+        out ``(*batch, T, Dv)`` -> the same.
+    """
+    call, keep = guard.call, guard.keep
+    assert keep is not None and guard.has_key is not None
+    if not _writable(out, call) or out.stride(-1) != 1:
+        out = out.clone(memory_format=torch.contiguous_format)
+    group = call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
+    nonfinite_rows.keymask_rows(
+        out, call.query, call.key, call.value, keep, scale=call.scale, group=group
+    )
+    return out
 
 
 def _own(out: Tensor) -> bool:

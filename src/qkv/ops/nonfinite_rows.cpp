@@ -16,9 +16,14 @@
 // Shape alphabet: rows (n0, n1, n2), E elements each (D, Dv or the key length's row).
 #include <ATen/Parallel.h>
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -212,6 +217,116 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
   });
 }
 
+// A row's element as a double (exact for every input dtype).
+inline double wide(uint32_t w, F32) {
+  float f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+inline double wide(uint64_t w, F64) {
+  double d;
+  std::memcpy(&d, &w, sizeof d);
+  return d;
+}
+inline double wide(uint16_t w, BF16) { return wide(static_cast<uint32_t>(w) << 16, F32{}); }
+inline double wide(uint16_t w, F16) { return static_cast<double>(c10::Half(w, c10::Half::from_bits())); }
+// A double rounded to nearest even in the row's dtype, as its word.
+inline uint32_t word(double x, F32) {
+  const float f = static_cast<float>(x);
+  uint32_t w;
+  std::memcpy(&w, &f, sizeof w);
+  return w;
+}
+inline uint64_t word(double x, F64) {
+  uint64_t w;
+  std::memcpy(&w, &x, sizeof w);
+  return w;
+}
+inline uint16_t word(double x, BF16) { return c10::BFloat16(static_cast<float>(x)).x; }
+inline uint16_t word(double x, F16) { return c10::Half(static_cast<float>(x)).x; }
+
+// One row of attention over the keys keep[j] != 0 of k (S rows, stride ks) and v (stride vs), in
+// double, by the plain math: scores s_j = scale * q . k_j, weights softmax(s) (a NaN score, a +inf
+// score or every score -inf gives NaN weights), y = weights @ v; then NaN throughout where y is not
+// finite. What a kernel gives a row when no hidden key reaches it.
+template <typename B>
+void attend_row(const typename B::word* q, int64_t D, const typename B::word* k, int64_t ks,
+                const typename B::word* v, int64_t vs, int64_t Dv, const uint8_t* keep, int64_t S,
+                double scale, typename B::word* y, std::vector<double>& s, std::vector<double>& acc) {
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  s.assign(S, -inf);
+  double m = -inf;
+  bool nan = false;
+  for (int64_t j = 0; j < S; ++j) {
+    if (keep[j] == 0) continue;
+    double dot = 0.0;
+    for (int64_t d = 0; d < D; ++d) dot += wide(q[d], B{}) * wide(k[j * ks + d], B{});
+    s[j] = scale * dot;
+    nan |= std::isnan(s[j]);
+    m = std::max(m, s[j]);
+  }
+  acc.assign(Dv, 0.0);
+  bool bad = nan || !std::isfinite(m);
+  double sum = 0.0;
+  for (int64_t j = 0; j < S && !bad; ++j) {
+    if (keep[j] == 0) continue;
+    const double p = std::exp(s[j] - m);
+    sum += p;
+    for (int64_t e = 0; e < Dv; ++e) acc[e] += p * wide(v[j * vs + e], B{});
+  }
+  for (int64_t e = 0; e < Dv && !bad; ++e) {
+    acc[e] /= sum;
+    bad = !std::isfinite(acc[e]);
+  }
+  for (int64_t e = 0; e < Dv; ++e) y[e] = bad ? B::nan : word(acc[e], B{});
+}
+
+// The rows of a key mask's output after a kernel ran it on k and v as they are (hidden keys in
+// place): 0 where the row has no key (keep all 0); else, where the row or its query row is not
+// finite, the row again by attend_row over its visible keys (NaN for a bad query row). A hidden
+// key reaches a row only as a NaN (a NaN score is NaN under any mask, a hidden weight 0 times an
+// inf value is NaN) or not at all, so a finite row is already the visible keys' row, to the bit.
+// Rows (n0, n1, n2) = (B, H, T); k's and v's rows indexed by (b, h / group); keep (S per (b, h)).
+template <typename B>
+void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const void* q_,
+                  const Strides qs, int64_t D, const void* k_, int64_t kb, int64_t kh, int64_t ks,
+                  const void* v_, int64_t vb, int64_t vh, int64_t vs, int64_t group,
+                  const uint8_t* keep, int64_t mb, int64_t mh, int64_t S, double scale) {
+  using W = typename B::word;
+  W* out = static_cast<W*>(out_);
+  const W* q = static_cast<const W*>(q_);
+  const W* k = static_cast<const W*>(k_);
+  const W* v = static_cast<const W*>(v_);
+  const int64_t grain = 1 + (1 << 15) / (Dv + D + S > 0 ? Dv + D + S : 1);
+  at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
+    std::vector<double> s, acc;
+    int64_t seen = -1;  // the (b, h) whose keys `any` tells (a task's rows share a few)
+    bool any = false;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t i01 = r / n.n2, b = i01 / n.n1, h = i01 % n.n1;
+      const uint8_t* kept = keep + b * mb + h * mh;
+      W* y = out + offset(r, n, o);
+      if (i01 != seen) {
+        seen = i01;
+        any = false;
+        for (int64_t j = 0; j < S && !any; ++j) any = kept[j] != 0;
+      }
+      if (!any) {
+        std::memset(y, 0, Dv * sizeof(W));
+        continue;
+      }
+      const W* x = q + offset(r, n, qs);
+      if (nonfinite<B>(x, D)) {
+        for (int64_t e = 0; e < Dv; ++e) y[e] = B::nan;
+      } else if (nonfinite<B>(y, Dv)) {
+        const int64_t g = h / group;
+        attend_row<B>(x, D, k + b * kb + g * kh, ks, v + b * vb + g * vh, vs, Dv, kept, S, scale,
+                      y, s, acc);
+      }
+    }
+  });
+}
+
 template <typename F>
 int by_dtype(int dtype, F&& f) {
   switch (dtype) {
@@ -261,6 +376,23 @@ int qkv_rows_restore(const int64_t* a) {
                                    Strides{a[28], a[29], a[30]},
                                    reinterpret_cast<const int64_t*>(a[31]),
                                    Strides{a[32], a[33], a[34]}});
+  });
+}
+
+// a[0] dtype; a[1..3] rows (B, H, T); a[4] out, a[5..7] its strides, a[8] Dv; a[9] q, a[10..12]
+// its strides, a[13] D; a[14] k, a[15..17] its strides (b, kv head, key); a[18] v, a[19..21] its
+// strides; a[22] group (H / G); a[23] keep (uint8, unit key stride), a[24..25] its strides (b, h);
+// a[26] S; a[27] scale (a double's bits).
+int qkv_rows_keymask(const int64_t* a) {
+  const Rows n{a[1], a[2], a[3]};
+  double scale;
+  std::memcpy(&scale, &a[27], sizeof scale);
+  return by_dtype(static_cast<int>(a[0]), [&](auto b) {
+    keymask_rows<decltype(b)>(n, reinterpret_cast<void*>(a[4]), Strides{a[5], a[6], a[7]}, a[8],
+                              reinterpret_cast<const void*>(a[9]), Strides{a[10], a[11], a[12]},
+                              a[13], reinterpret_cast<const void*>(a[14]), a[15], a[16], a[17],
+                              reinterpret_cast<const void*>(a[18]), a[19], a[20], a[21], a[22],
+                              reinterpret_cast<const uint8_t*>(a[23]), a[24], a[25], a[26], scale);
   });
 }
 

@@ -36,7 +36,17 @@ from torch import Tensor
 
 from ._native_build import build
 
-__all__ = ["RowsCheck", "available", "check_rows", "copy_rows", "restore_rows", "takes"]
+__all__ = [
+    "KeymaskRows",
+    "RowsCheck",
+    "available",
+    "check_rows",
+    "copy_rows",
+    "keymask_rows",
+    "restore_rows",
+    "takes",
+    "takes_keymask",
+]
 
 SOURCE = Path(__file__).with_name("nonfinite_rows.cpp")
 _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -44,6 +54,8 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16:
 # one argument in a third of the time of twenty, and a call here costs what an op does
 _COPY_ARGS = struct.Struct("16q")
 _RESTORE_ARGS = struct.Struct("35q")
+_KEYMASK_ARGS = struct.Struct("28q")
+_DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
 _NO_RANGES = (0,) * 12  # restore's last arguments, without key ranges
 _log = logging.getLogger(__name__)
 
@@ -54,7 +66,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     if lib is None:
         _log.debug("the NaN/inf contract takes its tensor ops: %s", why)
         return None, why
-    for fn in (lib.qkv_rows_copy, lib.qkv_rows_restore):
+    for fn in (lib.qkv_rows_copy, lib.qkv_rows_restore, lib.qkv_rows_keymask):
         fn.argtypes = [ctypes.c_char_p]  # the arguments packed as int64 (see the source)
         fn.restype = ctypes.c_int
     return lib, ""
@@ -208,6 +220,150 @@ def restore_rows(
     )
     assert not failed
     return out
+
+
+def takes_keymask(query: Tensor, key: Tensor, value: Tensor, keep: Tensor) -> bool:
+    """Whether :func:`keymask_rows` takes these inputs (with an output of their dtype, its own
+    memory and a unit last stride): :func:`takes` takes each of q, k and v, they share a
+    dtype, and ``keep`` is a bool CPU tensor of at most two leading dims and S contiguous
+    keys."""
+    return (
+        takes(query, key, value)
+        and query.dtype == key.dtype == value.dtype
+        and type(keep) is Tensor
+        and keep.dtype == torch.bool
+        and keep.is_cpu
+        and 1 <= keep.dim() <= 3
+        and keep.shape[-1] == key.shape[-2] == value.shape[-2]
+        and keep.stride(-1) == 1
+    )
+
+
+def keymask_rows(
+    out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    keep: Tensor,
+    *,
+    scale: float,
+    group: int,
+) -> bool:
+    """The rows of a key mask's output after a kernel ran the mask on ``key`` and ``value`` as
+    they are, set in place in one pass: 0 where the row has no key; where the row or its query
+    row is not finite, the row again from its visible keys, in double (NaN for a bad query row,
+    and where the plain math gives a row that is not finite); the other rows as they are.
+    Whether it ran (False: tensors this does not take, and nothing done).
+
+    Why a finite row stands: a key the mask hides reaches a row only as a NaN (its NaN score
+    is NaN under any mask; its weight 0 times an inf value is NaN) or not at all. So the
+    zeroed copies of k and v that the tensor ops make are not needed, and which rows are
+    computed again is found inside the pass (nothing read back: no host read).
+
+    ``out`` must be the kernel's own (see :func:`check_rows`): the caller checks.
+
+    Shape:
+        out ``(B?, H?, T, Dv)``; query ``(B?, H?, T, D)``; key, value ``(B?, G?, S, D|Dv)``;
+        keep bool ``(B?, H?, S)`` (True: a visible key), contiguous keys.
+    """
+    lib = _build()[0]
+    args = _keymask_args(out, query, key, value, keep, scale, group)
+    if lib is None or args is None:
+        return False
+    failed = lib.qkv_rows_keymask(_KEYMASK_ARGS.pack(*args))
+    assert not failed
+    return True
+
+
+class KeymaskRows:
+    """:func:`keymask_rows` for calls whose tensors keep one layout (a decoding step's, with
+    its padding mask): its tests made and its arguments packed at the first call and whenever
+    the layout changes; later calls read strides and pointers only, and check that ``out``'s
+    memory is its own (:func:`check_rows`'s test). For one kind of call: the caller holds one
+    per kind."""
+
+    __slots__ = ("_args", "_fn", "_layout")
+
+    def __init__(self) -> None:
+        self._layout: tuple | None = None
+        self._args = (ctypes.c_int64 * (_KEYMASK_ARGS.size // 8))()  # (28 int64)
+        self._fn: Any = None  # the library's function, its own handle
+
+    def __call__(
+        self, out: Tensor, query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scale: float
+    ) -> bool:
+        lib = _build()[0]  # (asked each call: a test hides the library)
+        layout = (
+            out.shape,
+            out.stride(),
+            query.stride(),
+            key.shape,
+            key.stride(),
+            value.shape,
+            value.stride(),
+            keep.shape,
+            keep.stride(),
+            scale,
+            lib,
+        )
+        if layout != self._layout:
+            group = 1  # (a kind with GQA has no lane: the caller checks)
+            packed = _keymask_args(out, query, key, value, keep, scale, group)
+            if packed is None or lib is None:
+                return False
+            self._args[:] = packed
+            self._layout = layout
+            self._fn = lib["qkv_rows_keymask"]  # its own handle, taking the array as it is
+            self._fn.restype = ctypes.c_int
+        if not _own_memory(out, (query, key, value)):
+            return False
+        args = self._args
+        args[4], args[9], args[14] = out.data_ptr(), query.data_ptr(), key.data_ptr()
+        args[18], args[23] = value.data_ptr(), keep.data_ptr()
+        failed = self._fn(args)
+        assert not failed
+        return True
+
+
+def _keymask_args(
+    out: Tensor, query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scale: float, group: int
+) -> list | None:
+    """The arguments of ``qkv_rows_keymask`` for :func:`keymask_rows`, or None where it does
+    not take these tensors."""
+    if _build()[0] is None or not takes_keymask(query, key, value, keep):
+        return None
+    if type(out) is not Tensor or out.dtype != query.dtype or out.requires_grad:
+        return None
+    if not out.is_cpu or not 2 <= out.dim() <= 4 or out.stride(-1) != 1:
+        return None
+    code, S, lead = _DTYPES[out.dtype], key.shape[-2], out.shape[:-1]
+    kb, kh, _ = _aligned(key.shape[:-1], key.stride()[:-1])
+    vb, vh, _ = _aligned(value.shape[:-1], value.stride()[:-1])
+    mb, mh, _ = _aligned(keep.shape[:-1] + (1,), keep.stride()[:-1] + (0,))
+    return [
+        code,
+        *_rows(lead),
+        out.data_ptr(),  # [4]
+        *_aligned(lead, out.stride()[:-1]),
+        out.shape[-1],
+        query.data_ptr(),  # [9]
+        *_aligned(query.shape[:-1], query.stride()[:-1]),
+        query.shape[-1],
+        key.data_ptr(),  # [14]
+        kb,
+        kh,
+        key.stride(-2),
+        value.data_ptr(),  # [18]
+        vb,
+        vh,
+        value.stride(-2),
+        group,
+        keep.data_ptr(),  # [23]
+        mb,
+        mh,
+        S,
+        _DOUBLE_BITS.unpack(_DOUBLE.pack(scale))[0],
+    ]
 
 
 def check_rows(out: Tensor, query: Tensor, inputs: tuple[Tensor, ...] = ()) -> bool:
