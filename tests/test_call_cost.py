@@ -535,3 +535,24 @@ def test_a_lane_gives_way_to_a_change_of_registry_autotune_or_gradient(monkeypat
     torch.nn.functional.scaled_dot_product_attention(qt, k, v).sum().backward()
     torch.testing.assert_close(qg.grad, qt.grad)
     assert steps.count == 8
+
+
+def test_a_kind_whose_check_cannot_take_its_layout_runs_its_kernel_once(monkeypatch):
+    """Queries whose last dim has a stride (a view of every other column) are not what the
+    fused check takes: the kind's lane gives way to the full steps at its first run and for
+    good, so each later call runs torch's kernel once, not once in the lane and again."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    force_native_rows(monkeypatch, on=True)
+    monkeypatch.setattr(qkv.functional, "_LANES", {})
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 1, 2 * D, generator=g)[..., ::2]  # (1, 2, 1, D), last stride 2
+    k, v = (torch.randn(1, 2, 9, D, generator=g) for _ in range(2))
+    kernel = "_safe_softmax"  # (torch's math kernel takes such queries: one softmax a call)
+    with torch.no_grad():
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        for _ in range(2):  # the steps, then the lane that gives way
+            qkv.scaled_dot_product_attention(q, k, v)
+        for _ in range(2):
+            ops = _ops(lambda: qkv.scaled_dot_product_attention(q, k, v))
+            assert ops.count(kernel) == 1, ops
+        torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), want)

@@ -318,8 +318,10 @@ def _run_lane(
 def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> None:
     """Keep the lane of ``call``'s kind, or that it has none (the steps it took, see above)."""
     state = dispatch.kept_plans_state()
-    if state is None:
-        return
+    kept = _LANES.get(kind)
+    if state is None or (kept is not None and kept.state == state and not kept.ok):
+        return  # (none kept while foreign backends are registered; a kind found to have none
+        # keeps that: a lane whose check cannot take its layout would run the kernel twice)
     narrow = call.is_causal and call.T < call.S
     if call.attn_mask is None:
         steps = guard.check == "output" and guard.call.key.shape[-2] == (
