@@ -217,31 +217,22 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
   });
 }
 
+// The bits of x read as a To (of x's size).
+template <typename To, typename From>
+inline To bits_as(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as keeps the size");
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
 // A row's element as a double (exact for every input dtype).
-inline double wide(uint32_t w, F32) {
-  float f;
-  std::memcpy(&f, &w, sizeof f);
-  return f;
-}
-inline double wide(uint64_t w, F64) {
-  double d;
-  std::memcpy(&d, &w, sizeof d);
-  return d;
-}
-inline double wide(uint16_t w, BF16) { return wide(static_cast<uint32_t>(w) << 16, F32{}); }
+inline double wide(uint32_t w, F32) { return bits_as<float>(w); }
+inline double wide(uint64_t w, F64) { return bits_as<double>(w); }
+inline double wide(uint16_t w, BF16) { return bits_as<float>(static_cast<uint32_t>(w) << 16); }
 inline double wide(uint16_t w, F16) { return static_cast<double>(c10::Half(w, c10::Half::from_bits())); }
 // A double rounded to nearest even in the row's dtype, as its word.
-inline uint32_t word(double x, F32) {
-  const float f = static_cast<float>(x);
-  uint32_t w;
-  std::memcpy(&w, &f, sizeof w);
-  return w;
-}
-inline uint64_t word(double x, F64) {
-  uint64_t w;
-  std::memcpy(&w, &x, sizeof w);
-  return w;
-}
+inline uint32_t word(double x, F32) { return bits_as<uint32_t>(static_cast<float>(x)); }
+inline uint64_t word(double x, F64) { return bits_as<uint64_t>(x); }
 inline uint16_t word(double x, BF16) { return c10::BFloat16(static_cast<float>(x)).x; }
 inline uint16_t word(double x, F16) { return c10::Half(static_cast<float>(x)).x; }
 

@@ -28,6 +28,7 @@ import ctypes
 import functools
 import logging
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -275,46 +276,54 @@ def keymask_rows(
     return True
 
 
-class KeymaskRows:
-    """:func:`keymask_rows` for calls whose tensors keep one layout (a decoding step's, with
-    its padding mask): its tests made and its arguments packed at the first call and whenever
-    the layout changes; later calls read strides and pointers only, and check that ``out``'s
-    memory is its own (:func:`check_rows`'s test). For one kind of call: the caller holds one
-    per kind."""
+class _Packed:
+    """A function of the library called with one array of arguments, packed when the layout
+    of its tensors is first met or changes (ctypes passes the array as it is); a call of a
+    known layout writes its tensors' pointers into the array and calls."""
 
     __slots__ = ("_args", "_fn", "_layout")
 
-    def __init__(self) -> None:
+    def __init__(self, struct_: struct.Struct) -> None:
         self._layout: tuple | None = None
-        self._args = (ctypes.c_int64 * (_KEYMASK_ARGS.size // 8))()  # (28 int64)
+        self._args = (ctypes.c_int64 * (struct_.size // 8))()
         self._fn: Any = None  # the library's function, its own handle
+
+    def _ready(self, layout: tuple, pack: Callable[[], list | None], name: str) -> bool:
+        """Whether the arguments of ``layout`` (whose last item is the library, or None) are
+        packed, packing them by ``pack()`` (None: not taken) when the layout is new."""
+        if layout == self._layout:
+            return True
+        packed, lib = pack(), layout[-1]
+        if packed is None or lib is None:
+            return False
+        self._args[:] = packed
+        self._layout = layout
+        self._fn = lib[name]  # its own handle, taking the array as it is
+        self._fn.restype = ctypes.c_int
+        return True
+
+
+class KeymaskRows(_Packed):
+    """:func:`keymask_rows` for calls whose tensors keep one layout (a decoding step's, with
+    its padding mask): its tests made and its arguments packed at the first call and whenever
+    the layout changes; later calls read strides and pointers only, and check that ``out``'s
+    memory is its own (:func:`check_rows`'s test). For one kind of call without GQA: the
+    caller holds one per kind."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        super().__init__(_KEYMASK_ARGS)
 
     def __call__(
         self, out: Tensor, query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scale: float
     ) -> bool:
         lib = _build()[0]  # (asked each call: a test hides the library)
-        layout = (
-            out.shape,
-            out.stride(),
-            query.stride(),
-            key.shape,
-            key.stride(),
-            value.shape,
-            value.stride(),
-            keep.shape,
-            keep.stride(),
-            scale,
-            lib,
-        )
-        if layout != self._layout:
-            group = 1  # (a kind with GQA has no lane: the caller checks)
-            packed = _keymask_args(out, query, key, value, keep, scale, group)
-            if packed is None or lib is None:
-                return False
-            self._args[:] = packed
-            self._layout = layout
-            self._fn = lib["qkv_rows_keymask"]  # its own handle, taking the array as it is
-            self._fn.restype = ctypes.c_int
+        layout: tuple = (out.shape, out.stride(), query.stride(), key.shape, key.stride())
+        layout += (value.shape, value.stride(), keep.shape, keep.stride(), scale, lib)
+        pack = lambda: _keymask_args(out, query, key, value, keep, scale, 1)  # noqa: E731
+        if not self._ready(layout, pack, "qkv_rows_keymask"):
+            return False
         if not _own_memory(out, (query, key, value)):
             return False
         args = self._args
@@ -388,31 +397,22 @@ def check_rows(out: Tensor, query: Tensor, inputs: tuple[Tensor, ...] = ()) -> b
     return True
 
 
-class RowsCheck:
+class RowsCheck(_Packed):
     """:func:`check_rows` for calls whose ``out`` and ``query`` keep one layout (a decoding
     step's): its tests made and its arguments packed at the first call and whenever the
     layout changes; later calls read the two tensors' strides and pointers only. For one kind
     of call (the same dtypes and devices, no gradient): the caller holds one per kind."""
 
-    __slots__ = ("_args", "_fn", "_layout")
+    __slots__ = ()
 
     def __init__(self) -> None:
-        self._layout: tuple | None = None
-        self._args = (ctypes.c_int64 * (_RESTORE_ARGS.size // 8))()  # (35 int64)
-        self._fn: Any = None  # the library's function, its own handle
+        super().__init__(_RESTORE_ARGS)
 
     def __call__(self, out: Tensor, query: Tensor, inputs: tuple[Tensor, ...]) -> bool:
         lib = _build()[0]  # (asked each call: a test hides the library)
         layout = (out.shape, out.stride(), query.shape, query.stride(), lib)
-        if layout != self._layout:
-            packed = _check_args(out, query)
-            if packed is None or lib is None:
-                return False
-            self._args[:] = packed
-            self._layout = layout
-            self._fn = lib["qkv_rows_restore"]  # its own handle, taking the array as it is
-            self._fn.restype = ctypes.c_int
-        if not _own_memory(out, inputs):
+        pack = lambda: _check_args(out, query)  # noqa: E731
+        if not self._ready(layout, pack, "qkv_rows_restore") or not _own_memory(out, inputs):
             return False
         args = self._args
         args[4], args[10] = out.data_ptr(), query.data_ptr()
