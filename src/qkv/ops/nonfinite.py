@@ -33,6 +33,13 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
   column of 0 and NaN added to the output. The copy's gradient is passed through as it is:
   the kernel's gradient is 0 on every bad row already (a NaN row passes no gradient, and a
   masked pair's weight is exactly 0).
+* **A bool key mask of a few query rows, on the CPU without gradient** (a padded batch's
+  decoding step; ``KEYS_IN_PLACE_MAX_T``): no copy; the kernel runs the mask on k and v as
+  they are, and the output's fused pass (``nonfinite_rows.keymask_rows``, C++) computes again
+  from its visible keys each row that is not finite. A hidden key reaches a row only as a
+  NaN (its NaN score stays NaN under ``-inf``; its weight 0 times an inf value is NaN), so a
+  finite row is already right, and the rows computed again are found inside the pass
+  (nothing read back).
 
 A row's finiteness is one matrix-vector product, ``x @ w`` with ``w`` a power of two below
 ``1 / (4 D)``: finite for every finite row (no overflow, unlike a sum), not finite for every
