@@ -396,6 +396,11 @@ _LANE_CASES = {
     "B2-H3-T1-S37-keymask-B11S": ((2, 3, 1, D), (2, 3, 37, D), dict(attn_mask=(2, 1, 1, 37))),
     "B2-H3-T3-S37-keymask-BH1S": ((2, 3, 3, D), (2, 3, 37, D), dict(attn_mask=(2, 3, 1, 37))),
     "H3-T1-S9-keymask-1S": ((3, 1, D), (3, 9, D), dict(attn_mask=(1, 9))),
+    "B2-H4-G2-T1-S19-keymask-gqa": (
+        (2, 4, 1, D),
+        (2, 2, 19, D),
+        dict(attn_mask=(2, 4, 1, 19), enable_gqa=True),
+    ),
 }
 
 

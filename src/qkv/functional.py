@@ -288,9 +288,10 @@ def _run_lane(
             dropout_p=0.0,
             is_causal=False,
             scale=lane.scale,
-            enable_gqa=False,
+            enable_gqa=lane.gqa,
         )  # (*batch, T, Dv)
-        if lane.keys(out, query, key, value, mask.select(-2, 0), lane.scale):
+        group = query.shape[-3] // key.shape[-3] if lane.gqa else 1  # query heads per key head
+        if lane.keys(out, query, key, value, mask.select(-2, 0), lane.scale, group):
             return out
         if nonfinite_rows.available():  # (as below)
             _LANES[kind] = _Lane(lane.state)
@@ -327,12 +328,11 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
         steps = guard.check == "output" and guard.call.key.shape[-2] == (
             call.T if narrow else call.S
         )
-    else:  # a bool key mask (``_lane_key``), without GQA (its rows' key heads: the steps')
+    else:  # a bool key mask (``_lane_key``)
         steps = (
             guard.check == "keys_in_place"
             and guard.call is call
             and not call.is_causal
-            and not call.enable_gqa
             and call.attn_mask.dtype == torch.bool
         )
     ok = (

@@ -307,8 +307,8 @@ class KeymaskRows(_Packed):
     """:func:`keymask_rows` for calls whose tensors keep one layout (a decoding step's, with
     its padding mask): its tests made and its arguments packed at the first call and whenever
     the layout changes; later calls read strides and pointers only, and check that ``out``'s
-    memory is its own (:func:`check_rows`'s test). For one kind of call without GQA: the
-    caller holds one per kind."""
+    memory is its own (:func:`check_rows`'s test). For one kind of call: the caller holds one
+    per kind."""
 
     __slots__ = ()
 
@@ -316,12 +316,19 @@ class KeymaskRows(_Packed):
         super().__init__(_KEYMASK_ARGS)
 
     def __call__(
-        self, out: Tensor, query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scale: float
+        self,
+        out: Tensor,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        keep: Tensor,
+        scale: float,
+        group: int,
     ) -> bool:
         lib = _build()[0]  # (asked each call: a test hides the library)
         layout: tuple = (out.shape, out.stride(), query.stride(), key.shape, key.stride())
-        layout += (value.shape, value.stride(), keep.shape, keep.stride(), scale, lib)
-        pack = lambda: _keymask_args(out, query, key, value, keep, scale, 1)  # noqa: E731
+        layout += (value.shape, value.stride(), keep.shape, keep.stride(), scale, group, lib)
+        pack = lambda: _keymask_args(out, query, key, value, keep, scale, group)  # noqa: E731
         if not self._ready(layout, pack, "qkv_rows_keymask"):
             return False
         if not _own_memory(out, (query, key, value)):
