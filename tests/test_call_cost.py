@@ -18,6 +18,9 @@ C++ compiler is found (tests/routes.py, ``force_native_rows``).
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -561,3 +564,66 @@ def test_a_kind_whose_check_cannot_take_its_layout_runs_its_kernel_once(monkeypa
             ops = _ops(lambda: qkv.scaled_dot_product_attention(q, k, v))
             assert ops.count(kernel) == 1, ops
         torch.testing.assert_close(qkv.scaled_dot_product_attention(q, k, v), want)
+
+
+# --- the fused passes on both ISA classes this CPU can show --------------------------------------
+
+_PASSES_SCRIPT = r"""
+import sys, torch
+from qkv.ops import nonfinite_rows as nr
+assert nr.available(), nr._build()[1]
+g = torch.Generator().manual_seed(0)
+got = {"capability": torch.backends.cpu.get_cpu_capability(), "library": nr._build()[0]._name}
+for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    q = torch.randn(2, 3, 2, 8, generator=g).to(dtype)
+    k, v = (torch.randn(2, 3, 11, 8, generator=g).to(dtype) for _ in range(2))
+    k[0, 1, 4, 2], v[1, 0, 7, 3], v[1, 2, 9, 0] = float("nan"), float("inf"), float("-inf")
+    q[0, 2, 1, 5] = float("inf")
+    keep = torch.rand(2, 3, 11, generator=g) < 0.6
+    keep[..., 0], keep[..., 4], keep[1, 0, 7] = True, False, False
+    keep[1, 1] = False  # no key at all
+    out = torch.full((2, 3, 2, 8), float("nan")).to(dtype)  # every row computed again
+    out[0, 0] = 0.25
+    assert nr.keymask_rows(out, q, k, v, keep, scale=0.3, group=1)
+    flags = torch.zeros(2, 3, 11)
+    copied = nr.copy_rows(k, zero_nonfinite=True, flags=flags)
+    restored = nr.restore_rows(out.clone(), query=q, check_out=True, flags=flags[..., :2])
+    got[str(dtype)] = (out, copied, flags, restored)
+    got["inputs " + str(dtype)] = (q, k, v, keep)
+torch.save(got, sys.argv[1])
+"""
+
+
+def test_the_fused_passes_give_the_same_bits_on_both_isa_classes(tmp_path):
+    """The row passes are built for torch's ISA level (``ops/_native_build.py``): under
+    ``ATEN_CPU_CAPABILITY=avx2`` (held to AVX2, as on a CPU without AVX-512) they build and give
+    the same bits as this CPU's own build: the key mask's rows computed again in double (a
+    hidden NaN and a shown inf, a NaN query row, a row with no key), the zeroed copies with
+    their flags, and the output's pass."""
+    if not nonfinite_rows.available():
+        pytest.skip(f"the fused row passes did not build here: {nonfinite_rows._build()[1]}")
+    runs = []
+    for capability in ("", "avx2"):
+        path = tmp_path / f"passes-{capability or 'own'}.pt"
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+        if not capability:
+            env.pop("ATEN_CPU_CAPABILITY")
+        subprocess.run(
+            [sys.executable, "-c", _PASSES_SCRIPT, str(path)], env=env, check=True, timeout=600
+        )
+        runs.append(torch.load(path))
+    own, avx2 = runs
+    assert avx2["capability"] == "AVX2" and "_avx2_" in avx2["library"]
+    for name in ("torch.float32", "torch.float64", "torch.bfloat16", "torch.float16"):
+        for a, b in zip(own[name], avx2[name]):
+            assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()), name
+            assert torch.equal(a.nan_to_num(0.0, 7.0, -7.0), b.nan_to_num(0.0, 7.0, -7.0)), name
+        out = own[name][0]
+        assert (out[1, 1] == 0).all() and out[0, 2, 1].isnan().all(), name  # no key; bad query
+        assert (out[0, 0] == 0.25).all(), name  # a finite row stands as it is
+        # batch 0, head 1: its NaN key is hidden, so its rows are the visible keys' attention
+        q, k, v, keep = (t[0, 1] for t in own["inputs " + name])  # (T, D), (S, D), (S, D), (S,)
+        scores = (q.double() @ k.double().nan_to_num(0.0).T * 0.3).masked_fill(~keep, -math.inf)
+        want = torch.softmax(scores, -1) @ v.double().nan_to_num(0.0)  # (T, D)
+        tol = 1e-6 if name in ("torch.float32", "torch.float64") else 1e-2
+        torch.testing.assert_close(out[0, 1].double(), want, atol=tol, rtol=tol)
