@@ -10,6 +10,7 @@ which and why.
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -170,3 +171,26 @@ def test_qkv_tune_keeps_its_choices_for_later_processes(tmp_path, monkeypatch, c
         assert cpu_isa.half_gemm_choice(torch.bfloat16).source == "disk"
     finally:
         autotune.forget()
+
+
+def test_the_environment_read_on_every_call_follows_every_change(monkeypatch):
+    """``_measured.env`` (the settings read on every call, without os.environ's encoding each
+    time) gives what ``os.environ.get`` gives, through setenv, delenv, a direct assignment, a
+    value outside ASCII and a name never set."""
+    from qkv import _measured
+
+    name = "QKV_TEST_ENV_READ"
+    monkeypatch.delenv(name, raising=False)
+    assert _measured.env(name) is None
+    for value in ("on", "off", "", " Off ", "é-ü"):
+        monkeypatch.setenv(name, value)
+        assert _measured.env(name) == os.environ.get(name) == value
+    os.environ[name] = "direct"
+    assert _measured.env(name) == "direct"
+    monkeypatch.delenv(name)
+    assert _measured.env(name) is None
+    assert _measured.env("QKV_TEST_NEVER_SET_ANYWHERE") is None
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    assert not _measured.enabled()
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    assert _measured.enabled()

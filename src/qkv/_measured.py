@@ -37,6 +37,7 @@ __all__ = [
     "cpu_features",
     "cpu_model",
     "enabled",
+    "env",
     "forget",
     "machine_key",
     "store",
@@ -47,9 +48,43 @@ __all__ = [
 _ENABLED: dict[str | None, bool] = {}  # QKV_AUTOTUNE's raw value -> on/off (read every call)
 
 
+def env(name: str) -> str | None:
+    """``os.environ.get(name)``, read without encoding the name and decoding the value again
+    on every call as ``os.environ`` does: for the settings read on every attention call. On a
+    decoding step's cold caches (its projections stream megabytes of weights between calls)
+    ``os.environ.get`` cost 16 µs, this 2-3 (benchmarks/RESULTS.md, 2026-11-27). Falls back
+    to ``os.environ.get`` where ``os.environ`` keeps no mapping of its own."""
+    data = _ENVIRON_DATA
+    if data is None:
+        return os.environ.get(name)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)
+    raw = data.get(key)
+    if raw is None:
+        return None
+    value = _ENV_VALUES.get(raw)
+    if value is None:
+        if len(_ENV_VALUES) >= 256:
+            _ENV_VALUES.clear()
+        value = _ENV_VALUES[raw] = os.environ.decodevalue(raw)
+    return value
+
+
+# os.environ's own mapping of encoded names to encoded values (CPython's ``_Environ``: set and
+# deleted with it), the names encoded, and the values decoded
+_ENVIRON_DATA: dict | None = (
+    getattr(os.environ, "_data", None)
+    if hasattr(os.environ, "encodekey") and hasattr(os.environ, "decodevalue")
+    else None
+)
+_ENV_KEYS: dict[str, object] = {}
+_ENV_VALUES: dict[object, str] = {}
+
+
 def enabled() -> bool:
     """Whether qkv measures its speed choices (``QKV_AUTOTUNE``, default on)."""
-    raw = os.environ.get("QKV_AUTOTUNE")
+    raw = env("QKV_AUTOTUNE")
     known = _ENABLED.get(raw)
     if known is not None:
         return known

@@ -193,7 +193,7 @@ def forget() -> None:
 
 
 def _forced() -> str | None:
-    forced = os.environ.get("QKV_CPU_HALF_GEMM", "").strip().lower()
+    forced = (_measured.env("QKV_CPU_HALF_GEMM") or "").strip().lower()
     if forced in HALF_GEMM_ROUTES:
         return forced
     if forced:

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -67,6 +66,7 @@ import torch
 from torch import Tensor
 
 from .._identity import IdentityCache
+from .._measured import env
 from ..masks import evaluate_mask, index_grid
 from . import nonfinite_rows
 from .base import compiling_plainly, tracing
@@ -348,7 +348,7 @@ def host_reads_free(device: torch.device) -> bool:
     """
     if device.type != "cpu":
         return False
-    raw = os.environ.get("QKV_CPU_HOST_READS", "")
+    raw = env("QKV_CPU_HOST_READS") or ""
     known = _READS_SWITCH.get(raw)
     if known is None:
         value = raw.strip().lower()
