@@ -225,6 +225,47 @@ def test_range_masks_count_bad_keys_per_row(route, mask):
     torch.testing.assert_close(out[~hit].double(), want[~hit], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("mask", ["causal", "causal-gqa", "window", "key-lengths"])
+def test_range_masks_run_on_k_and_v_as_they_are(route, mask, dtype):
+    """Without gradient the fused route runs a range mask's kernel on k and v as they are
+    (``"ranges_in_place"``, no copies): values past position 40 all NaN and a key entry of inf
+    at 30 reach the rows that see them (NaN) and, as a NaN through the kernel's blocks, rows
+    that do not (computed again from their range in the output's pass): every row before
+    them equals float64 math, those after them are NaN, rows with no key are 0."""
+    T, S, Hq = 64, 64, H
+    kw: dict = dict(is_causal=True)
+    if mask == "causal-gqa":
+        Hq, kw = 2 * H, dict(is_causal=True, enable_gqa=True)
+    elif mask == "window":
+        kw = dict(mask_mod=qkv.masks.sliding_window(8))
+    elif mask == "key-lengths":
+        kw = dict(mask_mod=qkv.masks.key_lengths(torch.tensor([0, 28])))  # batch 0: no key
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(B, Hq, T, D, generator=g, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    call = AttentionCall.build(q, k, v, **kw)
+    ok = qkv.ops.nonfinite.allowed(call)  # (B, Hq, T, S)
+    kk, vv = (t.repeat_interleave(Hq // H, dim=1) for t in (k, v))
+    want = _golden(q, kk, vv, ok)
+    v[:, :, 40:] = math.nan
+    k[:, :, 30, 2] = math.inf
+    with torch.no_grad():
+        guard = nonfinite.prepare(AttentionCall.build(q, k, v, **kw))
+        out = qkv.scaled_dot_product_attention(q, k, v, **kw)
+    assert (guard.check == "ranges_in_place") == (route == "fused")
+    bad = torch.zeros(S, dtype=torch.bool)
+    bad[30], bad[40:] = True, True
+    has_key = ok.any(-1)  # (B, Hq, T)
+    hit = (ok & bad).any(-1)  # rows that may attend a bad key
+    assert (out[~has_key] == 0).all()
+    assert out[hit].isnan().all()
+    clean = has_key & ~hit
+    assert clean.any()
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2)
+    torch.testing.assert_close(out[clean].double(), want[clean], rtol=tol, atol=tol)
+
+
 # --- the fused passes and their slow twin ------------------------------------------------------
 
 
@@ -277,10 +318,11 @@ def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
     torch's kernel alone, a causal one two views and the kernel (it sees key 0 only), a key
     mask's the kernel with the mask as it is and a view of the mask's keys (no copies of k
     and v: the rows a hidden NaN/inf reaches are computed again in the fused pass); a causal
-    call of T = S (rows hide keys from each other) the bad keys' flags, the copies and the
-    kernel. The checks run in the fused passes. (Before issue 38's work: 9, 31, 40 and 31
-    ops; before the key mask's pass in place, the key mask's were the copies of k and v, the
-    kernel and the empty rows' factor.)"""
+    call of T = S (rows hide keys from each other) the bad keys' flags and the kernel, on k
+    and v as they are as well. The checks run in the fused passes. (Before issue 38's work:
+    9, 31, 40 and 31 ops; before the passes in place, the key mask's were the copies of k and
+    v, the kernel and the empty rows' factor, the causal call's the flags, the copies and the
+    kernel.)"""
     force_host_reads(monkeypatch, free=False)
     force_native_rows(monkeypatch, on=True)
     g = torch.Generator().manual_seed(0)
@@ -297,7 +339,8 @@ def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
             dict(attn_mask=keep),
             ["scalar_tensor", "scalar_tensor", "where", kernel, "select"],
         ),
-        "causal T=S": (dict(is_causal=True), ["zeros", "empty", "empty", kernel]),
+        # the bad keys' flags (a pass that reads k and v), the kernel on k and v as they are
+        "causal T=S": (dict(is_causal=True), ["zeros", kernel]),
     }
     with torch.no_grad():
         for name, (kw, ops) in want.items():

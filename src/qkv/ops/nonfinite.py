@@ -114,15 +114,30 @@ class Guard:
     * ``"keys_in_place"``: a bool key mask run on k and v as they are (CPU, no gradient, the
       fused passes built): the rows a hidden NaN/inf reached (no longer finite) are computed
       again from their visible keys (``keep``) in the output's pass, then as ``"keys"``.
+    * ``"ranges_in_place"``: masks whose rows see ranges of keys (causal, windows, key
+      lengths) run on k and v as they are (CPU, no gradient, the fused passes built):
+      ``bad.keys`` flags the keys holding NaN/inf (a pass that reads k and v, no copies); the
+      output's pass sets NaN on the rows whose range ``spans`` holds one and on bad query
+      rows, 0 on rows with an empty range, and computes again from its range each other row
+      that is not finite (a hidden bad key reached it).
     """
 
     call: AttentionCall
     check: Literal[
-        "none", "output", "eager", "traced", "in_graph", "optimistic", "keys", "keys_in_place"
+        "none",
+        "output",
+        "eager",
+        "traced",
+        "in_graph",
+        "optimistic",
+        "keys",
+        "keys_in_place",
+        "ranges_in_place",
     ]
     bad: _Bad | None = None
     has_key: Tensor | None = None  # "keys": which rows have a key, broadcastable to (*batch, T)
     keep: Tensor | None = None  # "keys_in_place": the visible keys, bool (*mbatch, S)
+    spans: tuple[Tensor, Tensor] | None = None  # "ranges_in_place": each row's keys [lo, hi)
 
     def holds(self, result: Result) -> bool:
         """Whether ``result`` is the call's result under the contract as it is: False only for
@@ -163,6 +178,8 @@ class Guard:
         elif self.check == "keys_in_place":
             assert self.has_key is not None and self.keep is not None
             result = _with_output(result, _restore_keys_in_place(self, _output(result)))
+        elif self.check == "ranges_in_place":
+            result = _with_output(result, _restore_ranges_in_place(self, _output(result)))
         elif self.check == "eager":
             assert self.bad is not None and self.bad.keys is not None
             result = _restore_eager(self.call, self.bad.keys, self.bad.rows, result)
@@ -198,6 +215,10 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
         keyed = _prepare_key_mask(call)
         if keyed is not None:
             return keyed
+    if inference:
+        in_place = _prepare_ranges_in_place(call)
+        if in_place is not None:
+            return in_place
     if (
         inference
         and _native(call.query, call.key, call.value)
@@ -218,6 +239,51 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
     # is set to NaN after the kernel whatever it holds, and q needs no copy
     queries = grad or call.return_trace or not sees_own_position(call)
     return Guard(_zeroed_call(call, grad, queries), "eager", bad)
+
+
+def _prepare_ranges_in_place(call: AttentionCall) -> Guard | None:
+    """The guard of a call without gradient whose rows see ranges of keys (causal, windows,
+    key lengths: ``key_counts.ranges``, no documents) on the CPU with the fused passes: the
+    kernel runs on k and v as they are (no copies), after one pass that flags their bad keys.
+    None for other calls, and where the scale can overflow the scores (whose refusal reads the
+    output: the copies' way keeps it)."""
+    if (
+        len(call.batch) > 2
+        or call.key.shape[:-1] != call.value.shape[:-1]
+        or not nonfinite_rows.takes(call.query, call.key, call.value)
+        or call.query.dtype != call.key.dtype
+        or call.key.dtype != call.value.dtype
+        or scale_may_overflow(call)
+    ):
+        return None
+    spans = ranges(call)  # (lo, hi, doc): None for other masks
+    if spans is None or spans[2] is not None:
+        return None
+    keys = torch.zeros(call.key.shape[:-1], dtype=torch.float32)  # (*kbatch, S)
+    nonfinite_rows.flag_rows(call.key, keys)
+    nonfinite_rows.flag_rows(call.value, keys)
+    bad = _Bad(_as_bh(keys, call, call.S), None)
+    return Guard(call, "ranges_in_place", bad, spans=(spans[0], spans[1]))
+
+
+def _restore_ranges_in_place(guard: Guard, out: Tensor) -> Tensor:
+    """The output of a range mask's call run on k and v as they are (see
+    :func:`_prepare_ranges_in_place`), its rows set in the output's pass.
+
+    Shape:
+        out ``(*batch, T, Dv)`` -> the same.
+    """
+    call, spans = guard.call, guard.spans
+    assert spans is not None and guard.bad is not None and guard.bad.keys is not None
+    if not _writable(out, call) or out.stride(-1) != 1:
+        out = out.clone(memory_format=torch.contiguous_format)
+    group = call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
+    return nonfinite_rows.restore_rows(
+        out,
+        query=call.query,
+        ranges=(guard.bad.keys.contiguous(), spans[0], spans[1]),
+        recompute=(call.key, call.value, call.scale, group),
+    )
 
 
 def _without_hidden_keys(call: AttentionCall) -> AttentionCall:

@@ -114,6 +114,11 @@ void copy(const Rows n, int64_t E, const void* src_, const Strides s, void* dst_
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     runs(n, begin, end, [&](int64_t first, int64_t last) {
       const W* x = src + offset(first, n, s);
+      if (dst == nullptr) {  // the flags alone
+        for (int64_t r = first; r < last; ++r, x += s.s2)
+          if (nonfinite<B>(x, E)) flags[r] = 1.0f;
+        return;
+      }
       W* y = dst + first * E;
       if (keep == nullptr && (s.s2 == E || last - first == 1)) {  // one span: copy, then flag
         const int64_t count = (last - first) * E;
@@ -149,74 +154,6 @@ void copy(const Rows n, int64_t E, const void* src_, const Strides s, void* dst_
   });
 }
 
-// The keys each row sees as a range [lo, hi) (causal, windows, key lengths) and which keys are bad:
-// a row sees a bad key where the bad keys before hi outnumber those before lo.
-struct KeyRanges {
-  const float* keys;  // bad keys (1.0), S of them for each of the first two row dims
-  int64_t k0, k1, S;  // strides of keys along those dims
-  const int64_t* lo;  // per row, clamped to [0, S]
-  Strides l;
-  const int64_t* hi;  // per row, clamped to [0, S]
-  Strides u;
-};
-
-// Each row of out: 0 where has_key is given and 0 there, or where the row's key range is empty;
-// else NaN where flags[r] != 0, or its key range holds a bad key, or a row of q holds a non-finite
-// element, or (check_out) the row itself does; else left as it is.
-template <typename B>
-void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_out, const void* q_,
-             const Strides qs, int64_t D, const float* flags, const Strides f,
-             const uint8_t* has_key, const Strides h, const KeyRanges kr) {
-  using W = typename B::word;
-  W* out = static_cast<W*>(out_);
-  const W* q = static_cast<const W*>(q_);
-  const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
-  at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> before;  // bad keys before each key position, for one run's (b, h)
-    runs(n, begin, end, [&](int64_t first, int64_t last) {
-      // the common case first: no flag, no key missing, every row finite: nothing to write
-      if (flags == nullptr && has_key == nullptr && kr.keys == nullptr) {
-        const bool bad = (check_out && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
-                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
-        if (!bad) return;
-      }
-      if (kr.keys != nullptr) {  // a run shares its (b, h): the counts of its bad keys, once
-        const int64_t i01 = first / n.n2;
-        const float* k = kr.keys + (i01 / n.n1) * kr.k0 + (i01 % n.n1) * kr.k1;
-        before.assign(kr.S + 1, 0.0f);
-        for (int64_t j = 0; j < kr.S; ++j) before[j + 1] = before[j] + k[j];
-      }
-      W* y = out + offset(first, n, o);
-      const W* x = q == nullptr ? nullptr : q + offset(first, n, qs);
-      const float* flag = flags == nullptr ? nullptr : flags + offset(first, n, f);
-      const uint8_t* key = has_key == nullptr ? nullptr : has_key + offset(first, n, h);
-      const int64_t* lo = kr.keys == nullptr ? nullptr : kr.lo + offset(first, n, kr.l);
-      const int64_t* hi = kr.keys == nullptr ? nullptr : kr.hi + offset(first, n, kr.u);
-      for (int64_t i = 0; i < last - first; ++i, y += o.s2) {
-        bool bad = false;
-        if (lo != nullptr) {
-          const int64_t a = lo[i * kr.l.s2], b = std::max(hi[i * kr.u.s2], a);
-          if (b == a) {
-            std::memset(y, 0, Dv * sizeof(W));  // no key in its range
-            continue;
-          }
-          bad = before[b] > before[a];
-        }
-        if (key != nullptr && key[i * h.s2] == 0) {
-          std::memset(y, 0, Dv * sizeof(W));
-          continue;
-        }
-        bad = bad || (flag != nullptr && flag[i * f.s2] != 0.0f) ||
-              (x != nullptr && nonfinite<B>(x + i * qs.s2, D)) ||
-              (check_out && nonfinite<B>(y, Dv));
-        if (bad) {
-          for (int64_t e = 0; e < Dv; ++e) y[e] = B::nan;
-        }
-      }
-    });
-  });
-}
-
 // The bits of x read as a To (of x's size).
 template <typename To, typename From>
 inline To bits_as(From x) {
@@ -236,20 +173,21 @@ inline uint64_t word(double x, F64) { return bits_as<uint64_t>(x); }
 inline uint16_t word(double x, BF16) { return c10::BFloat16(static_cast<float>(x)).x; }
 inline uint16_t word(double x, F16) { return c10::Half(static_cast<float>(x)).x; }
 
-// One row of attention over the keys keep[j] != 0 of k (S rows, stride ks) and v (stride vs), in
-// double, by the plain math: scores s_j = scale * q . k_j, weights softmax(s) (a NaN score, a +inf
+// One row of attention over the keys lo <= j < S of k (stride ks) and v (stride vs) with keep[j] != 0
+// (keep null: all of them), in double, by the plain math: scores s_j = scale * q . k_j, weights softmax(s) (a NaN score, a +inf
 // score or every score -inf gives NaN weights), y = weights @ v; then NaN throughout where y is not
 // finite. What a kernel gives a row when no hidden key reaches it.
 template <typename B>
 void attend_row(const typename B::word* q, int64_t D, const typename B::word* k, int64_t ks,
-                const typename B::word* v, int64_t vs, int64_t Dv, const uint8_t* keep, int64_t S,
-                double scale, typename B::word* y, std::vector<double>& s, std::vector<double>& acc) {
+                const typename B::word* v, int64_t vs, int64_t Dv, const uint8_t* keep, int64_t lo,
+                int64_t S, double scale, typename B::word* y, std::vector<double>& s,
+                std::vector<double>& acc) {
   constexpr double inf = std::numeric_limits<double>::infinity();
   s.assign(S, -inf);
   double m = -inf;
   bool nan = false;
-  for (int64_t j = 0; j < S; ++j) {
-    if (keep[j] == 0) continue;
+  for (int64_t j = lo; j < S; ++j) {
+    if (keep != nullptr && keep[j] == 0) continue;
     double dot = 0.0;
     for (int64_t d = 0; d < D; ++d) dot += wide(q[d], B{}) * wide(k[j * ks + d], B{});
     s[j] = scale * dot;
@@ -259,8 +197,8 @@ void attend_row(const typename B::word* q, int64_t D, const typename B::word* k,
   acc.assign(Dv, 0.0);
   bool bad = nan || !std::isfinite(m);
   double sum = 0.0;
-  for (int64_t j = 0; j < S && !bad; ++j) {
-    if (keep[j] == 0) continue;
+  for (int64_t j = lo; j < S && !bad; ++j) {
+    if (keep != nullptr && keep[j] == 0) continue;
     const double p = std::exp(s[j] - m);
     sum += p;
     for (int64_t e = 0; e < Dv; ++e) acc[e] += p * wide(v[j * vs + e], B{});
@@ -270,6 +208,99 @@ void attend_row(const typename B::word* q, int64_t D, const typename B::word* k,
     bad = !std::isfinite(acc[e]);
   }
   for (int64_t e = 0; e < Dv; ++e) y[e] = bad ? B::nan : word(acc[e], B{});
+}
+
+// The keys each row sees as a range [lo, hi) (causal, windows, key lengths) and which keys are bad:
+// a row sees a bad key where the bad keys before hi outnumber those before lo.
+struct KeyRanges {
+  const float* keys;  // bad keys (1.0), S of them for each of the first two row dims
+  int64_t k0, k1, S;  // strides of keys along those dims
+  const int64_t* lo;  // per row, clamped to [0, S]
+  Strides l;
+  const int64_t* hi;  // per row, clamped to [0, S]
+  Strides u;
+};
+
+// The keys and values a row's range indexes, for rows computed again (null k: none are): row
+// (b, h) reads key head h / group through the strides (b, kv head, key).
+struct Recompute {
+  const void* k;
+  int64_t kb, kh, ks;
+  const void* v;
+  int64_t vb, vh, vs;
+  int64_t group;
+  double scale;
+};
+
+// Each row of out: 0 where has_key is given and 0 there, or where the row's key range is empty;
+// else NaN where flags[r] != 0, or its key range holds a bad key, or a row of q holds a non-finite
+// element, or (check_out) the row itself does; else left as it is. With rc.k (key ranges only, the
+// kernel run on k and v as they are): a row that is not finite though its range holds no bad key
+// and its query row is finite (a hidden bad key reached it, as a NaN) is computed again by
+// attend_row over its range instead.
+template <typename B>
+void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_out, const void* q_,
+             const Strides qs, int64_t D, const float* flags, const Strides f,
+             const uint8_t* has_key, const Strides h, const KeyRanges kr, const Recompute rc) {
+  using W = typename B::word;
+  W* out = static_cast<W*>(out_);
+  const W* q = static_cast<const W*>(q_);
+  const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
+  at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> before;  // bad keys before each key position, for one run's (b, h)
+    std::vector<double> s, acc;  // a row computed again
+    runs(n, begin, end, [&](int64_t first, int64_t last) {
+      // the common case first: no flag, no key missing, every row finite: nothing to write
+      if (flags == nullptr && has_key == nullptr && kr.keys == nullptr) {
+        const bool bad = (check_out && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
+                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
+        if (!bad) return;
+      }
+      if (kr.keys != nullptr) {  // a run shares its (b, h): the counts of its bad keys, once
+        const int64_t i01 = first / n.n2;
+        const float* k = kr.keys + (i01 / n.n1) * kr.k0 + (i01 % n.n1) * kr.k1;
+        before.assign(kr.S + 1, 0.0f);
+        for (int64_t j = 0; j < kr.S; ++j) before[j + 1] = before[j] + k[j];
+      }
+      W* y = out + offset(first, n, o);
+      const W* x = q == nullptr ? nullptr : q + offset(first, n, qs);
+      const float* flag = flags == nullptr ? nullptr : flags + offset(first, n, f);
+      const uint8_t* key = has_key == nullptr ? nullptr : has_key + offset(first, n, h);
+      const int64_t* lo = kr.keys == nullptr ? nullptr : kr.lo + offset(first, n, kr.l);
+      const int64_t* hi = kr.keys == nullptr ? nullptr : kr.hi + offset(first, n, kr.u);
+      const int64_t i01 = first / n.n2, b0 = i01 / n.n1, h0 = i01 % n.n1;
+      for (int64_t i = 0; i < last - first; ++i, y += o.s2) {
+        bool bad = false;
+        if (lo != nullptr) {
+          const int64_t a = lo[i * kr.l.s2], b = std::max(hi[i * kr.u.s2], a);
+          if (b == a) {
+            std::memset(y, 0, Dv * sizeof(W));  // no key in its range
+            continue;
+          }
+          bad = before[b] > before[a];
+          if (rc.k != nullptr && x != nullptr && !bad && !nonfinite<B>(x + i * qs.s2, D) &&
+              nonfinite<B>(y, Dv)) {
+            const int64_t g = h0 / rc.group;
+            const W* k = static_cast<const W*>(rc.k) + b0 * rc.kb + g * rc.kh;
+            const W* v = static_cast<const W*>(rc.v) + b0 * rc.vb + g * rc.vh;
+            attend_row<B>(x + i * qs.s2, D, k, rc.ks, v, rc.vs, Dv, nullptr, a, b, rc.scale, y,
+                          s, acc);
+            continue;
+          }
+        }
+        if (key != nullptr && key[i * h.s2] == 0) {
+          std::memset(y, 0, Dv * sizeof(W));
+          continue;
+        }
+        bad = bad || (flag != nullptr && flag[i * f.s2] != 0.0f) ||
+              (x != nullptr && nonfinite<B>(x + i * qs.s2, D)) ||
+              (check_out && nonfinite<B>(y, Dv));
+        if (bad) {
+          for (int64_t e = 0; e < Dv; ++e) y[e] = B::nan;
+        }
+      }
+    });
+  });
 }
 
 // The rows of a key mask's output after a kernel ran it on k and v as they are (hidden keys in
@@ -311,8 +342,8 @@ void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const v
         for (int64_t e = 0; e < Dv; ++e) y[e] = B::nan;
       } else if (nonfinite<B>(y, Dv)) {
         const int64_t g = h / group;
-        attend_row<B>(x, D, k + b * kb + g * kh, ks, v + b * vb + g * vh, vs, Dv, kept, S, scale,
-                      y, s, acc);
+        attend_row<B>(x, D, k + b * kb + g * kh, ks, v + b * vb + g * vh, vs, Dv, kept, 0, S,
+                      scale, y, s, acc);
       }
     }
   });
@@ -342,7 +373,10 @@ extern "C" {
 //            strides, a[14] D, a[15] flags (float32), a[16..18] its strides, a[19] has_key
 //            (uint8), a[20..22] its strides, a[23] bad keys (float32, 0 for none: no ranges),
 //            a[24..25] its strides along the first two row dims, a[26] S (keys are contiguous),
-//            a[27] lo (int64), a[28..30] its strides, a[31] hi (int64), a[32..34] its strides
+//            a[27] lo (int64), a[28..30] its strides, a[31] hi (int64), a[32..34] its strides,
+//            a[35] k (0: no row computed again), a[36..38] its strides (b, kv head, key),
+//            a[39] v, a[40..42] its strides, a[43] group (H / G), a[44] scale (a double's bits)
+//   copy with a[9] dst = 0: the flags alone (a pass that reads src only)
 // Returns 0, or 1 for an unknown dtype.
 int qkv_rows_copy(const int64_t* a) {
   const Rows n{a[1], a[2], a[3]};
@@ -366,7 +400,10 @@ int qkv_rows_restore(const int64_t* a) {
                                    reinterpret_cast<const int64_t*>(a[27]),
                                    Strides{a[28], a[29], a[30]},
                                    reinterpret_cast<const int64_t*>(a[31]),
-                                   Strides{a[32], a[33], a[34]}});
+                                   Strides{a[32], a[33], a[34]}},
+                         Recompute{reinterpret_cast<const void*>(a[35]), a[36], a[37], a[38],
+                                   reinterpret_cast<const void*>(a[39]), a[40], a[41], a[42],
+                                   a[43], bits_as<double>(a[44])});
   });
 }
 
@@ -376,8 +413,7 @@ int qkv_rows_restore(const int64_t* a) {
 // a[26] S; a[27] scale (a double's bits).
 int qkv_rows_keymask(const int64_t* a) {
   const Rows n{a[1], a[2], a[3]};
-  double scale;
-  std::memcpy(&scale, &a[27], sizeof scale);
+  const double scale = bits_as<double>(a[27]);
   return by_dtype(static_cast<int>(a[0]), [&](auto b) {
     keymask_rows<decltype(b)>(n, reinterpret_cast<void*>(a[4]), Strides{a[5], a[6], a[7]}, a[8],
                               reinterpret_cast<const void*>(a[9]), Strides{a[10], a[11], a[12]},

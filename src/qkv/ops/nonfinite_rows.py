@@ -43,6 +43,7 @@ __all__ = [
     "available",
     "check_rows",
     "copy_rows",
+    "flag_rows",
     "keymask_rows",
     "restore_rows",
     "takes",
@@ -54,10 +55,11 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16:
 # the arguments of each function as one array of int64 (layouts in the source): ctypes takes
 # one argument in a third of the time of twenty, and a call here costs what an op does
 _COPY_ARGS = struct.Struct("16q")
-_RESTORE_ARGS = struct.Struct("35q")
+_RESTORE_ARGS = struct.Struct("45q")
 _KEYMASK_ARGS = struct.Struct("28q")
 _DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
-_NO_RANGES = (0,) * 12  # restore's last arguments, without key ranges
+_NO_RANGES = (0,) * 22  # restore's last arguments, without key ranges (nor rows computed again)
+_NO_RECOMPUTE = (0,) * 10  # restore's last arguments with key ranges: no row computed again
 _log = logging.getLogger(__name__)
 
 
@@ -153,6 +155,36 @@ def copy_rows(
     return dst
 
 
+def flag_rows(src: Tensor, flags: Tensor) -> None:
+    """``flags`` set to 1.0 on each row of ``src`` that holds a NaN/inf (left as they were on
+    the others), in one pass that reads ``src`` only. ``src`` must be one :func:`takes` takes.
+
+    Shape:
+        src ``(*lead, L, E)``; flags ``(*lead, L)`` contiguous float32.
+    """
+    lib = _build()[0]
+    assert lib is not None
+    lead = src.shape[:-1]
+    assert flags.dtype == torch.float32 and flags.is_contiguous() and flags.shape == lead
+    failed = lib.qkv_rows_copy(
+        _COPY_ARGS.pack(
+            _DTYPES[src.dtype],
+            *_rows(lead),
+            src.shape[-1],
+            src.data_ptr(),
+            *_aligned(lead, src.stride()[:-1]),
+            0,  # no copy: the flags alone
+            0,
+            0,
+            0,
+            0,
+            0,
+            flags.data_ptr(),
+        )
+    )
+    assert not failed
+
+
 def restore_rows(
     out: Tensor,
     *,
@@ -161,6 +193,7 @@ def restore_rows(
     flags: Tensor | None = None,
     has_key: Tensor | None = None,
     ranges: tuple[Tensor, Tensor, Tensor] | None = None,
+    recompute: tuple[Tensor, Tensor, float, int] | None = None,
 ) -> Tensor:
     """``out`` with each row set in place, in one pass: 0 where ``has_key`` is False or its
     range of keys is empty; else NaN where ``flags`` is not 0, or its range holds a bad key,
@@ -171,6 +204,12 @@ def restore_rows(
     ``ranges``: ``(keys, lo, hi)``: which keys are bad (1.0) per batch element and head, and
     the keys ``[lo, hi)`` each row may attend (``key_counts.ranges``: causal, windows, key
     lengths), counted here instead of by ``key_counts.counts``' ops.
+
+    ``recompute``: ``(key, value, scale, group)`` with ``ranges`` and ``query``, where the
+    kernel ran on k and v as they are: a row that is not finite although its range holds no
+    bad key and its query row is finite (a hidden bad key reached it, as a NaN) is computed
+    again from its range, in double, instead of set to NaN. ``key`` and ``value`` as
+    :func:`keymask_rows` takes them; ``group`` query heads per key head.
 
     ``out`` must be the kernel's own (no other tensor shares its memory) with no broadcast dim
     (a row written through two indices): the caller checks.
@@ -201,6 +240,8 @@ def restore_rows(
             *_aligned(lo.shape, lo.stride()),
         )
         tail += (hi.data_ptr(), *_aligned(hi.shape, hi.stride()))
+        tail += _NO_RECOMPUTE if recompute is None else _recompute_args(*recompute)
+    assert recompute is None or (ranges is not None and query is not None)
     failed = lib.qkv_rows_restore(
         _RESTORE_ARGS.pack(
             _DTYPES[out.dtype],
@@ -426,6 +467,18 @@ class RowsCheck(_Packed):
         failed = self._fn(args)
         assert not failed
         return True
+
+
+def _recompute_args(key: Tensor, value: Tensor, scale: float, group: int) -> tuple[int, ...]:
+    """``qkv_rows_restore``'s arguments of the rows computed again: k and v, their strides
+    (b, kv head, key), ``group`` and ``scale``."""
+    kb, kh, _ = _aligned(key.shape[:-1], key.stride()[:-1])
+    vb, vh, _ = _aligned(value.shape[:-1], value.stride()[:-1])
+    scale_bits = _DOUBLE_BITS.unpack(_DOUBLE.pack(scale))[0]
+    return (key.data_ptr(), kb, kh, key.stride(-2), value.data_ptr(), vb, vh, value.stride(-2)) + (
+        group,
+        scale_bits,
+    )
 
 
 def _check_args(out: Tensor, query: Tensor) -> list | None:
