@@ -409,8 +409,11 @@ def host_reads_free(device: torch.device) -> bool:
     (DESIGN.md), which the suite counts on the CPU as the stand-in for CUDA, where each read is
     a sync. On, a masked call without gradient skips the zeroed copies of k and v and the key
     counts, and reads two sums after its kernel instead: 3-5x cheaper at decode sizes on this
-    project's CPU (benchmarks/RESULTS.md). Results are the same to the bit either way; tests
-    force both (tests/routes.py, ``force_host_reads``).
+    project's CPU before the fused passes ran bool key masks and range masks in place
+    (benchmarks/RESULTS.md). Results are the same to the bit either way, but for the rows a
+    hidden NaN/inf reaches, which the passes in place compute again in double (the float64
+    math's, within the tolerance policy); tests force both (tests/routes.py,
+    ``force_host_reads``).
     """
     if device.type != "cpu":
         return False
