@@ -670,3 +670,14 @@ def test_the_fused_passes_give_the_same_bits_on_both_isa_classes(tmp_path):
         want = torch.softmax(scores, -1) @ v.double().nan_to_num(0.0)  # (T, D)
         tol = 1e-6 if name in ("torch.float32", "torch.float64") else 1e-2
         torch.testing.assert_close(out[0, 1].double(), want, atol=tol, rtol=tol)
+
+
+def test_bad_inputs_with_a_key_mask_meet_the_checks_not_the_lane():
+    """A key that is not a tensor, or has one dim, with a bool key mask: the lane's kind is not
+    formed (it reads the key's length last), so the call's checks say what is wrong."""
+    q, v = torch.randn(2, 4, D), torch.randn(2, 4, D)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    with pytest.raises(TypeError, match="key must be a torch.Tensor, got str"):
+        qkv.scaled_dot_product_attention(q, "k", v, attn_mask=mask)
+    with pytest.raises(ValueError, match="key must have at least 2 dims"):
+        qkv.scaled_dot_product_attention(q, torch.randn(D), v, attn_mask=mask)

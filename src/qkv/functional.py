@@ -189,7 +189,7 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
 # calls of the kind run the lane alone, to the same bits. A kind is what the steps depend on:
 # the inputs' shapes (the keys' count by its power-of-two bucket, as ``auto``'s measured
 # choice is kept, so that a decoding loop whose cache grows by a key a step stays in it),
-# the mask's shape but its keys, dtypes, the flags, and the dispatcher's state
+# the mask's shape but for its key count, dtypes, the flags, and the dispatcher's state
 # (``dispatch.kept_plans_state``).
 
 
@@ -215,19 +215,6 @@ def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
     gradient, outside tracing, flags of their own types, no dropout, at least one key, no
     mask or a bool key mask with contiguous keys."""
     attn_mask, dropout_p, is_causal, scale, enable_gqa = args
-    mask = None
-    if attn_mask is not None:
-        if (
-            type(attn_mask) is not Tensor
-            or attn_mask.dtype != torch.bool
-            or not attn_mask.is_cpu
-            or attn_mask.dim() < 2
-            or attn_mask.shape[-2] != 1
-            or attn_mask.shape[-1] != key.shape[-2]
-            or attn_mask.stride(-1) != 1
-        ):
-            return None
-        mask = attn_mask.shape[:-1]
     if (
         type(query) is not Tensor
         or type(key) is not Tensor
@@ -252,6 +239,19 @@ def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
     S = ks[-2]
     if S == 0 or vs[-2] != S:
         return None
+    mask = None
+    if attn_mask is not None:
+        if (
+            type(attn_mask) is not Tensor
+            or attn_mask.dtype != torch.bool
+            or not attn_mask.is_cpu
+            or attn_mask.dim() < 2
+            or attn_mask.shape[-2] != 1
+            or attn_mask.shape[-1] != S
+            or attn_mask.stride(-1) != 1
+        ):
+            return None
+        mask = attn_mask.shape[:-1]
     return (
         qs,
         ks[:-2],
