@@ -677,7 +677,7 @@ def test_bad_inputs_with_a_key_mask_meet_the_checks_not_the_lane():
     formed (it reads the key's length last), so the call's checks say what is wrong."""
     q, v = torch.randn(2, 4, D), torch.randn(2, 4, D)
     mask = torch.ones(1, 4, dtype=torch.bool)
-    with pytest.raises(TypeError, match="key must be a torch.Tensor, got str"):
+    with pytest.raises(TypeError, match=r"key must be a torch\.Tensor, got str"):
         qkv.scaled_dot_product_attention(q, "k", v, attn_mask=mask)
     with pytest.raises(ValueError, match="key must have at least 2 dims"):
         qkv.scaled_dot_product_attention(q, torch.randn(D), v, attn_mask=mask)
