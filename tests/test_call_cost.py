@@ -681,3 +681,53 @@ def test_bad_inputs_with_a_key_mask_meet_the_checks_not_the_lane():
         qkv.scaled_dot_product_attention(q, "k", v, attn_mask=mask)
     with pytest.raises(ValueError, match="key must have at least 2 dims"):
         qkv.scaled_dot_product_attention(q, torch.randn(D), v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("mask", ["key-mask", "causal", "window"])
+@pytest.mark.parametrize("extra", ["alibi", "softcap", "sinks"])
+def test_passes_in_place_leave_score_mods_and_sinks_to_the_copies(mask, extra):
+    """A row computed again in the fused pass has plain scaled scores, so calls with a
+    score_mod or sinks keep the zeroed copies' way (found by the property test without
+    gradient: a one-row key mask with ALiBi and a hidden NaN key was off by 0.04). With a
+    NaN/inf key, the rows that may attend it are NaN and every other row is the float64
+    math's."""
+    T, S = (1, 9) if mask == "key-mask" else (12, 12)
+    g = torch.Generator().manual_seed(17)
+    q = torch.randn(1, 2, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    kw: dict = {}
+    ok = torch.ones(T, S, dtype=torch.bool)
+    if mask == "key-mask":
+        shown = torch.ones(1, 1, 1, S, dtype=torch.bool)
+        shown[..., 4] = False
+        kw["attn_mask"], ok = shown, ok & shown[0, 0]
+        hidden = 4
+    elif mask == "causal":
+        kw["is_causal"], ok, hidden = True, ok.tril(), S - 1
+    else:
+        kw["mask_mod"], hidden = qkv.masks.sliding_window(2), S - 1
+        ok = ok.tril() & ~ok.tril(-3)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)  # (1, 2, T, S)
+    sink = None
+    if extra == "alibi":
+        slopes = torch.tensor([0.5, 0.25], dtype=torch.float64)
+        kw["score_mod"] = qkv.masks.alibi(slopes)
+        i, j = torch.arange(T)[:, None] + (S - T), torch.arange(S)[None]
+        scores = scores + slopes[:, None, None] * (j - i).to(torch.float64)
+    elif extra == "softcap":
+        kw["score_mod"] = qkv.masks.softcap(2.0)
+        scores = 2.0 * torch.tanh(scores / 2.0)
+    else:
+        sink = torch.tensor([0.3, -0.2], dtype=torch.float64)
+        kw["sinks"] = sink
+    scores = scores.masked_fill(~ok, -math.inf)
+    if sink is not None:  # a key with no value joins each row's softmax
+        scores = torch.cat([scores, sink[None, :, None, None].expand(1, 2, T, 1)], -1)
+    probs = torch.softmax(scores, -1)[..., :S]
+    want = probs @ v  # (1, 2, T, D)
+    k[..., hidden, 0], v[..., hidden, 1] = math.nan, math.inf
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, **kw)
+    sees = ok[:, hidden]  # (T,): the rows that may attend the bad key (causal: the last)
+    assert out[..., sees, :].isnan().all()
+    torch.testing.assert_close(out[..., ~sees, :], want[..., ~sees, :])

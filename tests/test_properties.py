@@ -603,6 +603,48 @@ def test_masked_keys_have_no_effect(backend, case, data):
     check_poisoned(case, backend, tiles, mode, poison, key=key, poison_queries=poison_queries)
 
 
+@pytest.mark.parametrize("backend", ["torch", "tiled", "auto"])
+@budget(10)
+@given(case=cases(layouts=COPYING_FREE_LAYOUTS, need_mask=True), data=st.data())
+def test_masked_keys_have_no_effect_without_gradient(backend, case, data):
+    """As :func:`test_masked_keys_have_no_effect`, in inference (``torch.no_grad``, inputs that
+    want no gradient), where the CPU keeps the contract in its fused passes: a key mask or a
+    range mask runs its kernel on k and v as they are and the rows a hidden NaN/inf reached
+    are computed again (``nonfinite.py``, ``"keys_in_place"`` and ``"ranges_in_place"``). The
+    call is made twice: the second, which may take the kind's kept lane, gives the first's
+    bits."""
+    allowed = _kv_view(case.golden_allowed(), case.G)  # (B, G, H/G, T, S)
+    masked_somewhere = (~allowed).any(2).any(2)  # (B, G, S): a row somewhere may not see it
+    assume(bool(masked_somewhere.any()))
+    poison = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]), label="poison")
+    b, g, j = data.draw(st.sampled_from(masked_somewhere.nonzero().tolist()), label="key")
+    inp = case.inputs(grad=False)
+    gold_out, _ = golden_run(case, inp)  # on the clean inputs
+    base_out = run_qkv(case, inp, "reference")
+    inp["k"][b, g, j] = poison
+    inp["v"][b, g, j] = poison
+    rows = torch.ones(case.B, case.G, case.H // case.G, case.T, dtype=torch.bool)
+    rows[b, g] = ~allowed[b, g, :, :, j]  # (H/G, T): rows that may not attend the key
+    rows = rows.reshape(case.B, case.H, case.T)
+    with torch.no_grad():
+        first = run_qkv(case, inp, backend)
+        if first is None:
+            return
+        second = run_qkv(case, inp, backend)
+    where = f"backend={backend} poison={poison} key={(b, g, j)}"
+    assert torch.equal(first.isnan(), second.isnan()), where
+    assert torch.equal(first.nan_to_num(0.0, 7.0, -7.0), second.nan_to_num(0.0, 7.0, -7.0)), where
+    check(
+        "output of rows that may not see the poison",
+        first[rows],
+        gold_out[rows],
+        base_out[rows],
+        OUTPUT_FACTOR,
+        where,
+        flash_floor(case, backend),
+    )
+
+
 def _torch_autocast_dtype(dt: torch.dtype) -> torch.dtype:
     """The dtype of torch's own SDPA output under CPU autocast to ``dt``."""
     x = torch.randn(1, 1, 2, 4)

@@ -249,6 +249,7 @@ def _prepare_ranges_in_place(call: AttentionCall) -> Guard | None:
     output: the copies' way keeps it)."""
     if (
         len(call.batch) > 2
+        or not _recomputable(call)
         or call.key.shape[:-1] != call.value.shape[:-1]
         or not nonfinite_rows.takes(call.query, call.key, call.value)
         or call.query.dtype != call.key.dtype
@@ -264,6 +265,13 @@ def _prepare_ranges_in_place(call: AttentionCall) -> Guard | None:
     nonfinite_rows.flag_rows(call.value, keys)
     bad = _Bad(_as_bh(keys, call, call.S), None)
     return Guard(call, "ranges_in_place", bad, spans=(spans[0], spans[1]))
+
+
+def _recomputable(call: AttentionCall) -> bool:
+    """Whether the fused passes can compute a row of ``call`` again from its keys: plain
+    scaled scores (no ``score_mod``), no sinks and no dropout (a row computed again has
+    neither)."""
+    return call.score_mod is None and call.sinks is None and call.dropout_p == 0
 
 
 def _restore_ranges_in_place(guard: Guard, out: Tensor) -> Tensor:
@@ -327,6 +335,7 @@ def _prepare_key_mask(call: AttentionCall) -> Guard | None:
     if (
         mask.dtype == torch.bool
         and call.T <= KEYS_IN_PLACE_MAX_T
+        and _recomputable(call)
         and nonfinite_rows.takes_keymask(call.query, call.key, call.value, keep)
     ):
         # the kernel on k and v as they are; its rows that are not finite computed again in
