@@ -612,27 +612,33 @@ def test_a_kind_whose_check_cannot_take_its_layout_runs_its_kernel_once(monkeypa
 # --- the fused passes on both ISA classes this CPU can show --------------------------------------
 
 _PASSES_SCRIPT = r"""
-import sys, torch
+import itertools, sys, torch
 from qkv.ops import nonfinite_rows as nr
 assert nr.available(), nr._build()[1]
 g = torch.Generator().manual_seed(0)
 got = {"capability": torch.backends.cpu.get_cpu_capability(), "library": nr._build()[0]._name}
-for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-    q = torch.randn(2, 3, 2, 8, generator=g).to(dtype)
-    k, v = (torch.randn(2, 3, 11, 8, generator=g).to(dtype) for _ in range(2))
+for dtype, E in itertools.product(
+    (torch.float32, torch.float64, torch.bfloat16, torch.float16), (8, 40)
+):  # E = 40: two vectors of 16 lanes and a tail
+    q = torch.randn(2, 3, 2, E, generator=g).to(dtype)
+    k, v = (torch.randn(2, 3, 11, E, generator=g).to(dtype) for _ in range(2))
     k[0, 1, 4, 2], v[1, 0, 7, 3], v[1, 2, 9, 0] = float("nan"), float("inf"), float("-inf")
     q[0, 2, 1, 5] = float("inf")
     keep = torch.rand(2, 3, 11, generator=g) < 0.6
     keep[..., 0], keep[..., 4], keep[1, 0, 7] = True, False, False
     keep[1, 1] = False  # no key at all
-    out = torch.full((2, 3, 2, 8), float("nan")).to(dtype)  # every row computed again
+    out = torch.full((2, 3, 2, E), float("nan")).to(dtype)  # every row computed again
     out[0, 0] = 0.25
     assert nr.keymask_rows(out, q, k, v, keep, scale=0.3, group=1)
     flags = torch.zeros(2, 3, 11)
     copied = nr.copy_rows(k, zero_nonfinite=True, flags=flags)
     restored = nr.restore_rows(out.clone(), query=q, check_out=True, flags=flags[..., :2])
-    got[str(dtype)] = (out, copied, flags, restored)
-    got["inputs " + str(dtype)] = (q, k, v, keep)
+    ranged = torch.full((2, 3, 2, E), float("nan")).to(dtype)  # every row computed again
+    lo, hi = torch.tensor([[[0, 3]]]), torch.tensor([[[11, 9]]])  # (1, 1, T): keys [lo, hi)
+    clean = torch.zeros(2, 3, 11)  # no key flagged bad
+    nr.restore_rows(ranged, query=q, ranges=(clean, lo, hi), recompute=(k, v, 0.3, 1))
+    got[f"{dtype} {E}"] = (out, copied, flags, restored, ranged)
+    got[f"inputs {dtype} {E}"] = (q, k, v, keep)
 torch.save(got, sys.argv[1])
 """
 
@@ -640,9 +646,11 @@ torch.save(got, sys.argv[1])
 def test_the_fused_passes_give_the_same_bits_on_both_isa_classes(tmp_path):
     """The row passes are built for torch's ISA level (``ops/_native_build.py``): under
     ``ATEN_CPU_CAPABILITY=avx2`` (held to AVX2, as on a CPU without AVX-512) they build and give
-    the same bits as this CPU's own build: the key mask's rows computed again in double (a
-    hidden NaN and a shown inf, a NaN query row, a row with no key), the zeroed copies with
-    their flags, and the output's pass."""
+    the same bits as this CPU's own build: the key mask's and the key ranges' rows computed
+    again (float32 rows by vectorized fused multiply-adds whose order no vector width
+    changes; head dims of 8 and 40, a tail and two vectors of 16 lanes; a hidden NaN and a
+    shown inf, a NaN query row, a row with no key), the zeroed copies with their flags, and
+    the output's pass."""
     if not nonfinite_rows.available():
         pytest.skip(f"the fused row passes did not build here: {nonfinite_rows._build()[1]}")
     runs = []
@@ -657,7 +665,8 @@ def test_the_fused_passes_give_the_same_bits_on_both_isa_classes(tmp_path):
         runs.append(torch.load(path))
     own, avx2 = runs
     assert avx2["capability"] == "AVX2" and "_avx2_" in avx2["library"]
-    for name in ("torch.float32", "torch.float64", "torch.bfloat16", "torch.float16"):
+    dtypes = ("torch.float32", "torch.float64", "torch.bfloat16", "torch.float16")
+    for name in (f"{dtype} {E}" for dtype in dtypes for E in (8, 40)):
         for a, b in zip(own[name], avx2[name]):
             assert a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()), name
             assert torch.equal(a.nan_to_num(0.0, 7.0, -7.0), b.nan_to_num(0.0, 7.0, -7.0)), name
@@ -668,7 +677,7 @@ def test_the_fused_passes_give_the_same_bits_on_both_isa_classes(tmp_path):
         q, k, v, keep = (t[0, 1] for t in own["inputs " + name])  # (T, D), (S, D), (S, D), (S,)
         scores = (q.double() @ k.double().nan_to_num(0.0).T * 0.3).masked_fill(~keep, -math.inf)
         want = torch.softmax(scores, -1) @ v.double().nan_to_num(0.0)  # (T, D)
-        tol = 1e-6 if name in ("torch.float32", "torch.float64") else 1e-2
+        tol = 1e-6 if name.split()[0] in ("torch.float32", "torch.float64") else 1e-2
         torch.testing.assert_close(out[0, 1].double(), want, atol=tol, rtol=tol)
 
 

@@ -14,7 +14,14 @@
 // stride other than 1 (the caller's torch ops take those).
 //
 // Shape alphabet: rows (n0, n1, n2), E elements each (D, Dv or the key length's row).
+#if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
+#define CPU_CAPABILITY_AVX512  // at::vec's 512-bit Vectorized<float> (its own namespace, not libtorch's)
+#elif defined(__AVX2__) && !defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX2)
+#define CPU_CAPABILITY_AVX2
+#endif
+
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -24,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -173,41 +181,137 @@ inline uint64_t word(double x, F64) { return bits_as<uint64_t>(x); }
 inline uint16_t word(double x, BF16) { return c10::BFloat16(static_cast<float>(x)).x; }
 inline uint16_t word(double x, F16) { return c10::Half(static_cast<float>(x)).x; }
 
+// A row's elements widened to float32 (exact for float32, bfloat16 and float16).
+inline void widen_row(const uint32_t* x, int64_t n, float* y) { std::memcpy(y, x, n * sizeof(float)); }
+inline void widen_row(const uint16_t* x, int64_t n, float* y, BF16) {
+  for (int64_t i = 0; i < n; ++i) y[i] = bits_as<float>(static_cast<uint32_t>(x[i]) << 16);
+}
+inline void widen_row(const uint16_t* x, int64_t n, float* y, F16) {
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<float>(c10::Half(x[i], c10::Half::from_bits()));
+}
+template <typename B>
+inline const float* as_floats(const typename B::word* x, int64_t n, float* buf) {
+  if constexpr (std::is_same_v<B, F32>) {
+    return reinterpret_cast<const float*>(x);  // (float32: read in place)
+  } else {
+    widen_row(x, n, buf, B{});
+    return buf;
+  }
+}
+
+// Products summed by fused multiply-adds (each rounded once) into kLanes partial sums, lane l taking
+// elements l, l + kLanes, ..., then the lanes added in order: the same bits whatever the vector width
+// (at::vec's 8 floats with AVX2, 16 with AVX-512), so a build for either ISA level gives the same rows.
+constexpr int64_t kLanes = 16;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kParts = kLanes / Vec::size();
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc[kParts];
+  for (int64_t p = 0; p < kParts; ++p) acc[p] = Vec(0.0f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t p = 0; p < kParts; ++p) {
+      const int64_t o = i + p * Vec::size();
+      acc[p] = at::vec::fmadd(Vec::loadu(a + o), Vec::loadu(b + o), acc[p]);
+    }
+  float part[kLanes];
+  for (int64_t p = 0; p < kParts; ++p) acc[p].store(part + p * Vec::size());
+  for (int64_t l = 0; i + l < n; ++l) part[l] = std::fma(a[i + l], b[i + l], part[l]);
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += part[l];
+  return sum;
+}
+
+// y += p * x, each element by one fused multiply-add (vector or std::fma: the same bits).
+inline void axpy(float p, const float* x, float* y, int64_t n) {
+  const Vec vp(p);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size())
+    at::vec::fmadd(vp, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  for (; i < n; ++i) y[i] = std::fma(p, x[i], y[i]);
+}
+
+// Scratch of one thread for rows computed again.
+struct RowScratch {
+  std::vector<double> s, acc;  // float64 rows
+  std::vector<float> sf, q, k, v, accf;  // float32 rows
+};
+
 // One row of attention over the keys lo <= j < S of k (stride ks) and v (stride vs) with keep[j] != 0
-// (keep null: all of them), in double, by the plain math: scores s_j = scale * q . k_j, weights softmax(s) (a NaN score, a +inf
-// score or every score -inf gives NaN weights), y = weights @ v; then NaN throughout where y is not
-// finite. What a kernel gives a row when no hidden key reaches it.
+// (keep null: all of them), by the plain math: scores s_j = scale * q . k_j, weights softmax(s) (a NaN
+// score, a +inf score or every score -inf gives NaN weights), y = weights @ v; then NaN throughout where y
+// is not finite. What a kernel gives a row when no hidden key reaches it. float64 rows in float64;
+// the others in float32 by vectorized fused multiply-adds in an order that no ISA level changes (so
+// that many rows computed again cost a few kernels' calls, not fifteen as scalar float64 did), rounded
+// once.
 template <typename B>
 void attend_row(const typename B::word* q, int64_t D, const typename B::word* k, int64_t ks,
                 const typename B::word* v, int64_t vs, int64_t Dv, const uint8_t* keep, int64_t lo,
-                int64_t S, double scale, typename B::word* y, std::vector<double>& s,
-                std::vector<double>& acc) {
-  constexpr double inf = std::numeric_limits<double>::infinity();
-  s.assign(S, -inf);
-  double m = -inf;
-  bool nan = false;
-  for (int64_t j = lo; j < S; ++j) {
-    if (keep != nullptr && keep[j] == 0) continue;
-    double dot = 0.0;
-    for (int64_t d = 0; d < D; ++d) dot += wide(q[d], B{}) * wide(k[j * ks + d], B{});
-    s[j] = scale * dot;
-    nan |= std::isnan(s[j]);
-    m = std::max(m, s[j]);
+                int64_t S, double scale, typename B::word* y, RowScratch& w) {
+  if constexpr (std::is_same_v<B, F64>) {
+    constexpr double inf = std::numeric_limits<double>::infinity();
+    w.s.assign(S, -inf);
+    double m = -inf;
+    bool nan = false;
+    for (int64_t j = lo; j < S; ++j) {
+      if (keep != nullptr && keep[j] == 0) continue;
+      double dot = 0.0;
+      for (int64_t d = 0; d < D; ++d) dot += wide(q[d], B{}) * wide(k[j * ks + d], B{});
+      w.s[j] = scale * dot;
+      nan |= std::isnan(w.s[j]);
+      m = std::max(m, w.s[j]);
+    }
+    w.acc.assign(Dv, 0.0);
+    bool bad = nan || !std::isfinite(m);
+    double sum = 0.0;
+    for (int64_t j = lo; j < S && !bad; ++j) {
+      if (keep != nullptr && keep[j] == 0) continue;
+      const double p = std::exp(w.s[j] - m);
+      sum += p;
+      for (int64_t e = 0; e < Dv; ++e) w.acc[e] += p * wide(v[j * vs + e], B{});
+    }
+    for (int64_t e = 0; e < Dv && !bad; ++e) {
+      w.acc[e] /= sum;
+      bad = !std::isfinite(w.acc[e]);
+    }
+    for (int64_t e = 0; e < Dv; ++e) y[e] = bad ? B::nan : word(w.acc[e], B{});
+  } else {
+    constexpr float inf = std::numeric_limits<float>::infinity();
+    const float fscale = static_cast<float>(scale);
+    w.sf.assign(S, -inf);
+    w.q.resize(D), w.k.resize(D), w.v.resize(Dv);
+    const float* qf = as_floats<B>(q, D, w.q.data());
+    float m = -inf;
+    bool nan = false;
+    for (int64_t j = lo; j < S; ++j) {
+      if (keep != nullptr && keep[j] == 0) continue;
+      const float x = fscale * dot(qf, as_floats<B>(k + j * ks, D, w.k.data()), D);
+      w.sf[j] = x;
+      nan |= std::isnan(x);
+      m = x > m ? x : m;
+    }
+    w.accf.assign(Dv, 0.0f);
+    bool bad = nan || !std::isfinite(m);
+    float sum = 0.0f;
+    for (int64_t j = lo; j < S && !bad; ++j) {
+      if (keep != nullptr && keep[j] == 0) continue;
+      const float p = std::exp(w.sf[j] - m);
+      sum += p;
+      const float* vj = as_floats<B>(v + j * vs, Dv, w.v.data());
+      if (p != 0.0f) {
+        axpy(p, vj, w.accf.data(), Dv);
+      } else {
+        for (int64_t e = 0; e < Dv; ++e) bad |= !std::isfinite(vj[e]);  // 0 * NaN/inf is NaN
+      }
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < Dv && !bad; ++e) {
+      w.accf[e] *= inv;
+      bad = !std::isfinite(w.accf[e]);
+    }
+    for (int64_t e = 0; e < Dv; ++e) y[e] = bad ? B::nan : word(static_cast<double>(w.accf[e]), B{});
   }
-  acc.assign(Dv, 0.0);
-  bool bad = nan || !std::isfinite(m);
-  double sum = 0.0;
-  for (int64_t j = lo; j < S && !bad; ++j) {
-    if (keep != nullptr && keep[j] == 0) continue;
-    const double p = std::exp(s[j] - m);
-    sum += p;
-    for (int64_t e = 0; e < Dv; ++e) acc[e] += p * wide(v[j * vs + e], B{});
-  }
-  for (int64_t e = 0; e < Dv && !bad; ++e) {
-    acc[e] /= sum;
-    bad = !std::isfinite(acc[e]);
-  }
-  for (int64_t e = 0; e < Dv; ++e) y[e] = bad ? B::nan : word(acc[e], B{});
 }
 
 // The keys each row sees as a range [lo, hi) (causal, windows, key lengths) and which keys are bad:
@@ -248,7 +352,7 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
   const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> before;  // bad keys before each key position, for one run's (b, h)
-    std::vector<double> s, acc;  // a row computed again
+    RowScratch scratch;  // a row computed again
     runs(n, begin, end, [&](int64_t first, int64_t last) {
       // the common case first: no flag, no key missing, every row finite: nothing to write
       if (flags == nullptr && has_key == nullptr && kr.keys == nullptr) {
@@ -284,7 +388,7 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
             const W* k = static_cast<const W*>(rc.k) + b0 * rc.kb + g * rc.kh;
             const W* v = static_cast<const W*>(rc.v) + b0 * rc.vb + g * rc.vh;
             attend_row<B>(x + i * qs.s2, D, k, rc.ks, v, rc.vs, Dv, nullptr, a, b, rc.scale, y,
-                          s, acc);
+                          scratch);
             continue;
           }
         }
@@ -321,7 +425,7 @@ void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const v
   const W* v = static_cast<const W*>(v_);
   const int64_t grain = 1 + (1 << 15) / (Dv + D + S > 0 ? Dv + D + S : 1);
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
-    std::vector<double> s, acc;
+    RowScratch scratch;
     int64_t seen = -1;  // the (b, h) whose keys `any` tells (a task's rows share a few)
     bool any = false;
     for (int64_t r = begin; r < end; ++r) {
@@ -343,7 +447,7 @@ void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const v
       } else if (nonfinite<B>(y, Dv)) {
         const int64_t g = h / group;
         attend_row<B>(x, D, k + b * kb + g * kh, ks, v + b * vb + g * vh, vs, Dv, kept, 0, S,
-                      scale, y, s, acc);
+                      scale, y, scratch);
       }
     }
   });
