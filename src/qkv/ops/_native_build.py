@@ -44,11 +44,14 @@ def _flags() -> tuple[list[str], list[str]]:
 
 def build(source: Path, prefix: str) -> tuple[ctypes.CDLL | None, str]:
     """The library built from ``source`` (named ``prefix`` + capability + hash) and ``""``,
-    or None and why it could not be built (no C++ compiler, a failed build). Not cached here:
-    each caller keeps its own result (a ``functools.cache``)."""
+    or None and why it could not be built (no C++ compiler, a failed build, a source file the
+    install left out). Not cached here: each caller keeps its own result (a
+    ``functools.cache``)."""
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return None, f"no C++ compiler found ({compiler!r}, from $CXX or the default c++)"
+    if not source.is_file():  # (an install that left it out: the tensor ops' way, which is the
+        return None, f"the kernel's source {source} is not installed"  # same math)
     cflags, ldflags = _flags()
     key = hashlib.sha256(
         source.read_bytes() + " ".join(cflags + ldflags + [torch.__version__]).encode()

@@ -1,0 +1,68 @@
+"""What an install of qkv holds: every file the library reads at run time.
+
+The C++ kernels (``ops/*.cpp``) are built at first use from their sources. The editable install
+that ``make test`` makes reads them from the tree, so a wheel that left them out went unseen:
+``pyproject.toml`` listed the deformable kernel alone, and on such an install every CPU call
+raised FileNotFoundError from the build of the NaN/inf passes. Now the package data names them,
+and a source that is missing all the same gives the tensor ops' way (the same math).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkv
+from qkv.ops import _native_build, nonfinite_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = Path(qkv.__file__).resolve().parent
+READ_AT_RUN_TIME = (".cpp", ".h", ".js", ".css")
+
+
+def test_every_file_read_at_run_time_is_in_the_package_data():
+    """Each kernel source, script and style sheet under src/qkv matches a pattern of
+    ``[tool.setuptools.package-data]`` for its own package."""
+    if sys.version_info < (3, 11):
+        pytest.skip("tomllib (reading pyproject.toml) is Python 3.11's")
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    data = config["tool"]["setuptools"]["package-data"]
+    files = [p for p in SRC.rglob("*") if p.suffix in READ_AT_RUN_TIME and p.is_file()]
+    assert any(p.name == "nonfinite_rows.cpp" for p in files)  # (the glob sees the kernels)
+    missing = []
+    for path in files:
+        package = ".".join(("qkv",) + path.parent.relative_to(SRC).parts)
+        if not any(fnmatch.fnmatch(path.name, pat) for pat in data.get(package, [])):
+            missing.append(f"{package}: {path.name}")
+    assert not missing, f"not in pyproject.toml's package-data: {missing}"
+
+
+def test_a_kernel_source_the_install_left_out_gives_the_tensor_ops_way(monkeypatch, tmp_path):
+    """Without its source the library is not built, with the reason; the NaN/inf contract then
+    takes its tensor ops, and a call gives the same output as with the library."""
+    lib, why = _native_build.build(tmp_path / "absent.cpp", "qkv_absent")
+    assert lib is None and "absent.cpp is not installed" in why
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (3, 5, 5))
+    k[0, 1, 2, 0] = float("nan")
+    with torch.no_grad():
+        want = qkv.scaled_dot_product_attention(q, k, v, is_causal=True)
+    monkeypatch.setattr(nonfinite_rows, "SOURCE", tmp_path / "absent.cpp")
+    nonfinite_rows._build.cache_clear()
+    monkeypatch.setattr(qkv.functional, "_LANES", {})  # (kept lanes hold the library's calls)
+    try:
+        assert not nonfinite_rows.available()
+        assert "is not installed" in nonfinite_rows._build()[1]
+        with torch.no_grad():
+            got = qkv.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    finally:
+        monkeypatch.undo()
+        nonfinite_rows._build.cache_clear()  # the library again for the tests after this one
