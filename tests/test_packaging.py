@@ -21,19 +21,22 @@ from qkv.ops import _native_build, nonfinite_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = Path(qkv.__file__).resolve().parent
-READ_AT_RUN_TIME = (".cpp", ".h", ".js", ".css")
 
 
 def test_every_file_read_at_run_time_is_in_the_package_data():
-    """Each kernel source, script and style sheet under src/qkv matches a pattern of
-    ``[tool.setuptools.package-data]`` for its own package."""
+    """Each file under src/qkv that is not Python (kernel sources, the viewer's script and
+    style) matches a pattern of ``[tool.setuptools.package-data]`` for its own package."""
     if sys.version_info < (3, 11):
         pytest.skip("tomllib (reading pyproject.toml) is Python 3.11's")
     import tomllib
 
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     data = config["tool"]["setuptools"]["package-data"]
-    files = [p for p in SRC.rglob("*") if p.suffix in READ_AT_RUN_TIME and p.is_file()]
+    files = [
+        p
+        for p in SRC.rglob("*")
+        if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts
+    ]
     assert any(p.name == "nonfinite_rows.cpp" for p in files)  # (the glob sees the kernels)
     missing = []
     for path in files:
