@@ -742,3 +742,27 @@ def test_passes_in_place_leave_score_mods_and_sinks_to_the_copies(mask, extra):
     sees = ok[:, hidden]  # (T,): the rows that may attend the bad key (causal: the last)
     assert out[..., sees, :].isnan().all()
     torch.testing.assert_close(out[..., ~sees, :], want[..., ~sees, :])
+
+
+@pytest.mark.parametrize("mask", ["key-mask", "causal"])
+def test_a_scale_that_overflows_masked_inference_raises_as_before(mask):
+    """A scale that overflows the scores keeps the copies' way (``_recomputable``) and its
+    refusal naming the overflow, with a key mask or a range mask, without gradient; a scale
+    the dtype holds runs in place."""
+    g = torch.Generator().manual_seed(0)
+    q = 10 * torch.randn(1, 2, 1 if mask == "key-mask" else 5, 4, generator=g)
+    k = 10 * torch.randn(1, 2, 5, 4, generator=g)  # q . k * 1e38: past float32's 3.4e38
+    v = torch.randn(1, 2, 5, 4, generator=g)
+    kw: dict = dict(is_causal=True)
+    if mask == "key-mask":
+        shown = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+        shown[..., 2] = False
+        kw = dict(attn_mask=shown)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"scaled scores overflow: scale=1e\+38"):
+            qkv.scaled_dot_product_attention(q, k, v, scale=1e38, **kw)
+        guard = nonfinite.prepare(AttentionCall.build(q, k, v, scale=1e38, **kw))
+        assert guard.check not in ("keys_in_place", "ranges_in_place")
+        guard = nonfinite.prepare(AttentionCall.build(q, k, v, scale=0.5, **kw))
+        in_place = "keys_in_place" if mask == "key-mask" else "ranges_in_place"
+        assert guard.check == (in_place if nonfinite_rows.available() else guard.check)

@@ -33,13 +33,15 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
   column of 0 and NaN added to the output. The copy's gradient is passed through as it is:
   the kernel's gradient is 0 on every bad row already (a NaN row passes no gradient, and a
   masked pair's weight is exactly 0).
-* **A bool key mask of a few query rows, on the CPU without gradient** (a padded batch's
-  decoding step; ``KEYS_IN_PLACE_MAX_T``): no copy; the kernel runs the mask on k and v as
-  they are, and the output's fused pass (``nonfinite_rows.keymask_rows``, C++) computes again
-  from its visible keys each row that is not finite. A hidden key reaches a row only as a
-  NaN (its NaN score stays NaN under ``-inf``; its weight 0 times an inf value is NaN), so a
-  finite row is already right, and the rows computed again are found inside the pass
-  (nothing read back).
+* **On the CPU without gradient, a bool key mask of a few query rows** (a padded batch's
+  decoding step; ``KEYS_IN_PLACE_MAX_T``) **or a range mask** (causal, windows, key lengths):
+  no copy; the kernel runs the mask on k and v as they are, and the output's fused pass
+  (``nonfinite_rows``, C++) computes again, from the keys the row may see, each row that is
+  not finite (a range mask's rows that may see a bad key, flagged by one pass over k and v,
+  are NaN instead). A hidden key reaches a row only as a NaN (its NaN score stays NaN under
+  ``-inf``; its weight 0 times an inf value is NaN), so a finite row is already right, and
+  the rows computed again are found inside the pass (nothing read back). Calls with a
+  score_mod, sinks, dropout or a scale that can overflow keep the copies.
 
 A row's finiteness is one matrix-vector product, ``x @ w`` with ``w`` a power of two below
 ``1 / (4 D)``: finite for every finite row (no overflow, unlike a sum), not finite for every
@@ -245,8 +247,7 @@ def _prepare_ranges_in_place(call: AttentionCall) -> Guard | None:
     """The guard of a call without gradient whose rows see ranges of keys (causal, windows,
     key lengths: ``key_counts.ranges``, no documents) on the CPU with the fused passes: the
     kernel runs on k and v as they are (no copies), after one pass that flags their bad keys.
-    None for other calls, and where the scale can overflow the scores (whose refusal reads the
-    output: the copies' way keeps it)."""
+    None for other calls (and those :func:`_recomputable` refuses)."""
     if (
         len(call.batch) > 2
         or not _recomputable(call)
@@ -254,7 +255,6 @@ def _prepare_ranges_in_place(call: AttentionCall) -> Guard | None:
         or not nonfinite_rows.takes(call.query, call.key, call.value)
         or call.query.dtype != call.key.dtype
         or call.key.dtype != call.value.dtype
-        or scale_may_overflow(call)
     ):
         return None
     spans = ranges(call)  # (lo, hi, doc): None for other masks
@@ -270,8 +270,14 @@ def _prepare_ranges_in_place(call: AttentionCall) -> Guard | None:
 def _recomputable(call: AttentionCall) -> bool:
     """Whether the fused passes can compute a row of ``call`` again from its keys: plain
     scaled scores (no ``score_mod``), no sinks and no dropout (a row computed again has
-    neither)."""
-    return call.score_mod is None and call.sinks is None and call.dropout_p == 0
+    neither), and a scale that cannot overflow the scores (whose refusal reads the output
+    after the copies' way)."""
+    return (
+        call.score_mod is None
+        and call.sinks is None
+        and call.dropout_p == 0
+        and not scale_may_overflow(call)
+    )
 
 
 def _restore_ranges_in_place(guard: Guard, out: Tensor) -> Tensor:
