@@ -293,8 +293,9 @@ def keymask_rows(
 ) -> bool:
     """The rows of a key mask's output after a kernel ran the mask on ``key`` and ``value`` as
     they are, set in place in one pass: 0 where the row has no key; where the row or its query
-    row is not finite, the row again from its visible keys, in double (NaN for a bad query row,
-    and where the plain math gives a row that is not finite); the other rows as they are.
+    row is not finite, the row again from its visible keys (float64 rows in float64, others in
+    float32; NaN for a bad query row, and where the plain math gives a row that is not
+    finite); the other rows as they are.
     Whether it ran (False: tensors this does not take, and nothing done).
 
     Why a finite row stands: a key the mask hides reaches a row only as a NaN (its NaN score
@@ -302,19 +303,13 @@ def keymask_rows(
     zeroed copies of k and v that the tensor ops make are not needed, and which rows are
     computed again is found inside the pass (nothing read back: no host read).
 
-    ``out`` must be the kernel's own (see :func:`check_rows`): the caller checks.
+    ``out`` must be the kernel's own (see :func:`check_rows`; False otherwise).
 
     Shape:
         out ``(B?, H?, T, Dv)``; query ``(B?, H?, T, D)``; key, value ``(B?, G?, S, D|Dv)``;
         keep bool ``(B?, H?, S)`` (True: a visible key), contiguous keys.
     """
-    lib = _build()[0]
-    args = _keymask_args(out, query, key, value, keep, scale, group)
-    if lib is None or args is None:
-        return False
-    failed = lib.qkv_rows_keymask(_KEYMASK_ARGS.pack(*args))
-    assert not failed
-    return True
+    return KeymaskRows()(out, query, key, value, keep, scale, group)  # (packed for one call)
 
 
 class _Packed:
