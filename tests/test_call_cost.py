@@ -313,6 +313,63 @@ def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
 # --- what a decode-size call dispatches --------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["clean", "query", "empty", "reached", "bad key"])
+def test_the_output_pass_with_key_ranges_sweeps_clean_heads_and_finds_one_change(case, dtype):
+    """The output's pass with key ranges (``"ranges_in_place"``) sweeps a head whose keys,
+    query rows and output rows are all clean, and ranges all non-empty, in one pass that
+    writes nothing: one change in one head is found all the same, and only its rows change.
+    A NaN query row gives a NaN row; a row with an empty range gives 0; an output row a
+    hidden NaN reached (finite query, no bad key in range) is computed again; a bad key gives
+    NaN to the rows whose range holds it. The flags-alone pass sweeps clean spans the same
+    way: flags set before stay set, and a bad element flags its row only."""
+    if not nonfinite_rows.available():
+        pytest.skip("the fused row passes did not build here")
+    g = torch.Generator().manual_seed(5)
+    T, S = 6, 6
+    q = torch.randn(2, 3, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    lo = torch.zeros(1, 1, T, dtype=torch.int64)
+    hi = torch.arange(1, T + 1).view(1, 1, T)  # causal: row i sees keys [0, i]
+    ok = torch.arange(S) < hi.unsqueeze(-1)  # (1, 1, T, S)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~ok, -math.inf)
+    want = scores.softmax(-1) @ v  # (2, 3, T, D)
+    q, k, v, want = (t.to(dtype) for t in (q, k, v, want))
+    out, keys = want.clone(), torch.zeros(2, 3, S)
+    changed = torch.zeros(2, 3, T, dtype=torch.bool)  # rows set to NaN or 0
+    again = torch.zeros(2, 3, T, dtype=torch.bool)  # rows computed again
+    if case == "query":
+        q[1, 2, 3, 5] = math.inf
+        changed[1, 2, 3] = True
+    elif case == "empty":
+        hi[0, 0, 4] = 0
+        changed[:, :, 4] = True
+    elif case == "reached":
+        out[0, 1, 2] = math.nan
+        again[0, 1, 2] = True
+    elif case == "bad key":
+        keys[1, 0, 3] = 1.0
+        changed[1, 0, 3:] = True
+    nonfinite_rows.restore_rows(out, query=q, ranges=(keys, lo, hi), recompute=(k, v, 0.3, 1))
+    same = ~changed & ~again
+    assert torch.equal(out[same].view(torch.int16), want[same].view(torch.int16))
+    if case == "reached":
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[again].double(), want[again].double(), rtol=tol, atol=tol)
+    elif case == "empty":
+        assert (out[changed] == 0).all()
+    elif case != "clean":
+        assert out[changed].isnan().all()
+
+    flags = torch.zeros(2, 3, S)
+    flags[0, 2, 1] = 1.0  # set before: stays set
+    k[1, 1, 4, 0] = math.nan
+    nonfinite_rows.flag_rows(k, flags)
+    want_flags = torch.zeros(2, 3, S)
+    want_flags[0, 2, 1] = want_flags[1, 1, 4] = 1.0
+    assert torch.equal(flags, want_flags)
+
+
 def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
     """T=1, S=128 without gradient, after the structure's first call: a plain call dispatches
     torch's kernel alone, a causal one two views and the kernel (it sees key 0 only), a key

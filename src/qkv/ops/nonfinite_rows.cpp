@@ -122,7 +122,8 @@ void copy(const Rows n, int64_t E, const void* src_, const Strides s, void* dst_
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     runs(n, begin, end, [&](int64_t first, int64_t last) {
       const W* x = src + offset(first, n, s);
-      if (dst == nullptr) {  // the flags alone
+      if (dst == nullptr) {  // the flags alone: a clean span in one sweep, its rows if not
+        if ((s.s2 == E || last - first == 1) && !nonfinite<B>(x, (last - first) * E)) return;
         for (int64_t r = first; r < last; ++r, x += s.s2)
           if (nonfinite<B>(x, E)) flags[r] = 1.0f;
         return;
@@ -325,6 +326,16 @@ struct KeyRanges {
   Strides u;
 };
 
+// Whether a row of [first, last) has an empty range of keys (a row that is set to 0).
+inline bool any_empty(const KeyRanges& kr, const Rows& n, int64_t first, int64_t last) {
+  const int64_t* lo = kr.lo + offset(first, n, kr.l);
+  const int64_t* hi = kr.hi + offset(first, n, kr.u);
+  for (int64_t i = 0; i < last - first; ++i) {
+    if (hi[i * kr.u.s2] <= lo[i * kr.l.s2]) return true;
+  }
+  return false;
+}
+
 // The keys and values a row's range indexes, for rows computed again (null k: none are): row
 // (b, h) reads key head h / group through the strides (b, kv head, key).
 struct Recompute {
@@ -354,17 +365,21 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
     std::vector<float> before;  // bad keys before each key position, for one run's (b, h)
     RowScratch scratch;  // a row computed again
     runs(n, begin, end, [&](int64_t first, int64_t last) {
-      // the common case first: no flag, no key missing, every row finite: nothing to write
-      if (flags == nullptr && has_key == nullptr && kr.keys == nullptr) {
-        const bool bad = (check_out && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
-                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
-        if (!bad) return;
-      }
       if (kr.keys != nullptr) {  // a run shares its (b, h): the counts of its bad keys, once
         const int64_t i01 = first / n.n2;
         const float* k = kr.keys + (i01 / n.n1) * kr.k0 + (i01 % n.n1) * kr.k1;
         before.assign(kr.S + 1, 0.0f);
         for (int64_t j = 0; j < kr.S; ++j) before[j + 1] = before[j] + k[j];
+      }
+      // the common case first: no flag, no key missing, no bad key in the run's (b, h), no
+      // empty range, every row finite (its spans swept whole): nothing to write
+      if (flags == nullptr && has_key == nullptr &&
+          (kr.keys == nullptr || (before[kr.S] == 0.0f && !any_empty(kr, n, first, last)))) {
+        const bool bad =
+            ((check_out || (kr.keys != nullptr && rc.k != nullptr)) &&
+             any_nonfinite<B>(out, n, o, Dv, first, last)) ||
+            (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
+        if (!bad) return;
       }
       W* y = out + offset(first, n, o);
       const W* x = q == nullptr ? nullptr : q + offset(first, n, qs);
