@@ -30,6 +30,7 @@ same comparison is ``benchmarks/gpu_api.py`` (``make gpu-check``).
 
 Usage:
     python benchmarks/bench_backends.py [--lengths 1024 4096] [--isa native avx2] [--reps 7]
+        [--threads 1]
 """
 
 from __future__ import annotations
@@ -125,9 +126,12 @@ def _mha_impls(T: int, dtype, weights: bool):
 
 
 def _time(impls: dict, reps: int) -> tuple[dict, dict]:
-    """Median seconds per implementation, and per-round ratios of qkv's time to each other's."""
+    """Median seconds per implementation, and per-round ratios of qkv's time to each other's.
+    At one thread the seconds are the thread's CPU time (``time.thread_time``): on a shared
+    machine wall time also counts the other processes' turns."""
     import torch
 
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     names = list(impls)
     times: dict[str, list[float]] = {n: [] for n in names}
     refused: dict[str, str] = {}
@@ -141,9 +145,9 @@ def _time(impls: dict, reps: int) -> tuple[dict, dict]:
         for i in range(reps):
             order = live[i % len(live) :] + live[: i % len(live)]
             for n in order:
-                t0 = time.perf_counter()
+                t0 = clock()
                 impls[n]()
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(clock() - t0)
     med = {n: statistics.median(t) for n, t in times.items() if t}
     ratios = {}
     if "qkv" in med:
@@ -192,11 +196,19 @@ def _line(r: dict) -> str:
     return f"  {r['dtype']:8s} T={r['T']:5d} {r['case']:11s} ms: {ms} | {rat}"
 
 
+def _clock(data: dict) -> str:
+    threads = {run.get("threads") for run in data["runs"].values()}
+    if threads == {1}:
+        return "one thread, its CPU time"
+    return f"torch's threads ({', '.join(map(str, sorted(threads, key=str)))}), wall time"
+
+
 def markdown(data: dict) -> str:
     lines = [
         (
-            f"CPU: {data['cpu']}; torch {data.get('torch', '?')}; ms are medians, ratios the "
-            "median over rounds of qkv (auto) / the peer (below 1: qkv faster)."
+            f"CPU: {data['cpu']}; torch {data.get('torch', '?')}; {_clock(data)}; ms are "
+            "medians, ratios the median over rounds of qkv (auto) / the peer (below 1: qkv "
+            "faster)."
         ),
         "",
         (
@@ -231,11 +243,19 @@ def main(argv=None) -> int:
     p.add_argument("--isa", nargs="+", default=list(ISA_ENV), choices=list(ISA_ENV))
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/backends_cpu.json"))
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch's threads (0: its own); 1 times the thread's CPU time",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         import torch
 
+        if args.threads:
+            torch.set_num_threads(args.threads)
         from qkv.ops.cpu_isa import cpu_features
 
         print(
@@ -259,7 +279,8 @@ def main(argv=None) -> int:
     )
     for isa in args.isa:
         print(f"{isa}:", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--worker", "--reps", str(args.reps), "--lengths"]
+        cmd = [sys.executable, __file__, "--worker", "--reps", str(args.reps)]
+        cmd += ["--threads", str(args.threads), "--lengths"]
         cmd += [*map(str, args.lengths), "--cases", *args.cases]
         done = subprocess.run(
             cmd, env={**os.environ, **ISA_ENV[isa]}, stdout=subprocess.PIPE, text=True, check=True

@@ -7,9 +7,11 @@ D head dim of query/key, Dv head dim of value.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention as _F_sdpa
 
 from . import dispatch, recording
 from .autotune import bucket
@@ -145,8 +147,8 @@ def scaled_dot_product_attention(
 def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: str, lane=None):
     """One call top-down: check (ops/call.py), plan (dispatch.py), kernel (a backend), and the
     NaN/inf contract around it (ops/nonfinite.py): inputs zeroed before or the output checked
-    after, rows set after. ``lane``: the key under which the steps of this call are kept
-    when they make a lane (:func:`_keep_lane`)."""
+    after, rows set after. ``lane``: the exact kind of call (:func:`_lane_key`) whose kind
+    keeps the steps of this call when they make a lane (:func:`_keep_lane`)."""
     attn_mask, dropout_p, is_causal, scale, enable_gqa = args
     mask_mod, score_mod, sinks = mods
     call = AttentionCall.build(  # check: ValueError/TypeError naming the numbers and fix
@@ -170,7 +172,7 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
         guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract, optimistic=False)
         result = dispatch.run(guard.call, plan)
     if lane is not None:
-        _keep_lane(lane, call, plan, guard)
+        _keep_lane(_kind(lane), call, plan, guard)
     return guard.restore(result)  # contract: NaN rows, overflowing scores refused
 
 
@@ -196,24 +198,50 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
 class _Lane:
     """The kept steps of one kind of call (see above); ``ok`` False for a kind that has none."""
 
-    __slots__ = ("causal", "check", "gqa", "keys", "narrow", "ok", "scale", "state")
+    __slots__ = ("causal", "check", "gqa", "keys", "narrow", "ok", "scale", "scale_arg", "state")
 
-    def __init__(self, state, ok=False, scale=0.0, causal=False, gqa=False, narrow=False):
+    def __init__(self, state, ok=False, scale=0.0, causal=False, gqa=False, narrow=False, D=0):
         self.state, self.ok, self.scale = state, ok, scale
         self.causal, self.gqa, self.narrow = causal, gqa, narrow
+        # torch's own default scale (the same double) is passed as None: a scale given costs
+        # torch's call 0.7 µs at decode sizes (T=1, S=128)
+        self.scale_arg = None if D > 0 and scale == 1.0 / math.sqrt(D) else scale
         self.check = nonfinite_rows.RowsCheck()
         self.keys = nonfinite_rows.KeymaskRows()
 
+    def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+        """torch's kernel, as the steps above call it (``ops/_aten.sdpa``).
 
-_LANES: dict[tuple, _Lane] = {}
-_LANES_MAX = 256  # kinds kept (a model meets a handful)
+        Shape:
+            query ``(*batch, T, D)``, key ``(*kbatch, S, D)``, value ``(*kbatch, S, Dv)``,
+            mask ``(*mbatch, 1, S)`` -> ``(*batch, T, Dv)``.
+        """
+        if self.scale <= 0:  # folded into q there
+            return sdpa(
+                query,
+                key,
+                value,
+                attn_mask=mask,
+                dropout_p=0.0,
+                is_causal=self.causal,
+                scale=self.scale,
+                enable_gqa=self.gqa,
+            )
+        return _F_sdpa(
+            query, key, value, mask, 0.0, self.causal, scale=self.scale_arg, enable_gqa=self.gqa
+        )
+
+
+_LANES: dict[tuple, _Lane] = {}  # by kind, and by exact kind (two tuples of other lengths)
+_LANES_MAX = 1024  # kinds and exact kinds kept (a growing cache makes one exact kind a step)
 _NO_MODS = (None, None, None)
 
 
 def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
-    """The kind of a call that may have a lane, or None: plain CPU tensors, nothing wanting a
-    gradient, outside tracing, flags of their own types, no dropout, at least one key, no
-    mask or a bool key mask with contiguous keys."""
+    """The exact kind of a call that may have a lane (its shapes, dtypes and flags as they
+    are), or None: plain CPU tensors, nothing wanting a gradient, outside tracing, flags of
+    their own types, no dropout, at least one key, no mask or a bool key mask with contiguous
+    keys. :func:`_kind` makes the kind a lane is kept under from it."""
     attn_mask, dropout_p, is_causal, scale, enable_gqa = args
     if (
         type(query) is not Tensor
@@ -251,7 +279,16 @@ def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
             or attn_mask.stride(-1) != 1
         ):
             return None
-        mask = attn_mask.shape[:-1]
+        mask = attn_mask.shape
+    dtypes = (query.dtype, key.dtype, value.dtype)
+    return (qs, ks, vs, dtypes, is_causal, scale, enable_gqa, backend, mask)
+
+
+def _kind(exact: tuple) -> tuple:
+    """The kind a lane is kept under, of a call's exact kind (:func:`_lane_key`): its key
+    count by power-of-two bucket (and the mask's shape without it)."""
+    qs, ks, vs, dtypes, is_causal, scale, enable_gqa, backend, mask = exact
+    S = ks[-2]
     return (
         qs,
         ks[:-2],
@@ -260,60 +297,55 @@ def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
         vs[-1],
         bucket(S),
         is_causal and qs[-2] < S,
-        query.dtype,
-        key.dtype,
-        value.dtype,
+        dtypes,
         is_causal,
         scale,
         enable_gqa,
         backend,
-        mask,
+        None if mask is None else mask[:-1],
     )
 
 
 def _run_lane(
-    kind: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+    exact: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
 ) -> Tensor | None:
     """The call by its kind's lane; None when it has none (yet), or its check cannot take
-    this output (then the steps above run it)."""
-    lane = _LANES.get(kind)
-    if lane is None or not lane.ok or lane.state != dispatch.kept_plans_state():
+    this output (then the steps above run it). ``exact``: the call's exact kind, under which
+    its kind's lane is found again without making the kind (the other layers of a model's
+    decoding step meet the same sizes)."""
+    lane = _LANES.get(exact)
+    state = dispatch.kept_plans_state()
+    if lane is None or lane.state != state:
+        lane = _LANES.get(_kind(exact))
+        if lane is None or lane.state != state:
+            return None
+        _keep(exact, lane)
+    if not lane.ok:
         return None
     if mask is not None:
-        out = sdpa(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=0.0,
-            is_causal=False,
-            scale=lane.scale,
-            enable_gqa=lane.gqa,
-        )  # (*batch, T, Dv)
+        out = lane.attend(query, key, value, mask)  # (*batch, T, Dv)
         group = query.shape[-3] // key.shape[-3] if lane.gqa else 1  # query heads per key head
-        if lane.keys(out, query, key, value, mask.select(-2, 0), lane.scale, group):
+        if lane.keys(out, query, key, value, mask, lane.scale, group, exact, of_mask=True):
             return out
         if nonfinite_rows.available():  # (as below)
-            _LANES[kind] = _Lane(lane.state)
+            lane.ok = False
         return None
     if lane.narrow:  # top-left causal, T < S: keys T.. reach no row
         T = query.shape[-2]
         key, value = key.narrow(-2, 0, T), value.narrow(-2, 0, T)  # (*kbatch, T, D|Dv)
-    out = sdpa(
-        query,
-        key,
-        value,
-        attn_mask=None,
-        dropout_p=0.0,
-        is_causal=lane.causal,
-        scale=lane.scale,
-        enable_gqa=lane.gqa,
-    )  # (*batch, T, Dv)
-    if lane.check(out, query, (query, key, value)):
+    out = lane.attend(query, key, value, None)  # (*batch, T, Dv)
+    if lane.check(out, query, (query, key, value), exact):
         return out
     if nonfinite_rows.available():  # the check cannot take this layout: the steps above from
-        _LANES[kind] = _Lane(lane.state)  # now on (without the library: until it is back)
-    return None
+        lane.ok = False  # now on, for every exact kind of its kind (without the library:
+    return None  # until it is back)
+
+
+def _keep(key: tuple, lane: _Lane) -> None:
+    """``_LANES[key] = lane``, all of them forgotten when there are ``_LANES_MAX``."""
+    if len(_LANES) >= _LANES_MAX:
+        _LANES.clear()
+    _LANES[key] = lane
 
 
 def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> None:
@@ -343,13 +375,17 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
         and call.work_dtype == call.dtype
         and not nonfinite.scale_may_overflow(call)
     )
-    if len(_LANES) >= _LANES_MAX:
-        _LANES.clear()
-    _LANES[kind] = _Lane(state, ok, call.scale, call.is_causal, call.enable_gqa, narrow)
+    lane = _Lane(state, ok, call.scale, call.is_causal, call.enable_gqa, narrow, call.D)
+    _keep(kind, lane)
+
+
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # (a private name)
 
 
 def _autocast_dtype(query) -> torch.dtype | None:
     """The dtype torch.autocast runs SDPA in on the query's device, or None when it is off."""
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():  # (off everywhere: half the cost)
+        return None
     device_type: str | None = "cpu"  # (``device.type`` makes a string each call)
     if type(query) is not Tensor or not query.is_cpu:
         device_type = getattr(getattr(query, "device", None), "type", None)

@@ -342,9 +342,10 @@ class _Packed:
 class KeymaskRows(_Packed):
     """:func:`keymask_rows` for calls whose tensors keep one layout (a decoding step's, with
     its padding mask): its tests made and its arguments packed at the first call and whenever
-    the layout changes; later calls read strides and pointers only, and check that ``out``'s
-    memory is its own (:func:`check_rows`'s test). For one kind of call: the caller holds one
-    per kind."""
+    the layout changes; later calls read strides and pointers only. That ``out``'s memory is
+    its own (:func:`check_rows`'s test) is asked with a new layout: whether a kernel's output
+    shares its inputs' memory follows from the layout. For one kind of call: the caller holds
+    one per kind."""
 
     __slots__ = ()
 
@@ -360,14 +361,25 @@ class KeymaskRows(_Packed):
         keep: Tensor,
         scale: float,
         group: int,
+        kind: tuple | None = None,
+        of_mask: bool = False,
     ) -> bool:
+        """``kind``: a key that fixes the tensors' shapes, ``scale`` and ``group`` (the
+        caller's kind of call), read in their place. ``of_mask``: ``keep`` is given as a
+        mask ``(*lead, 1, S)``, whose one row (its memory) is the keep ``(*lead, S)``."""
         lib = _build()[0]  # (asked each call: a test hides the library)
-        layout: tuple = (out.shape, out.stride(), query.stride(), key.shape, key.stride())
-        layout += (value.shape, value.stride(), keep.shape, keep.stride(), scale, group, lib)
-        pack = lambda: _keymask_args(out, query, key, value, keep, scale, group)  # noqa: E731
+        strides = (out.stride(), query.stride(), key.stride(), value.stride(), keep.stride())
+        if kind is None:
+            kind = (out.shape, key.shape, value.shape, keep.shape, scale, group)
+        layout = (kind, strides, lib)
+        pack = lambda: (  # noqa: E731
+            _keymask_args(
+                out, query, key, value, keep.select(-2, 0) if of_mask else keep, scale, group
+            )
+            if _own_memory(out, (query, key, value))
+            else None
+        )
         if not self._ready(layout, pack, "qkv_rows_keymask"):
-            return False
-        if not _own_memory(out, (query, key, value)):
             return False
         args = self._args
         args[4], args[9], args[14] = out.data_ptr(), query.data_ptr(), key.data_ptr()
@@ -443,7 +455,8 @@ def check_rows(out: Tensor, query: Tensor, inputs: tuple[Tensor, ...] = ()) -> b
 class RowsCheck(_Packed):
     """:func:`check_rows` for calls whose ``out`` and ``query`` keep one layout (a decoding
     step's): its tests made and its arguments packed at the first call and whenever the
-    layout changes; later calls read the two tensors' strides and pointers only. For one kind
+    layout changes; later calls read the two tensors' strides and pointers only (that ``out``'s
+    memory is its own is asked with a new layout, as in :class:`KeymaskRows`). For one kind
     of call (the same dtypes and devices, no gradient): the caller holds one per kind."""
 
     __slots__ = ()
@@ -451,11 +464,17 @@ class RowsCheck(_Packed):
     def __init__(self) -> None:
         super().__init__(_RESTORE_ARGS)
 
-    def __call__(self, out: Tensor, query: Tensor, inputs: tuple[Tensor, ...]) -> bool:
+    def __call__(
+        self, out: Tensor, query: Tensor, inputs: tuple[Tensor, ...], kind: tuple | None = None
+    ) -> bool:
+        """``kind``: a key that fixes ``out``'s and ``query``'s shapes (the caller's kind of
+        call), read in their place."""
         lib = _build()[0]  # (asked each call: a test hides the library)
-        layout = (out.shape, out.stride(), query.shape, query.stride(), lib)
-        pack = lambda: _check_args(out, query)  # noqa: E731
-        if not self._ready(layout, pack, "qkv_rows_restore") or not _own_memory(out, inputs):
+        if kind is None:
+            kind = (out.shape, query.shape)
+        layout = (kind, out.stride(), query.stride(), lib)
+        pack = lambda: _check_args(out, query) if _own_memory(out, inputs) else None  # noqa: E731
+        if not self._ready(layout, pack, "qkv_rows_restore"):
             return False
         args = self._args
         args[4], args[10] = out.data_ptr(), query.data_ptr()
