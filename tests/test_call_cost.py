@@ -608,6 +608,37 @@ def test_a_lane_holds_while_the_keys_grow_within_their_bucket(monkeypatch):
     assert steps.count == 4
 
 
+def test_the_layers_of_a_decoding_step_find_their_lane_by_its_exact_sizes(monkeypatch):
+    """A model's layers meet the same sizes in a step: the first finds the lane by its kind
+    (sizes by bucket) and the others by the exact sizes, so the kind is made once a step, not
+    once a layer; each call gives torch's kernel's bits. A lane that gives way (its check
+    cannot take the layout) gives way under every exact size it is found by."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    force_native_rows(monkeypatch, on=True)
+    g = torch.Generator().manual_seed(4)
+    layers = [tuple(torch.randn(1, 4, n, D, generator=g) for n in (1, 200, 200)) for _ in range(3)]
+    steps = _Steps(monkeypatch)
+    made = []
+    kind = qkv.functional._kind
+    monkeypatch.setattr(qkv.functional, "_kind", lambda exact: made.append(1) or kind(exact))
+    with torch.no_grad():
+        for S in range(129, 161):
+            for q, k, v in layers:
+                out = qkv.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S])
+                want = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :S], v[:, :, :S])
+                assert torch.equal(out, want), S
+    assert steps.count == 1
+    assert len(made) == 32 + 2  # a step's first layer, and the first step's steps and second
+    lanes = {id(lane) for lane in qkv.functional._LANES.values()}
+    assert len(lanes) == 1  # one lane, under its kind and the exact sizes
+    (lane,) = set(qkv.functional._LANES.values())
+    lane.ok = False  # as when its check cannot take a layout
+    with torch.no_grad():
+        for q, k, v in layers:
+            qkv.scaled_dot_product_attention(q, k[:, :, :160], v[:, :, :160])
+    assert steps.count == 1 + 3
+
+
 def test_a_lane_gives_way_to_a_change_of_registry_autotune_or_gradient(monkeypatch):
     """A kept lane is not taken once a backend is registered (the new backend runs the call),
     while ``QKV_AUTOTUNE`` is changed or ``autotune`` forgets its choices (the steps choose
