@@ -58,7 +58,12 @@ __all__ = [
     "stored_choice",
 ]
 
-_RUNS, _BUDGET_S = 3, 0.02  # timed runs per candidate, at most, within about 20 ms each
+_RUNS, _BUDGET_S = 3, 0.02  # timed runs per candidate: 2 to 3, within about 20 ms each
+# A backend after another in the static order is taken only when it beats it by more than
+# this: a few runs on a shared machine scatter by about as much, and the static order holds
+# what is known (at T=1024, fp32, torch's kernel and the tiled loop were timed 28.1 and 27.7
+# ms and the tiled loop taken, then ran 24.3 ms against torch's 22.2 in the benchmark).
+_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,12 @@ class Choice:
             return f"{self.backend}: the static order ({self.source})"
         ranked = sorted(self.times.items(), key=lambda kv: kv[1])
         shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
-        return f"{self.backend}: fastest measured on this machine ({shown}; {self.source})"
+        if self.times.get(self.backend) == ranked[0][1]:
+            return f"{self.backend}: fastest measured on this machine ({shown}; {self.source})"
+        return (
+            f"{self.backend}: first in the static order of those measured within "
+            f"{_MARGIN:.0%} of the fastest on this machine ({shown}; {self.source})"
+        )
 
 
 def _key(call: AttentionCall) -> tuple:
@@ -187,7 +197,7 @@ def measured_choice(
         times = {n: t for n, t in timings.items() if t is not None}
         if not times:
             return None
-        best = min(times, key=times.__getitem__)
+        best = _within_margin(times, [b.name for b in timed])
         choice = Choice(best, "measured", times)
         _measured.store(kind, {"backend": choice.backend, "times": choice.times})
     with _lock:
@@ -196,6 +206,13 @@ def measured_choice(
             _generation[0] += 1
         _chosen.setdefault(key, choice)
         return _chosen[key]
+
+
+def _within_margin(times: dict[str, float], order: list[str]) -> str:
+    """The first backend in the static ``order`` whose time is within ``_MARGIN`` of the
+    fastest's (the fastest itself when none before it is)."""
+    fastest = min(times.values())
+    return next(n for n in order if n in times and times[n] <= fastest * (1 + _MARGIN))
 
 
 _STATIC = Choice("", "static", {})  # kept for kinds that have nothing to measure
@@ -216,11 +233,11 @@ def _time_backend(backend: Backend, call: AttentionCall) -> float | None:
         run()  # untimed: plans, caches, kernels loaded
         best = float("inf")
         start = _clock()
-        for _ in range(_RUNS):
+        for i in range(_RUNS):
             t0 = _clock()
             run()
             best = min(best, _clock() - t0)
-            if _clock() - start > _BUDGET_S:
+            if i >= 1 and _clock() - start > _BUDGET_S:
                 break
     except Exception:  # a backend that fails here is simply not chosen
         return None
