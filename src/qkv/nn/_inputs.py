@@ -135,6 +135,8 @@ def module_inputs(
     key = query if key is None else key
     value = key if value is None else value
     for name, t, c, dtype in zip(("query", "key", "value"), (query, key, value), dims, dtypes):
+        if name != "query" and t is query and c == dims[0] and dtype == dtypes[0]:
+            continue  # self-attention: the query's checks again
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         _check_dtype(name, t, dtype)  # before the shape: token ids (B, T) would look unbatched

@@ -69,17 +69,19 @@ class KVCache:
         self._padded = False  # a key_mask was given since the last reset
         self.capacity, self.position = capacity, 0
 
+    # (views by ``narrow``: a decoding step makes them every step, and indexing by slices
+    # costs its Python more)
     @property
     def keys(self) -> Tensor:
-        return self._k[:, :, : self.position]
+        return self._k.narrow(2, 0, self.position)
 
     @property
     def values(self) -> Tensor:
-        return self._v[:, :, : self.position]
+        return self._v.narrow(2, 0, self.position)
 
     @property
     def key_mask(self) -> Tensor | None:
-        return self._mask[:, : self.position] if self._padded else None
+        return self._mask.narrow(1, 0, self.position) if self._padded else None
 
     def reset(self) -> KVCache:
         """Forget every position (the buffers are kept)."""
@@ -97,9 +99,10 @@ class KVCache:
             ``(B, G, position, D)``, ``(B, G, position, Dv)``, ``(B, position)`` or None.
         """
         B, G, P, D = self._k.shape
-        T = key.shape[-2] if key.dim() == 4 else -1
+        ks = key.shape
+        T = ks[-2] if len(ks) == 4 else -1
         want_k, want_v = (B, G, T, D), (B, G, T, self._v.shape[-1])
-        if key.dim() != 4 or tuple(key.shape) != want_k or tuple(value.shape) != want_v:
+        if ks != want_k or value.shape != want_v:
             raise ValueError(
                 f"KVCache.append: need key (B, G, T, D) = (B={B}, G={G}, T, D={D}) "
                 f"and value (B, G, T, Dv={want_v[-1]}), got key {tuple(key.shape)} "
@@ -112,15 +115,15 @@ class KVCache:
                 f"(new_cache(batch_size, capacity=...)) or reset() it"
             )
         end = self.position + T
-        self._k[:, :, self.position : end] = key
-        self._v[:, :, self.position : end] = value
+        self._k.narrow(2, self.position, T).copy_(key)
+        self._v.narrow(2, self.position, T).copy_(value)
         if key_mask is not None:
             if key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, T):
                 raise ValueError(
                     f"KVCache.append: key_mask must be bool (B, T) = {(B, T)}, got "
                     f"{key_mask.dtype} {tuple(key_mask.shape)}"
                 )
-            self._mask[:, self.position : end] = key_mask
+            self._mask.narrow(1, self.position, T).copy_(key_mask)
             self._padded = True  # (whether it marks any padding is not asked: that would read
             # it on the host, a device sync per decoding step on GPUs)
         self.position = end
