@@ -32,6 +32,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -81,6 +82,20 @@ inline bool nonfinite(const typename B::word* x, int64_t count) {
     bad |= static_cast<typename B::word>((x[e] & B::exp) == B::exp);
   }
   return bad != 0;
+}
+
+// Whether rows n (E contiguous elements each, strides s) fill one block of n.count() * E
+// elements from the first row's start, in some order of the dims (no gap, no broadcast dim).
+inline bool dense(const Rows& n, const Strides& s, int64_t E) {
+  std::pair<int64_t, int64_t> dims[3] = {{s.s0, n.n0}, {s.s1, n.n1}, {s.s2, n.n2}};
+  std::sort(dims, dims + 3);
+  int64_t want = E;  // the stride the next dim must have
+  for (const auto& [stride, size] : dims) {
+    if (size == 1) continue;  // any stride
+    if (stride != want) return false;
+    want *= size;
+  }
+  return true;
 }
 
 // Whether rows [first, last) of x (E elements each, stride s) hold a non-finite element; one
@@ -360,6 +375,11 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
   using W = typename B::word;
   W* out = static_cast<W*>(out_);
   const W* q = static_cast<const W*>(q_);
+  // out's rows are read for a non-finite element with check_out, and with rows computed again;
+  // a dense out (one block of memory in any order of dims, as torch's flash kernel writes its
+  // (B, T, H, Dv)) is swept once here rather than row by row in each run: clean, no run reads it
+  const bool read_out = check_out || (kr.keys != nullptr && rc.k != nullptr);
+  const bool out_clean = read_out && dense(n, o, Dv) && !nonfinite<B>(out, n.count() * Dv);
   const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> before;  // bad keys before each key position, for one run's (b, h)
@@ -375,10 +395,8 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
       // empty range, every row finite (its spans swept whole): nothing to write
       if (flags == nullptr && has_key == nullptr &&
           (kr.keys == nullptr || (before[kr.S] == 0.0f && !any_empty(kr, n, first, last)))) {
-        const bool bad =
-            ((check_out || (kr.keys != nullptr && rc.k != nullptr)) &&
-             any_nonfinite<B>(out, n, o, Dv, first, last)) ||
-            (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
+        const bool bad = (read_out && !out_clean && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
+                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
         if (!bad) return;
       }
       W* y = out + offset(first, n, o);
