@@ -370,3 +370,57 @@ def test_fused_in_projection_equals_separate_projections():
     fused = mha(x)
     separate = mha(x, x.clone(), x.clone())
     torch.testing.assert_close(fused, separate, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "padded"])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train-dropout"])
+def test_a_decoding_step_takes_its_short_way_to_the_general_ways_bits(dtype, padded, training):
+    """A decoding step whose only input is the new positions (B, T, C) skips the general
+    checks it passes (``MultiHeadAttention._decode_step``): steps of one and of three new
+    positions, a cache with padding from its prompt, dropout in training (the same draws),
+    give the general way's bits and leave the cache as it leaves it. The short way is taken
+    (counted), and not by a subclass with attention of its own, nor by calls it does not
+    take (key_mask, unbatched, another dtype), which meet the general way's checks."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4, dropout=0.25 if training else 0.0).to(dtype)
+    mha.train(training)
+    prompt = torch.randn(2, 5, 32, dtype=dtype)
+    real = torch.tensor([[True] * 5, [False, False, True, True, True]]) if padded else None
+    steps = [torch.randn(2, n, 32, dtype=dtype) for n in (1, 3, 1)]
+    caches = []
+    general = qkv.MultiHeadAttention._decode_step
+    for short in (True, False):
+        cache = mha.new_cache(2, 16)
+        mha(prompt, key_mask=real, cache=cache)
+        taken = []
+
+        def counted(self, query, cache, short=short, taken=taken):
+            taken.append(1)
+            return general(self, query, cache) if short else None
+
+        outs = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(qkv.MultiHeadAttention, "_decode_step", counted)
+            for i, x in enumerate(steps):
+                torch.manual_seed(i)
+                outs.append(mha(x, cache=cache))
+        assert len(taken) == len(steps)
+        caches.append((cache, outs))
+    (short_cache, short_outs), (cache, outs) = caches
+    for a, b in zip(short_outs, outs):
+        assert torch.equal(
+            a.view(torch.int16 if dtype != torch.float32 else torch.int32),
+            b.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        )
+    assert short_cache.position == cache.position == 10
+    assert torch.equal(short_cache.keys, cache.keys) and torch.equal(
+        short_cache.values, cache.values
+    )
+
+    local = qkv.LocalMultiHeadAttention(32, 4, window=2).to(dtype).eval()
+    assert local._decode_step(steps[0], local.new_cache(2, 16)) is None
+    assert mha._decode_step(steps[0][0], mha.new_cache(2, 16)) is None  # unbatched
+    assert mha._decode_step(steps[0].double(), mha.new_cache(2, 16)) is None
+    with pytest.raises(ValueError, match="key_mask must have shape"):
+        mha(steps[0], key_mask=torch.ones(2, 2, dtype=torch.bool), cache=mha.new_cache(2, 16))
