@@ -9,6 +9,7 @@ backend is named, or when the weights would be too large to hold.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import pytest
@@ -18,7 +19,7 @@ from torch import nn
 import qkv
 from qkv import dispatch
 from qkv import masks as M
-from qkv.ops import reference
+from qkv.ops import reference, softmax_rows
 from qkv.ops.reference import _lse_of, _softmax_rows_, masked_softmax
 from qkv.testing import OUTPUT_FACTOR, assert_tolerance
 
@@ -148,21 +149,39 @@ def test_one_pass_is_not_taken_when_it_should_not_be(monkeypatch):
     assert trace.backend == "reference"
 
 
-def test_in_place_softmax_equals_masked_softmax():
-    """The fused softmax written over its own input equals masked_softmax, with rows of -inf,
-    a row with no key, huge and tiny scores, on a block of several heads."""
+@pytest.mark.parametrize("way", ["native", "torch-ops"])
+def test_in_place_softmax_equals_masked_softmax(monkeypatch, way):
+    """The softmax written over its own input equals masked_softmax, with rows of -inf, a
+    row with no key, huge and tiny scores, rows of 37 and 40 keys (a vector's tail), on a
+    block of several heads; a row holding NaN or +inf is NaN throughout, as torch's softmax
+    gives it. Both ways: the one pass of C++ (``ops/softmax_rows.py``) and torch's ops (as
+    where no C++ compiler is found)."""
+    if way == "native" and not softmax_rows.available():
+        pytest.skip(f"the softmax rows did not build here: {softmax_rows._build()[1]}")
+    if way == "torch-ops":
+        monkeypatch.setattr(softmax_rows, "softmax_rows_", lambda scores, row_max: False)
+    ran = []
+    native = softmax_rows.softmax_rows_
+    monkeypatch.setattr(softmax_rows, "softmax_rows_", lambda *a: ran.append(native(*a)) or ran[-1])
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.float64):
-        scores = torch.randn(2, 11, 40, generator=g, dtype=dtype) * 30
+    for dtype, S in itertools.product((torch.float32, torch.float64), (37, 40)):
+        scores = torch.randn(2, 11, S, generator=g, dtype=dtype) * 30
         scores[0, 2] = float("-inf")  # no key
         scores[1, 5, ::2] = float("-inf")
         scores[0, 7] = 1e30
         scores[1, 8, 3] = 1e4
+        scores[1, 9, 33] = float("nan")
+        scores[0, 10, 36] = float("inf")
         want, want_lse = masked_softmax(scores.clone())
         score_max = torch.empty(2, 11, dtype=dtype)
         _softmax_rows_(scores, score_max)
-        torch.testing.assert_close(scores, want)
-        torch.testing.assert_close(_lse_of(score_max, scores.amax(-1)), want_lse)
+        assert scores[1, 9].isnan().all() and scores[0, 10].isnan().all()  # (as torch's)
+        assert (scores[0, 2] == 0).all() and score_max[0, 2] == float("-inf")
+        rows = torch.ones(2, 11, dtype=torch.bool)
+        rows[1, 9] = rows[0, 10] = False  # (masked_softmax keeps a +inf row's finite keys 0)
+        torch.testing.assert_close(scores[rows], want[rows])
+        torch.testing.assert_close(_lse_of(score_max, scores.amax(-1))[rows], want_lse[rows])
+    assert ran == [way == "native"] * 4
 
 
 @pytest.mark.parametrize("budget", [3 * 53, 2 * 37 * 53], ids=["rows-of-3", "two-heads"])

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..masks import apply_mask_, causal_bool, evaluate_mask, evaluate_score, index_grid
-from . import bf16_scores, cpu_isa, key_counts
+from . import bf16_scores, cpu_isa, key_counts, softmax_rows
 from ._memory import empty_large
 from .base import BackendResult, tracing
 from .call import AttentionCall
@@ -396,13 +396,17 @@ def _softmax_rows_(scores: Tensor, score_max: Tensor) -> None:
     """``masked_softmax`` of a block in place: the weights overwrite ``scores``, each row's
     largest score goes to ``score_max``, and a row with no key gets weights 0.
 
-    The block goes through torch's fused softmax kernel, on CPU with its output on its input
-    (the kernel reads a row before it writes it; tests/test_weights_one_pass.py checks the
-    values against ``masked_softmax``; other devices get a copy).
+    On the CPU a contiguous block of float32/float64 goes through one pass of C++ that keeps
+    the maxima too (``ops/softmax_rows.py``). Otherwise through ``amax`` and torch's fused
+    softmax kernel, on CPU with its output on its input (the kernel reads a row before it
+    writes it; tests/test_weights_one_pass.py checks both ways against ``masked_softmax``;
+    other devices get a copy).
 
     Shape:
         scores ``(..., S)`` with S > 0, score_max ``(...)``.
     """
+    if softmax_rows.softmax_rows_(scores, score_max):  # (CPU: one pass of C++, not two)
+        return
     if score_max.dtype == scores.dtype:
         torch.amax(scores, -1, out=score_max)
     else:  # a score_mod widened the scores
