@@ -28,6 +28,10 @@ fixture of conftest.py), so that every route runs on every machine:
   contract runs as tensor ops. ``force_native_rows`` gives either way: the contract tests
   (test_nonfinite_eager.py) run both.
 
+* The one-pass weights' softmax (``qkv.ops.softmax_rows``: C++ built at first use, for CPU
+  blocks of float32/float64 scores): where it cannot be built, ``amax`` and torch's softmax.
+  ``force_native_softmax`` gives either way: test_weights_one_pass.py runs both.
+
 ``MACHINE_PROBES`` lists the rest of what reads the machine, and why each is no route of its
 own: ``auto``'s choice by measurement (``qkv.autotune``, on ``qkv._measured``) picks among
 backends that the suite runs by name, and the flex backend runs where a compiler is found
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import pytest
 
-from qkv.ops import nonfinite, nonfinite_rows, torch_sdpa
+from qkv.ops import nonfinite, nonfinite_rows, softmax_rows, torch_sdpa
 from qkv.ops.tiled import plan as tiled_plan
 
 HALF_GEMM_ROUTES = ("native", "float32")
@@ -105,3 +109,14 @@ def force_native_rows(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
         monkeypatch.setattr(nonfinite_rows, "_build", lambda: (None, "hidden by the test"))
     elif not nonfinite_rows.available():
         pytest.skip("the fused row passes of qkv.ops.nonfinite_rows did not build here")
+
+
+def force_native_softmax(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Form the one-pass weights' softmax by the C++ pass (``on``, where it builds: else the
+    test is skipped) or by torch's ops only, as where no compiler is found, for the rest of the
+    test."""
+    if not on:  # as where the library did not build
+        monkeypatch.setattr(softmax_rows, "_build", lambda: (None, "hidden by the test"))
+    elif not softmax_rows.available():
+        why = softmax_rows._build()[1]
+        pytest.skip(f"the softmax rows of qkv.ops.softmax_rows did not build here: {why}")

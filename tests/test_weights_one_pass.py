@@ -14,6 +14,7 @@ import pickle
 
 import pytest
 import torch
+from routes import force_native_softmax
 from torch import nn
 
 import qkv
@@ -156,10 +157,7 @@ def test_in_place_softmax_equals_masked_softmax(monkeypatch, way):
     block of several heads; a row holding NaN or +inf is NaN throughout, as torch's softmax
     gives it. Both ways: the one pass of C++ (``ops/softmax_rows.py``) and torch's ops (as
     where no C++ compiler is found)."""
-    if way == "native" and not softmax_rows.available():
-        pytest.skip(f"the softmax rows did not build here: {softmax_rows._build()[1]}")
-    if way == "torch-ops":
-        monkeypatch.setattr(softmax_rows, "softmax_rows_", lambda scores, row_max: False)
+    force_native_softmax(monkeypatch, on=way == "native")
     ran = []
     native = softmax_rows.softmax_rows_
     monkeypatch.setattr(softmax_rows, "softmax_rows_", lambda *a: ran.append(native(*a)) or ran[-1])

@@ -369,7 +369,7 @@ class MultiHeadAttention(nn.Module):
         B, T, C = query.shape
         q, k, v = self._project(query, query, query)  # (B, H, T, D) each
         keys, values, key_mask = cache.append(k, v)  # (B, H, P, D): all positions so far
-        heads = scaled_dot_product_attention(
+        heads: Tensor = scaled_dot_product_attention(  # type: ignore[assignment]
             q,
             keys,
             values,

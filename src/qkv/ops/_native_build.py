@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build"]
+__all__ = ["build", "build_declared"]
 
 # what torch's capability string guarantees (ATen's own CPU_CAPABILITY builds assume the same)
 _ISA_FLAGS = {
@@ -71,3 +72,20 @@ def build(source: Path, prefix: str) -> tuple[ctypes.CDLL | None, str]:
         return ctypes.CDLL(str(path)), ""
     except Exception as exc:  # a failed build of any kind: the caller takes its torch path
         return None, f"the C++ kernel did not build: {type(exc).__name__}: {str(exc)[-300:]}"
+
+
+def build_declared(
+    source: Path, prefix: str, signatures: dict[str, list], log: logging.Logger, instead: str
+) -> tuple[ctypes.CDLL | None, str]:
+    """:func:`build`, then each function named in ``signatures`` given its argument types (its
+    result an ``int``, 0 for success); where it cannot be built, one debug line on ``log``
+    saying what is used ``instead``, and the reason."""
+    lib, why = build(source, prefix)
+    if lib is None:
+        log.debug("%s: %s", instead, why)
+        return None, why
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return lib, ""

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._native_build import build
+from ._native_build import build_declared
 
 __all__ = [
     "KeymaskRows",
@@ -65,14 +65,10 @@ _log = logging.getLogger(__name__)
 
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = build(SOURCE, "qkv_nonfinite_rows")
-    if lib is None:
-        _log.debug("the NaN/inf contract takes its tensor ops: %s", why)
-        return None, why
-    for fn in (lib.qkv_rows_copy, lib.qkv_rows_restore, lib.qkv_rows_keymask):
-        fn.argtypes = [ctypes.c_char_p]  # the arguments packed as int64 (see the source)
-        fn.restype = ctypes.c_int
-    return lib, ""
+    packed = [ctypes.c_char_p]  # the arguments packed as int64 (see the source)
+    names = ("qkv_rows_copy", "qkv_rows_restore", "qkv_rows_keymask")
+    instead = "the NaN/inf contract takes its tensor ops"
+    return build_declared(SOURCE, "qkv_nonfinite_rows", dict.fromkeys(names, packed), _log, instead)
 
 
 def available() -> bool:

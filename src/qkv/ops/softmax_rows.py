@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ._native_build import build
+from ._native_build import build_declared
 
 __all__ = ["available", "softmax_rows_"]
 
@@ -33,14 +33,12 @@ _log = logging.getLogger(__name__)
 
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    lib, why = build(SOURCE, "qkv_softmax_rows")
-    if lib is None:
-        _log.debug("the one-pass weights take torch's softmax: %s", why)
-        return None, why
-    fn = lib.qkv_softmax_rows
-    fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return lib, ""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    signature = [i64, ptr, i64, i64, ptr]  # dtype, scores, rows, S, row maxima
+    instead = "the one-pass weights take torch's softmax"
+    return build_declared(
+        SOURCE, "qkv_softmax_rows", {"qkv_softmax_rows": signature}, _log, instead
+    )
 
 
 def available() -> bool:
