@@ -25,7 +25,10 @@
 // float32, and the output as the float32 weights times the values: the weights are split into
 // hi = bf16(p) (the rounded weights returned) and lo = bf16(p - hi), and hi @ v + lo @ v is summed in
 // float32 by two brgemm calls (|p - (hi + lo)| <= 2^-16 p, far below the output's one rounding to
-// bfloat16), then rounded once. Nothing (T, S)-sized is allocated besides the weights returned. Values are
+// bfloat16), then rounded once. Without weights the exps e are split unnormalised as they are made
+// (hi = bf16(e), lo = bf16(e - hi): one pass over a row instead of two) and the two GEMMs' sum is divided
+// by the row's sum of e before that rounding. Nothing (T, S)-sized is allocated besides the weights
+// returned. Values are
 // packed per head like the keys, in blocks of kN keys and of up to 64 value columns.
 #if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
 #define CPU_CAPABILITY_AVX512  // at::vec's 512-bit Vectorized<float> (its own namespace, not libtorch's)
@@ -271,14 +274,72 @@ bool has_bf16_convert() {
 #endif
 }
 
+// s[0, n) -> e = exp(scale * s - shift), split as it is made into hi = bf16(e) and lo = bf16(e - hi)
+// (rounded to nearest even); returns the sum of the e (in the order of softmax_row's). For rows
+// whose weights are not wanted: the GEMMs take the unnormalised split and the output is divided
+// by the sum after them, so the exps are not written and read again.
+float exp_split_generic(const float* s, int64_t n, float scale, float shift, bf16* hi, bf16* lo) {
+  Vec vs(0.0f);
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  const Vec vs_scale(scale), vshift(-shift);
+  for (; i + kV <= n; i += kV) {
+    const Vec e = at::vec::fmadd(Vec::loadu(s + i), vs_scale, vshift).exp_u20();
+    vs = vs + e;
+    const __m256i h = to_bf16(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), to_bf16(_mm512_sub_ps(e, from_bf16(h))));
+  }
+#endif
+  float sum = lanes(vs, 0.0f, [](float x, float y) { return x + y; });
+  for (; i < n; ++i) {
+    const float e = std::exp(std::fma(s[i], scale, -shift));
+    sum += e;
+    const bf16 h(e);
+    hi[i] = h;
+    lo[i] = bf16(e - static_cast<float>(h));
+  }
+  return sum;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The same by AVX512-BF16's conversion (the same bits as above).
+__attribute__((target("avx512bf16"))) float exp_split_bf16(const float* s, int64_t n, float scale,
+                                                          float shift, bf16* hi, bf16* lo) {
+  const Vec vs_scale(scale), vshift(-shift);
+  Vec vs(0.0f);
+  int64_t i = 0;
+  for (; i + kV <= n; i += kV) {
+    const Vec e = at::vec::fmadd(Vec::loadu(s + i), vs_scale, vshift).exp_u20();
+    vs = vs + e;
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), h);
+    const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, from_bf16(h)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), l);
+  }
+  float sum = lanes(vs, 0.0f, [](float x, float y) { return x + y; });
+  for (; i < n; ++i) {
+    const float e = std::exp(std::fma(s[i], scale, -shift));
+    sum += e;
+    const bf16 h(e);
+    hi[i] = h;
+    lo[i] = bf16(e - static_cast<float>(h));
+  }
+  return sum;
+}
+#endif
+
 // One row of raw scores s[0, K) (q.k, not yet scaled, keys kb0 + [0, K)) whose keys are [a, b) of it:
 // the weights of softmax(scale * s[a, b)) into hi/lo[0, K) (zeros outside [a, b)) and, unless null,
 // probs (the row's S weights, from key kb0 + a; zeros elsewhere, written by the caller); returns the lse
 // (-inf for a row with no key, a < b false). s is overwritten. scale * s - max(scale * s) is one fused
 // multiply-add per score, the max taken from the raw extremes (the smallest raw score is the largest
-// scaled one for a negative scale).
+// scaled one for a negative scale). Without probs, hi/lo hold the exps unnormalised instead (split as
+// they are made) and *norm = 1 / their sum, the factor of the row's output after the GEMMs (1 with
+// probs).
 float softmax_row(float* s, int64_t a, int64_t b, float scale, int64_t K, bf16* probs, bf16* hi,
-                  bf16* lo) {
+                  bf16* lo, float* norm) {
+  *norm = 1.0f;
   std::fill(hi, hi + std::max<int64_t>(a, 0), bf16(0.0f));
   std::fill(lo, lo + std::max<int64_t>(a, 0), bf16(0.0f));
   if (a >= b) {
@@ -298,6 +359,20 @@ float softmax_row(float* s, int64_t a, int64_t b, float scale, int64_t K, bf16* 
   }
   // a row whose largest score is +inf or NaN: NaN throughout, as exp(s - m) is in torch's softmax
   const float shift = std::isfinite(m) ? m : 0.0f;
+  if (probs == nullptr) {  // no weights wanted: hi + lo split unnormalised, the output times *norm
+    float sum;
+#if defined(CPU_CAPABILITY_AVX512)
+    if (has_bf16_convert())
+      sum = exp_split_bf16(s, n, scale, shift, hi, lo);
+    else
+#endif
+      sum = exp_split_generic(s, n, scale, shift, hi, lo);
+    if (!std::isfinite(m)) sum = std::numeric_limits<float>::quiet_NaN();
+    *norm = 1.0f / sum;
+    std::fill(hi + n, hi + (K - a), bf16(0.0f));
+    std::fill(lo + n, lo + (K - a), bf16(0.0f));
+    return m + std::log(sum);
+  }
   const Vec vs_scale(scale), vshift(-shift);
   Vec vs(0.0f);
   int64_t i = 0;
@@ -362,6 +437,7 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
     std::vector<float> sc(rows * Sp), acc(rows * Dvp);
     std::vector<bf16> hi(rows * Sp), lo(rows * Sp), qz(rows * D);
     std::vector<uint8_t> row_bad(rows);
+    std::vector<float> norm(rows);  // each row's factor after the GEMMs (softmax_row)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nT, i = task % nT;
       const int64_t t0 = i * rows, mb = std::min(rows, T - t0);
@@ -401,7 +477,7 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
         }
         lse[bh * T + t0 + r] = softmax_row(sc.data() + r * Sp, a - kb0, b - kb0, row_scale, K,
                                            prow == nullptr ? nullptr : prow + a,
-                                           hi.data() + r * Sp, lo.data() + r * Sp);
+                                           hi.data() + r * Sp, lo.data() + r * Sp, &norm[r]);
       }
       if (K > 0)
         for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
@@ -422,7 +498,8 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
           // NaN on a bad query row and on a row that may attend a bad key (plain math's NaN rows)
           std::fill(dst, dst + Dv, bf16(std::numeric_limits<float>::quiet_NaN()));
         } else {
-          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(src[c]);
+          const float f = norm[r];  // 1 where the weights were normalised before the GEMMs
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(src[c] * f);
         }
       }
     }

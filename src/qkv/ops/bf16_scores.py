@@ -199,7 +199,8 @@ def attend_kernel(
     """bfloat16 attention whose query row ``t`` attends the keys ``[lo_t, hi_t)``, in one
     fused pass of the C++ kernel (:func:`available` must be true): float32 scores, softmax and
     lse; the weights rounded once (with ``weights``); the output the float32 weights times the
-    values, rounded once. Only the key blocks some row of a block of rows sees are computed
+    values (without ``weights``: the float32 exps times the values over their sum), rounded
+    once. Only the key blocks some row of a block of rows sees are computed
     (windows cost their width, not S). With ``ids`` (document ids of the queries and the
     keys, and optionally which rows' ranges hold other ids: only those are compared), a row
     attends only the keys of its own id within its range. A row with no key
