@@ -44,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <cstdio>
@@ -278,6 +279,19 @@ bool has_bf16_convert() {
 // (rounded to nearest even); returns the sum of the e (in the order of softmax_row's). For rows
 // whose weights are not wanted: the GEMMs take the unnormalised split and the output is divided
 // by the sum after them, so the exps are not written and read again.
+// The elements [i, n) of exp_split_*'s row one by one, sum the vectors' sum so far.
+inline float exp_split_tail(const float* s, int64_t i, int64_t n, float scale, float shift, bf16* hi,
+                            bf16* lo, float sum) {
+  for (; i < n; ++i) {
+    const float e = std::exp(std::fma(s[i], scale, -shift));
+    sum += e;
+    const bf16 h(e);
+    hi[i] = h;
+    lo[i] = bf16(e - static_cast<float>(h));
+  }
+  return sum;
+}
+
 float exp_split_generic(const float* s, int64_t n, float scale, float shift, bf16* hi, bf16* lo) {
   Vec vs(0.0f);
   int64_t i = 0;
@@ -291,15 +305,7 @@ float exp_split_generic(const float* s, int64_t n, float scale, float shift, bf1
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), to_bf16(_mm512_sub_ps(e, from_bf16(h))));
   }
 #endif
-  float sum = lanes(vs, 0.0f, [](float x, float y) { return x + y; });
-  for (; i < n; ++i) {
-    const float e = std::exp(std::fma(s[i], scale, -shift));
-    sum += e;
-    const bf16 h(e);
-    hi[i] = h;
-    lo[i] = bf16(e - static_cast<float>(h));
-  }
-  return sum;
+  return exp_split_tail(s, i, n, scale, shift, hi, lo, lanes(vs, 0.0f, std::plus<float>()));
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -317,15 +323,7 @@ __attribute__((target("avx512bf16"))) float exp_split_bf16(const float* s, int64
     const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, from_bf16(h)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), l);
   }
-  float sum = lanes(vs, 0.0f, [](float x, float y) { return x + y; });
-  for (; i < n; ++i) {
-    const float e = std::exp(std::fma(s[i], scale, -shift));
-    sum += e;
-    const bf16 h(e);
-    hi[i] = h;
-    lo[i] = bf16(e - static_cast<float>(h));
-  }
-  return sum;
+  return exp_split_tail(s, i, n, scale, shift, hi, lo, lanes(vs, 0.0f, std::plus<float>()));
 }
 #endif
 
