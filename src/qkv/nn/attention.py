@@ -348,7 +348,8 @@ class MultiHeadAttention(nn.Module):
         fused weights' dtype and width, with equal query and key/value heads, no context
         group and this class's own attention (a model's generation loop), by the same steps
         without the general checks that such a call passes (:func:`module_inputs`,
-        :func:`_check_decoding`): at decode sizes the step's Python is a third of its time.
+        :func:`_check_decoding`): at decode sizes the Python around the step's tensor ops is a
+        quarter of its time (C=512, one thread: 354 µs against 267 for torch's ops by hand).
         None for any other call (the general way checks it and runs it).
 
         Shape:
