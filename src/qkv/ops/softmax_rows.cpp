@@ -47,7 +47,7 @@ void softmax_row(T* x, int64_t S, T* row_max) {
   Vec vs(T(0));
   i = 0;
   for (; i + kV <= S; i += kV) {
-    const Vec e = (Vec::loadu(x + i) - vmax).exp();
+    const Vec e = (Vec::loadu(x + i) - vmax).exp_u20();  // (torch's softmax takes it too)
     e.store(x + i);
     vs = vs + e;
   }
