@@ -198,11 +198,25 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
 class _Lane:
     """The kept steps of one kind of call (see above); ``ok`` False for a kind that has none."""
 
-    __slots__ = ("causal", "check", "gqa", "keys", "narrow", "ok", "scale", "scale_arg", "state")
+    __slots__ = (
+        "causal",
+        "check",
+        "gqa",
+        "group",
+        "keys",
+        "narrow",
+        "ok",
+        "scale",
+        "scale_arg",
+        "state",
+    )
 
-    def __init__(self, state, ok=False, scale=0.0, causal=False, gqa=False, narrow=False, D=0):
+    def __init__(
+        self, state, ok=False, scale=0.0, causal=False, gqa=False, narrow=False, D=0, group=1
+    ):
         self.state, self.ok, self.scale = state, ok, scale
         self.causal, self.gqa, self.narrow = causal, gqa, narrow
+        self.group = group  # query heads per key head (the kind's shapes fix it)
         # torch's own default scale (the same double) is passed as None: a scale given costs
         # torch's call 0.7 µs at decode sizes (T=1, S=128)
         self.scale_arg = None if D > 0 and scale == 1.0 / math.sqrt(D) else scale
@@ -269,17 +283,18 @@ def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
         return None
     mask = None
     if attn_mask is not None:
+        if type(attn_mask) is not Tensor:
+            return None
+        mask = attn_mask.shape
         if (
-            type(attn_mask) is not Tensor
-            or attn_mask.dtype != torch.bool
+            attn_mask.dtype != torch.bool
             or not attn_mask.is_cpu
-            or attn_mask.dim() < 2
-            or attn_mask.shape[-2] != 1
-            or attn_mask.shape[-1] != S
+            or len(mask) < 2
+            or mask[-2] != 1
+            or mask[-1] != S
             or attn_mask.stride(-1) != 1
         ):
             return None
-        mask = attn_mask.shape
     dtypes = (query.dtype, key.dtype, value.dtype)
     return (qs, ks, vs, dtypes, is_causal, scale, enable_gqa, backend, mask)
 
@@ -324,8 +339,7 @@ def _run_lane(
         return None
     if mask is not None:
         out = lane.attend(query, key, value, mask)  # (*batch, T, Dv)
-        group = query.shape[-3] // key.shape[-3] if lane.gqa else 1  # query heads per key head
-        if lane.keys(out, query, key, value, mask, lane.scale, group, exact, of_mask=True):
+        if lane.keys(out, query, key, value, mask, lane.scale, lane.group, exact, of_mask=True):
             return out
         if nonfinite_rows.available():  # (as below)
             lane.ok = False
@@ -375,7 +389,8 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
         and call.work_dtype == call.dtype
         and not nonfinite.scale_may_overflow(call)
     )
-    lane = _Lane(state, ok, call.scale, call.is_causal, call.enable_gqa, narrow, call.D)
+    group = call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
+    lane = _Lane(state, ok, call.scale, call.is_causal, call.enable_gqa, narrow, call.D, group)
     _keep(kind, lane)
 
 
