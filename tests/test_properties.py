@@ -927,6 +927,28 @@ REGRESSIONS = [
         "tiled",
         None,
     ),
+    # a float16 learned bias read by a score_mod, its gradient by autograd through the tiled
+    # backward: rounded per element and summed in float16 per chunk, 2.97e-3 off where the
+    # bound is 2.81e-3 (the long profile found it); now read as float32 stand-ins
+    (
+        "tiled-fp16-rel-bias-grad",
+        Case(
+            B=3,
+            H=1,
+            G=1,
+            T=24,
+            S=24,
+            D=3,
+            Dv=3,
+            dtype="float16",
+            layouts=("contiguous", "column_major", "contiguous"),
+            mask_mod=Window(1, 0, "top_left"),
+            score_mod=ScoreFn("rel_bias", True, 1),
+            seed=8,
+        ),
+        "tiled",
+        None,
+    ),
 ]
 
 
