@@ -31,12 +31,16 @@ class Fake:
     def __init__(self, name, priority, cost, prefers=True):
         self.name, self.priority, self.cost, self.prefers = name, priority, cost, prefers
         self.runs = 0
+        self.static = True  # whether the static order may take it (``in_static_order``)
 
     def supports(self, call):
         return None if call.dtype == torch.float32 and call.T == 33 else "a test backend"
 
     def auto_prefers(self, call):
         return self.prefers
+
+    def in_static_order(self, call):
+        return self.static
 
     def run(self, call):
         self.runs += 1
@@ -142,6 +146,29 @@ def test_a_backend_that_compiles_is_measured_by_tune_only(fakes):
     choice = dispatch.tune(AttentionCall.build(q.requires_grad_(), k, v))
     assert choice.backend == "fast" and set(choice.times) >= {"slow", "fast"}
     assert _backend_of_a_call() == "fast"
+
+
+@pytest.mark.parametrize(
+    ("slow_cost", "measuring", "taken"),
+    [(2.0, "on", "fast"), (1.04, "on", "slow"), (2.0, "off", "slow")],
+)
+def test_a_backend_out_of_the_static_order_is_taken_only_as_measured_fastest(
+    fakes, monkeypatch, slow_cost, measuring, taken
+):
+    """As torch's SDPA for a structured mask (run dense, every pair visited): first by
+    priority, but never the static order's choice, and a near tie goes to the backend the
+    static order may take."""
+    slow, fast = fakes
+    fast.priority, fast.static, slow.cost = -3, False, slow_cost
+    dispatch.register_backend(fast, replace=True)  # re-sorted: fast first by priority
+    assert dispatch.backend_names()[0] == "fast"
+    monkeypatch.setenv("QKV_AUTOTUNE", measuring)
+    assert _backend_of_a_call() == taken
+    q, k, v = _qkv()
+    why = dispatch.explain(AttentionCall.build(q.requires_grad_(), k, v))
+    assert why.startswith(f"{taken}: "), why
+    if measuring == "off":
+        assert fast.runs == 0 and "static order" in why
 
 
 def test_measuring_leaves_the_callers_tensors_alone(fakes):

@@ -3,10 +3,11 @@
 ``backend="auto"`` takes the backend measured fastest on this machine for calls of this kind
 among those that can take it (``autotune``: timed once, kept in memory and on disk), or, with
 measuring off (``QKV_AUTOTUNE=off``), under tracing, or where one backend alone can take it, the
-backend of lowest ``priority`` whose ``supports(call)`` is None and that does not leave auto
-(``auto_prefers``). :func:`explain` says which and why. A backend named by the caller that
-cannot take the call raises ``BackendUnsupportedError`` with its reason; nothing falls back
-silently.
+backend of lowest ``priority`` whose ``supports(call)`` is None, that does not leave auto
+(``auto_prefers``) and that the static order may take (``in_static_order``: torch runs a
+structured mask dense, so only a measurement takes it there). :func:`explain` says which
+and why. A backend named by the caller that cannot take the call raises
+``BackendUnsupportedError`` with its reason; nothing falls back silently.
 
 :func:`choose` makes the plan (the backend, and how a wanted trace is made), :func:`run`
 carries it out: ``run(call, choose(call, backend))``, or ``run(call, backend)`` in one go.
@@ -249,7 +250,7 @@ def _measured(call: AttentionCall) -> Backend | None:
         known = _REGISTRY.get(name)
         if known is not None and known.supports(call) is None:
             return known
-    able = [b for b in _ORDER if b.name != "reference" and b.supports(call) is None]
+    able = _measurable(call)
     choice = autotune.measured_choice(call, able, lambda b: not _auto_prefers(b, call))
     return None if choice is None else _REGISTRY.get(choice.backend)
 
@@ -264,6 +265,8 @@ def _static_choice(call: AttentionCall) -> Backend:
             # for the masks they carry, or the reference math
         if not _auto_prefers(candidate, call):
             continue  # a backend auto leaves to be named (flex off CUDA)
+        if not _in_static_order(candidate, call):
+            continue  # one auto takes only when measured fastest (torch's dense structured masks)
         if candidate.supports(call) is None:
             return candidate
     reasons = "; ".join(f"{n}: {r}" for n, r in check_backends(call).items())
@@ -275,6 +278,13 @@ def _auto_prefers(backend: Backend, call: AttentionCall) -> bool:
     pick it for this call, or only a caller who names it."""
     prefers = getattr(backend, "auto_prefers", None)
     return True if prefers is None else bool(prefers(call))
+
+
+def _in_static_order(backend: Backend, call: AttentionCall) -> bool:
+    """A backend's ``in_static_order(call)`` where it has one (else True): whether the static
+    order may take it for this call, or only a measurement that found it fastest."""
+    in_order = getattr(backend, "in_static_order", None)
+    return True if in_order is None else bool(in_order(call))
 
 
 def _traceable(backend: Backend, call: AttentionCall) -> bool:
@@ -301,8 +311,14 @@ def tune(call: AttentionCall) -> autotune.Choice | None:
     """Measure every backend that can take ``call`` (those that compile on first use too),
     keep the fastest for calls of its kind (in this process and on disk), and return it; None
     when fewer than two can take it. What ``qkv tune`` runs."""
+    return autotune.measured_choice(call, _measurable(call), lambda b: False, fresh=True)
+
+
+def _measurable(call: AttentionCall) -> list[Backend]:
+    """The backends measuring compares for ``call``: every one that takes it but the reference,
+    in the static order, those it may not take last (a near tie goes to the first)."""
     able = [b for b in _ORDER if b.name != "reference" and b.supports(call) is None]
-    return autotune.measured_choice(call, able, lambda b: False, fresh=True)
+    return sorted(able, key=lambda b: not _in_static_order(b, call))  # (a stable sort)
 
 
 # --- the registry -------------------------------------------------------------------------

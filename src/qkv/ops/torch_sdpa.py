@@ -1,8 +1,12 @@
 """Torch backend: ``torch.nn.functional.scaled_dot_product_attention`` under qkv's contract.
 
-Supports: every dense-mask call (torch picks its flash/efficient/math kernel), and the
-bottom-right causal mask (torch's ``causal_lower_right``, which torch also runs as a dense
-mask); not other ``mask_mod``s or ``score_mod``, which it could take only as dense tensors.
+Supports: every dense-mask call (torch picks its flash/efficient/math kernel), and a
+``mask_mod`` of a short call as the dense mask it stands for (up to ``DENSE_MAX`` pairs; made
+once per mask and sizes, guarded and additive, and kept): torch's kernel visits every pair,
+so the static order leaves structured masks to the backends that skip blocks
+(``in_static_order``), and only ``auto``'s measurement, or a caller who names ``torch``, takes
+it there (bfloat16 documents at T=1024 ran in 0.75x the tiled loop's time on an AMX Xeon, a
+window of 256 in 1.75x; benchmarks/RESULTS.md). Not ``score_mod`` or sinks.
 What it adds on top of torch:
   * ``attn_mask`` together with ``is_causal=True`` (torch refuses the pair): the masks are
     merged into one, a key must pass both.
@@ -30,11 +34,12 @@ import torch
 from torch import Tensor
 
 from .._identity import IdentityCache
-from ..masks import _Window
+from ..masks import _Window, merge_causal, structure_key
 from . import nonfinite
 from ._aten import _no_pairs, flash_cpu_available, flash_forward, sdpa
 from .base import BackendResult, tracing
 from .call import AttentionCall
+from .plan_cache import PlanCache
 
 __all__ = ["TorchBackend"]
 
@@ -51,12 +56,20 @@ class TorchBackend:
             return "torch's SDPA has no attention sinks (the tiled and reference backends do)"
         if call.score_mod is not None:
             return "torch's SDPA has no score_mod (the tiled and reference backends do)"
-        if call.mask_mod is not None and not _is_bottom_right_causal(call.mask_mod):
+        if call.mask_mod is not None and not _dense_fits(call):
             return (
-                "torch's SDPA takes a structured mask only as a dense (T, S) tensor; pass "
+                f"torch's SDPA takes a structured mask only as a dense tensor, made here for at "
+                f"most {DENSE_MAX} (T, S) pairs and {DENSE_MAX * 16} (B, T, S); this call has "
+                f"T * S = {call.T * call.S}, B * T * S = {call.BH[0] * call.T * call.S}. Pass "
                 "attn_mask=qkv.masks.to_dense(mask_mod, B, H, T, S) to run it there anyway"
             )
         return None
+
+    def in_static_order(self, call: AttentionCall) -> bool:
+        """Whether the static order (measuring off, or nothing measured) may take torch for
+        ``call``: not for a structured mask, which torch runs dense, visiting every pair,
+        where the tiled and triton loops skip the hidden blocks. Measured, it may win."""
+        return call.mask_mod is None or _is_bottom_right_causal(call.mask_mod)
 
     def run(self, call: AttentionCall) -> BackendResult:
         q, k, v = call.query, call.key, call.value
@@ -78,11 +91,16 @@ class TorchBackend:
                 enable_gqa=call.enable_gqa,
             )  # (*batch, T, Dv)
             return BackendResult(out=out)
-        mask = call.mask()
-        is_causal = call.is_causal and mask is None  # merged into mask otherwise
-        mask, row_ok, factor = _guard_for_kernel(
-            mask, remember=mask is call.attn_mask, dtype=call.work_dtype
-        )
+        mask: Tensor | None
+        if call.mask_mod is not None and call.attn_mask is None:
+            mask, row_ok, factor = _structured_for_kernel(call)  # causal merged in
+            is_causal = False
+        else:
+            mask = call.mask()
+            is_causal = call.is_causal and mask is None  # merged into mask otherwise
+            mask, row_ok, factor = _guard_for_kernel(
+                mask, remember=mask is call.attn_mask, dtype=call.work_dtype
+            )
         if _upcast(call):
             q, k, v = q.float(), k.float(), v.float()
             mask = mask.float() if mask is not None and mask.is_floating_point() else mask
@@ -157,6 +175,47 @@ def _is_bottom_right_causal(mask_mod) -> bool:
     )
 
 
+DENSE_MAX = 1 << 22  # (T, S) pairs of a structured mask made dense: T = S = 2048
+
+
+def _dense_fits(call: AttentionCall) -> bool:
+    """Whether ``call``'s structured mask is small enough to make dense: at most
+    ``DENSE_MAX`` (T, S) pairs, and 16 times that over the batch (a document mask holds one
+    (T, S) plane per batch row)."""
+    pairs = call.T * call.S
+    return pairs <= DENSE_MAX and call.BH[0] * pairs <= 16 * DENSE_MAX
+
+
+def _structured_for_kernel(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``call.mask_mod`` (with ``is_causal`` merged) as torch's kernel takes it, with the empty
+    rows guarded (``_guard_for_kernel``'s three): made once per mask structure
+    (``qkv.masks.structure_key``), batch, sizes, device and kernel dtype, and kept, so the next
+    call reads nothing on the host. A mask with no structure key (a plain function) is made
+    every call.
+
+    Shape:
+        -> mask ``(*batch or 1s, T, S)``, row_ok ``(*batch or 1s, T)``, factor ``(..., T, 1)``.
+    """
+    dtype = call.work_dtype
+
+    def make() -> tuple[Tensor, Tensor | None, Tensor | None]:
+        structured = call.dense_mask_mod()  # (*batch or 1s, T, S), bool
+        if call.is_causal:
+            structured = merge_causal(structured, call.T, call.S)
+        return _lean(*_guarded(structured), dtype, additive_max=_DENSE_ADDITIVE_MAX)
+
+    key = structure_key(call.mask_mod)
+    if key is None or tracing() or call.device.type == "meta":
+        return make()
+    sizes = (tuple(call.batch), call.T, call.S, call.is_causal, call.device, dtype)
+    return _dense_masks.get((key, sizes), make)
+
+
+_dense_masks = PlanCache(8)
+_DENSE_ADDITIVE_MAX = 1 << 24  # structured masks kept additive (torch converts a bool one
+# each call: 10% of a bfloat16 call at T=1024 on an AMX Xeon); beyond, kept bool
+
+
 def _guard_empty_rows(
     mask: Tensor | None, remember: bool = True
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -194,13 +253,14 @@ def _guard_for_kernel(
 
 
 def _lean(
-    mask: Tensor, row_ok: Tensor, dtype: torch.dtype | None
+    mask: Tensor, row_ok: Tensor, dtype: torch.dtype | None, additive_max: int = 0
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """A remembered guard: a small bool mask made additive once (torch converts one each call),
     and without its ``row_ok`` where every row has a key (a padded batch's mask, a decoding
     step's): nothing to zero after the kernel. That is asked once per mask, by a read on the
     host, where such reads are allowed (``nonfinite.host_reads_free``)."""
-    if dtype is not None and mask.dtype == torch.bool and mask.numel() <= _ADDITIVE_MAX:
+    most = max(additive_max, _ADDITIVE_MAX)
+    if dtype is not None and mask.dtype == torch.bool and mask.numel() <= most:
         mask = _as_additive(mask, dtype)
     if nonfinite.host_reads_free(mask.device) and bool(row_ok.all()):
         return mask, None, None

@@ -1,0 +1,122 @@
+"""torch's SDPA takes a short call's structured mask as the dense mask it stands for (issue 38:
+on an AMX Xeon, bfloat16 documents at T=1024 ran in 0.75x the tiled loop's time that way).
+
+The dense mask is made once per mask structure and sizes and kept; the static order never
+takes torch for a structured mask (its kernel visits every pair, where tiled skips blocks),
+only a measurement that finds it fastest (test_autotune.py, with a fake clock) or a caller who
+names it; beyond ``DENSE_MAX`` pairs torch declines and says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv import dispatch, masks
+from qkv.ops import AttentionCall, BackendUnsupportedError, torch_sdpa
+
+B, H, T, S, D = 2, 3, 23, 23, 8
+# rows 0-4 of batch 0 belong to document 9, which no key holds: rows with no key at all
+Q_IDS = torch.tensor([[9] * 5 + [0] * 8 + [1] * 10, [0] * 12 + [1] * 11])
+KV_IDS = torch.tensor([[0] * 11 + [1] * 12, [0] * 12 + [1] * 11])
+
+
+def _mods() -> dict:
+    return {
+        "window": masks.sliding_window(4, 2),
+        "document": masks.document(Q_IDS, KV_IDS),
+        "key_lengths": masks.key_lengths(torch.tensor([7, 23])),
+        "neighborhood": masks.neighborhood(5, T, dilation=2),
+        "window&document": masks.sliding_window(6) & masks.document(KV_IDS),
+        "function": lambda b, h, q, kv: (q + kv) % 3 != 0,
+    }
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(B, H, L, D, generator=g, dtype=torch.float64).requires_grad_()
+        for L in (T, S, S)
+    ]
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", list(_mods()))
+def test_torch_runs_a_structured_mask_as_its_dense_twin(name, is_causal):
+    """Output and gradients equal the reference's (float64), rows with no key 0 with 0
+    gradients, on a first call (the mask made) and a second (the mask kept)."""
+    mod = _mods()[name]
+    q, k, v = _inputs()
+    want = qkv.scaled_dot_product_attention(
+        q, k, v, mask_mod=mod, is_causal=is_causal, backend="reference"
+    )
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    for _ in range(2):
+        out = qkv.scaled_dot_product_attention(
+            q, k, v, mask_mod=mod, is_causal=is_causal, backend="torch"
+        )
+        torch.testing.assert_close(out, want)
+        for got, expected in zip(torch.autograd.grad(out.sum(), (q, k, v)), want_grads):
+            torch.testing.assert_close(got, expected)
+    if name == "document":
+        assert out[0, :, :5].abs().max() == 0  # document 9 has no key
+
+
+def test_the_dense_mask_is_made_once_per_structure_and_sizes(monkeypatch):
+    """Calls with the same mask (or one of equal content) and sizes make it once; new sizes,
+    causal or ids changed in place make a new one."""
+    made = []
+    original = AttentionCall.dense_mask_mod
+
+    def counted(call):
+        made.append((call.T, call.is_causal))
+        return original(call)
+
+    monkeypatch.setattr(AttentionCall, "dense_mask_mod", counted)
+    torch_sdpa._dense_masks.clear()
+    ids = KV_IDS.clone()
+    q, k, v = (t.detach() for t in _inputs())
+    for _ in range(3):
+        qkv.scaled_dot_product_attention(q, k, v, mask_mod=masks.document(ids), backend="torch")
+    qkv.scaled_dot_product_attention(q, k, v, mask_mod=masks.document(ids.clone()), backend="torch")
+    assert made == [(T, False)]
+    qkv.scaled_dot_product_attention(
+        q, k, v, mask_mod=masks.document(ids), is_causal=True, backend="torch"
+    )
+    qkv.scaled_dot_product_attention(
+        q[:, :, :7], k, v, mask_mod=masks.document(ids[:, :7], ids), backend="torch"
+    )
+    assert made == [(T, False), (T, True), (7, False)]
+    ids[0, :3] = 5  # keys 0-2 of batch 0 a document of their own: a new mask
+    out = qkv.scaled_dot_product_attention(q, k, v, mask_mod=masks.document(ids), backend="torch")
+    assert len(made) == 4
+    want = qkv.scaled_dot_product_attention(
+        q, k, v, mask_mod=masks.document(ids), backend="reference"
+    )
+    torch.testing.assert_close(out, want)
+
+
+def test_the_static_order_leaves_structured_masks_to_the_loops_that_skip_blocks(monkeypatch):
+    """Measuring off (as in the suite): auto takes tiled for a window, torch for a plain call."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    q, k, v = (t.detach() for t in _inputs())
+    window = AttentionCall.build(q, k, v, mask_mod=masks.sliding_window(4))
+    assert dispatch.get_backend("torch").supports(window) is None
+    assert dispatch.select(window).name == "tiled"
+    assert dispatch.explain(window).startswith("tiled: the first backend of the static order")
+    assert dispatch.select(AttentionCall.build(q, k, v)).name == "torch"
+    causal = AttentionCall.build(q, k, v, mask_mod=masks.causal(align="bottom_right"))
+    assert dispatch.select(causal).name == "torch"  # torch's own causal_lower_right
+
+
+def test_beyond_dense_max_torch_declines_and_says_why():
+    n = 4096  # T * S = 2**24 > DENSE_MAX
+    q = k = v = torch.empty(1, 1, n, 8, device="meta")
+    call = AttentionCall.build(q, k, v, mask_mod=masks.sliding_window(16))
+    reason = dispatch.get_backend("torch").supports(call)
+    assert reason is not None and f"T * S = {n * n}" in reason and "to_dense" in reason
+    with pytest.raises(BackendUnsupportedError, match="T \\* S = 16777216"):
+        dispatch.select(call, "torch")
+    small = AttentionCall.build(*(t[:, :, :2048] for t in (q, k, v)), mask_mod=masks.causal())
+    assert dispatch.get_backend("torch").supports(small) is None  # 2048 * 2048 = DENSE_MAX
