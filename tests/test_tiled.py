@@ -296,8 +296,9 @@ def test_auto_routes_structured_masks_to_tiled_and_plain_calls_to_torch():
         assert trace.backend == "torch", kw
     with pytest.raises(qkv.BackendUnsupportedError, match="tiled has no dropout"):
         _run(q, k, v, "tiled", dropout_p=0.1)
-    with pytest.raises(qkv.BackendUnsupportedError, match=r"to_dense\(mask_mod"):
-        _run(q, k, v, "torch", mask_mod=M.sliding_window(5))
+    # named, torch takes a short call's window as its dense twin (test_torch_dense_masks.py)
+    dense = _run(q, k, v, "torch", mask_mod=M.sliding_window(5))
+    torch.testing.assert_close(dense, _run(q, k, v, "tiled", mask_mod=M.sliding_window(5)))
     _out, trace = _run(
         q, k, v, "auto", mask_mod=M.sliding_window(5), dropout_p=0.2, return_trace=True
     )
