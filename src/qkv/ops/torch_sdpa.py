@@ -59,7 +59,7 @@ class TorchBackend:
         if call.mask_mod is not None and not _dense_fits(call):
             return (
                 f"torch's SDPA takes a structured mask only as a dense tensor, made here for at "
-                f"most {DENSE_MAX} (T, S) pairs and {DENSE_MAX * 16} (B, T, S); this call has "
+                f"most {DENSE_MAX} (T, S) pairs and {DENSE_MAX * 4} (B, T, S); this call has "
                 f"T * S = {call.T * call.S}, B * T * S = {call.BH[0] * call.T * call.S}. Pass "
                 "attn_mask=qkv.masks.to_dense(mask_mod, B, H, T, S) to run it there anyway"
             )
@@ -179,11 +179,12 @@ DENSE_MAX = 1 << 22  # (T, S) pairs of a structured mask made dense: T = S = 204
 
 
 def _dense_fits(call: AttentionCall) -> bool:
-    """Whether ``call``'s structured mask is small enough to make dense: at most
-    ``DENSE_MAX`` (T, S) pairs, and 16 times that over the batch (a document mask holds one
-    (T, S) plane per batch row)."""
+    """Whether ``call``'s structured mask is small enough to make dense and keep: at most
+    ``DENSE_MAX`` (T, S) pairs, and 4 times that over the batch (a document mask holds one
+    (T, S) plane per batch row): 16 MiB as bool; the four kept (``_dense_masks``) hold at most
+    64 MiB beside the additive ones of at most ``_DENSE_ADDITIVE_MAX`` elements."""
     pairs = call.T * call.S
-    return pairs <= DENSE_MAX and call.BH[0] * pairs <= 16 * DENSE_MAX
+    return pairs <= DENSE_MAX and call.BH[0] * pairs <= 4 * DENSE_MAX
 
 
 def _structured_for_kernel(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -211,9 +212,9 @@ def _structured_for_kernel(call: AttentionCall) -> tuple[Tensor, Tensor | None, 
     return _dense_masks.get((key, sizes), make)
 
 
-_dense_masks = PlanCache(8)
-_DENSE_ADDITIVE_MAX = 1 << 24  # structured masks kept additive (torch converts a bool one
-# each call: 10% of a bfloat16 call at T=1024 on an AMX Xeon); beyond, kept bool
+_dense_masks = PlanCache(4)  # (a model meets a mask structure or two per size)
+_DENSE_ADDITIVE_MAX = DENSE_MAX  # structured masks kept additive (torch converts a bool one
+# each call: 5-15% of a call at T=1024 on an AMX Xeon); beyond, kept bool
 
 
 def _guard_empty_rows(
