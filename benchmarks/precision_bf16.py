@@ -46,8 +46,7 @@ def main() -> None:
         for backend in ("tiled", "torch"):
             got = _run(backend, torch.bfloat16, (q, k, v), dout, mod)
             ratios = [
-                _error(a, g0) / max(_error(b, g0), 1e-30)
-                for a, b, g0 in zip(got, baseline, golden)
+                _error(a, g0) / max(_error(b, g0), 1e-30) for a, b, g0 in zip(got, baseline, golden)
             ]
             print(f"T={T} D={D} {name} {backend}: " + " ".join(f"{r:.2f}" for r in ratios))
 
