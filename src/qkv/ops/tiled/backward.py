@@ -60,6 +60,7 @@ def _backward(
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     dts = [torch.zeros_like(t, dtype=acc) for t in grad_tensors]
+    wide = _wide_stand_ins(grad_tensors, acc)  # made once: every chunk's score_mod reads them
     bias = plan.bias if bias_grad else None  # bias_grad is asked only where there is a bias
     dbias = None if bias is None else torch.zeros_like(bias, dtype=acc)
     lse_safe = torch.where(torch.isneginf(lse), 0.0, lse)  # rows with no key: p = e^-inf = 0
@@ -88,7 +89,7 @@ def _backward(
             if plan.inner == "flash":
                 g = _flash_chunk_backward(plan, *args, where)
             else:
-                g = _matmul_chunk_backward(plan, *args, where, grad_tensors, dbias)
+                g = _matmul_chunk_backward(plan, *args, where, grad_tensors, dbias, wide)
             dq[:, :, rows] += g[0]
             dk[:, :, cols] += g[1]
             dv[:, :, cols] += g[2]
@@ -171,20 +172,22 @@ def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
     return dq, dk, dv
 
 
-def _matmul_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where, grad_tensors, dbias):
+def _matmul_chunk_backward(
+    plan: _Plan, q, k, v, out, lse, dout, where, grad_tensors, dbias, wide: dict[int, Tensor]
+):
     """dV = P^T dO; dS = P * (dO V^T - rowsum(dO * O)); dQ = dS K * scale; dK = dS^T Q * scale,
     with dS pulled back through score_mod: by its closed-form derivative where it gives one
     and no tensor it reads wants a gradient (inside the custom op under torch.compile there
-    is no autograd to call), by autograd otherwise."""
+    is no autograd to call), by autograd otherwise, reading ``wide``'s float32 stand-ins of
+    its half tensors (``_wide_stand_ins``)."""
     acc = lse.dtype
     raw = _raw_scores(plan, q.detach(), k.detach())  # (B, H, tq, kc)
     slope = None if grad_tensors else _score_slope(plan, raw, where)  # (B?, H?, tq?, kc?)
     by_autograd = plan.score_mod is not None and slope is None
-    wide = _wide_stand_ins(grad_tensors, acc) if by_autograd else {}
     with torch.enable_grad():
         if by_autograd:
             raw.requires_grad_(True)
-        with _ReadsWide(wide) if wide else contextlib.nullcontext():
+        with _ReadsWide(wide) if wide and by_autograd else contextlib.nullcontext():
             scores = _chunk_scores(plan, q, k, where, raw=raw)
         p = torch.exp(scores.detach() - lse.unsqueeze(-1))  # (B, H, tq, kc)
         do = dout.to(acc)
