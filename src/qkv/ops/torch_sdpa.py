@@ -256,13 +256,14 @@ def _guard_for_kernel(
 
 
 def _lean(
-    mask: Tensor, row_ok: Tensor, dtype: torch.dtype | None, additive_max: int = 0
+    mask: Tensor, row_ok: Tensor, dtype: torch.dtype | None, additive_max: int | None = None
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """A remembered guard: a small bool mask made additive once (torch converts one each call),
+    """A remembered guard: a small bool mask (``additive_max`` elements at most, by default
+    ``_ADDITIVE_MAX``) made additive once (torch converts one each call),
     and without its ``row_ok`` where every row has a key (a padded batch's mask, a decoding
     step's): nothing to zero after the kernel. That is asked once per mask, by a read on the
     host, where such reads are allowed (``nonfinite.host_reads_free``)."""
-    most = max(additive_max, _ADDITIVE_MAX)
+    most = _ADDITIVE_MAX if additive_max is None else additive_max
     if dtype is not None and mask.dtype == torch.bool and mask.numel() <= most:
         mask = _as_additive(mask, dtype)
     if nonfinite.host_reads_free(mask.device) and bool(row_ok.all()):
