@@ -120,3 +120,29 @@ def test_beyond_dense_max_torch_declines_and_says_why():
         dispatch.select(call, "torch")
     small = AttentionCall.build(*(t[:, :, :2048] for t in (q, k, v)), mask_mod=masks.causal())
     assert dispatch.get_backend("torch").supports(small) is None  # 2048 * 2048 = DENSE_MAX
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_learned_mask_beside_a_mask_mod(dtype):
+    """A float attn_mask that wants a gradient, with a mask_mod: in float64 torch takes it and
+    the mask's gradient (summed back over the rows a (1, S) mask broadcasts along) equals the
+    reference's; in a half dtype torch declines, since autograd would sum that gradient in
+    half precision (bfloat16, T=1, S=4: -3.9e-3 where the float64 sum is 0; the long property
+    profile found it), and auto takes tiled."""
+    q, k, v = (t.detach().to(dtype) for t in _inputs())
+    bias = torch.randn(1, S, dtype=torch.float64).to(dtype).requires_grad_()
+    kw = dict(attn_mask=bias, mask_mod=masks.sliding_window(4, 2))
+    call = AttentionCall.build(q, k, v, **kw)
+    if dtype != torch.float64:
+        reason = dispatch.get_backend("torch").supports(call)
+        assert reason is not None and "half precision" in reason
+        assert dispatch.select(call).name == "tiled"
+        return
+    got = torch.autograd.grad(
+        qkv.scaled_dot_product_attention(q, k, v, backend="torch", **kw).sum(), bias
+    )
+    want = torch.autograd.grad(
+        qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw).sum(), bias
+    )
+    assert want[0].abs().max() > 1e-3  # (a key's bias moves the output)
+    torch.testing.assert_close(got[0], want[0])

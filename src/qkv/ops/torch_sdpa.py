@@ -56,6 +56,18 @@ class TorchBackend:
             return "torch's SDPA has no attention sinks (the tiled and reference backends do)"
         if call.score_mod is not None:
             return "torch's SDPA has no score_mod (the tiled and reference backends do)"
+        mask = call.attn_mask
+        if (
+            call.mask_mod is not None
+            and mask is not None
+            and mask.requires_grad
+            and mask.dtype in (torch.float16, torch.bfloat16)
+        ):
+            return (
+                "torch's SDPA would take the half attn_mask merged with the mask_mod as one "
+                "(T, S) tensor, and autograd would sum its gradient back to the mask's shape in "
+                "half precision (the tiled backend sums it in float32)"
+            )
         if call.mask_mod is not None and not _dense_fits(call):
             return (
                 f"torch's SDPA takes a structured mask only as a dense tensor, made here for at "
