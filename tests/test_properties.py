@@ -927,6 +927,26 @@ REGRESSIONS = [
         "tiled",
         None,
     ),
+    # tiled with 17 chunks of 2 keys (float32): each merge rounded the running lse to float32,
+    # and the backward's weights, exp(s - lse), carried it: grad q 2.8e-5 where the bound is
+    # 1.4e-5 (the long profile found it); the running lse is float64 now (2.5e-6)
+    (
+        "tiled-many-chunks-running-lse",
+        Case(
+            B=2,
+            H=2,
+            G=2,
+            T=33,
+            S=33,
+            D=4,
+            Dv=4,
+            dtype="float32",
+            scale=1.0,
+            mask=MaskSpec("float", "BHTS", 1.0, (), "same", True, 268),
+        ),
+        "tiled-small",
+        (4, 1, 2, 1),
+    ),
     # a float16 learned bias read by a score_mod, its gradient by autograd through the tiled
     # backward: rounded per element and summed in float16 per chunk, 2.97e-3 off where the
     # bound is 2.81e-3 (the long profile found it); now read as float32 stand-ins

@@ -62,6 +62,7 @@ def _forward(
                 )  # (B, H, tq, Dv), (B, H, tq)
             else:
                 o_c, l_c = _group_flash_chunk(plan, q, k, v, u, a, b, masked)  # (B*H, n, tq, Dv)
+            l_c = l_c.to(torch.float64)  # the running lse: one rounding, not one a merge
             merged = (o_c, l_c) if merged is None else merge_by_lse(*merged, o_c, l_c)
         assert merged is not None  # every unit has a chunk (the planner drops empty ones)
         o_u, l_u = merged
@@ -143,9 +144,10 @@ def merge_by_lse(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Te
     """
     lse = torch.logaddexp(l_a, l_b)  # (B, H, tq)
     safe = torch.where(torch.isneginf(lse), 0.0, lse)
-    w_a = torch.exp(l_a - safe).unsqueeze(-1)  # (B, H, tq, 1)
-    w_b = torch.exp(l_b - safe).unsqueeze(-1)
-    return o_a.to(w_a.dtype) * w_a + o_b.to(w_b.dtype) * w_b, lse
+    acc = torch.promote_types(torch.promote_types(o_a.dtype, o_b.dtype), torch.float32)
+    w_a = torch.exp(l_a - safe).unsqueeze(-1).to(acc)  # (B, H, tq, 1)
+    w_b = torch.exp(l_b - safe).unsqueeze(-1).to(acc)
+    return o_a.to(acc) * w_a + o_b.to(acc) * w_b, lse
 
 
 def _flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
