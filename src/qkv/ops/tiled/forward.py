@@ -46,6 +46,10 @@ def _forward(
     out = q.new_zeros(B, H, T, Dv, dtype=out_dtype or q.dtype)  # rows with no key stay exactly 0
     lse = q.new_full((B, H, T), float("-inf"), dtype=acc)
     chunk_fn = _flash_chunk if plan.inner == "flash" else _matmul_chunk
+    # a unit's running lse in float64 (MPS has none): merged in float32, each of many chunks
+    # rounded it, and the backward's weights exp(s - lse) carried that (grad q 20x the
+    # reference's error with 17 chunks, float32; tests/test_properties.py's regressions)
+    running = torch.float64 if q.device.type != "mps" else acc
     if any(u.n > 1 for u in plan.units):
         q, k, v = _mergeable(q), _mergeable(k), _mergeable(v)
     for u in plan.units:
@@ -62,7 +66,7 @@ def _forward(
                 )  # (B, H, tq, Dv), (B, H, tq)
             else:
                 o_c, l_c = _group_flash_chunk(plan, q, k, v, u, a, b, masked)  # (B*H, n, tq, Dv)
-            l_c = l_c.to(torch.float64)  # the running lse: one rounding, not one a merge
+            l_c = l_c.to(running)  # the running lse: one rounding, not one a merge
             merged = (o_c, l_c) if merged is None else merge_by_lse(*merged, o_c, l_c)
         assert merged is not None  # every unit has a chunk (the planner drops empty ones)
         o_u, l_u = merged
