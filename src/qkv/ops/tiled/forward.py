@@ -143,6 +143,8 @@ def merge_by_lse(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Te
     """Combine two softmax-normalised partial outputs by their log-sum-exps.
 
     ``o = (e^l_a o_a + e^l_b o_b) / (e^l_a + e^l_b)``; a part with ``l = -inf`` weighs 0.
+    The output comes in float32 or the parts' wider dtype, the lse in the wider of the two
+    lse's (a float64 running lse stays float64: ``_forward``).
     Shape:
         o ``(B, H, tq, Dv)``, l ``(B, H, tq)``.
     """
