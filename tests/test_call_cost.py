@@ -854,3 +854,133 @@ def test_a_scale_that_overflows_masked_inference_raises_as_before(mask):
         guard = nonfinite.prepare(AttentionCall.build(q, k, v, scale=0.5, **kw))
         in_place = "keys_in_place" if mask == "key-mask" else "ranges_in_place"
         assert guard.check == (in_place if nonfinite_rows.available() else guard.check)
+
+
+# --- a module's decoding step keeps its lane (functional.KeptLane) --------------------------------
+
+
+def _decode(mha, prompt, xs, cache_len=48):
+    """The outputs of ``mha`` decoding ``xs`` one position a step after ``prompt``."""
+    cache = mha.new_cache(prompt.shape[0], cache_len, dtype=prompt.dtype)
+    mha(prompt, cache=cache)
+    return [mha(xs[:, i : i + 1], cache=cache) for i in range(xs.shape[1])], cache
+
+
+class _UsualCalls:
+    """Counts a module's attention calls made the usual way (``functional``'s entry)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        monkeypatch.setattr(qkv.functional, "_LANES", {})  # no lane from an earlier test
+        usual = qkv.nn.attention.scaled_dot_product_attention
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return usual(*args, **kwargs)
+
+        monkeypatch.setattr(qkv.nn.attention, "scaled_dot_product_attention", counted)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_modules_decoding_step_keeps_its_lane_to_the_usual_ways_bits(monkeypatch, route, dtype):
+    """``MultiHeadAttention`` decoding a token a step keeps its call's lane
+    (``functional.KeptLane``): over 36 steps (6 to 41 keys: buckets 8, 16, 32 and 64) the usual
+    way runs at each bucket's first step only (every step without the fused check, which the
+    lane needs), and every step gives the bits of the same module without a kept lane, and of
+    torch's kernel on the cache."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4).to(dtype).eval()
+    prompt, xs = torch.randn(2, 5, 32, dtype=dtype), torch.randn(2, 36, 32, dtype=dtype)
+    usual = _UsualCalls(monkeypatch)
+    with torch.no_grad():
+        kept, cache = _decode(mha, prompt, xs)
+        assert usual.count == 1 + (4 if route == "fused" else 36)  # the prompt, and the steps
+        q = mha._project(xs[:, -1:], xs[:, -1:], xs[:, -1:])[0]  # (2, 4, 1, 8)
+        want = torch.nn.functional.scaled_dot_product_attention(q, cache.keys, cache.values)
+        assert _same_bits(kept[-1], mha._output(want.transpose(1, 2).reshape(2, 1, 32)))
+        monkeypatch.setattr(qkv.functional.KeptLane, "run", lambda *args: None)
+        plain, _ = _decode(mha, prompt, xs)
+    assert usual.count == (5 if route == "fused" else 37) + 1 + 36
+    assert all(_same_bits(a, b) for a, b in zip(kept, plain))
+
+
+def test_a_kept_lane_gives_way_to_gradient_capture_autocast_registry_and_dropout(monkeypatch):
+    """The kept lane is not taken where the usual way would not take a lane: a gradient
+    wanted (it flows), a capture recording the weights (every step recorded), autocast (the
+    step in bfloat16), a backend registered (it runs the step), dropout in training. A NaN in a
+    cached key every row sees is the lane's check's: the rows NaN, as the usual way gives
+    them."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    force_native_rows(monkeypatch, on=True)
+    torch.manual_seed(1)
+    mha = qkv.MultiHeadAttention(16, 2, dropout=0.5).eval()
+    prompt, xs = torch.randn(1, 4, 16), torch.randn(1, 3, 16)
+    usual = _UsualCalls(monkeypatch)
+    cache = mha.new_cache(1, 32)
+    step = lambda i: mha(xs[:, i : i + 1], cache=cache)  # noqa: E731
+    with torch.no_grad():
+        mha(prompt, cache=cache)
+        step(0), step(1)
+    assert usual.count == 2 and mha._kept_lane.lane is not None
+    out = step(2)  # a gradient: the usual way
+    assert usual.count == 3 and out.requires_grad
+    out.sum().backward()
+    assert mha.in_proj_weight.grad is not None
+    cache.position = 6
+    with torch.no_grad():
+        with qkv.capture(mha) as cap:
+            step(0), step(1)
+        assert usual.count == 5 and len(cap.records) == 2
+        assert [r.shape[-1] for r in cap.records] == [7, 8]
+        cache.position = 6
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert step(0).dtype == torch.bfloat16
+        assert usual.count == 6
+        cache.position = 6
+        extra = _Everything()
+        dispatch.register_backend(extra)
+        try:
+            step(0)
+            assert extra.runs == 1
+        finally:
+            dispatch.unregister_backend(extra.name)
+        cache.position = 6
+        step(0), step(1)  # the usual way once (a new registry), then the lane
+        assert usual.count == 8
+        cache._k[0, 1, 2, 0] = float("nan")  # a key every row sees: head 1's row NaN
+        cache.position = 6
+        bad = step(0)  # the lane's check finds the row and sets it
+        assert usual.count == 8 and mha._kept_lane.lane.ok
+        cache.position = 6
+        monkeypatch.setattr(qkv.functional.KeptLane, "run", lambda *args: None)
+        assert _same_bits(bad, step(0)) and bad.isnan().all() and usual.count == 9
+        mha.train()
+        torch.manual_seed(5)
+        a = step(1)
+        cache.position = 7
+        torch.manual_seed(5)
+        assert _same_bits(a, step(1))  # dropout: the usual way's draws
+
+
+def test_a_module_with_a_kept_lane_is_copied_and_saved_without_it(tmp_path, monkeypatch):
+    """``copy.deepcopy`` and ``torch.save`` of a module that kept its lane copy the module and
+    leave the lane behind (the copy keeps its own at its first step), giving the same steps."""
+    import copy
+
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    force_native_rows(monkeypatch, on=True)
+    torch.manual_seed(2)
+    mha = qkv.MultiHeadAttention(16, 2).eval()
+    prompt, xs = torch.randn(1, 4, 16), torch.randn(1, 5, 16)
+    with torch.no_grad():
+        want, _ = _decode(mha, prompt, xs)
+        assert mha._kept_lane.lane is not None
+        twin = copy.deepcopy(mha)
+        torch.save(mha, tmp_path / "mha.pt")
+        loaded = torch.load(tmp_path / "mha.pt", weights_only=False)
+        for other in (twin, loaded):
+            assert other._kept_lane is not mha._kept_lane and other._kept_lane.lane is None
+            got, _ = _decode(other, prompt, xs)
+            assert all(_same_bits(a, b) for a, b in zip(got, want))
+            assert other._kept_lane.lane is not None

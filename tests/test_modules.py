@@ -424,3 +424,37 @@ def test_a_decoding_step_takes_its_short_way_to_the_general_ways_bits(dtype, pad
     assert mha._decode_step(steps[0].double(), mha.new_cache(2, 16)) is None
     with pytest.raises(ValueError, match="key_mask must have shape"):
         mha(steps[0], key_mask=torch.ones(2, 2, dtype=torch.bool), cache=mha.new_cache(2, 16))
+
+
+@pytest.mark.parametrize("where", ["own", "own-pre", "global", "global-pre"])
+def test_out_proj_hooks_run_in_a_forward_and_a_decoding_step(where):
+    """out_proj is multiplied without its module call only while calling it would run its
+    forward alone: a hook of its own or a global one (forward or pre-forward) runs, in float32,
+    in a forward and in each decoding step."""
+    from torch.nn.modules import module as registry
+
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(16, 2).eval()
+    x = torch.randn(1, 3, 16)
+    seen = []
+    hook = {
+        "own": lambda: mha.out_proj.register_forward_hook(lambda m, i, o: seen.append(m)),
+        "own-pre": lambda: mha.out_proj.register_forward_pre_hook(lambda m, i: seen.append(m)),
+        "global": lambda: registry.register_module_forward_hook(lambda m, i, o: seen.append(m)),
+        "global-pre": lambda: registry.register_module_forward_pre_hook(
+            lambda m, i: seen.append(m)
+        ),
+    }[where]()
+    try:
+        with torch.no_grad():
+            mha(x)
+            cache = mha.new_cache(1, 8)
+            for i in range(3):
+                mha(x[:, i : i + 1], cache=cache)
+    finally:
+        hook.remove()
+    assert sum(m is mha.out_proj for m in seen) == 4
+    seen.clear()
+    with torch.no_grad():
+        mha(x)
+    assert seen == []

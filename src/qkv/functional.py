@@ -394,6 +394,86 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
     _keep(kind, lane)
 
 
+class KeptLane:
+    """One caller's lane, kept by the caller for a call it repeats with the same shapes but
+    for the key count (a module's decoding step, whose cache grows a key a step): later calls
+    run it without the lookups above (the exact kind made and hashed, the tables read),
+    which at decode sizes cost a tenth of a step whose caches its weights have just evicted.
+
+    The caller passes a ``mark`` of what fixes its call's kind besides the key count (the
+    query's shape and dtypes, the keys' dtype, the backend). :meth:`run` takes a call whose
+    mark is the one kept, whose key count is in the kept bucket, and whose context is still
+    a lane's (no gradient, recording, autocast or tracing; the dispatcher's state the one the
+    lane was kept under); otherwise it returns None and the caller makes the call the usual
+    way, then keeps its lane by :meth:`keep`. A plain call without mask, trace or dropout
+    only. A NaN/inf a step meets is the lane's check's to handle, as in ``_run_lane``.
+    """
+
+    __slots__ = ("hi", "lane", "lo", "mark")
+
+    def __init__(self) -> None:
+        self.lane: _Lane | None = None
+        self.mark: tuple | None = None
+        self.lo = self.hi = 0
+
+    def __deepcopy__(self, memo) -> KeptLane:  # (a copied module finds its own lane: the
+        return KeptLane()  # library's handles inside a lane are not to be copied)
+
+    def __reduce__(self):
+        return KeptLane, ()
+
+    def keep(self, mark: tuple, query: Tensor, key: Tensor, value: Tensor, backend: str) -> None:
+        """Keep the lane that the call just made the usual way found or made (none: nothing
+        is kept, and :meth:`run` declines until a later :meth:`keep` finds one)."""
+        self.lane = None
+        exact = _lane_key(query, key, value, (None, 0.0, False, None, False), backend)
+        if exact is None:
+            return
+        lane = _LANES.get(exact) or _LANES.get(_kind(exact))
+        if lane is None or not lane.ok or lane.narrow or lane.state != dispatch.kept_plans_state():
+            return
+        S = key.shape[-2]
+        self.hi = bucket(S)  # the keys' counts of this kind: (hi / 2, hi]
+        self.lo = self.hi // 2
+        self.lane, self.mark = lane, mark
+
+    def run(self, mark: tuple, query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
+        """``scaled_dot_product_attention(query, key, value, backend=...)`` by the kept lane,
+        to the same bits; None where this call is not the kept lane's (see above).
+
+        Shape:
+            query ``(*batch, T, D)``, key ``(*kbatch, S, D)``, value ``(*kbatch, S, Dv)`` ->
+            ``(*batch, T, Dv)``.
+        """
+        lane = self.lane
+        if lane is None or not lane.ok or mark != self.mark:
+            return None
+        if not self.lo < key.shape[-2] <= self.hi:
+            return None
+        if (
+            type(query) is not Tensor
+            or type(key) is not Tensor
+            or type(value) is not Tensor
+            or not (query.is_cpu and key.is_cpu and value.is_cpu)
+            or (
+                torch.is_grad_enabled()
+                and (query.requires_grad or key.requires_grad or value.requires_grad)
+            )
+            or recording._STARTED[0]  # (a recorder started: the usual way asks if it wants)
+            or _ANY_AUTOCAST is None
+            or _ANY_AUTOCAST()
+            or tracing()
+            or lane.state != dispatch.kept_plans_state()
+        ):
+            return None
+        out = lane.attend(query, key, value, None)  # (*batch, T, Dv)
+        if lane.check(out, query, (query, key, value)):
+            return out
+        if nonfinite_rows.available():  # (as in ``_run_lane``)
+            lane.ok = False
+        return None
+
+
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # (a private name)
 
 

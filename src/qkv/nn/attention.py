@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
-from ..functional import scaled_dot_product_attention
-from ..ops.cpu_isa import linear, widens_half
+from ..functional import KeptLane, scaled_dot_product_attention
+from ..ops.cpu_isa import linear
 from ..trace import MultiHeadTrace
 from ._inputs import ContextCall, ContextGroupAttribute, ModuleInputs, module_inputs, shard_lengths
 from .cache import KVCache
@@ -224,6 +224,7 @@ class MultiHeadAttention(nn.Module):
             self.v_proj_weight = nn.Parameter(torch.empty(kv, self.vdim, **kw))
         self.in_proj_bias = nn.Parameter(torch.empty(embed_dim + 2 * kv, **kw)) if bias else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kw)
+        self._kept_lane = KeptLane()  # a decoding step's attention call, kept (_decode_step)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -355,8 +356,8 @@ class MultiHeadAttention(nn.Module):
         Shape:
             query ``(B, T, C)`` -> ``(B, T, C)``.
         """
-        w = self.in_proj_weight if self.fused else None
-        if (
+        w = self._parameters.get("in_proj_weight")  # (None unless fused; read as the module's
+        if (  # attribute, a parameter costs a call of nn.Module.__getattr__)
             w is None
             or type(query) is not Tensor
             or query.dim() != 3
@@ -370,6 +371,14 @@ class MultiHeadAttention(nn.Module):
         B, T, C = query.shape
         q, k, v = self._project(query, query, query)  # (B, H, T, D) each
         keys, values, key_mask = cache.append(k, v)  # (B, H, P, D): all positions so far
+        kept = self.__dict__.get("_kept_lane")  # (None in a module pickled before it was kept)
+        if T != 1 or key_mask is not None or (self.training and self.dropout):
+            kept = None  # (a kept lane's call is of one token, without mask or dropout)
+        mark = () if kept is None else (query.shape, query.dtype, keys.dtype, self.backend)
+        if kept is not None:
+            fast = kept.run(mark, q, keys, values)  # (B, H, 1, D), or None: the usual way
+            if fast is not None:
+                return self._output(fast.transpose(1, 2).reshape(B, T, C))
         heads: Tensor = scaled_dot_product_attention(  # type: ignore[assignment]
             q,
             keys,
@@ -379,6 +388,8 @@ class MultiHeadAttention(nn.Module):
             backend=self.backend,
             mask_mod=_decoding_mask(None, T, keys.shape[-2]),
         )  # (B, H, T, D)
+        if kept is not None:
+            kept.keep(mark, q, keys, values, self.backend)
         return self._output(heads.transpose(1, 2).reshape(B, T, C))
 
     def _attend(
@@ -530,28 +541,35 @@ class MultiHeadAttention(nn.Module):
         return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
 
     def _output(self, merged: Tensor) -> Tensor:
-        """``out_proj(merged)``; for half inputs on a CPU whose half GEMMs are slow, a plain
-        ``nn.Linear`` out_proj without hooks is multiplied in float32 (``ops.cpu_isa.linear``),
-        while any other (a LoRA wrapper, a hooked layer) is called as it is.
+        """``out_proj(merged)``; a plain ``nn.Linear`` out_proj without hooks is multiplied by
+        ``ops.cpu_isa.linear`` (its own math; for half inputs on a CPU whose half GEMMs are
+        slow, in float32), while any other (a LoRA wrapper, a hooked or compiled layer) is
+        called as it is.
 
         Shape:
             ``(B, T, H * D)`` -> ``(B, T, C)``.
         """
-        m = self.out_proj
-        if widens_half(merged) and type(m) is nn.Linear and not _has_hooks(m):
-            return linear(merged, m.weight, m.bias)
+        m: nn.Module = self._modules["out_proj"]  # type: ignore[assignment]  # (as in _project)
+        if type(m) is nn.Linear and not _has_hooks(m):  # its forward, without the module's call
+            p = m._parameters
+            return linear(merged, p["weight"], p["bias"])  # type: ignore[arg-type]  # (B, T, C)
         return m(merged)
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor):
         """Project and split into heads: one fused matmul for self-attention."""
-        B, T, S = query.shape[0], query.shape[1], key.shape[1]
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if G == H and self.fused and query is key is value:  # (a decoding step's way first)
+            B, T, _ = query.shape
+            p = self._parameters  # (read without nn.Module.__getattr__'s calls)
+            w, bias = p["in_proj_weight"], p.get("in_proj_bias")
+            qkv = linear(query, w, bias)  # type: ignore[arg-type]  # (B, T, 3 * H * D)
+            # the three heads' views in three ops rather than seven
+            q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+            return q, k, v  # (B, H, T, D) each
+        B, T, S = query.shape[0], query.shape[1], key.shape[1]
         sizes = [H * D, G * D, G * D]
         if self.fused and query is key is value:
             qkv = linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, T, (H + 2G) * D)
-            if G == H:  # the three heads' views in three ops rather than seven
-                q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
-                return q, k, v  # (B, H, T, D) each
             q, k, v = qkv.split(sizes, -1)
         else:
             biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
@@ -676,16 +694,24 @@ def _check_config(embed_dim: int, num_heads: int, G: int, dropout: float) -> Non
 
 
 def _has_hooks(m: nn.Module) -> bool:
-    """Whether calling ``m`` would run hooks besides its forward: its own, or global ones."""
-    own = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    glob = (
-        "_global_forward_hooks",
-        "_global_forward_pre_hooks",
-        "_global_backward_hooks",
-        "_global_backward_pre_hooks",
+    """Whether calling ``m`` would run more than its forward: hooks of its own or global ones,
+    or a compiled call (``m.compile()``). (Read attribute by attribute: at decode sizes the
+    step's Python is a quarter of its time.)"""
+    g = _MODULE
+    return bool(
+        m._forward_hooks
+        or m._forward_pre_hooks
+        or m._backward_hooks
+        or m._backward_pre_hooks
+        or g._global_forward_hooks
+        or g._global_forward_pre_hooks
+        or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+        or getattr(m, "_compiled_call_impl", None) is not None
     )
-    registry = torch.nn.modules.module
-    return any(getattr(m, a, None) for a in own) or any(getattr(registry, a, None) for a in glob)
+
+
+_MODULE = torch.nn.modules.module  # (where torch keeps the global hooks)
 
 
 def _check_layout(layout: str) -> str:

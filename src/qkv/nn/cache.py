@@ -126,8 +126,9 @@ class KVCache:
             self._mask.narrow(1, self.position, T).copy_(key_mask)
             self._padded = True  # (whether it marks any padding is not asked: that would read
             # it on the host, a device sync per decoding step on GPUs)
-        self.position = end
-        return self.keys, self.values, self.key_mask
+        self.position = end  # (the properties' views, made here: a step's Python counts)
+        mask = self._mask.narrow(1, 0, end) if self._padded else None
+        return self._k.narrow(2, 0, end), self._v.narrow(2, 0, end), mask
 
     def __repr__(self) -> str:
         B, G, P, D = self._k.shape
