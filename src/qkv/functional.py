@@ -120,8 +120,11 @@ def scaled_dot_product_attention(
         >>> qkv.scaled_dot_product_attention(q, k, v)  # [[1, e]] / (1 + e)
         tensor([[0.2689, 0.7311]])
     """
-    record = recording.wanted()  # None unless a qkv.capture wants this call's weights
-    amp = _autocast_dtype(query)  # None unless torch.autocast is on for the query's device
+    if recording._STARTED[0] or _ANY_AUTOCAST is None or _ANY_AUTOCAST():
+        record = recording.wanted()  # None unless a qkv.capture wants this call's weights
+        amp = _autocast_dtype(query)  # None unless torch.autocast is on for the query's device
+    else:  # (neither started anywhere: asked without their calls, a tenth of a decode call)
+        record = amp = None
     args = (attn_mask, dropout_p, is_causal, scale, enable_gqa)
     mods = (mask_mod, score_mod, sinks)
     if record is None and amp is None:  # (almost every call: no context to enter)
