@@ -696,7 +696,7 @@ def decodings(draw):
         pads=pads if draw(st.booleans(), label="padded") else None,
         dtype=draw(st.sampled_from(["float32", "bfloat16", "float64"]), label="dtype"),
         bias=draw(st.booleans(), label="bias"),
-        backend=draw(st.sampled_from(["auto", "tiled"]), label="backend"),
+        backend=draw(st.sampled_from(["auto", "tiled", "torch"]), label="backend"),
         seed=draw(st.integers(0, 2**16), label="seed"),
     )
 
