@@ -881,23 +881,28 @@ class _UsualCalls:
         monkeypatch.setattr(qkv.nn.attention, "scaled_dot_product_attention", counted)
 
 
+@pytest.mark.parametrize("G", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_modules_decoding_step_keeps_its_lane_to_the_usual_ways_bits(monkeypatch, route, dtype):
+def test_a_modules_decoding_step_keeps_its_lane_to_the_usual_ways_bits(
+    monkeypatch, route, dtype, G
+):
     """``MultiHeadAttention`` decoding a token a step keeps its call's lane
-    (``functional.KeptLane``): over 36 steps (6 to 41 keys: buckets 8, 16, 32 and 64) the usual
-    way runs at each bucket's first step only (every step without the fused check, which the
-    lane needs), and every step gives the bits of the same module without a kept lane, and of
-    torch's kernel on the cache."""
+    (``functional.KeptLane``), with grouped-query heads too: over 36 steps (6 to 41 keys:
+    buckets 8, 16, 32 and 64) the usual way runs at each bucket's first step only (every step
+    without the fused check, which the lane needs), and every step gives the bits of the same
+    module without a kept lane, and of torch's kernel on the cache."""
     monkeypatch.setenv("QKV_AUTOTUNE", "off")
     torch.manual_seed(0)
-    mha = qkv.MultiHeadAttention(32, 4).to(dtype).eval()
+    mha = qkv.MultiHeadAttention(32, 4, num_kv_heads=G).to(dtype).eval()
     prompt, xs = torch.randn(2, 5, 32, dtype=dtype), torch.randn(2, 36, 32, dtype=dtype)
     usual = _UsualCalls(monkeypatch)
     with torch.no_grad():
         kept, cache = _decode(mha, prompt, xs)
         assert usual.count == 1 + (4 if route == "fused" else 36)  # the prompt, and the steps
         q = mha._project(xs[:, -1:], xs[:, -1:], xs[:, -1:])[0]  # (2, 4, 1, 8)
-        want = torch.nn.functional.scaled_dot_product_attention(q, cache.keys, cache.values)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, cache.keys, cache.values, enable_gqa=G != 4
+        )
         assert _same_bits(kept[-1], mha._output(want.transpose(1, 2).reshape(2, 1, 32)))
         monkeypatch.setattr(qkv.functional.KeptLane, "run", lambda *args: None)
         plain, _ = _decode(mha, prompt, xs)

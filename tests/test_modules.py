@@ -375,7 +375,8 @@ def test_fused_in_projection_equals_separate_projections():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True], ids=["no-padding", "padded"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train-dropout"])
-def test_a_decoding_step_takes_its_short_way_to_the_general_ways_bits(dtype, padded, training):
+@pytest.mark.parametrize("G", [4, 2], ids=["mha", "gqa"])
+def test_a_decoding_step_takes_its_short_way_to_the_general_ways_bits(dtype, padded, training, G):
     """A decoding step whose only input is the new positions (B, T, C) skips the general
     checks it passes (``MultiHeadAttention._decode_step``): steps of one and of three new
     positions, a cache with padding from its prompt, dropout in training (the same draws),
@@ -383,7 +384,8 @@ def test_a_decoding_step_takes_its_short_way_to_the_general_ways_bits(dtype, pad
     (counted), and not by a subclass with attention of its own, nor by calls it does not
     take (key_mask, unbatched, another dtype), which meet the general way's checks."""
     torch.manual_seed(0)
-    mha = qkv.MultiHeadAttention(32, 4, dropout=0.25 if training else 0.0).to(dtype)
+    mha = qkv.MultiHeadAttention(32, 4, num_kv_heads=G, dropout=0.25 if training else 0.0)
+    mha = mha.to(dtype)
     mha.train(training)
     prompt = torch.randn(2, 5, 32, dtype=dtype)
     real = torch.tensor([[True] * 5, [False, False, True, True, True]]) if padded else None

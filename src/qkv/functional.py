@@ -425,11 +425,20 @@ class KeptLane:
     def __reduce__(self):
         return KeptLane, ()
 
-    def keep(self, mark: tuple, query: Tensor, key: Tensor, value: Tensor, backend: str) -> None:
+    def keep(
+        self,
+        mark: tuple,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        backend: str,
+        enable_gqa: bool = False,
+    ) -> None:
         """Keep the lane that the call just made the usual way found or made (none: nothing
-        is kept, and :meth:`run` declines until a later :meth:`keep` finds one)."""
+        is kept, and :meth:`run` declines until a later :meth:`keep` finds one). The mark
+        is the caller's: it fixes ``enable_gqa`` with the shapes."""
         self.lane = None
-        exact = _lane_key(query, key, value, (None, 0.0, False, None, False), backend)
+        exact = _lane_key(query, key, value, (None, 0.0, False, None, enable_gqa), backend)
         if exact is None:
             return
         lane = _LANES.get(exact) or _LANES.get(_kind(exact))
@@ -441,8 +450,9 @@ class KeptLane:
         self.lane, self.mark = lane, mark
 
     def run(self, mark: tuple, query: Tensor, key: Tensor, value: Tensor) -> Tensor | None:
-        """``scaled_dot_product_attention(query, key, value, backend=...)`` by the kept lane,
-        to the same bits; None where this call is not the kept lane's (see above).
+        """``scaled_dot_product_attention(query, key, value, enable_gqa=..., backend=...)`` by
+        the kept lane, to the same bits; None where this call is not the kept lane's (see
+        above).
 
         Shape:
             query ``(*batch, T, D)``, key ``(*kbatch, S, D)``, value ``(*kbatch, S, Dv)`` ->

@@ -346,11 +346,12 @@ class MultiHeadAttention(nn.Module):
 
     def _decode_step(self, query: Tensor, cache: KVCache) -> Tensor | None:
         """:meth:`forward` of a decoding step whose only input is a batched ``query`` of the
-        fused weights' dtype and width, with equal query and key/value heads, no context
-        group and this class's own attention (a model's generation loop), by the same steps
-        without the general checks that such a call passes (:func:`module_inputs`,
-        :func:`_check_decoding`): at decode sizes the Python around the step's tensor ops is a
-        quarter of its time (C=512, one thread: 354 µs against 267 for torch's ops by hand).
+        fused weights' dtype and width, no context group and this class's own attention (a
+        model's generation loop, grouped-query heads too), by the same steps without the
+        general checks that such a call passes (:func:`module_inputs`,
+        :func:`_check_decoding`), and a step of one token by its attention call's kept lane
+        (``functional.KeptLane``): at decode sizes the Python around the step's tensor ops was
+        a quarter of its time (C=512, one thread: 354 µs against 267 for torch's ops by hand).
         None for any other call (the general way checks it and runs it).
 
         Shape:
@@ -363,14 +364,14 @@ class MultiHeadAttention(nn.Module):
             or query.dim() != 3
             or query.shape[-1] != self.embed_dim
             or query.dtype != w.dtype
-            or self.num_kv_heads != self.num_heads
             or self.context_group is not None
             or type(self)._attend is not MultiHeadAttention._attend  # (local windows, ...)
         ):
             return None
         B, T, C = query.shape
-        q, k, v = self._project(query, query, query)  # (B, H, T, D) each
-        keys, values, key_mask = cache.append(k, v)  # (B, H, P, D): all positions so far
+        q, k, v = self._project(query, query, query)  # (B, H, T, D), (B, G, T, D) x2
+        keys, values, key_mask = cache.append(k, v)  # (B, G, P, D): all positions so far
+        gqa = self.num_kv_heads != self.num_heads
         kept = self.__dict__.get("_kept_lane")  # (None in a module pickled before it was kept)
         if T != 1 or key_mask is not None or (self.training and self.dropout):
             kept = None  # (a kept lane's call is of one token, without mask or dropout)
@@ -385,11 +386,12 @@ class MultiHeadAttention(nn.Module):
             values,
             attn_mask=None if key_mask is None else key_mask[:, None, None, :],  # (B, 1, 1, P)
             dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=gqa,
             backend=self.backend,
             mask_mod=_decoding_mask(None, T, keys.shape[-2]),
         )  # (B, H, T, D)
         if kept is not None:
-            kept.keep(mark, q, keys, values, self.backend)
+            kept.keep(mark, q, keys, values, self.backend, gqa)
         return self._output(heads.transpose(1, 2).reshape(B, T, C))
 
     def _attend(
