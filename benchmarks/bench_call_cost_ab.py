@@ -10,7 +10,8 @@ version's time over torch's in the same round.
 
 Cases: ``short`` (T=1, S=128, B=1, H=8, D=64: plain, causal, a bool key mask (B, 1, 1, S)),
 ``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
-against the same step by hand in torch, as in ``bench_call_cost.py``), ``long`` (T=1024:
+against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gqa`` (the same
+with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``long`` (T=1024:
 plain and causal, float32 and bfloat16). All without gradient; ``--threads`` sets torch's
 threads (1 by default; 0 keeps torch's own).
 
@@ -98,25 +99,37 @@ def short_cases(base, rounds: int) -> None:
         compare(f"T=1, S=128, {case}", fns, rounds, 200)
 
 
-def step_case(base, rounds: int) -> None:
+def step_case(base, rounds: int, G: int = H) -> None:
+    """The decode step of ``MultiHeadAttention`` with G key/value heads."""
     steps = {}
     for name, lib in (("before", base), ("after", qkv)):
         torch.manual_seed(0)
-        mha = lib.MultiHeadAttention(C, H).eval()
+        mha = lib.MultiHeadAttention(C, H, num_kv_heads=G).eval()
         cache = mha.new_cache(B, CAP)
         mha(torch.randn(B, POS, C, generator=torch.Generator().manual_seed(1)), cache=cache)
         steps[name] = (mha, cache)
     x = torch.randn(B, 1, C)
     mha = steps["after"][0]
-    w_in, b_in = mha.in_proj_weight, mha.in_proj_bias  # (3C, C), (3C,)
+    w_in, b_in = mha.in_proj_weight, mha.in_proj_bias  # (C + 2GD, C), (C + 2GD,)
     w_out, b_out = mha.out_proj.weight, mha.out_proj.bias
-    keys, values = torch.zeros(B, H, CAP, D), torch.zeros(B, H, CAP, D)
+    keys, values = torch.zeros(B, G, CAP, D), torch.zeros(B, G, CAP, D)
 
     def by_hand():
         p = POS
         t = F.linear(x, w_in, b_in).view(B, 1, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, B, H, 1, D)
         keys[:, :, p : p + 1], values[:, :, p : p + 1] = t[1], t[2]
         out = F.scaled_dot_product_attention(t[0], keys[:, :, : p + 1], values[:, :, : p + 1])
+        return F.linear(out.transpose(1, 2).reshape(B, 1, C), w_out, b_out)  # (B, 1, C)
+
+    def by_hand_gqa():
+        p = POS
+        q, k, v = F.linear(x, w_in, b_in).split([H * D, G * D, G * D], -1)  # (B, 1, HD | GD)
+        q = q.view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
+        k, v = k.view(B, 1, G, D).transpose(1, 2), v.view(B, 1, G, D).transpose(1, 2)
+        keys[:, :, p : p + 1], values[:, :, p : p + 1] = k, v  # (B, G, 1, D) each
+        out = F.scaled_dot_product_attention(
+            q, keys[:, :, : p + 1], values[:, :, : p + 1], enable_gqa=True
+        )  # (B, H, 1, D)
         return F.linear(out.transpose(1, 2).reshape(B, 1, C), w_out, b_out)  # (B, 1, C)
 
     def step(name):
@@ -129,8 +142,12 @@ def step_case(base, rounds: int) -> None:
         return run
 
     compare(
-        "MHA decode step",
-        {"torch": by_hand, "before": step("before"), "after": step("after")},
+        "MHA decode step" if G == H else f"GQA decode step (G={G})",
+        {
+            "torch": by_hand if G == H else by_hand_gqa,
+            "before": step("before"),
+            "after": step("after"),
+        },
         rounds,
         200,
     )
@@ -166,7 +183,13 @@ def main(argv=None) -> int:
             f"{torch.get_num_threads()} thread(s); before = {args.rev}"
         )
         for case in args.cases:
-            {"short": short_cases, "step": step_case, "long": long_cases}[case](base, args.rounds)
+            cases = {
+                "short": short_cases,
+                "step": step_case,
+                "step-gqa": lambda base, rounds: step_case(base, rounds, G=2),
+                "long": long_cases,
+            }
+            cases[case](base, args.rounds)
     return 0
 
 
