@@ -697,8 +697,8 @@ def _check_config(embed_dim: int, num_heads: int, G: int, dropout: float) -> Non
 
 def _has_hooks(m: nn.Module) -> bool:
     """Whether calling ``m`` would run more than its forward: hooks of its own or global ones,
-    or a compiled call (``m.compile()``). (Read attribute by attribute: at decode sizes the
-    step's Python is a quarter of its time.)"""
+    or a compiled call (``m.compile()``). (Read attribute by attribute: it is asked on every
+    call of the module.)"""
     g = _MODULE
     return bool(
         m._forward_hooks
