@@ -142,3 +142,39 @@ def test_guard_used_when_rows_empty(kind, monkeypatch):
     assert bool(unguarded.all()) and ok is None
     unguarded, ok = _guard_empty_rows(full.clone(), remember=False)  # not asked: no read
     assert bool(unguarded.all()) and bool(ok.all())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known, a contract decision (issue 38's closing note of 2026-11-27): a visible key "
+        "whose score is -inf weighs 0 in plain math and in qkv's inference routes without a "
+        "mask or with a key mask, while the routes that flag bad keys from k (range masks, "
+        "documents, any call wanting a gradient) set NaN on every row that may attend it"
+    ),
+)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_visible_key_of_score_minus_inf_weighs_zero_on_every_route(backend):
+    """q > 0 and a key holding -inf in one entry: its score is -inf for every row, its weight
+    0, and every row finite in float64 plain math. The same call in inference, with a gradient
+    wanted, and causal (a mask that leaves the key visible to rows 1..) gives those rows."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.rand(1, 2, 6, 4, generator=g, dtype=torch.float64) + 0.1
+    k, v = torch.randn(2, 1, 2, 6, 4, generator=g, dtype=torch.float64)
+    k[0, 0, 1, 2] = float("-inf")
+    causal = causal_bool(6, 6)  # (T, S)
+    for is_causal in (False, True):
+        scores = (q @ k.transpose(-2, -1)) / 2.0  # (1, 2, 6, 6), 1/sqrt(D)
+        if is_causal:
+            scores = scores.masked_fill(~causal, float("-inf"))
+        want = torch.softmax(scores, -1) @ v  # finite: key 1's weight is 0
+        assert torch.isfinite(want).all()
+        with torch.no_grad():
+            inference = qkv.scaled_dot_product_attention(
+                q, k, v, is_causal=is_causal, backend=backend
+            )
+        trained = qkv.scaled_dot_product_attention(
+            q.clone().requires_grad_(), k, v, is_causal=is_causal, backend=backend
+        )
+        for got in (inference, trained.detach()):
+            torch.testing.assert_close(got, want)
