@@ -147,10 +147,11 @@ def test_guard_used_when_rows_empty(kind, monkeypatch):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "known, a contract decision (issue 38's closing note of 2026-11-27): a visible key "
-        "whose score is -inf weighs 0 in plain math and in qkv's inference routes without a "
-        "mask or with a key mask, while the routes that flag bad keys from k (range masks, "
-        "documents, any call wanting a gradient) set NaN on every row that may attend it"
+        "a defect by DESIGN.md's 'no NaN where the golden has none' (issue 38's closing note "
+        "of 2026-11-27): a visible key whose score is -inf weighs 0 in plain math and in qkv's "
+        "inference routes without a mask or with a key mask, while the routes that flag bad "
+        "keys from k (range masks, documents, any call wanting a gradient) set NaN on every "
+        "row that may attend it"
     ),
 )
 @pytest.mark.parametrize("backend", ["auto", "reference"])
