@@ -231,8 +231,12 @@ def attention_with_weights(
                 if bf16_kernel:  # (nh, nr, S): scale * q k^T, float32 sums of bf16 products
                     bf16_scores.scores_kernel_(scores, qb, kb, call.scale)
                 else:
-                    torch.baddbmm(  # (nh, nr, S): scale * q k^T
-                        scores, _as(qb, acc), kt, beta=0, alpha=call.scale, out=scores
+                    # (scale * q) k^T, as the reference forms it: scale * (q k^T) rounds
+                    # as well, but differently, and a peaked softmax (scale 50) moved its
+                    # weights apart: outputs up to 2x the reference's error (test_properties,
+                    # TRACE_REGRESSIONS)
+                    torch.baddbmm(  # (nh, nr, S)
+                        scores, _as(qb, acc) * call.scale, kt, beta=0, alpha=1, out=scores
                     )
                 if not plain:
                     scores = _modify_at(
