@@ -54,6 +54,7 @@ from strategies import (
     Case,
     Causal,
     Combine,
+    Document,
     KeyLengths,
     MaskFn,
     MaskSpec,
@@ -1092,6 +1093,21 @@ TRACE_REGRESSIONS = [
             gqa=True,
             scale=50.0,
             seed=610,
+        ),
+    ),
+    # a bfloat16 document mask of per-batch ids on an empty batch (B = 0): its ranges took the
+    # largest batch, 1, not the broadcast one, 0, and expanding the ids raised a RuntimeError
+    # (the long profile found it on the native routes)
+    (
+        "one-pass-bf16-documents-B0",
+        Case(
+            B=0,
+            T=1,
+            S=1,
+            D=4,
+            Dv=4,
+            dtype="bfloat16",
+            mask_mod=Document(n_docs=1, sorted=False, per_batch=True),
         ),
     ),
 ]

@@ -217,7 +217,8 @@ def document_ranges(
         (doc.kv_ids,), ("sorted", dev), lambda: _sorted_keys(doc.kv_ids.to(dev))
     )  # (Bk, S) each
     q = doc.q_ids.to(dev)  # (Bq, T)
-    Bd = max(ids.shape[0], q.shape[0], lo.shape[0], hi.shape[0])
+    # (broadcast, not max: an empty batch, B = 0, against a shared range of 1 is empty)
+    Bd = torch.broadcast_shapes(ids.shape[:1], q.shape[:1], lo.shape[:1], hi.shape[:1])[0]
     ids, order = ids.expand(Bd, S).contiguous(), order.expand(Bd, S)
     q = q.expand(Bd, call.T).contiguous()
     first = torch.searchsorted(ids, q, side="left")  # (Bd, T): the id's first sorted index
