@@ -19,9 +19,10 @@ fixture of conftest.py), so that every route runs on every machine:
 
 * Host reads (``qkv.ops.nonfinite.host_reads_free``: ``QKV_CPU_HOST_READS=1`` on the CPU;
   off by default and always on CUDA): with reads, a call without gradient runs on its inputs
-  as they are and is checked after its kernel by reading two sums (``Guard.holds``); without,
-  it runs on zeroed copies checked in tensor ops. ``force_host_reads`` gives either way: the
-  NaN/inf contract tests (test_nonfinite_eager.py) run both, test_host_reads.py counts both.
+  as they are and is checked after its kernel by reading three sums (``Guard.holds``);
+  without, it runs on zeroed copies checked in tensor ops. ``force_host_reads`` gives either
+  way: the NaN/inf contract tests (test_nonfinite_eager.py) run both, test_host_reads.py
+  counts both.
 
 * The NaN/inf contract's fused row passes (``qkv.ops.nonfinite_rows``: C++ built at first use,
   for CPU tensors without gradient): where they cannot be built, or on another device, the

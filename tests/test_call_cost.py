@@ -232,7 +232,10 @@ def test_range_masks_run_on_k_and_v_as_they_are(route, mask, dtype):
     (``"ranges_in_place"``, no copies): values past position 40 all NaN and a key entry of inf
     at 30 reach the rows that see them (NaN) and, as a NaN through the kernel's blocks, rows
     that do not (computed again from their range in the output's pass): every row before
-    them equals float64 math, those after them are NaN, rows with no key are 0."""
+    them equals float64 math, rows with no key are 0. The rows that see them are the plain
+    math's on the fused route, which computes them again (NaN where the inf key's score is
+    +inf or a NaN value is seen, finite where its score is -inf: weight 0), and NaN on the
+    others (the cheaper rule)."""
     T, S, Hq = 64, 64, H
     kw: dict = dict(is_causal=True)
     if mask == "causal-gqa":
@@ -259,11 +262,22 @@ def test_range_masks_run_on_k_and_v_as_they_are(route, mask, dtype):
     has_key = ok.any(-1)  # (B, Hq, T)
     hit = (ok & bad).any(-1)  # rows that may attend a bad key
     assert (out[~has_key] == 0).all()
-    assert out[hit].isnan().all()
     clean = has_key & ~hit
     assert clean.any()
     tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2)
     torch.testing.assert_close(out[clean].double(), want[clean], rtol=tol, atol=tol)
+    if route != "fused" or (mask, dtype) == ("window", torch.bfloat16):
+        # (auto takes tiled's bfloat16 kernel for the window, which keeps the contract itself)
+        assert out[hit].isnan().all()
+        return
+    kk, vv = (t.repeat_interleave(Hq // H, dim=1).double() for t in (k, v))
+    scores = (q.double() @ kk.transpose(-1, -2) / math.sqrt(D)).masked_fill(~ok, -math.inf)
+    terms = scores.softmax(-1).unsqueeze(-1) * vv.unsqueeze(-3)  # (B, Hq, T, S, D)
+    plain = terms.masked_fill(~ok.unsqueeze(-1), 0.0).sum(-2)  # the keys each row sees
+    nan = hit & ~torch.isfinite(plain).all(-1)
+    assert out[nan].isnan().all()
+    finite = hit & ~nan  # rows that see key 30 only, whose scores there are -inf
+    torch.testing.assert_close(out[finite].double(), plain[finite], rtol=tol, atol=tol)
 
 
 # --- the fused passes and their slow twin ------------------------------------------------------
@@ -294,11 +308,20 @@ def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
     out[0, 0, 3, 1], out[1, 2, 9, 0] = math.inf, math.nan
     query = torch.randn(1, 3, 17, 5, generator=g).to(dtype)  # broadcast over the batch
     query[0, 1, 2, 4] = math.nan
+    out[1, 0, 6] = 0.0  # a row of zeros: computed again too (a kernel's row of NaN scores)
+    key, value = torch.randn(2, 1, 3, 11, 8, generator=g).to(dtype)  # broadcast over the batch
+    key = key[..., :5]  # (1, 3, 11, 5); value (1, 3, 11, 8)
     before = out.clone()
-    nonfinite_rows.check_rows(out, query)
-    bad = ~torch.isfinite(before).all(-1) | ~torch.isfinite(query).all(-1)  # (2, 3, 17)
-    assert out[bad].isnan().all()
-    assert torch.equal(out[~bad].view(torch.int8), before[~bad].view(torch.int8))
+    assert nonfinite_rows.check_rows(out, query, (query, key, value), 0.5, 1)
+    bad_q = ~torch.isfinite(query).all(-1).expand(2, 3, 17)
+    again = (~torch.isfinite(before).all(-1) | (before == 0).all(-1)) & ~bad_q  # (2, 3, 17)
+    assert again.sum() == 3 and out[bad_q].isnan().all()
+    plain = ((query.double() @ key.double().transpose(-1, -2)) * 0.5).softmax(-1) @ value.double()
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2)
+    plain = plain.expand(2, 3, 17, 8)
+    torch.testing.assert_close(out[again].double(), plain[again], rtol=tol, atol=tol)
+    same = ~bad_q & ~again
+    assert torch.equal(out[same].view(torch.int8), before[same].view(torch.int8))
     has_key = torch.rand(2, 1, 17, generator=g) < 0.7
     hits = torch.zeros(2, 3, 17)
     hits[1, 1, 1], hits[0, 2, 5] = 3.0, 1.0
@@ -320,8 +343,9 @@ def test_the_output_pass_with_key_ranges_sweeps_clean_heads_and_finds_one_change
     query rows and output rows are all clean, and ranges all non-empty, in one pass that
     writes nothing: one change in one head is found all the same, and only its rows change.
     A NaN query row gives a NaN row; a row with an empty range gives 0; an output row a
-    hidden NaN reached (finite query, no bad key in range) is computed again; a bad key gives
-    NaN to the rows whose range holds it. The flags-alone pass sweeps clean spans the same
+    hidden NaN reached (finite query, no bad key in range) is computed again, and so are the
+    rows whose range holds a bad key (the math's rows: NaN for a NaN score, finite for a key
+    whose scores are all -inf). The flags-alone pass sweeps clean spans the same
     way: flags set before stay set, and a bad element flags its row only."""
     if not nonfinite_rows.available():
         pytest.skip("the fused row passes did not build here")
@@ -347,13 +371,13 @@ def test_the_output_pass_with_key_ranges_sweeps_clean_heads_and_finds_one_change
     elif case == "reached":
         out[0, 1, 2] = math.nan
         again[0, 1, 2] = True
-    elif case == "bad key":
+    elif case == "bad key":  # (flagged only: its rows come out as the math's again)
         keys[1, 0, 3] = 1.0
-        changed[1, 0, 3:] = True
+        again[1, 0, 3:] = True
     nonfinite_rows.restore_rows(out, query=q, ranges=(keys, lo, hi), recompute=(k, v, 0.3, 1))
     same = ~changed & ~again
     assert torch.equal(out[same].view(torch.int16), want[same].view(torch.int16))
-    if case == "reached":
+    if case in ("reached", "bad key"):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[again].double(), want[again].double(), rtol=tol, atol=tol)
     elif case == "empty":

@@ -333,19 +333,19 @@ def test_a_mask_changed_in_place_between_calls_is_seen(kind, backend):
 
 
 @pytest.mark.parametrize("kind", ["causal", "bool_mask", "float_mask", "window", "document"])
-def test_an_inference_call_on_the_cpu_reads_two_sums(monkeypatch, kind):
-    """On the CPU with ``QKV_CPU_HOST_READS=1`` (a read there syncs nothing), a call without
-    gradient runs on its inputs as they are and reads two sums after its kernel
-    (``Guard.holds``: is the output of finite queries finite?), instead of copying k and v
-    (masked) or finding the bad rows by matmuls (plain, where the fused row pass of
-    ``nonfinite_rows`` is not taken: it reads nothing); with a gradient wanted it reads
-    nothing."""
+def test_an_inference_call_on_the_cpu_reads_three_sums(monkeypatch, kind):
+    """On the CPU with ``QKV_CPU_HOST_READS=1`` (a read there syncs nothing), a masked call
+    without gradient runs on its inputs as they are and reads three sums after its kernel
+    (``Guard.holds``: are the output, the queries and the keys finite?), instead of copying k
+    and v; a plain call finds its bad rows by tensor ops, or by the fused row pass of
+    ``nonfinite_rows`` where it is built, and reads nothing; with a gradient wanted nothing
+    is read either."""
     force_host_reads(monkeypatch, free=True)
     force_native_rows(monkeypatch, on=False)
-    for name, grad in ((kind, False), ("plain", False)):
-        make = sdpa_path(name, "auto", grad=grad)
+    for name, reads in ((kind, 3), ("plain", 0)):
+        make = sdpa_path(name, "auto", grad=False)
         count_reads(make(0))
-        assert count_reads(make(1)) == ["aten._local_scalar_dense.default"] * 2, name
+        assert count_reads(make(1)) == ["aten._local_scalar_dense.default"] * reads, name
     make = sdpa_path(kind, "auto", grad=True)
     count_reads(make(0))
     assert count_reads(make(1)) == []
@@ -372,7 +372,7 @@ def test_the_cpu_reads_only_when_asked(monkeypatch):
     assert count_reads(make(1)) == []
     monkeypatch.setenv("QKV_CPU_HOST_READS", "1")
     assert nonfinite.host_reads_free(cpu) and not nonfinite.host_reads_free(meta)
-    assert count_reads(make(2)) == ["aten._local_scalar_dense.default"] * 2
+    assert count_reads(make(2)) == ["aten._local_scalar_dense.default"] * 3
     monkeypatch.setenv("QKV_CPU_HOST_READS", "yes please")
     with pytest.raises(ValueError, match="QKV_CPU_HOST_READS='yes please': use 1"):
         nonfinite.host_reads_free(cpu)

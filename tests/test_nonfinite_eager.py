@@ -4,8 +4,8 @@ math written here, for the ways the contract is now kept without reading on the 
 * A call with no mask and no gradient wanted checks its output alone: every row of a head
   that holds a bad key is NaN, every other row exact.
 * Any other call without gradient, where a read on the host is free (the CPU), runs on q,
-  k, v as they are and is checked by two sums read after its kernel; when that finds a NaN/inf it
-  runs again the next way.
+  k, v as they are and is checked by three sums read after its kernel; when that finds a
+  NaN/inf it runs again the next way.
 * Any other call runs on q, k, v with their NaN/inf zeroed and sets NaN on the rows that may
   attend a bad key (and on bad query rows that may attend some key), counted from the masks
   (ops/key_counts.py); gradients reach no bad input and come from no NaN row.

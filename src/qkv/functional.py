@@ -351,7 +351,7 @@ def _run_lane(
         T = query.shape[-2]
         key, value = key.narrow(-2, 0, T), value.narrow(-2, 0, T)  # (*kbatch, T, D|Dv)
     out = lane.attend(query, key, value, None)  # (*batch, T, Dv)
-    if lane.check(out, query, (query, key, value), exact):
+    if lane.check(out, query, (query, key, value), lane.scale, lane.group, exact):
         return out
     if nonfinite_rows.available():  # the check cannot take this layout: the steps above from
         lane.ok = False  # now on, for every exact kind of its kind (without the library:
@@ -481,7 +481,7 @@ class KeptLane:
         ):
             return None
         out = lane.attend(query, key, value, None)  # (*batch, T, Dv)
-        if lane.check(out, query, (query, key, value)):
+        if lane.check(out, query, (query, key, value), lane.scale, lane.group):
             return out
         if nonfinite_rows.available():  # (as in ``_run_lane``)
             lane.ok = False

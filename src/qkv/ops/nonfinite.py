@@ -143,18 +143,22 @@ class Guard:
 
     def holds(self, result: Result) -> bool:
         """Whether ``result`` is the call's result under the contract as it is: False only for
-        an ``"optimistic"`` guard whose output or query holds a NaN/inf, and then the call is
-        to run again from ``prepare(call, optimistic=False)``.
+        an ``"optimistic"`` guard whose output, query or keys hold a NaN/inf, and then the
+        call is to run again from ``prepare(call, optimistic=False)``.
 
-        Why two sums decide it: a key or value a row may not attend reaches that row only as
+        Why three sums decide it: a key or value a row may not attend reaches that row only as
         a NaN (its score is hidden by ``-inf``, ``NaN + -inf = NaN``, and its weight 0 meets
         its value as ``0 * inf = NaN``), or not at all (a hidden ``-inf`` score stays
-        ``-inf``). So a finite output of finite queries is what the zeroed inputs give too,
-        to the bit; anything else runs the full way, and only then costs twice.
+        ``-inf``); a visible bad value shows as a NaN/inf in its rows. A visible bad key may
+        not: a kernel gives 0 to a row whose scores are all NaN or ``-inf``, and torch's
+        bfloat16 and float16 CPU kernel a finite row for a ``+inf`` score (see
+        :func:`_key_hits`), so the keys are summed too. So a finite output of finite queries
+        and keys is what the zeroed inputs give too, to the bit; anything else runs the full
+        way, and only then costs twice.
         """
         if self.check != "optimistic":
             return True
-        return _all_finite(_output(result), self.call.query)
+        return _all_finite(_output(result), self.call.query, self.call.key)
 
     def restore(self, result: Result) -> Result:
         """The kernel's result under the contract: NaN on every row that may attend to a bad
@@ -167,16 +171,15 @@ class Guard:
         """
         if self.check == "output":
             out, call = _output(result), self.call
-            # one fused pass where the CPU takes it (nonfinite_rows: no read); else, where
-            # reads are allowed, two sums read cost a third of the matmuls that find the rows
+            # one fused pass where the CPU takes it (nonfinite_rows: no read); else tensor ops
+            # (a sum read would not tell: a kernel's row of NaN scores is 0, see _key_hits)
             inputs = (call.query, call.key, call.value)
-            if not nonfinite_rows.check_rows(out, call.query, inputs) and (
-                not host_reads_free(out.device) or not _all_finite(out, call.query)
-            ):
+            if not nonfinite_rows.check_rows(out, call.query, inputs, call.scale, _group(call)):
                 result = _with_output(result, _restore_output(call, out))
         elif self.check == "keys":
-            assert self.has_key is not None
-            result = _with_output(result, _restore_keys(self.call, _output(result), self.has_key))
+            assert self.has_key is not None and self.keep is not None
+            out = _restore_keys(self.call, _output(result), self.has_key, self.keep)
+            result = _with_output(result, out)
         elif self.check == "keys_in_place":
             assert self.has_key is not None and self.keep is not None
             result = _with_output(result, _restore_keys_in_place(self, _output(result)))
@@ -291,12 +294,11 @@ def _restore_ranges_in_place(guard: Guard, out: Tensor) -> Tensor:
     assert spans is not None and guard.bad is not None and guard.bad.keys is not None
     if not _writable(out, call) or out.stride(-1) != 1:
         out = out.clone(memory_format=torch.contiguous_format)
-    group = call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
     return nonfinite_rows.restore_rows(
         out,
         query=call.query,
         ranges=(guard.bad.keys.contiguous(), spans[0], spans[1]),
-        recompute=(call.key, call.value, call.scale, group),
+        recompute=(call.key, call.value, call.scale, _group(call)),
     )
 
 
@@ -358,7 +360,7 @@ def _prepare_key_mask(call: AttentionCall) -> Guard | None:
         k = torch.where(keep.unsqueeze(-1), call.key, zero)  # (*kbatch, S, D)
         v = torch.where(keep.unsqueeze(-1), call.value, zero)  # (*kbatch, S, Dv)
     zeroed = _with_inputs(call, call.query, k, v, (call.key, call.value) + call.sources)
-    return Guard(zeroed, "keys", has_key=has_key)
+    return Guard(zeroed, "keys", has_key=has_key, keep=keep)
 
 
 # Key masks of at most this many query rows are run on k and v as they are, and the rows a
@@ -423,7 +425,7 @@ def host_reads_free(device: torch.device) -> bool:
     Off by default: after a call structure's first use an eager call reads nothing on the host
     (DESIGN.md), which the suite counts on the CPU as the stand-in for CUDA, where each read is
     a sync. On, a masked call without gradient skips the zeroed copies of k and v and the key
-    counts, and reads two sums after its kernel instead: 3-5x cheaper at decode sizes on this
+    counts, and reads three sums after its kernel instead: 3-5x cheaper at decode sizes on this
     project's CPU before the fused passes ran bool key masks and range masks in place
     (benchmarks/RESULTS.md). Results are the same to the bit either way, but for the rows a
     hidden NaN/inf reaches, which the passes in place compute again in double (the float64
@@ -445,16 +447,15 @@ def host_reads_free(device: torch.device) -> bool:
 _READS_SWITCH: dict[str, bool] = {}  # QKV_CPU_HOST_READS's raw value -> on/off (read per call)
 
 
-def _all_finite(out: Tensor, q: Tensor) -> bool:
-    """Whether ``out`` and ``q`` hold no NaN/inf, by reading their two sums (a finite sum that
+def _all_finite(*tensors: Tensor) -> bool:
+    """Whether ``tensors`` hold no NaN/inf, by reading their sums (a finite sum that
     overflows, beyond float32's range, only sends the call the full way)."""
-    if out.requires_grad or q.requires_grad:  # (no graph for a check)
-        out, q = out.detach(), q.detach()
-    if out.dtype in (torch.float16, torch.bfloat16):  # a half sum overflows early
-        return math.isfinite(
-            out.sum(dtype=torch.float32).item() + q.sum(dtype=torch.float32).item()
-        )
-    return math.isfinite(out.sum().item() + q.sum().item())
+    total = 0.0
+    for t in tensors:
+        x = t.detach()  # (no graph for a check)
+        half = x.dtype in (torch.float16, torch.bfloat16)  # a half sum overflows early
+        total += (x.sum(dtype=torch.float32) if half else x.sum()).item()
+    return math.isfinite(total)
 
 
 def _checked_after(call: AttentionCall) -> bool:
@@ -537,22 +538,66 @@ def _writable(out: Tensor, call: AttentionCall) -> bool:
     return not any(base is t or base is t._base for t in (call.query, call.key, call.value))
 
 
-def _restore_keys(call: AttentionCall, out: Tensor, has_key: Tensor) -> Tensor:
+def _restore_keys(call: AttentionCall, out: Tensor, has_key: Tensor, keep: Tensor) -> Tensor:
     """The output of a key mask's call (its hidden keys zeroed): NaN on each row that is not
-    finite (a visible bad key or value reached it) and on each bad query row, then 0 on the
-    rows without a key (whatever a kernel gave there for a bad query).
+    finite (a visible bad key or value reached it), on each bad query row and on the rows
+    :func:`_key_hits` finds, then 0 on the rows without a key (whatever a kernel gave there
+    for a bad query).
 
     Shape:
-        out ``(*batch, T, Dv)``, has_key broadcastable to ``(*batch, T)`` -> the same.
+        out ``(*batch, T, Dv)``, has_key broadcastable to ``(*batch, T)``, keep ``(*mbatch,
+        S?)`` -> the same.
     """
+    hits = _key_hits(call, keep)  # (*lead, 1) float32: 1.0 where the rows are NaN
     if _native(out, call.query):
         if not _writable(out, call):
             out = out.clone()
-        return nonfinite_rows.restore_rows(out, query=call.query, check_out=True, has_key=has_key)
+        return nonfinite_rows.restore_rows(
+            out, query=call.query, check_out=True, flags=hits, has_key=has_key
+        )
     rows = out @ _column(out)  # (*batch, T, 1): finite exactly where the row is
     query_rows = call.query @ _column(call.query)  # (*qbatch, T, 1)
     rows = rows + torch.where(has_key.unsqueeze(-1), query_rows, 0.0)  # (*batch, T, 1)
+    rows = rows + hits.neg().sqrt_().unsqueeze(-1).to(rows.dtype)  # NaN where hit
     return torch.where(has_key.unsqueeze(-1), out.add(rows, alpha=0), 0.0)
+
+
+def _key_hits(call: AttentionCall, keep: Tensor | None) -> Tensor:
+    """Where a kernel's output cannot tell a row the plain math makes NaN, by the keys the
+    row sees (``keep``: those a key mask lets through; None: all), in tensor ops (no read).
+
+    * Every key a row sees holds a NaN/inf in k: then each of its scores is ``+-inf`` or NaN
+      (a finite query times an infinite entry), and the plain math gives NaN. A kernel may
+      give the row 0 instead, as for a row with no key: torch's CPU flash kernel and tiled's
+      do when the scores are all NaN or ``-inf``. Exact: a row that sees one finite key has a
+      finite score, and the kernel's row stands.
+    * In bfloat16 and float16, any key a row sees holds one: torch's CPU flash kernel gives
+      a finite row, neither NaN nor the plain math's, for a key whose score is ``+inf``. The
+      row is NaN, where the plain math is NaN too except for keys whose scores are all
+      ``-inf`` (weight 0): the fused pass computes those rows again instead
+      (``nonfinite_rows``).
+
+    One matrix-vector product over k, and sums over keys.
+
+    Shape:
+        keep ``(*mbatch, S?)`` bool -> ``(*lead, 1)`` float32 of 0.0 and 1.0, ``lead`` the
+        heads' batch (key heads repeated for their query heads), broadcastable to the
+        output's ``(*batch, T)``.
+    """
+    bad = _bad_rows(call.key)  # (*kbatch, S): 1.0 on a key holding a NaN/inf
+    if call.enable_gqa:
+        bad = bad.repeat_interleave(_group(call), dim=-2)  # (*batch', S)
+    S = call.S
+    n: Tensor | float
+    if keep is None:
+        seen, n = bad.sum(-1), float(S)  # (*kbatch)
+    else:
+        kept = keep.to(torch.float32)  # (*mbatch, S?)
+        seen = (bad * kept).sum(-1)  # (*lead): bad keys the row sees
+        n = kept.sum(-1) * (S if kept.shape[-1] == 1 else 1)  # (*mbatch): keys it sees
+    half = call.dtype in (torch.float16, torch.bfloat16)
+    hit = (seen > 0) if half else (seen == n) & (seen > 0)
+    return hit.to(torch.float32).unsqueeze(-1)  # (*lead, 1)
 
 
 def _restore_keys_in_place(guard: Guard, out: Tensor) -> Tensor:
@@ -567,9 +612,8 @@ def _restore_keys_in_place(guard: Guard, out: Tensor) -> Tensor:
     assert keep is not None and guard.has_key is not None
     if not _writable(out, call) or out.stride(-1) != 1:
         out = out.clone(memory_format=torch.contiguous_format)
-    group = call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
     nonfinite_rows.keymask_rows(
-        out, call.query, call.key, call.value, keep, scale=call.scale, group=group
+        out, call.query, call.key, call.value, keep, scale=call.scale, group=_group(call)
     )
     return out
 
@@ -582,13 +626,11 @@ def _own(out: Tensor) -> bool:
 
 def _restore_output(call: AttentionCall, out: Tensor) -> Tensor:
     """``out`` of a call whose every row may attend every key, with NaN on each row that is
-    not finite (a bad key or value shows there: NaN scores, or its weight times NaN/inf)
-    and on each bad query row (torch's CPU kernels give some of those 0).
-
-    Keys are not read: that would double the cost of a decoding step's check (a pass over the
-    cache). An infinite key entry whose scores all come out ``-inf`` (weight 0, as plain math
-    gives) leaves the rows finite, and so does one a kernel drops (torch's bfloat16 CPU kernel
-    drops ``+inf``); eager qkv gave those rows as the kernel did before too.
+    not finite (a bad key or value shows there: NaN scores, or its weight times NaN/inf), on
+    each bad query row (torch's CPU kernels give some of those 0) and on the rows
+    :func:`_key_hits` finds (a kernel's 0 for scores all NaN or ``-inf``; bfloat16's and
+    float16's finite rows for a ``+inf`` score). The tensor ops' way; the fused pass
+    (``nonfinite_rows.check_rows``) computes the rows again instead, by the plain math.
 
     Shape:
         out ``(*batch, T, Dv)`` -> the same.
@@ -596,9 +638,15 @@ def _restore_output(call: AttentionCall, out: Tensor) -> Tensor:
     q = call.query  # (no gradient is wanted here: the ops record no graph)
     rows = out @ _column(out)  # (*batch, T, 1): finite exactly where the row is
     rows.add_(q @ _column(q))  # + the query rows' (each below a quarter of the largest float)
+    rows = rows + _key_hits(call, None).neg_().sqrt_().unsqueeze(-1).to(rows.dtype)
     if _own(out):
         return out.add_(rows, alpha=0)  # + 0 * rows: 0, or NaN where anything was bad
     return out.add(rows, alpha=0)
+
+
+def _group(call: AttentionCall) -> int:
+    """Query heads per key head: ``H // G`` under GQA, else 1."""
+    return call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
 
 
 def _column(t: Tensor) -> Tensor:

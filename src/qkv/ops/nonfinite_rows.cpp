@@ -84,6 +84,29 @@ inline bool nonfinite(const typename B::word* x, int64_t count) {
   return bad != 0;
 }
 
+// Whether x's count elements are all zero (either sign): a kernel's row where every score was NaN or
+// -inf (torch's CPU flash kernel and tiled's give such a row 0, as if it had no key; the plain math
+// gives NaN), or a row that is 0 by its values.
+template <typename B>
+inline bool zero(const typename B::word* x, int64_t count) {
+  using W = typename B::word;
+  constexpr W magnitude = static_cast<W>(~(W(1) << (sizeof(W) * 8 - 1)));
+  W any = 0;
+  for (int64_t e = 0; e < count; ++e) any |= static_cast<W>(x[e] & magnitude);
+  return count > 0 && any == 0;
+}
+
+// Whether a row of [first, last) of x (E elements each, stride s) is all zero.
+template <typename B>
+inline bool any_zero(const typename B::word* x, const Rows& n, const Strides& s, int64_t E,
+                     int64_t first, int64_t last) {
+  const typename B::word* p = x + offset(first, n, s);
+  for (int64_t r = first; r < last; ++r, p += s.s2) {
+    if (zero<B>(p, E)) return true;
+  }
+  return false;
+}
+
 // Whether rows n (E contiguous elements each, strides s) fill one block of n.count() * E
 // elements from the first row's start, in some order of the dims (no gap, no broadcast dim).
 inline bool dense(const Rows& n, const Strides& s, int64_t E) {
@@ -351,8 +374,9 @@ inline bool any_empty(const KeyRanges& kr, const Rows& n, int64_t first, int64_t
   return false;
 }
 
-// The keys and values a row's range indexes, for rows computed again (null k: none are): row
-// (b, h) reads key head h / group through the strides (b, kv head, key).
+// The keys and values of rows computed again (null k: none are): row (b, h) reads key head
+// h / group through the strides (b, kv head, key); its keys are its range's with key ranges, else
+// the S keys with keep[j] != 0 (keep null: all of them; strides (b, h), unit along keys).
 struct Recompute {
   const void* k;
   int64_t kb, kh, ks;
@@ -360,14 +384,56 @@ struct Recompute {
   int64_t vb, vh, vs;
   int64_t group;
   double scale;
+  const uint8_t* keep;
+  int64_t mb, mh;
+  int64_t S;
 };
 
 // Each row of out: 0 where has_key is given and 0 there, or where the row's key range is empty;
 // else NaN where flags[r] != 0, or its key range holds a bad key, or a row of q holds a non-finite
-// element, or (check_out) the row itself does; else left as it is. With rc.k (key ranges only, the
-// kernel run on k and v as they are): a row that is not finite though its range holds no bad key
-// and its query row is finite (a hidden bad key reached it, as a NaN) is computed again by
-// attend_row over its range instead.
+// element, or (check_out) the row itself does; else left as it is. With rc.k (and q), a row whose
+// query row is finite is computed again by attend_row, the plain math over the keys it sees, instead
+// of set to NaN: with key ranges (the kernel run on k and v as they are), where its range holds a bad
+// key (a visible key whose scores are all -inf weighs 0 there, where a kernel may give anything) or
+// the row is not finite (a hidden bad key reached it, as a NaN); without (every row sees every key,
+// or rc.keep's), where the row is not finite or is all zero (a kernel gives 0 to a row whose scores
+// are all NaN or -inf, where the plain math gives NaN; a row 0 by its values comes out 0 again), and
+// in bfloat16 and float16 every row of a head whose keys hold a NaN/inf (KeyScan).
+// The keys and the values row (b, h) reads in rows computed again.
+template <typename B>
+inline const typename B::word* k_of(const Recompute& rc, int64_t b, int64_t h) {
+  return static_cast<const typename B::word*>(rc.k) + b * rc.kb + (h / rc.group) * rc.kh;
+}
+template <typename B>
+inline const typename B::word* v_of(const Recompute& rc, int64_t b, int64_t h) {
+  return static_cast<const typename B::word*>(rc.v) + b * rc.vb + (h / rc.group) * rc.vh;
+}
+
+// Whether the keys row (b, h) reads hold a NaN/inf, asked once per key head in a run of rows: for
+// bfloat16 and float16 only, where torch's CPU flash kernel gives a finite row (neither NaN nor the
+// plain math's) for a key whose score is +inf, so a row's own bits do not tell.
+template <typename B>
+struct KeyScan {
+  int64_t b = -1, g = -1;
+  bool bad = false;
+  bool operator()(const Recompute& rc, int64_t D, int64_t b0, int64_t h0) {
+    if constexpr (sizeof(typename B::word) != 2) {
+      return false;
+    } else {
+      if (b0 != b || h0 / rc.group != g) {
+        b = b0, g = h0 / rc.group, bad = false;
+        const typename B::word* k = k_of<B>(rc, b0, h0);
+        if (rc.ks == D) {
+          bad = nonfinite<B>(k, rc.S * D);
+        } else {
+          for (int64_t j = 0; j < rc.S && !bad; ++j) bad = nonfinite<B>(k + j * rc.ks, D);
+        }
+      }
+      return bad;
+    }
+  }
+};
+
 template <typename B>
 void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_out, const void* q_,
              const Strides qs, int64_t D, const float* flags, const Strides f,
@@ -378,13 +444,18 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
   // out's rows are read for a non-finite element with check_out, and with rows computed again;
   // a dense out (one block of memory in any order of dims, as torch's flash kernel writes its
   // (B, T, H, Dv)) is swept once here rather than row by row in each run: clean, no run reads it
-  const bool read_out = check_out || (kr.keys != nullptr && rc.k != nullptr);
+  const bool again = rc.k != nullptr && q != nullptr;  // rows computed again
+  const bool zeros = again && kr.keys == nullptr;  // ... where all zero, too
+  const bool read_out = check_out || again;
   const bool out_clean = read_out && dense(n, o, Dv) && !nonfinite<B>(out, n.count() * Dv);
   const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> before;  // bad keys before each key position, for one run's (b, h)
     RowScratch scratch;  // a row computed again
+    KeyScan<B> scan;  // (zeros: half dtypes)
     runs(n, begin, end, [&](int64_t first, int64_t last) {
+      const int64_t i01 = first / n.n2, b0 = i01 / n.n1, h0 = i01 % n.n1;
+      const bool head_bad = zeros && scan(rc, D, b0, h0);
       if (kr.keys != nullptr) {  // a run shares its (b, h): the counts of its bad keys, once
         const int64_t i01 = first / n.n2;
         const float* k = kr.keys + (i01 / n.n1) * kr.k0 + (i01 % n.n1) * kr.k1;
@@ -396,8 +467,9 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
       if (flags == nullptr && has_key == nullptr &&
           (kr.keys == nullptr || (before[kr.S] == 0.0f && !any_empty(kr, n, first, last)))) {
         const bool bad = (read_out && !out_clean && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
-                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
-        if (!bad) return;
+                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last)) ||
+                         (zeros && any_zero<B>(out, n, o, Dv, first, last));
+        if (!bad && !head_bad) return;
       }
       W* y = out + offset(first, n, o);
       const W* x = q == nullptr ? nullptr : q + offset(first, n, qs);
@@ -405,7 +477,6 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
       const uint8_t* key = has_key == nullptr ? nullptr : has_key + offset(first, n, h);
       const int64_t* lo = kr.keys == nullptr ? nullptr : kr.lo + offset(first, n, kr.l);
       const int64_t* hi = kr.keys == nullptr ? nullptr : kr.hi + offset(first, n, kr.u);
-      const int64_t i01 = first / n.n2, b0 = i01 / n.n1, h0 = i01 % n.n1;
       for (int64_t i = 0; i < last - first; ++i, y += o.s2) {
         bool bad = false;
         if (lo != nullptr) {
@@ -415,18 +486,21 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
             continue;
           }
           bad = before[b] > before[a];
-          if (rc.k != nullptr && x != nullptr && !bad && !nonfinite<B>(x + i * qs.s2, D) &&
-              nonfinite<B>(y, Dv)) {
-            const int64_t g = h0 / rc.group;
-            const W* k = static_cast<const W*>(rc.k) + b0 * rc.kb + g * rc.kh;
-            const W* v = static_cast<const W*>(rc.v) + b0 * rc.vb + g * rc.vh;
-            attend_row<B>(x + i * qs.s2, D, k, rc.ks, v, rc.vs, Dv, nullptr, a, b, rc.scale, y,
-                          scratch);
+          if (again && (bad || nonfinite<B>(y, Dv)) && !nonfinite<B>(x + i * qs.s2, D)) {
+            attend_row<B>(x + i * qs.s2, D, k_of<B>(rc, b0, h0), rc.ks, v_of<B>(rc, b0, h0), rc.vs, Dv,
+                          nullptr, a, b, rc.scale, y, scratch);
             continue;
           }
         }
         if (key != nullptr && key[i * h.s2] == 0) {
           std::memset(y, 0, Dv * sizeof(W));
+          continue;
+        }
+        if (zeros && (head_bad || nonfinite<B>(y, Dv) || zero<B>(y, Dv)) &&
+            !nonfinite<B>(x + i * qs.s2, D)) {
+          const uint8_t* keep = rc.keep == nullptr ? nullptr : rc.keep + b0 * rc.mb + h0 * rc.mh;
+          attend_row<B>(x + i * qs.s2, D, k_of<B>(rc, b0, h0), rc.ks, v_of<B>(rc, b0, h0), rc.vs, Dv,
+                        keep, 0, rc.S, rc.scale, y, scratch);
           continue;
         }
         bad = bad || (flag != nullptr && flag[i * f.s2] != 0.0f) ||
@@ -442,7 +516,8 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
 
 // The rows of a key mask's output after a kernel ran it on k and v as they are (hidden keys in
 // place): 0 where the row has no key (keep all 0); else, where the row or its query row is not
-// finite, the row again by attend_row over its visible keys (NaN for a bad query row). A hidden
+// finite, or the row is all zero, or (bfloat16, float16) its head's keys hold a NaN/inf (see restore),
+// the row again by attend_row over its visible keys (NaN for a bad query row). A hidden
 // key reaches a row only as a NaN (a NaN score is NaN under any mask, a hidden weight 0 times an
 // inf value is NaN) or not at all, so a finite row is already the visible keys' row, to the bit.
 // Rows (n0, n1, n2) = (B, H, T); k's and v's rows indexed by (b, h / group); keep (S per (b, h)).
@@ -457,8 +532,10 @@ void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const v
   const W* k = static_cast<const W*>(k_);
   const W* v = static_cast<const W*>(v_);
   const int64_t grain = 1 + (1 << 15) / (Dv + D + S > 0 ? Dv + D + S : 1);
+  const Recompute rc{k, kb, kh, ks, v, vb, vh, vs, group, scale, keep, mb, mh, S};
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     RowScratch scratch;
+    KeyScan<B> scan;  // (half dtypes: see restore)
     int64_t seen = -1;  // the (b, h) whose keys `any` tells (a task's rows share a few)
     bool any = false;
     for (int64_t r = begin; r < end; ++r) {
@@ -477,7 +554,7 @@ void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const v
       const W* x = q + offset(r, n, qs);
       if (nonfinite<B>(x, D)) {
         for (int64_t e = 0; e < Dv; ++e) y[e] = B::nan;
-      } else if (nonfinite<B>(y, Dv)) {
+      } else if (nonfinite<B>(y, Dv) || zero<B>(y, Dv) || scan(rc, D, b, h)) {  // (see restore)
         const int64_t g = h / group;
         attend_row<B>(x, D, k + b * kb + g * kh, ks, v + b * vb + g * vh, vs, Dv, kept, 0, S,
                       scale, y, scratch);
@@ -512,7 +589,9 @@ extern "C" {
 //            a[24..25] its strides along the first two row dims, a[26] S (keys are contiguous),
 //            a[27] lo (int64), a[28..30] its strides, a[31] hi (int64), a[32..34] its strides,
 //            a[35] k (0: no row computed again), a[36..38] its strides (b, kv head, key),
-//            a[39] v, a[40..42] its strides, a[43] group (H / G), a[44] scale (a double's bits)
+//            a[39] v, a[40..42] its strides, a[43] group (H / G), a[44] scale (a double's bits),
+//            a[45] keep (uint8, 0: every key; without key ranges), a[46..47] its strides (b, h),
+//            a[48] S (the keys of a row computed again without key ranges)
 //   copy with a[9] dst = 0: the flags alone (a pass that reads src only)
 // Returns 0, or 1 for an unknown dtype.
 int qkv_rows_copy(const int64_t* a) {
@@ -540,7 +619,8 @@ int qkv_rows_restore(const int64_t* a) {
                                    Strides{a[32], a[33], a[34]}},
                          Recompute{reinterpret_cast<const void*>(a[35]), a[36], a[37], a[38],
                                    reinterpret_cast<const void*>(a[39]), a[40], a[41], a[42],
-                                   a[43], bits_as<double>(a[44])});
+                                   a[43], bits_as<double>(a[44]),
+                                   reinterpret_cast<const uint8_t*>(a[45]), a[46], a[47], a[48]});
   });
 }
 

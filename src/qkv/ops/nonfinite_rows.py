@@ -55,11 +55,11 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16:
 # the arguments of each function as one array of int64 (layouts in the source): ctypes takes
 # one argument in a third of the time of twenty, and a call here costs what an op does
 _COPY_ARGS = struct.Struct("16q")
-_RESTORE_ARGS = struct.Struct("45q")
+_RESTORE_ARGS = struct.Struct("49q")
 _KEYMASK_ARGS = struct.Struct("28q")
 _DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
-_NO_RANGES = (0,) * 22  # restore's last arguments, without key ranges (nor rows computed again)
-_NO_RECOMPUTE = (0,) * 10  # restore's last arguments with key ranges: no row computed again
+_NO_RANGES = (0,) * 12  # restore's arguments of key ranges, without
+_NO_RECOMPUTE = (0,) * 14  # restore's last arguments: no row computed again
 _log = logging.getLogger(__name__)
 
 
@@ -201,11 +201,17 @@ def restore_rows(
     the keys ``[lo, hi)`` each row may attend (``key_counts.ranges``: causal, windows, key
     lengths), counted here instead of by ``key_counts.counts``' ops.
 
-    ``recompute``: ``(key, value, scale, group)`` with ``ranges`` and ``query``, where the
-    kernel ran on k and v as they are: a row that is not finite although its range holds no
-    bad key and its query row is finite (a hidden bad key reached it, as a NaN) is computed
-    again from its range, in double, instead of set to NaN. ``key`` and ``value`` as
-    :func:`keymask_rows` takes them; ``group`` query heads per key head.
+    ``recompute``: ``(key, value, scale, group)`` with ``query``, the keys and values the
+    rows see as they are: each row whose query row is
+    finite and that the kernel may have got wrong is computed again by the plain math over
+    the keys it sees (float64 rows in float64, others in float32), instead of set to NaN.
+    With ``ranges`` (the kernel ran on k and v as they are) those are the rows whose range
+    holds a bad key, where a visible key whose scores are all ``-inf`` weighs 0 (the kernel
+    may give anything), and the rows that are not finite (a hidden bad key reached them, as a
+    NaN). Without, every row that is not finite or is all zero: a kernel gives 0 to a row
+    whose scores are all NaN or ``-inf`` (torch's CPU flash kernel, tiled's), where the plain
+    math gives NaN. ``key`` and ``value`` as :func:`keymask_rows` takes them (of ``out``'s
+    dtype); ``group`` query heads per key head.
 
     ``out`` must be the kernel's own (no other tensor shares its memory) with no broadcast dim
     (a row written through two indices): the caller checks.
@@ -236,8 +242,8 @@ def restore_rows(
             *_aligned(lo.shape, lo.stride()),
         )
         tail += (hi.data_ptr(), *_aligned(hi.shape, hi.stride()))
-        tail += _NO_RECOMPUTE if recompute is None else _recompute_args(*recompute)
-    assert recompute is None or (ranges is not None and query is not None)
+    tail += _NO_RECOMPUTE if recompute is None else _recompute_args(*recompute)
+    assert recompute is None or query is not None
     failed = lib.qkv_rows_restore(
         _RESTORE_ARGS.pack(
             _DTYPES[out.dtype],
@@ -427,20 +433,25 @@ def _keymask_args(
     ]
 
 
-def check_rows(out: Tensor, query: Tensor, inputs: tuple[Tensor, ...] = ()) -> bool:
-    """``restore_rows(out, query=query, check_out=True)`` where this module takes them and
-    ``out`` is the kernel's own, and whether it ran (False: nothing done, the caller's tensor
-    ops keep the contract). The check of a call whose rows see every key, which runs on every
-    decoding step: each test is made once, on attributes read once.
+def check_rows(
+    out: Tensor, query: Tensor, inputs: tuple[Tensor, ...], scale: float, group: int
+) -> bool:
+    """``restore_rows(out, query=query, check_out=True, recompute=(key, value, scale, group))``
+    with ``inputs`` = ``(query, key, value)``, where this module takes them and ``out`` is the
+    kernel's own, and whether it ran (False: nothing done, the caller's tensor ops keep the
+    contract). The check of a call whose rows see every key, which runs on every decoding
+    step: each test is made once, on attributes read once. The keys are read only for the rows
+    computed again (not finite, or all zero), never to check the others.
 
     ``out`` is the kernel's own when no gradient needs it, no dim of it is broadcast (a row
     written through two indices), and its memory is its own, or all of a buffer it is a
     permuted view of (torch's CPU flash kernel returns one): none of ``inputs``.
 
     Shape:
-        out ``(*batch, T, Dv)``; query ``(*qbatch, T, D)`` -> out.
+        out ``(*batch, T, Dv)``; query ``(*qbatch, T, D)``; key, value ``(*kbatch, S, D|Dv)``
+        -> out.
     """
-    args = _check_args(out, query)
+    args = _check_args(out, query, inputs, scale, group)
     lib = _build()[0]
     if args is None or lib is None or not _own_memory(out, inputs):
         return False
@@ -450,11 +461,12 @@ def check_rows(out: Tensor, query: Tensor, inputs: tuple[Tensor, ...] = ()) -> b
 
 
 class RowsCheck(_Packed):
-    """:func:`check_rows` for calls whose ``out`` and ``query`` keep one layout (a decoding
-    step's): its tests made and its arguments packed at the first call and whenever the
-    layout changes; later calls read the two tensors' strides and pointers only (that ``out``'s
-    memory is its own is asked with a new layout, as in :class:`KeymaskRows`). For one kind
-    of call (the same dtypes and devices, no gradient): the caller holds one per kind."""
+    """:func:`check_rows` for calls whose tensors keep one layout (a decoding step's, whose
+    key count grows): its tests made and its arguments packed at the first call and whenever
+    the layout changes; later calls read the tensors' strides, pointers and key count only
+    (that ``out``'s memory is its own is asked with a new layout, as in :class:`KeymaskRows`).
+    For one kind of call (the same dtypes and devices, no gradient): the caller holds one per
+    kind."""
 
     __slots__ = ()
 
@@ -462,20 +474,31 @@ class RowsCheck(_Packed):
         super().__init__(_RESTORE_ARGS)
 
     def __call__(
-        self, out: Tensor, query: Tensor, inputs: tuple[Tensor, ...], kind: tuple | None = None
+        self,
+        out: Tensor,
+        query: Tensor,
+        inputs: tuple[Tensor, Tensor, Tensor],
+        scale: float,
+        group: int,
+        kind: tuple | None = None,
     ) -> bool:
-        """``kind``: a key that fixes ``out``'s and ``query``'s shapes (the caller's kind of
-        call), read in their place."""
+        """``inputs``: ``(query, key, value)``. ``kind``: a key that fixes the tensors' shapes
+        but for the key count, ``scale`` and ``group`` (the caller's kind of call), read in
+        their place."""
         lib = _build()[0]  # (asked each call: a test hides the library)
+        key, value = inputs[1], inputs[2]
         if kind is None:
-            kind = (out.shape, query.shape)
-        layout = (kind, out.stride(), query.stride(), lib)
+            kind = (out.shape, query.shape, key.shape[:-2], value.shape[:-2], scale, group)
+        layout = (kind, out.stride(), query.stride(), key.stride(), value.stride(), lib)
         if layout != self._layout:  # (a known layout asks nothing more: no call, no closure)
-            pack = lambda: _check_args(out, query) if _own_memory(out, inputs) else None  # noqa: E731
+            pack = lambda: (  # noqa: E731
+                _check_args(out, query, inputs, scale, group) if _own_memory(out, inputs) else None
+            )
             if not self._ready(layout, pack, "qkv_rows_restore"):
                 return False
         args = self._args
         args[4], args[10] = out.data_ptr(), query.data_ptr()
+        args[35], args[39], args[48] = key.data_ptr(), value.data_ptr(), key.shape[-2]
         failed = self._fn(args)
         assert not failed
         return True
@@ -483,19 +506,26 @@ class RowsCheck(_Packed):
 
 def _recompute_args(key: Tensor, value: Tensor, scale: float, group: int) -> tuple[int, ...]:
     """``qkv_rows_restore``'s arguments of the rows computed again: k and v, their strides
-    (b, kv head, key), ``group`` and ``scale``."""
+    (b, kv head, key), ``group``, ``scale``, no keep (every key) and the key count."""
     kb, kh, _ = _aligned(key.shape[:-1], key.stride()[:-1])
     vb, vh, _ = _aligned(value.shape[:-1], value.stride()[:-1])
     scale_bits = _DOUBLE_BITS.unpack(_DOUBLE.pack(scale))[0]
     return (key.data_ptr(), kb, kh, key.stride(-2), value.data_ptr(), vb, vh, value.stride(-2)) + (
         group,
         scale_bits,
+        0,
+        0,
+        0,
+        key.shape[-2],
     )
 
 
-def _check_args(out: Tensor, query: Tensor) -> list | None:
+def _check_args(
+    out: Tensor, query: Tensor, inputs: tuple[Tensor, ...], scale: float, group: int
+) -> list | None:
     """The arguments of ``qkv_rows_restore`` for :func:`check_rows`, or None where this module
-    does not take ``out`` and ``query`` (see there): everything but whose memory ``out`` is."""
+    does not take ``out``, ``query`` and the key and value of ``inputs`` (see there):
+    everything but whose memory ``out`` is."""
     if type(out) is not Tensor or type(query) is not Tensor or not (out.is_cpu and query.is_cpu):
         return None
     code = _DTYPES.get(out.dtype)
@@ -510,6 +540,9 @@ def _check_args(out: Tensor, query: Tensor) -> list | None:
     for i in range(n - 1):
         if strides[i] == 0 and shape[i] > 1:
             return None  # a broadcast dim
+    key, value = inputs[1], inputs[2]
+    if not (_readable(key, out.dtype) and _readable(value, out.dtype)):
+        return None
     if _build()[0] is None:
         return None
     lead, qlead = shape[:-1], qshape[:-1]
@@ -525,7 +558,18 @@ def _check_args(out: Tensor, query: Tensor) -> list | None:
         qshape[-1],
         *(0,) * 8,
         *_NO_RANGES,
+        *_recompute_args(key, value, scale, group),  # [35] k, [39] v, [48] S
     ]
+
+
+def _readable(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the pass may read rows of ``t`` as :func:`takes` takes them, of ``dtype``; it
+    may want a gradient (a cache written in a step that did: only read here, for an output
+    that wants none)."""
+    if type(t) is not Tensor or not t.is_cpu or t.dtype != dtype:
+        return False
+    stride = t.stride()
+    return 2 <= len(stride) <= 4 and (stride[-1] == 1 or t.shape[-1] <= 1)
 
 
 def _own_memory(out: Tensor, inputs: tuple[Tensor, ...]) -> bool:
