@@ -21,9 +21,16 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
 
 * **No gradient wanted and every row may attend every key** (no mask, or windows and lengths
   that leave every key to every row, as a decoding step's): nothing before the kernel (with
-  no key hidden from a row, no bad key can reach a row it should not); after it, one
-  reduction each of q and the output finds the bad query rows and the rows a bad key or
-  value reached, and those rows are set to NaN (k is not read: see ``_restore_output``).
+  no key hidden from a row, no bad key can reach a row it should not); after it, on the CPU
+  the output's fused pass computes again, by the plain math, each row that is not finite or
+  is all zero (and in bfloat16 and float16 each row of a head whose keys hold a NaN/inf: a
+  pass over k); elsewhere one reduction each of q, k and the output sets NaN on the bad
+  query rows, the rows a bad key or value reached, and the rows :func:`_key_hits` finds.
+  Why the keys matter though no key is hidden: a kernel's row is not always the plain
+  math's. torch's CPU flash kernel (every dtype) and tiled's give 0 to a row whose scores
+  are all NaN or ``-inf``, as to a row with no key, where the math gives NaN; in bfloat16
+  and float16 torch's gives a finite row for a ``+inf`` score (tests/
+  test_nonfinite_plain_math.py).
 * **Otherwise** (masks, gradients, traces): one reduction of each of q, k and v finds their
   bad rows, and one copy of each of k and v (and of q, unless every row may attend its own
   position) has them zeroed: a masked key's NaN would reach its row as ``0 * NaN``, and
@@ -36,12 +43,18 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
 * **On the CPU without gradient, a bool key mask of a few query rows** (a padded batch's
   decoding step; ``KEYS_IN_PLACE_MAX_T``) **or a range mask** (causal, windows, key lengths):
   no copy; the kernel runs the mask on k and v as they are, and the output's fused pass
-  (``nonfinite_rows``, C++) computes again, from the keys the row may see, each row that is
-  not finite (a range mask's rows that may see a bad key, flagged by one pass over k and v,
-  are NaN instead). A hidden key reaches a row only as a NaN (its NaN score stays NaN under
-  ``-inf``; its weight 0 times an inf value is NaN), so a finite row is already right, and
-  the rows computed again are found inside the pass (nothing read back). Calls with a
+  (``nonfinite_rows``, C++) computes again, by the plain math over the keys the row may see,
+  each row that is not finite, and each row that may see a bad key (a range mask's, flagged
+  by one pass over k and v; a key mask's all-zero rows and, in half dtypes, its heads with
+  a bad key). A hidden key reaches a row only as a NaN (its NaN score stays NaN under
+  ``-inf``; its weight 0 times an inf value is NaN), so the other rows are already right,
+  and the rows computed again are found inside the pass (nothing read back). Calls with a
   score_mod, sinks, dropout or a scale that can overflow keep the copies.
+
+Where the plain math's row is finite though the row may see a bad key (a key whose scores
+are all ``-inf`` weighs 0), the fused passes give that row and the flagging ways (copies,
+gradients, traces, tensor ops) give NaN: the cheaper rule, never a finite row where the math
+has none (tests/test_mask_contract.py keeps the gradient's case as a strict xfail).
 
 A row's finiteness is one matrix-vector product, ``x @ w`` with ``w`` a power of two below
 ``1 / (4 D)``: finite for every finite row (no overflow, unlike a sum), not finite for every
@@ -100,9 +113,10 @@ class Guard:
     and v zeroed. ``check`` is what is left to do after the kernel:
 
     * ``"none"``: nothing (a kernel that keeps the contract itself, or nothing to check);
-    * ``"output"``: every row may attend every key and no gradient is wanted: the rows of a
-      head holding a bad key, the bad query rows and the output's rows that are not finite
-      become NaN;
+    * ``"output"``: every row may attend every key and no gradient is wanted: the bad query
+      rows become NaN, and the rows the kernel may have got wrong (not finite, all zero;
+      half dtypes: a bad key in the head) are computed again by the plain math in the fused
+      pass, or become NaN by :func:`_key_hits` in tensor ops;
     * ``"eager"``: ``bad`` holds the bad keys ``(B, H, S)`` and query rows ``(B, H, T)`` (all
       False when finite), and the rows that may attend a bad key become NaN;
     * ``"traced"``: the same in the ops of ``_restore_traced``;
@@ -111,17 +125,18 @@ class Guard:
       are allowed (:func:`host_reads_free`: the CPU, on request): :meth:`holds` says whether
       its result stands.
     * ``"keys"``: a key mask (the same keys hidden from every row of a head) whose hidden keys
-      were zeroed in the copies the kernel runs on: as ``"output"``, and the rows without a
-      key (``has_key`` False) are 0.
+      were zeroed in the copies the kernel runs on (``keep``: the keys it lets through): the
+      rows that are not finite, the bad query rows and those :func:`_key_hits` finds become
+      NaN, and the rows without a key (``has_key`` False) are 0.
     * ``"keys_in_place"``: a bool key mask run on k and v as they are (CPU, no gradient, the
       fused passes built): the rows a hidden NaN/inf reached (no longer finite) are computed
       again from their visible keys (``keep``) in the output's pass, then as ``"keys"``.
     * ``"ranges_in_place"``: masks whose rows see ranges of keys (causal, windows, key
       lengths) run on k and v as they are (CPU, no gradient, the fused passes built):
       ``bad.keys`` flags the keys holding NaN/inf (a pass that reads k and v, no copies); the
-      output's pass sets NaN on the rows whose range ``spans`` holds one and on bad query
-      rows, 0 on rows with an empty range, and computes again from its range each other row
-      that is not finite (a hidden bad key reached it).
+      output's pass sets NaN on bad query rows, 0 on rows with an empty range, and computes
+      again from its range, by the plain math, each row whose range ``spans`` holds a bad key
+      and each row that is not finite (a hidden bad key reached it).
     """
 
     call: AttentionCall
@@ -138,7 +153,7 @@ class Guard:
     ]
     bad: _Bad | None = None
     has_key: Tensor | None = None  # "keys": which rows have a key, broadcastable to (*batch, T)
-    keep: Tensor | None = None  # "keys_in_place": the visible keys, bool (*mbatch, S)
+    keep: Tensor | None = None  # "keys", "keys_in_place": the visible keys, bool (*mbatch, S?)
     spans: tuple[Tensor, Tensor] | None = None  # "ranges_in_place": each row's keys [lo, hi)
 
     def holds(self, result: Result) -> bool:
