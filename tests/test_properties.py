@@ -675,6 +675,79 @@ def test_masked_keys_have_no_effect_without_gradient(backend, case, data):
     )
 
 
+def _plain_rows_finite(case: Case, inp: dict, allowed: torch.Tensor) -> torch.Tensor:
+    """Whether the plain math's row is finite, in float64, for inputs whose keys may hold a
+    NaN/inf (values finite): no score the row sees is NaN or ``+inf`` and not every one is
+    ``-inf``; a row that sees no key is 0 (finite). The scores are elementwise products summed
+    (a BLAS may skip a zero times an inf).
+
+    Shape:
+        allowed ``(B, H, T, S)`` -> ``(B, H, T)`` bool.
+    """
+    q, k = inp["q"].detach().double(), inp["k"].detach().double()
+    k = k.repeat_interleave(case.H // case.G, dim=1)  # (B, H, S, D)
+    scale = 1 / math.sqrt(case.D) if case.scale is None else case.scale
+    scores = (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) * scale  # (B, H, T, S)
+    bad = (torch.isnan(scores) | (scores == math.inf)) & allowed
+    all_neg = ((scores == -math.inf) | ~allowed).all(-1) & allowed.any(-1)
+    return ~(bad.any(-1) | all_neg)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", "tiled", "auto"])
+@budget(10)
+@given(case=cases(layouts=COPYING_FREE_LAYOUTS), data=st.data())
+def test_visible_bad_keys_give_nan_where_the_plain_math_does(backend, case, data):
+    """A key some row may attend holds NaN/inf in one entry of k (one key, or every key of a
+    head): each row whose plain math is not finite (a NaN or ``+inf`` score it sees, or every
+    score it sees ``-inf``) is NaN, in inference and with a gradient; torch's CPU kernel gives
+    0 or, in half dtypes, finite values there (tests/test_nonfinite_plain_math.py). Rows that
+    see no bad key are the clean call's. (No score_mod: a softcap makes a ``+inf`` score
+    finite, where the routes that flag bad keys give NaN, the cheaper rule.)"""
+    assume(case.score_mod is None)
+    allowed = case.golden_allowed()  # (B, H, T, S)
+    seen = _kv_view(allowed, case.G).any(2).any(2)  # (B, G, S): keys some row sees
+    assume(bool(seen.any()))
+    poison = data.draw(st.sampled_from([math.nan, math.inf, -math.inf]), label="poison")
+    b, g, j = data.draw(st.sampled_from(seen.nonzero().tolist()), label="key")
+    every = data.draw(st.booleans(), label="every key of the head")
+    e = data.draw(st.integers(0, case.D - 1), label="entry")
+    inp = case.inputs()
+    gold_out, _ = golden_run(case, inp)  # on the clean inputs
+    base_out = run_qkv(case, inp, "reference")
+    k = inp["k"].detach()  # shares the leaf's storage
+    keys = torch.zeros(case.S, dtype=torch.bool)
+    keys[seen[b, g] if every else j] = True
+    k[b, g, keys, e] = poison
+    finite = _plain_rows_finite(case, inp, allowed)  # (B, H, T)
+    sees_bad = torch.zeros(case.B, case.G, case.H // case.G, case.T, dtype=torch.bool)
+    sees_bad[b, g] = _kv_view(allowed, case.G)[b, g][..., keys].any(-1)
+    sees_bad = sees_bad.reshape(case.B, case.H, case.T)
+    where = f"backend={backend} poison={poison} key={(b, g, j)} every={every} entry={e}"
+    with torch.no_grad():
+        inference = run_qkv(case, inp, backend)
+    if inference is None:
+        return
+    trained = run_qkv(case, inp, backend)
+    for name, out in (("inference", inference), ("with a gradient", trained.detach())):
+        nan = torch.isnan(out).all(-1)  # (B, H, T)
+        missed = ~finite & ~nan
+        assert not missed.any(), (
+            f"{where}: {name}: rows {missed.nonzero().tolist()[:4]} are not NaN where the "
+            "plain math is not finite"
+        )
+        assert not (nan & ~sees_bad).any(), f"{where}: {name}: NaN on a row that sees no bad key"
+        rows = ~sees_bad
+        check(
+            f"{name}: rows that see no bad key",
+            out[rows],
+            gold_out[rows],
+            base_out[rows],
+            OUTPUT_FACTOR,
+            where,
+            flash_floor(case, backend),
+        )
+
+
 @st.composite
 def decodings(draw):
     """A ``MultiHeadAttention`` and a sequence it decodes: sizes, dtype, bias, key/value
