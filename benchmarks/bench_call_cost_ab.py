@@ -8,7 +8,8 @@ imported beside the tree's own: ``git archive REV src/qkv`` unpacked as a packag
 new version in turn (the order rotating by round). Ratios are medians over rounds of each
 version's time over torch's in the same round.
 
-Cases: ``short`` (T=1, S=128, B=1, H=8, D=64: plain, causal, a bool key mask (B, 1, 1, S)),
+Cases: ``short`` (T=1, S=128, B=1, H=8, D=64: plain, causal, a bool key mask (B, 1, 1, S);
+``short-bf16`` the same in bfloat16),
 ``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
 against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gqa`` (the same
 with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``long`` (T=1024:
@@ -80,10 +81,11 @@ def compare(name: str, fns: dict, rounds: int, n: int) -> None:
     print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
-def short_cases(base, rounds: int) -> None:
+def short_cases(base, rounds: int, dtype: torch.dtype = torch.float32) -> None:
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H, 1, D, generator=g)
-    k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(2))
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(2))
+    name = "" if dtype == torch.float32 else f", {str(dtype).removeprefix('torch.')}"
     keep = torch.ones(B, 1, 1, S, dtype=torch.bool)
     keep[..., -7:] = False
     for case, kw in (
@@ -96,7 +98,7 @@ def short_cases(base, rounds: int) -> None:
             "before": lambda kw=kw: base.scaled_dot_product_attention(q, k, v, **kw),
             "after": lambda kw=kw: qkv.scaled_dot_product_attention(q, k, v, **kw),
         }
-        compare(f"T=1, S=128, {case}", fns, rounds, 200)
+        compare(f"T=1, S=128, {case}{name}", fns, rounds, 200)
 
 
 def step_case(base, rounds: int, G: int = H) -> None:
@@ -185,6 +187,7 @@ def main(argv=None) -> int:
         for case in args.cases:
             cases = {
                 "short": short_cases,
+                "short-bf16": lambda base, rounds: short_cases(base, rounds, torch.bfloat16),
                 "step": step_case,
                 "step-gqa": lambda base, rounds: step_case(base, rounds, G=2),
                 "long": long_cases,

@@ -20,6 +20,10 @@ selections (``indices=``, ``block_indices=``) in and out of range; in-place writ
 mask tensor Hugging Face models are handed. (Every ready-made score_mod under compile, on
 every backend that claims it: tests/test_compile.py.)
 
+Issue 38 added keys a row may attend that hold NaN/inf: each row whose float64 plain math
+is not finite is NaN (``test_visible_bad_keys_give_nan_where_the_plain_math_does``; the one
+test whose golden has NaN).
+
 ``tiled-small`` is the tiled backend with tiny blocks and chunks (patched for the test), so
 that calls of T, S <= 40 cross tile and block boundaries, skip blocks and merge chunks by
 their log-sum-exps, as long sequences do with the real sizes.

@@ -118,14 +118,26 @@ def run(
     Shape:
         output ``(*batch, T, Dv)``.
     """
+    return run_with_lse(call, backend)[0]
+
+
+def run_with_lse(
+    call: AttentionCall, backend: str | Plan = "auto"
+) -> tuple[Tensor | tuple[Tensor, AttentionTrace], Tensor | None]:
+    """:func:`run`, and the log-sum-exp ``(*batch, T)`` of each row that torch's kernel gave
+    with the output (None from other backends): the NaN/inf contract's check reads it
+    (``nonfinite.Guard.restore``)."""
     plan = backend if isinstance(backend, Plan) else choose(call, backend)
     if plan.backend is None:
         out, probs, lse = attention_with_weights(call, lazy_lse=True)
-        return out, lazy_trace.trace_of_weights(call, probs, lse)
+        return (out, lazy_trace.trace_of_weights(call, probs, lse)), None
     result = plan.backend.run(call)
+    kernel_lse = result.lse if type(plan.backend) is TorchBackend else None
+    if not isinstance(kernel_lse, Tensor):
+        kernel_lse = None  # (a lazy one: not a kernel's)
     if not call.return_trace:
-        return result.out
-    return result.out, _trace_of_result(call, result, plan.backend.name)
+        return result.out, kernel_lse
+    return (result.out, _trace_of_result(call, result, plan.backend.name)), kernel_lse
 
 
 def keeps_nonfinite_contract(call: AttentionCall, backend: str = "auto") -> bool:

@@ -15,10 +15,10 @@ from torch.nn.functional import scaled_dot_product_attention as _F_sdpa
 
 from . import dispatch, recording
 from .autotune import bucket
-from .ops import AttentionCall, TorchBackend, nonfinite, nonfinite_rows
+from .ops import AttentionCall, TorchBackend, nonfinite, nonfinite_rows, torch_sdpa
 from .ops import deformable as _deformable
 from .ops import linear as _linear
-from .ops._aten import sdpa
+from .ops._aten import flash_forward, sdpa
 from .ops.base import tracing
 from .ops.deformable.inputs import as_spatial_shapes
 from .trace import AttentionTrace, DeformableTrace
@@ -170,13 +170,13 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
     )
     plan = dispatch.choose(call, backend)  # plan: the backend, and how a trace is made
     guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract)  # bad inputs zeroed
-    result = dispatch.run(guard.call, plan)  # kernel: out (*batch, T, Dv), or (out, trace)
+    result, lse = dispatch.run_with_lse(guard.call, plan)  # out (*batch, T, Dv), or (out, trace)
     if not guard.holds(result):  # an optimistic run met NaN/inf: the full way
         guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract, optimistic=False)
-        result = dispatch.run(guard.call, plan)
+        result, lse = dispatch.run_with_lse(guard.call, plan)
     if lane is not None:
         _keep_lane(_kind(lane), call, plan, guard)
-    return guard.restore(result)  # contract: NaN rows, overflowing scores refused
+    return guard.restore(result, lse)  # contract: NaN rows, overflowing scores refused
 
 
 # --- the lane: a decoding step's call, its steps kept --------------------------------------
@@ -207,6 +207,7 @@ class _Lane:
         "gqa",
         "group",
         "keys",
+        "lse",
         "narrow",
         "ok",
         "scale",
@@ -215,9 +216,22 @@ class _Lane:
     )
 
     def __init__(
-        self, state, ok=False, scale=0.0, causal=False, gqa=False, narrow=False, D=0, group=1
+        self,
+        state,
+        ok=False,
+        scale=0.0,
+        causal=False,
+        gqa=False,
+        narrow=False,
+        D=0,
+        group=1,
+        lse=False,
     ):
         self.state, self.ok, self.scale = state, ok, scale
+        # half dtypes without GQA: torch's flash kernel called for its log-sum-exp too, which
+        # tells the check the rows it got wrong (a +inf score: a finite row in bf16/fp16)
+        # without a scan of the keys (see nonfinite_rows.RowsCheck)
+        self.lse = lse
         self.causal, self.gqa, self.narrow = causal, gqa, narrow
         self.group = group  # query heads per key head (the kind's shapes fix it)
         # torch's own default scale (the same double) is passed as None: a scale given costs
@@ -227,7 +241,8 @@ class _Lane:
         self.keys = nonfinite_rows.KeymaskRows()
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
-        """torch's kernel, as the steps above call it (``ops/_aten.sdpa``).
+        """torch's kernel, as the steps above call it (``ops/_aten.sdpa``); its log-sum-exp
+        is :meth:`attend_lse`'s.
 
         Shape:
             query ``(*batch, T, D)``, key ``(*kbatch, S, D)``, value ``(*kbatch, S, Dv)``,
@@ -247,6 +262,26 @@ class _Lane:
         return _F_sdpa(
             query, key, value, mask, 0.0, self.causal, scale=self.scale_arg, enable_gqa=self.gqa
         )
+
+    def attend_lse(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """torch's CPU flash kernel without a mask, the one ``torch.nn.functional``'s call
+        takes here, called for its log-sum-exp too (a lane with ``lse``: 4-dim half inputs, one
+        key head per query head).
+
+        Shape:
+            query ``(B, H, T, D)``, key ``(B, H, S, D)``, value ``(B, H, S, Dv)`` ->
+            ``(B, H, T, Dv)``, ``(B, H, T)`` float32.
+        """
+        fast = _flash_cpu
+        if (
+            fast is not None
+            and self.scale > 0
+            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
+        ):
+            # (what flash_forward's checks come to for a lane's call: its kind has a key and a
+            # row, and a positive scale needs no folding; torch's own scale passed as None)
+            return fast(query, key, value, is_causal=self.causal, scale=self.scale_arg)
+        return flash_forward(query, key, value, scale=self.scale, is_causal=self.causal)
 
 
 _LANES: dict[tuple, _Lane] = {}  # by kind, and by exact kind (two tuples of other lengths)
@@ -350,8 +385,11 @@ def _run_lane(
     if lane.narrow:  # top-left causal, T < S: keys T.. reach no row
         T = query.shape[-2]
         key, value = key.narrow(-2, 0, T), value.narrow(-2, 0, T)  # (*kbatch, T, D|Dv)
-    out = lane.attend(query, key, value, None)  # (*batch, T, Dv)
-    if lane.check(out, query, (query, key, value), lane.scale, lane.group, exact):
+    if lane.lse:
+        out, lse = lane.attend_lse(query, key, value)  # (B, H, T, Dv), (B, H, T)
+    else:
+        out, lse = lane.attend(query, key, value, None), None  # (*batch, T, Dv)
+    if lane.check(out, query, (query, key, value), lane.scale, lane.group, exact, lse):
         return out
     if nonfinite_rows.available():  # the check cannot take this layout: the steps above from
         lane.ok = False  # now on, for every exact kind of its kind (without the library:
@@ -393,7 +431,13 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
         and not nonfinite.scale_may_overflow(call)
     )
     group = call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
-    lane = _Lane(state, ok, call.scale, call.is_causal, call.enable_gqa, narrow, call.D, group)
+    lse = (  # (the usual way's own choice; a kind with a row, see attend_lse)
+        call.attn_mask is None
+        and torch_sdpa._with_lse(call)
+        and call.query.numel() > 0
+        and _flash_cpu is not None
+    )
+    lane = _Lane(state, ok, call.scale, call.is_causal, call.enable_gqa, narrow, call.D, group, lse)
     _keep(kind, lane)
 
 
@@ -480,8 +524,11 @@ class KeptLane:
             or lane.state != dispatch.kept_plans_state()
         ):
             return None
-        out = lane.attend(query, key, value, None)  # (*batch, T, Dv)
-        if lane.check(out, query, (query, key, value), lane.scale, lane.group):
+        if lane.lse:
+            out, lse = lane.attend_lse(query, key, value)  # (B, H, T, Dv), (B, H, T)
+        else:
+            out, lse = lane.attend(query, key, value, None), None  # (*batch, T, Dv)
+        if lane.check(out, query, (query, key, value), lane.scale, lane.group, lse=lse):
             return out
         if nonfinite_rows.available():  # (as in ``_run_lane``)
             lane.ok = False
@@ -489,6 +536,9 @@ class KeptLane:
 
 
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # (a private name)
+# torch's CPU flash kernel as a bound function (its op's packet costs more to call); lanes with
+# ``lse`` exist only where ``flash_cpu_available`` (the same kernel)
+_flash_cpu = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _autocast_dtype(query) -> torch.dtype | None:

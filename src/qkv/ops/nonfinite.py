@@ -175,21 +175,26 @@ class Guard:
             return True
         return _all_finite(_output(result), self.call.query, self.call.key)
 
-    def restore(self, result: Result) -> Result:
+    def restore(self, result: Result, lse: Tensor | None = None) -> Result:
         """The kernel's result under the contract: NaN on every row that may attend to a bad
         key, and on every bad query row that may attend to some key; a ValueError when finite
         inputs gave a non-finite output because the scaled scores overflow (scales that can
         overflow only).
 
+        ``lse``: the log-sum-exp of each row that torch's kernel gave with the output, where
+        it did (``dispatch.run_with_lse``): the fused pass then computes again the rows whose
+        lse is not finite instead of scanning a half dtype's keys (``nonfinite_rows``).
+
         Shape:
-            output ``(*batch, T, Dv)`` -> the same.
+            output ``(*batch, T, Dv)``, lse ``(*batch, T)`` -> the same.
         """
         if self.check == "output":
             out, call = _output(result), self.call
             # one fused pass where the CPU takes it (nonfinite_rows: no read); else tensor ops
             # (a sum read would not tell: a kernel's row of NaN scores is 0, see _key_hits)
             inputs = (call.query, call.key, call.value)
-            if not nonfinite_rows.check_rows(out, call.query, inputs, call.scale, _group(call)):
+            group = _group(call)
+            if not nonfinite_rows.check_rows(out, call.query, inputs, call.scale, group, lse):
                 result = _with_output(result, _restore_output(call, out))
         elif self.check == "keys":
             assert self.has_key is not None and self.keep is not None

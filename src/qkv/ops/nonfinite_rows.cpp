@@ -387,7 +387,20 @@ struct Recompute {
   const uint8_t* keep;
   int64_t mb, mh;
   int64_t S;
+  const float* lse;  // the kernel's log-sum-exp per row (null: none), strides ls
+  Strides ls;
 };
+
+// Whether a row of [first, last) has a log-sum-exp that is not finite: torch's CPU flash kernel's
+// for a row that met a NaN or +inf score (where in bfloat16 and float16 its output row may be
+// finite), so the row is computed again without a scan of the keys.
+inline bool any_lse_bad(const Recompute& rc, const Rows& n, int64_t first, int64_t last) {
+  const float* l = rc.lse + offset(first, n, rc.ls);
+  for (int64_t i = 0; i < last - first; ++i) {
+    if (!std::isfinite(l[i * rc.ls.s2])) return true;
+  }
+  return false;
+}
 
 // Each row of out: 0 where has_key is given and 0 there, or where the row's key range is empty;
 // else NaN where flags[r] != 0, or its key range holds a bad key, or a row of q holds a non-finite
@@ -398,7 +411,8 @@ struct Recompute {
 // the row is not finite (a hidden bad key reached it, as a NaN); without (every row sees every key,
 // or rc.keep's), where the row is not finite or is all zero (a kernel gives 0 to a row whose scores
 // are all NaN or -inf, where the plain math gives NaN; a row 0 by its values comes out 0 again), and
-// in bfloat16 and float16 every row of a head whose keys hold a NaN/inf (KeyScan).
+// where the kernel's log-sum-exp rc.lse is given, each row whose lse is not finite; without it, in
+// bfloat16 and float16 every row of a head whose keys hold a NaN/inf (KeyScan).
 // The keys and the values row (b, h) reads in rows computed again.
 template <typename B>
 inline const typename B::word* k_of(const Recompute& rc, int64_t b, int64_t h) {
@@ -455,7 +469,8 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
     KeyScan<B> scan;  // (zeros: half dtypes)
     runs(n, begin, end, [&](int64_t first, int64_t last) {
       const int64_t i01 = first / n.n2, b0 = i01 / n.n1, h0 = i01 % n.n1;
-      const bool head_bad = zeros && scan(rc, D, b0, h0);
+      const bool head_bad = zeros && rc.lse == nullptr && scan(rc, D, b0, h0);
+      const float* lse = zeros && rc.lse != nullptr ? rc.lse + offset(first, n, rc.ls) : nullptr;
       if (kr.keys != nullptr) {  // a run shares its (b, h): the counts of its bad keys, once
         const int64_t i01 = first / n.n2;
         const float* k = kr.keys + (i01 / n.n1) * kr.k0 + (i01 % n.n1) * kr.k1;
@@ -469,7 +484,7 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
         const bool bad = (read_out && !out_clean && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
                          (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last)) ||
                          (zeros && any_zero<B>(out, n, o, Dv, first, last));
-        if (!bad && !head_bad) return;
+        if (!bad && !head_bad && (lse == nullptr || !any_lse_bad(rc, n, first, last))) return;
       }
       W* y = out + offset(first, n, o);
       const W* x = q == nullptr ? nullptr : q + offset(first, n, qs);
@@ -496,7 +511,9 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
           std::memset(y, 0, Dv * sizeof(W));
           continue;
         }
-        if (zeros && (head_bad || nonfinite<B>(y, Dv) || zero<B>(y, Dv)) &&
+        if (zeros &&
+            (head_bad || (lse != nullptr && !std::isfinite(lse[i * rc.ls.s2])) ||
+             nonfinite<B>(y, Dv) || zero<B>(y, Dv)) &&
             !nonfinite<B>(x + i * qs.s2, D)) {
           const uint8_t* keep = rc.keep == nullptr ? nullptr : rc.keep + b0 * rc.mb + h0 * rc.mh;
           attend_row<B>(x + i * qs.s2, D, k_of<B>(rc, b0, h0), rc.ks, v_of<B>(rc, b0, h0), rc.vs, Dv,
@@ -532,7 +549,7 @@ void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const v
   const W* k = static_cast<const W*>(k_);
   const W* v = static_cast<const W*>(v_);
   const int64_t grain = 1 + (1 << 15) / (Dv + D + S > 0 ? Dv + D + S : 1);
-  const Recompute rc{k, kb, kh, ks, v, vb, vh, vs, group, scale, keep, mb, mh, S};
+  const Recompute rc{k, kb, kh, ks, v, vb, vh, vs, group, scale, keep, mb, mh, S, nullptr, {}};
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     RowScratch scratch;
     KeyScan<B> scan;  // (half dtypes: see restore)
@@ -591,7 +608,9 @@ extern "C" {
 //            a[35] k (0: no row computed again), a[36..38] its strides (b, kv head, key),
 //            a[39] v, a[40..42] its strides, a[43] group (H / G), a[44] scale (a double's bits),
 //            a[45] keep (uint8, 0: every key; without key ranges), a[46..47] its strides (b, h),
-//            a[48] S (the keys of a row computed again without key ranges)
+//            a[48] S (the keys of a row computed again without key ranges), a[49] lse (float32,
+//            0 for none: rows without key ranges whose lse is not finite are computed again, and
+//            no key is scanned), a[50..52] its strides over the rows
 //   copy with a[9] dst = 0: the flags alone (a pass that reads src only)
 // Returns 0, or 1 for an unknown dtype.
 int qkv_rows_copy(const int64_t* a) {
@@ -620,7 +639,9 @@ int qkv_rows_restore(const int64_t* a) {
                          Recompute{reinterpret_cast<const void*>(a[35]), a[36], a[37], a[38],
                                    reinterpret_cast<const void*>(a[39]), a[40], a[41], a[42],
                                    a[43], bits_as<double>(a[44]),
-                                   reinterpret_cast<const uint8_t*>(a[45]), a[46], a[47], a[48]});
+                                   reinterpret_cast<const uint8_t*>(a[45]), a[46], a[47], a[48],
+                                   reinterpret_cast<const float*>(a[49]),
+                                   Strides{a[50], a[51], a[52]}});
   });
 }
 

@@ -55,11 +55,11 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16:
 # the arguments of each function as one array of int64 (layouts in the source): ctypes takes
 # one argument in a third of the time of twenty, and a call here costs what an op does
 _COPY_ARGS = struct.Struct("16q")
-_RESTORE_ARGS = struct.Struct("49q")
+_RESTORE_ARGS = struct.Struct("53q")
 _KEYMASK_ARGS = struct.Struct("28q")
 _DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
 _NO_RANGES = (0,) * 12  # restore's arguments of key ranges, without
-_NO_RECOMPUTE = (0,) * 14  # restore's last arguments: no row computed again
+_NO_RECOMPUTE = (0,) * 18  # restore's last arguments: no row computed again
 _log = logging.getLogger(__name__)
 
 
@@ -434,14 +434,21 @@ def _keymask_args(
 
 
 def check_rows(
-    out: Tensor, query: Tensor, inputs: tuple[Tensor, ...], scale: float, group: int
+    out: Tensor,
+    query: Tensor,
+    inputs: tuple[Tensor, ...],
+    scale: float,
+    group: int,
+    lse: Tensor | None = None,
 ) -> bool:
     """``restore_rows(out, query=query, check_out=True, recompute=(key, value, scale, group))``
     with ``inputs`` = ``(query, key, value)``, where this module takes them and ``out`` is the
     kernel's own, and whether it ran (False: nothing done, the caller's tensor ops keep the
     contract). The check of a call whose rows see every key, which runs on every decoding
     step: each test is made once, on attributes read once. The keys are read only for the rows
-    computed again (not finite, or all zero), never to check the others.
+    computed again (not finite, or all zero), never to check the others; in a half dtype
+    they are scanned for a NaN/inf unless the kernel's log-sum-exp ``lse`` ``(*batch, T)`` is
+    given (see :class:`RowsCheck`).
 
     ``out`` is the kernel's own when no gradient needs it, no dim of it is broadcast (a row
     written through two indices), and its memory is its own, or all of a buffer it is a
@@ -451,7 +458,7 @@ def check_rows(
         out ``(*batch, T, Dv)``; query ``(*qbatch, T, D)``; key, value ``(*kbatch, S, D|Dv)``
         -> out.
     """
-    args = _check_args(out, query, inputs, scale, group)
+    args = _check_args(out, query, inputs, scale, group, lse)
     lib = _build()[0]
     if args is None or lib is None or not _own_memory(out, inputs):
         return False
@@ -481,24 +488,32 @@ class RowsCheck(_Packed):
         scale: float,
         group: int,
         kind: tuple | None = None,
+        lse: Tensor | None = None,
     ) -> bool:
         """``inputs``: ``(query, key, value)``. ``kind``: a key that fixes the tensors' shapes
         but for the key count, ``scale`` and ``group`` (the caller's kind of call), read in
-        their place."""
+        their place. ``lse``: the kernel's log-sum-exp ``(*batch, T)`` float32, where it gave
+        one: the rows whose lse is not finite are computed again, and the keys of a half
+        dtype are not scanned for a NaN/inf (see ``nonfinite_rows.cpp``)."""
         lib = _build()[0]  # (asked each call: a test hides the library)
         key, value = inputs[1], inputs[2]
         if kind is None:
             kind = (out.shape, query.shape, key.shape[:-2], value.shape[:-2], scale, group)
-        layout = (kind, out.stride(), query.stride(), key.stride(), value.stride(), lib)
+        strides = (out.stride(), query.stride(), key.stride(), value.stride())
+        layout = (kind, strides, None if lse is None else lse.stride(), lib)
         if layout != self._layout:  # (a known layout asks nothing more: no call, no closure)
             pack = lambda: (  # noqa: E731
-                _check_args(out, query, inputs, scale, group) if _own_memory(out, inputs) else None
+                _check_args(out, query, inputs, scale, group, lse)
+                if _own_memory(out, inputs)
+                else None
             )
             if not self._ready(layout, pack, "qkv_rows_restore"):
                 return False
         args = self._args
         args[4], args[10] = out.data_ptr(), query.data_ptr()
         args[35], args[39], args[48] = key.data_ptr(), value.data_ptr(), key.shape[-2]
+        if lse is not None:
+            args[49] = lse.data_ptr()
         failed = self._fn(args)
         assert not failed
         return True
@@ -506,7 +521,8 @@ class RowsCheck(_Packed):
 
 def _recompute_args(key: Tensor, value: Tensor, scale: float, group: int) -> tuple[int, ...]:
     """``qkv_rows_restore``'s arguments of the rows computed again: k and v, their strides
-    (b, kv head, key), ``group``, ``scale``, no keep (every key) and the key count."""
+    (b, kv head, key), ``group``, ``scale``, no keep (every key), the key count and no
+    log-sum-exp."""
     kb, kh, _ = _aligned(key.shape[:-1], key.stride()[:-1])
     vb, vh, _ = _aligned(value.shape[:-1], value.stride()[:-1])
     scale_bits = _DOUBLE_BITS.unpack(_DOUBLE.pack(scale))[0]
@@ -517,11 +533,20 @@ def _recompute_args(key: Tensor, value: Tensor, scale: float, group: int) -> tup
         0,
         0,
         key.shape[-2],
+        0,
+        0,
+        0,
+        0,
     )
 
 
 def _check_args(
-    out: Tensor, query: Tensor, inputs: tuple[Tensor, ...], scale: float, group: int
+    out: Tensor,
+    query: Tensor,
+    inputs: tuple[Tensor, ...],
+    scale: float,
+    group: int,
+    lse: Tensor | None = None,
 ) -> list | None:
     """The arguments of ``qkv_rows_restore`` for :func:`check_rows`, or None where this module
     does not take ``out``, ``query`` and the key and value of ``inputs`` (see there):
@@ -546,6 +571,11 @@ def _check_args(
     if _build()[0] is None:
         return None
     lead, qlead = shape[:-1], qshape[:-1]
+    rows: tuple[int, ...] = (0, 0, 0, 0)
+    if lse is not None:
+        if lse.dtype != torch.float32 or not lse.is_cpu or tuple(lse.shape) != tuple(lead):
+            return None
+        rows = (lse.data_ptr(), *_aligned(lead, lse.stride()))
     return [
         code,
         *_rows(lead),
@@ -558,7 +588,8 @@ def _check_args(
         qshape[-1],
         *(0,) * 8,
         *_NO_RANGES,
-        *_recompute_args(key, value, scale, group),  # [35] k, [39] v, [48] S
+        *_recompute_args(key, value, scale, group)[:-4],  # [35] k, [39] v, [48] S
+        *rows,  # [49] lse
     ]
 
 

@@ -92,6 +92,9 @@ class TorchBackend:
             and q.is_cpu
             and call.work_dtype == call.dtype
         ):
+            if _with_lse(call):  # the same kernel F.sdpa takes, and the lse it drops
+                fast = flash_forward(q, k, v, scale=call.scale, is_causal=call.is_causal)
+                return BackendResult(out=fast[0], lse=fast[1])
             out = sdpa(
                 q,
                 k,
@@ -176,6 +179,22 @@ def _kernel_order(call: AttentionCall, mask: Tensor | None) -> contextlib.Abstra
         SDPBackend.MATH,
     ]
     return sdpa_kernel(order, set_priority=True)
+
+
+def _with_lse(call: AttentionCall) -> bool:
+    """Whether a common call (no mask, no trace) runs torch's CPU flash kernel for its
+    log-sum-exp too: half dtypes, whose output rows the kernel may get wrong without a sign
+    there (a ``+inf`` score gives a finite row; the lse is not finite), in 4 dims with one
+    key head per query head and no broadcast batch, without dropout. The same kernel and bits
+    as ``torch.nn.functional``'s call, which takes it for these."""
+    q, k, v = call.query, call.key, call.value
+    return (
+        call.dtype in (torch.float16, torch.bfloat16)
+        and call.dropout_p == 0.0
+        and q.dim() == k.dim() == v.dim() == 4
+        and q.shape[:2] == k.shape[:2] == v.shape[:2]
+        and flash_cpu_available()
+    )
 
 
 def _is_bottom_right_causal(mask_mod) -> bool:
