@@ -9,7 +9,8 @@ new version in turn (the order rotating by round). Ratios are medians over round
 version's time over torch's in the same round.
 
 Cases: ``short`` (T=1, S=128, B=1, H=8, D=64: plain, causal, a bool key mask (B, 1, 1, S);
-``short-bf16`` the same in bfloat16),
+``short-bf16`` the same in bfloat16; ``long-cache`` one query over S=4096 keys, float32 and
+bfloat16),
 ``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
 against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gqa`` (the same
 with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``long`` (T=1024:
@@ -79,6 +80,21 @@ def compare(name: str, fns: dict, rounds: int, n: int) -> None:
         ratio = statistics.median(a / b for a, b in zip(times[k], times["torch"]))
         cells.append(f"{k} {statistics.median(times[k]) * 1e6:.1f} µs ({ratio:.2f}x)")
     print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+def long_cache_cases(base, rounds: int) -> None:
+    """One query over a cache of 4096 keys (B=1, H=8, D=64), float32 and bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = (torch.randn(B, H, 4096, D, generator=g) for _ in range(2))
+    for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        t = tuple(x.to(dtype) for x in (q, k, v))
+        fns = {
+            "torch": lambda t=t: F.scaled_dot_product_attention(*t),
+            "before": lambda t=t: base.scaled_dot_product_attention(*t),
+            "after": lambda t=t: qkv.scaled_dot_product_attention(*t),
+        }
+        compare(f"T=1, S=4096, plain, {dname}", fns, rounds, 20)
 
 
 def short_cases(base, rounds: int, dtype: torch.dtype = torch.float32) -> None:
@@ -188,6 +204,7 @@ def main(argv=None) -> int:
             cases = {
                 "short": short_cases,
                 "short-bf16": lambda base, rounds: short_cases(base, rounds, torch.bfloat16),
+                "long-cache": long_cache_cases,
                 "step": step_case,
                 "step-gqa": lambda base, rounds: step_case(base, rounds, G=2),
                 "long": long_cases,

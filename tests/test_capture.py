@@ -257,9 +257,11 @@ def test_decode_steps_keep_the_rows_they_have():
 
 def test_unwanted_layers_run_without_a_trace(monkeypatch):
     seen = []
-    run = qkv.dispatch.run
+    run = qkv.dispatch.run_with_lse
     monkeypatch.setattr(
-        qkv.dispatch, "run", lambda call, b: seen.append(call.return_trace) or run(call, b)
+        qkv.dispatch,
+        "run_with_lse",
+        lambda call, b: seen.append(call.return_trace) or run(call, b),
     )
     model = lm("tiled")
     x = torch.randint(0, 23, (1, 8))

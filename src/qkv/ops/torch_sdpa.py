@@ -185,16 +185,26 @@ def _with_lse(call: AttentionCall) -> bool:
     """Whether a common call (no mask, no trace) runs torch's CPU flash kernel for its
     log-sum-exp too: half dtypes, whose output rows the kernel may get wrong without a sign
     there (a ``+inf`` score gives a finite row; the lse is not finite), in 4 dims with one
-    key head per query head and no broadcast batch, without dropout. The same kernel and bits
-    as ``torch.nn.functional``'s call, which takes it for these."""
+    key head per query head and no broadcast batch, a key and a row, without dropout or a
+    gradient; and where ``torch.nn.functional``'s call takes that kernel
+    (``torch._fused_sdp_choice``), so the bits are its."""
     q, k, v = call.query, call.key, call.value
-    return (
-        call.dtype in (torch.float16, torch.bfloat16)
-        and call.dropout_p == 0.0
-        and q.dim() == k.dim() == v.dim() == 4
-        and q.shape[:2] == k.shape[:2] == v.shape[:2]
-        and flash_cpu_available()
-    )
+    if (
+        call.dtype not in (torch.float16, torch.bfloat16)
+        or call.dropout_p != 0.0
+        or not q.dim() == k.dim() == v.dim() == 4
+        or not q.shape[:2] == k.shape[:2] == v.shape[:2]
+        or q.numel() == 0
+        or k.shape[-2] == 0
+        or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+        or not flash_cpu_available()
+    ):
+        return False
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, call.is_causal, scale=call.scale)
+    return choice == _FLASH
+
+
+_FLASH = torch.nn.attention.SDPBackend.FLASH_ATTENTION.value  # (the choice, as an int)
 
 
 def _is_bottom_right_causal(mask_mod) -> bool:
