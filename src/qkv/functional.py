@@ -263,25 +263,25 @@ class _Lane:
             query, key, value, mask, 0.0, self.causal, scale=self.scale_arg, enable_gqa=self.gqa
         )
 
-    def attend_lse(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    def attend_lse(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor | None]:
         """torch's CPU flash kernel without a mask, the one ``torch.nn.functional``'s call
-        takes here, called for its log-sum-exp too (a lane with ``lse``: 4-dim half inputs, one
-        key head per query head).
+        takes here, called for its log-sum-exp too (a lane with ``lse``: 4-dim half inputs,
+        one key head per query head, see ``torch_sdpa._with_lse``); a call whose last dims
+        have a step is :meth:`attend`'s, with no lse (torch's call takes its math kernel for
+        those, as the usual way does).
 
         Shape:
             query ``(B, H, T, D)``, key ``(B, H, S, D)``, value ``(B, H, S, Dv)`` ->
             ``(B, H, T, Dv)``, ``(B, H, T)`` float32.
         """
         fast = _flash_cpu
-        if (
-            fast is not None
-            and self.scale > 0
-            and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1
-        ):
-            # (what flash_forward's checks come to for a lane's call: its kind has a key and a
-            # row, and a positive scale needs no folding; torch's own scale passed as None)
-            return fast(query, key, value, is_causal=self.causal, scale=self.scale_arg)
-        return flash_forward(query, key, value, scale=self.scale, is_causal=self.causal)
+        if fast is None or not query.stride(-1) == key.stride(-1) == value.stride(-1) == 1:
+            return self.attend(query, key, value, None), None
+        if self.scale <= 0:
+            return flash_forward(query, key, value, scale=self.scale, is_causal=self.causal)
+        # (flash_forward's checks come to this for a lane's call: its kind has a key and a
+        # row, and a positive scale needs no folding; torch's own scale passed as None)
+        return fast(query, key, value, is_causal=self.causal, scale=self.scale_arg)
 
 
 _LANES: dict[tuple, _Lane] = {}  # by kind, and by exact kind (two tuples of other lengths)

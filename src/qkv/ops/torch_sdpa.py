@@ -198,6 +198,7 @@ def _with_lse(call: AttentionCall) -> bool:
         or k.shape[-2] == 0
         or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
         or not flash_cpu_available()
+        or tracing()  # (eager only: the guard reads the lse eagerly; the choice is no tensor)
     ):
         return False
     choice = torch._fused_sdp_choice(q, k, v, None, 0.0, call.is_causal, scale=call.scale)
