@@ -28,6 +28,7 @@ import torch
 from routes import force_host_reads, force_native_rows
 
 import qkv
+from qkv.ops import torch_sdpa
 
 H, D = 2, 8
 TOL = {
@@ -158,19 +159,26 @@ def test_a_row_the_plain_math_makes_nan_is_nan_and_a_finite_one_is_the_maths(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("S", [1, 5, 16, 40, 300])
-def test_a_decoding_step_over_a_cache_of_bad_keys_is_the_plain_maths(dtype, S):
+@pytest.mark.parametrize("way", ["lse", "scan", "gqa"])
+def test_a_decoding_step_over_a_cache_of_bad_keys_is_the_plain_maths(monkeypatch, way, dtype, S):
     """One query over S cached keys (the decoding step's lane, ``functional.KeptLane`` and the
     exact kinds' lanes both): a ``+inf`` key (bf16: torch's kernel gave finite rows), every
-    key ``-inf`` (0 for the math's NaN), and one ``-inf`` key among finite ones (finite)."""
+    key ``-inf`` (0 for the math's NaN), and one ``-inf`` key among finite ones (finite).
+    In bf16 the rows are found by the kernel's log-sum-exp (``lse``), or, without torch's
+    flash kernel at hand (``scan``) or with grouped key heads (``gqa``), by a scan of the
+    keys in the fused pass."""
+    if way == "scan":
+        monkeypatch.setattr(torch_sdpa, "flash_cpu_available", lambda: False)
+    G = 1 if way == "gqa" else H
     for bad in ("k+inf", "k-inf-all", "k-nan-all", "k-inf"):
         g = torch.Generator().manual_seed(1)
         q = (torch.rand(1, H, 1, D, generator=g, dtype=torch.float64) + 0.1).to(dtype)
-        k, v = torch.randn(2, 1, H, S, D, generator=g, dtype=torch.float64).to(dtype)
+        k, v = torch.randn(2, 1, G, S, D, generator=g, dtype=torch.float64).to(dtype)
         keys = slice(None) if bad.endswith("all") else slice(S - 1, S)
         k[0, 0, keys, 2] = {"k+inf": math.inf, "k-nan-all": math.nan}.get(bad, -math.inf)
         sees = torch.ones(1, S, dtype=torch.bool)
-        want = _plain(q, k, v, sees)
+        want = _plain(q, k.expand(1, H, S, D), v.expand(1, H, S, D), sees)
         for _ in range(3):  # the first call finds the lane, the next ones run it
             with torch.no_grad():
-                got = qkv.scaled_dot_product_attention(q, k, v)
+                got = qkv.scaled_dot_product_attention(q, k, v, enable_gqa=way == "gqa")
             _check(got, want, sees, torch.ones(S, dtype=torch.bool), dtype, exact=True)
