@@ -23,8 +23,9 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
   that leave every key to every row, as a decoding step's): nothing before the kernel (with
   no key hidden from a row, no bad key can reach a row it should not); after it, on the CPU
   the output's fused pass computes again, by the plain math, each row that is not finite or
-  is all zero (and in bfloat16 and float16 each row of a head whose keys hold a NaN/inf: a
-  pass over k); elsewhere one reduction each of q, k and the output sets NaN on the bad
+  is all zero, and in bfloat16 and float16 each row whose log-sum-exp from torch's kernel is
+  not finite (``dispatch.run_with_lse``), or without one each row of a head whose keys hold
+  a NaN/inf (a pass over k); elsewhere one reduction each of q, k and the output sets NaN on the bad
   query rows, the rows a bad key or value reached, and the rows :func:`_key_hits` finds.
   Why the keys matter though no key is hidden: a kernel's row is not always the plain
   math's. torch's CPU flash kernel (every dtype) and tiled's give 0 to a row whose scores
@@ -115,7 +116,8 @@ class Guard:
     * ``"none"``: nothing (a kernel that keeps the contract itself, or nothing to check);
     * ``"output"``: every row may attend every key and no gradient is wanted: the bad query
       rows become NaN, and the rows the kernel may have got wrong (not finite, all zero;
-      half dtypes: a bad key in the head) are computed again by the plain math in the fused
+      half dtypes: an lse that is not finite, or without one a bad key in the head) are
+      computed again by the plain math in the fused
       pass, or become NaN by :func:`_key_hits` in tensor ops;
     * ``"eager"``: ``bad`` holds the bad keys ``(B, H, S)`` and query rows ``(B, H, T)`` (all
       False when finite), and the rows that may attend a bad key become NaN;
