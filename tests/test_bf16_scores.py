@@ -671,3 +671,26 @@ def test_calls_past_the_kernels_key_bound_take_the_other_ways(monkeypatch):
     assert calls == []
     assert_tolerance(out, gold[0], base[0])
     assert_tolerance(traced, gold[0], base[0])
+
+
+@pytest.mark.parametrize("B", [2, 3])
+def test_per_batch_key_lengths_with_shared_document_ids(B):
+    """Key lengths per batch element combined with document ids shared by the batch: the
+    kernel's rows of mixed ids are per batch element while the ids are not (B = 2 raised
+    ``RuntimeError: The expanded size of the tensor (1) must match the existing size (2)``;
+    the long profile's test_visible_bad_keys_give_nan_where_the_plain_math_does found it).
+    Each row is the float64 math's within the tolerance policy; a row with no key is 0."""
+    g = torch.Generator().manual_seed(0)
+    T = S = 9
+    q, k, v = (torch.randn(B, 2, n, 8, generator=g).bfloat16() for n in (T, S, S))
+    lengths = torch.tensor([0, 5, 9][:B])
+    ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    mask = qkv.masks.key_lengths(lengths) & qkv.masks.document(ids)
+    with torch.no_grad():
+        got = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask, backend="tiled")
+        base = qkv.scaled_dot_product_attention(q, k, v, mask_mod=mask, backend="reference")
+        gold = qkv.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), mask_mod=mask, backend="reference"
+        )
+    assert (got[0] == 0).all()  # batch element 0 has no key
+    assert_tolerance(got, gold, base)

@@ -258,7 +258,10 @@ def attend_kernel(
     if ids is not None:
         q_ids, kv_ids = (i.to(torch.int64).contiguous() for i in ids[:2])  # (B?, T), (B?, S)
         if len(ids) == 3:  # rows whose range holds other ids: the others need no comparing
-            mixed = ids[2].to(torch.uint8).expand(q_ids.shape).contiguous()  # (B?, T)
+            flags = ids[2].to(torch.uint8)  # (B?, T)
+            if flags.dim() == 2 and flags.shape[0] > q_ids.shape[0]:  # (per-batch key ranges)
+                q_ids = q_ids.expand(flags.shape[0], T).contiguous()  # (B, T): one row stride
+            mixed = flags.expand(q_ids.shape).contiguous()  # (B?, T)
         if q_ids.dim() != 2 or kv_ids.dim() != 2 or q_ids.shape[1] != T or kv_ids.shape[1] != S:
             raise ValueError(
                 f"attend_kernel: want ids (B or 1, {T}) and (B or 1, {S}), got "
