@@ -9,8 +9,8 @@ new version in turn (the order rotating by round). Ratios are medians over round
 version's time over torch's in the same round.
 
 Cases: ``short`` (T=1, S=128, B=1, H=8, D=64: plain, causal, a bool key mask (B, 1, 1, S);
-``short-bf16`` the same in bfloat16; ``long-cache`` one query over S=4096 keys, float32 and
-bfloat16),
+``short-bf16`` the same in bfloat16; ``long-cache`` one query over S=4096 keys, plain and
+with a bool key mask, float32 and bfloat16),
 ``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
 against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gqa`` (the same
 with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``long`` (T=1024:
@@ -87,14 +87,17 @@ def long_cache_cases(base, rounds: int) -> None:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, H, 1, D, generator=g)
     k, v = (torch.randn(B, H, 4096, D, generator=g) for _ in range(2))
+    keep = torch.ones(B, 1, 1, 4096, dtype=torch.bool)  # a padded batch's step: 7 keys hidden
+    keep[..., -7:] = False
     for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
         t = tuple(x.to(dtype) for x in (q, k, v))
-        fns = {
-            "torch": lambda t=t: F.scaled_dot_product_attention(*t),
-            "before": lambda t=t: base.scaled_dot_product_attention(*t),
-            "after": lambda t=t: qkv.scaled_dot_product_attention(*t),
-        }
-        compare(f"T=1, S=4096, plain, {dname}", fns, rounds, 20)
+        for case, kw in (("plain", {}), ("key mask", dict(attn_mask=keep))):
+            fns = {
+                "torch": lambda t=t, kw=kw: F.scaled_dot_product_attention(*t, **kw),
+                "before": lambda t=t, kw=kw: base.scaled_dot_product_attention(*t, **kw),
+                "after": lambda t=t, kw=kw: qkv.scaled_dot_product_attention(*t, **kw),
+            }
+            compare(f"T=1, S=4096, {case}, {dname}", fns, rounds, 20)
 
 
 def short_cases(base, rounds: int, dtype: torch.dtype = torch.float32) -> None:

@@ -531,7 +531,7 @@ _LANE_CASES = {
 }
 
 
-_BAD = ["finite", "nan-key", "inf-value", "inf-query", "-inf-key-entry"]
+_BAD = ["finite", "nan-key", "inf-value", "inf-query", "-inf-key-entry", "inf-key-entry"]
 _HIDDEN_BAD = ["nan-hidden-key", "inf-hidden-value"]  # (cases with a mask: a key to hide)
 
 
@@ -572,6 +572,9 @@ def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, 
     elif bad == "-inf-key-entry":  # a score of -inf: weight 0, as in the plain math
         q = q.abs() + 0.1
         k[..., 0, 3] = float("-inf")
+    elif bad == "inf-key-entry":  # a score of +inf: NaN (bf16/fp16: torch's row is finite)
+        q = q.abs() + 0.1
+        k[..., 0, 3] = float("inf")
     elif bad == "nan-hidden-key":  # hidden everywhere: changes nothing
         k[..., 1, 0] = float("nan")
     elif bad == "inf-hidden-value":
@@ -586,6 +589,9 @@ def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, 
     laned = route == "fused" and dtype != torch.float16 and not hides
     assert steps.count == (1 if laned else 2)
     assert _same_bits(first, full) and _same_bits(second, full)
+    if bad == "inf-key-entry" and kw.get("scale", 1.0) > 0:  # every row sees key 0, of score
+        # +inf: NaN (0 with no key)
+        assert (second.isnan().all(-1) | (second == 0).all(-1)).all() and second.isnan().any()
     if bad in ("finite", "nan-hidden-key", "inf-hidden-value"):
         T, S = q.shape[-2], k.shape[-2]
         ok = torch.ones(T, S, dtype=torch.bool)
@@ -793,6 +799,39 @@ def test_the_fused_passes_give_the_same_bits_on_both_isa_classes(tmp_path):
         want = torch.softmax(scores, -1) @ v.double().nan_to_num(0.0)  # (T, D)
         tol = 1e-6 if name.split()[0] in ("torch.float32", "torch.float64") else 1e-2
         torch.testing.assert_close(out[0, 1].double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_key_masks_pass_reads_the_kernels_lse_instead_of_the_keys(dtype):
+    """In half dtypes torch's kernel gives a finite row for a visible key of score +inf, so the
+    key mask's pass computes again the rows whose log-sum-exp (the kernel's) is not finite,
+    and without one every row of a head whose keys hold a NaN/inf (a scan of k, which cost
+    a bf16 step over 4096 keys 1.5x torch's). Here the "kernel's" rows are 0.25: with the lse
+    only its non-finite row is computed again; without, the rows of the head with the bad key."""
+    if not nonfinite_rows.available():
+        pytest.skip(f"the fused row passes did not build here: {nonfinite_rows._build()[1]}")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 3, 8, generator=g).to(dtype)
+    k, v = (torch.randn(1, 2, 11, 8, generator=g).to(dtype) for _ in range(2))
+    k[0, 0, 4, 0] = math.nan  # head 0: a bad key, hidden
+    keep = torch.ones(1, 2, 11, dtype=torch.bool)
+    keep[..., 4] = False
+    scores = (q.double() @ k.double().nan_to_num(0.0).transpose(-1, -2) * 0.3).masked_fill(
+        ~keep.unsqueeze(-2), -math.inf
+    )
+    plain = torch.softmax(scores, -1) @ v.double()  # (1, 2, 3, 8)
+    lse = torch.zeros(1, 2, 3)
+    lse[0, 1, 2] = math.inf  # as the kernel's for a row that met a +inf score
+    with_lse = torch.full((1, 2, 3, 8), 0.25, dtype=dtype)
+    assert nonfinite_rows.keymask_rows(with_lse, q, k, v, keep, scale=0.3, group=1, lse=lse)
+    again = torch.zeros(1, 2, 3, dtype=torch.bool)
+    again[0, 1, 2] = True
+    assert (with_lse[~again] == 0.25).all()
+    torch.testing.assert_close(with_lse[again].double(), plain[again], atol=1e-2, rtol=1e-2)
+    scanned = torch.full((1, 2, 3, 8), 0.25, dtype=dtype)
+    assert nonfinite_rows.keymask_rows(scanned, q, k, v, keep, scale=0.3, group=1)
+    assert (scanned[0, 1] == 0.25).all()
+    torch.testing.assert_close(scanned[0, 0].double(), plain[0, 0], atol=1e-2, rtol=1e-2)
 
 
 def test_bad_inputs_with_a_key_mask_meet_the_checks_not_the_lane():

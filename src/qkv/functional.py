@@ -206,6 +206,7 @@ class _Lane:
         "check",
         "gqa",
         "group",
+        "hidden",
         "keys",
         "lse",
         "narrow",
@@ -213,6 +214,7 @@ class _Lane:
         "scale",
         "scale_arg",
         "state",
+        "visible",
     )
 
     def __init__(
@@ -226,12 +228,18 @@ class _Lane:
         D=0,
         group=1,
         lse=False,
+        dtype=None,
     ):
         self.state, self.ok, self.scale = state, ok, scale
         # half dtypes without GQA: torch's flash kernel called for its log-sum-exp too, which
         # tells the check the rows it got wrong (a +inf score: a finite row in bf16/fp16)
         # without a scan of the keys (see nonfinite_rows.RowsCheck)
         self.lse = lse
+        # a bool key mask's additive form for that kernel, as torch makes it: 0 where visible
+        self.visible = self.hidden = None
+        if lse:
+            self.visible = torch.zeros((), dtype=dtype)
+            self.hidden = torch.full((), float("-inf"), dtype=dtype)
         self.causal, self.gqa, self.narrow = causal, gqa, narrow
         self.group = group  # query heads per key head (the kind's shapes fix it)
         # torch's own default scale (the same double) is passed as None: a scale given costs
@@ -263,25 +271,36 @@ class _Lane:
             query, key, value, mask, 0.0, self.causal, scale=self.scale_arg, enable_gqa=self.gqa
         )
 
-    def attend_lse(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor | None]:
-        """torch's CPU flash kernel without a mask, the one ``torch.nn.functional``'s call
-        takes here, called for its log-sum-exp too (a lane with ``lse``: 4-dim half inputs,
-        one key head per query head, see ``torch_sdpa._with_lse``); a call whose last dims
-        have a step is :meth:`attend`'s, with no lse (torch's call takes its math kernel for
-        those, as the usual way does).
+    def attend_lse(
+        self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """torch's CPU flash kernel, the one ``torch.nn.functional``'s call takes here, called
+        for its log-sum-exp too (a lane with ``lse``: 4-dim half inputs, one key head per
+        query head, see ``torch_sdpa._with_lse``), a bool key mask made additive as torch's
+        call makes it; a call whose last dims have a step is :meth:`attend`'s, with no lse
+        (torch's call takes its math kernel for those, as the usual way does).
 
         Shape:
-            query ``(B, H, T, D)``, key ``(B, H, S, D)``, value ``(B, H, S, Dv)`` ->
-            ``(B, H, T, Dv)``, ``(B, H, T)`` float32.
+            query ``(B, H, T, D)``, key ``(B, H, S, D)``, value ``(B, H, S, Dv)``, mask
+            ``(*mbatch, 1, S)`` -> ``(B, H, T, Dv)``, ``(B, H, T)`` float32.
         """
         fast = _flash_cpu
         if fast is None or not query.stride(-1) == key.stride(-1) == value.stride(-1) == 1:
-            return self.attend(query, key, value, None), None
+            return self.attend(query, key, value, mask), None
+        additive = None
+        if mask is not None:
+            additive = torch.where(mask, self.visible, self.hidden)  # (*mbatch, 1, S)
+            if additive.dim() < 4:
+                additive = additive.reshape((1,) * (4 - additive.dim()) + additive.shape)
         if self.scale <= 0:
-            return flash_forward(query, key, value, scale=self.scale, is_causal=self.causal)
+            return flash_forward(
+                query, key, value, scale=self.scale, is_causal=self.causal, attn_mask=additive
+            )
         # (flash_forward's checks come to this for a lane's call: its kind has a key and a
         # row, and a positive scale needs no folding; torch's own scale passed as None)
-        return fast(query, key, value, is_causal=self.causal, scale=self.scale_arg)
+        return fast(
+            query, key, value, is_causal=self.causal, attn_mask=additive, scale=self.scale_arg
+        )
 
 
 _LANES: dict[tuple, _Lane] = {}  # by kind, and by exact kind (two tuples of other lengths)
@@ -376,8 +395,12 @@ def _run_lane(
     if not lane.ok:
         return None
     if mask is not None:
-        out = lane.attend(query, key, value, mask)  # (*batch, T, Dv)
-        if lane.keys(out, query, key, value, mask, lane.scale, lane.group, exact, of_mask=True):
+        if lane.lse:
+            out, lse = lane.attend_lse(query, key, value, mask)  # (B, H, T, Dv), (B, H, T)
+        else:
+            out, lse = lane.attend(query, key, value, mask), None  # (*batch, T, Dv)
+        args = (lane.scale, lane.group, exact)
+        if lane.keys(out, query, key, value, mask, *args, of_mask=True, lse=lse):
             return out
         if nonfinite_rows.available():  # (as below)
             lane.ok = False
@@ -432,12 +455,22 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
     )
     group = call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
     lse = (  # (the usual way's own choice; a kind with a row, see attend_lse)
-        call.attn_mask is None
-        and torch_sdpa._with_lse(call)
+        torch_sdpa._with_lse(call, call.attn_mask)
         and call.query.numel() > 0
         and _flash_cpu is not None
     )
-    lane = _Lane(state, ok, call.scale, call.is_causal, call.enable_gqa, narrow, call.D, group, lse)
+    lane = _Lane(
+        state,
+        ok,
+        call.scale,
+        call.is_causal,
+        call.enable_gqa,
+        narrow,
+        call.D,
+        group,
+        lse,
+        call.dtype,
+    )
     _keep(kind, lane)
 
 

@@ -46,8 +46,9 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
   no copy; the kernel runs the mask on k and v as they are, and the output's fused pass
   (``nonfinite_rows``, C++) computes again, by the plain math over the keys the row may see,
   each row that is not finite, and each row that may see a bad key (a range mask's, flagged
-  by one pass over k and v; a key mask's all-zero rows and, in half dtypes, its heads with
-  a bad key). A hidden key reaches a row only as a NaN (its NaN score stays NaN under
+  by one pass over k and v; a key mask's all-zero rows and, in half dtypes, its rows whose
+  log-sum-exp from torch's kernel is not finite, or without one its heads with a bad key).
+  A hidden key reaches a row only as a NaN (its NaN score stays NaN under
   ``-inf``; its weight 0 times an inf value is NaN), so the other rows are already right,
   and the rows computed again are found inside the pass (nothing read back). Calls with a
   score_mod, sinks, dropout or a scale that can overflow keep the copies.
@@ -204,7 +205,7 @@ class Guard:
             result = _with_output(result, out)
         elif self.check == "keys_in_place":
             assert self.has_key is not None and self.keep is not None
-            result = _with_output(result, _restore_keys_in_place(self, _output(result)))
+            result = _with_output(result, _restore_keys_in_place(self, _output(result), lse))
         elif self.check == "ranges_in_place":
             result = _with_output(result, _restore_ranges_in_place(self, _output(result)))
         elif self.check == "eager":
@@ -622,20 +623,22 @@ def _key_hits(call: AttentionCall, keep: Tensor | None) -> Tensor:
     return hit.to(torch.float32).unsqueeze(-1)  # (*lead, 1)
 
 
-def _restore_keys_in_place(guard: Guard, out: Tensor) -> Tensor:
+def _restore_keys_in_place(guard: Guard, out: Tensor, lse: Tensor | None = None) -> Tensor:
     """The output of a bool key mask's call run on k and v as they are: rows without a key 0,
-    rows that are not finite (a hidden or visible bad key reached them) or have a bad query
-    row computed again from their visible keys (``nonfinite_rows.keymask_rows``).
+    rows that are not finite (a hidden or visible bad key reached them), all zero, or have a
+    bad query row computed again from their visible keys (``nonfinite_rows.keymask_rows``);
+    in half dtypes also the rows whose ``lse`` (torch's kernel's) is not finite, or without
+    one the rows of a head whose keys hold a NaN/inf.
 
     Shape:
-        out ``(*batch, T, Dv)`` -> the same.
+        out ``(*batch, T, Dv)``, lse ``(*batch, T)`` -> the same.
     """
     call, keep = guard.call, guard.keep
     assert keep is not None and guard.has_key is not None
     if not _writable(out, call) or out.stride(-1) != 1:
         out = out.clone(memory_format=torch.contiguous_format)
     nonfinite_rows.keymask_rows(
-        out, call.query, call.key, call.value, keep, scale=call.scale, group=_group(call)
+        out, call.query, call.key, call.value, keep, scale=call.scale, group=_group(call), lse=lse
     )
     return out
 

@@ -533,8 +533,8 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
 
 // The rows of a key mask's output after a kernel ran it on k and v as they are (hidden keys in
 // place): 0 where the row has no key (keep all 0); else, where the row or its query row is not
-// finite, or the row is all zero, or (bfloat16, float16) its head's keys hold a NaN/inf (see restore),
-// the row again by attend_row over its visible keys (NaN for a bad query row). A hidden
+// finite, or the row is all zero, or its log-sum-exp lse (the kernel's, where given) is not finite,
+// or without one (bfloat16, float16) its head's keys hold a NaN/inf (see restore), the row again by attend_row over its visible keys (NaN for a bad query row). A hidden
 // key reaches a row only as a NaN (a NaN score is NaN under any mask, a hidden weight 0 times an
 // inf value is NaN) or not at all, so a finite row is already the visible keys' row, to the bit.
 // Rows (n0, n1, n2) = (B, H, T); k's and v's rows indexed by (b, h / group); keep (S per (b, h)).
@@ -542,17 +542,18 @@ template <typename B>
 void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const void* q_,
                   const Strides qs, int64_t D, const void* k_, int64_t kb, int64_t kh, int64_t ks,
                   const void* v_, int64_t vb, int64_t vh, int64_t vs, int64_t group,
-                  const uint8_t* keep, int64_t mb, int64_t mh, int64_t S, double scale) {
+                  const uint8_t* keep, int64_t mb, int64_t mh, int64_t S, double scale,
+                  const float* lse, const Strides ls) {
   using W = typename B::word;
   W* out = static_cast<W*>(out_);
   const W* q = static_cast<const W*>(q_);
   const W* k = static_cast<const W*>(k_);
   const W* v = static_cast<const W*>(v_);
   const int64_t grain = 1 + (1 << 15) / (Dv + D + S > 0 ? Dv + D + S : 1);
-  const Recompute rc{k, kb, kh, ks, v, vb, vh, vs, group, scale, keep, mb, mh, S, nullptr, {}};
+  const Recompute rc{k, kb, kh, ks, v, vb, vh, vs, group, scale, keep, mb, mh, S, lse, ls};
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     RowScratch scratch;
-    KeyScan<B> scan;  // (half dtypes: see restore)
+    KeyScan<B> scan;  // (half dtypes without an lse: see restore)
     int64_t seen = -1;  // the (b, h) whose keys `any` tells (a task's rows share a few)
     bool any = false;
     for (int64_t r = begin; r < end; ++r) {
@@ -571,7 +572,8 @@ void keymask_rows(const Rows n, void* out_, const Strides o, int64_t Dv, const v
       const W* x = q + offset(r, n, qs);
       if (nonfinite<B>(x, D)) {
         for (int64_t e = 0; e < Dv; ++e) y[e] = B::nan;
-      } else if (nonfinite<B>(y, Dv) || zero<B>(y, Dv) || scan(rc, D, b, h)) {  // (see restore)
+      } else if (nonfinite<B>(y, Dv) || zero<B>(y, Dv) ||
+                 (lse != nullptr ? !std::isfinite(lse[offset(r, n, ls)]) : scan(rc, D, b, h))) {
         const int64_t g = h / group;
         attend_row<B>(x, D, k + b * kb + g * kh, ks, v + b * vb + g * vh, vs, Dv, kept, 0, S,
                       scale, y, scratch);
@@ -648,7 +650,8 @@ int qkv_rows_restore(const int64_t* a) {
 // a[0] dtype; a[1..3] rows (B, H, T); a[4] out, a[5..7] its strides, a[8] Dv; a[9] q, a[10..12]
 // its strides, a[13] D; a[14] k, a[15..17] its strides (b, kv head, key); a[18] v, a[19..21] its
 // strides; a[22] group (H / G); a[23] keep (uint8, unit key stride), a[24..25] its strides (b, h);
-// a[26] S; a[27] scale (a double's bits).
+// a[26] S; a[27] scale (a double's bits); a[28] lse (float32, 0 for none: rows whose lse is not
+// finite are computed again, and no key is scanned), a[29..31] its strides over the rows.
 int qkv_rows_keymask(const int64_t* a) {
   const Rows n{a[1], a[2], a[3]};
   const double scale = bits_as<double>(a[27]);
@@ -657,7 +660,8 @@ int qkv_rows_keymask(const int64_t* a) {
                               reinterpret_cast<const void*>(a[9]), Strides{a[10], a[11], a[12]},
                               a[13], reinterpret_cast<const void*>(a[14]), a[15], a[16], a[17],
                               reinterpret_cast<const void*>(a[18]), a[19], a[20], a[21], a[22],
-                              reinterpret_cast<const uint8_t*>(a[23]), a[24], a[25], a[26], scale);
+                              reinterpret_cast<const uint8_t*>(a[23]), a[24], a[25], a[26], scale,
+                              reinterpret_cast<const float*>(a[28]), Strides{a[29], a[30], a[31]});
   });
 }
 

@@ -56,7 +56,7 @@ _DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16:
 # one argument in a third of the time of twenty, and a call here costs what an op does
 _COPY_ARGS = struct.Struct("16q")
 _RESTORE_ARGS = struct.Struct("53q")
-_KEYMASK_ARGS = struct.Struct("28q")
+_KEYMASK_ARGS = struct.Struct("32q")
 _DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
 _NO_RANGES = (0,) * 12  # restore's arguments of key ranges, without
 _NO_RECOMPUTE = (0,) * 18  # restore's last arguments: no row computed again
@@ -292,12 +292,16 @@ def keymask_rows(
     *,
     scale: float,
     group: int,
+    lse: Tensor | None = None,
 ) -> bool:
     """The rows of a key mask's output after a kernel ran the mask on ``key`` and ``value`` as
     they are, set in place in one pass: 0 where the row has no key; where the row or its query
-    row is not finite, the row again from its visible keys (float64 rows in float64, others in
-    float32; NaN for a bad query row, and where the plain math gives a row that is not
-    finite); the other rows as they are.
+    row is not finite, or is all zero, the row again from its visible keys (float64 rows in
+    float64, others in float32; NaN for a bad query row, and where the plain math gives a row
+    that is not finite); the other rows as they are. In bfloat16 and float16 also the rows
+    whose log-sum-exp ``lse`` (the kernel's, float32 ``(B?, H?, T)``) is not finite, or
+    without one every row of a head whose keys hold a NaN/inf (a scan of k: torch's kernel
+    gives a finite row for a ``+inf`` score there, see :func:`check_rows`).
     Whether it ran (False: tensors this does not take, and nothing done).
 
     Why a finite row stands: a key the mask hides reaches a row only as a NaN (its NaN score
@@ -311,7 +315,7 @@ def keymask_rows(
         out ``(B?, H?, T, Dv)``; query ``(B?, H?, T, D)``; key, value ``(B?, G?, S, D|Dv)``;
         keep bool ``(B?, H?, S)`` (True: a visible key), contiguous keys.
     """
-    return KeymaskRows()(out, query, key, value, keep, scale, group)  # (packed for one call)
+    return KeymaskRows()(out, query, key, value, keep, scale, group, lse=lse)  # (for one call)
 
 
 class _Packed:
@@ -365,19 +369,29 @@ class KeymaskRows(_Packed):
         group: int,
         kind: tuple | None = None,
         of_mask: bool = False,
+        lse: Tensor | None = None,
     ) -> bool:
         """``kind``: a key that fixes the tensors' shapes, ``scale`` and ``group`` (the
         caller's kind of call), read in their place. ``of_mask``: ``keep`` is given as a
-        mask ``(*lead, 1, S)``, whose one row (its memory) is the keep ``(*lead, S)``."""
+        mask ``(*lead, 1, S)``, whose one row (its memory) is the keep ``(*lead, S)``.
+        ``lse``: the kernel's log-sum-exp of the rows, where it gave one (see
+        :func:`keymask_rows`)."""
         lib = _build()[0]  # (asked each call: a test hides the library)
         strides = (out.stride(), query.stride(), key.stride(), value.stride(), keep.stride())
         if kind is None:
             kind = (out.shape, key.shape, value.shape, keep.shape, scale, group)
-        layout = (kind, strides, lib)
+        layout = (kind, strides, None if lse is None else lse.stride(), lib)
         if layout != self._layout:  # (a known layout asks nothing more: no call, no closure)
             pack = lambda: (  # noqa: E731
                 _keymask_args(
-                    out, query, key, value, keep.select(-2, 0) if of_mask else keep, scale, group
+                    out,
+                    query,
+                    key,
+                    value,
+                    keep.select(-2, 0) if of_mask else keep,
+                    scale,
+                    group,
+                    lse,
                 )
                 if _own_memory(out, (query, key, value))
                 else None
@@ -387,13 +401,22 @@ class KeymaskRows(_Packed):
         args = self._args
         args[4], args[9], args[14] = out.data_ptr(), query.data_ptr(), key.data_ptr()
         args[18], args[23] = value.data_ptr(), keep.data_ptr()
+        if lse is not None:
+            args[28] = lse.data_ptr()
         failed = self._fn(args)
         assert not failed
         return True
 
 
 def _keymask_args(
-    out: Tensor, query: Tensor, key: Tensor, value: Tensor, keep: Tensor, scale: float, group: int
+    out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    keep: Tensor,
+    scale: float,
+    group: int,
+    lse: Tensor | None = None,
 ) -> list | None:
     """The arguments of ``qkv_rows_keymask`` for :func:`keymask_rows`, or None where it does
     not take these tensors."""
@@ -404,6 +427,11 @@ def _keymask_args(
     if not out.is_cpu or not 2 <= out.dim() <= 4 or out.stride(-1) != 1:
         return None
     code, S, lead = _DTYPES[out.dtype], key.shape[-2], out.shape[:-1]
+    rows: tuple[int, ...] = (0, 0, 0, 0)
+    if lse is not None:
+        if lse.dtype != torch.float32 or not lse.is_cpu or tuple(lse.shape) != tuple(lead):
+            return None
+        rows = (lse.data_ptr(), *_aligned(lead, lse.stride()))
     kb, kh, _ = _aligned(key.shape[:-1], key.stride()[:-1])
     vb, vh, _ = _aligned(value.shape[:-1], value.stride()[:-1])
     mb, mh, _ = _aligned(keep.shape[:-1] + (1,), keep.stride()[:-1] + (0,))
@@ -430,6 +458,7 @@ def _keymask_args(
         mh,
         S,
         _DOUBLE_BITS.unpack(_DOUBLE.pack(scale))[0],
+        *rows,  # [28] lse
     ]
 
 

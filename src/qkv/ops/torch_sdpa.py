@@ -119,7 +119,12 @@ class TorchBackend:
         if _upcast(call):
             q, k, v = q.float(), k.float(), v.float()
             mask = mask.float() if mask is not None and mask.is_floating_point() else mask
-        if call.return_trace and _fits_flash_cpu(call, mask, q.dtype):
+        if not call.return_trace and _with_lse(call, mask, is_causal):  # (as above)
+            additive = None if mask is None else _as_additive(mask, q.dtype)
+            out, lse = flash_forward(
+                q, k, v, is_causal=is_causal, scale=call.scale, attn_mask=additive
+            )  # (B, H, T, Dv), (B, H, T)
+        elif call.return_trace and _fits_flash_cpu(call, mask, q.dtype):
             k, v = _shared_heads(q, k), _shared_heads(q, v)  # (B, H, S, D): GQA's kv per head
             out, lse = flash_forward(
                 q,
@@ -181,16 +186,25 @@ def _kernel_order(call: AttentionCall, mask: Tensor | None) -> contextlib.Abstra
     return sdpa_kernel(order, set_priority=True)
 
 
-def _with_lse(call: AttentionCall) -> bool:
-    """Whether a common call (no mask, no trace) runs torch's CPU flash kernel for its
-    log-sum-exp too: half dtypes, whose output rows the kernel may get wrong without a sign
-    there (a ``+inf`` score gives a finite row; the lse is not finite), in 4 dims with one
-    key head per query head and no broadcast batch, a key and a row, without dropout or a
-    gradient; and where ``torch.nn.functional``'s call takes that kernel
-    (``torch._fused_sdp_choice``), so the bits are its."""
+def _with_lse(
+    call: AttentionCall, mask: Tensor | None = None, is_causal: bool | None = None
+) -> bool:
+    """Whether a call without trace runs torch's CPU flash kernel for its log-sum-exp too:
+    half dtypes, whose output rows the kernel may get wrong without a sign there (a ``+inf``
+    score gives a finite row; the lse is not finite), in 4 dims with one key head per query
+    head and no broadcast batch, a key and a row, without dropout or a gradient; and where
+    ``torch.nn.functional``'s call takes that kernel (``torch._fused_sdp_choice``), so the bits
+    are its. ``mask``: the mask the kernel is given (bool, or additive of the call's dtype;
+    ``is_causal`` then the flag it is given with it), None for the call's own flag alone."""
     q, k, v = call.query, call.key, call.value
+    if is_causal is None:
+        is_causal = call.is_causal
     if (
         call.dtype not in (torch.float16, torch.bfloat16)
+        or not q.is_cpu
+        or call.work_dtype != call.dtype
+        or (mask is not None and mask.dtype not in (torch.bool, call.dtype))
+        or (mask is not None and mask.requires_grad)
         or call.dropout_p != 0.0
         or not q.dim() == k.dim() == v.dim() == 4
         or not q.shape[:2] == k.shape[:2] == v.shape[:2]
@@ -201,7 +215,7 @@ def _with_lse(call: AttentionCall) -> bool:
         or tracing()  # (eager only: the guard reads the lse eagerly; the choice is no tensor)
     ):
         return False
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, call.is_causal, scale=call.scale)
+    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=call.scale)
     return choice == _FLASH
 
 
