@@ -272,7 +272,12 @@ class _Lane:
         )
 
     def attend_lse(
-        self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        mask: Tensor | None = None,
+        strides: tuple | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """torch's CPU flash kernel, the one ``torch.nn.functional``'s call takes here, called
         for its log-sum-exp too (a lane with ``lse``: 4-dim half inputs, one key head per
@@ -282,10 +287,13 @@ class _Lane:
 
         Shape:
             query ``(B, H, T, D)``, key ``(B, H, S, D)``, value ``(B, H, S, Dv)``, mask
-            ``(*mbatch, 1, S)`` -> ``(B, H, T, Dv)``, ``(B, H, T)`` float32.
+            ``(*mbatch, 1, S)`` -> ``(B, H, T, Dv)``, ``(B, H, T)`` float32; ``strides``:
+            the ``stride()`` of q, k and v where the caller has read them.
         """
         fast = _flash_cpu
-        if fast is None or not query.stride(-1) == key.stride(-1) == value.stride(-1) == 1:
+        if strides is None:
+            strides = (query.stride(), key.stride(), value.stride())
+        if fast is None or not strides[0][-1] == strides[1][-1] == strides[2][-1] == 1:
             return self.attend(query, key, value, mask), None
         additive = None
         if mask is not None:
@@ -408,11 +416,12 @@ def _run_lane(
     if lane.narrow:  # top-left causal, T < S: keys T.. reach no row
         T = query.shape[-2]
         key, value = key.narrow(-2, 0, T), value.narrow(-2, 0, T)  # (*kbatch, T, D|Dv)
+    strides = (query.stride(), key.stride(), value.stride())  # (read once for both)
     if lane.lse:
-        out, lse = lane.attend_lse(query, key, value)  # (B, H, T, Dv), (B, H, T)
+        out, lse = lane.attend_lse(query, key, value, None, strides)  # (B, H, T, Dv), (B, H, T)
     else:
         out, lse = lane.attend(query, key, value, None), None  # (*batch, T, Dv)
-    if lane.check(out, query, (query, key, value), lane.scale, lane.group, exact, lse):
+    if lane.check(out, query, (query, key, value), lane.scale, lane.group, exact, lse, strides):
         return out
     if nonfinite_rows.available():  # the check cannot take this layout: the steps above from
         lane.ok = False  # now on, for every exact kind of its kind (without the library:
@@ -557,11 +566,13 @@ class KeptLane:
             or lane.state != dispatch.kept_plans_state()
         ):
             return None
+        strides = (query.stride(), key.stride(), value.stride())  # (read once for both)
         if lane.lse:
-            out, lse = lane.attend_lse(query, key, value)  # (B, H, T, Dv), (B, H, T)
+            out, lse = lane.attend_lse(query, key, value, None, strides)  # (B, H, T, Dv), (B, H, T)
         else:
             out, lse = lane.attend(query, key, value, None), None  # (*batch, T, Dv)
-        if lane.check(out, query, (query, key, value), lane.scale, lane.group, lse=lse):
+        group = lane.group
+        if lane.check(out, query, (query, key, value), lane.scale, group, None, lse, strides):
             return out
         if nonfinite_rows.available():  # (as in ``_run_lane``)
             lane.ok = False

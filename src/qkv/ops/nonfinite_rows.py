@@ -518,18 +518,21 @@ class RowsCheck(_Packed):
         group: int,
         kind: tuple | None = None,
         lse: Tensor | None = None,
+        strides: tuple | None = None,
     ) -> bool:
         """``inputs``: ``(query, key, value)``. ``kind``: a key that fixes the tensors' shapes
         but for the key count, ``scale`` and ``group`` (the caller's kind of call), read in
         their place. ``lse``: the kernel's log-sum-exp ``(*batch, T)`` float32, where it gave
         one: the rows whose lse is not finite are computed again, and the keys of a half
-        dtype are not scanned for a NaN/inf (see ``nonfinite_rows.cpp``)."""
+        dtype are not scanned for a NaN/inf (see ``nonfinite_rows.cpp``). ``strides``: the
+        ``stride()`` of q, k and v, where the caller has read them."""
         lib = _build()[0]  # (asked each call: a test hides the library)
         key, value = inputs[1], inputs[2]
         if kind is None:
             kind = (out.shape, query.shape, key.shape[:-2], value.shape[:-2], scale, group)
-        strides = (out.stride(), query.stride(), key.stride(), value.stride())
-        layout = (kind, strides, None if lse is None else lse.stride(), lib)
+        if strides is None:
+            strides = (query.stride(), key.stride(), value.stride())
+        layout = (kind, out.stride(), strides, None if lse is None else lse.stride(), lib)
         if layout != self._layout:  # (a known layout asks nothing more: no call, no closure)
             pack = lambda: (  # noqa: E731
                 _check_args(out, query, inputs, scale, group, lse)
