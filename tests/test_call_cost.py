@@ -394,16 +394,74 @@ def test_the_output_pass_with_key_ranges_sweeps_clean_heads_and_finds_one_change
     assert torch.equal(flags, want_flags)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["clean", "empty", "reached", "zero", "lse", "bad key"])
+def test_the_output_pass_with_unflagged_key_ranges_finds_the_rows_from_the_rows(case, dtype):
+    """Key ranges without flags (``"ranges_in_place"``, no pass before the kernel): the output's
+    pass finds the rows a kernel may have got wrong as for a call without mask, and computes
+    them again over their range: a row that is not finite, or all zero, or whose lse is not
+    finite; without an lse, in bfloat16, every row of a head whose keys hold a NaN/inf (a
+    +inf score gives a finite row there). Rows with an empty range are 0; the others stand,
+    to the bit."""
+    if not nonfinite_rows.available():
+        pytest.skip("the fused row passes did not build here")
+    g = torch.Generator().manual_seed(6)
+    T, S = 6, 6
+    q = torch.randn(2, 3, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    lo = torch.zeros(1, 1, T, dtype=torch.int64)
+    hi = torch.arange(1, T + 1).view(1, 1, T)  # causal: row i sees keys [0, i]
+    ok = torch.arange(S) < hi.unsqueeze(-1)  # (1, 1, T, S)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~ok, -math.inf)
+    want = scores.softmax(-1) @ v  # (2, 3, T, D)
+    q, k, v, want = (t.to(dtype) for t in (q, k, v, want))
+    out = want.clone()
+    lse = None
+    empty = torch.zeros(2, 3, T, dtype=torch.bool)  # rows set to 0
+    again = torch.zeros(2, 3, T, dtype=torch.bool)  # rows computed again
+    if case == "empty":
+        hi[0, 0, 4] = 0
+        empty[:, :, 4] = True
+    elif case == "reached":
+        out[0, 1, 2] = math.nan
+        again[0, 1, 2] = True
+    elif case == "zero":  # as a kernel gives a row whose scores are all NaN or -inf
+        out[1, 2, 5] = 0.0
+        again[1, 2, 5] = True
+    elif case == "lse":
+        lse = torch.zeros(2, 3, T)
+        lse[1, 0, 3] = math.inf
+        again[1, 0, 3] = True
+    elif case == "bad key":  # a NaN at key 5, which only row 5 sees (its row NaN, as the
+        k[0, 2, 5, 1] = math.nan  # kernel's): float32 leaves every row as it is
+        want[0, 2, 5] = out[0, 2, 5] = math.nan
+        if dtype == torch.bfloat16:
+            again[0, 2] = True
+    before = out.clone()
+    nonfinite_rows.restore_rows(
+        out, query=q, ranges=(None, lo, hi), recompute=(k, v, 0.3, 1), lse=lse
+    )
+    same = ~empty & ~again
+    assert torch.equal(out[same].view(torch.int16), before[same].view(torch.int16))
+    assert (out[empty] == 0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        out[again].double(), want[again].double(), rtol=tol, atol=tol, equal_nan=True
+    )
+    if case in ("reached", "zero", "lse"):
+        assert not torch.equal(out[again].double(), before[again].double())
+
+
 def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
     """T=1, S=128 without gradient, after the structure's first call: a plain call dispatches
     torch's kernel alone, a causal one two views and the kernel (it sees key 0 only), a key
     mask's the kernel with the mask as it is and a view of the mask's keys (no copies of k
     and v: the rows a hidden NaN/inf reaches are computed again in the fused pass); a causal
-    call of T = S (rows hide keys from each other) the bad keys' flags and the kernel, on k
-    and v as they are as well. The checks run in the fused passes. (Before issue 38's work:
-    9, 31, 40 and 31 ops; before the passes in place, the key mask's were the copies of k and
-    v, the kernel and the empty rows' factor, the causal call's the flags, the copies and the
-    kernel.)"""
+    call of T = S (rows hide keys from each other) the kernel alone, on k and v as they are
+    as well. The checks run in the fused passes. (Before issue 38's work: 9, 31, 40 and 31
+    ops; before the passes in place, the key mask's were the copies of k and v, the kernel and
+    the empty rows' factor, the causal call's the flags, the copies and the kernel; until the
+    sixth session the causal T = S call's flags of its bad keys, a pass over k and v.)"""
     force_host_reads(monkeypatch, free=False)
     force_native_rows(monkeypatch, on=True)
     g = torch.Generator().manual_seed(0)
@@ -420,8 +478,8 @@ def test_a_decode_size_call_dispatches_the_kernel_and_little_else(monkeypatch):
             dict(attn_mask=keep),
             ["scalar_tensor", "scalar_tensor", "where", kernel, "select"],
         ),
-        # the bad keys' flags (a pass that reads k and v), the kernel on k and v as they are
-        "causal T=S": (dict(is_causal=True), ["zeros", kernel]),
+        # the kernel on k and v as they are; the rows it may have got wrong found after it
+        "causal T=S": (dict(is_causal=True), [kernel]),
     }
     with torch.no_grad():
         for name, (kw, ops) in want.items():

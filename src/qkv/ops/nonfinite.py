@@ -43,12 +43,12 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
   masked pair's weight is exactly 0).
 * **On the CPU without gradient, a bool key mask of a few query rows** (a padded batch's
   decoding step; ``KEYS_IN_PLACE_MAX_T``) **or a range mask** (causal, windows, key lengths):
-  no copy; the kernel runs the mask on k and v as they are, and the output's fused pass
-  (``nonfinite_rows``, C++) computes again, by the plain math over the keys the row may see,
-  each row that is not finite, and each row that may see a bad key (a range mask's, flagged
-  by one pass over k and v; a key mask's all-zero rows and, in half dtypes, its rows whose
-  log-sum-exp from torch's kernel is not finite, or without one its heads with a bad key).
-  A hidden key reaches a row only as a NaN (its NaN score stays NaN under
+  no copy and no pass before the kernel; the kernel runs the mask on k and v as they are,
+  and the output's fused pass (``nonfinite_rows``, C++) computes again, by the plain math
+  over the keys the row may see, the rows it may have got wrong, found as for a call
+  without mask: each row that is not finite or is all zero, and in half dtypes each row
+  whose log-sum-exp from torch's kernel is not finite, or without one each row of a head
+  with a bad key. A hidden key reaches a row only as a NaN (its NaN score stays NaN under
   ``-inf``; its weight 0 times an inf value is NaN), so the other rows are already right,
   and the rows computed again are found inside the pass (nothing read back). Calls with a
   score_mod, sinks, dropout or a scale that can overflow keep the copies.
@@ -135,11 +135,12 @@ class Guard:
       fused passes built): the rows a hidden NaN/inf reached (no longer finite) are computed
       again from their visible keys (``keep``) in the output's pass, then as ``"keys"``.
     * ``"ranges_in_place"``: masks whose rows see ranges of keys (causal, windows, key
-      lengths) run on k and v as they are (CPU, no gradient, the fused passes built):
-      ``bad.keys`` flags the keys holding NaN/inf (a pass that reads k and v, no copies); the
-      output's pass sets NaN on bad query rows, 0 on rows with an empty range, and computes
-      again from its range, by the plain math, each row whose range ``spans`` holds a bad key
-      and each row that is not finite (a hidden bad key reached it).
+      lengths) run on k and v as they are (CPU, no gradient, the fused passes built; no
+      pass before the kernel, no copies): the output's pass sets NaN on bad query rows, 0 on
+      rows with an empty range, and computes again from its range ``spans``, by the plain
+      math, the rows the kernel may have got wrong, as ``"output"`` finds them (not finite,
+      all zero; half dtypes: an lse that is not finite, or without one a bad key in the
+      head). A hidden bad key reaches a row only as a NaN, so such a row is not finite.
     """
 
     call: AttentionCall
@@ -207,7 +208,8 @@ class Guard:
             assert self.has_key is not None and self.keep is not None
             result = _with_output(result, _restore_keys_in_place(self, _output(result), lse))
         elif self.check == "ranges_in_place":
-            result = _with_output(result, _restore_ranges_in_place(self, _output(result)))
+            out = _restore_ranges_in_place(self, _output(result), lse)
+            result = _with_output(result, out)
         elif self.check == "eager":
             assert self.bad is not None and self.bad.keys is not None
             result = _restore_eager(self.call, self.bad.keys, self.bad.rows, result)
@@ -272,8 +274,10 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
 def _prepare_ranges_in_place(call: AttentionCall) -> Guard | None:
     """The guard of a call without gradient whose rows see ranges of keys (causal, windows,
     key lengths: ``key_counts.ranges``, no documents) on the CPU with the fused passes: the
-    kernel runs on k and v as they are (no copies), after one pass that flags their bad keys.
-    None for other calls (and those :func:`_recomputable` refuses)."""
+    kernel runs on k and v as they are (no copies, no pass before it), and the output's pass
+    after it finds the rows the kernel may have got wrong from the rows themselves, as for a
+    call without mask (see :meth:`Guard.restore`). None for other calls (and those
+    :func:`_recomputable` refuses)."""
     if (
         len(call.batch) > 2
         or not _recomputable(call)
@@ -286,11 +290,7 @@ def _prepare_ranges_in_place(call: AttentionCall) -> Guard | None:
     spans = ranges(call)  # (lo, hi, doc): None for other masks
     if spans is None or spans[2] is not None:
         return None
-    keys = torch.zeros(call.key.shape[:-1], dtype=torch.float32)  # (*kbatch, S)
-    nonfinite_rows.flag_rows(call.key, keys)
-    nonfinite_rows.flag_rows(call.value, keys)
-    bad = _Bad(_as_bh(keys, call, call.S), None)
-    return Guard(call, "ranges_in_place", bad, spans=(spans[0], spans[1]))
+    return Guard(call, "ranges_in_place", spans=(spans[0], spans[1]))
 
 
 def _recomputable(call: AttentionCall) -> bool:
@@ -306,22 +306,29 @@ def _recomputable(call: AttentionCall) -> bool:
     )
 
 
-def _restore_ranges_in_place(guard: Guard, out: Tensor) -> Tensor:
+def _restore_ranges_in_place(guard: Guard, out: Tensor, lse: Tensor | None = None) -> Tensor:
     """The output of a range mask's call run on k and v as they are (see
-    :func:`_prepare_ranges_in_place`), its rows set in the output's pass.
+    :func:`_prepare_ranges_in_place`), its rows set in the output's pass: 0 where the range
+    is empty, NaN for a bad query row, and computed again over its range where the row is not
+    finite (a bad key or value it sees, or a hidden one that reached it as a NaN) or all zero,
+    and in half dtypes where ``lse`` (torch's kernel's) is not finite, or without one where
+    its head's keys hold a NaN/inf.
 
     Shape:
-        out ``(*batch, T, Dv)`` -> the same.
+        out ``(*batch, T, Dv)``, lse ``(*batch, T)`` -> the same.
     """
     call, spans = guard.call, guard.spans
-    assert spans is not None and guard.bad is not None and guard.bad.keys is not None
+    assert spans is not None
     if not _writable(out, call) or out.stride(-1) != 1:
         out = out.clone(memory_format=torch.contiguous_format)
+    if lse is not None and (lse.dtype != torch.float32 or lse.shape != out.shape[:-1]):
+        lse = None  # (not the kernel's rows: the keys are scanned instead)
     return nonfinite_rows.restore_rows(
         out,
         query=call.query,
-        ranges=(guard.bad.keys.contiguous(), spans[0], spans[1]),
+        ranges=(None, spans[0], spans[1]),
         recompute=(call.key, call.value, call.scale, _group(call)),
+        lse=lse,
     )
 
 

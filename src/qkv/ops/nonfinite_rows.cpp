@@ -354,9 +354,11 @@ void attend_row(const typename B::word* q, int64_t D, const typename B::word* k,
 }
 
 // The keys each row sees as a range [lo, hi) (causal, windows, key lengths) and which keys are bad:
-// a row sees a bad key where the bad keys before hi outnumber those before lo.
+// a row sees a bad key where the bad keys before hi outnumber those before lo. Ranges without
+// flags (keys null, lo given): the rows a kernel may have got wrong are found from the rows
+// themselves, as without ranges (see restore).
 struct KeyRanges {
-  const float* keys;  // bad keys (1.0), S of them for each of the first two row dims
+  const float* keys;  // bad keys (1.0), S of them for each of the first two row dims (or null)
   int64_t k0, k1, S;  // strides of keys along those dims
   const int64_t* lo;  // per row, clamped to [0, S]
   Strides l;
@@ -406,13 +408,14 @@ inline bool any_lse_bad(const Recompute& rc, const Rows& n, int64_t first, int64
 // else NaN where flags[r] != 0, or its key range holds a bad key, or a row of q holds a non-finite
 // element, or (check_out) the row itself does; else left as it is. With rc.k (and q), a row whose
 // query row is finite is computed again by attend_row, the plain math over the keys it sees, instead
-// of set to NaN: with key ranges (the kernel run on k and v as they are), where its range holds a bad
-// key (a visible key whose scores are all -inf weighs 0 there, where a kernel may give anything) or
-// the row is not finite (a hidden bad key reached it, as a NaN); without (every row sees every key,
-// or rc.keep's), where the row is not finite or is all zero (a kernel gives 0 to a row whose scores
-// are all NaN or -inf, where the plain math gives NaN; a row 0 by its values comes out 0 again), and
-// where the kernel's log-sum-exp rc.lse is given, each row whose lse is not finite; without it, in
-// bfloat16 and float16 every row of a head whose keys hold a NaN/inf (KeyScan).
+// of set to NaN: with flagged key ranges (the kernel run on k and v as they are), where its range
+// holds a bad key (a visible key whose scores are all -inf weighs 0 there, where a kernel may give
+// anything) or the row is not finite (a hidden bad key reached it, as a NaN); without flags (no
+// ranges: every row sees every key, or rc.keep's; or ranges whose keys were not flagged), where the
+// row is not finite or is all zero (a kernel gives 0 to a row whose scores are all NaN or -inf, where
+// the plain math gives NaN; a row 0 by its values comes out 0 again), and where the kernel's
+// log-sum-exp rc.lse is given, each row whose lse is not finite; without it, in bfloat16 and float16
+// every row of a head whose keys hold a NaN/inf (KeyScan).
 // The keys and the values row (b, h) reads in rows computed again.
 template <typename B>
 inline const typename B::word* k_of(const Recompute& rc, int64_t b, int64_t h) {
@@ -459,7 +462,8 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
   // a dense out (one block of memory in any order of dims, as torch's flash kernel writes its
   // (B, T, H, Dv)) is swept once here rather than row by row in each run: clean, no run reads it
   const bool again = rc.k != nullptr && q != nullptr;  // rows computed again
-  const bool zeros = again && kr.keys == nullptr;  // ... where all zero, too
+  const bool ranged = kr.lo != nullptr;  // each row's keys a range [lo, hi)
+  const bool zeros = again && kr.keys == nullptr;  // ... where all zero too (no bad key flagged)
   const bool read_out = check_out || again;
   const bool out_clean = read_out && dense(n, o, Dv) && !nonfinite<B>(out, n.count() * Dv);
   const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
@@ -480,7 +484,8 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
       // the common case first: no flag, no key missing, no bad key in the run's (b, h), no
       // empty range, every row finite (its spans swept whole): nothing to write
       if (flags == nullptr && has_key == nullptr &&
-          (kr.keys == nullptr || (before[kr.S] == 0.0f && !any_empty(kr, n, first, last)))) {
+          (!ranged || ((kr.keys == nullptr || before[kr.S] == 0.0f) &&
+                       !any_empty(kr, n, first, last)))) {
         const bool bad = (read_out && !out_clean && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
                          (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last)) ||
                          (zeros && any_zero<B>(out, n, o, Dv, first, last));
@@ -490,8 +495,8 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
       const W* x = q == nullptr ? nullptr : q + offset(first, n, qs);
       const float* flag = flags == nullptr ? nullptr : flags + offset(first, n, f);
       const uint8_t* key = has_key == nullptr ? nullptr : has_key + offset(first, n, h);
-      const int64_t* lo = kr.keys == nullptr ? nullptr : kr.lo + offset(first, n, kr.l);
-      const int64_t* hi = kr.keys == nullptr ? nullptr : kr.hi + offset(first, n, kr.u);
+      const int64_t* lo = ranged ? kr.lo + offset(first, n, kr.l) : nullptr;
+      const int64_t* hi = ranged ? kr.hi + offset(first, n, kr.u) : nullptr;
       for (int64_t i = 0; i < last - first; ++i, y += o.s2) {
         bool bad = false;
         if (lo != nullptr) {
@@ -500,8 +505,12 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
             std::memset(y, 0, Dv * sizeof(W));  // no key in its range
             continue;
           }
-          bad = before[b] > before[a];
-          if (again && (bad || nonfinite<B>(y, Dv)) && !nonfinite<B>(x + i * qs.s2, D)) {
+          bad = kr.keys != nullptr && before[b] > before[a];
+          const bool wrong =
+              bad || nonfinite<B>(y, Dv) ||
+              (zeros && (head_bad || (lse != nullptr && !std::isfinite(lse[i * rc.ls.s2])) ||
+                         zero<B>(y, Dv)));
+          if (again && wrong && !nonfinite<B>(x + i * qs.s2, D)) {
             attend_row<B>(x + i * qs.s2, D, k_of<B>(rc, b0, h0), rc.ks, v_of<B>(rc, b0, h0), rc.vs, Dv,
                           nullptr, a, b, rc.scale, y, scratch);
             continue;
@@ -511,7 +520,7 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
           std::memset(y, 0, Dv * sizeof(W));
           continue;
         }
-        if (zeros &&
+        if (zeros && !ranged &&
             (head_bad || (lse != nullptr && !std::isfinite(lse[i * rc.ls.s2])) ||
              nonfinite<B>(y, Dv) || zero<B>(y, Dv)) &&
             !nonfinite<B>(x + i * qs.s2, D)) {
@@ -606,13 +615,14 @@ extern "C" {
 //            strides, a[14] D, a[15] flags (float32), a[16..18] its strides, a[19] has_key
 //            (uint8), a[20..22] its strides, a[23] bad keys (float32, 0 for none: no ranges),
 //            a[24..25] its strides along the first two row dims, a[26] S (keys are contiguous),
-//            a[27] lo (int64), a[28..30] its strides, a[31] hi (int64), a[32..34] its strides,
+//            a[27] lo (int64, 0 for no ranges; given with a[23] = 0: ranges without flags),
+//            a[28..30] its strides, a[31] hi (int64), a[32..34] its strides,
 //            a[35] k (0: no row computed again), a[36..38] its strides (b, kv head, key),
 //            a[39] v, a[40..42] its strides, a[43] group (H / G), a[44] scale (a double's bits),
 //            a[45] keep (uint8, 0: every key; without key ranges), a[46..47] its strides (b, h),
 //            a[48] S (the keys of a row computed again without key ranges), a[49] lse (float32,
-//            0 for none: rows without key ranges whose lse is not finite are computed again, and
-//            no key is scanned), a[50..52] its strides over the rows
+//            0 for none: rows without flagged keys whose lse is not finite are computed again,
+//            and no key is scanned), a[50..52] its strides over the rows
 //   copy with a[9] dst = 0: the flags alone (a pass that reads src only)
 // Returns 0, or 1 for an unknown dtype.
 int qkv_rows_copy(const int64_t* a) {

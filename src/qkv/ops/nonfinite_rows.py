@@ -188,8 +188,9 @@ def restore_rows(
     check_out: bool = False,
     flags: Tensor | None = None,
     has_key: Tensor | None = None,
-    ranges: tuple[Tensor, Tensor, Tensor] | None = None,
+    ranges: tuple[Tensor | None, Tensor, Tensor] | None = None,
     recompute: tuple[Tensor, Tensor, float, int] | None = None,
+    lse: Tensor | None = None,
 ) -> Tensor:
     """``out`` with each row set in place, in one pass: 0 where ``has_key`` is False or its
     range of keys is empty; else NaN where ``flags`` is not 0, or its range holds a bad key,
@@ -199,19 +200,22 @@ def restore_rows(
 
     ``ranges``: ``(keys, lo, hi)``: which keys are bad (1.0) per batch element and head, and
     the keys ``[lo, hi)`` each row may attend (``key_counts.ranges``: causal, windows, key
-    lengths), counted here instead of by ``key_counts.counts``' ops.
+    lengths), counted here instead of by ``key_counts.counts``' ops. ``keys`` None: no key
+    was flagged, and with ``recompute`` the rows are found as without ranges (below).
 
     ``recompute``: ``(key, value, scale, group)`` with ``query``, the keys and values the
     rows see as they are: each row whose query row is
     finite and that the kernel may have got wrong is computed again by the plain math over
     the keys it sees (float64 rows in float64, others in float32), instead of set to NaN.
-    With ``ranges`` (the kernel ran on k and v as they are) those are the rows whose range
-    holds a bad key, where a visible key whose scores are all ``-inf`` weighs 0 (the kernel
-    may give anything), and the rows that are not finite (a hidden bad key reached them, as a
-    NaN). Without, every row that is not finite or is all zero: a kernel gives 0 to a row
-    whose scores are all NaN or ``-inf`` (torch's CPU flash kernel, tiled's), where the plain
-    math gives NaN. ``key`` and ``value`` as :func:`keymask_rows` takes them (of ``out``'s
-    dtype); ``group`` query heads per key head.
+    With flagged ``ranges`` (the kernel ran on k and v as they are) those are the rows whose
+    range holds a bad key, where a visible key whose scores are all ``-inf`` weighs 0 (the
+    kernel may give anything), and the rows that are not finite (a hidden bad key reached
+    them, as a NaN). Without flags, every row that is not finite or is all zero: a kernel
+    gives 0 to a row whose scores are all NaN or ``-inf`` (torch's CPU flash kernel, tiled's),
+    where the plain math gives NaN; and in bfloat16 and float16 every row whose ``lse`` (the
+    kernel's, float32 ``(*batch, T)``) is not finite, or without one every row of a head whose
+    keys hold a NaN/inf (see :func:`check_rows`). ``key`` and ``value`` as
+    :func:`keymask_rows` takes them (of ``out``'s dtype); ``group`` query heads per key head.
 
     ``out`` must be the kernel's own (no other tensor shares its memory) with no broadcast dim
     (a row written through two indices): the caller checks.
@@ -230,19 +234,19 @@ def restore_rows(
     tail: tuple[int, ...] = _NO_RANGES
     if ranges is not None:
         keys, lo, hi = ranges
-        assert keys.dtype == torch.float32 and keys.stride(-1) == 1 and keys.dim() == 3
         assert lo.dtype == hi.dtype == torch.int64
-        k0, k1, _ = _aligned(keys.shape[:-1] + (1,), keys.stride()[:-1] + (0,))  # (B, H)
-        tail = (
-            keys.data_ptr(),
-            k0,
-            k1,
-            keys.shape[-1],
-            lo.data_ptr(),
-            *_aligned(lo.shape, lo.stride()),
-        )
+        flagged: tuple[int, ...] = (0, 0, 0, 0)
+        if keys is not None:
+            assert keys.dtype == torch.float32 and keys.stride(-1) == 1 and keys.dim() == 3
+            k0, k1, _ = _aligned(keys.shape[:-1] + (1,), keys.stride()[:-1] + (0,))  # (B, H)
+            flagged = (keys.data_ptr(), k0, k1, keys.shape[-1])
+        tail = flagged + (lo.data_ptr(), *_aligned(lo.shape, lo.stride()))
         tail += (hi.data_ptr(), *_aligned(hi.shape, hi.stride()))
     tail += _NO_RECOMPUTE if recompute is None else _recompute_args(*recompute)
+    if lse is not None:
+        assert recompute is not None and lse.dtype == torch.float32
+        assert tuple(lse.shape) == tuple(lead)
+        tail = tail[:-4] + (lse.data_ptr(), *_aligned(lead, lse.stride()))
     assert recompute is None or query is not None
     failed = lib.qkv_rows_restore(
         _RESTORE_ARGS.pack(
