@@ -280,6 +280,61 @@ def test_range_masks_run_on_k_and_v_as_they_are(route, mask, dtype):
     torch.testing.assert_close(out[finite].double(), plain[finite], rtol=tol, atol=tol)
 
 
+def _every_third(score, b, h, q_idx, kv_idx):  # -inf where (q + kv) % 3 == 0
+    return torch.where((q_idx + kv_idx) % 3 == 0, float("-inf"), score)
+
+
+def _nan_at_key_1(score, b, h, q_idx, kv_idx):
+    return torch.where(kv_idx == 1, float("nan"), score)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["reference", "tiled", "auto"])
+@pytest.mark.parametrize("mods", ["score_mod -inf", "score_mod -inf with sinks", "score_mod nan"])
+def test_rows_of_a_score_mod_or_sinks_are_not_computed_again_by_the_plain_scores(
+    route, backend, dtype, mods
+):
+    """The output's fused pass computes again, by the plain scaled scores, the rows a kernel
+    may have got wrong (all zero, not finite): not in a call whose rows are other math. A
+    score_mod that gives every key of a row ``-inf`` leaves that row with no key: 0, as the
+    kernel gives (with sinks too: the sink takes all the weight); one that gives NaN makes
+    the row NaN. Both were computed again without the score_mod (v's row; a finite row), found
+    by the long property profile (T = S = 1, float64, the ``score_mask`` mod)."""
+    g = torch.Generator().manual_seed(2)
+    T, S = (4, 1) if "-inf" in mods else (2, 3)
+    q = torch.randn(1, 2, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    mod = _every_third if "-inf" in mods else _nan_at_key_1
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64) if "sinks" in mods else None
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(D)  # (1, 2, T, S)
+    qi, ki = torch.arange(T).view(T, 1), torch.arange(S).view(1, S)
+    scores = mod(scores, 0, 0, qi, ki)
+    if sinks is not None:
+        logits = torch.cat([scores, sinks.view(1, 2, 1, 1).expand(1, 2, T, 1)], -1)
+        want = torch.softmax(logits, -1)[..., :S] @ v
+    else:
+        want = torch.softmax(scores, -1).nan_to_num(0.0) @ v  # rows with no key: 0
+        if mods == "score_mod nan":
+            want = torch.softmax(scores, -1) @ v  # NaN: every row sees key 1
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            score_mod=mod,
+            sinks=None if sinks is None else sinks.to(dtype),
+            backend=backend,
+        )
+    if mods == "score_mod nan":
+        assert out.isnan().all()
+        return
+    empty = torch.tensor([True, False, False, True])  # rows 0 and 3: key 0 is -inf
+    assert (out[..., empty, :] == 0).all()
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2)
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
 # --- the fused passes and their slow twin ------------------------------------------------------
 
 

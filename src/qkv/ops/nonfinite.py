@@ -198,7 +198,12 @@ class Guard:
             # (a sum read would not tell: a kernel's row of NaN scores is 0, see _key_hits)
             inputs = (call.query, call.key, call.value)
             group = _group(call)
-            if not nonfinite_rows.check_rows(out, call.query, inputs, call.scale, group, lse):
+            # (rows are computed again by the plain scaled scores: not for a call whose rows are
+            # other math, a score_mod's, sinks', dropout's, whose 0 rows may be right)
+            if not (
+                _recomputable(call)
+                and nonfinite_rows.check_rows(out, call.query, inputs, call.scale, group, lse)
+            ):
                 result = _with_output(result, _restore_output(call, out))
         elif self.check == "keys":
             assert self.has_key is not None and self.keep is not None
