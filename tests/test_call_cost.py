@@ -391,6 +391,23 @@ def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
 # --- what a decode-size call dispatches --------------------------------------------------------
 
 
+def _causal_rows(seed: int, dtype: torch.dtype, T: int):
+    """q, k, v ``(2, 3, T, D)``, the key ranges of causal rows (row i sees keys ``[0, i]``: lo
+    and hi ``(1, 1, T)``) and the float64 math's output (scale 0.3), all in ``dtype``; skips
+    where the fused passes did not build."""
+    if not nonfinite_rows.available():
+        pytest.skip("the fused row passes did not build here")
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, T, D, generator=g, dtype=torch.float64) for _ in range(3))
+    lo = torch.zeros(1, 1, T, dtype=torch.int64)
+    hi = torch.arange(1, T + 1).view(1, 1, T)
+    ok = torch.arange(T) < hi.unsqueeze(-1)  # (1, 1, T, S)
+    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~ok, -math.inf)
+    want = scores.softmax(-1) @ v  # (2, 3, T, D)
+    q, k, v, want = (t.to(dtype) for t in (q, k, v, want))
+    return q, k, v, lo, hi, want
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["clean", "query", "empty", "reached", "bad key"])
 def test_the_output_pass_with_key_ranges_sweeps_clean_heads_and_finds_one_change(case, dtype):
@@ -402,18 +419,8 @@ def test_the_output_pass_with_key_ranges_sweeps_clean_heads_and_finds_one_change
     rows whose range holds a bad key (the math's rows: NaN for a NaN score, finite for a key
     whose scores are all -inf). The flags-alone pass sweeps clean spans the same
     way: flags set before stay set, and a bad element flags its row only."""
-    if not nonfinite_rows.available():
-        pytest.skip("the fused row passes did not build here")
-    g = torch.Generator().manual_seed(5)
     T, S = 6, 6
-    q = torch.randn(2, 3, T, D, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 3, S, D, generator=g, dtype=torch.float64) for _ in range(2))
-    lo = torch.zeros(1, 1, T, dtype=torch.int64)
-    hi = torch.arange(1, T + 1).view(1, 1, T)  # causal: row i sees keys [0, i]
-    ok = torch.arange(S) < hi.unsqueeze(-1)  # (1, 1, T, S)
-    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~ok, -math.inf)
-    want = scores.softmax(-1) @ v  # (2, 3, T, D)
-    q, k, v, want = (t.to(dtype) for t in (q, k, v, want))
+    q, k, v, lo, hi, want = _causal_rows(5, dtype, T)
     out, keys = want.clone(), torch.zeros(2, 3, S)
     changed = torch.zeros(2, 3, T, dtype=torch.bool)  # rows set to NaN or 0
     again = torch.zeros(2, 3, T, dtype=torch.bool)  # rows computed again
@@ -458,18 +465,8 @@ def test_the_output_pass_with_unflagged_key_ranges_finds_the_rows_from_the_rows(
     finite; without an lse, in bfloat16, every row of a head whose keys hold a NaN/inf (a
     +inf score gives a finite row there). Rows with an empty range are 0; the others stand,
     to the bit."""
-    if not nonfinite_rows.available():
-        pytest.skip("the fused row passes did not build here")
-    g = torch.Generator().manual_seed(6)
-    T, S = 6, 6
-    q = torch.randn(2, 3, T, D, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(2, 3, S, D, generator=g, dtype=torch.float64) for _ in range(2))
-    lo = torch.zeros(1, 1, T, dtype=torch.int64)
-    hi = torch.arange(1, T + 1).view(1, 1, T)  # causal: row i sees keys [0, i]
-    ok = torch.arange(S) < hi.unsqueeze(-1)  # (1, 1, T, S)
-    scores = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~ok, -math.inf)
-    want = scores.softmax(-1) @ v  # (2, 3, T, D)
-    q, k, v, want = (t.to(dtype) for t in (q, k, v, want))
+    T = 6
+    q, k, v, lo, hi, want = _causal_rows(6, dtype, T)
     out = want.clone()
     lse = None
     empty = torch.zeros(2, 3, T, dtype=torch.bool)  # rows set to 0
