@@ -865,7 +865,14 @@ for dtype, E in itertools.product(
     lo, hi = torch.tensor([[[0, 3]]]), torch.tensor([[[11, 9]]])  # (1, 1, T): keys [lo, hi)
     clean = torch.zeros(2, 3, 11)  # no key flagged bad
     nr.restore_rows(ranged, query=q, ranges=(clean, lo, hi), recompute=(k, v, 0.3, 1))
-    got[f"{dtype} {E}"] = (out, copied, flags, restored, ranged)
+    lse = torch.zeros(2, 3, 2)
+    lse[1, 2, 0] = float("inf")  # as torch's kernel's for a row that met a +inf score
+    unflagged = torch.full((2, 3, 2, E), 0.5).to(dtype)  # rows found from the rows and the lse
+    unflagged[0, 1, 1], unflagged[1, 0, 0] = float("nan"), 0.0
+    nr.restore_rows(unflagged, query=q, ranges=(None, lo, hi), recompute=(k, v, 0.3, 1), lse=lse)
+    by_lse = torch.full((2, 3, 2, E), 0.5).to(dtype)
+    assert nr.keymask_rows(by_lse, q, k, v, keep, scale=0.3, group=1, lse=lse)
+    got[f"{dtype} {E}"] = (out, copied, flags, restored, ranged, unflagged, by_lse)
     got[f"inputs {dtype} {E}"] = (q, k, v, keep)
 torch.save(got, sys.argv[1])
 """
@@ -877,8 +884,8 @@ def test_the_fused_passes_give_the_same_bits_on_both_isa_classes(tmp_path):
     the same bits as this CPU's own build: the key mask's and the key ranges' rows computed
     again (float32 rows by vectorized fused multiply-adds whose order no vector width
     changes; head dims of 8 and 40, a tail and two vectors of 16 lanes; a hidden NaN and a
-    shown inf, a NaN query row, a row with no key), the zeroed copies with their flags, and
-    the output's pass."""
+    shown inf, a NaN query row, a row with no key), the same found without flags from the
+    rows and a kernel's lse, the zeroed copies with their flags, and the output's pass."""
     if not nonfinite_rows.available():
         pytest.skip(f"the fused row passes did not build here: {nonfinite_rows._build()[1]}")
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -903,6 +910,10 @@ def test_the_fused_passes_give_the_same_bits_on_both_isa_classes(tmp_path):
         out = own[name][0]
         assert (out[1, 1] == 0).all() and out[0, 2, 1].isnan().all(), name  # no key; bad query
         assert (out[0, 0] == 0.25).all(), name  # a finite row stands as it is
+        unflagged, by_lse = own[name][5], own[name][6]
+        assert (unflagged[0, 0] == 0.5).all() and (by_lse[0, 0] == 0.5).all(), name
+        assert (by_lse[1, 1] == 0).all() and by_lse[0, 2, 1].isnan().all(), name
+        assert (unflagged[1, 2, 0] != 0.5).any() and (by_lse[1, 2, 0] != 0.5).any(), name
         # batch 0, head 1: its NaN key is hidden, so its rows are the visible keys' attention
         q, k, v, keep = (t[0, 1] for t in own["inputs " + name])  # (T, D), (S, D), (S, D), (S,)
         scores = (q.double() @ k.double().nan_to_num(0.0).T * 0.3).masked_fill(~keep, -math.inf)
