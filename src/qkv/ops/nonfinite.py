@@ -31,7 +31,9 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
   math's. torch's CPU flash kernel (every dtype) and tiled's give 0 to a row whose scores
   are all NaN or ``-inf``, as to a row with no key, where the math gives NaN; in bfloat16
   and float16 torch's gives a finite row for a ``+inf`` score (tests/
-  test_nonfinite_plain_math.py).
+  test_nonfinite_plain_math.py). A call whose rows are not the plain scaled scores' (a
+  score_mod, sinks, dropout, a scale that can overflow) takes the tensor ops' way instead:
+  a row its score_mod hides whole is 0 there, and the plain math would give it a value.
 * **Otherwise** (masks, gradients, traces): one reduction of each of q, k and v finds their
   bad rows, and one copy of each of k and v (and of q, unless every row may attend its own
   position) has them zeroed: a masked key's NaN would reach its row as ``0 * NaN``, and
@@ -118,8 +120,8 @@ class Guard:
     * ``"output"``: every row may attend every key and no gradient is wanted: the bad query
       rows become NaN, and the rows the kernel may have got wrong (not finite, all zero;
       half dtypes: an lse that is not finite, or without one a bad key in the head) are
-      computed again by the plain math in the fused
-      pass, or become NaN by :func:`_key_hits` in tensor ops;
+      computed again by the plain math in the fused pass (calls of plain scaled scores:
+      :func:`_recomputable`), or become NaN by :func:`_key_hits` in tensor ops;
     * ``"eager"``: ``bad`` holds the bad keys ``(B, H, S)`` and query rows ``(B, H, T)`` (all
       False when finite), and the rows that may attend a bad key become NaN;
     * ``"traced"``: the same in the ops of ``_restore_traced``;
