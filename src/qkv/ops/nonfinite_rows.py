@@ -244,9 +244,9 @@ def restore_rows(
         tail += (hi.data_ptr(), *_aligned(hi.shape, hi.stride()))
     tail += _NO_RECOMPUTE if recompute is None else _recompute_args(*recompute)
     if lse is not None:
-        assert recompute is not None and lse.dtype == torch.float32
-        assert tuple(lse.shape) == tuple(lead)
-        tail = tail[:-4] + (lse.data_ptr(), *_aligned(lead, lse.stride()))
+        rows = _lse_args(lse, lead)
+        assert recompute is not None and rows is not None
+        tail = tail[:-4] + rows
     assert recompute is None or query is not None
     failed = lib.qkv_rows_restore(
         _RESTORE_ARGS.pack(
@@ -431,11 +431,9 @@ def _keymask_args(
     if not out.is_cpu or not 2 <= out.dim() <= 4 or out.stride(-1) != 1:
         return None
     code, S, lead = _DTYPES[out.dtype], key.shape[-2], out.shape[:-1]
-    rows: tuple[int, ...] = (0, 0, 0, 0)
-    if lse is not None:
-        if lse.dtype != torch.float32 or not lse.is_cpu or tuple(lse.shape) != tuple(lead):
-            return None
-        rows = (lse.data_ptr(), *_aligned(lead, lse.stride()))
+    rows = _lse_args(lse, lead)
+    if rows is None:
+        return None
     kb, kh, _ = _aligned(key.shape[:-1], key.stride()[:-1])
     vb, vh, _ = _aligned(value.shape[:-1], value.stride()[:-1])
     mb, mh, _ = _aligned(keep.shape[:-1] + (1,), keep.stride()[:-1] + (0,))
@@ -607,11 +605,9 @@ def _check_args(
     if _build()[0] is None:
         return None
     lead, qlead = shape[:-1], qshape[:-1]
-    rows: tuple[int, ...] = (0, 0, 0, 0)
-    if lse is not None:
-        if lse.dtype != torch.float32 or not lse.is_cpu or tuple(lse.shape) != tuple(lead):
-            return None
-        rows = (lse.data_ptr(), *_aligned(lead, lse.stride()))
+    rows = _lse_args(lse, lead)
+    if rows is None:
+        return None
     return [
         code,
         *_rows(lead),
@@ -627,6 +623,17 @@ def _check_args(
         *_recompute_args(key, value, scale, group)[:-4],  # [35] k, [39] v, [48] S
         *rows,  # [49] lse
     ]
+
+
+def _lse_args(lse: Tensor | None, lead: tuple) -> tuple[int, ...] | None:
+    """The passes' arguments of a kernel's log-sum-exp over the rows ``lead`` (its pointer
+    and strides; zeros for none), or None where it is not one: float32 CPU, of shape
+    ``lead``."""
+    if lse is None:
+        return (0, 0, 0, 0)
+    if lse.dtype != torch.float32 or not lse.is_cpu or tuple(lse.shape) != tuple(lead):
+        return None
+    return (lse.data_ptr(), *_aligned(lead, lse.stride()))
 
 
 def _readable(t: Tensor, dtype: torch.dtype) -> bool:
