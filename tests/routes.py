@@ -77,13 +77,17 @@ MACHINE_PROBES = {
     "(forced above); off in the suite (conftest.py), on in test_autotune.py and "
     "test_cpu_isa.py with a fake clock",
     "tasks/_cache.py": "QKV_CACHE: where generated data sets are kept, no route",
+    "ops/bf16_scores.py": "QKV_BF16_GEMM (auto, amx, avx512_bf16): the bf16 score kernel's "
+    "GEMM; tests/test_bf16_scores.py runs every kernel test on each GEMM that runs here "
+    "(the bf16_gemm fixture) and with the kernel hidden",
     "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch, triton): "
     "tests/test_deformable.py runs cpp and torch by name, tests/test_deformable_triton.py "
     "triton under the CPU interpreter",
     "ops/_native_build.py": "the CPU capability: the C++ kernels' ISA flags and build names "
     "(the deformable kernel, the bf16 score kernel), no route beyond each kernel; the bf16 score "
-    "kernel (ops/bf16_scores.py) runs where oneDNN packs bfloat16 for AMX, and "
-    "tests/test_bf16_scores.py runs the one-pass weights with it forced on and off",
+    "kernel (ops/bf16_scores.py) runs where oneDNN packs bfloat16 for AMX or the CPU has "
+    "AVX512-BF16, and tests/test_bf16_scores.py runs the one-pass weights with it forced on "
+    "and off",
 }
 
 

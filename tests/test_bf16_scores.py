@@ -1,9 +1,10 @@
-"""bfloat16 attention scores in float32 by oneDNN's micro-kernel (issues 37, 38).
+"""bfloat16 attention scores in float32 by the C++ kernel of ops/bf16_scores.cpp (issues 37, 38).
 
 ``qkv.ops.bf16_scores`` forms ``scale * q @ k^T`` of bfloat16 inputs with float32 sums, never
-rounded to bfloat16, on the CPU's AMX units (``bf16_scores.cpp``); the one-pass weights take it
+rounded to bfloat16, on the CPU's AMX units or AVX512-BF16 (``bf16_scores.cpp``, each GEMM
+forced in turn by the ``bf16_gemm`` fixture); the one-pass weights take it
 on the native half route. Its results are held to float64 math of the same bfloat16 inputs,
-written here: float32 accumulation error only. Where it cannot run (no AMX, no compiler), the
+written here: float32 accumulation error only. Where it cannot run (neither, no compiler), the
 widened float32 GEMM (its slow twin, ``scores_widened_``) is taken, and the kernel's own tests
 skip with the reason; the fallback tests run everywhere.
 """
@@ -31,6 +32,15 @@ HEAD_DIMS = [16, 64, 80, 128]
 # the brief's bound for D=64 is 1e-6 of |q||k| (64 * 6e-8 = 3.8e-6 is the worst case, the
 # typical error of a sum of random signs is far below it)
 REL_BOUND = 1e-6
+
+
+@pytest.fixture(params=list(bf16_scores.GEMMS))
+def bf16_gemm(request, monkeypatch) -> str:
+    """Each GEMM of the kernel forced in turn (``QKV_BF16_GEMM``): oneDNN's on AMX tiles and
+    qkv's own on AVX512-BF16, so that every one that runs on this machine is tested here (an
+    AMX CPU runs both); one that does not run here is skipped with the reason."""
+    monkeypatch.setenv("QKV_BF16_GEMM", request.param)
+    return request.param
 
 
 def kernel_or_skip() -> None:
@@ -61,7 +71,7 @@ def _relative_error(out, q, k, scale):
 @pytest.mark.parametrize("D", HEAD_DIMS, ids=lambda d: f"D{d}")
 @pytest.mark.parametrize("S", SIZES, ids=lambda s: f"S{s}")
 @pytest.mark.parametrize("T", SIZES, ids=lambda t: f"T{t}")
-def test_kernel_equals_float64_math(T, S, D):
+def test_kernel_equals_float64_math(bf16_gemm, T, S, D):
     kernel_or_skip()
     q, k = _inputs(3, T, S, D, seed=T * 1000 + S)
     out = torch.full((3, T, S), float("nan"))  # every element must be written
@@ -76,7 +86,7 @@ def test_kernel_equals_float64_math(T, S, D):
     [(33, 100, 64, True), (257, 7, 80, True), (100, 257, 15, False), (7, 33, 1, False)],
     ids=["T33-S100-D64-strided", "T257-S7-D80-strided", "T100-S257-D15-odd", "T7-S33-D1-odd"],
 )
-def test_kernel_strided_inputs_odd_head_dims_and_a_strided_output(T, S, D, strided):
+def test_kernel_strided_inputs_odd_head_dims_and_a_strided_output(bf16_gemm, T, S, D, strided):
     kernel_or_skip()
     q, k = _inputs(4, T, S, D, seed=5, strided=strided)
     buf = torch.full((4, T + 3, S), float("nan"))  # out is a view with a row stride of S
@@ -86,7 +96,7 @@ def test_kernel_strided_inputs_odd_head_dims_and_a_strided_output(T, S, D, strid
     assert buf[:, 0].isnan().all() and buf[:, T + 1 :].isnan().all(), "wrote outside out"
 
 
-def test_kernel_is_deterministic_across_thread_counts():
+def test_kernel_is_deterministic_across_thread_counts(bf16_gemm):
     kernel_or_skip()
     q, k = _inputs(6, 257, 193, 64, seed=3)
     threads = torch.get_num_threads()
@@ -100,14 +110,14 @@ def test_kernel_is_deterministic_across_thread_counts():
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
-def test_kernel_scale_zero_gives_zeros_not_nan():
+def test_kernel_scale_zero_gives_zeros_not_nan(bf16_gemm):
     kernel_or_skip()
     q, k = _inputs(2, 7, 65, 16, seed=4)
     out = torch.full((2, 7, 65), float("nan"))
     assert torch.equal(bf16_scores.scores_kernel_(out, q, k, 0.0), torch.zeros(2, 7, 65))
 
 
-def test_kernel_refuses_wrong_dtypes_and_shapes_with_the_numbers():
+def test_kernel_refuses_wrong_dtypes_and_shapes_with_the_numbers(bf16_gemm):
     kernel_or_skip()
     q, k = _inputs(2, 7, 9, 16)
     with pytest.raises(TypeError, match=r"bfloat16.*torch\.float16"):
@@ -158,6 +168,65 @@ def test_without_a_compiler_the_kernel_is_unavailable_quietly(monkeypatch, caplo
     assert len(notes) == 1 and notes[0].levelno == logging.DEBUG
 
 
+def test_a_forced_gemm_that_does_not_run_here_leaves_the_kernel_unused(monkeypatch):
+    """``QKV_BF16_GEMM`` forces the kernel's GEMM: on a machine where only one runs (shown here
+    as a CPU with AVX512-BF16 and no AMX, whatever this one has), ``auto`` takes it, the other
+    forced leaves the kernel unused with the reason, and an unknown name is refused."""
+    if bf16_scores._build()[0] is None:
+        pytest.skip(f"the kernel did not build here: {bf16_scores._build()[1]}")
+    monkeypatch.setattr(bf16_scores, "_runs", lambda lib: (("avx512_bf16",), "no AMX (test)"))
+    for forced, code in (("auto", 2), ("avx512_bf16", 2), ("amx", 0)):
+        monkeypatch.setenv("QKV_BF16_GEMM", forced)
+        assert bf16_scores._route()[0] == code and bf16_scores.available() == (code != 0)
+    assert bf16_scores.unavailable_reason() == (
+        "QKV_BF16_GEMM=amx does not run here: no AMX (test)"
+    )
+    q, k = _inputs(1, 3, 5, 16)
+    with pytest.raises(RuntimeError, match="cannot run here: QKV_BF16_GEMM=amx does not run"):
+        bf16_scores.scores_kernel_(torch.empty(1, 3, 5), q, k, 0.5)
+    monkeypatch.setattr(bf16_scores, "_runs", lambda lib: ((), "no AMX; no AVX512-BF16 (test)"))
+    monkeypatch.setenv("QKV_BF16_GEMM", "auto")
+    assert not bf16_scores.available()
+    assert bf16_scores.unavailable_reason() == "no AMX; no AVX512-BF16 (test)"
+    monkeypatch.setenv("QKV_BF16_GEMM", "avx512")
+    with pytest.raises(ValueError, match="one of auto, amx, avx512_bf16; got 'avx512'"):
+        bf16_scores.available()
+
+
+def test_the_kernel_refuses_a_gemm_that_does_not_run_here_instead_of_crashing():
+    """The C++ side checks the GEMM code itself: AVX512-BF16's instruction on a CPU without it
+    would stop the process (an illegal instruction), so an unknown code, or one whose GEMM
+    does not run here, is an error returned, and the process lives on."""
+    lib = bf16_scores._build()[0]
+    if lib is None:
+        pytest.skip(f"the kernel did not build here: {bf16_scores._build()[1]}")
+    q, k = _inputs(1, 2, 3, 16)
+    out = torch.zeros(1, 2, 3)
+    absent = [
+        code for name, code in bf16_scores.GEMMS.items() if not lib.qkv_bf16_gemm_usable(code)
+    ]
+    for code in [0, 99, *absent]:
+        args = (q.data_ptr(), k.data_ptr(), out.data_ptr(), 1, 2, 3, 16, 6, 3, 1.0, code)
+        assert lib.qkv_bf16_scores(*args) == 1
+        assert lib.qkv_bf16_scores_error().decode() == f"bfloat16 GEMM {code} does not run here"
+    assert torch.equal(out, torch.zeros(1, 2, 3))
+
+
+def test_the_gemms_agree_where_both_run(monkeypatch):
+    """On a CPU that runs both GEMMs (AMX CPUs have AVX512-BF16 too) the fused kernel gives
+    the same weights and outputs by either, to float32 summation order."""
+    if set(bf16_scores.gemm_routes()) != set(bf16_scores.GEMMS):
+        pytest.skip(f"not every GEMM runs here, only {bf16_scores.gemm_routes()}")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 130, 64, generator=g).bfloat16() for _ in range(3))
+    runs = []
+    for name in bf16_scores.GEMMS:
+        monkeypatch.setenv("QKV_BF16_GEMM", name)
+        runs.append(bf16_scores.weights_kernel(q, k, v, 0.125, causal=True))
+    for a, b in zip(*runs):
+        assert (a.float() - b.float()).abs().max() <= 2**-7 * b.float().abs().max()
+
+
 # --- the one-pass weights, kernel on and off --------------------------------------------------
 
 
@@ -184,7 +253,9 @@ def _golden_and_baseline(q, k, v, scale, causal):
     [(1, None, False), (33, 3.0, False), (100, 0.0, True), (257, None, True)],
     ids=["T1", "T33-scale3", "T100-scale0-causal", "T257-causal"],
 )
-def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(monkeypatch, kernel, T, scale, causal):
+def test_one_pass_weights_of_bf16_meet_the_tolerance_policy(
+    bf16_gemm, monkeypatch, kernel, T, scale, causal
+):
     """B2-H4-D64 bfloat16 with a trace on the native route: the one-pass weights take the fused
     kernel, the score kernel with the rest in torch ops (the fused one forced off), or the
     widened GEMM (both kernels forced off); the kernels' cases skip where they cannot run."""
@@ -263,7 +334,7 @@ def _fused_inputs(N, T, S, D, Dv, seed):
         for c in FUSED_CASES
     ],
 )
-def test_fused_kernel_equals_float64_math(N, T, S, D, Dv, scale, causal):
+def test_fused_kernel_equals_float64_math(bf16_gemm, N, T, S, D, Dv, scale, causal):
     kernel_or_skip()
     q, k, v = _fused_inputs(N, T, S, D, Dv, seed=T + S)
     out, probs, lse = bf16_scores.weights_kernel(q, k, v, scale, causal=causal)
@@ -280,7 +351,7 @@ def test_fused_kernel_equals_float64_math(N, T, S, D, Dv, scale, causal):
     assert max_error(lse, torch.logsumexp(gold[2], dim=-1)) <= ATOL * size
 
 
-def test_fused_kernel_is_deterministic_across_thread_counts():
+def test_fused_kernel_is_deterministic_across_thread_counts(bf16_gemm):
     kernel_or_skip()
     q, k, v = _fused_inputs(3, 257, 193, 64, 80, seed=5)
     threads = torch.get_num_threads()
@@ -295,7 +366,7 @@ def test_fused_kernel_is_deterministic_across_thread_counts():
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
 
 
-def test_fused_kernel_scale_zero_is_the_mean_of_the_values_for_long_rows():
+def test_fused_kernel_scale_zero_is_the_mean_of_the_values_for_long_rows(bf16_gemm):
     """scale=0 with S > 256 (issue 41 item 4's NaN): weights 1/S, lse log S, the mean of v."""
     kernel_or_skip()
     q, k, v = _fused_inputs(2, 3, 700, 32, 16, seed=6)
@@ -306,7 +377,7 @@ def test_fused_kernel_scale_zero_is_the_mean_of_the_values_for_long_rows():
     assert max_error(out, mean) <= float(mean.abs().max()) * 2**-8
 
 
-def test_fused_kernel_empty_sizes_and_refusals():
+def test_fused_kernel_empty_sizes_and_refusals(bf16_gemm):
     kernel_or_skip()
     q, k, v = _fused_inputs(2, 0, 5, 16, 8, seed=0)
     out, probs, lse = bf16_scores.weights_kernel(q, k, v, 1.0, causal=False)
@@ -332,7 +403,7 @@ torch.save(bf16_scores.weights_kernel(q, k, v, 2.0, causal=True), sys.argv[1])
 """
 
 
-def test_fused_kernel_rounds_alike_with_and_without_avx512_bf16(tmp_path):
+def test_fused_kernel_rounds_alike_with_and_without_avx512_bf16(bf16_gemm, tmp_path):
     """The weights are rounded by AVX512-BF16's instruction where the CPU has it, else by
     integer arithmetic (QKV_BF16_GENERIC_CVT=1 forces that, read once per process): the two
     give the same bits, NaN rows (from scores that overflow) included."""
@@ -364,7 +435,9 @@ def test_float16_and_the_float32_route_keep_the_widened_gemm(monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
 @pytest.mark.parametrize("where", ["q", "k", "v", "none"])
-def test_fused_kernel_keeps_the_nonfinite_contract_as_the_guard_does(monkeypatch, where, causal):
+def test_fused_kernel_keeps_the_nonfinite_contract_as_the_guard_does(
+    bf16_gemm, monkeypatch, where, causal
+):
     """NaN/inf in q, k or v (B2-H3-T70-S70-D16 bfloat16 with a trace): the fused kernel keeps
     the contract itself (nonfinite has nothing to add), and gives the bits of the same kernel
     under ops/nonfinite.py's guard: finite weights and lse from the zeroed inputs, NaN output on
@@ -409,7 +482,7 @@ def test_fused_kernel_keeps_the_nonfinite_contract_as_the_guard_does(monkeypatch
     assert torch.equal(rows, expected)
 
 
-def test_fused_kernel_reads_strided_heads_and_writes_heads_merged():
+def test_fused_kernel_reads_strided_heads_and_writes_heads_merged(bf16_gemm):
     """A module's heads ((B, T, H, D) memory seen as (B, H, T, D)) and a value with a last
     stride of 2 give the bits of contiguous inputs; the output is (B, T, H, Dv) memory."""
     kernel_or_skip()
@@ -444,7 +517,7 @@ def _range_golden(q, k, v, scale, allowed):
 
 @pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
 @pytest.mark.parametrize("per_batch", [False, True], ids=["shared", "per-batch"])
-def test_attend_kernel_with_key_ranges_equals_float64_math(weights, per_batch):
+def test_attend_kernel_with_key_ranges_equals_float64_math(bf16_gemm, weights, per_batch):
     """B2-H3-T150-S200-D32 with random ranges, empty ones included: the keys outside each
     row's range have no effect and weight 0; a row with no key outputs 0 and lse -inf."""
     kernel_or_skip()
@@ -494,7 +567,7 @@ RANGE_MASKS = {  # the call's mask arguments, and its allowed pairs by hand (B?,
 
 
 @pytest.mark.parametrize("kind", list(RANGE_MASKS))
-def test_tiled_bf16_inference_with_range_masks_runs_the_kernel(monkeypatch, kind):
+def test_tiled_bf16_inference_with_range_masks_runs_the_kernel(bf16_gemm, monkeypatch, kind):
     """The tiled backend sends bfloat16 inference with range masks to the kernel (B2-H4-T130
     -D64), within the tolerance policy of float64 math; with a gradient wanted it does not."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
@@ -514,7 +587,7 @@ def test_tiled_bf16_inference_with_range_masks_runs_the_kernel(monkeypatch, kind
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_tiled_bf16_kernel_keeps_the_nonfinite_contract(monkeypatch, where):
+def test_tiled_bf16_kernel_keeps_the_nonfinite_contract(bf16_gemm, monkeypatch, where):
     """NaN/inf in q, k or v with a window (and a batch element with no key at all): the kernel
     keeps the contract itself (nonfinite adds nothing) and NaNs the rows the tiled loop under
     the guard does, with the same finite rows within the policy; rows with no key stay 0."""
@@ -545,7 +618,7 @@ def test_tiled_bf16_kernel_keeps_the_nonfinite_contract(monkeypatch, where):
 
 
 @pytest.mark.parametrize("kind", ["window40-right7", "window-and-lengths"])
-def test_bf16_traces_of_range_masks_take_the_fused_kernel(monkeypatch, kind):
+def test_bf16_traces_of_range_masks_take_the_fused_kernel(bf16_gemm, monkeypatch, kind):
     """A bfloat16 trace (the one-pass weights) of a window or of lengths runs the kernel with
     weights: every weight within one bfloat16 step of float64's, 0 outside the mask; rows with
     no key (batch element 0 of the lengths) output 0 with weights 0."""
@@ -563,7 +636,7 @@ def test_bf16_traces_of_range_masks_take_the_fused_kernel(monkeypatch, kind):
     assert float(((trace.probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30
 
 
-def test_fused_kernel_one_row_calls_meet_the_policy_with_and_without_weights():
+def test_fused_kernel_one_row_calls_meet_the_policy_with_and_without_weights(bf16_gemm):
     """400 one-row calls (S=2..8, D=4, Dv=1, scores up to ~20): the output is the float32
     weights times the values, rounded once, with weights and without. The flash kernel's way
     without weights (unnormalised exps rounded to bfloat16, one GEMM) was outside the policy
@@ -583,7 +656,7 @@ def test_fused_kernel_one_row_calls_meet_the_policy_with_and_without_weights():
             assert_tolerance(out, gold[0], base[0], name=f"case {i}, weights={weights}")
 
 
-def test_attend_kernel_with_document_ids_equals_float64_math():
+def test_attend_kernel_with_document_ids_equals_float64_math(bf16_gemm):
     """Ids compared within each row's range (B2-H2-T120-S140-D16): keys of other ids have no
     effect; ids need not be contiguous; a row whose id no key carries, or whose range holds
     none of its id, outputs 0 with lse -inf."""
@@ -619,7 +692,7 @@ def _packed_ids(T, g):
 
 
 @pytest.mark.parametrize("layout", ["packed", "shuffled", "packed-causal"])
-def test_tiled_bf16_documents_run_the_kernel(monkeypatch, layout):
+def test_tiled_bf16_documents_run_the_kernel(bf16_gemm, monkeypatch, layout):
     """Documents through the tiled backend in inference and through traces take the kernel,
     within the tolerance policy of float64 math, NaN/inf kept to its document (B2-H2-T150)."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
@@ -653,7 +726,7 @@ def test_tiled_bf16_documents_run_the_kernel(monkeypatch, layout):
     assert float(((trace.probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30
 
 
-def test_calls_past_the_kernels_key_bound_take_the_other_ways(monkeypatch):
+def test_calls_past_the_kernels_key_bound_take_the_other_ways(bf16_gemm, monkeypatch):
     """More keys than FUSED_MAX_KEYS (lowered to 64 here): the tiled loop and the unfused
     pass run the call, within the policy, and the kernel is not called."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")

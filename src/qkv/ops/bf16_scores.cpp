@@ -2,29 +2,31 @@
 // each product of two bfloat16 exact in float32 and summed in float32, never rounded to bfloat16.
 //
 // Built by qkv/ops/bf16_scores.py through torch.utils.cpp_extension at first use (ops/_native_build.py)
-// and called through ctypes on raw pointers. It runs on oneDNN's batch-reduce GEMM micro-kernel as
-// libtorch_cpu exports it (at::native::cpublas::brgemm/pack, bf16 x bf16 -> f32, AMX), the kernel of
-// torch's own CPU flash attention: torch 2.13 has no CPU bmm of bfloat16 with a float32 output, and its
-// float32 GEMM of the widened inputs is ~9x slower than this on an AMX CPU.
+// and called through ctypes on raw pointers. torch 2.13 has no CPU bmm of bfloat16 with a float32 output,
+// and its float32 GEMM of the widened inputs is ~9x slower than this on an AMX CPU. Two GEMMs run it (the
+// caller names one per call, see Gemm below): oneDNN's batch-reduce micro-kernel as libtorch_cpu exports
+// it (at::native::cpublas::brgemm/pack, bf16 x bf16 -> f32 on AMX, the kernel of torch's own CPU flash
+// attention), and qkv's own micro-kernel on AVX512-BF16's dot product for CPUs without AMX (AMD Zen 4:
+// there torch's own bfloat16 SDPA ran at 12-17 GFLOP/s, one thread, T=1024).
 //
 // Supports: contiguous q (BH, T, D) and k (BH, S, D) in bfloat16 with D even (the caller pads an odd D
 // with a zero column: VNNI pairs); out float32 with unit column stride and any row and head strides.
-// Does not support: float16, other dtypes, CPUs without AMX (qkv_bf16_scores_usable() says 0, and
-// the caller keeps its float32 GEMM).
+// Does not support: float16, other dtypes, CPUs with neither AMX nor AVX512-BF16 (qkv_bf16_gemm_usable()
+// says 0 for both, and the caller keeps its float32 GEMM).
 //
 // Layout: k is packed per head in blocks of 64 keys (kN): each block transposed to (D, 64), zero rows past
-// S, and packed by cpublas::pack into the VNNI layout brgemm reads (oneDNN packs only N in 16..64).
-// Then every (head, block of kM query rows) is one task: for each key block one brgemm call (M rows,
-// N=64, K=D) into a thread-local tile, scaled and copied into out. Each output element is summed by one
-// brgemm call over D in a fixed order, so results do not depend on the thread count.
+// S, and packed into the VNNI layout the GEMMs read (oneDNN packs only N in 16..64). Then every (head,
+// block of kM query rows) is one task: for each key block one GEMM call (M rows, N=64, K=D) into a
+// thread-local tile, scaled and copied into out. Each output element is summed by one GEMM call over D in
+// a fixed order, so results do not depend on the thread count.
 //
 // qkv_bf16_attend: bfloat16 attention whose rows attend ranges of keys (plain, causal, sliding windows,
 // key lengths), with or without its weights, fused per (head, block of query rows): the scores of the
-// keys the block's rows see (whole blocks of kN) by brgemm into a float32 tile (never rounded to bfloat16),
+// keys the block's rows see (whole blocks of kN) by a GEMM into a float32 tile (never rounded to bfloat16),
 // the softmax of each row in float32, the weights rounded once into `probs` when wanted, the lse in
 // float32, and the output as the float32 weights times the values: the weights are split into
 // hi = bf16(p) (the rounded weights returned) and lo = bf16(p - hi), and hi @ v + lo @ v is summed in
-// float32 by two brgemm calls (|p - (hi + lo)| <= 2^-16 p, far below the output's one rounding to
+// float32 by two GEMM calls (|p - (hi + lo)| <= 2^-16 p, far below the output's one rounding to
 // bfloat16), then rounded once. Without weights the exps e are split unnormalised as they are made
 // (hi = bf16(e), lo = bf16(e - hi): one pass over a row instead of two) and the two GEMMs' sum is divided
 // by the row's sum of e before that rounding. Nothing (T, S)-sized is allocated besides the weights
@@ -48,6 +50,9 @@
 #include <limits>
 #include <utility>
 #include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 #include <exception>
 #include <memory>
 #include <vector>
@@ -61,6 +66,112 @@ constexpr int64_t kN = 64;  // keys per packed block: oneDNN's pack takes N in {
 constexpr int64_t kM = 64;  // query rows per task
 
 char last_error[512] = "";
+
+// The bfloat16 x bfloat16 -> float32 GEMMs this file runs on, chosen per call by the caller
+// (ops/bf16_scores.py, QKV_BF16_GEMM):
+// * kAmx: oneDNN's batch-reduce micro-kernel as libtorch_cpu exports it (cpublas::brgemm), on AMX tiles,
+//   with B packed by cpublas::pack; runs where oneDNN packs bfloat16 (cpublas::could_pack).
+// * kDot: qkv's own micro-kernel on AVX512-BF16's dot product (vdpbf16ps: each lane adds the two exact
+//   products of a pair of bfloat16 to a float32 sum, inputs and outputs below 2^-126 flushed to 0, as
+//   AMX's tiles do), with B in the same VNNI layout packed here; runs where the CPU has AVX512-BF16 and
+//   this build is AVX-512 (AMD Zen 4 and later, Intel Cooper Lake and later).
+// Both read B (K, N) in VNNI pairs: element (k, n) at (k / 2) * 2 * ld + 2 * n + k % 2, so that row k
+// (even) of it starts at k * ld. K is even (the callers pad D; the value blocks are whole blocks of kN).
+enum Gemm : int64_t { kAmx = 1, kDot = 2 };
+
+bool dot_usable() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+bool amx_usable() { return cpublas::could_pack(at::kBFloat16); }
+
+// B (K, N) row-major with row stride ld_in -> its VNNI layout with row stride ld_out (N <= ld_out).
+void pack_b(Gemm gemm, int64_t K, int64_t N, int64_t ld_in, int64_t ld_out, const bf16* src, bf16* dst) {
+  if (gemm == kAmx) return cpublas::pack(K, N, ld_in, ld_out, at::kBFloat16, at::kBFloat16, src, dst);
+  for (int64_t k = 0; k < K; k += 2) {
+    const bf16 *even = src + k * ld_in, *odd = even + ld_in;
+    bf16* row = dst + k * ld_out;
+    for (int64_t n = 0; n < N; ++n) row[2 * n] = even[n], row[2 * n + 1] = k + 1 < K ? odd[n] : bf16(0.0f);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// C (MR, 16 NV) (+)= A (MR, K) @ B (K, 16 NV) in VNNI pairs, all in registers: per pair of k one load of
+// each B vector, one broadcast of each row's pair of A, MR x NV dot products. The sums run over k in
+// order, the same for every M, N and thread count.
+template <int MR, int NV>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_tile(int64_t K, const bf16* A, int64_t lda,
+                                                                    const bf16* B, int64_t ldb, float* C,
+                                                                    int64_t ldc, bool add) {
+  __m512 acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = add ? _mm512_loadu_ps(C + m * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + k * ldb + 32 * v);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, A + m * lda + k, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + 16 * v, acc[m][v]);
+}
+
+constexpr int kMR = 6;  // rows per register tile: 6 x 4 accumulators, 4 B vectors and a broadcast
+using DotTile = void (*)(int64_t, const bf16*, int64_t, const bf16*, int64_t, float*, int64_t, bool);
+
+template <int MR>
+DotTile dot_tile_of(int64_t nv) {
+  switch (nv) {
+    case 1: return dot_tile<MR, 1>;
+    case 2: return dot_tile<MR, 2>;
+    case 3: return dot_tile<MR, 3>;
+    default: return dot_tile<MR, 4>;
+  }
+}
+
+DotTile dot_tile_for(int64_t mr, int64_t nv) {
+  switch (mr) {
+    case 1: return dot_tile_of<1>(nv);
+    case 2: return dot_tile_of<2>(nv);
+    case 3: return dot_tile_of<3>(nv);
+    case 4: return dot_tile_of<4>(nv);
+    case 5: return dot_tile_of<5>(nv);
+    default: return dot_tile_of<kMR>(nv);
+  }
+}
+#endif
+
+// C (M, N) (+ C where add_c) = A (M, K) row-major @ B (K, N) in VNNI pairs, float32 sums; N a multiple of 16
+// for kDot (kN and the value blocks are).
+void gemm_b(Gemm gemm, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+            const bf16* A, const bf16* B, float* C) {
+  if (gemm == kAmx) return cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, A, B, C, true);
+#if defined(CPU_CAPABILITY_AVX512)
+  if (N % 16 || K % 2) throw std::invalid_argument("gemm_b: N must be a multiple of 16 and K even");
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const int64_t nv = std::min<int64_t>(4, (N - n0) / 16);
+    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+      const int64_t mr = std::min<int64_t>(kMR, M - m0);
+      dot_tile_for(mr, nv)(K, A + m0 * lda, lda, B + 2 * n0, ldb, C + m0 * ldc + n0, ldc, add_c);
+    }
+  }
+#else
+  throw std::invalid_argument("the AVX512-BF16 GEMM needs an AVX-512 build");
+#endif
+}
+
+// After a thread's GEMMs: AMX keeps a tile state per thread, released here.
+void gemm_done(Gemm gemm) {
+  if (gemm == kAmx) cpublas::brgemm_release(true);
+}
 
 // Rows of a (B, H, L, E) tensor with unit last stride and any other strides, heads flattened
 // as bh = b * H + h: row(bh, l) points at its E entries.
@@ -89,7 +200,7 @@ void zero_nonfinite(bf16* x, int64_t n) {
 }
 
 // bad (optional, BH x S): set to 1 for a key holding NaN/inf, whose such entries are packed as 0.
-void pack_keys(InRows k, bf16* packed, int64_t BH, int64_t S, int64_t D, uint8_t* bad = nullptr) {
+void pack_keys(Gemm gemm, InRows k, bf16* packed, int64_t BH, int64_t S, int64_t D, uint8_t* bad = nullptr) {
   const int64_t nS = (S + kN - 1) / kN;
   at::parallel_for(0, BH * nS, 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> kt(D * kN);  // one block of keys transposed: (D, kN)
@@ -107,13 +218,12 @@ void pack_keys(InRows k, bf16* packed, int64_t BH, int64_t S, int64_t D, uint8_t
         for (int64_t n = nb; n < kN; ++n) row[n] = bf16(0.0f);
         if (!clean) zero_nonfinite(row, nb);
       }
-      cpublas::pack(D, kN, kN, kN, at::kBFloat16, at::kBFloat16, kt.data(),
-                    packed + (bh * nS + j) * D * kN);
+      pack_b(gemm, D, kN, kN, kN, kt.data(), packed + (bh * nS + j) * D * kN);
     }
   });
 }
 
-void scores(const bf16* q, const bf16* packed, float* out, int64_t BH, int64_t T, int64_t S,
+void scores(Gemm gemm, const bf16* q, const bf16* packed, float* out, int64_t BH, int64_t T, int64_t S,
             int64_t D, int64_t out_bh, int64_t out_t, float scale) {
   const int64_t nS = (S + kN - 1) / kN, nT = (T + kM - 1) / kM;
   at::parallel_for(0, BH * nT, 1, [&](int64_t begin, int64_t end) {
@@ -127,13 +237,13 @@ void scores(const bf16* q, const bf16* packed, float* out, int64_t BH, int64_t T
         float* dst = out + bh * out_bh + t0 * out_t + n0;
         const bf16* b = packed + (bh * nS + j) * D * kN;
         if (nb == kN) {  // a whole block straight into out, scaled there while in cache
-          cpublas::brgemm(mb, kN, D, D, kN, out_t, false, a, b, dst, true);
+          gemm_b(gemm, mb, kN, D, D, kN, out_t, false, a, b, dst);
           for (int64_t r = 0; r < mb; ++r) {
             float* row = dst + r * out_t;
             for (int64_t n = 0; n < kN; ++n) row[n] *= scale;
           }
         } else {  // the last, partial block of keys: through the tile
-          cpublas::brgemm(mb, kN, D, D, kN, kN, false, a, b, tile.data(), true);
+          gemm_b(gemm, mb, kN, D, D, kN, kN, false, a, b, tile.data());
           for (int64_t r = 0; r < mb; ++r) {
             const float* src = tile.data() + r * kN;
             for (int64_t n = 0; n < nb; ++n) dst[r * out_t + n] = src[n] * scale;
@@ -141,7 +251,7 @@ void scores(const bf16* q, const bf16* packed, float* out, int64_t BH, int64_t T
         }
       }
     }
-    cpublas::brgemm_release(true);  // the AMX tile state of this thread
+    gemm_done(gemm);  // the AMX tile state of this thread
   });
 }
 
@@ -156,7 +266,7 @@ int64_t value_block(int64_t Dvp, int64_t c0) { return std::min<int64_t>(64, Dvp 
 
 // v (BH, S, Dv) -> per head, per block of <= 64 columns (Dv padded to Dvp, a multiple of 16), the VNNI
 // layout of the (Sp, width) matrix, zero rows past S and zero columns past Dv.
-void pack_values(InRows v, bf16* packed, int64_t BH, int64_t S, int64_t Dv, int64_t Sp,
+void pack_values(Gemm gemm, InRows v, bf16* packed, int64_t BH, int64_t S, int64_t Dv, int64_t Sp,
                  int64_t Dvp, uint8_t* bad) {
   const int64_t nS = Sp / kN;
   at::parallel_for(0, BH * nS, 1, [&](int64_t begin, int64_t end) {
@@ -176,7 +286,7 @@ void pack_values(InRows v, bf16* packed, int64_t BH, int64_t S, int64_t Dv, int6
         }
         // this column block of head bh: (Sp, w) in VNNI; keys n0.. start at row n0 of it
         bf16* dst = packed + bh * Sp * Dvp + c0 * Sp + n0 * w;
-        cpublas::pack(kN, w, w, w, at::kBFloat16, at::kBFloat16, blk.data(), dst);
+        pack_b(gemm, kN, w, w, w, blk.data(), dst);
       }
     }
   });
@@ -426,7 +536,7 @@ bool bad_in_range(const uint8_t* bad, const int32_t* before, int64_t a, int64_t 
   return false;
 }
 
-void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
+void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
             const int32_t* bad_before, Ranges ranges,
             bf16* probs, OutRows out, float* lse, int64_t BH, int64_t T, int64_t S, int64_t D,
             int64_t Dv, int64_t Sp, int64_t Dvp, int64_t rows, float scale) {
@@ -456,8 +566,8 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
         if (row_bad[r]) zero_nonfinite(qz.data() + r * D, D);
       }
       for (int64_t n0 = kb0; n0 < kb1; n0 += kN)
-        cpublas::brgemm(mb, kN, D, D, kN, Sp, false, qz.data(),
-                        pk + (bh * (Sp / kN) + n0 / kN) * D * kN, sc.data() + (n0 - kb0), true);
+        gemm_b(gemm, mb, kN, D, D, kN, Sp, false, qz.data(), pk + (bh * (Sp / kN) + n0 / kN) * D * kN,
+               sc.data() + (n0 - kb0));
       for (int64_t r = 0; r < mb; ++r) {
         const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
         bf16* prow = probs == nullptr ? nullptr : probs + (bh * T + t0 + r) * S;
@@ -481,8 +591,8 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
         for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
           const int64_t w = value_block(Dvp, c0);
           const bf16* bv = pv + bh * Sp * Dvp + c0 * Sp + kb0 * w;  // VNNI rows from key kb0
-          cpublas::brgemm(mb, w, K, Sp, w, Dvp, false, hi.data(), bv, acc.data() + c0, true);
-          cpublas::brgemm(mb, w, K, Sp, w, Dvp, true, lo.data(), bv, acc.data() + c0, true);
+          gemm_b(gemm, mb, w, K, Sp, w, Dvp, false, hi.data(), bv, acc.data() + c0);
+          gemm_b(gemm, mb, w, K, Sp, w, Dvp, true, lo.data(), bv, acc.data() + c0);
         }
       const int32_t* before = bad_before + bh * (S + 1);
       for (int64_t r = 0; r < mb; ++r) {
@@ -501,18 +611,26 @@ void attend(InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
         }
       }
     }
-    cpublas::brgemm_release(true);
+    gemm_done(gemm);
   });
+}
+
+// The GEMM of a call's argument, refused unless it runs here: kDot on a CPU without AVX512-BF16 would
+// stop the process with an illegal instruction.
+Gemm checked(int64_t gemm) {
+  if (gemm == kAmx && amx_usable()) return kAmx;
+  if (gemm == kDot && dot_usable()) return kDot;
+  throw std::invalid_argument("bfloat16 GEMM " + std::to_string(gemm) + " does not run here");
 }
 
 }  // namespace
 
 extern "C" {
 
-// 1 where this kernel can run here (oneDNN packs bfloat16 for AMX), else 0.
-int qkv_bf16_scores_usable() {
+// 1 where the GEMM `gemm` (kAmx, kDot) runs here, else 0.
+int qkv_bf16_gemm_usable(int64_t gemm) {
   try {
-    return cpublas::could_pack(at::kBFloat16) ? 1 : 0;
+    return (gemm == kAmx && amx_usable()) || (gemm == kDot && dot_usable()) ? 1 : 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());
     return 0;
@@ -521,14 +639,16 @@ int qkv_bf16_scores_usable() {
 
 const char* qkv_bf16_scores_error() { return last_error; }
 
-// 0 on success, 1 on an error (qkv_bf16_scores_error says which); out is then undefined.
+// 0 on success, 1 on an error (qkv_bf16_scores_error says which); out is then undefined. gemm: kAmx or
+// kDot, one that runs here (qkv_bf16_gemm_usable).
 int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_t T, int64_t S,
-                    int64_t D, int64_t out_bh, int64_t out_t, float scale) {
+                    int64_t D, int64_t out_bh, int64_t out_t, float scale, int64_t gemm) {
   try {
+    const Gemm g = checked(gemm);
     const int64_t nS = (S + kN - 1) / kN;
     std::unique_ptr<bf16[]> packed(new bf16[BH * nS * D * kN]);
-    pack_keys(InRows{k, 1, S * D, 0, D}, packed.get(), BH, S, D);
-    scores(q, packed.get(), out, BH, T, S, D, out_bh, out_t, scale);
+    pack_keys(g, InRows{k, 1, S * D, 0, D}, packed.get(), BH, S, D);
+    scores(g, q, packed.get(), out, BH, T, S, D, out_bh, out_t, scale);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());
@@ -547,14 +667,16 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
 // and lse -inf. It keeps qkv's NaN/inf contract itself, as ops/nonfinite.py's eager guard does: NaN/inf
 // entries of q, k and v count as 0 for the weights, the lse and the output, and then a query row holding
 // one, and every row that may attend a key whose key or value holds one, outputs NaN (if it has a key).
-// 0 on success, 1 on an error (qkv_bf16_scores_error).
+// gemm: kAmx or kDot, one that runs here (qkv_bf16_gemm_usable). 0 on success, 1 on an error
+// (qkv_bf16_scores_error).
 int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* lo, const int64_t* hi,
                     const int64_t* q_ids, const int64_t* kv_ids, const uint8_t* mixed,
                     int64_t q_ids_sB, int64_t kv_ids_sB,
                     bf16* probs, bf16* out, float* lse, const int64_t* strides, int64_t range_sB,
                     int64_t H, int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale,
-                    int64_t rows) {
+                    int64_t rows, int64_t gemm) {
   try {
+    const Gemm g = checked(gemm);
     const int64_t Sp = round_up(S, kN), Dvp = round_up(Dv, 16);
     // rows per task: a float32 score tile and two bfloat16 tiles of rows x Sp stay near the cache
     // (rows > 0: as given, for benchmarks of the choice)
@@ -566,8 +688,8 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
     const InRows qr{q, H, strides[0], strides[1], strides[2]}, kr{k, H, strides[3], strides[4], strides[5]};
     const InRows vr{v, H, strides[6], strides[7], strides[8]};
     const OutRows outr{out, H, strides[9], strides[10], strides[11]};
-    pack_keys(kr, pk.get(), BH, S, D, bad.data());
-    pack_values(vr, pv.get(), BH, S, Dv, Sp, Dvp, bad.data());
+    pack_keys(g, kr, pk.get(), BH, S, D, bad.data());
+    pack_values(g, vr, pv.get(), BH, S, Dv, Sp, Dvp, bad.data());
     std::vector<int32_t> bad_before(BH * (S + 1));
     for (int64_t bh = 0; bh < BH; ++bh) {
       int32_t* before = bad_before.data() + bh * (S + 1);
@@ -575,7 +697,7 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
       for (int64_t j = 0; j < S; ++j) before[j + 1] = before[j] + bad[bh * S + j];
     }
     const Ranges ranges{lo, hi, H, range_sB, q_ids, kv_ids, q_ids_sB, kv_ids_sB, mixed};
-    attend(qr, pk.get(), pv.get(), bad.data(), bad_before.data(), ranges, probs, outr, lse,
+    attend(g, qr, pk.get(), pv.get(), bad.data(), bad_before.data(), ranges, probs, outr, lse,
            BH, T, S, D, Dv, Sp, Dvp, rows, scale);
     return 0;
   } catch (const std::exception& e) {

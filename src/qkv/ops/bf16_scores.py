@@ -4,10 +4,14 @@ Issue 37 keeps the scores of half inputs in float32 before the softmax. torch 2.
 GEMM of bfloat16 inputs with a float32 output (``bmm(out_dtype=)`` is CUDA only), so they were
 formed as a float32 GEMM of the widened inputs, ~9x slower than the bfloat16 GEMM on an AMX
 CPU (8 heads, T=S=1024, D=64: 20.6 ms against 2.3 ms, which rounds the scores to bfloat16 and
-is refused). ``bf16_scores.cpp`` runs oneDNN's batch-reduce micro-kernel as libtorch_cpu
-exports it (``at::native::cpublas::brgemm``, bf16 x bf16 -> f32 on AMX, the kernel of torch's
-own CPU flash attention): each product of two bfloat16 is exact in float32 and the sums are
-float32's, as in the widened GEMM.
+is refused). ``bf16_scores.cpp`` forms them on one of two GEMMs (:data:`GEMMS`): oneDNN's
+batch-reduce micro-kernel as libtorch_cpu exports it (``at::native::cpublas::brgemm``, bf16 x
+bf16 -> f32 on AMX, the kernel of torch's own CPU flash attention), or, on a CPU without AMX
+that has AVX512-BF16 (AMD Zen 4), qkv's own micro-kernel on that dot product instruction. Each
+product of two bfloat16 is exact in float32 and the sums are float32's, as in the widened
+GEMM. ``QKV_BF16_GEMM`` (``auto``, ``amx``, ``avx512_bf16``) forces one, so that the tests run
+each where it runs; ``auto`` takes AMX where both run (its tiles do 16x the work of one
+instruction; not timed here, this Zen 4 session had no AMX CPU to time on).
 
 * :func:`scores_` forms ``scale * q @ k^T`` into a float32 buffer, by the kernel where
   :func:`available`, else by its slow twin :func:`scores_widened_` (the widened GEMM).
@@ -20,8 +24,8 @@ float32's, as in the widened GEMM.
   it, else integer arithmetic that gives the same bits; ``QKV_BF16_GENERIC_CVT=1`` forces the
   latter (read once per process, for the test that compares them).
 * The kernel is built at first use (``ops/_native_build.py``); where it cannot run (no C++
-  compiler, a failed build, a CPU without AMX that oneDNN packs bfloat16 for), it is not used,
-  and one debug-level log line says why.
+  compiler, a failed build, a CPU with neither AMX that oneDNN packs bfloat16 for nor
+  AVX512-BF16 in an AVX-512 build), it is not used, and one debug-level log line says why.
 
 Shape alphabet: N batch x heads (flattened), T query length, S key length, D head dim.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -43,6 +48,8 @@ from ._native_build import build
 __all__ = [
     "attend_kernel",
     "available",
+    "GEMMS",
+    "gemm_routes",
     "scores_",
     "scores_kernel_",
     "scores_widened_",
@@ -54,25 +61,68 @@ SOURCE = Path(__file__).with_name("bf16_scores.cpp")
 _log = logging.getLogger(__name__)
 
 
+# The kernel's GEMMs (bf16_scores.cpp's ``Gemm``), fastest first where both run (an AMX CPU has
+# AVX512-BF16 too): oneDNN's batch-reduce micro-kernel on AMX tiles, and qkv's own micro-kernel on
+# AVX512-BF16's dot product instruction (AMD Zen 4, where oneDNN's pack refuses bfloat16).
+GEMMS = {"amx": 1, "avx512_bf16": 2}
+_WHY_NOT = {
+    "amx": "at::native::cpublas::could_pack(BFloat16) is false (no AMX)",
+    "avx512_bf16": "no AVX512-BF16 in this CPU or in this build (torch's capability {cap})",
+}
+
+
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
     lib, why = build(SOURCE, "qkv_bf16_scores")
     if lib is None:
         return None, why
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.qkv_bf16_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float]
+    lib.qkv_bf16_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float, i64]
     lib.qkv_bf16_scores.restype = ctypes.c_int
     args: list[type] = []
-    for kind, n in ((ptr, 8), (i64, 2), (ptr, 4), (i64, 7), (ctypes.c_float, 1), (i64, 1)):
+    for kind, n in ((ptr, 8), (i64, 2), (ptr, 4), (i64, 7), (ctypes.c_float, 1), (i64, 2)):
         args += [kind] * n
     lib.qkv_bf16_attend.argtypes = args
     lib.qkv_bf16_attend.restype = ctypes.c_int
-    lib.qkv_bf16_scores_usable.restype = ctypes.c_int
+    lib.qkv_bf16_gemm_usable.argtypes = [i64]
+    lib.qkv_bf16_gemm_usable.restype = ctypes.c_int
     lib.qkv_bf16_scores_error.restype = ctypes.c_char_p
-    if not lib.qkv_bf16_scores_usable():
-        why = lib.qkv_bf16_scores_error().decode() or "oneDNN packs no bfloat16 here (no AMX)"
-        return None, f"at::native::cpublas::could_pack(BFloat16) is false: {why}"
     return lib, ""
+
+
+@functools.cache
+def _runs(lib: ctypes.CDLL) -> tuple[tuple[str, ...], str]:
+    """The GEMMs of :data:`GEMMS` that run here with this build, and why the others do not."""
+    runs = tuple(name for name, code in GEMMS.items() if lib.qkv_bf16_gemm_usable(code))
+    cap = torch.backends.cpu.get_cpu_capability()
+    why = "; ".join(_WHY_NOT[name].format(cap=cap) for name in GEMMS if name not in runs)
+    return runs, why
+
+
+def gemm_routes() -> tuple[str, ...]:
+    """The kernel's GEMMs that run on this machine (names of :data:`GEMMS`), fastest first;
+    empty where the kernel does not run at all (builds it at the first ask)."""
+    lib, _ = _build()
+    return () if lib is None else _runs(lib)[0]
+
+
+def _route() -> tuple[int, str]:
+    """The GEMM code this call runs on (0: none), and why none. ``QKV_BF16_GEMM`` forces one
+    (``amx`` or ``avx512_bf16``; read per call, so tests run each where it runs); unset or
+    ``auto``, the first that runs here. A forced GEMM that does not run here leaves the kernel
+    unused (the widened GEMM, the same float32 sums), with the reason."""
+    lib, why = _build()
+    if lib is None:
+        return 0, why
+    runs, why = _runs(lib)
+    forced = os.environ.get("QKV_BF16_GEMM", "auto")
+    if forced == "auto":
+        return (GEMMS[runs[0]], "") if runs else (0, why)
+    if forced not in GEMMS:
+        raise ValueError(f"QKV_BF16_GEMM must be one of auto, {', '.join(GEMMS)}; got {forced!r}")
+    if forced not in runs:
+        return 0, f"QKV_BF16_GEMM={forced} does not run here: {why}"
+    return GEMMS[forced], ""
 
 
 @functools.cache
@@ -81,17 +131,25 @@ def _note_once(why: str) -> None:
 
 
 def available() -> bool:
-    """Whether the kernel runs here (built, and AMX that oneDNN packs bfloat16 for); builds it
-    at the first ask (seconds once, a cached load later)."""
-    lib, why = _build()
-    if lib is None:
+    """Whether the kernel runs here (built, and a GEMM of :data:`GEMMS` runs: AMX that oneDNN
+    packs bfloat16 for, or AVX512-BF16); builds it at the first ask (seconds once, a cached
+    load later)."""
+    gemm, why = _route()
+    if not gemm:
         _note_once(why)
-    return lib is not None
+    return gemm != 0
 
 
 def unavailable_reason() -> str:
     """Why the kernel is not used here (``""`` when it is)."""
-    return _build()[1]
+    return _route()[1]
+
+
+def _lib_and_gemm(what: str) -> tuple[ctypes.CDLL, int]:
+    gemm, why = _route()
+    if not gemm:
+        raise RuntimeError(f"the bfloat16 {what} kernel cannot run here: {why}")
+    return _build()[0], gemm  # type: ignore[return-value]
 
 
 def scores_(out: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
@@ -126,9 +184,7 @@ def scores_kernel_(out: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
     Shape:
         out ``(N, T, S)`` float32, q ``(N, T, D)``, k ``(N, S, D)`` bfloat16 -> out.
     """
-    lib, why = _build()
-    if lib is None:
-        raise RuntimeError(f"the bfloat16 score kernel cannot run here: {why}")
+    lib, gemm = _lib_and_gemm("score")
     N, T, D = q.shape
     S = k.shape[-2]
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or out.dtype != torch.float32:
@@ -158,6 +214,7 @@ def scores_kernel_(out: Tensor, q: Tensor, k: Tensor, scale: float) -> Tensor:
         out.stride(0),
         out.stride(1),
         float(scale),
+        gemm,
     )
     if rc != 0:
         raise RuntimeError(
@@ -221,9 +278,7 @@ def attend_kernel(
         probs ``(B, H, T, S)`` bfloat16 or None, lse ``(B, H, T)`` float32 (without B for 3-d
         inputs); ids ``(B or 1, T)`` and ``(B or 1, S)`` integers, and ``(B or 1, T)`` bool.
     """
-    lib, why = _build()
-    if lib is None:
-        raise RuntimeError(f"the bfloat16 attention kernel cannot run here: {why}")
+    lib, gemm = _lib_and_gemm("attention")
     if q.dim() == 3:  # (N, T, D): one batch element of N heads
         out, probs, lse = attend_kernel(
             q[None], k[None], v[None], scale, lo, hi, weights=weights, ids=ids, rows=rows
@@ -292,6 +347,7 @@ def attend_kernel(
         Dv,
         float(scale),
         rows,
+        gemm,
     )
     if rc != 0:
         raise RuntimeError(
