@@ -46,9 +46,9 @@ from ._memory import empty_large
 from ._native_build import build
 
 __all__ = [
+    "GEMMS",
     "attend_kernel",
     "available",
-    "GEMMS",
     "gemm_routes",
     "scores_",
     "scores_kernel_",
