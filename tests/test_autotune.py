@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +93,30 @@ def test_auto_takes_the_backend_measured_fastest_and_keeps_it(fakes, tmp_path):
     assert data["machine"] == autotune.machine_key()
     (kind,) = data["choices"]
     assert kind == autotune.call_kind(call) and data["choices"][kind]["backend"] == "fast"
+
+
+def test_choices_measured_with_other_kernel_sources_are_not_read(tmp_path):
+    """The cache file's name holds a digest of qkv's kernel sources: after a kernel changes
+    (a source tree at another commit, the same version number), the choices its old self
+    measured are in another file and are measured again."""
+    from qkv import _measured
+
+    root = tmp_path / "ops"
+    (root / "tiled").mkdir(parents=True)
+    (root / "tiled" / "k.cpp").write_text("int f() { return 1; }\n")
+    (root / "a.py").write_text("x = 1\n")
+    (root / "notes.txt").write_text("not a source")
+    before = _measured.sources_digest(root)
+    (root / "notes.txt").write_text("other words")
+    assert _measured.sources_digest(root) == before
+    (root / "tiled" / "k.cpp").write_text("int f() { return 2; }\n")
+    changed = _measured.sources_digest(root)
+    (root / "tiled" / "k.cpp").rename(root / "k.cpp")  # the same bytes under another name
+    assert len({before, changed, _measured.sources_digest(root)}) == 3
+    assert _measured.kernels_digest() == _measured.sources_digest(
+        Path(_measured.__file__).parent / "ops"
+    )
+    assert autotune.machine_key().endswith(f"kernels {_measured.kernels_digest()}")
 
 
 @pytest.mark.parametrize(("slow_cost", "taken"), [(1.04, "slow"), (1.06, "fast")])

@@ -12,9 +12,9 @@ file.
   measures.
 * The file: ``$QKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``;
   ``autotune-<digest>.json``, one per machine (CPU model and flags or GPU name, torch and qkv
-  versions), a JSON object ``{"machine": ..., "choices": {name: entry}}``. The names of
-  ``auto``'s choices are call kinds (``cpu/float32/causal/...``); a CPU route's name starts
-  with ``route:``.
+  versions, a digest of qkv's kernel sources), a JSON object
+  ``{"machine": ..., "choices": {name: entry}}``. The names of ``auto``'s choices are call
+  kinds (``cpu/float32/causal/...``); a CPU route's name starts with ``route:``.
 """
 
 from __future__ import annotations
@@ -158,10 +158,29 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+@functools.cache
+def kernels_digest() -> str:
+    """A digest of the sources of qkv's kernels (every ``.py``, ``.cpp`` and ``.h`` under
+    ``qkv/ops``): a choice measured with other kernels holds no more. qkv's version alone
+    missed that where it is run from a source tree: a kernel made 2x faster kept losing to the
+    choice its slower self had measured (AMD Zen 4, bfloat16, 2026-11-27)."""
+    return sources_digest(Path(__file__).parent / "ops")
+
+
+def sources_digest(root: Path) -> str:
+    """A digest of the names and bytes of the ``.py``, ``.cpp`` and ``.h`` files under
+    ``root``, read now."""
+    h = hashlib.blake2b(digest_size=8)
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def machine_key() -> str:
     """What a measurement holds for: the processor (GPU name or CPU model and flags), the
     instructions torch and oneDNN may use (``ATEN_CPU_CAPABILITY``/``ONEDNN_MAX_CPU_ISA`` hold
-    them to AVX2, and half GEMMs slow down 10x), torch's and qkv's versions."""
+    them to AVX2, and half GEMMs slow down 10x), torch's and qkv's versions, and the sources
+    of qkv's kernels (:func:`kernels_digest`)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -176,7 +195,7 @@ def machine_key() -> str:
         parts.append(f"onednn {onednn}")
     if torch.cuda.is_available():
         parts += [torch.cuda.get_device_name(), str(torch.cuda.get_device_capability())]
-    parts += [f"torch {torch.__version__}", f"qkv {qkv_version}"]
+    parts += [f"torch {torch.__version__}", f"qkv {qkv_version} kernels {kernels_digest()}"]
     return " | ".join(parts)
 
 
