@@ -545,6 +545,87 @@ def test_attend_kernel_with_key_ranges_equals_float64_math(bf16_gemm, weights, p
         assert probs is None
 
 
+FEW_ROW_CASES = [  # T, S, D, Dv: the last partial 32 of D and 16 of Dv, one key, long rows
+    (1, 1, 16, 16),
+    (1, 4096, 64, 64),
+    (2, 77, 80, 3),
+    (3, 200, 130, 17),
+    (4, 65, 2, 80),
+]
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
+@pytest.mark.parametrize(
+    "T,S,D,Dv", FEW_ROW_CASES, ids=[f"T{t}-S{s}-D{d}-Dv{dv}" for t, s, d, dv in FEW_ROW_CASES]
+)
+def test_a_few_rows_read_the_keys_in_place_and_meet_the_policy_as_the_tiles_do(
+    bf16_gemm, weights, T, S, D, Dv
+):
+    """Up to 4 query rows (a decoding step) on AVX512-BF16 skip the packing of the keys and
+    values (``attend_few``: each row's dot products with its keys as they lie, the output by
+    float32 multiply-adds); ``rows=T`` forces the packed tiles on the same call. Both meet
+    the policy against float64 math, over random key ranges (empty ones included) of strided
+    heads, with the same rows 0 and the same lse -inf."""
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(T * 1000 + S)
+    B, H = 2, 3
+    q = torch.randn(B, T, H, D, generator=g).bfloat16().transpose(1, 2)  # (B, H, T, D) strided
+    k = torch.randn(B, H, S, D, generator=g).bfloat16()
+    v = torch.randn(B, S, H, Dv, generator=g).bfloat16().transpose(1, 2)  # (B, H, S, Dv)
+    lo = torch.randint(0, S, (B, T), generator=g)
+    hi = (lo + torch.randint(-3, S + 1, (B, T), generator=g)).clamp(0, S)
+    lo[0, 0], hi[0, 0] = 0, S  # one row sees every key
+    if T > 1:
+        lo[1, 1], hi[1, 1] = 5, 5  # one sees none
+    j = torch.arange(S)
+    allowed = ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]  # (B, 1, T, S)
+    gold, base = _range_golden(q, k, v, 0.3, allowed)
+    empty = (lo >= hi)[:, None].expand(B, H, T)
+    for rows in (0, T):  # the few rows' way, the tiles
+        out, probs, lse = bf16_scores.attend_kernel(
+            q, k, v, 0.3, lo, hi, weights=weights, rows=rows
+        )
+        assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name=f"out, rows={rows}")
+        assert (out[empty] == 0).all() and lse[empty].isneginf().all()
+        assert max_error(lse[~empty], gold[2][~empty]) <= ATOL * 10
+        if weights:
+            assert probs is not None and (probs[~allowed.expand(B, H, T, S)] == 0).all()
+            assert float(((probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30
+
+
+@pytest.mark.parametrize("where", ["q", "k-in", "k-out", "v-in", "v-out", "inf-k"])
+def test_a_few_rows_keep_the_nonfinite_contract_as_the_tiles_do(bf16_gemm, where):
+    """NaN/inf in a query row, or in a key or value inside or outside a row's range: the few
+    rows' way and the tiles give the same NaN rows (a bad query row, a bad key or value in the
+    row's range; those outside have no effect) and outputs within the policy elsewhere."""
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(5)
+    B, H, T, S, D = 1, 2, 3, 150, 64
+    q, k, v = (torch.randn(B, H, n, D, generator=g).bfloat16() for n in (T, S, S))
+    lo, hi = torch.tensor([[0, 40, 100]]), torch.tensor([[50, 90, 150]])  # keys 90-99: none's
+    bad = {"q": (q, 1, 3), "k-in": (k, 45, 0), "k-out": (k, 95, 5), "v-in": (v, 110, 63)}
+    bad |= {"v-out": (v, 92, 2), "inf-k": (k, 130, 7)}
+    x, row, col = bad[where]
+    x[0, 1, row, col] = float("inf") if where == "inf-k" else float("nan")
+    j = torch.arange(S)
+    allowed = ((j >= lo[..., None]) & (j < hi[..., None]))[:, None]  # (1, 1, T, S)
+    clean = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]
+    gold, base = _range_golden(*clean, 0.125, allowed)
+    want_nan = torch.zeros(B, H, T, dtype=torch.bool)
+    if where == "q":
+        want_nan[0, 1, row] = True
+    elif where in ("k-in", "v-in", "inf-k"):
+        want_nan[0, 1] = allowed[0, 0, :, row]
+    for rows in (0, T):
+        out, _, _ = bf16_scores.attend_kernel(q, k, v, 0.125, lo, hi, weights=False, rows=rows)
+        assert (
+            torch.equal(out.isnan().all(-1), want_nan)
+            and not out.isnan().any(-1).logical_xor(want_nan).any()
+        ), f"rows={rows}"
+        keep = ~want_nan
+        assert_tolerance(out[keep], gold[0][keep], base[0][keep], factor=OUTPUT_FACTOR)
+
+
 _I, _J = torch.arange(130).view(130, 1), torch.arange(130).view(1, 130)
 _LENGTHS = torch.tensor([0, 97]).view(2, 1, 1, 1)
 RANGE_MASKS = {  # the call's mask arguments, and its allowed pairs by hand (B?, 1, T, S)
