@@ -653,22 +653,19 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
 }
 
 // --- a few query rows (a decoding step) on AVX512-BF16: no packing ---------------------------------------
-// Packing every key and value (a transpose and an interleave) cost a one-row call 2-3x its product on AMD
-// Zen 4 (T=1, S=4096, 8 heads: 2.7 ms, where reading k and v once took 0.4). With a few rows, each row
-// reads its keys and values as they lie instead: a score is the dot product of the row with the key by
-// AVX512-BF16's instruction (float32 sums of exact products, summed across lanes at the end), and the
-// output the float32 weights (hi + lo, as softmax_row splits them) times the values widened to float32,
-// by fused multiply-adds in key order. The NaN/inf contract as in attend: NaN/inf entries count as 0, a
-// bad query row or a key or value in the row's range holding one gives NaN (if the row has a key).
+// Packing every key and value (a transpose and an interleave) cost a one-row call 3-4x its products on AMD
+// Zen 4 (T=1, S=4096, 8 heads, one thread: 2.5 ms, where reading k and v once took 0.4). With a few rows,
+// a head's rows read its keys and values as they lie instead: a score is the dot product of the row with
+// the key by AVX512-BF16's instruction (float32 sums of exact products, summed across lanes at the end),
+// and the output the float32 weights (hi + lo, as softmax_row splits them) times the values widened to
+// float32, by fused multiply-adds in key order. Measured there against the tiles (ms, S=4096 / S=128):
+// T=1 0.68 / 0.042 against 2.65 / 0.072, T=4 1.50 / 0.072 against 2.81 / 0.077, T=8 level (2.99 / 0.094
+// against 2.88 / 0.090): up to 4 rows. The NaN/inf contract as in attend: NaN/inf entries of q and k count
+// as 0 for the weights and the lse, and a bad query row, or a key or value in the row's range holding one,
+// gives NaN (if the row has a key; a bad value is therefore not zeroed: the row is NaN whatever it adds).
 constexpr int64_t kFewRows = 4;
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Whether x[0, n) is all finite, n <= 32: one masked load and compare.
-__attribute__((target("avx512f,avx512bw"))) inline bool finite_32(const bf16* x, __mmask32 m) {
-  const __m512i e = _mm512_and_si512(_mm512_maskz_loadu_epi16(m, x), _mm512_set1_epi16(0x7F80));
-  return _mm512_cmpeq_epi16_mask(e, _mm512_set1_epi16(0x7F80)) == 0;
-}
-
 // The dot product of q and k[0, D) (D even), in float32; k with NaN/inf entries as 0 (*bad set to 1).
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) float dot_row(const bf16* q, const bf16* k, int64_t D,
                                                                     uint8_t* bad) {
@@ -685,57 +682,99 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) float dot_row(const bf16*
   return _mm512_reduce_add_ps(acc);
 }
 
-// acc[0, Dv) += w * v[0, Dv) widened to float32 (v with NaN/inf entries as 0, *bad set to 1).
-__attribute__((target("avx512f,avx512bw"))) void axpy_row(float w, const bf16* v, int64_t Dv, float* acc,
-                                                         uint8_t* bad) {
-  const __m512 vw = _mm512_set1_ps(w);
-  for (int64_t c = 0; c < Dv; c += 16) {
-    const __mmask16 m = Dv - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (Dv - c)) - 1);
-    __m256i h = _mm256_maskz_loadu_epi16(m, v + c);
-    const __mmask16 nonfinite = _mm256_cmpeq_epi16_mask(
-        _mm256_and_si256(h, _mm256_set1_epi16(0x7F80)), _mm256_set1_epi16(0x7F80));
-    if (nonfinite != 0) *bad = 1, h = _mm256_maskz_mov_epi16(~nonfinite, h);
-    const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    _mm512_mask_storeu_ps(acc + c, m, _mm512_fmadd_ps(vw, x, _mm512_maskz_loadu_ps(m, acc + c)));
+// acc[c0, c0 + 16 NV) = sum over j < n of w[j] * v_j[c0, ...) widened to float32 (v_j = v.row(bh, a + j)),
+// multiply-adds in key order, in registers; entries past Dv are not read or written. Returns whether a
+// value entry read is NaN/inf (it is not zeroed: the row is NaN then).
+template <int NV>
+__attribute__((target("avx512f,avx512bw"))) bool weighted_values(const float* w, InRows v, int64_t bh,
+                                                                 int64_t a, int64_t n, int64_t c0,
+                                                                 int64_t Dv, float* acc) {
+  __m512 sum[NV];
+  __mmask16 m[NV];
+  for (int i = 0; i < NV; ++i) {
+    const int64_t left = Dv - c0 - 16 * i;
+    m[i] = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    sum[i] = _mm512_setzero_ps();
   }
+  __mmask16 nonfinite = 0;
+  const __m256i exponent = _mm256_set1_epi16(0x7F80);
+  for (int64_t j = 0; j < n; ++j) {
+    const bf16* row = v.row(bh, a + j) + c0;
+    const __m512 vw = _mm512_set1_ps(w[j]);
+    for (int i = 0; i < NV; ++i) {
+      const __m256i h = _mm256_maskz_loadu_epi16(m[i], row + 16 * i);
+      nonfinite |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, exponent), exponent);
+      const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      sum[i] = _mm512_fmadd_ps(vw, x, sum[i]);
+    }
+  }
+  for (int i = 0; i < NV; ++i) _mm512_mask_storeu_ps(acc + c0 + 16 * i, m[i], sum[i]);
+  return nonfinite != 0;
 }
 
-// Each (head, row) one task: scores of the row's keys [a, b), softmax_row, the output. Documents are not
-// taken (the caller packs for them).
+// acc[0, Dv) = the row's weights w[0, n) times its values [a, a + n); whether one holds NaN/inf.
+bool weighted_row(const float* w, InRows v, int64_t bh, int64_t a, int64_t n, int64_t Dv, float* acc) {
+  bool bad = false;
+  for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+    switch (std::min<int64_t>(4, (Dv - c0 + 15) / 16)) {
+      case 1: bad |= weighted_values<1>(w, v, bh, a, n, c0, Dv, acc); break;
+      case 2: bad |= weighted_values<2>(w, v, bh, a, n, c0, Dv, acc); break;
+      case 3: bad |= weighted_values<3>(w, v, bh, a, n, c0, Dv, acc); break;
+      default: bad |= weighted_values<4>(w, v, bh, a, n, c0, Dv, acc);
+    }
+  }
+  return bad;
+}
+
+// Each head one task, its rows together: each key and value row is read once from memory for all the rows
+// that see it (the rows' scores of keys [a, b), softmax_row, the outputs). Documents are not taken (the
+// caller packs for them).
 void attend_few(InRows q, InRows k, InRows v, const Ranges& ranges, bf16* probs, OutRows out, float* lse,
                 int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale) {
-  at::parallel_for(0, BH * T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sc(S), acc(Dv);
-    std::vector<bf16> hi(S), lo(S), qz(D);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / T, t = task % T;
-      const int64_t a = std::clamp<int64_t>(ranges.at(ranges.lo, bh, t), 0, S);
-      const int64_t b = std::clamp<int64_t>(ranges.at(ranges.hi, bh, t), 0, S);
-      const bf16* src = q.row(bh, t);
-      std::copy(src, src + D, qz.begin());
-      const bool query_bad = !finite_row(src, D);
-      if (query_bad) zero_nonfinite(qz.data(), D);
-      uint8_t any_bad = 0;  // a key or value in [a, b) holding NaN/inf
-      for (int64_t j = a; j < b; ++j) sc[j - a] = dot_row(qz.data(), k.row(bh, j), D, &any_bad);
-      bf16* prow = probs == nullptr ? nullptr : probs + (bh * T + t) * S;
-      if (prow != nullptr) std::fill(prow, prow + S, bf16(0.0f));
-      float norm = 1.0f;
-      const int64_t n = std::max<int64_t>(b - a, 0);
-      const float row_lse = softmax_row(sc.data(), 0, n, scale, n, prow == nullptr ? nullptr : prow + a,
-                                        hi.data(), lo.data(), &norm);
-      lse[bh * T + t] = row_lse;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float w = static_cast<float>(hi[j]) + static_cast<float>(lo[j]);
-        axpy_row(w, v.row(bh, a + j), Dv, acc.data(), &any_bad);
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sc(T * S), acc(T * Dv), norm(T), w(S);
+    std::vector<bf16> hi(T * S), lo(T * S), qz(T * D);
+    std::vector<int64_t> a(T), b(T);
+    std::vector<uint8_t> query_bad(T), any_bad(T);  // any_bad: a key or value in [a, b) with NaN/inf
+    for (int64_t bh = begin; bh < end; ++bh) {
+      int64_t first = S, last = 0;  // the keys some row sees: [first, last)
+      for (int64_t t = 0; t < T; ++t) {
+        a[t] = std::clamp<int64_t>(ranges.at(ranges.lo, bh, t), 0, S);
+        b[t] = std::max(a[t], std::clamp<int64_t>(ranges.at(ranges.hi, bh, t), 0, S));
+        if (a[t] < b[t]) first = std::min(first, a[t]), last = std::max(last, b[t]);
+        const bf16* src = q.row(bh, t);
+        std::copy(src, src + D, qz.begin() + t * D);
+        query_bad[t] = !finite_row(src, D);
+        if (query_bad[t]) zero_nonfinite(qz.data() + t * D, D);
+        any_bad[t] = 0;
       }
-      bf16* dst = out.row(bh, t);
-      if (n == 0 || row_lse == -std::numeric_limits<float>::infinity()) {
-        std::fill(dst, dst + Dv, bf16(0.0f));  // a row that may attend to nothing: exactly 0
-      } else if (query_bad || any_bad) {
-        std::fill(dst, dst + Dv, bf16(std::numeric_limits<float>::quiet_NaN()));
-      } else {
-        for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(acc[c] * norm);
+      for (int64_t j = first; j < last; ++j) {
+        const bf16* key = k.row(bh, j);
+        for (int64_t t = 0; t < T; ++t)
+          if (a[t] <= j && j < b[t]) sc[t * S + j - a[t]] = dot_row(qz.data() + t * D, key, D, &any_bad[t]);
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        bf16* prow = probs == nullptr ? nullptr : probs + (bh * T + t) * S;
+        if (prow != nullptr) std::fill(prow, prow + S, bf16(0.0f));
+        const int64_t n = b[t] - a[t];
+        lse[bh * T + t] = softmax_row(sc.data() + t * S, 0, n, scale, n, prow == nullptr ? nullptr : prow + a[t],
+                                      hi.data() + t * S, lo.data() + t * S, &norm[t]);
+      }
+      for (int64_t t = 0; t < T; ++t) {  // the float32 weights (hi + lo) times the values
+        const int64_t n = b[t] - a[t];
+        for (int64_t i = 0; i < n; ++i)
+          w[i] = static_cast<float>(hi[t * S + i]) + static_cast<float>(lo[t * S + i]);
+        if (weighted_row(w.data(), v, bh, a[t], n, Dv, acc.data() + t * Dv)) any_bad[t] = 1;
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        bf16* dst = out.row(bh, t);
+        if (a[t] >= b[t] || lse[bh * T + t] == -std::numeric_limits<float>::infinity()) {
+          std::fill(dst, dst + Dv, bf16(0.0f));  // a row that may attend to nothing: exactly 0
+        } else if (query_bad[t] || any_bad[t]) {
+          std::fill(dst, dst + Dv, bf16(std::numeric_limits<float>::quiet_NaN()));
+        } else {
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(acc[t * Dv + c] * norm[t]);
+        }
       }
     }
   });
