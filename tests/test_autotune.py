@@ -95,6 +95,28 @@ def test_auto_takes_the_backend_measured_fastest_and_keeps_it(fakes, tmp_path):
     assert kind == autotune.call_kind(call) and data["choices"][kind]["backend"] == "fast"
 
 
+def test_a_causal_inference_call_is_measured_on_the_keys_its_rows_see(fakes, monkeypatch):
+    """Top-left causal attention with fewer queries than keys, without gradient, runs on the
+    first T keys (the others reach no row): auto times the backends on that call, as it runs,
+    and explain answers for the call as given. Timed on all S keys, a backend whose cost grows
+    with S (torch's one-query kernel) lost to one that runs the T keys anyway."""
+    sizes = []
+    for fake in fakes:
+        real = fake.run
+        monkeypatch.setattr(fake, "run", lambda call, _r=real: sizes.append(call.S) or _r(call))
+    q, k, v = _qkv(33)
+    k, v = (torch.cat([t, torch.randn(1, 2, 40, 8)], dim=-2) for t in (k, v))  # S = 73
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert sizes and set(sizes) == {33}
+    want = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, backend="reference")
+    assert torch.allclose(out, want, atol=1e-6)
+    call = AttentionCall.build(q, k, v, is_causal=True)
+    assert dispatch.explain(call).startswith("fast: fastest measured")
+    narrowed = AttentionCall.build(q, k[..., :33, :], v[..., :33, :], is_causal=True)
+    assert autotune.stored_choice(narrowed) is not None and autotune.stored_choice(call) is None
+
+
 def test_choices_measured_with_other_kernel_sources_are_not_read(tmp_path):
     """The cache file's name holds a digest of qkv's kernel sources: after a kernel changes
     (a source tree at another commit, the same version number), the choices its old self

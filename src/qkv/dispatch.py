@@ -35,6 +35,7 @@ from .ops import (
     ReferenceBackend,
     TiledBackend,
     TorchBackend,
+    nonfinite,
 )
 from .ops.base import tracing
 from .ops.flex import FlexBackend
@@ -308,7 +309,9 @@ def _traceable(backend: Backend, call: AttentionCall) -> bool:
 def explain(call: AttentionCall) -> str:
     """Which backend ``auto`` takes for ``call``, and why: measured on this machine (with the
     times), read from the disk cache, or the static order (measuring off or not done yet).
-    Runs nothing."""
+    Runs nothing. Asked of the call its kernel runs (``nonfinite.without_hidden_keys``), as
+    ``qkv.scaled_dot_product_attention`` chooses."""
+    call = nonfinite.without_hidden_keys(call)
     kept = autotune.stored_choice(call) if autotune.enabled() and not tracing() else None
     if kept is not None:
         backend = _REGISTRY.get(kept.backend)
@@ -322,7 +325,9 @@ def explain(call: AttentionCall) -> str:
 def tune(call: AttentionCall) -> autotune.Choice | None:
     """Measure every backend that can take ``call`` (those that compile on first use too),
     keep the fastest for calls of its kind (in this process and on disk), and return it; None
-    when fewer than two can take it. What ``qkv tune`` runs."""
+    when fewer than two can take it. What ``qkv tune`` runs; on the call its kernel runs, as
+    :func:`explain`."""
+    call = nonfinite.without_hidden_keys(call)
     return autotune.measured_choice(call, _measurable(call), lambda b: False, fresh=True)
 
 

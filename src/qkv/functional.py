@@ -168,11 +168,12 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
         score_mod,
         sinks,
     )
-    plan = dispatch.choose(call, backend)  # plan: the backend, and how a trace is made
-    guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract)  # bad inputs zeroed
+    runs = nonfinite.without_hidden_keys(call)  # inference: the keys no row sees dropped
+    plan = dispatch.choose(runs, backend)  # plan: the backend, and how a trace is made
+    guard = nonfinite.prepare(runs, plan.keeps_nonfinite_contract)  # bad inputs zeroed
     result, lse = dispatch.run_with_lse(guard.call, plan)  # out (*batch, T, Dv), or (out, trace)
     if not guard.holds(result):  # an optimistic run met NaN/inf: the full way
-        guard = nonfinite.prepare(call, plan.keeps_nonfinite_contract, optimistic=False)
+        guard = nonfinite.prepare(runs, plan.keeps_nonfinite_contract, optimistic=False)
         result, lse = dispatch.run_with_lse(guard.call, plan)
     if lane is not None:
         _keep_lane(_kind(lane), call, plan, guard)
