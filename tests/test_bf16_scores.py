@@ -766,6 +766,58 @@ def test_attend_kernel_with_document_ids_equals_float64_math(bf16_gemm):
     assert max_error(lse, gold[2]) <= ATOL * 10
 
 
+@pytest.mark.parametrize("T", [1, 3, 4])
+@pytest.mark.parametrize("mixed", [False, True], ids=["ids", "ids-and-mixed"])
+def test_a_few_rows_with_document_ids_meet_the_policy_as_the_tiles_do(bf16_gemm, T, mixed):
+    """Document ids with up to 4 query rows (the few rows' way compares them itself): keys of
+    other ids, NaN ones included, have no effect; a row whose range holds none of its id
+    outputs 0 with lse -inf; with ``mixed`` only the flagged rows compare. The same as the
+    tiles (``rows=T``) and float64 math."""
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(17 + T)
+    B, H, S, D = 2, 2, 90, 32
+    q = torch.randn(B, H, T, D, generator=g).bfloat16()
+    k = torch.randn(B, H, S, D, generator=g).bfloat16()
+    v = torch.randn(B, H, S, D, generator=g).bfloat16()
+    q_ids = torch.randint(0, 4, (B, T), generator=g)
+    q_ids[1, 0] = 9  # no key has it
+    q_ids[0, 0] = 1
+    kv_ids = torch.randint(0, 3, (B, S), generator=g)
+    kv_ids[0, 20] = 1  # (row 0's id has a key)
+    kv_ids[0, 10] = 7  # a key of an id no row has, NaN/inf in its key and value
+    k[0, 1, 10, 3] = float("nan")
+    v[0, 0, 10, 5] = float("inf")
+    lo = torch.zeros(1, T, dtype=torch.int64)
+    hi = torch.full((1, T), S)
+    flags = torch.ones(B, T, dtype=torch.bool)
+    ids = (q_ids, kv_ids, flags) if mixed else (q_ids, kv_ids)
+    j = torch.arange(S)
+    allowed = (j >= lo[..., None]) & (j < hi[..., None]) & (q_ids[..., None] == kv_ids[:, None])
+    allowed = allowed[:, None]  # (B, 1, T, S)
+    clean = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]
+    gold, base = _range_golden(*clean, 0.3, allowed)
+    none = ~allowed.any(-1).expand(B, H, T)
+    assert none.any()
+    for rows in (0, T):
+        out, probs, lse = bf16_scores.attend_kernel(
+            q, k, v, 0.3, lo, hi, weights=True, ids=ids, rows=rows
+        )
+        assert not out.isnan().any(), f"rows={rows}: another id's NaN key reached a row"
+        assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name=f"out, rows={rows}")
+        assert (out[none] == 0).all() and lse[none].isneginf().all()
+        assert (probs[~allowed.expand(B, H, T, S)] == 0).all()
+        assert max_error(lse[~none], gold[2][~none]) <= ATOL * 10
+    j0 = int((kv_ids[0] == q_ids[0, 0]).nonzero()[0, 0])  # a key of row 0's id: NaN reaches
+    k[0, 0, j0, 1] = float("nan")  # every row of head 0 of that id
+    want = torch.zeros(T, dtype=torch.bool)
+    want[q_ids[0] == kv_ids[0, j0]] = True
+    for rows in (0, T):
+        out, _, _ = bf16_scores.attend_kernel(
+            q, k, v, 0.3, lo, hi, weights=False, ids=ids, rows=rows
+        )
+        assert torch.equal(out[0, 0].isnan().all(-1), want) and not out[0, 1].isnan().any()
+
+
 def _packed_ids(T, g):
     """Packed sequences of 5-40 tokens: (1, T) ids, each one contiguous run."""
     lengths = torch.randint(5, 40, (T,), generator=g)

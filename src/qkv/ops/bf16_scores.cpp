@@ -688,7 +688,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) float dot_row(const bf16*
 template <int NV>
 __attribute__((target("avx512f,avx512bw"))) bool weighted_values(const float* w, InRows v, int64_t bh,
                                                                  int64_t a, int64_t n, int64_t c0,
-                                                                 int64_t Dv, float* acc) {
+                                                                 int64_t Dv, const int64_t* kid, int64_t id,
+                                                                 float* acc) {
   __m512 sum[NV];
   __mmask16 m[NV];
   for (int i = 0; i < NV; ++i) {
@@ -699,6 +700,7 @@ __attribute__((target("avx512f,avx512bw"))) bool weighted_values(const float* w,
   __mmask16 nonfinite = 0;
   const __m256i exponent = _mm256_set1_epi16(0x7F80);
   for (int64_t j = 0; j < n; ++j) {
+    if (kid != nullptr && kid[a + j] != id) continue;  // another id's key: weight 0, no effect
     const bf16* row = v.row(bh, a + j) + c0;
     const __m512 vw = _mm512_set1_ps(w[j]);
     for (int i = 0; i < NV; ++i) {
@@ -712,29 +714,32 @@ __attribute__((target("avx512f,avx512bw"))) bool weighted_values(const float* w,
   return nonfinite != 0;
 }
 
-// acc[0, Dv) = the row's weights w[0, n) times its values [a, a + n); whether one holds NaN/inf.
-bool weighted_row(const float* w, InRows v, int64_t bh, int64_t a, int64_t n, int64_t Dv, float* acc) {
+// acc[0, Dv) = the row's weights w[0, n) times its values [a, a + n), but for the keys whose id kid[j] is
+// not the row's `id` (kid null: none such); whether a value read holds NaN/inf.
+bool weighted_row(const float* w, InRows v, int64_t bh, int64_t a, int64_t n, int64_t Dv, const int64_t* kid,
+                  int64_t id, float* acc) {
   bool bad = false;
   for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
     switch (std::min<int64_t>(4, (Dv - c0 + 15) / 16)) {
-      case 1: bad |= weighted_values<1>(w, v, bh, a, n, c0, Dv, acc); break;
-      case 2: bad |= weighted_values<2>(w, v, bh, a, n, c0, Dv, acc); break;
-      case 3: bad |= weighted_values<3>(w, v, bh, a, n, c0, Dv, acc); break;
-      default: bad |= weighted_values<4>(w, v, bh, a, n, c0, Dv, acc);
+      case 1: bad |= weighted_values<1>(w, v, bh, a, n, c0, Dv, kid, id, acc); break;
+      case 2: bad |= weighted_values<2>(w, v, bh, a, n, c0, Dv, kid, id, acc); break;
+      case 3: bad |= weighted_values<3>(w, v, bh, a, n, c0, Dv, kid, id, acc); break;
+      default: bad |= weighted_values<4>(w, v, bh, a, n, c0, Dv, kid, id, acc);
     }
   }
   return bad;
 }
 
 // Each head one task, its rows together: each key and value row is read once from memory for all the rows
-// that see it (the rows' scores of keys [a, b), softmax_row, the outputs). Documents are not taken (the
-// caller packs for them).
+// that see it (the rows' scores of keys [a, b), softmax_row, the outputs). With document ids, a row whose
+// range holds other ids (ranges.compare) skips their keys: score -inf, never read, no effect.
 void attend_few(InRows q, InRows k, InRows v, const Ranges& ranges, bf16* probs, OutRows out, float* lse,
                 int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale) {
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sc(T * S), acc(T * Dv), norm(T), w(S);
     std::vector<bf16> hi(T * S), lo(T * S), qz(T * D);
-    std::vector<int64_t> a(T), b(T);
+    std::vector<int64_t> a(T), b(T), id(T);
+    std::vector<uint8_t> compare(T);  // rows that compare ids
     std::vector<uint8_t> query_bad(T), any_bad(T);  // any_bad: a key or value in [a, b) with NaN/inf
     for (int64_t bh = begin; bh < end; ++bh) {
       int64_t first = S, last = 0;  // the keys some row sees: [first, last)
@@ -747,24 +752,36 @@ void attend_few(InRows q, InRows k, InRows v, const Ranges& ranges, bf16* probs,
         query_bad[t] = !finite_row(src, D);
         if (query_bad[t]) zero_nonfinite(qz.data() + t * D, D);
         any_bad[t] = 0;
+        compare[t] = a[t] < b[t] && ranges.compare(bh, t);
+        id[t] = compare[t] ? ranges.q_id(bh, t) : 0;
       }
+      const int64_t* kid = ranges.q_ids == nullptr ? nullptr : ranges.kv_row(bh);
+      const float ninf = -std::numeric_limits<float>::infinity();
       for (int64_t j = first; j < last; ++j) {
         const bf16* key = k.row(bh, j);
-        for (int64_t t = 0; t < T; ++t)
-          if (a[t] <= j && j < b[t]) sc[t * S + j - a[t]] = dot_row(qz.data() + t * D, key, D, &any_bad[t]);
+        for (int64_t t = 0; t < T; ++t) {
+          if (j < a[t] || j >= b[t]) continue;
+          float& score = sc[t * S + j - a[t]];
+          if (!compare[t])
+            score = dot_row(qz.data() + t * D, key, D, &any_bad[t]);
+          else  // documents: scaled here, other ids' keys -inf (as attend does)
+            score = kid[j] == id[t] ? dot_row(qz.data() + t * D, key, D, &any_bad[t]) * scale : ninf;
+        }
       }
       for (int64_t t = 0; t < T; ++t) {
         bf16* prow = probs == nullptr ? nullptr : probs + (bh * T + t) * S;
         if (prow != nullptr) std::fill(prow, prow + S, bf16(0.0f));
         const int64_t n = b[t] - a[t];
-        lse[bh * T + t] = softmax_row(sc.data() + t * S, 0, n, scale, n, prow == nullptr ? nullptr : prow + a[t],
-                                      hi.data() + t * S, lo.data() + t * S, &norm[t]);
+        lse[bh * T + t] = softmax_row(sc.data() + t * S, 0, n, compare[t] ? 1.0f : scale, n,
+                                      prow == nullptr ? nullptr : prow + a[t], hi.data() + t * S,
+                                      lo.data() + t * S, &norm[t]);
       }
       for (int64_t t = 0; t < T; ++t) {  // the float32 weights (hi + lo) times the values
         const int64_t n = b[t] - a[t];
         for (int64_t i = 0; i < n; ++i)
           w[i] = static_cast<float>(hi[t * S + i]) + static_cast<float>(lo[t * S + i]);
-        if (weighted_row(w.data(), v, bh, a[t], n, Dv, acc.data() + t * Dv)) any_bad[t] = 1;
+        if (weighted_row(w.data(), v, bh, a[t], n, Dv, compare[t] ? kid : nullptr, id[t], acc.data() + t * Dv))
+          any_bad[t] = 1;
       }
       for (int64_t t = 0; t < T; ++t) {
         bf16* dst = out.row(bh, t);
@@ -855,7 +872,7 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
     const OutRows outr{out, H, strides[9], strides[10], strides[11]};
     const Ranges ranges{lo, hi, H, range_sB, q_ids, kv_ids, q_ids_sB, kv_ids_sB, mixed};
 #if defined(CPU_CAPABILITY_AVX512)
-    if (g == kDot && T <= kFewRows && rows_chosen && q_ids == nullptr) {
+    if (g == kDot && T <= kFewRows && rows_chosen) {
       attend_few(qr, kr, vr, ranges, probs, outr, lse, BH, T, S, D, Dv, scale);
       return 0;
     }
