@@ -667,6 +667,68 @@ def test_tiled_bf16_inference_with_range_masks_runs_the_kernel(bf16_gemm, monkey
     assert calls == [False], "a call that wants a gradient took the inference kernel"
 
 
+def _key_masks(B, S, g):
+    """Bool key masks ``(Bm, 1, 1, S)``: shared, per batch (left and right padding, a hidden
+    middle, one batch element with no key), and the causal call's."""
+    per = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    per[0, ..., :9] = False  # left padding
+    per[1, ..., S - 30 :] = False  # right padding
+    per[2, ..., 40:47] = False  # a hole: its rows compare ids
+    per[3] = False  # no key at all
+    shared = torch.rand(1, 1, 1, S, generator=g) > 0.3
+    return {"shared": shared, "per-batch": per}
+
+
+@pytest.mark.parametrize("T", [1, 3, 70])
+@pytest.mark.parametrize("layout", ["shared", "per-batch", "per-batch-causal"])
+def test_tiled_bf16_key_masks_run_the_kernel(bf16_gemm, monkeypatch, T, layout):
+    """A bool key mask ``(B?, 1, 1, S)`` (a padded batch's, a decoding step's) goes to the
+    kernel as document ids (visible keys id 0, hidden 1), with is_causal too: within the
+    policy of float64 math, NaN/inf in hidden keys and values without effect, a batch element
+    with no key 0. A trace of the same call takes the kernel with weights. Other bool masks
+    (per head, per query row) and float masks keep the other ways."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    calls = _spy_on_the_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(T)
+    B, H, S = 4, 2, 150
+    q = torch.randn(B, H, T, 32, generator=g).bfloat16()
+    k, v = (torch.randn(B, H, S, 32, generator=g).bfloat16() for _ in range(2))
+    mask = _key_masks(B, S, g)[layout.removesuffix("-causal")]
+    causal = layout.endswith("causal")
+    hidden = (~mask).expand(B, 1, 1, S).nonzero()[:5]
+    for b, _, _, j in hidden.tolist():  # NaN/inf in hidden keys and values: no effect
+        k[b, 0, j, 1], v[b, 1, j, 2] = float("nan"), float("inf")
+    allowed = mask.expand(B, 1, T, S)
+    if causal:
+        allowed = allowed & (torch.arange(S) <= torch.arange(T)[:, None])
+    clean = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]
+    gold, base = _range_golden(*clean, 32**-0.5, allowed)
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, backend="tiled"
+        )
+        traced, trace = qkv.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, return_trace=True
+        )
+    assert calls == [False, True]
+    none = ~allowed.any(-1).expand(B, H, T)
+    for got in (out, traced):
+        assert not got.isnan().any()
+        assert (got[none] == 0).all()
+        assert_tolerance(got, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
+    assert (trace.probs[~allowed.expand(B, H, T, S)] == 0).all()
+    others = [
+        mask.expand(B, H, 1, S).clone(),  # per head
+        mask.expand(B, 1, T, S).clone(),  # per query row (refused where T > 1)
+        torch.zeros(B, 1, 1, S, dtype=torch.bfloat16).masked_fill(~mask, float("-inf")),
+    ]
+    with torch.no_grad():
+        for other in others:
+            qkv.scaled_dot_product_attention(q, k, v, attn_mask=other, backend="tiled")
+    assert calls == [False, True] + ([False] if T == 1 else [])
+
+
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_tiled_bf16_kernel_keeps_the_nonfinite_contract(bf16_gemm, monkeypatch, where):
     """NaN/inf in q, k or v with a window (and a batch element with no key at all): the kernel

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._identity import IdentityCache
 from ..masks import apply_mask_, causal_bool, evaluate_mask, evaluate_score, index_grid
 from . import bf16_scores, cpu_isa, key_counts, softmax_rows
 from ._memory import empty_large
@@ -290,32 +291,74 @@ def _fusable(call: AttentionCall) -> tuple | None:
     """The rows' key ranges of ``call`` as ``key_counts.ranges`` gives them (``(lo, hi, doc)``)
     when the fused bfloat16 kernel can run it, else None: bfloat16 on the CPU's native route
     where the kernel runs (see :func:`_bf16_scores_here`), 1 to ``FUSED_MAX_KEYS`` keys, no
-    score_mod, sinks, dropout or mask tensor, masks that are ranges (none, causal, sliding
-    windows, key lengths, documents and their ``and``) of the call's batch, and a scale that
-    cannot overflow float32 scores (those are checked after the call by the guard). Tests
-    force it off to run the unfused ways on the same calls."""
+    score_mod, sinks or dropout, masks that are ranges (none, causal, sliding windows, key
+    lengths, documents and their ``and``) of the call's batch, or a bool key mask (see
+    :func:`_key_mask_ids`) with ranges but documents, and a scale that cannot overflow
+    float32 scores (those are checked after the call by the guard). Tests force it off to run
+    the unfused ways on the same calls."""
     if not _bf16_scores_here(call) or not 0 < call.S <= FUSED_MAX_KEYS or call.T == 0:
         return None
     if call.score_mod is not None or call.sinks is not None or call.dropout_p > 0:
         return None
-    if abs(call.scale) > _FLOAT32_SCALE_BOUND or call.attn_mask is not None:
+    if abs(call.scale) > _FLOAT32_SCALE_BOUND:
         return None
+    keyed = None
+    if call.attn_mask is not None:
+        keyed = _key_mask_ids(call)
+        if keyed is None:
+            return None
+        call = dataclasses.replace(call, attn_mask=None)  # its ranges: the other masks'
     ranges = key_counts.ranges(call)  # (lo, hi, doc): lo, hi (B?, 1, T), remembered per masks
-    if ranges is None:
+    if ranges is None or (keyed is not None and ranges[2] is not None):
         return None
     lo, hi, doc = ranges
+    doc = keyed if keyed is not None else doc
     batches = [lo.shape[0], hi.shape[0]]
     if doc is not None:
         batches += [doc.q_ids.shape[0], doc.kv_ids.shape[0]]
-    return ranges if all(n in (1, call.BH[0]) for n in batches) else None
+    return (lo, hi, doc) if all(n in (1, call.BH[0]) for n in batches) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeyMaskIds:
+    """A bool key mask as the kernel's document ids: every query row of id 0, the keys it
+    shows of id 0 and those it hides of id 1. A row attends the keys of its own id, so the
+    hidden keys, NaN/inf ones included, have no effect, and a row whose keys are all hidden
+    outputs 0 (the mask contract)."""
+
+    q_ids: Tensor  # (Bm, T) int64 zeros
+    kv_ids: Tensor  # (Bm, S) int64
+
+
+def _key_mask_ids(call: AttentionCall) -> _KeyMaskIds | None:
+    """The ids of ``call``'s attn_mask where it is a bool key mask, one row of keys per batch
+    element shared by every head and query row (``(B?, 1, 1, S)`` as :meth:`mask_4d` gives
+    it: a padded batch's mask, a decoding step's); None for other masks."""
+    mask = call.attn_mask
+    if mask is None or mask.dtype != torch.bool:
+        return None
+    m = call.mask_4d(mask)  # (B?, H?, T?, S?)
+    if m.shape[1:] != (1, 1, call.S) or m.shape[0] not in (1, call.BH[0]):
+        return None
+
+    def make() -> _KeyMaskIds:
+        hidden = (~m[:, 0, 0]).to(torch.int64)  # (Bm, S)
+        return _KeyMaskIds(torch.zeros(m.shape[0], call.T, dtype=torch.int64), hidden)
+
+    # a decoding loop passes its mask to every layer: made once per mask (unchanged) and shape
+    return _key_mask_memo.get((mask,), (tuple(m.shape), call.T), make)
+
+
+_key_mask_memo = IdentityCache(8)
 
 
 def fused_ranges(
     call: AttentionCall,
-) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None] | None:
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor] | None] | None:
     """``(lo, hi, ids)`` where :func:`_fusable`: row ``t`` attends keys ``[lo_t, hi_t)``, of
     its own document when ``ids`` (the queries' and keys' document ids, and which rows' spans
-    hold other ids) is given.
+    hold other ids) is given; a bool key mask's ids (:class:`_KeyMaskIds`) come without the
+    third, compared in every row.
 
     Shape:
         -> lo, hi ``(B or 1, T)`` int64; ids ``(B or 1, T)``, ``(B or 1, S)`` and
@@ -325,6 +368,9 @@ def fused_ranges(
     if ranges is None:
         return None
     lo, hi, doc = ranges  # (B?, 1, T) each, and a document mask or None
+    if isinstance(doc, _KeyMaskIds):  # ids compared in every row: no spans to sort for
+        lo, hi = torch.broadcast_tensors(lo, hi)  # (B?, 1, T)
+        return lo.squeeze(-2), hi.squeeze(-2), (doc.q_ids, doc.kv_ids)
     if doc is not None:  # each row's document span, ids compared within it by the kernel
         lo, hi, mixed = key_counts.document_ranges(call, lo, hi, doc)  # (B?, T) each
         return lo, hi, (doc.q_ids, doc.kv_ids, mixed)
@@ -346,7 +392,7 @@ def _bf16_fused(
     v: Tensor,
     lo: Tensor,
     hi: Tensor,
-    ids: tuple[Tensor, Tensor, Tensor] | None,
+    ids: tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor] | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`attention_with_weights` of a bfloat16 call whose rows attend ranges of keys, by
     the fused kernel (``bf16_scores.attend_kernel``): the same float32 scores, softmax and
