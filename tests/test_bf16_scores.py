@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.ops import bf16_scores, reference
+from qkv.ops import AttentionCall, bf16_scores, reference
 from qkv.testing import ATOL, OUTPUT_FACTOR, assert_tolerance, max_error
 
 SIZES = [1, 7, 33, 100, 257]
@@ -727,6 +727,27 @@ def test_tiled_bf16_key_masks_run_the_kernel(bf16_gemm, monkeypatch, T, layout):
         for other in others:
             qkv.scaled_dot_product_attention(q, k, v, attn_mask=other, backend="tiled")
     assert calls == [False, True] + ([False] if T == 1 else [])
+
+
+def test_a_calls_kernel_ranges_are_asked_again_when_its_route_changes(monkeypatch):
+    """``reference._fusable`` remembers its answer for the last call object (the plan and the
+    tiled backend ask it in turn), but not past a change of the half GEMM route or of the
+    kernel's GEMM, and not for another call."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    q, k, v = (torch.randn(1, 2, 5, 16).bfloat16() for _ in range(3))
+    call = AttentionCall.build(q, k, v, is_causal=True)
+    assert reference._fusable(call) is not None
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "float32")  # widened half GEMMs: no kernel
+    assert reference._fusable(call) is None
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    assert reference._fusable(call) is not None
+    monkeypatch.setenv("QKV_BF16_GEMM", "avx512")  # (an unknown name: refused, not remembered)
+    with pytest.raises(ValueError, match="QKV_BF16_GEMM must be one of"):
+        reference._fusable(call)
+    monkeypatch.delenv("QKV_BF16_GEMM")
+    plain = AttentionCall.build(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.bool))
+    assert reference._fusable(plain) is None and reference._fusable(call) is not None
 
 
 @pytest.mark.parametrize("where", ["q", "k", "v"])

@@ -155,15 +155,16 @@ def _flat_and(mods: list) -> list:
     return out
 
 
-def _ranges(call: AttentionCall):
+def _ranges(call: AttentionCall, attn_mask: bool = True):
     """``(lo, hi, doc)``: row ``i`` may attend keys ``[lo_i, hi_i)`` (of its own document
     when ``doc`` is a document mask); None when the masks are not of that form. The ranges of
     windows and integer lengths are made once per (masks, T, S, device) and remembered.
+    ``attn_mask=False``: the ranges of the other masks, the caller taking the tensor itself.
 
     Shape:
         lo, hi ``(B?, 1, T)`` int64, clamped to ``[0, S]``.
     """
-    if call.attn_mask is not None:
+    if attn_mask and call.attn_mask is not None:
         return None
     mods = _flat_and([call.mask_mod] if call.mask_mod is not None else [])
     if call.is_causal:
@@ -193,10 +194,11 @@ def _ranges(call: AttentionCall):
 _static_ranges = PlanCache(64)  # a model has a few mask shapes (never changed in place)
 
 
-def ranges(call: AttentionCall):
+def ranges(call: AttentionCall, attn_mask: bool = True):
     """``(lo, hi, doc)`` of :func:`_ranges`, for kernels that take rows' key ranges
-    (``ops/bf16_scores.py``); None when the masks are not of that form."""
-    return _ranges(call)
+    (``ops/bf16_scores.py``); None when the masks are not of that form. ``attn_mask=False``:
+    of the masks but the tensor (which the caller takes itself)."""
+    return _ranges(call, attn_mask)
 
 
 def document_ranges(

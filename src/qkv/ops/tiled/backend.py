@@ -66,7 +66,7 @@ from ...masks import score_mod_gradient_inputs
 from .. import bf16_scores
 from ..base import BackendResult, tracing
 from ..call import AttentionCall
-from ..reference import ReferenceBackend, bf16_fusable, fused_ranges
+from ..reference import ReferenceBackend, bf16_fusable, inference_ranges
 from .backward import _backward, _sink_grad
 from .forward import _acc, _forward, _with_sinks, merge_by_lse
 from .plan import BLOCK_K, BLOCK_Q, _Plan, _plan, _refuse_flash
@@ -120,7 +120,7 @@ class TiledBackend:
             # math in the graph instead, as ``auto`` does there (docs/compile.md): same
             # numbers, a (T, S) score matrix
             return ReferenceBackend().run(call)
-        ranges = fused_ranges(call) if bf16_fusable(call) else None
+        ranges = inference_ranges(call)
         if ranges is not None:  # bfloat16 inference with ranges of keys: the AMX kernel
             q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
             lo, hi, ids = ranges
