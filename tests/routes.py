@@ -77,8 +77,8 @@ MACHINE_PROBES = {
     "(forced above); off in the suite (conftest.py), on in test_autotune.py and "
     "test_cpu_isa.py with a fake clock",
     "tasks/_cache.py": "QKV_CACHE: where generated data sets are kept, no route",
-    "ops/reference.py": "QKV_BF16_GEMM and QKV_CPU_HALF_GEMM read only to key the memo of "
-    "_fusable (a call's kernel ranges, asked twice per call): no route of its own",
+    "ops/reference.py": "QKV_BF16_GEMM, QKV_CPU_HALF_GEMM and QKV_AUTOTUNE read only to key "
+    "the memo of _fusable (a call's kernel ranges, asked twice per call): no route of its own",
     "ops/bf16_scores.py": "QKV_BF16_GEMM (auto, amx, avx512_bf16): the bf16 score kernel's "
     "GEMM; tests/test_bf16_scores.py runs every kernel test on each GEMM that runs here "
     "(the bf16_gemm fixture) and with the kernel hidden",

@@ -346,8 +346,15 @@ def without_hidden_keys(call: AttentionCall) -> AttentionCall:
     causal decoding step of one query over 128 bfloat16 keys runs on one key, and timing the
     backends on the 128 sent it to tiled (AMD Zen 4: 0.09 ms) where torch's kernel on the one
     key takes 0.02."""
-    if tracing() or call.query.is_meta or call.return_trace or _wants_grad(call):
-        return call
+    if (
+        tracing()
+        or call.query.is_meta
+        or call.query.numel() == 0
+        or call.key.numel() == 0
+        or call.return_trace
+        or _wants_grad(call)
+    ):
+        return call  # (as :func:`prepare` leaves them)
     return _without_hidden_keys(call)
 
 

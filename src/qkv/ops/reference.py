@@ -303,7 +303,9 @@ def _fusable(call: AttentionCall) -> tuple | None:
     """:func:`_fusable_now`, remembered for the last call asked about while the environment
     that decides it holds: the plan asks it (``keeps_nonfinite_contract``) and the tiled
     backend asks again for the same call object (17 of a decoding step's ~130 us)."""
-    state = (os.environ.get("QKV_BF16_GEMM"), os.environ.get("QKV_CPU_HALF_GEMM"), tracing())
+    env = os.environ
+    state = (env.get("QKV_BF16_GEMM"), env.get("QKV_CPU_HALF_GEMM"), env.get("QKV_AUTOTUNE"))
+    state += (tracing(),)
     last = _last_fusable[0]  # (one read: another thread may replace it)
     if last is not None and last[0]() is call and last[1] == state:
         return last[2]

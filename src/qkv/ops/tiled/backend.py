@@ -121,7 +121,7 @@ class TiledBackend:
             # numbers, a (T, S) score matrix
             return ReferenceBackend().run(call)
         ranges = inference_ranges(call)
-        if ranges is not None:  # bfloat16 inference with ranges of keys: the AMX kernel
+        if ranges is not None:  # bfloat16 inference with ranges of keys: the fused kernel
             q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
             lo, hi, ids = ranges
             out, _, lse = bf16_scores.attend_kernel(
