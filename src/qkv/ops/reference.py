@@ -304,8 +304,8 @@ def _fusable(call: AttentionCall) -> tuple | None:
     that decides it holds: the plan asks it (``keeps_nonfinite_contract``) and the tiled
     backend asks again for the same call object (17 of a decoding step's ~130 us)."""
     env = os.environ
-    state = (env.get("QKV_BF16_GEMM"), env.get("QKV_CPU_HALF_GEMM"), env.get("QKV_AUTOTUNE"))
-    state += (tracing(),)
+    routes = (env.get("QKV_BF16_GEMM"), env.get("QKV_CPU_HALF_GEMM"), env.get("QKV_AUTOTUNE"))
+    state = (*routes, tracing())
     last = _last_fusable[0]  # (one read: another thread may replace it)
     if last is not None and last[0]() is call and last[1] == state:
         return last[2]
