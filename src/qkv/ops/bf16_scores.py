@@ -10,8 +10,8 @@ bf16 -> f32 on AMX, the kernel of torch's own CPU flash attention), or, on a CPU
 that has AVX512-BF16 (AMD Zen 4), qkv's own micro-kernel on that dot product instruction. Each
 product of two bfloat16 is exact in float32 and the sums are float32's, as in the widened
 GEMM. ``QKV_BF16_GEMM`` (``auto``, ``amx``, ``avx512_bf16``) forces one, so that the tests run
-each where it runs; ``auto`` takes AMX where both run (its tiles do 16x the work of one
-instruction; not timed here, this Zen 4 session had no AMX CPU to time on).
+each where it runs; ``auto`` takes AMX where both run (a static order, not a measurement: the
+two have not been timed against each other on an AMX CPU yet).
 
 * :func:`scores_` forms ``scale * q @ k^T`` into a float32 buffer, by the kernel where
   :func:`available`, else by its slow twin :func:`scores_widened_` (the widened GEMM).
@@ -146,6 +146,8 @@ def unavailable_reason() -> str:
 
 
 def _lib_and_gemm(what: str) -> tuple[ctypes.CDLL, int]:
+    """The built library and the GEMM code a kernel call passes it; RuntimeError naming the
+    reason where none runs."""
     gemm, why = _route()
     if not gemm:
         raise RuntimeError(f"the bfloat16 {what} kernel cannot run here: {why}")
