@@ -14,7 +14,9 @@ with a bool key mask, float32 and bfloat16),
 ``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
 against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gqa`` (the same
 with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``long`` (T=1024:
-plain and causal, float32 and bfloat16). All without gradient; ``--threads`` sets torch's
+plain and causal, float32 and bfloat16), ``train`` (inputs requiring a gradient: the forward
+alone and with the backward, B=8, T=S=128 and B=1, T=1, S=128). All but ``train`` without
+gradient; ``--threads`` sets torch's
 threads (1 by default; 0 keeps torch's own).
 
 Usage:
@@ -188,6 +190,46 @@ def long_cases(base, rounds: int) -> None:
             compare(f"T=1024, {case}, {dname}", fns, rounds, 1)
 
 
+def train_cases(base, rounds: int) -> None:
+    """Calls that want a gradient (inputs requiring it, grad mode on): the forward alone and
+    the forward and backward, at a training batch's size (B=8, H=8, T=S=128, D=64, float32
+    and bfloat16) and at one query over 128 keys (a decoding step run without no_grad)."""
+    g = torch.Generator().manual_seed(0)
+    for (b, t, s), dtype in (
+        ((8, 128, 128), torch.float32),
+        ((8, 128, 128), torch.bfloat16),
+        ((1, 1, 128), torch.float32),
+    ):
+        q = torch.randn(b, H, t, D, generator=g).to(dtype).requires_grad_()
+        k, v = (torch.randn(b, H, s, D, generator=g).to(dtype).requires_grad_() for _ in "kv")
+        dout = torch.randn(b, H, t, D, generator=g).to(dtype)
+        for backward in (False, True):
+
+            def make(fn, backward=backward, q=q, k=k, v=v, dout=dout):
+                def run():
+                    out = fn(q, k, v)
+                    if backward:
+                        out.backward(dout)
+                    return out
+
+                return run
+
+            fns = {
+                "torch": make(F.scaled_dot_product_attention),
+                "before": make(base.scaled_dot_product_attention),
+                "after": make(qkv.scaled_dot_product_attention),
+            }
+            what = "forward and backward" if backward else "forward"
+            dname = str(dtype).removeprefix("torch.")
+            with torch.enable_grad():
+                compare(
+                    f"B={b}, T={t}, S={s}, {what}, {dname}, with gradient",
+                    fns,
+                    rounds,
+                    max(1, 2000 // (b * t * s // 64 + 1)),
+                )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rev", required=True, help="the git revision to compare against")
@@ -211,6 +253,7 @@ def main(argv=None) -> int:
                 "step": step_case,
                 "step-gqa": lambda base, rounds: step_case(base, rounds, G=2),
                 "long": long_cases,
+                "train": train_cases,
             }
             cases[case](base, args.rounds)
     return 0

@@ -25,9 +25,11 @@ fixture of conftest.py), so that every route runs on every machine:
   counts both.
 
 * The NaN/inf contract's fused row passes (``qkv.ops.nonfinite_rows``: C++ built at first use,
-  for CPU tensors without gradient): where they cannot be built, or on another device, the
-  contract runs as tensor ops. ``force_native_rows`` gives either way: the contract tests
-  (test_nonfinite_eager.py) run both.
+  for CPU tensors, a call wanting a gradient too, whose zeroed copies and NaN rows they make
+  under autograd functions): where they cannot be built, or on another device, the contract
+  runs as tensor ops. ``force_native_rows`` gives either way: the contract tests
+  (test_nonfinite_eager.py) run both, and test_nonfinite_grad.py holds the two to the same
+  bits for gradient calls.
 
 * The one-pass weights' softmax (``qkv.ops.softmax_rows``: C++ built at first use, for CPU
   blocks of float32/float64 scores): where it cannot be built, ``amax`` and torch's softmax.
