@@ -83,7 +83,8 @@ MACHINE_PROBES = {
     "the memo of _fusable (a call's kernel ranges, asked twice per call): no route of its own",
     "ops/bf16_scores.py": "QKV_BF16_GEMM (auto, amx, avx512_bf16): the bf16 score kernel's "
     "GEMM; tests/test_bf16_scores.py runs every kernel test on each GEMM that runs here "
-    "(the bf16_gemm fixture) and with the kernel hidden",
+    "(the bf16_gemm fixture) and with the kernel hidden, and auto's measured choice where "
+    "two run with a fake clock (two_gemms)",
     "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch, triton): "
     "tests/test_deformable.py runs cpp and torch by name, tests/test_deformable_triton.py "
     "triton under the CPU interpreter",

@@ -983,3 +983,106 @@ def test_per_batch_key_lengths_with_shared_document_ids(B):
         )
     assert (got[0] == 0).all()  # batch element 0 has no key
     assert_tolerance(got, gold, base)
+
+
+# --- auto's GEMM where two run: measured (issue 38, item 2) -----------------------------------
+
+
+class _Clock:
+    now = 0.0
+
+
+@pytest.fixture
+def two_gemms(monkeypatch, tmp_path):
+    """A machine where both GEMMs run (an AMX CPU), with fake costs: measuring on, a fresh
+    cache folder, ``QKV_BF16_GEMM`` unset, the fake clock, and runners that advance it by their
+    GEMM's cost and count themselves. Yields the costs and the counts (a test may change the
+    costs). The kernel itself is not called: what is tested is which code ``auto`` hands it."""
+    if bf16_scores._build()[0] is None:
+        pytest.skip(f"the kernel does not build here: {bf16_scores._build()[1]}")
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("QKV_BF16_GEMM", raising=False)
+    monkeypatch.setattr(bf16_scores, "_runs", lambda lib: (("amx", "avx512_bf16"), ""))
+    monkeypatch.setattr(bf16_scores, "_clock", lambda: _Clock.now)
+    costs = {"amx": 3e-3, "avx512_bf16": 1e-3}  # the second in the static order, faster
+    runs = dict.fromkeys(costs, 0)
+
+    def fake_runners(names):
+        def runner(name):
+            def run():
+                runs[name] += 1
+                _Clock.now += costs[name]
+
+            return run
+
+        return {name: runner(name) for name in names}
+
+    monkeypatch.setattr(bf16_scores, "_gemm_runners", fake_runners)
+    bf16_scores.forget_gemm()
+    yield costs, runs
+    bf16_scores.forget_gemm()
+
+
+def test_auto_takes_the_gemm_measured_faster_where_two_run(two_gemms, monkeypatch):
+    """Where AMX and AVX512-BF16 both run, ``auto`` times the kernel on each once and takes the
+    faster, whatever the static order says (AMX first); the choice holds in the process (no
+    timing again, even if the costs change), a later process reads it from disk, and
+    ``QKV_AUTOTUNE=off`` and ``QKV_BF16_GEMM`` override it without timing."""
+    costs, runs = two_gemms
+    assert bf16_scores._route() == (bf16_scores.GEMMS["avx512_bf16"], "")
+    choice = bf16_scores.gemm_choice(measure=False)
+    assert choice.source == "measured" and choice.gemm == "avx512_bf16"
+    assert choice.times == pytest.approx(costs)
+    assert runs["amx"] >= 3 and runs["avx512_bf16"] >= 3  # one untimed, two timed at least
+    assert "avx512_bf16: faster measured on this machine (avx512_bf16 1 ms, amx 3 ms" in (
+        choice.reason()
+    )
+    seen = dict(runs)
+    costs.update(amx=1e-4)  # faster now: the process keeps its verdict, no timing again
+    assert bf16_scores._route()[0] == bf16_scores.GEMMS["avx512_bf16"] and runs == seen
+    bf16_scores.forget_gemm()  # a later process on this machine: the disk's verdict
+    assert bf16_scores._route()[0] == bf16_scores.GEMMS["avx512_bf16"] and runs == seen
+    assert bf16_scores.gemm_choice(measure=False).source == "disk"
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")  # the static order, nothing timed
+    assert bf16_scores._route()[0] == bf16_scores.GEMMS["amx"] and runs == seen
+    assert bf16_scores.gemm_choice().source == "static"
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.setenv("QKV_BF16_GEMM", "amx")  # forced
+    assert bf16_scores._route()[0] == bf16_scores.GEMMS["amx"] and runs == seen
+    fresh = bf16_scores.gemm_choice(fresh=True)  # qkv tune: timed again, the new verdict kept
+    assert fresh.gemm == "amx" and runs["amx"] > seen["amx"]
+    monkeypatch.delenv("QKV_BF16_GEMM")
+    assert bf16_scores._route()[0] == bf16_scores.GEMMS["amx"]
+
+
+def test_auto_times_nothing_where_one_gemm_runs_or_under_tracing(two_gemms, monkeypatch):
+    """One GEMM that runs is taken without timing; under a dispatch mode (fake tensors, op
+    counters) nothing is timed and the static order holds until a plain call measures."""
+    _costs, runs = two_gemms
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        assert bf16_scores._route()[0] == bf16_scores.GEMMS["amx"]
+    assert sum(runs.values()) == 0
+    assert bf16_scores.gemm_choice(measure=False).source == "static"
+    monkeypatch.setattr(bf16_scores, "_runs", lambda lib: (("avx512_bf16",), "no AMX"))
+    choice = bf16_scores.gemm_choice()
+    assert (choice.gemm, choice.source) == ("avx512_bf16", "only") and sum(runs.values()) == 0
+
+
+def test_the_gemm_runners_run_the_kernel_on_each_gemm_that_runs_here():
+    """The representative call behind the measurement runs the kernel on the GEMM it names
+    (its thread held to that code while it runs, and let go after), to the tiles' output."""
+    kernel_or_skip()
+    runs = bf16_scores.gemm_routes()
+    runners = bf16_scores._gemm_runners(runs)
+    assert set(runners) == set(runs)
+    for name, run in runners.items():
+        out = run()[0]
+        assert out.shape == (1, 4, 256, 64) and torch.isfinite(out).all(), name
+        assert getattr(bf16_scores._TIMING, "gemm", 0) == 0

@@ -1,5 +1,6 @@
 """What ``qkv tune`` runs: ``auto``'s choice measured ahead of time over a grid of calls, and
-the CPU routes' choices (``qkv.ops.cpu_isa``: native or float32 half GEMMs, per half dtype).
+the CPU routes' choices (``qkv.ops.cpu_isa``: native or float32 half GEMMs, per half dtype;
+``qkv.ops.bf16_scores``: the bfloat16 kernel's GEMM, where two run).
 
 Each configuration (case x dtype x length, on one device) becomes a call on random inputs,
 and :func:`qkv.dispatch.tune` times every backend that can take it, those that compile on
@@ -11,12 +12,13 @@ Shape alphabet: B batch, H heads, T query length (= S), D head dim.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import torch
 
 from .. import dispatch, masks
-from ..ops import AttentionCall, cpu_isa
+from ..ops import AttentionCall, bf16_scores, cpu_isa
 from .specs import document_ids
 
 __all__ = ["TUNE_CASES", "tune_grid", "tune_routes"]
@@ -80,7 +82,8 @@ def tune_grid(
 def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict]:
     """Measure each CPU route choice and keep it (in this process and on disk, where later
     processes read it); yield one row per choice: ``{choice, route, times, reason}``, with
-    ``forced`` naming what ``QKV_CPU_HALF_GEMM`` holds this process to, if set."""
+    ``forced`` naming what the switch ``switch`` (``QKV_CPU_HALF_GEMM``, ``QKV_BF16_GEMM``)
+    holds this process to, if set."""
     for dtype in (torch.bfloat16, torch.float16):
         choice = cpu_isa.half_gemm_choice(dtype, fresh=True)
         name = str(dtype).removeprefix("torch.")
@@ -88,7 +91,16 @@ def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict
         row["reason"] = choice.reason()
         held = cpu_isa.half_gemm_choice(dtype, measure=False)
         if held.source == "forced":
-            row["forced"] = held.route
+            row.update(forced=held.route, switch="QKV_CPU_HALF_GEMM")
         if progress is not None:
             progress(row)
         yield row
+    gemm = bf16_scores.gemm_choice(fresh=True)
+    row = dict(choice="bfloat16 kernel GEMM", route=gemm.gemm, times=gemm.times)
+    row["reason"] = gemm.reason()
+    forced = os.environ.get("QKV_BF16_GEMM", "auto")
+    if forced != "auto":
+        row.update(forced=forced, switch="QKV_BF16_GEMM")
+    if progress is not None:
+        progress(row)
+    yield row

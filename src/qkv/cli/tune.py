@@ -62,7 +62,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def _print_route(row: dict) -> None:
     forced = row.get("forced")
-    held = "" if forced is None else f" [QKV_CPU_HALF_GEMM={forced} holds this process]"
+    held = "" if forced is None else f" [{row['switch']}={forced} holds this process]"
     print(f"{row['choice']:28s} -> {row['reason']}{held}", flush=True)
 
 

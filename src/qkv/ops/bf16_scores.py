@@ -10,8 +10,10 @@ bf16 -> f32 on AMX, the kernel of torch's own CPU flash attention), or, on a CPU
 that has AVX512-BF16 (AMD Zen 4), qkv's own micro-kernel on that dot product instruction. Each
 product of two bfloat16 is exact in float32 and the sums are float32's, as in the widened
 GEMM. ``QKV_BF16_GEMM`` (``auto``, ``amx``, ``avx512_bf16``) forces one, so that the tests run
-each where it runs; ``auto`` takes AMX where both run (a static order, not a measurement: the
-two have not been timed against each other on an AMX CPU yet).
+each where it runs; ``auto`` takes the one that runs here, and where both run (an AMX CPU has
+AVX512-BF16 too) the faster as timed on this machine once (:func:`gemm_choice`: in this
+process and on disk, ``qkv tune`` fills it; with ``QKV_AUTOTUNE=off`` the static order, AMX
+first).
 
 * :func:`scores_` forms ``scale * q @ k^T`` into a float32 buffer, by the kernel where
   :func:`available`, else by its slow twin :func:`scores_widened_` (the widened GEMM).
@@ -36,19 +38,27 @@ import ctypes
 import functools
 import logging
 import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import _measured
+from .._measured import clock as _clock
 from ._memory import empty_large
 from ._native_build import build
+from .base import tracing
 
 __all__ = [
     "GEMMS",
+    "GemmChoice",
     "attend_kernel",
     "available",
+    "gemm_choice",
     "gemm_routes",
     "scores_",
     "scores_kernel_",
@@ -109,20 +119,156 @@ def gemm_routes() -> tuple[str, ...]:
 def _route() -> tuple[int, str]:
     """The GEMM code this call runs on (0: none), and why none. ``QKV_BF16_GEMM`` forces one
     (``amx`` or ``avx512_bf16``; read per call, so tests run each where it runs); unset or
-    ``auto``, the first that runs here. A forced GEMM that does not run here leaves the kernel
-    unused (the widened GEMM, the same float32 sums), with the reason."""
+    ``auto``, the one that runs here, or where both do the faster measured (:func:`gemm_choice`).
+    A forced GEMM that does not run here leaves the kernel unused (the widened GEMM, the same
+    float32 sums), with the reason."""
+    timing = getattr(_TIMING, "gemm", 0)
+    if timing:  # (gemm_choice's runners, in this thread only)
+        return timing, ""
     lib, why = _build()
     if lib is None:
         return 0, why
     runs, why = _runs(lib)
     forced = os.environ.get("QKV_BF16_GEMM", "auto")
     if forced == "auto":
+        if len(runs) > 1:
+            return GEMMS[_auto_gemm(runs)], ""
         return (GEMMS[runs[0]], "") if runs else (0, why)
     if forced not in GEMMS:
         raise ValueError(f"QKV_BF16_GEMM must be one of auto, {', '.join(GEMMS)}; got {forced!r}")
     if forced not in runs:
         return 0, f"QKV_BF16_GEMM={forced} does not run here: {why}"
     return GEMMS[forced], ""
+
+
+# --- auto's GEMM where both run: measured once ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    """The GEMM ``auto`` takes here, and why.
+
+    ``source``: ``"measured"`` (in this process), ``"disk"`` (measured by an earlier process on
+    this machine and kernel sources), ``"static"`` (the order of :data:`GEMMS`: measuring off,
+    not measured yet, or under tracing), ``"only"`` (the one GEMM that runs here) or
+    ``"none"`` (the kernel does not run here). ``times``: seconds per representative call of
+    each, where measured.
+    """
+
+    gemm: str
+    source: str
+    times: dict[str, float]
+    note: str = ""
+
+    def reason(self) -> str:
+        if self.times:
+            ranked = sorted(self.times.items(), key=lambda kv: kv[1])
+            shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
+            return f"{self.gemm}: faster measured on this machine ({shown}; {self.source})"
+        return f"{self.gemm or 'no GEMM'}: {self.note or self.source}"
+
+
+_TIMING = threading.local()  # .gemm: the code gemm_choice's runner holds its thread's calls to
+_gemm_lock = threading.Lock()
+_gemm_chosen: dict[str, GemmChoice] = {}  # "auto" -> this process's choice (never changes)
+_GEMM_DISK = "route:bf16_gemm"
+_GEMM_ROUNDS, _GEMM_BUDGET_S = 5, 0.01  # rounds of one timed call each, stopping after ~10 ms
+
+
+def _auto_gemm(runs: tuple[str, ...]) -> str:
+    """``auto``'s GEMM among ``runs`` (two or more): this process's choice, else the disk's, else
+    measured now (the static order where measuring is off or cannot run). The hot path: an
+    environment read and a dict lookup."""
+    if not _measured.enabled():
+        return runs[0]
+    hit = _gemm_chosen.get("auto")
+    if hit is not None:
+        return hit.gemm
+    return gemm_choice(measure=not _cannot_time()).gemm
+
+
+def gemm_choice(*, measure: bool = True, fresh: bool = False) -> GemmChoice:
+    """The GEMM the kernel takes here under ``auto`` (unforced), and why (see
+    :class:`GemmChoice`). ``measure=False`` runs nothing: a choice not yet known is the static
+    order's. ``fresh=True`` (``qkv tune``) measures where two run, whatever is kept or off,
+    and keeps the verdict for this process and on disk."""
+    runs = gemm_routes()
+    if not runs:
+        return GemmChoice("", "none", {}, unavailable_reason() or "the kernel does not run here")
+    if len(runs) == 1:
+        return GemmChoice(runs[0], "only", {}, "the only GEMM of the kernel that runs here")
+    if not fresh:
+        if not _measured.enabled():
+            return GemmChoice(
+                runs[0], "static", {}, "static order (measuring off, QKV_AUTOTUNE=off)"
+            )
+        hit = _gemm_chosen.get("auto") or _gemm_from_disk(runs)
+        if hit is not None:
+            if measure:
+                with _gemm_lock:
+                    hit = _gemm_chosen.setdefault("auto", hit)
+            return hit
+        if not measure:
+            return GemmChoice(runs[0], "static", {}, "static order (not measured yet)")
+    if _cannot_time():
+        return GemmChoice(runs[0], "static", {}, "static order (not measured under tracing)")
+    times = _time_gemms(runs)
+    choice = GemmChoice(min(times, key=times.__getitem__), "measured", times)
+    _measured.store(_GEMM_DISK, {"gemm": choice.gemm, "times": times})
+    with _gemm_lock:
+        if fresh:
+            _gemm_chosen["auto"] = choice
+        return _gemm_chosen.setdefault("auto", choice)
+
+
+def _gemm_from_disk(runs: tuple[str, ...]) -> GemmChoice | None:
+    entry = _measured.stored(_GEMM_DISK)
+    if entry is None or entry.get("gemm") not in runs:
+        return None
+    return GemmChoice(entry["gemm"], "disk", dict(entry.get("times", {})))
+
+
+def _cannot_time() -> bool:
+    """Under torch.compile, export, a torch.func transform or a dispatch mode: nothing may run
+    for timing there (as in ``cpu_isa``)."""
+    return tracing() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def _gemm_runners(runs: tuple[str, ...]) -> dict[str, Callable[[], object]]:
+    """A representative call of the kernel on each GEMM of ``runs``: 4 heads of 256 query rows
+    over 256 keys, D=64, without weights (the tiles' way, where the GEMMs are the work). Drawn
+    from a generator of its own: the global one is left as it was."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 256, 64, generator=g).to(torch.bfloat16) for _ in "qkv")
+    lo, hi = torch.zeros(1, 256, dtype=torch.int64), torch.full((1, 256), 256)
+
+    def runner(code: int) -> Callable[[], object]:
+        def run():
+            _TIMING.gemm = code
+            try:
+                return attend_kernel(q, k, v, 0.125, lo, hi, weights=False)
+            finally:
+                _TIMING.gemm = 0
+
+        return run
+
+    return {name: runner(GEMMS[name]) for name in runs}
+
+
+def _time_gemms(runs: tuple[str, ...]) -> dict[str, float]:
+    """Seconds per representative call on each GEMM, at torch's threads, without autocast."""
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        runners = _gemm_runners(runs)
+        return _measured.time_each(
+            runners, rounds=_GEMM_ROUNDS, budget_s=_GEMM_BUDGET_S, clock=_clock
+        )
+
+
+def forget_gemm() -> None:
+    """Drop this process's GEMM choice (the next is measured again, or read from disk)."""
+    with _gemm_lock:
+        _gemm_chosen.clear()
+    _measured.forget()
 
 
 @functools.cache
