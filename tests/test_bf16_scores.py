@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.ops import AttentionCall, bf16_scores, reference
+from qkv.ops import AttentionCall, bf16_scores, cpu_isa, reference
 from qkv.testing import ATOL, OUTPUT_FACTOR, assert_tolerance, max_error
 
 SIZES = [1, 7, 33, 100, 257]
@@ -1086,3 +1086,27 @@ def test_the_gemm_runners_run_the_kernel_on_each_gemm_that_runs_here():
         out = run()[0]
         assert out.shape == (1, 4, 256, 64) and torch.isfinite(out).all(), name
         assert getattr(bf16_scores._TIMING, "gemm", 0) == 0
+
+
+def test_qkv_tune_names_the_kernels_gemm_and_the_switch_that_holds_it(monkeypatch, tmp_path):
+    """``qkv tune``'s routes end with the kernel's GEMM: the one ``auto`` takes here and why,
+    and the ``QKV_BF16_GEMM`` value that holds the process where it is set."""
+    from qkv.bench.tune import tune_routes
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.delenv("QKV_CPU_HALF_GEMM", raising=False)
+    monkeypatch.delenv("QKV_BF16_GEMM", raising=False)
+    try:
+        row = list(tune_routes())[-1]
+        runs = bf16_scores.gemm_routes()
+        assert row["choice"] == "bfloat16 kernel GEMM" and "forced" not in row
+        assert row["route"] == (runs[0] if len(runs) == 1 else row["route"])
+        assert row["route"] in runs or (not runs and row["route"] == "")
+        assert row["reason"] == bf16_scores.gemm_choice(measure=False).reason()
+        monkeypatch.setenv("QKV_BF16_GEMM", "avx512_bf16")
+        row = list(tune_routes())[-1]
+        assert (row["forced"], row["switch"]) == ("avx512_bf16", "QKV_BF16_GEMM")
+    finally:
+        bf16_scores.forget_gemm()
+        cpu_isa.forget()

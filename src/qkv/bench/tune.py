@@ -12,7 +12,6 @@ Shape alphabet: B batch, H heads, T query length (= S), D head dim.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -91,16 +90,16 @@ def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict
         row["reason"] = choice.reason()
         held = cpu_isa.half_gemm_choice(dtype, measure=False)
         if held.source == "forced":
-            row.update(forced=held.route, switch="QKV_CPU_HALF_GEMM")
+            row.update(forced=held.route, switch=cpu_isa.HALF_GEMM_SWITCH)
         if progress is not None:
             progress(row)
         yield row
     gemm = bf16_scores.gemm_choice(fresh=True)
     row = dict(choice="bfloat16 kernel GEMM", route=gemm.gemm, times=gemm.times)
     row["reason"] = gemm.reason()
-    forced = os.environ.get("QKV_BF16_GEMM", "auto")
-    if forced != "auto":
-        row.update(forced=forced, switch="QKV_BF16_GEMM")
+    forced = bf16_scores.forced_gemm()
+    if forced is not None:
+        row.update(forced=forced, switch=bf16_scores.GEMM_SWITCH)
     if progress is not None:
         progress(row)
     yield row

@@ -58,6 +58,7 @@ __all__ = [
     "GemmChoice",
     "attend_kernel",
     "available",
+    "forced_gemm",
     "gemm_choice",
     "gemm_routes",
     "scores_",
@@ -173,6 +174,16 @@ _gemm_lock = threading.Lock()
 _gemm_chosen: dict[str, GemmChoice] = {}  # "auto" -> this process's choice (never changes)
 _GEMM_DISK = "route:bf16_gemm"
 _GEMM_ROUNDS, _GEMM_BUDGET_S = 5, 0.01  # rounds of one timed call each, stopping after ~10 ms
+
+
+GEMM_SWITCH = "QKV_BF16_GEMM"  # the environment variable that forces the GEMM
+
+
+def forced_gemm() -> str | None:
+    """The GEMM ``QKV_BF16_GEMM`` holds this process to (``amx``, ``avx512_bf16``), or None
+    where it is unset or ``auto``."""
+    forced = os.environ.get("QKV_BF16_GEMM", "auto")
+    return None if forced == "auto" else forced
 
 
 def _auto_gemm(runs: tuple[str, ...]) -> str:

@@ -107,6 +107,7 @@ class RouteChoice:
         return f"{self.route}: {self.note or self.source}"
 
 
+HALF_GEMM_SWITCH = "QKV_CPU_HALF_GEMM"  # the environment variable that forces the route
 _lock = threading.Lock()
 _chosen: dict[torch.dtype, RouteChoice] = {}  # dtype -> this process's route (never changes)
 
