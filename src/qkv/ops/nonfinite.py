@@ -866,10 +866,10 @@ class _ZeroNonfiniteRows(torch.autograd.Function):
 
 
 class _NanRows(torch.autograd.Function):
-    """``out`` with NaN on the rows where ``hits`` is not 0, in a copy made by one fused pass
-    (``nonfinite_rows``), and no gradient through those rows (the tensor ops' way was a
-    product and a sum, each a pass of a strided TensorIterator over a kernel's permuted
-    output).
+    """``out`` with NaN on the rows where ``hits`` is not 0, in a copy of ``out``'s layout (a
+    kernel's permuted output stays so: a module's merge of the heads is then a view) whose
+    rows are set by a fused pass (``nonfinite_rows``), and no gradient through those rows (the
+    tensor ops' way was a product and a sum, each a pass of a strided TensorIterator).
 
     Shape:
         out ``(*batch, T, Dv)``, hits ``(*batch, T)`` float32 -> ``(*batch, T, Dv)``.
@@ -878,7 +878,7 @@ class _NanRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: Tensor, hits: Tensor):
         bad = hits != 0  # (*batch, T)
-        copy = nonfinite_rows.copy_rows(out, zero_nonfinite=False)
+        copy = out.clone()  # (its layout kept; a plain copy of its memory)
         nonfinite_rows.restore_rows(copy, flags=hits)
         ctx.save_for_backward(bad)
         return copy
@@ -886,11 +886,10 @@ class _NanRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (bad,) = ctx.saved_tensors
-        if nonfinite_rows.takes(grad):  # 0 on the NaN rows, in a copy
-            return nonfinite_rows.restore_rows(
-                nonfinite_rows.copy_rows(grad, zero_nonfinite=False), has_key=~bad
-            ), None
-        return grad.masked_fill(bad.unsqueeze(-1), 0.0), None
+        copy = grad.clone()  # (a gradient of stride 0 comes out dense)
+        if nonfinite_rows.takes(copy):  # 0 on the NaN rows
+            return nonfinite_rows.restore_rows(copy, has_key=~bad), None
+        return copy.masked_fill_(bad.unsqueeze(-1), 0.0), None
 
 
 def scale_may_overflow(call: AttentionCall) -> bool:
