@@ -1032,7 +1032,7 @@ def test_auto_takes_the_gemm_measured_faster_where_two_run(two_gemms, monkeypatc
     costs, runs = two_gemms
     assert bf16_scores._route() == (bf16_scores.GEMMS["avx512_bf16"], "")
     choice = bf16_scores.gemm_choice(measure=False)
-    assert choice.source == "measured" and choice.gemm == "avx512_bf16"
+    assert choice.source == "measured" and choice.route == "avx512_bf16"
     assert choice.times == pytest.approx(costs)
     assert runs["amx"] >= 3 and runs["avx512_bf16"] >= 3  # one untimed, two timed at least
     assert "avx512_bf16: faster measured on this machine (avx512_bf16 1 ms, amx 3 ms" in (
@@ -1051,7 +1051,7 @@ def test_auto_takes_the_gemm_measured_faster_where_two_run(two_gemms, monkeypatc
     monkeypatch.setenv("QKV_BF16_GEMM", "amx")  # forced
     assert bf16_scores._route()[0] == bf16_scores.GEMMS["amx"] and runs == seen
     fresh = bf16_scores.gemm_choice(fresh=True)  # qkv tune: timed again, the new verdict kept
-    assert fresh.gemm == "amx" and runs["amx"] > seen["amx"]
+    assert fresh.route == "amx" and runs["amx"] > seen["amx"]
     monkeypatch.delenv("QKV_BF16_GEMM")
     assert bf16_scores._route()[0] == bf16_scores.GEMMS["amx"]
 
@@ -1072,7 +1072,7 @@ def test_auto_times_nothing_where_one_gemm_runs_or_under_tracing(two_gemms, monk
     assert bf16_scores.gemm_choice(measure=False).source == "static"
     monkeypatch.setattr(bf16_scores, "_runs", lambda lib: (("avx512_bf16",), "no AMX"))
     choice = bf16_scores.gemm_choice()
-    assert (choice.gemm, choice.source) == ("avx512_bf16", "only") and sum(runs.values()) == 0
+    assert (choice.route, choice.source) == ("avx512_bf16", "only") and sum(runs.values()) == 0
 
 
 def test_the_gemm_runners_run_the_kernel_on_each_gemm_that_runs_here():

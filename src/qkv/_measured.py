@@ -27,11 +27,13 @@ import platform
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "Choice",
     "cache_path",
     "clock",
     "cpu_features",
@@ -96,6 +98,26 @@ def enabled() -> bool:
     else:
         raise ValueError(f"QKV_AUTOTUNE={value!r}: use 'on' or 'off'")
     return _ENABLED[raw]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A route a measured choice took, and why: ``source`` says where the verdict came from
+    (each chooser names its own: measured in this process, read from disk, forced, the static
+    rule, ...), ``times`` the seconds per representative run of each candidate where measured,
+    ``note`` the reason where not."""
+
+    route: str
+    source: str
+    times: dict[str, float]
+    note: str = ""
+
+    def reason(self) -> str:
+        if self.times:
+            ranked = sorted(self.times.items(), key=lambda kv: kv[1])
+            shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
+            return f"{self.route}: faster measured on this machine ({shown}; {self.source})"
+        return f"{self.route or 'none'}: {self.note or self.source}"
 
 
 def clock() -> float:

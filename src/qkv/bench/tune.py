@@ -95,7 +95,7 @@ def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict
             progress(row)
         yield row
     gemm = bf16_scores.gemm_choice(fresh=True)
-    row = dict(choice="bfloat16 kernel GEMM", route=gemm.gemm, times=gemm.times)
+    row = dict(choice="bfloat16 kernel GEMM", route=gemm.route, times=gemm.times)
     row["reason"] = gemm.reason()
     forced = bf16_scores.forced_gemm()
     if forced is not None:

@@ -40,7 +40,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -145,28 +144,15 @@ def _route() -> tuple[int, str]:
 # --- auto's GEMM where both run: measured once ------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GemmChoice:
-    """The GEMM ``auto`` takes here, and why.
+class GemmChoice(_measured.Choice):
+    """The GEMM ``auto`` takes here (``route``), and why.
 
     ``source``: ``"measured"`` (in this process), ``"disk"`` (measured by an earlier process on
     this machine and kernel sources), ``"static"`` (the order of :data:`GEMMS`: measuring off,
     not measured yet, or under tracing), ``"only"`` (the one GEMM that runs here) or
-    ``"none"`` (the kernel does not run here). ``times``: seconds per representative call of
-    each, where measured.
+    ``"none"`` (the kernel does not run here, ``route`` empty). ``times``: seconds per
+    representative call of each, where measured.
     """
-
-    gemm: str
-    source: str
-    times: dict[str, float]
-    note: str = ""
-
-    def reason(self) -> str:
-        if self.times:
-            ranked = sorted(self.times.items(), key=lambda kv: kv[1])
-            shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
-            return f"{self.gemm}: faster measured on this machine ({shown}; {self.source})"
-        return f"{self.gemm or 'no GEMM'}: {self.note or self.source}"
 
 
 _TIMING = threading.local()  # .gemm: the code gemm_choice's runner holds its thread's calls to
@@ -194,8 +180,8 @@ def _auto_gemm(runs: tuple[str, ...]) -> str:
         return runs[0]
     hit = _gemm_chosen.get("auto")
     if hit is not None:
-        return hit.gemm
-    return gemm_choice(measure=not _cannot_time()).gemm
+        return hit.route
+    return gemm_choice(measure=not _cannot_time()).route
 
 
 def gemm_choice(*, measure: bool = True, fresh: bool = False) -> GemmChoice:
@@ -225,7 +211,7 @@ def gemm_choice(*, measure: bool = True, fresh: bool = False) -> GemmChoice:
         return GemmChoice(runs[0], "static", {}, "static order (not measured under tracing)")
     times = _time_gemms(runs)
     choice = GemmChoice(min(times, key=times.__getitem__), "measured", times)
-    _measured.store(_GEMM_DISK, {"gemm": choice.gemm, "times": times})
+    _measured.store(_GEMM_DISK, {"gemm": choice.route, "times": times})
     with _gemm_lock:
         if fresh:
             _gemm_chosen["auto"] = choice

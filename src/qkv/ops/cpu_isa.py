@@ -31,7 +31,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -84,8 +83,7 @@ def native_bf16(
     return not held and any(f in features for f in _NATIVE_BF16_FLAGS)
 
 
-@dataclass(frozen=True)
-class RouteChoice:
+class RouteChoice(_measured.Choice):
     """The half-GEMM route a dtype takes, and why.
 
     ``source``: ``"forced"`` (``QKV_CPU_HALF_GEMM``), ``"measured"`` (in this process),
@@ -93,18 +91,6 @@ class RouteChoice:
     off, under tracing, or not measured yet); ``times``: seconds per representative GEMM of
     each route (empty unless measured).
     """
-
-    route: str
-    source: str
-    times: dict[str, float]
-    note: str = ""
-
-    def reason(self) -> str:
-        if self.times:
-            ranked = sorted(self.times.items(), key=lambda kv: kv[1])
-            shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
-            return f"{self.route}: faster measured on this machine ({shown}; {self.source})"
-        return f"{self.route}: {self.note or self.source}"
 
 
 HALF_GEMM_SWITCH = "QKV_CPU_HALF_GEMM"  # the environment variable that forces the route
