@@ -42,7 +42,10 @@ read is a device sync; tests/test_host_reads.py counts them). What they cost on 
   masks' ranges, documents or matrix (``ops/key_counts.py``), and ``sqrt(-count)`` is the
   column of 0 and NaN added to the output. The copy's gradient is passed through as it is:
   the kernel's gradient is 0 on every bad row already (a NaN row passes no gradient, and a
-  masked pair's weight is exactly 0).
+  masked pair's weight is exactly 0). On the CPU where the fused passes build, a call
+  wanting a gradient makes each zeroed copy and its bad rows in one pass
+  (``_ZeroNonfiniteRows``) and sets the NaN rows in a copy of the output in one more
+  (``_NanRows``): the same bits as the tensor ops' way (tests/test_nonfinite_grad.py).
 * **On the CPU without gradient, a bool key mask of a few query rows** (a padded batch's
   decoding step; ``KEYS_IN_PLACE_MAX_T``) **or a range mask** (causal, windows, key lengths):
   no copy and no pass before the kernel; the kernel runs the mask on k and v as they are,
