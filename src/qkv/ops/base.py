@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .call import AttentionCall
 
-__all__ = ["Backend", "BackendResult", "BackendUnsupportedError", "tracing"]
+__all__ = ["Backend", "BackendResult", "BackendUnsupportedError", "cannot_time", "tracing"]
 
 
 @dataclass(slots=True)  # (not frozen: made on every call, a quarter of the cost)
@@ -64,6 +64,13 @@ def tracing() -> bool:
     tensor values on the host (``.item()``, ``bool(tensor)``): the paths that do are passed
     over for ones written in tensor operations."""
     return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def cannot_time() -> bool:
+    """Whether nothing may run to be timed here: under torch.compile, export, a torch.func
+    transform (:func:`tracing`) or a dispatch mode (fake tensors, op counters), where a run
+    would not time the kernels either. The CPU routes' measured choices ask it."""
+    return tracing() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def compiling_plainly() -> bool:

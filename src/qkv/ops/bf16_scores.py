@@ -50,7 +50,7 @@ from .. import _measured
 from .._measured import clock as _clock
 from ._memory import empty_large
 from ._native_build import build
-from .base import tracing
+from .base import cannot_time
 
 __all__ = [
     "GEMMS",
@@ -75,6 +75,7 @@ _log = logging.getLogger(__name__)
 # AVX512-BF16 too): oneDNN's batch-reduce micro-kernel on AMX tiles, and qkv's own micro-kernel on
 # AVX512-BF16's dot product instruction (AMD Zen 4, where oneDNN's pack refuses bfloat16).
 GEMMS = {"amx": 1, "avx512_bf16": 2}
+GEMM_SWITCH = "QKV_BF16_GEMM"  # the environment variable that forces one (auto: the default)
 _WHY_NOT = {
     "amx": "at::native::cpublas::could_pack(BFloat16) is false (no AMX)",
     "avx512_bf16": "no AVX512-BF16 in this CPU or in this build (torch's capability {cap})",
@@ -129,7 +130,7 @@ def _route() -> tuple[int, str]:
     if lib is None:
         return 0, why
     runs, why = _runs(lib)
-    forced = os.environ.get("QKV_BF16_GEMM", "auto")
+    forced = os.environ.get(GEMM_SWITCH, "auto")
     if forced == "auto":
         if len(runs) > 1:
             return GEMMS[_auto_gemm(runs)], ""
@@ -162,13 +163,10 @@ _GEMM_DISK = "route:bf16_gemm"
 _GEMM_ROUNDS, _GEMM_BUDGET_S = 5, 0.01  # rounds of one timed call each, stopping after ~10 ms
 
 
-GEMM_SWITCH = "QKV_BF16_GEMM"  # the environment variable that forces the GEMM
-
-
 def forced_gemm() -> str | None:
     """The GEMM ``QKV_BF16_GEMM`` holds this process to (``amx``, ``avx512_bf16``), or None
     where it is unset or ``auto``."""
-    forced = os.environ.get("QKV_BF16_GEMM", "auto")
+    forced = os.environ.get(GEMM_SWITCH, "auto")
     return None if forced == "auto" else forced
 
 
@@ -181,7 +179,7 @@ def _auto_gemm(runs: tuple[str, ...]) -> str:
     hit = _gemm_chosen.get("auto")
     if hit is not None:
         return hit.route
-    return gemm_choice(measure=not _cannot_time()).route
+    return gemm_choice(measure=not cannot_time()).route
 
 
 def gemm_choice(*, measure: bool = True, fresh: bool = False) -> GemmChoice:
@@ -207,7 +205,7 @@ def gemm_choice(*, measure: bool = True, fresh: bool = False) -> GemmChoice:
             return hit
         if not measure:
             return GemmChoice(runs[0], "static", {}, "static order (not measured yet)")
-    if _cannot_time():
+    if cannot_time():
         return GemmChoice(runs[0], "static", {}, "static order (not measured under tracing)")
     times = _time_gemms(runs)
     choice = GemmChoice(min(times, key=times.__getitem__), "measured", times)
@@ -223,12 +221,6 @@ def _gemm_from_disk(runs: tuple[str, ...]) -> GemmChoice | None:
     if entry is None or entry.get("gemm") not in runs:
         return None
     return GemmChoice(entry["gemm"], "disk", dict(entry.get("times", {})))
-
-
-def _cannot_time() -> bool:
-    """Under torch.compile, export, a torch.func transform or a dispatch mode: nothing may run
-    for timing there (as in ``cpu_isa``)."""
-    return tracing() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def _gemm_runners(runs: tuple[str, ...]) -> dict[str, Callable[[], object]]:

@@ -39,7 +39,7 @@ from torch import Tensor
 from .. import _measured
 from .._measured import clock as _clock
 from .._measured import cpu_features
-from .base import tracing
+from .base import cannot_time
 
 __all__ = [
     "HALF_GEMM_ROUTES",
@@ -112,7 +112,7 @@ def half_gemm_route(dtype: torch.dtype = torch.bfloat16) -> str:
     hit = _chosen.get(dtype)
     if hit is not None:
         return hit.route
-    if _cannot_time():  # a route known (this process, the disk), else the flag rule's
+    if cannot_time():  # a route known (this process, the disk), else the flag rule's
         return half_gemm_choice(dtype, measure=False).route
     return half_gemm_choice(dtype).route
 
@@ -153,7 +153,7 @@ def half_gemm_choice(
             return hit
         if not measure:
             return _flag_choice("not measured yet")
-    if _cannot_time():
+    if cannot_time():
         return _flag_choice("not measured under tracing")
     times = _time_routes(dtype)
     choice = RouteChoice(min(times, key=times.__getitem__), "measured", times)
@@ -208,12 +208,6 @@ def _from_disk(dtype: torch.dtype) -> RouteChoice | None:
     if entry is None or entry.get("route") not in HALF_GEMM_ROUTES:
         return None
     return RouteChoice(entry["route"], "disk", dict(entry.get("times", {})))
-
-
-def _cannot_time() -> bool:
-    """Under torch.compile, export, a torch.func transform or a dispatch mode (fake tensors,
-    op counters): nothing may run for timing there, nor would it time the kernels."""
-    return tracing() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
