@@ -425,8 +425,10 @@ bool has_bf16_convert() {
 // e = exp(scale * s - shift) of kV scores at a time (the rows' softmax: scale * s - shift <= 0, or -inf,
 // or NaN on a row set NaN anyway). On AVX-512: e^x = 2^t with t = x log2(e) (one multiply-add of s, the
 // scale and the shift folded), 2^t = 2^(t - n) 2^n for n = round(t): a degree-6 polynomial (Taylor's of
-// e^(r ln 2), |r| <= 1/2) scaled by 2^n (vscalefps); 0 where t < -126 (-inf too), as at::vec's exp_u20
-// gives 0 below ln(FLT_MIN). 9 vector operations against exp_u20's ~20 and one more multiply-add: the
+// e^(r ln 2), |r| <= 1/2) scaled by 2^n (vscalefps); 0 where t < -126, as at::vec's exp_u20 gives 0
+// below ln(FLT_MIN), and where t is -inf (a hidden key's score: r is NaN there, and vscalefps of a NaN is
+// NaN by Intel's manual, where AMD Zen 4 gives 0; the mask makes it 0 on both). 9 vector operations
+// against exp_u20's ~20 and one more multiply-add: the
 // row's exps and split took 0.25 ns a score against 0.38 (Zen 4, one core), and measured 4.1e-7 against
 // 6.4e-7 relative error. Elsewhere exp_u20.
 struct ExpOf {
