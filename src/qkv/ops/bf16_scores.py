@@ -54,10 +54,12 @@ from .base import cannot_time
 
 __all__ = [
     "GEMMS",
+    "GEMM_SWITCH",
     "GemmChoice",
     "attend_kernel",
     "available",
     "forced_gemm",
+    "forget_gemm",
     "gemm_choice",
     "gemm_routes",
     "scores_",

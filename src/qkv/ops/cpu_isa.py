@@ -43,6 +43,7 @@ from .base import cannot_time
 
 __all__ = [
     "HALF_GEMM_ROUTES",
+    "HALF_GEMM_SWITCH",
     "RouteChoice",
     "cpu_features",
     "explain_half_gemm",
