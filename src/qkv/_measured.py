@@ -34,7 +34,9 @@ import torch
 
 __all__ = [
     "Choice",
+    "MeasuredRoute",
     "cache_path",
+    "cannot_time",
     "clock",
     "cpu_features",
     "cpu_model",
@@ -45,6 +47,7 @@ __all__ = [
     "store",
     "stored",
     "time_each",
+    "tracing",
 ]
 
 _ENABLED: dict[str | None, bool] = {}  # QKV_AUTOTUNE's raw value -> on/off (read every call)
@@ -118,6 +121,120 @@ class Choice:
             shown = ", ".join(f"{n} {t * 1e3:.3g} ms" for n, t in ranked)
             return f"{self.route}: faster measured on this machine ({shown}; {self.source})"
         return f"{self.route or 'none'}: {self.note or self.source}"
+
+
+def tracing() -> bool:
+    """Whether the call is being traced or transformed rather than run: ``torch.compile``,
+    ``torch.export``, or a ``torch.func`` transform (vmap, grad, jacrev). Then nothing may read
+    tensor values on the host (``.item()``, ``bool(tensor)``): the paths that do are passed
+    over for ones written in tensor operations."""
+    return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def cannot_time() -> bool:
+    """Whether nothing may run to be timed here: under torch.compile, export, a torch.func
+    transform (:func:`tracing`) or a dispatch mode (fake tensors, op counters), where a run
+    would not time the kernels either. The CPU routes' measured choices ask it."""
+    return tracing() or torch._C._len_torch_dispatch_stack() > 0
+
+
+class MeasuredRoute:
+    """A route of the CPU kernels chosen per key by timing each candidate once on this
+    machine: forced by an environment switch, kept for the process (it never changes there)
+    and on disk (``route:<name>/<key>`` in :func:`cache_path`'s file), or, with measuring off
+    (``QKV_AUTOTUNE=off``), not yet measured and not to be (``measure=False``), or under
+    tracing (:func:`cannot_time`), the static rule's.
+
+    ``measure(key)``: seconds per representative run of each route (its own threads, grad
+    mode and autocast). ``static()``: the route without a measurement, and why (the CPU
+    flags' rule). A :class:`Choice` says which route a key takes and why, with ``source``
+    ``"forced"``, ``"measured"`` (in this process), ``"disk"`` (an earlier process or ``qkv
+    tune``) or ``"flags"``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        routes: tuple[str, ...],
+        switch: str,
+        static: Callable[[], tuple[str, str]],
+        measure: Callable[[str], dict[str, float]],
+    ) -> None:
+        self.name, self.routes, self.switch = name, routes, switch
+        self._static, self._measure = static, measure
+        self._lock = threading.Lock()
+        self._chosen: dict[str, Choice] = {}  # key -> this process's route (never changes)
+
+    def route(self, key: str) -> str:
+        """The route ``key`` takes: the hot path (after the first call, two environment reads
+        and a dict lookup)."""
+        forced = self.forced()
+        if forced is not None:
+            return forced
+        if not enabled():
+            return self._static()[0]
+        hit = self._chosen.get(key)
+        if hit is not None:
+            return hit.route
+        return self.choice(key, measure=not cannot_time()).route
+
+    def choice(self, key: str, *, measure: bool = True, fresh: bool = False) -> Choice:
+        """The route ``key`` takes here, and why. ``measure=False`` runs nothing: a route not
+        yet known is the static rule's. ``fresh=True`` (``qkv tune``) measures whatever is
+        kept, forced or off, and keeps the verdict for this process and on disk."""
+        if not fresh:
+            forced = self.forced()
+            if forced is not None:
+                return Choice(forced, "forced", {}, f"forced by {self.switch}={forced}")
+            if not enabled():
+                return self._static_choice("measuring is off, QKV_AUTOTUNE=off")
+            hit = self._chosen.get(key) or self._from_disk(key)
+            if hit is not None:
+                if measure:
+                    with self._lock:
+                        hit = self._chosen.setdefault(key, hit)
+                return hit
+            if not measure:
+                return self._static_choice("not measured yet")
+        if cannot_time():
+            return self._static_choice("not measured under tracing")
+        times = self._measure(key)
+        choice = Choice(min(times, key=times.__getitem__), "measured", times)
+        store(self._disk_name(key), {"route": choice.route, "times": times})
+        with self._lock:
+            if fresh:
+                self._chosen[key] = choice
+            return self._chosen.setdefault(key, choice)
+
+    def forced(self) -> str | None:
+        """The route the switch forces, or None (ValueError for a value it does not know)."""
+        raw = (env(self.switch) or "").strip().lower()
+        if raw in self.routes:
+            return raw
+        if raw:
+            allowed = " or ".join(repr(r) for r in self.routes)
+            raise ValueError(f"{self.switch} must be {allowed}, got {raw!r}")
+        return None
+
+    def forget(self) -> None:
+        """Drop this process's routes (the next call of each key measures again, or reads the
+        disk; the disk is read again)."""
+        with self._lock:
+            self._chosen.clear()
+        forget()
+
+    def _static_choice(self, why: str) -> Choice:
+        route, rule = self._static()
+        return Choice(route, "flags", {}, f"{rule}; {why}")
+
+    def _disk_name(self, key: str) -> str:
+        return f"route:{self.name}/{key}"
+
+    def _from_disk(self, key: str) -> Choice | None:
+        entry = stored(self._disk_name(key))
+        if entry is None or entry.get("route") not in self.routes:
+            return None
+        return Choice(entry["route"], "disk", dict(entry.get("times", {})))
 
 
 def clock() -> float:

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .._measured import cannot_time, tracing
 from .call import AttentionCall
 
 __all__ = ["Backend", "BackendResult", "BackendUnsupportedError", "cannot_time", "tracing"]
@@ -56,21 +57,6 @@ class Backend(Protocol):
 
 class BackendUnsupportedError(ValueError):
     """A backend named by the caller cannot take the call; the message says why."""
-
-
-def tracing() -> bool:
-    """Whether the call is being traced or transformed rather than run: ``torch.compile``,
-    ``torch.export``, or a ``torch.func`` transform (vmap, grad, jacrev). Then nothing may read
-    tensor values on the host (``.item()``, ``bool(tensor)``): the paths that do are passed
-    over for ones written in tensor operations."""
-    return torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None
-
-
-def cannot_time() -> bool:
-    """Whether nothing may run to be timed here: under torch.compile, export, a torch.func
-    transform (:func:`tracing`) or a dispatch mode (fake tensors, op counters), where a run
-    would not time the kernels either. The CPU routes' measured choices ask it."""
-    return tracing() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def compiling_plainly() -> bool:

@@ -33,6 +33,7 @@ from ..masks import (
     index_grid,
     merge_causal,
 )
+from .cpu_isa import half_grad_bucket, half_grad_route
 
 __all__ = ["AttentionCall"]
 
@@ -172,13 +173,28 @@ class AttentionCall:
     @property
     def work_dtype(self) -> torch.dtype:
         """The dtype the CPU kernels compute in: float32 for float16 inputs (torch's float16
-        CPU kernel is slow and inexact, see ``torch_sdpa.py``) and for half inputs with a
+        CPU kernel is slow and inexact, see ``torch_sdpa.py``), for half inputs with a
         float32 ``attn_mask`` (the mask keeps its precision through the softmax, as plain math
-        promotes it); otherwise the inputs' dtype."""
+        promotes it), and for bfloat16 inputs of a call that wants a gradient where the
+        measured route says so (``cpu_isa.half_grad_route``: per size class, float32 where it
+        is faster here); otherwise the inputs' dtype."""
         if not self.query.is_cpu or self.dtype not in (torch.float16, torch.bfloat16):
             return self.dtype
         float32_mask = self.attn_mask is not None and self.attn_mask.dtype == torch.float32
-        return torch.float32 if self.dtype == torch.float16 or float32_mask else self.dtype
+        if self.dtype == torch.float16 or float32_mask:
+            return torch.float32
+        if self.wants_grad and half_grad_route(half_grad_bucket(self.T, self.S)) == "float32":
+            return torch.float32
+        return self.dtype
+
+    @property
+    def wants_grad(self) -> bool:
+        """Whether a gradient is wanted of the inputs the kernel reads (q, k, v, a float mask,
+        sinks)."""
+        return torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad
+            for t in (self.query, self.key, self.value, self.attn_mask, self.sinks)
+        )
 
     @property
     def mask_kind(self) -> str:

@@ -932,10 +932,7 @@ def _wants_grad(call: AttentionCall) -> bool:
     """Whether a gradient is wanted of the inputs the kernel reads (q, k, v, a float mask,
     sinks): then a NaN row must pass no gradient, which the output's check alone does not
     ensure."""
-    return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
-        for t in (call.query, call.key, call.value, call.attn_mask, call.sinks)
-    )
+    return call.wants_grad
 
 
 def _finite_sum(t: Tensor) -> bool:
