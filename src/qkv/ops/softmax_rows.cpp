@@ -43,6 +43,12 @@ void softmax_row(T* x, int64_t S, T* row_max) {
     for (int64_t j = 0; j < S; ++j) x[j] = T(0);
     return;
   }
+  if (!(m < inf)) {  // a NaN or +inf score: NaN throughout, said here rather than left to the
+    // vector exp of NaN (at::vec's exp_u20 of AVX2 gave a finite value, so a row of 40 float32
+    // scores holding one was not all NaN)
+    for (int64_t j = 0; j < S; ++j) x[j] = std::numeric_limits<T>::quiet_NaN();
+    return;
+  }
   const Vec vmax(m);
   Vec vs(T(0));
   i = 0;
