@@ -95,9 +95,9 @@ def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict
             progress(row)
         yield row
     for bucket in cpu_isa.HALF_GRAD_BUCKETS:
-        choice = cpu_isa.HALF_GRAD.choice(bucket, fresh=True)
-        row = dict(choice=f"bfloat16 attention gradient ({bucket})", route=choice.route)
-        row.update(times=choice.times, reason=choice.reason())
+        grad = cpu_isa.HALF_GRAD.choice(bucket, fresh=True)
+        row = dict(choice=f"bfloat16 attention gradient ({bucket})", route=grad.route)
+        row.update(times=grad.times, reason=grad.reason())
         forced = cpu_isa.HALF_GRAD.forced()
         if forced is not None:
             row.update(forced=forced, switch=cpu_isa.HALF_GRAD_SWITCH)
