@@ -168,6 +168,22 @@ def run_qkv(case: Case, inp: dict, backend: str, tiles=None):
         return None
 
 
+@contextmanager
+def half_grad_route(case: Case):
+    """The route of a bfloat16 CPU call wanting a gradient (``QKV_CPU_HALF_GRAD``: torch's
+    bfloat16 kernels, or float32 rounded once) drawn by the case's seed, so that both run on
+    every machine whatever it measures or its flags say; the variable is put back after."""
+    before = os.environ.get("QKV_CPU_HALF_GRAD")
+    os.environ["QKV_CPU_HALF_GRAD"] = ("native", "float32")[case.seed % 2]
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["QKV_CPU_HALF_GRAD"]
+        else:
+            os.environ["QKV_CPU_HALF_GRAD"] = before
+
+
 def grad_inputs(inp: dict) -> dict:
     """The tensors gradients are compared for, by name."""
     out = {"q": inp["q"], "k": inp["k"], "v": inp["v"]}
@@ -322,7 +338,8 @@ def check_call(
             logits = torch.tensor(sinks, dtype=torch.float64)
         inp["sinks"] = logits.to(case.torch_dtype).requires_grad_(True)
     where = f"backend={backend}" + (f" tiles={tiles}" if tiles else "")
-    out = run_qkv(case, inp, backend, tiles)
+    with half_grad_route(case):
+        out = run_qkv(case, inp, backend, tiles)
     if out is None:
         return
     gold_out, gold_grads = golden_run(case, inp)

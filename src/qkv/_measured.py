@@ -149,7 +149,7 @@ class MeasuredRoute:
     mode and autocast). ``static()``: the route without a measurement, and why (the CPU
     flags' rule). A :class:`Choice` says which route a key takes and why, with ``source``
     ``"forced"``, ``"measured"`` (in this process), ``"disk"`` (an earlier process or ``qkv
-    tune``) or ``"flags"``.
+    tune``) or ``"flags"``; of ``choice_type`` (a subclass naming the kind).
     """
 
     def __init__(
@@ -159,9 +159,10 @@ class MeasuredRoute:
         switch: str,
         static: Callable[[], tuple[str, str]],
         measure: Callable[[str], dict[str, float]],
+        choice_type: type[Choice] = Choice,
     ) -> None:
         self.name, self.routes, self.switch = name, routes, switch
-        self._static, self._measure = static, measure
+        self._static, self._measure, self._type = static, measure, choice_type
         self._lock = threading.Lock()
         self._chosen: dict[str, Choice] = {}  # key -> this process's route (never changes)
 
@@ -185,7 +186,7 @@ class MeasuredRoute:
         if not fresh:
             forced = self.forced()
             if forced is not None:
-                return Choice(forced, "forced", {}, f"forced by {self.switch}={forced}")
+                return self._type(forced, "forced", {}, f"forced by {self.switch}={forced}")
             if not enabled():
                 return self._static_choice("measuring is off, QKV_AUTOTUNE=off")
             hit = self._chosen.get(key) or self._from_disk(key)
@@ -199,7 +200,7 @@ class MeasuredRoute:
         if cannot_time():
             return self._static_choice("not measured under tracing")
         times = self._measure(key)
-        choice = Choice(min(times, key=times.__getitem__), "measured", times)
+        choice = self._type(min(times, key=times.__getitem__), "measured", times)
         store(self._disk_name(key), {"route": choice.route, "times": times})
         with self._lock:
             if fresh:
@@ -225,7 +226,7 @@ class MeasuredRoute:
 
     def _static_choice(self, why: str) -> Choice:
         route, rule = self._static()
-        return Choice(route, "flags", {}, f"{rule}; {why}")
+        return self._type(route, "flags", {}, f"{rule}; {why}")
 
     def _disk_name(self, key: str) -> str:
         return f"route:{self.name}/{key}"
@@ -234,7 +235,7 @@ class MeasuredRoute:
         entry = stored(self._disk_name(key))
         if entry is None or entry.get("route") not in self.routes:
             return None
-        return Choice(entry["route"], "disk", dict(entry.get("times", {})))
+        return self._type(entry["route"], "disk", dict(entry.get("times", {})))
 
 
 def clock() -> float:

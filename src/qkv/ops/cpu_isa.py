@@ -29,7 +29,6 @@ the tolerance policy (issue 37: the suite forces both), so the choice changes sp
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 
 import torch
@@ -37,10 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _measured
-from .._measured import cannot_time, cpu_features
 from .._measured import clock as _clock
+from .._measured import cpu_features
 
 __all__ = [
+    "HALF_GEMM",
     "HALF_GEMM_ROUTES",
     "HALF_GEMM_SWITCH",
     "HALF_GRAD",
@@ -99,8 +99,7 @@ class RouteChoice(_measured.Choice):
 
 
 HALF_GEMM_SWITCH = "QKV_CPU_HALF_GEMM"  # the environment variable that forces the route
-_lock = threading.Lock()
-_chosen: dict[torch.dtype, RouteChoice] = {}  # dtype -> this process's route (never changes)
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def half_gemm_route(dtype: torch.dtype = torch.bfloat16) -> str:
@@ -109,17 +108,7 @@ def half_gemm_route(dtype: torch.dtype = torch.bfloat16) -> str:
     ``QKV_CPU_HALF_GEMM``; else measured once per process and dtype (or read from disk), or
     with ``QKV_AUTOTUNE=off`` from the flags (:func:`native_bf16`). The hot path: after the
     first call, two environment reads and a dict lookup."""
-    forced = _forced()
-    if forced is not None:
-        return forced
-    if not _measured.enabled():
-        return _flag_route()
-    hit = _chosen.get(dtype)
-    if hit is not None:
-        return hit.route
-    if cannot_time():  # a route known (this process, the disk), else the flag rule's
-        return half_gemm_choice(dtype, measure=False).route
-    return half_gemm_choice(dtype).route
+    return HALF_GEMM.route(_dtype_name(dtype))
 
 
 # What torch.compiler.assume_constant_result sets, without importing torch._dynamo with qkv:
@@ -144,29 +133,9 @@ def half_gemm_choice(
         raise ValueError(
             f"half_gemm_choice: dtype must be torch.bfloat16 or torch.float16, got {dtype}"
         )
-    if not fresh:
-        forced = _forced()
-        if forced is not None:
-            return RouteChoice(forced, "forced", {}, f"forced by QKV_CPU_HALF_GEMM={forced}")
-        if not _measured.enabled():
-            return _flag_choice("measuring is off, QKV_AUTOTUNE=off")
-        hit = _chosen.get(dtype) or _from_disk(dtype)
-        if hit is not None:
-            if measure:
-                with _lock:
-                    hit = _chosen.setdefault(dtype, hit)
-            return hit
-        if not measure:
-            return _flag_choice("not measured yet")
-    if cannot_time():
-        return _flag_choice("not measured under tracing")
-    times = _time_routes(dtype)
-    choice = RouteChoice(min(times, key=times.__getitem__), "measured", times)
-    _measured.store(_disk_name(dtype), {"route": choice.route, "times": times})
-    with _lock:
-        if fresh:
-            _chosen[dtype] = choice
-        return _chosen.setdefault(dtype, choice)
+    choice = HALF_GEMM.choice(_dtype_name(dtype), measure=measure, fresh=fresh)
+    assert isinstance(choice, RouteChoice)  # (HALF_GEMM makes them)
+    return choice
 
 
 def explain_half_gemm(dtype: torch.dtype = torch.bfloat16) -> str:
@@ -179,40 +148,23 @@ def explain_half_gemm(dtype: torch.dtype = torch.bfloat16) -> str:
 def forget() -> None:
     """Drop this process's routes, the half GEMMs' and the bfloat16 gradients' (the next call
     of each is measured again, or read from disk; the disk is read again)."""
-    with _lock:
-        _chosen.clear()
-    HALF_GRAD.forget()  # (and the disk's copy)
+    HALF_GEMM.forget()
+    HALF_GRAD.forget()
 
 
-def _forced() -> str | None:
-    forced = (_measured.env("QKV_CPU_HALF_GEMM") or "").strip().lower()
-    if forced in HALF_GEMM_ROUTES:
-        return forced
-    if forced:
-        raise ValueError(f"QKV_CPU_HALF_GEMM must be 'native' or 'float32', got {forced!r}")
-    return None
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _flag_route() -> str:
     return "native" if native_bf16() else "float32"
 
 
-def _flag_choice(why: str) -> RouteChoice:
+def _flags_static() -> tuple[str, str]:
+    """The route without a measurement, and the rule's words."""
     route = _flag_route()
     has = "has" if route == "native" else "has no"
-    note = f"the CPU flags' rule (torch {has} AVX-512-BF16/AMX to use; {why})"
-    return RouteChoice(route, "flags", {}, note)
-
-
-def _disk_name(dtype: torch.dtype) -> str:
-    return f"route:half_gemm/{str(dtype).removeprefix('torch.')}"
-
-
-def _from_disk(dtype: torch.dtype) -> RouteChoice | None:
-    entry = _measured.stored(_disk_name(dtype))
-    if entry is None or entry.get("route") not in HALF_GEMM_ROUTES:
-        return None
-    return RouteChoice(entry["route"], "disk", dict(entry.get("times", {})))
+    return route, f"the CPU flags' rule (torch {has} AVX-512-BF16/AMX to use)"
 
 
 def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -242,6 +194,16 @@ def _time_routes(dtype: torch.dtype) -> dict[str, float]:
             return _measured.time_each(runners, rounds=_ROUNDS, budget_s=_BUDGET_S, clock=_clock)
     finally:
         torch.set_num_threads(threads)
+
+
+HALF_GEMM = _measured.MeasuredRoute(
+    "half_gemm",
+    HALF_GEMM_ROUTES,
+    HALF_GEMM_SWITCH,
+    _flags_static,
+    lambda name: _time_routes(_DTYPES[name]),
+    RouteChoice,
+)
 
 
 def widens_half(x: Tensor) -> bool:
@@ -304,12 +266,6 @@ def explain_half_grad(bucket: str) -> str:
     return f"bfloat16 attention gradient ({bucket}) -> {choice.reason()}"
 
 
-def _grad_static() -> tuple[str, str]:
-    route = _flag_route()
-    has = "has" if route == "native" else "has no"
-    return route, f"the CPU flags' rule (torch {has} AVX-512-BF16/AMX to use)"
-
-
 def _grad_runners(bucket: str) -> dict[str, Callable[[], object]]:
     """The bucket's representative call, forward and backward, by each route (the flags'
     route first: it wins a tie). Drawn from a generator of its own."""
@@ -355,5 +311,5 @@ def _time_grad_routes(bucket: str) -> dict[str, float]:
 # route's output and gradients are float32's rounded once, within the tolerance policy always;
 # torch's bfloat16 backward was outside it on 12 of 100 draws at T=1, S=2, D=4.
 HALF_GRAD = _measured.MeasuredRoute(
-    "half_grad/bfloat16", HALF_GEMM_ROUTES, HALF_GRAD_SWITCH, _grad_static, _time_grad_routes
+    "half_grad/bfloat16", HALF_GEMM_ROUTES, HALF_GRAD_SWITCH, _flags_static, _time_grad_routes
 )
