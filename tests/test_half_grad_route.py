@@ -294,3 +294,23 @@ def test_a_compiled_training_step_keeps_the_route(monkeypatch):
         grad,
     )
     assert torch.equal(eager[1], wide[1])
+
+
+def test_autocast_takes_the_route_of_the_dtype_it_casts_to(route):
+    """Under CPU autocast to bfloat16, float32 inputs wanting a gradient are cast and take the
+    bfloat16 route: the same bits as the call on bfloat16 inputs cast by hand, gradients
+    reaching the float32 leaves."""
+    q, k, v, grad = _inputs(1, 2, 12, 20, 16, seed=4, dtype=torch.float32)
+    wide = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=BF16):
+        out = qkv.scaled_dot_product_attention(*wide, is_causal=True)
+    assert out.dtype == BF16
+    got = [out.detach(), *torch.autograd.grad(out, wide, grad.to(BF16))]
+    by_hand = _run(
+        lambda a, b, c: qkv.scaled_dot_product_attention(a, b, c, is_causal=True),
+        *(t.to(BF16) for t in (q, k, v)),
+        grad.to(BF16),
+    )
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, by_hand):
+        assert torch.equal(a.to(BF16), b), name
+    assert all(g.dtype == torch.float32 for g in got[1:])
