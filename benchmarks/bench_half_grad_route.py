@@ -78,7 +78,7 @@ def worker(rounds: int) -> dict:
             return torch.autograd.grad(out, leaves, grad)
 
         ms = _median_times({r: _with_route(r, step) for r in ROUTES}, rounds)
-        bucket = cpu_isa.half_grad_bucket(T, T)
+        bucket = cpu_isa.half_grad_bucket(T)
         rows["sdpa"][T] = {"ms": ms, "took": cpu_isa.HALF_GRAD.choice(bucket).route}
     torch.manual_seed(0)
     tm = nn.MultiheadAttention(512, 8, batch_first=True, dtype=torch.bfloat16)

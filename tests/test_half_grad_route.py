@@ -138,11 +138,19 @@ def test_module_training_step_on_each_route_meets_the_policy(route):
         assert max_error(p16.grad, p64.grad) <= 0.05 * scale + ATOL, name
 
 
-def test_size_classes():
-    assert cpu_isa.half_grad_bucket(256, 256) == "short"
-    assert cpu_isa.half_grad_bucket(1, 65536) == "short"
-    assert cpu_isa.half_grad_bucket(257, 256) == "long"
-    assert cpu_isa.half_grad_bucket(4096, 4096) == "long"
+def test_size_classes_go_by_the_keys_a_row_sees(measuring):
+    """``short`` up to 256 keys a row may see, ``long`` beyond; a sliding window counts its
+    width, whatever S is: here short measured float32 and long native."""
+    assert cpu_isa.half_grad_bucket(256) == "short"
+    assert cpu_isa.half_grad_bucket(257) == "long"
+    q, k, v, _ = _inputs(1, 1, 1024, 1024, 8, seed=5)
+    q.requires_grad_()
+    assert AttentionCall.build(q, k, v).work_dtype == BF16  # long: native
+    window = qkv.masks.sliding_window(127)  # 128 keys
+    assert AttentionCall.build(q, k, v, mask_mod=window).work_dtype == torch.float32
+    wide = qkv.masks.sliding_window(200, 100)  # 301 keys
+    assert AttentionCall.build(q, k, v, mask_mod=wide).work_dtype == BF16
+    assert AttentionCall.build(q, k[..., :200, :], v[..., :200, :]).work_dtype == torch.float32
 
 
 class Clock:

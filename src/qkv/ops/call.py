@@ -183,9 +183,17 @@ class AttentionCall:
         float32_mask = self.attn_mask is not None and self.attn_mask.dtype == torch.float32
         if self.dtype == torch.float16 or float32_mask:
             return torch.float32
-        if self.wants_grad and half_grad_route(half_grad_bucket(self.T, self.S)) == "float32":
+        if self.wants_grad and half_grad_route(half_grad_bucket(self._span())) == "float32":
             return torch.float32
         return self.dtype
+
+    def _span(self) -> int:
+        """The keys a query row may see at most: S, or a sliding window's width where the
+        call's mask_mod is one (the half-gradient route's size class goes by it)."""
+        mod = self.mask_mod
+        if isinstance(mod, _Window) and mod.left is not None and mod.right is not None:
+            return min(self.S, mod.left + mod.right + 1)
+        return self.S
 
     @property
     def wants_grad(self) -> bool:
