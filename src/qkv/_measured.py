@@ -2,8 +2,9 @@
 
 qkv makes its speed choices by timing on the machine at hand (issue 38): ``auto``'s backend
 (``qkv.autotune``) and the CPU kernels' routes (``qkv.ops.cpu_isa``: native or float32 half
-GEMMs). Each kind of choice is measured once, kept in memory for the process, and kept on
-disk for the next process on the same machine. This module is the part they share, below
+GEMMs, bfloat16 gradients in bfloat16 or float32: :class:`MeasuredRoute`). Each kind of
+choice is measured once, kept in memory for the process, and kept on disk for the next
+process on the same machine. This module is the part they share, below
 both (``ops`` may not import ``autotune``): the switch, the timer, the machine's name and the
 file.
 
@@ -146,10 +147,11 @@ class MeasuredRoute:
     tracing (:func:`cannot_time`), the static rule's.
 
     ``measure(key)``: seconds per representative run of each route (its own threads, grad
-    mode and autocast). ``static()``: the route without a measurement, and why (the CPU
-    flags' rule). A :class:`Choice` says which route a key takes and why, with ``source``
-    ``"forced"``, ``"measured"`` (in this process), ``"disk"`` (an earlier process or ``qkv
-    tune``) or ``"flags"``; of ``choice_type`` (a subclass naming the kind).
+    mode and autocast). ``static()``: the route without a measurement (the CPU flags' rule,
+    asked on every call where measuring is off); ``rule(route)``: its words. A
+    :class:`Choice` (of ``choice_type``, a subclass naming the kind) says which route a key
+    takes and why, with ``source`` ``"forced"``, ``"measured"`` (in this process),
+    ``"disk"`` (an earlier process or ``qkv tune``) or ``"flags"``.
     """
 
     def __init__(
@@ -157,12 +159,13 @@ class MeasuredRoute:
         name: str,
         routes: tuple[str, ...],
         switch: str,
-        static: Callable[[], tuple[str, str]],
+        static: Callable[[], str],
+        rule: Callable[[str], str],
         measure: Callable[[str], dict[str, float]],
         choice_type: type[Choice] = Choice,
     ) -> None:
         self.name, self.routes, self.switch = name, routes, switch
-        self._static, self._measure, self._type = static, measure, choice_type
+        self._static, self._rule, self._measure, self._type = static, rule, measure, choice_type
         self._lock = threading.Lock()
         self._chosen: dict[str, Choice] = {}  # key -> this process's route (never changes)
 
@@ -173,7 +176,7 @@ class MeasuredRoute:
         if forced is not None:
             return forced
         if not enabled():
-            return self._static()[0]
+            return self._static()
         hit = self._chosen.get(key)
         if hit is not None:
             return hit.route
@@ -225,8 +228,8 @@ class MeasuredRoute:
         forget()
 
     def _static_choice(self, why: str) -> Choice:
-        route, rule = self._static()
-        return self._type(route, "flags", {}, f"{rule}; {why}")
+        route = self._static()
+        return self._type(route, "flags", {}, f"{self._rule(route)}; {why}")
 
     def _disk_name(self, key: str) -> str:
         return f"route:{self.name}/{key}"

@@ -24,6 +24,11 @@ the tolerance policy (issue 37: the suite forces both), so the choice changes sp
 * :func:`half_gemm_choice` says which route a dtype takes and why (forced, measured with the
   times, from disk, from the flags); :func:`explain_half_gemm` says it in a line and runs
   nothing.
+
+The same holds for bfloat16 attention that wants a gradient (:data:`HALF_GRAD`,
+``QKV_CPU_HALF_GRAD``): in bfloat16 by torch's kernels, or widened to float32 and rounded
+once, per size class (rows that see up to 256 keys, and longer), read by
+``AttentionCall.work_dtype``. Both routes are ``qkv._measured.MeasuredRoute`` objects.
 """
 
 from __future__ import annotations
@@ -160,11 +165,9 @@ def _flag_route() -> str:
     return "native" if native_bf16() else "float32"
 
 
-def _flags_static() -> tuple[str, str]:
-    """The route without a measurement, and the rule's words."""
-    route = _flag_route()
+def _flags_words(route: str) -> str:
     has = "has" if route == "native" else "has no"
-    return route, f"the CPU flags' rule (torch {has} AVX-512-BF16/AMX to use)"
+    return f"the CPU flags' rule (torch {has} AVX-512-BF16/AMX to use)"
 
 
 def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -200,7 +203,8 @@ HALF_GEMM = _measured.MeasuredRoute(
     "half_gemm",
     HALF_GEMM_ROUTES,
     HALF_GEMM_SWITCH,
-    _flags_static,
+    _flag_route,
+    _flags_words,
     lambda name: _time_routes(_DTYPES[name]),
     RouteChoice,
 )
@@ -312,5 +316,10 @@ def _time_grad_routes(bucket: str) -> dict[str, float]:
 # route's output and gradients are float32's rounded once, within the tolerance policy always;
 # torch's bfloat16 backward was outside it on 12 of 100 draws at T=1, S=2, D=4.
 HALF_GRAD = _measured.MeasuredRoute(
-    "half_grad/bfloat16", HALF_GEMM_ROUTES, HALF_GRAD_SWITCH, _flags_static, _time_grad_routes
+    "half_grad/bfloat16",
+    HALF_GEMM_ROUTES,
+    HALF_GRAD_SWITCH,
+    _flag_route,
+    _flags_words,
+    _time_grad_routes,
 )
