@@ -187,14 +187,22 @@ def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
 
 
 def _time_routes(dtype: torch.dtype) -> dict[str, float]:
-    """Seconds per representative GEMM of each route, on one thread (torch's count is put
-    back after), without autocast (it would turn the float32 route into a half one)."""
+    """Seconds per representative GEMM of each route (:func:`_time_one_thread`)."""
+    return _time_one_thread(lambda: _gemm_runners(dtype), _ROUNDS, _BUDGET_S)
+
+
+def _time_one_thread(
+    runners: Callable[[], dict[str, Callable[[], object]]], rounds: int, budget_s: float
+) -> dict[str, float]:
+    """Seconds per run of each of ``runners()`` (made and run under these modes), on one
+    thread (torch's count is put back after), without gradient unless a runner enables it and
+    without autocast (it would turn a float32 route into a half one)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            runners = _gemm_runners(dtype)
-            return _measured.time_each(runners, rounds=_ROUNDS, budget_s=_BUDGET_S, clock=_clock)
+            made = runners()
+            return _measured.time_each(made, rounds=rounds, budget_s=budget_s, clock=_clock)
     finally:
         torch.set_num_threads(threads)
 
@@ -296,18 +304,8 @@ def _grad_runners(bucket: str) -> dict[str, Callable[[], object]]:
 
 
 def _time_grad_routes(bucket: str) -> dict[str, float]:
-    """Seconds per representative call of each route, on one thread, with autocast off
-    (torch's thread count and mode are put back after)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.autocast("cpu", enabled=False):
-            runners = _grad_runners(bucket)
-            return _measured.time_each(
-                runners, rounds=_GRAD_ROUNDS, budget_s=_GRAD_BUDGET_S, clock=_clock
-            )
-    finally:
-        torch.set_num_threads(threads)
+    """Seconds per representative call of each route (:func:`_time_one_thread`)."""
+    return _time_one_thread(lambda: _grad_runners(bucket), _GRAD_ROUNDS, _GRAD_BUDGET_S)
 
 
 # Measured on the 2-core AMD Zen 4 (AVX-512-BF16; torch 2.13, one thread), forward and backward
