@@ -11,7 +11,9 @@ rounds):
 * ``qkv.scaled_dot_product_attention`` forward and backward (causal, D=64) at T = S from 32
   to 2048, forced to each route, and as measured (the route each size class took is shown);
 * a ``MultiHeadAttention`` training step (B=8, T=128, E=512, 8 heads, causal) on each route,
-  against ``torch.nn.MultiheadAttention``'s with the same weights.
+  against ``torch.nn.MultiheadAttention``'s with the same weights;
+* a transformers Llama training step (4 layers, B=4, T=256) with ``attn_implementation="qkv"``
+  on each route, against ``"sdpa"`` (where transformers is installed).
 
 The CPU is named (``lscpu`` model, ``torch.backends.cpu.get_cpu_capability()``).
 
@@ -94,7 +96,46 @@ def worker(rounds: int) -> dict:
 
     fns = {f"qkv {r}": _with_route(r, ours_step) for r in ROUTES} | {"torch": torch_step}
     rows["mha"] = _median_times(fns, rounds)
+    rows["llama"] = _llama_step(rounds)
     return rows
+
+
+def _llama_step(rounds: int) -> dict:
+    """A transformers Llama training step (4 layers, hidden 256, 8 heads, 2 key/value heads,
+    B=4, T=256, bfloat16: forward and backward of the last hidden state's squares) with
+    ``attn_implementation="qkv"`` on each route against ``"sdpa"``; {} without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return {}
+    import torch
+
+    import qkv.integrations.transformers as qkv_hf
+
+    qkv_hf.register()
+    config = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaModel(config).to(torch.bfloat16)
+    ids = torch.randint(0, 1000, (4, 256), generator=torch.Generator().manual_seed(1))
+
+    def step(impl: str):
+        def run():
+            model.set_attn_implementation(impl)
+            model.zero_grad(set_to_none=True)
+            model(ids).last_hidden_state.float().square().sum().backward()
+
+        return run
+
+    fns = {f"qkv {r}": _with_route(r, step("qkv")) for r in ROUTES} | {"sdpa": step("sdpa")}
+    return _median_times(fns, rounds)
 
 
 def main() -> None:
@@ -128,6 +169,12 @@ def main() -> None:
             f"{n} {t:.2f} ms ({t / ms['torch']:.2f}x)" for n, t in ms.items() if n != "torch"
         )
         print(f"MHA training step: torch {ms['torch']:.2f} ms; {shown}")
+        ms = r["llama"]
+        if ms:
+            shown = ", ".join(
+                f"{n} {t:.1f} ms ({t / ms['sdpa']:.2f}x)" for n, t in ms.items() if n != "sdpa"
+            )
+            print(f"transformers Llama training step: sdpa {ms['sdpa']:.1f} ms; {shown}")
 
 
 if __name__ == "__main__":
