@@ -103,7 +103,7 @@ def _key(call: AttentionCall) -> tuple:
         call.mask_kind if mask_mod is None else type(mask_mod),
         call.is_causal,
         None if score_mod is None else type(score_mod),
-        _wants_grad(call),
+        call.wants_grad,
         call.sinks is not None,
         call.enable_gqa and k.shape[-3] != q.shape[-3],
         bucket(B * H),
@@ -143,12 +143,6 @@ def call_kind(call: AttentionCall) -> str:
 def bucket(n: int) -> int:
     """n rounded up to a power of two (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def _wants_grad(call: AttentionCall) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    return any(t.requires_grad for t in (call.query, call.key, call.value))
 
 
 # --- the choice --------------------------------------------------------------------------------
@@ -253,7 +247,7 @@ def _runner(backend: Backend, call: AttentionCall) -> Callable[[], None]:
         if cuda:
             torch.cuda.synchronize(call.device)
 
-    if not _wants_grad(call):
+    if not call.wants_grad:
 
         def forward() -> None:
             with torch.no_grad():

@@ -208,7 +208,7 @@ def _kept_select(call: AttentionCall, backend: str) -> Backend:
     structure = call.structure
     if structure is None or call.return_trace or tracing():
         return select(call, backend)
-    key = (structure, backend, _wants_grad(call), autotune.enabled(), autotune.generation())
+    key = (structure, backend, call.wants_grad, autotune.enabled(), autotune.generation())
     chosen = _selected.get(key)
     if chosen is None or _selected_from[0] is not _ORDER:
         if _selected_from[0] is not _ORDER or len(_selected) >= _SELECTED_MAX:
@@ -216,16 +216,6 @@ def _kept_select(call: AttentionCall, backend: str) -> Backend:
             _selected_from[0] = _ORDER
         chosen = _selected[key] = select(call, backend)
     return chosen
-
-
-def _wants_grad(call: AttentionCall) -> bool:
-    """Whether a gradient is wanted of q, k, v or the mask (what the choice depends on)."""
-    return torch.is_grad_enabled() and (
-        call.query.requires_grad
-        or call.key.requires_grad
-        or call.value.requires_grad
-        or (call.attn_mask is not None and call.attn_mask.requires_grad)
-    )
 
 
 _selected: dict[tuple, Backend] = {}  # (structure, name, grad, measuring, generation) -> backend

@@ -197,12 +197,18 @@ class AttentionCall:
 
     @property
     def wants_grad(self) -> bool:
-        """Whether a gradient is wanted of the inputs the kernel reads (q, k, v, a float mask,
-        sinks)."""
-        return torch.is_grad_enabled() and any(
+        """Whether a gradient is wanted of a tensor the call reads: q, k, v, a float mask,
+        sinks, or one a mask_mod or score_mod holds (a learned bias). What the backend's
+        choice, the kernel's dtype and the NaN/inf contract's way depend on."""
+        if not torch.is_grad_enabled():
+            return False
+        if any(
             t is not None and t.requires_grad
             for t in (self.query, self.key, self.value, self.attn_mask, self.sinks)
-        )
+        ):
+            return True
+        mods = (self.mask_mod, self.score_mod)
+        return any(t.requires_grad for mod in mods if mod is not None for t in mod.tensors())
 
     @property
     def mask_kind(self) -> str:

@@ -94,7 +94,7 @@ def _why_not(call: AttentionCall) -> str | None:
     device = call.device.type
     if device not in ("cuda", "cpu"):
         return f"the flex backend runs on CUDA and CPU tensors; these are on {device}"
-    if device == "cpu" and _wants_grad(call):
+    if device == "cpu" and call.wants_grad:
         return (
             "FlexAttention's CPU kernel has no backward (inputs require grad): the tiled "
             "backend has one"
@@ -121,16 +121,6 @@ def _why_not(call: AttentionCall) -> str | None:
     if call.T == 0 or call.S == 0:
         return "the flex backend takes no empty sizes (T or S of 0: tiled and reference do)"
     return flex_available(device)
-
-
-def _wants_grad(call: AttentionCall) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    tensors = [call.query, call.key, call.value]
-    for mod in (call.mask_mod, call.score_mod):
-        if mod is not None:
-            tensors.extend(mod.tensors())
-    return any(t.requires_grad for t in tensors)
 
 
 def flex_available(device: str) -> str | None:

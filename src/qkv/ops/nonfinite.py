@@ -244,7 +244,7 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
         return Guard(call, "none")
     if tracing():
         return _prepare_traced(call)
-    grad = _wants_grad(call)
+    grad = call.wants_grad
     inference = not grad and not call.return_trace
     if inference:
         call = _without_hidden_keys(call)
@@ -371,7 +371,7 @@ def without_hidden_keys(call: AttentionCall) -> AttentionCall:
         or call.query.numel() == 0
         or call.key.numel() == 0
         or call.return_trace
-        or _wants_grad(call)
+        or call.wants_grad
     ):
         return call  # (as :func:`prepare` leaves them)
     return _without_hidden_keys(call)
@@ -928,13 +928,6 @@ def _refuse_overflow(call: AttentionCall) -> None:
         )
 
 
-def _wants_grad(call: AttentionCall) -> bool:
-    """Whether a gradient is wanted of the inputs the kernel reads (q, k, v, a float mask,
-    sinks): then a NaN row must pass no gradient, which the output's check alone does not
-    ensure."""
-    return call.wants_grad
-
-
 def _finite_sum(t: Tensor) -> bool:
     """Whether ``t`` holds no NaN/inf, by one reduction: a sum is finite when every term is
     (one that overflows only sends the call the slow, still exact, way)."""
@@ -994,7 +987,7 @@ def _prepare_traced(call: AttentionCall) -> Guard:
     (``torch.cond`` would skip the cleaning on finite inputs, but dynamo then lost the
     attribute writes of Hugging Face's KV cache in the same graph: not used.)
     """
-    if not _wants_grad(call) and _output_checkable_in_graph(call):
+    if not call.wants_grad and _output_checkable_in_graph(call):
         return Guard(call, "in_graph")
     q, k, v = call.query, call.key, call.value
     bad_q = ~torch.isfinite(q).all(-1)  # (*qbatch, T)
