@@ -252,12 +252,12 @@ def test_qkv_tune_measures_both_size_classes(measuring, monkeypatch):
     from qkv.bench.tune import tune_routes
 
     rows = {r["choice"]: r for r in tune_routes()}
-    short = rows["bfloat16 attention gradient (short)"]
+    short = rows["bfloat16 gradient (short)"]
     assert short["route"] == "float32" and "forced" not in short
-    assert rows["bfloat16 attention gradient (long)"]["route"] == "native"
+    assert rows["bfloat16 gradient (long)"]["route"] == "native"
     monkeypatch.setenv("QKV_CPU_HALF_GRAD", "float32")
     rows = {r["choice"]: r for r in tune_routes()}
-    long = rows["bfloat16 attention gradient (long)"]
+    long = rows["bfloat16 gradient (long)"]
     assert (long["forced"], long["switch"]) == ("float32", "QKV_CPU_HALF_GRAD")
 
 

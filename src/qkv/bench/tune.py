@@ -96,7 +96,7 @@ def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict
         yield row
     for bucket in cpu_isa.HALF_GRAD_BUCKETS:
         grad = cpu_isa.HALF_GRAD.choice(bucket, fresh=True)
-        row = dict(choice=f"bfloat16 attention gradient ({bucket})", route=grad.route)
+        row = dict(choice=f"bfloat16 gradient ({bucket})", route=grad.route)
         row.update(times=grad.times, reason=grad.reason())
         forced = cpu_isa.HALF_GRAD.forced()
         if forced is not None:
