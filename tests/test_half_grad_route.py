@@ -13,6 +13,7 @@ Shape alphabet: B batch, H heads, T query length, S key length, D head dim.
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -123,19 +124,22 @@ def test_the_work_dtype_follows_the_route_only_for_bfloat16_calls_wanting_a_grad
 
 def test_module_training_step_on_each_route_meets_the_policy(route):
     """A bfloat16 ``MultiHeadAttention`` training step (projections, attention, W^O) on each
-    route: gradients of the weights within the policy of the float64 module's."""
+    route: the weights' gradients within the policy (3x the error of the same module on the
+    reference backend in bfloat16) of the float64 module's."""
     torch.manual_seed(0)
     m64 = qkv.MultiHeadAttention(32, 4, bias=True).double()
     m16 = qkv.MultiHeadAttention(32, 4, bias=True).to(BF16)
     m16.load_state_dict({n: p.to(BF16) for n, p in m64.state_dict().items()})
     m64.load_state_dict({n: p.to(BF16).double() for n, p in m16.state_dict().items()})
+    base = copy.deepcopy(m16)
+    base.backend = "reference"
     x = torch.randn(2, 9, 32).to(BF16)
-    for m, inp in ((m64, x.double()), (m16, x)):
+    for m, inp in ((m64, x.double()), (m16, x), (base, x)):
         m(inp, is_causal=True).square().sum().backward()
-    for (name, p64), p16 in zip(m64.named_parameters(), m16.parameters()):
+    for (name, p64), p16, pb in zip(m64.named_parameters(), m16.parameters(), base.parameters()):
         assert p16.grad is not None and p16.grad.dtype == BF16, name
-        scale = p64.grad.abs().max().item()
-        assert max_error(p16.grad, p64.grad) <= 0.05 * scale + ATOL, name
+        bound = GRAD_FACTOR * max_error(pb.grad, p64.grad) + ATOL
+        assert max_error(p16.grad, p64.grad) <= bound, name
 
 
 def test_size_classes_go_by_the_keys_a_row_sees(measuring):
