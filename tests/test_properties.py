@@ -150,22 +150,28 @@ def draw_tiles(data, case: Case):
 
 
 def run_qkv(case: Case, inp: dict, backend: str, tiles=None):
-    """qkv's output, or None when the backend says it cannot take the call."""
+    """qkv's output, or None when the backend says it cannot take the call; a bfloat16 call
+    wanting a gradient on the route the case's seed draws (:func:`half_grad_route`)."""
     kw = case.qkv_kwargs(inp)
     if inp.get("sinks") is not None:
         kw["sinks"] = inp["sinks"]
     name = "tiled" if backend == "tiled-small" else backend
     try:
-        if backend == "tiled-small":
-            with small_tiles(case, *tiles):
-                return qkv.scaled_dot_product_attention(
-                    inp["q"], inp["k"], inp["v"], backend=name, **kw
-                )
-        return qkv.scaled_dot_product_attention(inp["q"], inp["k"], inp["v"], backend=name, **kw)
+        with half_grad_route(case):
+            return _run_qkv(case, inp, backend, name, kw, tiles)
     except qkv.BackendUnsupportedError:
         if backend == "auto":
             raise
         return None
+
+
+def _run_qkv(case: Case, inp: dict, backend: str, name: str, kw: dict, tiles):
+    if backend == "tiled-small":
+        with small_tiles(case, *tiles):
+            return qkv.scaled_dot_product_attention(
+                inp["q"], inp["k"], inp["v"], backend=name, **kw
+            )
+    return qkv.scaled_dot_product_attention(inp["q"], inp["k"], inp["v"], backend=name, **kw)
 
 
 @contextmanager
@@ -338,8 +344,7 @@ def check_call(
             logits = torch.tensor(sinks, dtype=torch.float64)
         inp["sinks"] = logits.to(case.torch_dtype).requires_grad_(True)
     where = f"backend={backend}" + (f" tiles={tiles}" if tiles else "")
-    with half_grad_route(case):
-        out = run_qkv(case, inp, backend, tiles)
+    out = run_qkv(case, inp, backend, tiles)
     if out is None:
         return
     gold_out, gold_grads = golden_run(case, inp)
