@@ -105,7 +105,7 @@ def _llama_step(rounds: int) -> dict:
     B=4, T=256, bfloat16: forward and backward of the last hidden state's squares) with
     ``attn_implementation="qkv"`` on each route against ``"sdpa"``; {} without transformers."""
     try:
-        import transformers
+        from hf_models import _model  # (transformers)
     except ImportError:
         return {}
     import torch
@@ -113,17 +113,7 @@ def _llama_step(rounds: int) -> dict:
     import qkv.integrations.transformers as qkv_hf
 
     qkv_hf.register()
-    config = transformers.LlamaConfig(
-        vocab_size=1000,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaModel(config).to(torch.bfloat16)
+    model = _model("llama-causal", 256).to(torch.bfloat16)  # hf_models' Llama: 4 layers, C=256
     ids = torch.randint(0, 1000, (4, 256), generator=torch.Generator().manual_seed(1))
 
     def step(impl: str):
