@@ -6,7 +6,9 @@ was 1.9-2.5x slower than widening to float32 up to T = S = 128 and 1.1-1.3x fast
 on; held to AVX2 it was 3-5x slower at every length. Its gradients were also outside the
 tolerance policy on 12 of 100 draws at T=1, S=2, D=4, where float32's, rounded once, never
 are. So each size class takes the route measured faster here, and both routes run on every
-machine: forced here, and by the ``cpu_route`` fixture (tests/routes.py).
+machine: forced here, and by the ``cpu_route`` fixture (tests/routes.py). A call too small
+to be within the policy on torch's bfloat16 kernels (``qkv.ops.call.EXACT_HALF_OUTPUTS``)
+computes in float32 on either route, with or without a gradient.
 
 Shape alphabet: B batch, H heads, T query length, S key length, D head dim.
 """
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.ops import cpu_isa
-from qkv.ops.call import AttentionCall
+from qkv.ops.call import EXACT_HALF_OUTPUTS, EXACT_HALF_WORK, AttentionCall
 from qkv.testing import ATOL, GRAD_FACTOR, OUTPUT_FACTOR, max_error
 
 BF16 = torch.bfloat16
@@ -90,12 +92,11 @@ def test_the_float32_route_is_float32_rounded_once(monkeypatch, backend):
     assert not all(torch.equal(a, b) for a, b in zip(native, wide))
 
 
-def test_the_float32_route_meets_the_policy_where_bfloat16_kernels_miss_it(monkeypatch):
+def test_small_calls_meet_the_policy_where_bfloat16_kernels_miss_it(route):
     """T=1, S=2, D=4, 100 draws: torch's bfloat16 gradients missed the policy on 12 (this
-    CPU, torch 2.13; any number is allowed here, it is torch's); the float32 route, rounded
-    once, on none: its error is at most a bfloat16 rounding of the exact value, never more
-    than the bfloat16 plain math's own."""
-    monkeypatch.setenv("QKV_CPU_HALF_GRAD", "float32")
+    CPU, torch 2.13; any number is allowed here, it is torch's); qkv's, on either route, on
+    none: a call this small is computed in float32 and rounded once, at most a bfloat16
+    rounding of the exact value, never more than the bfloat16 plain math's own."""
     for seed in range(100):
         q, k, v, grad = _inputs(1, 2, 1, 2, 4, seed)
         got = _run(qkv.scaled_dot_product_attention, q, k, v, grad)
@@ -140,6 +141,56 @@ def test_module_training_step_on_each_route_meets_the_policy(route):
         assert p16.grad is not None and p16.grad.dtype == BF16, name
         bound = GRAD_FACTOR * max_error(pb.grad, p64.grad) + ATOL
         assert max_error(p16.grad, p64.grad) <= bound, name
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_small_bfloat16_calls_compute_in_float32_on_either_route(route, grad):
+    """A bfloat16 CPU call whose output (or, with a gradient, the smallest of the output and
+    q's, k's and v's gradients) has at most ``EXACT_HALF_OUTPUTS`` numbers computes in
+    float32, at most ``EXACT_HALF_WORK`` multiply-adds; other calls as the route says."""
+    route_dtype = torch.float32 if grad and route == "float32" else BF16
+
+    def work_dtype(B, H, T, S, D, leaf="q", dtype=BF16):
+        q, k, v, _ = _inputs(B, H, T, S, D, seed=2, dtype=dtype)
+        t = {"q": q, "k": k, "v": v}[leaf]
+        t.requires_grad_(grad)
+        return AttentionCall.build(q, k, v).work_dtype
+
+    assert EXACT_HALF_OUTPUTS == 16
+    assert work_dtype(1, 1, 1, 5, 4) == torch.float32  # 4 outputs
+    assert work_dtype(1, 2, 2, 5, 4) == torch.float32  # 16
+    assert work_dtype(1, 1, 1, 5, 32) == route_dtype  # 32
+    assert work_dtype(1, 1, 17, 17, 1) == route_dtype  # 17 in each
+    # 120 outputs, but v's and k's gradient have 3 numbers each
+    assert work_dtype(1, 1, 40, 1, 3, leaf="v") == (torch.float32 if grad else BF16)
+    S = EXACT_HALF_WORK // 8  # T = 1, D = Dv = 4: at the bound, and one key beyond it
+    assert work_dtype(1, 1, 1, S, 4) == torch.float32
+    assert work_dtype(1, 1, 1, S + 1, 4) == route_dtype
+    assert work_dtype(1, 1, 1, 5, 4, dtype=torch.float64) == torch.float64  # half dtypes only
+    assert work_dtype(1, 1, 1, 5, 4, dtype=torch.float32) == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "tiled"])
+def test_small_bfloat16_inference_is_float32_rounded_once(backend):
+    """A small bfloat16 call without gradient, a bool attn_mask (torch's kernel or tiled's
+    generic path run it): the float32 call's output on the widened inputs, rounded once, to
+    the bit; and within the policy where torch's bfloat16 kernel was not (draws found by a
+    sweep: 18 of 500 missed it at T=1, S=64, D=2 through ``auto`` before; here T=3)."""
+    g = torch.Generator().manual_seed(7)
+    misses = 0
+    for _ in range(40):
+        q, k, v = (torch.randn(1, 1, n, 2, generator=g).to(BF16) for n in (3, 64, 64))
+        keep = torch.rand(3, 64, generator=g) < 0.8  # per row: not the fused kernel's
+        with torch.no_grad():
+            got = qkv.scaled_dot_product_attention(q, k, v, attn_mask=keep, backend=backend)
+            wide = qkv.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=keep, backend=backend
+            ).to(BF16)
+        assert torch.equal(got, wide)
+        gold = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep)
+        base = qkv.scaled_dot_product_attention(q, k, v, attn_mask=keep, backend="reference")
+        misses += max_error(got, gold) > OUTPUT_FACTOR * max_error(base, gold) + ATOL
+    assert misses == 0
 
 
 def test_size_classes_go_by_the_keys_a_row_sees(measuring):

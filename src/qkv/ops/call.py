@@ -39,6 +39,25 @@ __all__ = ["AttentionCall"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
+# A bfloat16 CPU call that returns few numbers (an output, or with a gradient also the
+# gradients of q, k and v, of at most ``EXACT_HALF_OUTPUTS`` elements: the smallest of them
+# counts) and costs at most ``EXACT_HALF_WORK`` multiply-adds (``B * H * T * S * (D + Dv)``)
+# computes in float32 and is rounded once, whichever kernel runs it. Its results are then the
+# bfloat16 values nearest the exact ones (float32's own error is ~1e-7), never farther from
+# them than any bfloat16 answer, the plain math's in bfloat16 included: the tolerance policy
+# holds by construction. torch's bfloat16 kernels round the weights to bfloat16 before they
+# meet the values, and the policy's maximum over a handful of numbers shows it: torch's
+# kernel with a bool attn_mask, T=1, S=64, one head, 2000 draws each, missed the policy on 71
+# at D=2, 23 at D=4, 2 at D=8, 1 at D=16 and none at D=32, 64, or 2 heads of 16 (so none at
+# 32 outputs or more); with a gradient, torch's bfloat16 backward missed it on 19 of 200 dq
+# (4 numbers) at T=1, S=2, D=4, and on 13 of 200 dv (3 numbers) at T=40, S=1, D=3. The work
+# bound keeps the widening's copies of k and v (at most as many elements as the kernel's
+# multiply-adds) below a millisecond. qkv's fused bfloat16 kernel (``bf16_scores``, exact
+# to the policy: its weights are not rounded) does not read this and still takes the calls
+# it can.
+EXACT_HALF_OUTPUTS = 16
+EXACT_HALF_WORK = 1 << 20
+
 
 @dataclass(frozen=True)
 class AttentionCall:
@@ -177,15 +196,27 @@ class AttentionCall:
         float32 ``attn_mask`` (the mask keeps its precision through the softmax, as plain math
         promotes it), and for bfloat16 inputs of a call that wants a gradient where the
         measured route says so (``cpu_isa.half_grad_route``: per size class, float32 where it
-        is faster here); otherwise the inputs' dtype."""
+        is faster here); for a bfloat16 call with few numbers to return (see
+        ``EXACT_HALF_OUTPUTS``); otherwise the inputs' dtype."""
         if not self.query.is_cpu or self.dtype not in (torch.float16, torch.bfloat16):
             return self.dtype
         float32_mask = self.attn_mask is not None and self.attn_mask.dtype == torch.float32
-        if self.dtype == torch.float16 or float32_mask:
+        if self.dtype == torch.float16 or float32_mask or self._few_outputs():
             return torch.float32
         if self.wants_grad and half_grad_route(half_grad_bucket(self._span())) == "float32":
             return torch.float32
         return self.dtype
+
+    def _few_outputs(self) -> bool:
+        """Whether the call returns at most ``EXACT_HALF_OUTPUTS`` numbers in one of its
+        results (the output; with a gradient also those of q, k and v) at a cost of at most
+        ``EXACT_HALF_WORK`` multiply-adds: computed in float32 then (see there)."""
+        B, H = self.BH
+        T, S, D, Dv = self.T, self.S, self.D, self.Dv
+        n = B * H * T * Dv  # the output's
+        if n > EXACT_HALF_OUTPUTS and self.wants_grad:
+            n = min(self.query.numel(), self.key.numel(), self.value.numel())
+        return n <= EXACT_HALF_OUTPUTS and B * H * T * S * (D + Dv) <= EXACT_HALF_WORK
 
     def _span(self) -> int:
         """The keys a query row may see at most: S, or a sliding window's width where the
