@@ -95,6 +95,52 @@ def test_auto_takes_the_backend_measured_fastest_and_keeps_it(fakes, tmp_path):
     assert kind == autotune.call_kind(call) and data["choices"][kind]["backend"] == "fast"
 
 
+def _named_calls(monkeypatch) -> list[str]:
+    """The backends named by the full steps' calls from here on (``functional._attend``)."""
+    names: list[str] = []
+    full = qkv.functional._attend
+
+    def counted(*args, **kwargs):
+        names.append(args[6])  # (query, key, value, args, trace, mods, backend)
+        return full(*args, **kwargs)
+
+    monkeypatch.setattr(qkv.functional, "_attend", counted)
+    return names
+
+
+def test_auto_times_whole_calls_what_a_caller_pays(fakes, monkeypatch, tmp_path):
+    """Each candidate is timed as a whole call of ``qkv.scaled_dot_product_attention`` with
+    that backend named, the checks and the contract's steps around its ``run`` included: a
+    backend whose run is faster but whose whole call is slower loses."""
+    del fakes  # (slow costs 2 a run, fast 1)
+    assert autotune._WHOLE_CALL[0] is qkv.functional._whole_call  # registered on import
+    names = _named_calls(monkeypatch)
+    assert _backend_of_a_call() == "fast"  # its run costs 1, slow's 2
+    assert names.count("fast") >= 3 and names.count("slow") >= 2  # untimed, then timed runs
+    autotune.forget()
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "again"))  # nothing kept: measured again
+    around = {"fast": 5.0, "slow": 0.0}  # fast's steps around its run cost 5 more
+    real = qkv.functional._whole_call
+
+    def whole(call, name):
+        Clock.now += around[name]
+        return real(call, name)
+
+    monkeypatch.setattr(autotune, "_WHOLE_CALL", [whole])
+    assert _backend_of_a_call() == "slow"
+
+
+def test_a_call_with_dropout_is_timed_by_its_backends_run(fakes, monkeypatch):
+    """Dropout draws from the global generator: the whole call's checks would not change its
+    draws, so such a call is timed by the backends' ``run`` alone, as before."""
+    names = _named_calls(monkeypatch)
+    q, k, v = _qkv()
+    _, trace = qkv.scaled_dot_product_attention(
+        q.requires_grad_(), k, v, dropout_p=0.25, return_trace=True
+    )
+    assert trace.backend in ("fast", "slow") and names == ["auto"]
+
+
 def test_a_causal_inference_call_is_measured_on_the_keys_its_rows_see(fakes, monkeypatch):
     """Top-left causal attention with fewer queries than keys, without gradient, runs on the
     first T keys (the others reach no row): auto times the backends on that call, as it runs,

@@ -4,7 +4,12 @@ Flags guess; timings know. The first time ``backend="auto"`` meets a kind of cal
 dtype, mask kind, score change, whether a gradient is wanted, and the sizes in power-of-two
 buckets), it runs each backend that can take the call a few times on the call's own inputs
 (forward, or forward and backward when a gradient is wanted; no more than a few calls' time
-each; a wanted trace does not count: its weights come after any kernel alike), picks the
+each; a wanted trace does not count: its weights come after any kernel alike), as a whole
+call of ``qkv.scaled_dot_product_attention`` with that backend named: what a caller pays,
+the checks, the NaN/inf contract's steps and a decoding step's lane included (timing a
+backend's ``run`` alone chose tiled's bfloat16 kernel for a decoding step with a key mask,
+T=1, S=128, 4 heads of 32, at 69 us against torch's 90, where the whole calls took 137 us
+and 47: torch's call runs its lane, tiled's steps around its kernel cost more), picks the
 fastest, and keeps the choice: in memory for the process (the choice never changes within
 it), and on disk for the next process on the same machine (``$QKV_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/qkv``, else ``~/.cache/qkv``; one JSON file per machine: CPU model, flags
@@ -56,6 +61,7 @@ __all__ = [
     "machine_key",
     "measured_choice",
     "stored_choice",
+    "time_whole_calls",
 ]
 
 _RUNS, _BUDGET_S = 3, 0.02  # timed runs per candidate: 2 to 3, within about 20 ms each
@@ -238,10 +244,30 @@ def _time_backend(backend: Backend, call: AttentionCall) -> float | None:
     return best
 
 
+# ``qkv.functional``'s whole call of one backend (``whole(call, name)``, the output or
+# ``(output, trace)``), set by that module when it loads (it sits above this one): what is
+# timed. None (this module alone): a backend's ``run``.
+_WHOLE_CALL: list[Callable[[AttentionCall, str], object] | None] = [None]
+
+
+def time_whole_calls(whole: Callable[[AttentionCall, str], object]) -> None:
+    """Time each candidate as ``whole(call, backend_name)`` (see the module's notes)."""
+    _WHOLE_CALL[0] = whole
+
+
 def _runner(backend: Backend, call: AttentionCall) -> Callable[[], None]:
-    """One call of ``backend``: forward, or forward and backward on detached copies of the
-    inputs (the caller's tensors get no gradient from the measurement)."""
+    """One call of ``backend``, whole (:func:`time_whole_calls`; a call with dropout by its
+    ``run`` alone, whose draws the whole call's checks would not change): forward, or
+    forward and backward on detached copies of the inputs (the caller's tensors get no
+    gradient from the measurement)."""
     cuda = call.device.type == "cuda"
+    whole = _WHOLE_CALL[0]
+
+    def attend(c: AttentionCall) -> torch.Tensor:
+        if whole is None or c.dropout_p != 0.0:
+            return backend.run(c).out
+        result = whole(c, backend.name)
+        return result[0] if isinstance(result, tuple) else result  # type: ignore[return-value]
 
     def sync() -> None:
         if cuda:
@@ -251,7 +277,7 @@ def _runner(backend: Backend, call: AttentionCall) -> Callable[[], None]:
 
         def forward() -> None:
             with torch.no_grad():
-                backend.run(call)
+                attend(call)
             sync()
 
         return forward
@@ -265,7 +291,7 @@ def _runner(backend: Backend, call: AttentionCall) -> Callable[[], None]:
     leaves = [t for t in (q, k, v) if t.requires_grad]
 
     def both() -> None:
-        out = backend.run(copy).out
+        out = attend(copy)
         torch.autograd.grad(out, leaves, torch.ones_like(out))
         sync()
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention as _F_sdpa
 
-from . import dispatch, recording
+from . import autotune, dispatch, recording
 from .autotune import bucket
 from .ops import AttentionCall, TorchBackend, nonfinite, nonfinite_rows, torch_sdpa
 from .ops import deformable as _deformable
@@ -145,6 +145,29 @@ def scaled_dot_product_attention(
     out, trace = result
     record(trace)
     return (out, trace) if return_trace else out
+
+
+def _whole_call(call: AttentionCall, backend: str):
+    """``call`` made again by :func:`scaled_dot_product_attention` with ``backend`` named:
+    what ``auto``'s measurement times (``autotune.time_whole_calls``)."""
+    return scaled_dot_product_attention(
+        call.query,
+        call.key,
+        call.value,
+        call.attn_mask,
+        call.dropout_p,
+        call.is_causal,
+        call.scale,
+        call.enable_gqa,
+        backend=backend,
+        return_trace=call.return_trace,
+        mask_mod=call.mask_mod,
+        score_mod=call.score_mod,
+        sinks=call.sinks,
+    )
+
+
+autotune.time_whole_calls(_whole_call)
 
 
 def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: str, lane=None):
