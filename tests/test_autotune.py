@@ -130,6 +130,18 @@ def test_auto_times_whole_calls_what_a_caller_pays(fakes, monkeypatch, tmp_path)
     assert _backend_of_a_call() == "slow"
 
 
+def test_candidates_are_timed_in_turn_run_by_run(fakes, monkeypatch):
+    """One untimed run each, then the candidates in turn, run by run (a burst of load falls
+    on all of them), at least two timed runs each, stopping past the budget (here at once:
+    the fake runs take seconds)."""
+    del fakes
+    names = _named_calls(monkeypatch)
+    _backend_of_a_call()
+    timed = [n for n in names if n != "auto"]
+    a, b = timed[:2]
+    assert a != b and timed == [a, b] * 3
+
+
 def test_a_call_with_dropout_is_timed_by_its_backends_run(fakes, monkeypatch):
     """Dropout draws from the global generator: the whole call's checks would not change its
     draws, so such a call is timed by the backends' ``run`` alone, as before."""

@@ -64,7 +64,12 @@ __all__ = [
     "time_whole_calls",
 ]
 
-_RUNS, _BUDGET_S = 3, 0.02  # timed runs per candidate: 2 to 3, within about 20 ms each
+# Timed runs per candidate, the candidates in turn run by run (a burst of load on a shared
+# machine then falls on all of them): 2 to 15, within about 20 ms a candidate. A decoding
+# step's call (40-140 us) gets all 15; with 3, two backends 10% apart at T=1, S=128 were
+# taken the wrong way round now and then (bfloat16, 8 heads of 64: tiled's 95 us kernel lost
+# to torch's 115 in one run of benchmarks/bench_call_cost_ab.py).
+_RUNS, _BUDGET_S = 15, 0.02
 # A backend after another in the static order is taken only when it beats it by more than
 # this: a few runs on a shared machine scatter by about as much, and the static order holds
 # what is known (at T=1024, fp32, torch's kernel and the tiled loop were timed 28.1 and 27.7
@@ -193,8 +198,7 @@ def measured_choice(
         if len(timed) < 2:
             _keep_static(key)
             return None
-        timings = {b.name: _time_backend(b, call) for b in timed}
-        times = {n: t for n, t in timings.items() if t is not None}
+        times = _time_backends(timed, call)
         if not times:
             return None
         best = _within_margin(times, [b.name for b in timed])
@@ -225,22 +229,31 @@ def _keep_static(key: tuple) -> None:
         _chosen.setdefault(key, _STATIC)
 
 
-def _time_backend(backend: Backend, call: AttentionCall) -> float | None:
-    """Seconds per call of ``backend`` on ``call`` (the fastest of a few runs after one
-    untimed run), or None if it raised (it is then not chosen)."""
-    run = _runner(backend, call)
-    try:
-        run()  # untimed: plans, caches, kernels loaded
-        best = float("inf")
-        start = _clock()
-        for i in range(_RUNS):
+def _time_backends(backends: list[Backend], call: AttentionCall) -> dict[str, float]:
+    """Seconds per call of each backend on ``call``: the fastest of its timed runs after one
+    untimed run, the backends in turn run by run (see ``_RUNS``). A backend that raises is
+    left out (it is then not chosen)."""
+    runs: dict[str, Callable[[], None]] = {}
+    for backend in backends:
+        run = _runner(backend, call)
+        try:
+            run()  # untimed: plans, caches, kernels loaded
+        except Exception:  # a backend that fails here is simply not chosen
+            continue
+        runs[backend.name] = run
+    best = dict.fromkeys(runs, float("inf"))
+    start = _clock()
+    for i in range(_RUNS):
+        for name, run in list(runs.items()):
             t0 = _clock()
-            run()
-            best = min(best, _clock() - t0)
-            if i >= 1 and _clock() - start > _BUDGET_S:
-                break
-    except Exception:  # a backend that fails here is simply not chosen
-        return None
+            try:
+                run()
+            except Exception:
+                del runs[name], best[name]
+                continue
+            best[name] = min(best[name], _clock() - t0)
+        if i >= 1 and _clock() - start > _BUDGET_S * max(len(runs), 1):
+            break
     return best
 
 
