@@ -460,3 +460,36 @@ def test_out_proj_hooks_run_in_a_forward_and_a_decoding_step(where):
     with torch.no_grad():
         mha(x)
     assert seen == []
+
+
+def test_a_cache_trained_through_starts_each_sequence_afresh():
+    """Decoding with a gradient (the module's weights want one, no ``no_grad``) makes the
+    cache's buffers part of the sequence's graph: gradients reach every position's
+    projections, to the values of the same sequence run at once. ``reset`` ends the
+    sequence: the next one's backward runs (it raised "backward through the graph a second
+    time" into the last one's) and gives the gradients of a fresh cache."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(16, 2)
+    xs = [torch.randn(1, n, 16) for n in (3, 1, 2)]
+
+    def sequence(cache, x, y):
+        mha.zero_grad()
+        mha(x, cache=cache)
+        mha(y, cache=cache).sum().backward()
+        return [p.grad.clone() for p in mha.parameters()]
+
+    def at_once(x, y):  # the two steps as one causal call over the positions
+        mha.zero_grad()
+        mha(torch.cat([x, y], 1), is_causal=True)[:, x.shape[1] :].sum().backward()
+        return [p.grad.clone() for p in mha.parameters()]
+
+    cache = mha.new_cache(1, 8)
+    first = sequence(cache, xs[0], xs[1])
+    for a, b in zip(first, at_once(xs[0], xs[1])):
+        torch.testing.assert_close(a, b)
+    assert cache._k.grad_fn is not None  # (the sequence's graph)
+    cache.reset()
+    assert cache._k.grad_fn is None and cache._v.grad_fn is None
+    again = sequence(cache, xs[2], xs[1])
+    for a, b in zip(again, sequence(mha.new_cache(1, 8), xs[2], xs[1])):
+        torch.testing.assert_close(a, b)

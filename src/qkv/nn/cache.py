@@ -84,8 +84,18 @@ class KVCache:
         return self._mask.narrow(1, 0, self.position) if self._padded else None
 
     def reset(self) -> KVCache:
-        """Forget every position (the buffers are kept)."""
+        """Forget every position (the buffers are kept, their autograd history is not).
+
+        Keys and values appended with a gradient (a module decoding without ``no_grad``, or
+        trained through its cache) make the buffers part of that sequence's graph, so that
+        gradients reach the projections of every position. A reset ends the sequence: the
+        buffers are detached from it (the same memory), so that the next sequence's graph does
+        not hold the last one's alive, nor run back into it (its backward raised "Trying to
+        backward through the graph a second time" after the first sequence's).
+        """
         self.position, self._padded = 0, False
+        if self._k.requires_grad or self._v.requires_grad:
+            self._k, self._v = self._k.detach(), self._v.detach()
         self._mask.fill_(True)
         return self
 
