@@ -175,11 +175,9 @@ def tiled_attention(
 def work_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """q, k, v as ``(B, H, L, E)`` in the work dtype (GQA heads expanded), and a float
     attn_mask as the additive bias ``(B?, H?, T, S)`` (None for none or a bool mask)."""
-    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    q, k, v = call.as_4d(call.work_dtype)  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
     mask = call.attn_mask
     bias = call.mask_4d(mask) if mask is not None and mask.is_floating_point() else None
-    if call.work_dtype != call.dtype:
-        q, k, v = q.to(call.work_dtype), k.to(call.work_dtype), v.to(call.work_dtype)
     return q, k, v, bias
 
 
