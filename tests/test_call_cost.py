@@ -623,23 +623,26 @@ def _same_bits(a, b) -> bool:
     )
 
 
+# (a head dim that gives each case more numbers out than ``EXACT_HALF_OUTPUTS``: a bfloat16
+# call with fewer computes in float32 and keeps no lane, as float16)
+DL = 32
 _LANE_CASES = {
     # name: (q shape, k/v shape, flags)
-    "B2-H3-T1-S37-plain": ((2, 3, 1, D), (2, 3, 37, D), {}),
-    "B2-H3-T1-S37-causal": ((2, 3, 1, D), (2, 3, 37, D), dict(is_causal=True)),
-    "B2-H3-T4-S37-causal": ((2, 3, 4, D), (2, 3, 37, D), dict(is_causal=True)),
-    "B2-H3-T5-S5-causal": ((2, 3, 5, D), (2, 3, 5, D), dict(is_causal=True)),
-    "B2-H4-G2-T1-S19-gqa": ((2, 4, 1, D), (2, 2, 19, D), dict(enable_gqa=True)),
-    "B1-kv-broadcast-T2-S9": ((3, 2, 2, D), (1, 2, 9, D), {}),
-    "H3-T1-S9-unbatched": ((3, 1, D), (3, 9, D), {}),
-    "T3-S9-two-dims-scale-neg": ((3, D), (9, D), dict(scale=-0.7)),
+    "B2-H3-T1-S37-plain": ((2, 3, 1, DL), (2, 3, 37, DL), {}),
+    "B2-H3-T1-S37-causal": ((2, 3, 1, DL), (2, 3, 37, DL), dict(is_causal=True)),
+    "B2-H3-T4-S37-causal": ((2, 3, 4, DL), (2, 3, 37, DL), dict(is_causal=True)),
+    "B2-H3-T5-S5-causal": ((2, 3, 5, DL), (2, 3, 5, DL), dict(is_causal=True)),
+    "B2-H4-G2-T1-S19-gqa": ((2, 4, 1, DL), (2, 2, 19, DL), dict(enable_gqa=True)),
+    "B1-kv-broadcast-T2-S9": ((3, 2, 2, DL), (1, 2, 9, DL), {}),
+    "H3-T1-S9-unbatched": ((3, 1, DL), (3, 9, DL), {}),
+    "T3-S9-two-dims-scale-neg": ((3, DL), (9, DL), dict(scale=-0.7)),
     # bool key masks (..., 1, S): keys 1 and S-1 hidden, the last batch element's every key
-    "B2-H3-T1-S37-keymask-B11S": ((2, 3, 1, D), (2, 3, 37, D), dict(attn_mask=(2, 1, 1, 37))),
-    "B2-H3-T3-S37-keymask-BH1S": ((2, 3, 3, D), (2, 3, 37, D), dict(attn_mask=(2, 3, 1, 37))),
-    "H3-T1-S9-keymask-1S": ((3, 1, D), (3, 9, D), dict(attn_mask=(1, 9))),
+    "B2-H3-T1-S37-keymask-B11S": ((2, 3, 1, DL), (2, 3, 37, DL), dict(attn_mask=(2, 1, 1, 37))),
+    "B2-H3-T3-S37-keymask-BH1S": ((2, 3, 3, DL), (2, 3, 37, DL), dict(attn_mask=(2, 3, 1, 37))),
+    "H3-T1-S9-keymask-1S": ((3, 1, DL), (3, 9, DL), dict(attn_mask=(1, 9))),
     "B2-H4-G2-T1-S19-keymask-gqa": (
-        (2, 4, 1, D),
-        (2, 2, 19, D),
+        (2, 4, 1, DL),
+        (2, 2, 19, DL),
         dict(attn_mask=(2, 4, 1, 19), enable_gqa=True),
     ),
 }
@@ -1081,17 +1084,18 @@ def test_a_modules_decoding_step_keeps_its_lane_to_the_usual_ways_bits(
     module without a kept lane, and of torch's kernel on the cache."""
     monkeypatch.setenv("QKV_AUTOTUNE", "off")
     torch.manual_seed(0)
-    mha = qkv.MultiHeadAttention(32, 4, num_kv_heads=G).to(dtype).eval()
-    prompt, xs = torch.randn(2, 5, 32, dtype=dtype), torch.randn(2, 36, 32, dtype=dtype)
+    # (4 heads of 16: more numbers out a step than ``EXACT_HALF_OUTPUTS``, see ``DL``)
+    mha = qkv.MultiHeadAttention(64, 4, num_kv_heads=G).to(dtype).eval()
+    prompt, xs = torch.randn(2, 5, 64, dtype=dtype), torch.randn(2, 36, 64, dtype=dtype)
     usual = _UsualCalls(monkeypatch)
     with torch.no_grad():
         kept, cache = _decode(mha, prompt, xs)
         assert usual.count == 1 + (4 if route == "fused" else 36)  # the prompt, and the steps
-        q = mha._project(xs[:, -1:], xs[:, -1:], xs[:, -1:])[0]  # (2, 4, 1, 8)
+        q = mha._project(xs[:, -1:], xs[:, -1:], xs[:, -1:])[0]  # (2, 4, 1, 16)
         want = torch.nn.functional.scaled_dot_product_attention(
             q, cache.keys, cache.values, enable_gqa=G != 4
         )
-        assert _same_bits(kept[-1], mha._output(want.transpose(1, 2).reshape(2, 1, 32)))
+        assert _same_bits(kept[-1], mha._output(want.transpose(1, 2).reshape(2, 1, 64)))
         monkeypatch.setattr(qkv.functional.KeptLane, "run", lambda *args: None)
         plain, _ = _decode(mha, prompt, xs)
     assert usual.count == (5 if route == "fused" else 37) + 1 + 36

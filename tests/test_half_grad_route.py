@@ -180,13 +180,13 @@ def test_small_bfloat16_calls_compute_in_float32_on_either_route(route, grad):
         t.requires_grad_(grad)
         return AttentionCall.build(q, k, v).work_dtype
 
-    assert EXACT_HALF_OUTPUTS == 16
+    assert EXACT_HALF_OUTPUTS == 64
     assert work_dtype(1, 1, 1, 5, 4) == torch.float32  # 4 outputs
-    assert work_dtype(1, 2, 2, 5, 4) == torch.float32  # 16
-    assert work_dtype(1, 1, 1, 5, 32) == route_dtype  # 32
-    assert work_dtype(1, 1, 17, 17, 1) == route_dtype  # 17 in each
-    # 120 outputs, but v's and k's gradient have 3 numbers each
-    assert work_dtype(1, 1, 40, 1, 3, leaf="v") == (torch.float32 if grad else BF16)
+    assert work_dtype(1, 2, 2, 5, 16) == torch.float32  # 64
+    assert work_dtype(1, 1, 1, 5, 128) == route_dtype  # 128
+    assert work_dtype(1, 1, 65, 65, 1) == route_dtype  # 65 in each
+    # 240 outputs, but v's and k's gradient have 3 numbers each
+    assert work_dtype(1, 1, 80, 1, 3, leaf="v") == (torch.float32 if grad else BF16)
     S = EXACT_HALF_WORK // 8  # T = 1, D = Dv = 4: at the bound, and one key beyond it
     assert work_dtype(1, 1, 1, S, 4) == torch.float32
     assert work_dtype(1, 1, 1, S + 1, 4) == route_dtype

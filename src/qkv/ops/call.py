@@ -48,14 +48,17 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # holds by construction. torch's bfloat16 kernels round the weights to bfloat16 before they
 # meet the values, and the policy's maximum over a handful of numbers shows it: torch's
 # kernel with a bool attn_mask, T=1, S=64, one head, 2000 draws each, missed the policy on 71
-# at D=2, 23 at D=4, 2 at D=8, 1 at D=16 and none at D=32, 64, or 2 heads of 16 (so none at
-# 32 outputs or more); with a gradient, torch's bfloat16 backward missed it on 19 of 200 dq
-# (4 numbers) at T=1, S=2, D=4, and on 13 of 200 dv (3 numbers) at T=40, S=1, D=3. The work
-# bound keeps the widening's copies of k and v (at most as many elements as the kernel's
-# multiply-adds) below a millisecond. qkv's fused bfloat16 kernel (``bf16_scores``, exact
-# to the policy: its weights are not rounded) does not read this and still takes the calls
-# it can.
-EXACT_HALF_OUTPUTS = 16
+# at D=2, 23 at D=4, 2 at D=8, 1 at D=16 and none at D=32, 64, or 2 heads of 16; with a
+# gradient, torch's bfloat16 backward missed it on 19 of 200 dq (4 numbers) at T=1, S=2,
+# D=4, and on 13 of 200 dv (3 numbers) at T=40, S=1, D=3. Drawn at random, calls of 32
+# numbers and more did not miss it; the long property profile found calls of 18, 18, 24
+# and 32 numbers that did (tiled's flash chunks, torch's kernel, a gradient of v), so the
+# bound is 64: a decoding step of real sizes (heads x head dim >= 128) is far beyond it. The
+# work bound keeps the widening's copies of k and v (at most as many elements as the
+# kernel's multiply-adds) below a millisecond. qkv's fused bfloat16 kernel (``bf16_scores``,
+# exact to the policy: its weights are not rounded) does not read this and still takes the
+# calls it can; a call widened keeps no decoding lane (``functional._keep_lane``).
+EXACT_HALF_OUTPUTS = 64
 EXACT_HALF_WORK = 1 << 20
 
 
