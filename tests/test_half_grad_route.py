@@ -194,6 +194,24 @@ def test_small_bfloat16_calls_compute_in_float32_on_either_route(route, grad):
     assert work_dtype(1, 1, 1, 5, 4, dtype=torch.float32) == torch.float32
 
 
+def test_a_small_bfloat16_call_exports_with_dynamic_sizes():
+    """Traced with symbolic sizes, a call counts as small only where it is for every size the
+    symbols may take: asking would guard on them (``T <= 8`` here), and torch.export refused
+    the dynamic T it was given. The exported program runs other sizes, the output close to
+    the eager call's (computed in bfloat16 there, as any size may be)."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return qkv.scaled_dot_product_attention(q, k, v)
+
+    q, k, v, _ = _inputs(1, 2, 6, 6, 4, seed=4)  # 48 numbers out: small in eager
+    T, S = torch.export.Dim("T", min=2, max=64), torch.export.Dim("S", min=2, max=64)
+    program = torch.export.export(Attend(), (q, k, v), dynamic_shapes=({2: T}, {2: S}, {2: S}))
+    q, k, v, _ = _inputs(1, 2, 20, 30, 4, seed=5)
+    got = program.module()(q, k, v)
+    torch.testing.assert_close(got, qkv.scaled_dot_product_attention(q, k, v), atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["auto", "torch", "tiled"])
 def test_small_bfloat16_inference_is_float32_rounded_once(backend):
     """A small bfloat16 call without gradient, a bool attn_mask (torch's kernel or tiled's

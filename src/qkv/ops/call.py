@@ -20,6 +20,7 @@ from numbers import Real
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..masks import (
     MaskMod,
@@ -214,12 +215,18 @@ class AttentionCall:
         """Whether the call returns at most ``EXACT_HALF_OUTPUTS`` numbers in one of its
         results (the output; with a gradient also those of q, k and v) at a cost of at most
         ``EXACT_HALF_WORK`` multiply-adds: computed in float32 then (see there)."""
+        # (sizes traced as symbols count only where the bound holds for every size they may
+        # take: asking would guard on them, and torch.export refused a dynamic T)
         B, H = self.BH
         T, S, D, Dv = self.T, self.S, self.D, self.Dv
-        n = B * H * T * Dv  # the output's
-        if n > EXACT_HALF_OUTPUTS and self.wants_grad:
-            n = min(self.query.numel(), self.key.numel(), self.value.numel())
-        return n <= EXACT_HALF_OUTPUTS and B * H * T * S * (D + Dv) <= EXACT_HALF_WORK
+        if not statically_known_true(B * H * T * S * (D + Dv) <= EXACT_HALF_WORK):
+            return False
+        if statically_known_true(B * H * T * Dv <= EXACT_HALF_OUTPUTS):  # the output's
+            return True
+        return self.wants_grad and any(
+            statically_known_true(t.numel() <= EXACT_HALF_OUTPUTS)
+            for t in (self.query, self.key, self.value)
+        )
 
     def _span(self) -> int:
         """The keys a query row may see at most: S, or a sliding window's width where the
