@@ -41,6 +41,11 @@ fixture of conftest.py), so that every route runs on every machine:
   blocks of float32/float64 scores): where it cannot be built, ``amax`` and torch's softmax.
   ``force_native_softmax`` gives either way: test_weights_one_pass.py runs both.
 
+* The float32 kernel of a few query rows (``qkv.ops.few_rows``: C++ built at first use; the
+  tiled backend's way for float32 inference of up to four rows with no mask or a bool key
+  mask, ``QKV_FEW_ROWS=off`` turns it off): where it cannot be built, the tiled passes.
+  ``force_few_rows`` gives either way: test_few_rows.py runs both.
+
 ``MACHINE_PROBES`` lists the rest of what reads the machine, and why each is no route of its
 own: ``auto``'s choice by measurement (``qkv.autotune``, on ``qkv._measured``) picks among
 backends that the suite runs by name, and the flex backend runs where a compiler is found
@@ -55,7 +60,7 @@ from __future__ import annotations
 
 import pytest
 
-from qkv.ops import nonfinite, nonfinite_rows, softmax_rows, torch_sdpa
+from qkv.ops import few_rows, nonfinite, nonfinite_rows, softmax_rows, torch_sdpa
 from qkv.ops.tiled import plan as tiled_plan
 
 HALF_GEMM_ROUTES = ("native", "float32")
@@ -95,6 +100,8 @@ MACHINE_PROBES = {
     "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch, triton): "
     "tests/test_deformable.py runs cpp and torch by name, tests/test_deformable_triton.py "
     "triton under the CPU interpreter",
+    "ops/few_rows.py": "QKV_FEW_ROWS (off turns it off) and whether its C++ builds: the "
+    "float32 few-row kernel of the tiled backend, forced both ways (force_few_rows)",
     "ops/_native_build.py": "the CPU capability: the C++ kernels' ISA flags and build names "
     "(the deformable kernel, the bf16 score kernel), no route beyond each kernel; the bf16 score "
     "kernel (ops/bf16_scores.py) runs where oneDNN packs bfloat16 for AMX or the CPU has "
@@ -139,3 +146,17 @@ def force_native_softmax(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
     elif not softmax_rows.available():
         why = softmax_rows._build()[1]
         pytest.skip(f"the softmax rows of qkv.ops.softmax_rows did not build here: {why}")
+
+
+def force_few_rows(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    """Run float32 inference of a few query rows on the tiled backend by the C++ kernel of
+    ``qkv.ops.few_rows`` (``on``, where it builds: else the test is skipped) or by the tiled
+    passes (``QKV_FEW_ROWS=off``), for the rest of the test."""
+    if not on:
+        monkeypatch.setenv(few_rows.SWITCH, "off")
+        return
+    monkeypatch.delenv(few_rows.SWITCH, raising=False)
+    if not few_rows.available():
+        pytest.skip(
+            f"the few-rows kernel of qkv.ops.few_rows did not build here: {few_rows._build()[1]}"
+        )

@@ -15,12 +15,13 @@ from torch.nn.functional import scaled_dot_product_attention as _F_sdpa
 
 from . import autotune, dispatch, recording
 from .autotune import bucket
-from .ops import AttentionCall, TorchBackend, nonfinite, nonfinite_rows, torch_sdpa
+from .ops import AttentionCall, TorchBackend, few_rows, nonfinite, nonfinite_rows, torch_sdpa
 from .ops import deformable as _deformable
 from .ops import linear as _linear
 from .ops._aten import flash_forward, sdpa
 from .ops.base import tracing
 from .ops.deformable.inputs import as_spatial_shapes
+from .ops.tiled import TiledBackend
 from .trace import AttentionTrace, DeformableTrace
 
 __all__ = ["deformable_attention", "linear_attention", "scaled_dot_product_attention"]
@@ -235,6 +236,7 @@ class _Lane:
         "lse",
         "narrow",
         "ok",
+        "rows",
         "scale",
         "scale_arg",
         "state",
@@ -271,6 +273,9 @@ class _Lane:
         self.scale_arg = None if D > 0 and scale == 1.0 / math.sqrt(D) else scale
         self.check = nonfinite_rows.RowsCheck()
         self.keys = nonfinite_rows.KeymaskRows()
+        # a kind that the tiled backend runs by the few-rows kernel (which keeps the contract
+        # itself): the kernel alone, its arguments packed once (``few_rows.Runner``)
+        self.rows: few_rows.Runner | None = None
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
         """torch's kernel, as the steps above call it (``ops/_aten.sdpa``); its log-sum-exp
@@ -426,6 +431,8 @@ def _run_lane(
         _keep(exact, lane)
     if not lane.ok:
         return None
+    if lane.rows is not None:  # (None where the runner does not take these tensors: the steps)
+        return lane.rows(query, key, value, mask, lane.causal, lane.scale)
     if mask is not None:
         if lane.lse:
             out, lse = lane.attend_lse(query, key, value, mask)  # (B, H, T, Dv), (B, H, T)
@@ -478,7 +485,8 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
             and not call.is_causal
             and call.attn_mask.dtype == torch.bool
         )
-    ok = (
+    rows = _rows_lane(call, plan)
+    ok = rows or (
         steps
         and type(plan.backend) is TorchBackend
         and not plan.keeps_nonfinite_contract
@@ -501,10 +509,26 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
         narrow,
         call.D,
         group,
-        lse,
+        lse and not rows,
         call.dtype,
     )
+    if rows:
+        lane.rows, lane.narrow = few_rows.Runner(), False  # (the kernel takes the causal rows)
     _keep(kind, lane)
+
+
+def _rows_lane(call: AttentionCall, plan: dispatch.Plan) -> bool:
+    """Whether ``call``'s kind keeps the few-rows kernel as its lane: the tiled backend ran it
+    by that kernel (:func:`few_rows.usable`), on 4-dim inputs and a 4-dim mask if any (what
+    ``few_rows.Runner`` takes as it is)."""
+    mask = call.attn_mask
+    return (
+        type(plan.backend) is TiledBackend
+        and plan.keeps_nonfinite_contract
+        and call.query.dim() == call.key.dim() == call.value.dim() == 4
+        and (mask is None or mask.dim() == 4)
+        and few_rows.usable(call)
+    )
 
 
 class KeptLane:
@@ -590,6 +614,8 @@ class KeptLane:
             or lane.state != dispatch.kept_plans_state()
         ):
             return None
+        if lane.rows is not None:
+            return lane.rows(query, key, value, None, lane.causal, lane.scale)
         strides = (query.stride(), key.stride(), value.stride())  # (read once for both)
         if lane.lse:
             out, lse = lane.attend_lse(query, key, value, None, strides)  # (B, H, T, Dv), (B, H, T)

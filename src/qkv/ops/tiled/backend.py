@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 
 from ...masks import score_mod_gradient_inputs
-from .. import bf16_scores
+from .. import bf16_scores, few_rows
 from ..base import BackendResult, tracing
 from ..call import AttentionCall
 from ..reference import ReferenceBackend, bf16_fusable, inference_ranges
@@ -120,6 +120,9 @@ class TiledBackend:
             # math in the graph instead, as ``auto`` does there (docs/compile.md): same
             # numbers, a (T, S) score matrix
             return ReferenceBackend().run(call)
+        if few_rows.usable(call):  # float32 inference of a few query rows: one C++ call
+            rows_out, rows_lse = few_rows.attend(call)
+            return BackendResult(out=rows_out, lse=rows_lse)
         ranges = inference_ranges(call)
         if ranges is not None:  # bfloat16 inference with ranges of keys: the fused kernel
             q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
@@ -135,8 +138,13 @@ class TiledBackend:
 
     def keeps_nonfinite_contract(self, call: AttentionCall) -> bool:
         """Whether an eager call keeps the NaN/inf contract itself: the bfloat16 kernel of
-        range masks does (see :func:`qkv.ops.reference.bf16_fusable`)."""
-        return not tracing() and not _nothing_to_tile(call) and bf16_fusable(call)
+        range masks does (see :func:`qkv.ops.reference.bf16_fusable`), and the float32 kernel
+        of a few query rows (:func:`qkv.ops.few_rows.usable`)."""
+        return (
+            not tracing()
+            and not _nothing_to_tile(call)
+            and (bf16_fusable(call) or few_rows.usable(call))
+        )
 
 
 def _nothing_to_tile(call: AttentionCall) -> bool:

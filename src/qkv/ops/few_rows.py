@@ -1,0 +1,296 @@
+"""float32 attention of a few query rows in one C++ call (``few_rows.cpp``): a decoding step.
+
+At T=1, S=128, 8 heads of 64 (one thread, AMD Zen 4) torch's CPU flash kernel took 31-45 µs for
+some 0.1 M multiply-adds; qkv's call of it, with the NaN/inf contract's pass after, 44-76 µs.
+This kernel computes such a call whole, the contract included, reading each key and value row
+once for all the rows of its head (no copies of q, k, v; any batch, head and row strides). The
+tiled backend runs it for the calls :func:`usable` takes, and ``auto`` takes tiled for them
+where its whole calls are measured faster than torch's (``autotune``); a decoding loop's calls
+then run it by their lane (``functional._Lane``, :class:`Runner`).
+
+What it computes (the plain math in float32, sums in a fixed order): row ``t`` attends the keys
+``j < S`` (``j <= t`` with ``is_causal``, torch's top-left alignment) that a bool key mask
+``(B?, 1, 1, S)`` keeps; a row with no key outputs 0 and lse ``-inf``. The NaN/inf contract of
+``ops/nonfinite.py`` by the plain math's rows, as its fused row passes keep it: hidden keys are
+never read; a row that attends a key whose value holds a NaN/inf, or whose score is NaN or
+``+inf``, or whose query holds one, is NaN, as is a row whose every score is ``-inf``; a key
+whose score is ``-inf`` weighs 0 (``few_rows.cpp`` says how, without a pass before the call).
+
+``QKV_FEW_ROWS=off`` turns it off (the tiled passes and torch's kernel then run these calls, as
+where the library cannot be built): tests run the same calls both ways.
+
+Shape alphabet: B batch, H query heads, G key/value heads, T query rows (at most
+:data:`MAX_ROWS`), S keys, D head dim, Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._native_build import build_declared
+from .base import tracing
+from .call import AttentionCall
+
+__all__ = ["MAX_ROWS", "SWITCH", "Runner", "attend", "available", "usable"]
+
+SOURCE = Path(__file__).with_name("few_rows.cpp")
+SWITCH = "QKV_FEW_ROWS"  # "off": not used (tests run the other ways on the same calls)
+# Query rows a call may have: every row of a head is held at once, and past a few rows the
+# tiled passes' GEMMs are the faster way (the bfloat16 kernel's few-row way stops at 4 too)
+MAX_ROWS = 4
+_ARGS = struct.Struct("28q")
+_DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
+# scales past this could overflow float32 scores; those calls keep the guard's overflow check
+_SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    lib, why = build_declared(
+        SOURCE, "qkv_few_rows", {"qkv_few_rows": [ctypes.c_char_p]}, _log, "the tiled passes"
+    )
+    if lib is not None:
+        lib.qkv_few_rows_error.restype = ctypes.c_char_p
+    return lib, why
+
+
+def available() -> bool:
+    """Whether the kernel runs here and is not switched off (``QKV_FEW_ROWS=off``); builds it
+    at the first ask (seconds once, then a cached load of milliseconds)."""
+    return os.environ.get(SWITCH, "on") != "off" and _build()[0] is not None
+
+
+def usable(call: AttentionCall) -> bool:
+    """Whether :func:`attend` takes ``call``: float32 on the CPU, eager, no gradient wanted,
+    1 to :data:`MAX_ROWS` query rows and at least one key, no score_mod, mask_mod, sinks or
+    dropout, no mask or a bool key mask (one row of keys per batch element, shared by every
+    head and row: a padded batch's decoding step), a scale that cannot overflow the scores,
+    and the kernel :func:`available`."""
+    q = call.query
+    if (
+        call.dtype != torch.float32
+        or call.key.dtype != torch.float32
+        or call.value.dtype != torch.float32
+        or type(q) is not Tensor
+        or not q.is_cpu
+        or not 1 <= call.T <= MAX_ROWS
+        or call.S < 1
+        or call.D < 1
+        or call.Dv < 1
+        or call.mask_mod is not None
+        or call.score_mod is not None
+        or call.sinks is not None
+        or call.dropout_p > 0
+        or not abs(call.scale) <= _SCALE_BOUND
+        or call.wants_grad
+        or tracing()
+    ):
+        return False
+    if call.attn_mask is not None and _keep(call) is None:
+        return False
+    return available()
+
+
+def _keep(call: AttentionCall) -> Tensor | None:
+    """A bool key mask as ``(B or 1, S)`` rows with unit stride (a view), or None for other
+    masks."""
+    mask = call.attn_mask
+    if mask is None or mask.dtype != torch.bool or not mask.is_cpu:
+        return None
+    m = call.mask_4d(mask)  # (B?, H?, T?, S?)
+    if m.shape[1:] != (1, 1, call.S) or m.shape[0] not in (1, call.BH[0]):
+        return None
+    keep = m[:, 0, 0]  # (B?, S)
+    return keep if keep.stride(-1) == 1 or call.S == 1 else keep.contiguous()
+
+
+def attend(call: AttentionCall, *, lse: bool = True) -> tuple[Tensor, Tensor | None]:
+    """``call`` (one :func:`usable` takes) by the kernel: the output, and the log-sum-exp of
+    each row (``-inf`` on rows with no key) with ``lse``.
+
+    Shape:
+        -> out ``call.out_shape``, lse ``call.batch + (T,)`` float32.
+    """
+    B, H = call.BH
+    q, k, v = _four(call)  # (B, H, T, D), (B?, G, S, D), (B?, G, S, Dv)
+    out = _empty_out(B, H, call.T, call.Dv)  # (B, H, T, Dv)
+    rows = torch.empty(B, H, call.T, dtype=torch.float32) if lse else None
+    keep = _keep(call) if call.attn_mask is not None else None
+    args = _args(q, k, v, out, rows, keep, call.is_causal, call.scale)
+    assert args is not None  # (usable: the layouts _four gives are taken)
+    _run(args)
+    out = out if out.shape == call.out_shape else out.reshape(call.out_shape)
+    return out, None if rows is None else rows.reshape(call.batch + (call.T,))
+
+
+def _empty_out(B: int, H: int, T: int, Dv: int) -> Tensor:
+    """An output ``(B, H, T, Dv)`` as a view of ``(B, T, H, Dv)`` memory (a module's merge of
+    the heads is then a view), made in one op."""
+    return torch.empty_strided((B, H, T, Dv), (T * H * Dv, Dv, H * Dv, 1), dtype=torch.float32)
+
+
+def _four(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as 4-d views where the call's tensors are 4-d (key and value heads shared by
+    groups of query heads, a batch of 1 broadcast: strides of 0), else ``call.as_4d()``."""
+    q, k, v = call.query, call.key, call.value
+    if q.dim() == k.dim() == v.dim() == 4 and _takes(q, k, v):
+        return q, k, v
+    return call.as_4d()
+
+
+def _takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the kernel reads these 4-d tensors as they are: unit last strides, key and value
+    heads G dividing the query heads H, their batch B or 1."""
+    B, H = q.shape[:2]
+    G = k.shape[1]
+    return (
+        v.shape[1] == G
+        and G > 0
+        and H % G == 0
+        and k.shape[0] in (1, B)
+        and v.shape[0] in (1, B)
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    )
+
+
+def _args(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor | None,
+    keep: Tensor | None,
+    causal: bool,
+    scale: float,
+) -> list[int] | None:
+    """The kernel's packed arguments (``few_rows.cpp``), or None for layouts it does not take.
+
+    Shape:
+        q ``(B, H, T, D)``, k ``(B?, G, S, D)``, v ``(B?, G, S, Dv)``, out ``(B, H, T, Dv)``,
+        lse ``(B, H, T)`` contiguous, keep ``(B?, S)`` or ``(B?, 1, 1, S)`` (a bool key
+        mask: the same memory), unit last stride.
+    """
+    if not _takes(q, k, v) or out.stride(-1) != 1:
+        return None
+    B, H, T, D = q.shape
+    G, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+
+    def strides(t: Tensor) -> tuple[int, int, int]:
+        sb, sh, sr = t.stride()[:3]
+        return (0 if t.shape[0] == 1 else sb), sh, sr
+
+    kb = 0
+    if keep is not None:  # (B?, ..., S): its rows of keys at a batch stride
+        if keep.stride(-1) != 1 and keep.shape[-1] > 1:
+            return None
+        kb = 0 if keep.shape[0] == 1 else keep.stride(0)
+    return [
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        0 if lse is None else lse.data_ptr(),
+        0 if keep is None else keep.data_ptr(),
+        B,
+        H,
+        G,
+        T,
+        S,
+        D,
+        Dv,
+        *strides(q),
+        *strides(k),
+        *strides(v),
+        *strides(out),
+        kb,
+        int(causal),
+        _DOUBLE_BITS.unpack(_DOUBLE.pack(scale))[0],
+    ]
+
+
+def _run(args: list[int]) -> None:
+    lib = _build()[0]
+    assert lib is not None
+    if lib.qkv_few_rows(_ARGS.pack(*args)) != 0:
+        raise RuntimeError(f"the few-rows kernel failed: {lib.qkv_few_rows_error().decode()}")
+
+
+class Runner:
+    """:func:`attend` without lse for a lane's calls (``functional._Lane``): the arguments are
+    packed once per layout (shapes and strides, the mask's), and a call of a known layout only
+    writes its pointers. Returns None for a call it does not take (its caller takes the usual
+    way)."""
+
+    __slots__ = ("_args", "_fn", "_layout")
+
+    def __init__(self) -> None:
+        self._layout: tuple | None = None
+        self._args = (ctypes.c_int64 * (_ARGS.size // 8))()
+        self._fn: Any = None  # the library's function, its own handle
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        keep: Tensor | None,
+        causal: bool,
+        scale: float,
+    ) -> Tensor | None:
+        """Shape: query ``(B, H, T, D)``, key ``(B?, G, S, D)``, value ``(B?, G, S, Dv)``,
+        keep ``(B?, 1, 1, S)`` bool or None -> ``(B, H, T, Dv)``."""
+        qs, ks, vs = query.shape, key.shape, value.shape
+        if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+            return None
+        B, H, T, _ = qs
+        out = _empty_out(B, H, T, vs[3])
+        # what the packed arguments depend on but the pointers and the key count: a decoding
+        # loop's cache grows a key a step, in the same memory
+        layout = (
+            qs,
+            ks[0],
+            ks[1],
+            ks[3],
+            vs[0],
+            vs[3],
+            query.stride(),
+            key.stride(),
+            value.stride(),
+            None if keep is None else (keep.shape[0], keep.stride()),
+            causal,
+            scale,
+        )
+        args = self._args
+        if layout != self._layout:
+            if keep is not None and (keep.dim() != 4 or keep.shape[1] != 1 or keep.shape[2] != 1):
+                return None
+            packed = _args(query, key, value, out, None, keep, causal, scale)
+            lib = _build()[0]
+            if packed is None or lib is None or os.environ.get(SWITCH, "on") == "off":
+                return None
+            self._args = args = (ctypes.c_int64 * len(packed))(*packed)
+            fn = lib["qkv_few_rows"]  # its own handle, taking the array as it is
+            fn.restype = ctypes.c_int
+            self._fn, self._layout = fn, layout
+        elif ks[2] != vs[2] or (keep is not None and keep.shape[3] != ks[2]):
+            return None  # (what the layout does not fix: the call's own checks ran before)
+        args[0], args[1], args[2] = query.data_ptr(), key.data_ptr(), value.data_ptr()
+        args[3], args[10] = out.data_ptr(), ks[2]
+        if keep is not None:
+            args[5] = keep.data_ptr()
+        if self._fn(args) != 0:
+            lib = _build()[0]
+            assert lib is not None
+            raise RuntimeError(f"the few-rows kernel failed: {lib.qkv_few_rows_error().decode()}")
+        return out

@@ -1,0 +1,312 @@
+"""float32 attention of a few query rows in one C++ call (``qkv.ops.few_rows``, issue 38).
+
+The kernel is held to the float64 reference by the tolerance policy (its float32 twin the
+plain math in float32) on what users pass: grouped and broadcast heads, a module's strided
+heads, causal rows, bool key masks, odd sizes, scales of every sign. The NaN/inf contract it
+keeps itself is checked to the bit against the same call without the bad entries. It is a
+route of the tiled backend (``QKV_FEW_ROWS=off`` turns it off, ``routes.force_few_rows``):
+calls run both ways agree, and the lane that later calls of a kind take (``functional._Lane``)
+gives the bits of the first call's steps.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference64 import attention64
+from routes import force_few_rows
+
+import qkv
+from qkv import functional
+from qkv.ops import AttentionCall, few_rows
+from qkv.testing import assert_tolerance
+
+
+@pytest.fixture(autouse=True)
+def _kernel_or_skip(monkeypatch):
+    force_few_rows(monkeypatch, True)
+
+
+def _inputs(B, H, G, T, S, D, Dv, *, seed=0, strided=False, amp=1.0, kv_batch=None):
+    """q (B, H, T, D), k (B?, G, S, D), v (B?, G, S, Dv) float32; ``strided``: views of
+    (B, L, heads, E) memory, as a module's heads; ``kv_batch`` 1: keys shared by the batch
+    (a stride of 0 where expanded)."""
+    g = torch.Generator().manual_seed(seed)
+    Bk = B if kv_batch is None else kv_batch
+
+    def draw(b, h, n, e, scale=1.0):
+        if strided:
+            return (torch.randn(b, n, h, e, generator=g) * scale).transpose(1, 2)
+        return torch.randn(b, h, n, e, generator=g) * scale
+
+    q = draw(B, H, T, D, amp)
+    k = draw(Bk, G, S, D, amp)
+    v = draw(Bk, G, S, Dv)
+    if kv_batch == 1 and B > 1:
+        k, v = k.expand(B, G, S, D), v.expand(B, G, S, Dv)
+    return q, k, v
+
+
+def _allowed(B, T, S, causal, keep):
+    ok = torch.ones(B, 1, T, S, dtype=torch.bool)
+    if causal:
+        ok = ok & torch.ones(T, S, dtype=torch.bool).tril()
+    if keep is not None:
+        ok = ok & keep.expand(B, 1, 1, S)
+    return ok
+
+
+def _plain32(q, k, v, scale, allowed):
+    """The plain math in float32: the policy's baseline."""
+    H, G = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
+    s = (q @ k.transpose(-2, -1)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def _call(q, k, v, mask=None, *, causal=False, scale=None, gqa=None, dropout=0.0):
+    """The checked call of these arguments (grouped heads where k has fewer)."""
+    gqa = k.shape[-3] != q.shape[-3] if gqa is None else gqa
+    return AttentionCall.build(q, k, v, mask, dropout, causal, scale, gqa, False, None, None, None)
+
+
+def _check(q, k, v, *, causal=False, keep=None, scale=None):
+    """The kernel's output and lse against float64 by the policy; returns the output."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    call = _call(q, k, v, keep, causal=causal, scale=scale)
+    assert few_rows.usable(call)
+    out, lse = few_rows.attend(call)
+    s = call.scale
+    allowed = _allowed(B, T, S, causal, keep)
+    gold = attention64(q.double(), k.double(), v.double(), scale=s, allowed=allowed)
+    assert_tolerance(out, gold, _plain32(q, k, v, s, allowed), name="out")
+    kk = k.double().repeat_interleave(H // k.shape[1], 1)
+    sc = (q.double() @ kk.transpose(-2, -1)) * s
+    lse64 = torch.logsumexp(sc.masked_fill(~allowed, float("-inf")), -1)
+    none = ~allowed.expand(B, H, T, S).any(-1)
+    assert torch.equal(lse.isneginf(), none)
+    assert torch.allclose(lse[~none].double(), lse64[~none], rtol=1e-6, atol=1e-5)
+    assert (out[none] == 0).all()
+    return out
+
+
+SHAPES = [  # B, H, G, T, S, D, Dv
+    (1, 8, 8, 1, 128, 64, 64),  # a decoding step
+    (2, 4, 2, 3, 37, 5, 7),  # grouped heads, odd dims
+    (1, 2, 1, 4, 3, 80, 33),  # more rows than keys
+    (3, 1, 1, 2, 1, 1, 1),  # one key, one dim
+    (1, 3, 3, 1, 1000, 17, 130),  # long keys, values wider than four vectors
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-H{}-G{}-T{}-S{}-D{}-Dv{}".format(*s))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "keymask"])
+def test_kernel_meets_the_policy(shape, causal, masked):
+    B, H, G, T, S, D, Dv = shape
+    q, k, v = _inputs(B, H, G, T, S, D, Dv, seed=sum(shape))
+    keep = None
+    if masked:
+        keep = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(1)) > 0.3
+        keep[0, ..., :] = False  # the first batch element's rows have no key: 0
+    _check(q, k, v, causal=causal, keep=keep)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7, 3.0, 1e-30])
+def test_scales_of_every_sign(scale):
+    q, k, v = _inputs(2, 2, 2, 3, 50, 16, 16, seed=5, amp=2.0)
+    _check(q, k, v, scale=scale, causal=True)
+
+
+def test_strided_heads_and_keys_shared_by_the_batch():
+    """A module's heads (views of (B, L, H, D) memory) and keys expanded over the batch
+    (a batch stride of 0) are read as they lie."""
+    q, k, v = _inputs(3, 4, 2, 2, 40, 24, 24, seed=3, strided=True, kv_batch=1)
+    assert k.stride(0) == 0 and not q.is_contiguous()
+    _check(q, k, v)
+
+
+def test_output_is_a_view_of_rows_by_position():
+    """(B, H, T, Dv) over (B, T, H, Dv) memory: a module's merge of its heads is a view."""
+    q, k, v = _inputs(2, 4, 4, 3, 20, 8, 8)
+    out, _ = few_rows.attend(_call(q, k, v), lse=False)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def _attend(q, k, v, **kw):
+    return qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"]
+)
+def test_a_bad_key_reaches_only_the_rows_that_attend_it(where, bad):
+    """Causal rows: key 2 is seen by rows 2 and 3 only. With q > 0, an entry of k of -inf
+    gives the key a score of -inf: it weighs 0 there, as in the plain math (those rows are
+    the call's with the key hidden); any other bad entry makes those rows NaN. Rows 0 and 1
+    keep the clean call's bits, and a key the mask hides has no effect at all."""
+    q, k, v = _inputs(1, 2, 2, 4, 4, 8, 8, seed=9)
+    q = q.abs() + 0.1
+    clean = _attend(q, k, v, is_causal=True)
+    t = (k if where == "k" else v).clone()
+    t[:, :, 2, 3] = bad
+    kk, vv = (t, v) if where == "k" else (k, t)
+    out = _attend(q, kk, vv, is_causal=True)
+    keep = torch.ones(1, 1, 1, 4, dtype=torch.bool)
+    keep[..., 2] = False
+    if where == "k" and bad == -float("inf"):
+        assert torch.equal(
+            out[:, :, 2:], _attend(q, k, v, attn_mask=keep, is_causal=True)[:, :, 2:]
+        )
+    else:
+        assert out[:, :, 2:].isnan().all()
+    assert torch.equal(out[:, :, :2], clean[:, :, :2])
+    hidden = _attend(q, kk, vv, attn_mask=keep)
+    assert torch.equal(hidden, _attend(q, k, v, attn_mask=keep))
+
+
+def test_a_row_whose_every_score_is_minus_inf_is_nan():
+    """The plain math's softmax of scores all -inf is NaN (a row with no key is 0)."""
+    q, k, v = _inputs(1, 1, 1, 1, 5, 4, 4, seed=10)
+    q = q.abs() + 0.1
+    k = k.clone()
+    k[..., 0] = -float("inf")
+    assert _attend(q, k, v).isnan().all()
+
+
+def test_a_bad_query_row_is_nan_unless_it_has_no_key():
+    q, k, v = _inputs(2, 1, 1, 2, 6, 4, 4, seed=11)
+    keep = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    keep[1] = False  # batch element 1: no key
+    clean = _attend(q, k, v, attn_mask=keep)
+    q = q.clone()
+    q[:, 0, 1, 0] = float("inf")
+    out = _attend(q, k, v, attn_mask=keep)
+    assert out[0, 0, 1].isnan().all() and torch.equal(out[0, 0, 0], clean[0, 0, 0])
+    assert (out[1] == 0).all()
+
+
+def test_the_route_off_gives_the_same_answers(monkeypatch):
+    """``QKV_FEW_ROWS=off``: the tiled passes run the call (within the policy of each other)."""
+    q, k, v = _inputs(2, 4, 2, 3, 70, 32, 32, seed=2)
+    keep = torch.rand(2, 1, 1, 70, generator=torch.Generator().manual_seed(4)) > 0.5
+    call = _call(q, k, v, keep, causal=True)
+    on = _attend(q, k, v, attn_mask=keep, is_causal=True, enable_gqa=True)
+    force_few_rows(monkeypatch, False)
+    assert not few_rows.usable(call)
+    off = _attend(q, k, v, attn_mask=keep, is_causal=True, enable_gqa=True)
+    allowed = _allowed(2, 3, 70, True, keep)
+    gold = attention64(q.double(), k.double(), v.double(), allowed=allowed)
+    base = _plain32(q, k, v, 1 / math.sqrt(32), allowed)
+    assert_tolerance(on, gold, base, name="on")
+    assert_tolerance(off, gold, base, name="off")
+
+
+def test_calls_it_does_not_take():
+    q, k, v = _inputs(1, 2, 2, 5, 10, 8, 8)  # five rows
+    assert not few_rows.usable(_call(q, k, v))
+    q1 = q[:, :, :1]
+    assert few_rows.usable(_call(q1, k, v))
+    assert not few_rows.usable(_call(q1, k, v, torch.zeros(1, 1, 1, 10)))  # a float mask
+    mask = torch.ones(1, 2, 1, 10, dtype=torch.bool)  # a mask per head
+    assert not few_rows.usable(_call(q1, k, v, mask))
+    assert not few_rows.usable(_call(q1, k, v, dropout=0.1))
+    assert not few_rows.usable(_call(q1.double(), k.double(), v.double()))
+    qg = q1.clone().requires_grad_()
+    assert not few_rows.usable(_call(qg, k, v))
+    with torch.no_grad():
+        assert few_rows.usable(_call(qg, k, v))
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "keymask"])
+def test_the_lane_gives_the_steps_bits(masked):
+    """The first call of a kind takes the steps (the tiled backend runs the kernel); later
+    calls, as the cache grows by a key, its lane (the kernel alone, ``few_rows.Runner``):
+    the same bits as the kernel run on each call."""
+    functional._LANES.clear()
+    q, k, v = _inputs(2, 4, 2, 1, 100, 16, 16, seed=7)
+    with torch.no_grad():
+        for S in (97, 98, 99, 100):
+            keep = None
+            if masked:
+                keep = torch.ones(2, 1, 1, S, dtype=torch.bool)
+                keep[1, ..., :5] = False
+            ks, vs = k[:, :, :S], v[:, :, :S]
+            out = _attend(q, ks, vs, attn_mask=keep, enable_gqa=True)
+            call = AttentionCall.build(
+                q, ks, vs, keep, 0.0, False, None, True, False, None, None, None
+            )
+            assert torch.equal(out, few_rows.attend(call)[0])
+    lanes = [lane for lane in functional._LANES.values() if lane.ok]
+    assert lanes and all(lane.rows is not None for lane in lanes)
+
+
+def test_a_module_decodes_by_the_kernel():
+    """A MultiHeadAttention decoding step of one token through tiled runs the kernel by its
+    kept lane; the steps' outputs match one causal call over the whole sequence."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(32, 4, backend="tiled").eval()
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        whole = mha(x, is_causal=True)
+        cache = mha.new_cache(2, 8)
+        steps = torch.cat([mha(x[:, i : i + 1], cache=cache) for i in range(6)], 1)
+    assert mha._kept_lane.lane is not None and mha._kept_lane.lane.rows is not None
+    torch.testing.assert_close(steps, whole, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    G=st.integers(1, 3),
+    group=st.integers(1, 3),
+    T=st.integers(1, few_rows.MAX_ROWS),
+    S=st.integers(1, 70),
+    D=st.integers(1, 40),
+    Dv=st.integers(1, 70),
+    causal=st.booleans(),
+    masked=st.booleans(),
+    strided=st.booleans(),
+    amp=st.sampled_from([0.1, 1.0, 4.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_property_against_float64(B, G, group, T, S, D, Dv, causal, masked, strided, amp, seed):
+    """Drawn sizes, layouts and masks: the kernel meets the policy, rows without a key are 0."""
+    q, k, v = _inputs(B, G * group, G, T, S, D, Dv, seed=seed, strided=strided, amp=amp)
+    keep = None
+    if masked:
+        keep = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(seed)) > 0.4
+    _check(q, k, v, causal=causal, keep=keep)
+
+
+_ODD_SIZES = """
+import torch
+from qkv.ops import AttentionCall, few_rows
+SIZES = [(1, 1, 1, 4, 1, 1, 1), (2, 6, 3, 4, 2, 1, 129), (1, 1, 1, 1, 4099, 3, 2)]
+for B, H, G, T, S, D, Dv in SIZES:
+    for causal in (False, True):
+        q, k, v = torch.randn(B, H, T, D), torch.randn(B, G, S, D), torch.randn(B, G, S, Dv)
+        gqa = G != H
+        call = AttentionCall.build(q, k, v, None, 0.0, causal, None, gqa, False, None, None, None)
+        out, lse = few_rows.attend(call)
+        assert out.isfinite().all() and lse.isfinite().all()
+print("ok")
+"""
+
+
+def test_odd_sizes_do_not_crash_the_process():
+    """Sizes at the kernel's edges (one key, one dim, a partial last vector, more rows than
+    keys) run in a subprocess: a stray read or write would kill it, not the suite."""
+    run = subprocess.run(
+        [sys.executable, "-c", _ODD_SIZES], check=False, capture_output=True, text=True
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
