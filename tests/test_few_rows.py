@@ -310,3 +310,65 @@ def test_odd_sizes_do_not_crash_the_process():
         [sys.executable, "-c", _ODD_SIZES], check=False, capture_output=True, text=True
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backend", ["tiled", "torch"])
+def test_threads_sharing_a_lane_get_their_own_answers(backend):
+    """Two threads run calls of one kind at once, so both take its lane (tiled's kernel, or
+    torch's kernel and the contract's fused pass): each thread packs its own arguments, and
+    every answer is its own call's, to the bit."""
+    import threading
+
+    functional._LANES.clear()
+    g = torch.Generator().manual_seed(12)
+    calls = [tuple(torch.randn(1, 8, n, 64, generator=g) for n in (1, 200, 200)) for _ in range(4)]
+    with torch.no_grad():
+        want = [_attend_by(backend, *c) for c in calls]
+    bad: list[int] = []
+
+    def work(i: int) -> None:
+        with torch.no_grad():
+            for _ in range(300):
+                j = (i + _) % len(calls)
+                if not torch.equal(_attend_by(backend, *calls[j]), want[j]):
+                    bad.append(j)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns between any two bytecodes
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not bad
+
+
+def _attend_by(backend, q, k, v):
+    return qkv.scaled_dot_product_attention(q, k, v, backend=backend)
+
+
+def test_each_thread_packs_its_own_arguments():
+    """A lane's packed arguments are per thread: another thread's call writes its pointers
+    into its own array, never into the one this thread's call is about to pass (ctypes lets
+    go of the GIL for the call)."""
+    import threading
+
+    runner = few_rows.Runner()
+    q, k, v = _inputs(1, 2, 2, 1, 30, 8, 8)
+    runner(q, k, v, None, False, 0.5)
+    mine = runner._state.args
+    theirs = []
+    q2, k2, v2 = _inputs(1, 2, 2, 1, 30, 8, 8, seed=1)
+
+    def other() -> None:
+        runner(q2, k2, v2, None, False, 0.5)
+        theirs.append(runner._state.args)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert theirs and theirs[0] is not mine
+    assert mine[0] == q.data_ptr() and theirs[0][0] == q2.data_ptr()

@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -226,18 +227,24 @@ def _run(args: list[int]) -> None:
         raise RuntimeError(f"the few-rows kernel failed: {lib.qkv_few_rows_error().decode()}")
 
 
+class _RunnerState(threading.local):
+    """One thread's packed arguments (see ``nonfinite_rows._PackedState``)."""
+
+    layout: tuple | None = None
+    args: Any = None
+    fn: Any = None  # the library's function, its own handle
+
+
 class Runner:
     """:func:`attend` without lse for a lane's calls (``functional._Lane``): the arguments are
-    packed once per layout (shapes and strides, the mask's), and a call of a known layout only
-    writes its pointers. Returns None for a call it does not take (its caller takes the usual
-    way)."""
+    packed once per layout (shapes but the key count, strides, the mask's), per thread, and a
+    call of a known layout only writes its pointers and key count. Returns None for a call it
+    does not take (its caller takes the usual way)."""
 
-    __slots__ = ("_args", "_fn", "_layout")
+    __slots__ = ("_state",)
 
     def __init__(self) -> None:
-        self._layout: tuple | None = None
-        self._args = (ctypes.c_int64 * (_ARGS.size // 8))()
-        self._fn: Any = None  # the library's function, its own handle
+        self._state = _RunnerState()
 
     def __call__(
         self,
@@ -271,25 +278,26 @@ class Runner:
             causal,
             scale,
         )
-        args = self._args
-        if layout != self._layout:
+        state = self._state
+        args = state.args
+        if layout != state.layout:
             if keep is not None and (keep.dim() != 4 or keep.shape[1] != 1 or keep.shape[2] != 1):
                 return None
             packed = _args(query, key, value, out, None, keep, causal, scale)
             lib = _build()[0]
             if packed is None or lib is None or os.environ.get(SWITCH, "on") == "off":
                 return None
-            self._args = args = (ctypes.c_int64 * len(packed))(*packed)
+            args = (ctypes.c_int64 * len(packed))(*packed)
             fn = lib["qkv_few_rows"]  # its own handle, taking the array as it is
             fn.restype = ctypes.c_int
-            self._fn, self._layout = fn, layout
+            state.args, state.fn, state.layout = args, fn, layout
         elif ks[2] != vs[2] or (keep is not None and keep.shape[3] != ks[2]):
             return None  # (what the layout does not fix: the call's own checks ran before)
         args[0], args[1], args[2] = query.data_ptr(), key.data_ptr(), value.data_ptr()
         args[3], args[10] = out.data_ptr(), ks[2]
         if keep is not None:
             args[5] = keep.data_ptr()
-        if self._fn(args) != 0:
+        if state.fn(args) != 0:
             lib = _build()[0]
             assert lib is not None
             raise RuntimeError(f"the few-rows kernel failed: {lib.qkv_few_rows_error().decode()}")

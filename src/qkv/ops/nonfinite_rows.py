@@ -28,6 +28,7 @@ import ctypes
 import functools
 import logging
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -322,30 +323,43 @@ def keymask_rows(
     return KeymaskRows()(out, query, key, value, keep, scale, group, lse=lse)  # (for one call)
 
 
+class _PackedState(threading.local):
+    """One thread's packed arguments: each thread writes its pointers into its own array, so
+    two threads calling the same lane at once never read each other's (ctypes lets go of the
+    GIL for the call, between the writes and the library's read)."""
+
+    layout: tuple | None = None
+    args: Any = None
+    fn: Any = None  # the library's function, its own handle
+
+
 class _Packed:
     """A function of the library called with one array of arguments, packed when the layout
     of its tensors is first met or changes (ctypes passes the array as it is); a call of a
-    known layout writes its tensors' pointers into the array and calls."""
+    known layout writes its tensors' pointers into the array and calls. Per thread
+    (:class:`_PackedState`)."""
 
-    __slots__ = ("_args", "_fn", "_layout")
+    __slots__ = ("_size", "_state")
 
     def __init__(self, struct_: struct.Struct) -> None:
-        self._layout: tuple | None = None
-        self._args = (ctypes.c_int64 * (struct_.size // 8))()
-        self._fn: Any = None  # the library's function, its own handle
+        self._size = struct_.size // 8
+        self._state = _PackedState()
 
     def _ready(self, layout: tuple, pack: Callable[[], list | None], name: str) -> bool:
-        """Whether the arguments of ``layout`` (whose last item is the library, or None) are
-        packed, packing them by ``pack()`` (None: not taken) when the layout is new."""
-        if layout == self._layout:
+        """Whether this thread's arguments of ``layout`` (whose last item is the library, or
+        None) are packed, packing them by ``pack()`` (None: not taken) when the layout is
+        new."""
+        state = self._state
+        if layout == state.layout:
             return True
         packed, lib = pack(), layout[-1]
         if packed is None or lib is None:
             return False
-        self._args[:] = packed
-        self._layout = layout
-        self._fn = lib[name]  # its own handle, taking the array as it is
-        self._fn.restype = ctypes.c_int
+        args = (ctypes.c_int64 * self._size)()
+        args[:] = packed
+        fn = lib[name]  # its own handle, taking the array as it is
+        fn.restype = ctypes.c_int
+        state.args, state.fn, state.layout = args, fn, layout
         return True
 
 
@@ -385,7 +399,8 @@ class KeymaskRows(_Packed):
         if kind is None:
             kind = (out.shape, key.shape, value.shape, keep.shape, scale, group)
         layout = (kind, strides, None if lse is None else lse.stride(), lib)
-        if layout != self._layout:  # (a known layout asks nothing more: no call, no closure)
+        state = self._state
+        if layout != state.layout:  # (a known layout asks nothing more: no call, no closure)
             pack = lambda: (  # noqa: E731
                 _keymask_args(
                     out,
@@ -402,12 +417,12 @@ class KeymaskRows(_Packed):
             )
             if not self._ready(layout, pack, "qkv_rows_keymask"):
                 return False
-        args = self._args
+        args = state.args
         args[4], args[9], args[14] = out.data_ptr(), query.data_ptr(), key.data_ptr()
         args[18], args[23] = value.data_ptr(), keep.data_ptr()
         if lse is not None:
             args[28] = lse.data_ptr()
-        failed = self._fn(args)
+        failed = state.fn(args)
         assert not failed
         return True
 
@@ -535,7 +550,8 @@ class RowsCheck(_Packed):
         if strides is None:
             strides = (query.stride(), key.stride(), value.stride())
         layout = (kind, out.stride(), strides, None if lse is None else lse.stride(), lib)
-        if layout != self._layout:  # (a known layout asks nothing more: no call, no closure)
+        state = self._state
+        if layout != state.layout:  # (a known layout asks nothing more: no call, no closure)
             pack = lambda: (  # noqa: E731
                 _check_args(out, query, inputs, scale, group, lse)
                 if _own_memory(out, inputs)
@@ -543,12 +559,12 @@ class RowsCheck(_Packed):
             )
             if not self._ready(layout, pack, "qkv_rows_restore"):
                 return False
-        args = self._args
+        args = state.args
         args[4], args[10] = out.data_ptr(), query.data_ptr()
         args[35], args[39], args[48] = key.data_ptr(), value.data_ptr(), key.shape[-2]
         if lse is not None:
             args[49] = lse.data_ptr()
-        failed = self._fn(args)
+        failed = state.fn(args)
         assert not failed
         return True
 
