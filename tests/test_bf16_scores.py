@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+from routes import force_few_rows
 
 import qkv
 from qkv.ops import AttentionCall, bf16_scores, cpu_isa, reference
@@ -689,8 +690,10 @@ def test_tiled_bf16_key_masks_run_the_kernel(bf16_gemm, monkeypatch, T, layout):
     kernel as document ids (visible keys id 0, hidden 1), with is_causal too: within the
     policy of float64 math, NaN/inf in hidden keys and values without effect, a batch element
     with no key 0. A trace of the same call takes the kernel with weights. Other bool masks
-    (per head, per query row) and float masks keep the other ways."""
+    (per head, per query row) and float masks keep the other ways. (Calls of a few rows take
+    the few-rows kernel first: off here, test_few_rows.py holds it.)"""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    force_few_rows(monkeypatch, False)
     kernel_or_skip()
     calls = _spy_on_the_kernel(monkeypatch)
     g = torch.Generator().manual_seed(T)

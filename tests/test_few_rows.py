@@ -33,7 +33,7 @@ def _kernel_or_skip(monkeypatch):
     force_few_rows(monkeypatch, True)
 
 
-def _inputs(B, H, G, T, S, D, Dv, *, seed=0, strided=False, amp=1.0, kv_batch=None):
+def _inputs(B, H, G, T, S, D, Dv, *, seed=0, strided=False, amp=1.0, kv_batch=None, dtype=None):
     """q (B, H, T, D), k (B?, G, S, D), v (B?, G, S, Dv) float32; ``strided``: views of
     (B, L, heads, E) memory, as a module's heads; ``kv_batch`` 1: keys shared by the batch
     (a stride of 0 where expanded)."""
@@ -48,6 +48,8 @@ def _inputs(B, H, G, T, S, D, Dv, *, seed=0, strided=False, amp=1.0, kv_batch=No
     q = draw(B, H, T, D, amp)
     k = draw(Bk, G, S, D, amp)
     v = draw(Bk, G, S, Dv)
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if kv_batch == 1 and B > 1:
         k, v = k.expand(B, G, S, D), v.expand(B, G, S, Dv)
     return q, k, v
@@ -62,8 +64,8 @@ def _allowed(B, T, S, causal, keep):
     return ok
 
 
-def _plain32(q, k, v, scale, allowed):
-    """The plain math in float32: the policy's baseline."""
+def _plain(q, k, v, scale, allowed):
+    """The plain math in the inputs' dtype: the policy's baseline."""
     H, G = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)
     s = (q @ k.transpose(-2, -1)) * scale
@@ -87,7 +89,7 @@ def _check(q, k, v, *, causal=False, keep=None, scale=None):
     s = call.scale
     allowed = _allowed(B, T, S, causal, keep)
     gold = attention64(q.double(), k.double(), v.double(), scale=s, allowed=allowed)
-    assert_tolerance(out, gold, _plain32(q, k, v, s, allowed), name="out")
+    assert_tolerance(out, gold, _plain(q, k, v, s, allowed), name="out")
     kk = k.double().repeat_interleave(H // k.shape[1], 1)
     sc = (q.double() @ kk.transpose(-2, -1)) * s
     lse64 = torch.logsumexp(sc.masked_fill(~allowed, float("-inf")), -1)
@@ -107,12 +109,16 @@ SHAPES = [  # B, H, G, T, S, D, Dv
 ]
 
 
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-H{}-G{}-T{}-S{}-D{}-Dv{}".format(*s))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "keymask"])
-def test_kernel_meets_the_policy(shape, causal, masked):
+def test_kernel_meets_the_policy(shape, causal, masked, dtype):
     B, H, G, T, S, D, Dv = shape
-    q, k, v = _inputs(B, H, G, T, S, D, Dv, seed=sum(shape))
+    q, k, v = _inputs(B, H, G, T, S, D, Dv, seed=sum(shape), dtype=dtype)
     keep = None
     if masked:
         keep = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(1)) > 0.3
@@ -120,16 +126,18 @@ def test_kernel_meets_the_policy(shape, causal, masked):
     _check(q, k, v, causal=causal, keep=keep)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scale", [0.0, -0.7, 3.0, 1e-30])
-def test_scales_of_every_sign(scale):
-    q, k, v = _inputs(2, 2, 2, 3, 50, 16, 16, seed=5, amp=2.0)
+def test_scales_of_every_sign(scale, dtype):
+    q, k, v = _inputs(2, 2, 2, 3, 50, 16, 16, seed=5, amp=2.0, dtype=dtype)
     _check(q, k, v, scale=scale, causal=True)
 
 
-def test_strided_heads_and_keys_shared_by_the_batch():
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_heads_and_keys_shared_by_the_batch(dtype):
     """A module's heads (views of (B, L, H, D) memory) and keys expanded over the batch
     (a batch stride of 0) are read as they lie."""
-    q, k, v = _inputs(3, 4, 2, 2, 40, 24, 24, seed=3, strided=True, kv_batch=1)
+    q, k, v = _inputs(3, 4, 2, 2, 40, 24, 24, seed=3, strided=True, kv_batch=1, dtype=dtype)
     assert k.stride(0) == 0 and not q.is_contiguous()
     _check(q, k, v)
 
@@ -145,16 +153,15 @@ def _attend(q, k, v, **kw):
     return qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("where", ["k", "v"])
-@pytest.mark.parametrize(
-    "bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"]
-)
-def test_a_bad_key_reaches_only_the_rows_that_attend_it(where, bad):
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_a_bad_key_reaches_only_the_rows_that_attend_it(where, bad, dtype):
     """Causal rows: key 2 is seen by rows 2 and 3 only. With q > 0, an entry of k of -inf
     gives the key a score of -inf: it weighs 0 there, as in the plain math (those rows are
     the call's with the key hidden); any other bad entry makes those rows NaN. Rows 0 and 1
     keep the clean call's bits, and a key the mask hides has no effect at all."""
-    q, k, v = _inputs(1, 2, 2, 4, 4, 8, 8, seed=9)
+    q, k, v = _inputs(1, 2, 2, 4, 4, 8, 8, seed=9, dtype=dtype)
     q = q.abs() + 0.1
     clean = _attend(q, k, v, is_causal=True)
     t = (k if where == "k" else v).clone()
@@ -206,7 +213,7 @@ def test_the_route_off_gives_the_same_answers(monkeypatch):
     off = _attend(q, k, v, attn_mask=keep, is_causal=True, enable_gqa=True)
     allowed = _allowed(2, 3, 70, True, keep)
     gold = attention64(q.double(), k.double(), v.double(), allowed=allowed)
-    base = _plain32(q, k, v, 1 / math.sqrt(32), allowed)
+    base = _plain(q, k, v, 1 / math.sqrt(32), allowed)
     assert_tolerance(on, gold, base, name="on")
     assert_tolerance(off, gold, base, name="off")
 
@@ -278,10 +285,16 @@ def test_a_module_decodes_by_the_kernel():
     strided=st.booleans(),
     amp=st.sampled_from([0.1, 1.0, 4.0]),
     seed=st.integers(0, 2**16),
+    dtype=st.sampled_from(DTYPES),
 )
-def test_property_against_float64(B, G, group, T, S, D, Dv, causal, masked, strided, amp, seed):
-    """Drawn sizes, layouts and masks: the kernel meets the policy, rows without a key are 0."""
-    q, k, v = _inputs(B, G * group, G, T, S, D, Dv, seed=seed, strided=strided, amp=amp)
+def test_property_against_float64(
+    B, G, group, T, S, D, Dv, causal, masked, strided, amp, seed, dtype
+):
+    """Drawn sizes, layouts, masks and dtypes: the kernel meets the policy, rows without a key
+    are 0."""
+    q, k, v = _inputs(
+        B, G * group, G, T, S, D, Dv, seed=seed, strided=strided, amp=amp, dtype=dtype
+    )
     keep = None
     if masked:
         keep = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(seed)) > 0.4
@@ -372,3 +385,18 @@ def test_each_thread_packs_its_own_arguments():
     t.join()
     assert theirs and theirs[0] is not mine
     assert mine[0] == q.data_ptr() and theirs[0][0] == q2.data_ptr()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "keymask"])
+def test_bfloat16_is_the_float32_result_rounded_once(masked):
+    """bfloat16 inputs are widened exactly as they are read and the arithmetic is float32's:
+    the output is the float32 kernel's on the widened inputs, rounded once, to the bit."""
+    q, k, v = _inputs(2, 4, 2, 3, 77, 40, 24, seed=21, dtype=torch.bfloat16, strided=True)
+    keep = None
+    if masked:
+        keep = torch.rand(2, 1, 1, 77, generator=torch.Generator().manual_seed(2)) > 0.3
+    half, lse = few_rows.attend(_call(q, k, v, keep, causal=True))
+    wide, wide_lse = few_rows.attend(_call(q.float(), k.float(), v.float(), keep, causal=True))
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, wide.bfloat16())
+    assert torch.equal(lse, wide_lse)

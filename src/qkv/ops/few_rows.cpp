@@ -1,5 +1,7 @@
-// float32 attention of a few query rows (a decoding step), whole in one call: scores, softmax, the
-// weighted values and qkv's NaN/inf contract, per head, in registers and the cache.
+// Attention of a few query rows (a decoding step) in float32, of float32 or bfloat16 inputs, whole in one
+// call: scores, softmax, the weighted values and qkv's NaN/inf contract, per head, in registers and the
+// cache. bfloat16 entries are widened exactly as they are read, the arithmetic is float32's, and the
+// output is rounded to bfloat16 once: the nearest bfloat16 to the float32 result.
 //
 // Built by qkv/ops/few_rows.py through torch.utils.cpp_extension at first use (ops/_native_build.py) and
 // called through ctypes with its arguments packed in one int64 array. At T=1, S=128, 8 heads of 64 torch's
@@ -20,7 +22,7 @@
 // the -inf keys excluded per row: the rows that meet none get the same bits as without the bad entries.
 //
 // Sums run in a fixed order (dimension chunks of one vector, keys in order): results do not depend on the
-// thread count. Supports float32 q, k, v, out with unit last stride, H a multiple of G (grouped heads read
+// thread count. Supports float32 or bfloat16 q, k, v, out (one dtype) with unit last stride, H a multiple of G (grouped heads read
 // key/value head h / (H / G)), 1 <= T (the caller keeps it small: every row of a head is held at once),
 // S >= 1, D >= 1, Dv >= 1.
 #if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
@@ -30,6 +32,7 @@
 #endif
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -50,48 +53,77 @@ char last_error[512] = "";
 
 // The packed arguments (few_rows.py, _ARGS): pointers as int64, the scale as a double's bits.
 struct Args {
-  const float *q, *k, *v;
-  float *out, *lse;        // lse null: not wanted
+  const void *q, *k, *v;   // float32 or bfloat16 (dtype)
+  void* out;               // the inputs' dtype
+  float* lse;              // null: not wanted
   const uint8_t* keep;     // (B or 1, S) bool, unit stride; null: every key
   int64_t B, H, G, T, S, D, Dv;
   int64_t qs[3], ks[3], vs[3], os[3];  // (batch, head, row) strides
   int64_t keep_sb;         // the keep mask's batch stride (0: one row for all)
   int64_t causal;          // 1: row t attends keys j <= t (torch's top-left causal)
   double scale;
+  int64_t dtype;           // 0: float32, 1: bfloat16
 };
+
+using bf16 = c10::BFloat16;
+
+// Loads of kV elements (or the first n, the rest 0) as float32: bfloat16 widened exactly (its bits are a
+// float32's top half).
+inline Vec load(const float* p) { return Vec::loadu(p); }
+inline Vec load(const float* p, int64_t n) { return Vec::loadu(p, n); }
+inline Vec load(const bf16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  float x[kV];
+  for (int64_t i = 0; i < kV; ++i) x[i] = static_cast<float>(p[i]);
+  return Vec::loadu(x);
+#endif
+}
+inline Vec load(const bf16* p, int64_t n) {
+  float x[kV] = {};
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(p[i]);
+  return Vec::loadu(x);
+}
 
 // The sum of a vector's lanes (a fixed tree of shuffles and adds).
 inline float lanes_sum(const Vec& x) { return x.reduce_add(); }
 
 // x[0, n) . y[0, n) in float32, one vector of partial sums over chunks in order, then its lanes summed.
-inline float dot(const float* x, const float* y, int64_t n) {
+template <typename E>
+inline float dot(const float* x, const E* y, int64_t n) {
   Vec acc(0.0f);
   int64_t d = 0;
-  for (; d + kV <= n; d += kV) acc = at::vec::fmadd(Vec::loadu(x + d), Vec::loadu(y + d), acc);
-  if (d < n) acc = at::vec::fmadd(Vec::loadu(x + d, n - d), Vec::loadu(y + d, n - d), acc);
+  for (; d + kV <= n; d += kV) acc = at::vec::fmadd(Vec::loadu(x + d), load(y + d), acc);
+  if (d < n) acc = at::vec::fmadd(Vec::loadu(x + d, n - d), load(y + d, n - d), acc);
   return lanes_sum(acc);
 }
 
 // x . y_i for the four rows y_0..y_3 at y + i * y_row, each as dot() sums it (their sums side by side: four
 // chains of multiply-adds in flight instead of one).
-inline void dot4(const float* x, const float* y, int64_t y_row, int64_t n, float* out) {
+template <typename E>
+inline void dot4(const float* x, const E* y, int64_t y_row, int64_t n, float* out) {
   Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f);
-  const float *y0 = y, *y1 = y + y_row, *y2 = y + 2 * y_row, *y3 = y + 3 * y_row;
+  const E *y0 = y, *y1 = y + y_row, *y2 = y + 2 * y_row, *y3 = y + 3 * y_row;
   int64_t d = 0;
   for (; d + kV <= n; d += kV) {
     const Vec q = Vec::loadu(x + d);
-    a0 = at::vec::fmadd(q, Vec::loadu(y0 + d), a0);
-    a1 = at::vec::fmadd(q, Vec::loadu(y1 + d), a1);
-    a2 = at::vec::fmadd(q, Vec::loadu(y2 + d), a2);
-    a3 = at::vec::fmadd(q, Vec::loadu(y3 + d), a3);
+    a0 = at::vec::fmadd(q, load(y0 + d), a0);
+    a1 = at::vec::fmadd(q, load(y1 + d), a1);
+    a2 = at::vec::fmadd(q, load(y2 + d), a2);
+    a3 = at::vec::fmadd(q, load(y3 + d), a3);
   }
   if (d < n) {
     const int64_t c = n - d;
     const Vec q = Vec::loadu(x + d, c);
-    a0 = at::vec::fmadd(q, Vec::loadu(y0 + d, c), a0);
-    a1 = at::vec::fmadd(q, Vec::loadu(y1 + d, c), a1);
-    a2 = at::vec::fmadd(q, Vec::loadu(y2 + d, c), a2);
-    a3 = at::vec::fmadd(q, Vec::loadu(y3 + d, c), a3);
+    a0 = at::vec::fmadd(q, load(y0 + d, c), a0);
+    a1 = at::vec::fmadd(q, load(y1 + d, c), a1);
+    a2 = at::vec::fmadd(q, load(y2 + d, c), a2);
+    a3 = at::vec::fmadd(q, load(y3 + d, c), a3);
   }
   out[0] = lanes_sum(a0), out[1] = lanes_sum(a1), out[2] = lanes_sum(a2), out[3] = lanes_sum(a3);
 }
@@ -101,12 +133,14 @@ inline bool finite_check(const Vec& check) {
 }
 
 // x[0, n) with NaN/inf entries as 0 into dst; whether it held one.
-bool zeroed(const float* x, int64_t n, float* dst) {
+template <typename E>
+bool zeroed(const E* x, int64_t n, float* dst) {
   bool bad = false;
   for (int64_t d = 0; d < n; ++d) {
-    const bool ok = std::isfinite(x[d]);
+    const float f = static_cast<float>(x[d]);
+    const bool ok = std::isfinite(f);
     bad |= !ok;
-    dst[d] = ok ? x[d] : 0.0f;
+    dst[d] = ok ? f : 0.0f;
   }
   return bad;
 }
@@ -114,11 +148,12 @@ bool zeroed(const float* x, int64_t n, float* dst) {
 // One head's rows, as they are or from zeroed copies: key row j at k + j * k_row, value row at v + j * v_row.
 // sc (T x S), acc (T x Dv) scratch; writes m, sum per row; returns the running checks of the keys and values
 // the rows read (NaN if one held a NaN/inf).
+template <typename E>
 struct Head {
   const float* q;  // T x D, contiguous (the zeroed copy of the rows)
-  const float* k;
+  const E* k;
   int64_t k_row;
-  const float* v;
+  const E* v;
   int64_t v_row;
   const uint8_t* keep;  // this batch element's row of S, or null
   const int64_t* end;   // each row's key end
@@ -129,8 +164,8 @@ struct Head {
 // acc[c0, c0 + NV kV) (past Dv untouched) = sum over the kept keys j < n of w[j] * v_j[c0, ...), multiply-adds
 // in key order, in registers. A value entry that is NaN or inf makes its sum NaN or inf whatever its weight
 // (0 * inf is NaN): the caller finds bad values from the sums.
-template <int NV>
-void weighted(const float* w, const Head& h, int64_t n, int64_t c0, int64_t Dv, float* acc) {
+template <int NV, typename E>
+void weighted(const float* w, const Head<E>& h, int64_t n, int64_t c0, int64_t Dv, float* acc) {
   Vec sum[NV];
   int64_t count[NV];
   for (int i = 0; i < NV; ++i) {
@@ -140,17 +175,18 @@ void weighted(const float* w, const Head& h, int64_t n, int64_t c0, int64_t Dv, 
   const bool whole = count[NV - 1] == kV;
   for (int64_t j = 0; j < n; ++j) {
     if (h.keep != nullptr && !h.keep[j]) continue;
-    const float* vj = h.v + j * h.v_row + c0;
+    const E* vj = h.v + j * h.v_row + c0;
     const Vec wj(w[j]);
     for (int i = 0; i < NV; ++i) {
-      const Vec x = whole || i < NV - 1 ? Vec::loadu(vj + i * kV) : Vec::loadu(vj + i * kV, count[i]);
+      const Vec x = whole || i < NV - 1 ? load(vj + i * kV) : load(vj + i * kV, count[i]);
       sum[i] = at::vec::fmadd(wj, x, sum[i]);
     }
   }
   for (int i = 0; i < NV; ++i) sum[i].store(acc + c0 + i * kV, count[i]);
 }
 
-void run_head(const Args& a, const Head& h, float scale, float* sc, float* acc, float* m, float* sum,
+template <typename E>
+void run_head(const Args& a, const Head<E>& h, float scale, float* sc, float* acc, float* m, float* sum,
               bool* checks_ok) {
   const int64_t T = a.T, S = a.S, D = a.D, Dv = a.Dv;
   bool keys_ok = true;  // a score of a key row holding a NaN/inf is not finite: the row's zeroed q times
@@ -162,7 +198,7 @@ void run_head(const Args& a, const Head& h, float scale, float* sc, float* acc, 
     bool four = j + 4 <= h.last;
     for (int64_t t = 0; t < T && four; ++t) four = j + 4 <= h.end[t];
     for (int64_t i = 0; i < 4 && four && h.keep != nullptr; ++i) four = h.keep[j + i] != 0;
-    const float* kj = h.k + j * h.k_row;
+    const E* kj = h.k + j * h.k_row;
     if (four) {
       for (int64_t t = 0; t < T; ++t) {
         float d[4];
@@ -247,7 +283,12 @@ void run_head(const Args& a, const Head& h, float scale, float* sc, float* acc, 
   *checks_ok = keys_ok && values_ok;
 }
 
+template <typename E>
 void attend(const Args& a) {
+  const E* q = static_cast<const E*>(a.q);
+  const E* k = static_cast<const E*>(a.k);
+  const E* v = static_cast<const E*>(a.v);
+  E* out = static_cast<E*>(a.out);
   const int64_t BH = a.B * a.H, T = a.T, S = a.S, D = a.D, Dv = a.Dv;
   const int64_t group = a.H / a.G;
   const float scale = static_cast<float>(a.scale);
@@ -262,7 +303,7 @@ void attend(const Args& a) {
     std::vector<uint8_t> k_bad, v_bad, excluded;
     for (int64_t bh = begin; bh < end_bh; ++bh) {
       const int64_t b = bh / a.H, hq = bh % a.H, hk = hq / group;
-      Head h;
+      Head<E> h;
       h.keep = a.keep == nullptr ? nullptr : a.keep + b * a.keep_sb;
       h.excluded = nullptr;
       h.last = 0;
@@ -273,11 +314,11 @@ void attend(const Args& a) {
         end[t] = a.causal ? std::min<int64_t>(S, t + 1) : S;
         h.last = std::max(h.last, end[t]);
         has_key[t] = first < end[t];
-        row_bad[t] = zeroed(a.q + b * a.qs[0] + hq * a.qs[1] + t * a.qs[2], D, qz.data() + t * D);
+        row_bad[t] = zeroed(q + b * a.qs[0] + hq * a.qs[1] + t * a.qs[2], D, qz.data() + t * D);
       }
       h.q = qz.data(), h.end = end.data();
-      h.k = a.k + b * a.ks[0] + hk * a.ks[1], h.k_row = a.ks[2];
-      h.v = a.v + b * a.vs[0] + hk * a.vs[1], h.v_row = a.vs[2];
+      h.k = k + b * a.ks[0] + hk * a.ks[1], h.k_row = a.ks[2];
+      h.v = v + b * a.vs[0] + hk * a.vs[1], h.v_row = a.vs[2];
       bool ok = true;
       run_head(a, h, scale, sc.data(), acc.data(), m.data(), sum.data(), &ok);
       if (!ok) {  // a key or value the rows read holds a NaN/inf (or a score overflowed): the plain
@@ -304,20 +345,19 @@ void attend(const Args& a) {
                 row_bad[t] = 1;
             }
           }
-        Head z = h;
-        z.k = kz.data(), z.k_row = D, z.v = vz.data(), z.v_row = Dv, z.excluded = excluded.data();
+        Head<float> z{h.q, kz.data(), D, vz.data(), Dv, h.keep, h.end, excluded.data(), h.last};
         run_head(a, z, scale, sc.data(), acc.data(), m.data(), sum.data(), &ok);
       }
       for (int64_t t = 0; t < T; ++t) {
-        float* dst = a.out + b * a.os[0] + hq * a.os[1] + t * a.os[2];
+        E* dst = out + b * a.os[0] + hq * a.os[1] + t * a.os[2];
         if (a.lse != nullptr) a.lse[bh * T + t] = m[t] == -kInf ? -kInf : m[t] + std::log(sum[t]);
         if (!has_key[t]) {
-          std::fill(dst, dst + Dv, 0.0f);  // a row that may attend to nothing: exactly 0
+          std::fill(dst, dst + Dv, E(0.0f));  // a row that may attend to nothing: exactly 0
         } else if (row_bad[t] || m[t] == -kInf) {  // (every score -inf: the plain math's NaN)
-          std::fill(dst, dst + Dv, std::numeric_limits<float>::quiet_NaN());
+          std::fill(dst, dst + Dv, E(std::numeric_limits<float>::quiet_NaN()));
         } else {
           const float* src = acc.data() + t * Dv;
-          for (int64_t c = 0; c < Dv; ++c) dst[c] = src[c] / sum[t];
+          for (int64_t c = 0; c < Dv; ++c) dst[c] = E(src[c] / sum[t]);  // (bfloat16: rounded once)
         }
       }
     }
@@ -334,29 +374,37 @@ const char* qkv_few_rows_error() { return last_error; }
 //  0 q, 1 k, 2 v, 3 out, 4 lse (B * H * T float32 contiguous, or 0), 5 keep (or 0),
 //  6 B, 7 H, 8 G, 9 T, 10 S, 11 D, 12 Dv,
 //  13-15 q's (batch, head, row) strides, 16-18 k's, 19-21 v's, 22-24 out's, 25 keep's batch stride,
-//  26 causal, 27 scale.
+//  26 causal, 27 scale, 28 dtype (0 float32, 1 bfloat16: q, k, v and out alike).
 // 0 on success, 1 on an error (qkv_few_rows_error says which); out is then undefined.
 int qkv_few_rows(const int64_t* p) {
   try {
     Args a;
-    a.q = reinterpret_cast<const float*>(p[0]);
-    a.k = reinterpret_cast<const float*>(p[1]);
-    a.v = reinterpret_cast<const float*>(p[2]);
-    a.out = reinterpret_cast<float*>(p[3]);
+    a.q = reinterpret_cast<const void*>(p[0]);
+    a.k = reinterpret_cast<const void*>(p[1]);
+    a.v = reinterpret_cast<const void*>(p[2]);
+    a.out = reinterpret_cast<void*>(p[3]);
     a.lse = reinterpret_cast<float*>(p[4]);
     a.keep = reinterpret_cast<const uint8_t*>(p[5]);
     a.B = p[6], a.H = p[7], a.G = p[8], a.T = p[9], a.S = p[10], a.D = p[11], a.Dv = p[12];
     for (int i = 0; i < 3; ++i) a.qs[i] = p[13 + i], a.ks[i] = p[16 + i], a.vs[i] = p[19 + i], a.os[i] = p[22 + i];
     a.keep_sb = p[25], a.causal = p[26];
     std::memcpy(&a.scale, p + 27, sizeof(double));
+    a.dtype = p[28];
     if (a.T < 1 || a.S < 1 || a.D < 1 || a.Dv < 1 || a.G < 1 || a.H % a.G != 0) {
       std::snprintf(last_error, sizeof(last_error), "bad sizes: H=%lld G=%lld T=%lld S=%lld D=%lld Dv=%lld",
                     (long long)a.H, (long long)a.G, (long long)a.T, (long long)a.S, (long long)a.D,
                     (long long)a.Dv);
       return 1;
     }
+    if (a.dtype != 0 && a.dtype != 1) {
+      std::snprintf(last_error, sizeof(last_error), "bad dtype code %lld", (long long)a.dtype);
+      return 1;
+    }
     if (a.B * a.H == 0) return 0;
-    attend(a);
+    if (a.dtype == 0)
+      attend<float>(a);
+    else
+      attend<bf16>(a);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());

@@ -1,4 +1,5 @@
-"""float32 attention of a few query rows in one C++ call (``few_rows.cpp``): a decoding step.
+"""Attention of a few query rows in one C++ call (``few_rows.cpp``): a decoding step, float32
+or bfloat16.
 
 At T=1, S=128, 8 heads of 64 (one thread, AMD Zen 4) torch's CPU flash kernel took 31-45 µs for
 some 0.1 M multiply-adds; qkv's call of it, with the NaN/inf contract's pass after, 44-76 µs.
@@ -8,13 +9,16 @@ tiled backend runs it for the calls :func:`usable` takes, and ``auto`` takes til
 where its whole calls are measured faster than torch's (``autotune``); a decoding loop's calls
 then run it by their lane (``functional._Lane``, :class:`Runner`).
 
-What it computes (the plain math in float32, sums in a fixed order): row ``t`` attends the keys
-``j < S`` (``j <= t`` with ``is_causal``, torch's top-left alignment) that a bool key mask
-``(B?, 1, 1, S)`` keeps; a row with no key outputs 0 and lse ``-inf``. The NaN/inf contract of
-``ops/nonfinite.py`` by the plain math's rows, as its fused row passes keep it: hidden keys are
-never read; a row that attends a key whose value holds a NaN/inf, or whose score is NaN or
-``+inf``, or whose query holds one, is NaN, as is a row whose every score is ``-inf``; a key
-whose score is ``-inf`` weighs 0 (``few_rows.cpp`` says how, without a pass before the call).
+What it computes (the plain math in float32, sums in a fixed order; bfloat16 inputs widened
+exactly as they are read and the output rounded once, the nearest bfloat16 to the float32
+result, where torch's bfloat16 kernels round the weights before the values): row ``t``
+attends the keys ``j < S`` (``j <= t`` with ``is_causal``, torch's top-left alignment) that a
+bool key mask ``(B?, 1, 1, S)`` keeps; a row with no key outputs 0 and lse ``-inf``. The
+NaN/inf contract of ``ops/nonfinite.py`` by the plain math's rows, as its fused row passes keep
+it: hidden keys are never read; a row that attends a key whose value holds a NaN/inf, or
+whose score is NaN or ``+inf``, or whose query holds one, is NaN, as is a row whose every
+score is ``-inf``; a key whose score is ``-inf`` weighs 0 (``few_rows.cpp`` says how,
+without a pass before the call).
 
 ``QKV_FEW_ROWS=off`` turns it off (the tiled passes and torch's kernel then run these calls, as
 where the library cannot be built): tests run the same calls both ways.
@@ -49,7 +53,8 @@ SWITCH = "QKV_FEW_ROWS"  # "off": not used (tests run the other ways on the same
 # Query rows a call may have: every row of a head is held at once, and past a few rows the
 # tiled passes' GEMMs are the faster way (the bfloat16 kernel's few-row way stops at 4 too)
 MAX_ROWS = 4
-_ARGS = struct.Struct("28q")
+_ARGS = struct.Struct("29q")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 _DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
 # scales past this could overflow float32 scores; those calls keep the guard's overflow check
 _SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
@@ -73,16 +78,17 @@ def available() -> bool:
 
 
 def usable(call: AttentionCall) -> bool:
-    """Whether :func:`attend` takes ``call``: float32 on the CPU, eager, no gradient wanted,
+    """Whether :func:`attend` takes ``call``: float32 or bfloat16 (q, k and v alike) on the
+    CPU, eager, no gradient wanted,
     1 to :data:`MAX_ROWS` query rows and at least one key, no score_mod, mask_mod, sinks or
     dropout, no mask or a bool key mask (one row of keys per batch element, shared by every
     head and row: a padded batch's decoding step), a scale that cannot overflow the scores,
     and the kernel :func:`available`."""
     q = call.query
     if (
-        call.dtype != torch.float32
-        or call.key.dtype != torch.float32
-        or call.value.dtype != torch.float32
+        call.dtype not in _DTYPES
+        or call.key.dtype != call.dtype
+        or call.value.dtype != call.dtype
         or type(q) is not Tensor
         or not q.is_cpu
         or not 1 <= call.T <= MAX_ROWS
@@ -121,11 +127,11 @@ def attend(call: AttentionCall, *, lse: bool = True) -> tuple[Tensor, Tensor | N
     each row (``-inf`` on rows with no key) with ``lse``.
 
     Shape:
-        -> out ``call.out_shape``, lse ``call.batch + (T,)`` float32.
+        -> out ``call.out_shape`` in the call's dtype, lse ``call.batch + (T,)`` float32.
     """
     B, H = call.BH
     q, k, v = _four(call)  # (B, H, T, D), (B?, G, S, D), (B?, G, S, Dv)
-    out = _empty_out(B, H, call.T, call.Dv)  # (B, H, T, Dv)
+    out = _empty_out(B, H, call.T, call.Dv, call.dtype)  # (B, H, T, Dv)
     rows = torch.empty(B, H, call.T, dtype=torch.float32) if lse else None
     keep = _keep(call) if call.attn_mask is not None else None
     args = _args(q, k, v, out, rows, keep, call.is_causal, call.scale)
@@ -135,10 +141,10 @@ def attend(call: AttentionCall, *, lse: bool = True) -> tuple[Tensor, Tensor | N
     return out, None if rows is None else rows.reshape(call.batch + (call.T,))
 
 
-def _empty_out(B: int, H: int, T: int, Dv: int) -> Tensor:
+def _empty_out(B: int, H: int, T: int, Dv: int, dtype: torch.dtype) -> Tensor:
     """An output ``(B, H, T, Dv)`` as a view of ``(B, T, H, Dv)`` memory (a module's merge of
     the heads is then a view), made in one op."""
-    return torch.empty_strided((B, H, T, Dv), (T * H * Dv, Dv, H * Dv, 1), dtype=torch.float32)
+    return torch.empty_strided((B, H, T, Dv), (T * H * Dv, Dv, H * Dv, 1), dtype=dtype)
 
 
 def _four(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
@@ -182,7 +188,7 @@ def _args(
         lse ``(B, H, T)`` contiguous, keep ``(B?, S)`` or ``(B?, 1, 1, S)`` (a bool key
         mask: the same memory), unit last stride.
     """
-    if not _takes(q, k, v) or out.stride(-1) != 1:
+    if not _takes(q, k, v) or out.stride(-1) != 1 or q.dtype not in _DTYPES:
         return None
     B, H, T, D = q.shape
     G, S, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -217,6 +223,7 @@ def _args(
         kb,
         int(causal),
         _DOUBLE_BITS.unpack(_DOUBLE.pack(scale))[0],
+        _DTYPES[q.dtype],
     ]
 
 
@@ -261,11 +268,15 @@ class Runner:
         if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
             return None
         B, H, T, _ = qs
-        out = _empty_out(B, H, T, vs[3])
+        dtype = query.dtype
+        if dtype not in _DTYPES or key.dtype != dtype or value.dtype != dtype:
+            return None
+        out = _empty_out(B, H, T, vs[3], dtype)
         # what the packed arguments depend on but the pointers and the key count: a decoding
         # loop's cache grows a key a step, in the same memory
         layout = (
             qs,
+            dtype,
             ks[0],
             ks[1],
             ks[3],
