@@ -28,6 +28,11 @@ with the keys read through an overlapping strided view and one mask shared by ev
 The units of a call are cached by mask structure and sizes (``masks.structure_key``,
 ``clear_plan_cache``), so a model's next layer or step with the same mask skips planning.
 
+Eager inference of some calls skips the tiles for a C++ kernel that keeps the NaN/inf contract
+itself: up to four query rows in float32 or bfloat16 without mask or with a bool key mask
+(``ops/few_rows.py``: a decoding step), and bfloat16 rows that attend ranges of keys
+(``ops/bf16_scores.py``).
+
 Two inner kernels compute a chunk:
   * ``flash``: torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
     and its backward), which returns the chunk's log-sum-exp. Its backward takes the *global*
