@@ -234,11 +234,14 @@ def test_calls_it_does_not_take():
         assert few_rows.usable(_call(qg, k, v))
 
 
+@pytest.mark.parametrize("grown", ["views", "concatenated"])
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "keymask"])
-def test_the_lane_gives_the_steps_bits(masked):
+def test_the_lane_gives_the_steps_bits(masked, grown):
     """The first call of a kind takes the steps (the tiled backend runs the kernel); later
     calls, as the cache grows by a key, its lane (the kernel alone, ``few_rows.Runner``):
-    the same bits as the kernel run on each call."""
+    the same bits as the kernel run on each call. A cache grown in place gives views of one
+    memory; one grown by concatenation (Hugging Face's) new tensors whose strides change with
+    the key count, as do a fresh mask's."""
     functional._LANES.clear()
     q, k, v = _inputs(2, 4, 2, 1, 100, 16, 16, seed=7)
     with torch.no_grad():
@@ -248,11 +251,14 @@ def test_the_lane_gives_the_steps_bits(masked):
                 keep = torch.ones(2, 1, 1, S, dtype=torch.bool)
                 keep[1, ..., :5] = False
             ks, vs = k[:, :, :S], v[:, :, :S]
+            if grown == "concatenated":
+                ks, vs = (
+                    torch.cat([ks[:, :, :-1], ks[:, :, -1:]], 2),
+                    torch.cat([vs[:, :, :-1], vs[:, :, -1:]], 2),
+                )
+                assert ks.stride(1) == S * 16
             out = _attend(q, ks, vs, attn_mask=keep, enable_gqa=True)
-            call = AttentionCall.build(
-                q, ks, vs, keep, 0.0, False, None, True, False, None, None, None
-            )
-            assert torch.equal(out, few_rows.attend(call)[0])
+            assert torch.equal(out, few_rows.attend(_call(q, ks, vs, keep))[0])
     lanes = [lane for lane in functional._LANES.values() if lane.ok]
     assert lanes and all(lane.rows is not None for lane in lanes)
 
@@ -400,3 +406,17 @@ def test_bfloat16_is_the_float32_result_rounded_once(masked):
     assert half.dtype == torch.bfloat16
     assert torch.equal(half, wide.bfloat16())
     assert torch.equal(lse, wide_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inputs_whose_last_dim_has_a_stride(dtype):
+    """A transposed query, values expanded along their last dim (a stride of 0), 3-d inputs:
+    copied or viewed as needed, the same answers."""
+    g = torch.Generator().manual_seed(30)
+    q = torch.randn(2, 3, 16, 2, generator=g).to(dtype).transpose(-1, -2)  # (2, 3, 2, 16)
+    k = torch.randn(2, 3, 9, 16, generator=g).to(dtype)
+    v = torch.randn(2, 3, 9, 1, generator=g).to(dtype).expand(2, 3, 9, 5)
+    assert q.stride(-1) != 1 and v.stride(-1) == 0
+    out = _check(q, k, v)
+    flat = few_rows.attend(_call(q.reshape(6, 2, 16), k.reshape(6, 9, 16), v.reshape(6, 9, 5)))
+    assert torch.equal(flat[0], out.reshape(6, 2, 5))

@@ -149,16 +149,22 @@ def _empty_out(B: int, H: int, T: int, Dv: int, dtype: torch.dtype) -> Tensor:
 
 def _four(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v as 4-d views where the call's tensors are 4-d (key and value heads shared by
-    groups of query heads, a batch of 1 broadcast: strides of 0), else ``call.as_4d()``."""
-    q, k, v = call.query, call.key, call.value
+    groups of query heads, a batch of 1 broadcast: strides of 0), else ``call.as_4d()``; a
+    tensor whose last dim has a stride (a transposed or expanded one) is copied."""
+    q, k, v = _unit_last(call.query), _unit_last(call.key), _unit_last(call.value)
     if q.dim() == k.dim() == v.dim() == 4 and _takes(q, k, v):
         return q, k, v
-    return call.as_4d()
+    q, k, v = call.as_4d()
+    return _unit_last(q), _unit_last(k), _unit_last(v)
+
+
+def _unit_last(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 def _takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the kernel reads these 4-d tensors as they are: unit last strides, key and value
-    heads G dividing the query heads H, their batch B or 1."""
+    """Whether the kernel reads these 4-d tensors as they are: unit last strides (or a last
+    dim of 1), key and value heads G dividing the query heads H, their batch B or 1."""
     B, H = q.shape[:2]
     G = k.shape[1]
     return (
@@ -167,7 +173,7 @@ def _takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
         and H % G == 0
         and k.shape[0] in (1, B)
         and v.shape[0] in (1, B)
-        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (q, k, v))
     )
 
 
@@ -244,8 +250,9 @@ class _RunnerState(threading.local):
 
 class Runner:
     """:func:`attend` without lse for a lane's calls (``functional._Lane``): the arguments are
-    packed once per layout (shapes but the key count, strides, the mask's), per thread, and a
-    call of a known layout only writes its pointers and key count. Returns None for a call it
+    packed once per layout (shapes but the key count, the query's strides), per thread, and a
+    call of a known layout only writes its pointers, its key count and the strides of its keys,
+    values and mask. Returns None for a call it
     does not take (its caller takes the usual way)."""
 
     __slots__ = ("_state",)
@@ -272,20 +279,21 @@ class Runner:
         if dtype not in _DTYPES or key.dtype != dtype or value.dtype != dtype:
             return None
         out = _empty_out(B, H, T, vs[3], dtype)
-        # what the packed arguments depend on but the pointers and the key count: a decoding
-        # loop's cache grows a key a step, in the same memory
+        # what the packed arguments depend on but the pointers, the key count and the strides
+        # of the keys, values and mask (which a cache grown by concatenation changes each step)
+        kst, vst = key.stride(), value.stride()
         layout = (
             qs,
             dtype,
             ks[0],
             ks[1],
             ks[3],
+            kst[3],
             vs[0],
             vs[3],
+            vst[3],
             query.stride(),
-            key.stride(),
-            value.stride(),
-            None if keep is None else (keep.shape[0], keep.stride()),
+            None if keep is None else (keep.shape[:3], keep.stride(-1)),
             causal,
             scale,
         )
@@ -306,8 +314,12 @@ class Runner:
             return None  # (what the layout does not fix: the call's own checks ran before)
         args[0], args[1], args[2] = query.data_ptr(), key.data_ptr(), value.data_ptr()
         args[3], args[10] = out.data_ptr(), ks[2]
+        args[16] = 0 if ks[0] == 1 else kst[0]  # (as _args packs them)
+        args[17], args[18] = kst[1], kst[2]
+        args[19] = 0 if vs[0] == 1 else vst[0]
+        args[20], args[21] = vst[1], vst[2]
         if keep is not None:
-            args[5] = keep.data_ptr()
+            args[5], args[25] = keep.data_ptr(), 0 if keep.shape[0] == 1 else keep.stride(0)
         if state.fn(args) != 0:
             lib = _build()[0]
             assert lib is not None
