@@ -210,7 +210,13 @@ def test_the_route_off_gives_the_same_answers(monkeypatch):
     on = _attend(q, k, v, attn_mask=keep, is_causal=True, enable_gqa=True)
     force_few_rows(monkeypatch, False)
     assert not few_rows.usable(call)
-    off = _attend(q, k, v, attn_mask=keep, is_causal=True, enable_gqa=True)
+
+    def hidden():
+        raise AssertionError("the kernel was asked for with QKV_FEW_ROWS=off")
+
+    monkeypatch.setattr(few_rows, "_build", hidden)
+    for _ in range(2):  # (the second call of the kind: the lane the first call kept declines)
+        off = _attend(q, k, v, attn_mask=keep, is_causal=True, enable_gqa=True)
     allowed = _allowed(2, 3, 70, True, keep)
     gold = attention64(q.double(), k.double(), v.double(), allowed=allowed)
     base = _plain(q, k, v, 1 / math.sqrt(32), allowed)
@@ -420,3 +426,22 @@ def test_inputs_whose_last_dim_has_a_stride(dtype):
     out = _check(q, k, v)
     flat = few_rows.attend(_call(q.reshape(6, 2, 16), k.reshape(6, 9, 16), v.reshape(6, 9, 5)))
     assert torch.equal(flat[0], out.reshape(6, 2, 5))
+
+
+def test_a_query_broadcast_over_a_batch_of_keys():
+    """q with a batch of 1 against keys of a batch of 3 (and heads broadcast: one key head for
+    all, without GQA): torch's broadcasting, the same answers as the plain math."""
+    g = torch.Generator().manual_seed(40)
+    q = torch.randn(1, 4, 2, 8, generator=g)
+    k, v = torch.randn(3, 1, 11, 8, generator=g), torch.randn(3, 1, 11, 6, generator=g)
+    call = _call(q, k, v, gqa=False)
+    assert few_rows.usable(call)
+    out, _ = few_rows.attend(call)
+    assert out.shape == (3, 4, 2, 6)
+    qq = q.expand(3, 4, 2, 8).double()
+    kk, vv = k.expand(3, 4, 11, 8).double(), v.expand(3, 4, 11, 6).double()
+    gold = attention64(qq, kk, vv)
+    allowed = torch.ones(3, 1, 2, 11, dtype=torch.bool)
+    assert_tolerance(out, gold, _plain(qq.float(), kk.float(), vv.float(), 8**-0.5, allowed))
+    for _ in range(3):  # the steps, then the lane (which declines this layout: the steps)
+        assert torch.equal(_attend(q, k, v), out)

@@ -272,8 +272,8 @@ class Runner:
         """Shape: query ``(B, H, T, D)``, key ``(B?, G, S, D)``, value ``(B?, G, S, Dv)``,
         keep ``(B?, 1, 1, S)`` bool or None -> ``(B, H, T, Dv)``."""
         qs, ks, vs = query.shape, key.shape, value.shape
-        if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
-            return None
+        if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or os.environ.get(SWITCH) == "off":
+            return None  # (the switch read per call: a kept lane follows it too)
         B, H, T, _ = qs
         dtype = query.dtype
         if dtype not in _DTYPES or key.dtype != dtype or value.dtype != dtype:
@@ -304,7 +304,7 @@ class Runner:
                 return None
             packed = _args(query, key, value, out, None, keep, causal, scale)
             lib = _build()[0]
-            if packed is None or lib is None or os.environ.get(SWITCH, "on") == "off":
+            if packed is None or lib is None:
                 return None
             args = (ctypes.c_int64 * len(packed))(*packed)
             fn = lib["qkv_few_rows"]  # its own handle, taking the array as it is
