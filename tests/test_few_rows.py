@@ -73,10 +73,12 @@ def _plain(q, k, v, scale, allowed):
     return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 
-def _call(q, k, v, mask=None, *, causal=False, scale=None, gqa=None, dropout=0.0):
+def _call(q, k, v, mask=None, *, causal=False, scale=None, gqa=None, dropout=0.0, mask_mod=None):
     """The checked call of these arguments (grouped heads where k has fewer)."""
     gqa = k.shape[-3] != q.shape[-3] if gqa is None else gqa
-    return AttentionCall.build(q, k, v, mask, dropout, causal, scale, gqa, False, None, None, None)
+    return AttentionCall.build(
+        q, k, v, mask, dropout, causal, scale, gqa, False, mask_mod, None, None
+    )
 
 
 def _check(q, k, v, *, causal=False, keep=None, scale=None):
@@ -445,3 +447,47 @@ def test_a_query_broadcast_over_a_batch_of_keys():
     assert_tolerance(out, gold, _plain(qq.float(), kk.float(), vv.float(), 8**-0.5, allowed))
     for _ in range(3):  # the steps, then the lane (which declines this layout: the steps)
         assert torch.equal(_attend(q, k, v), out)
+
+
+RANGES = {  # name -> (mask_mod, is_causal)
+    "causal-bottom-right": (qkv.masks.causal(align="bottom_right"), False),
+    "window": (qkv.masks.sliding_window(5, align="bottom_right"), False),
+    "window-both-sides": (qkv.masks.sliding_window(3, 2), False),
+    "window-and-causal": (qkv.masks.sliding_window(6), True),
+    "key-lengths": (qkv.masks.key_lengths(torch.tensor([9, 0, 20])), False),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "keymask"])
+@pytest.mark.parametrize("T", [1, 3, 4])
+@pytest.mark.parametrize("name", list(RANGES))
+def test_rows_that_attend_ranges_of_keys(name, T, masked, dtype):
+    """A mask_mod of ranges (a decoding step's bottom-right causal mask over its cache, a
+    sliding window, key lengths; with a bool key mask too): each row attends its range, held
+    to float64 by the policy; a row whose range is empty, or whose keys the mask all hides,
+    is 0 (key length 0)."""
+    mask_mod, causal = RANGES[name]
+    B, H, G, S = 3, 4, 2, 20
+    q, k, v = _inputs(B, H, G, T, S, 12, 10, seed=T + len(name), dtype=dtype)
+    keep = None
+    if masked:
+        keep = torch.rand(B, 1, 1, S, generator=torch.Generator().manual_seed(3)) > 0.3
+    call = _call(q, k, v, keep, causal=causal, mask_mod=mask_mod)
+    assert few_rows.usable(call)
+    out, lse = few_rows.attend(call)
+    allowed = call.mask().expand(B, 1, T, S)  # (the masks of this test: one for all heads)
+    gold = attention64(q.double(), k.double(), v.double(), allowed=allowed)
+    assert_tolerance(out, gold, _plain(q, k, v, 12**-0.5, allowed), name="out")
+    none = ~allowed.expand(B, H, T, S).any(-1)
+    assert (out[none] == 0).all() and lse[none].isneginf().all()
+    got = _attend(q, k, v, attn_mask=keep, is_causal=causal, mask_mod=mask_mod, enable_gqa=True)
+    assert torch.equal(got, out)
+
+
+def test_masks_that_are_not_ranges_are_left_to_the_other_ways():
+    q, k, v = _inputs(1, 2, 2, 2, 10, 8, 8)
+    doc = qkv.masks.document(torch.tensor([[0, 1]]), torch.tensor([[0] * 5 + [1] * 5]))
+    assert not few_rows.usable(_call(q, k, v, mask_mod=doc))
+    assert not few_rows.usable(_call(q, k, v, mask_mod=lambda b, h, i, j: (i + j) % 2 == 0))
+    assert few_rows.usable(_call(q, k, v, mask_mod=qkv.masks.sliding_window(2)))

@@ -9,8 +9,9 @@
 // blocking and its threads are made for long sequences. Here a head's rows read each key and value row
 // once, as it lies in memory (any batch, head and row strides; the last dim contiguous).
 //
-// Each query row t attends the keys j < end_t (end_t = S, or t + 1 for torch's top-left causal mask)
-// that its batch element's bool key mask keeps (none: all). Per row, in float32:
+// Each query row t attends the keys start_t <= j < end_t (given per row: a causal mask of either alignment,
+// windows, key lengths; else [0, S), or [0, t + 1) for torch's top-left causal mask) that its batch element's
+// bool key mask keeps (none: all). Per row, in float32:
 //   s_j = scale * (q_t . k_j), m = max s_j, e_j = exp(s_j - m), out = (sum_j e_j v_j) / (sum_j e_j),
 //   lse = m + log(sum_j e_j);
 // a row with no key outputs 0 and lse -inf. The NaN/inf contract of ops/nonfinite.py, kept here by the
@@ -63,6 +64,8 @@ struct Args {
   int64_t causal;          // 1: row t attends keys j <= t (torch's top-left causal)
   double scale;
   int64_t dtype;           // 0: float32, 1: bfloat16
+  const int64_t *lo, *hi;  // (B or 1, T): row t attends keys [lo, hi) (then causal is 0); null: none
+  int64_t range_sb;        // their batch stride (0: one row of ranges for all)
 };
 
 using bf16 = c10::BFloat16;
@@ -156,16 +159,18 @@ struct Head {
   const E* v;
   int64_t v_row;
   const uint8_t* keep;  // this batch element's row of S, or null
+  const int64_t* start;  // each row's first key
   const int64_t* end;   // each row's key end
   const uint8_t* excluded;  // (T x last): keys a row does not weigh (their scores are -inf), or null
+  int64_t begin;        // min of start (over rows with a key)
   int64_t last;         // max of end
 };
 
-// acc[c0, c0 + NV kV) (past Dv untouched) = sum over the kept keys j < n of w[j] * v_j[c0, ...), multiply-adds
+// acc[c0, c0 + NV kV) (past Dv untouched) = sum over the kept keys a0 <= j < n of w[j] * v_j[c0, ...), multiply-adds
 // in key order, in registers. A value entry that is NaN or inf makes its sum NaN or inf whatever its weight
 // (0 * inf is NaN): the caller finds bad values from the sums.
 template <int NV, typename E>
-void weighted(const float* w, const Head<E>& h, int64_t n, int64_t c0, int64_t Dv, float* acc) {
+void weighted(const float* w, const Head<E>& h, int64_t a0, int64_t n, int64_t c0, int64_t Dv, float* acc) {
   Vec sum[NV];
   int64_t count[NV];
   for (int i = 0; i < NV; ++i) {
@@ -173,7 +178,7 @@ void weighted(const float* w, const Head<E>& h, int64_t n, int64_t c0, int64_t D
     count[i] = std::min<int64_t>(kV, Dv - c0 - i * kV);
   }
   const bool whole = count[NV - 1] == kV;
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = a0; j < n; ++j) {
     if (h.keep != nullptr && !h.keep[j]) continue;
     const E* vj = h.v + j * h.v_row + c0;
     const Vec wj(w[j]);
@@ -194,9 +199,9 @@ void run_head(const Args& a, const Head<E>& h, float scale, float* sc, float* ac
   // and then its head is computed again to the same result: no key is found bad there)
   // scores, keys in fours where every row sees all four (each key row read once for all rows), else one
   // by one
-  for (int64_t j = 0; j < h.last;) {
+  for (int64_t j = h.begin; j < h.last;) {
     bool four = j + 4 <= h.last;
-    for (int64_t t = 0; t < T && four; ++t) four = j + 4 <= h.end[t];
+    for (int64_t t = 0; t < T && four; ++t) four = h.start[t] <= j && j + 4 <= h.end[t];
     for (int64_t i = 0; i < 4 && four && h.keep != nullptr; ++i) four = h.keep[j + i] != 0;
     const E* kj = h.k + j * h.k_row;
     if (four) {
@@ -219,7 +224,7 @@ void run_head(const Args& a, const Head<E>& h, float scale, float* sc, float* ac
     }
     for (int64_t t = 0; t < T; ++t) {
       float s = -kInf;
-      if (j < h.end[t]) {
+      if (h.start[t] <= j && j < h.end[t]) {
         const float d = dot(h.q + t * D, kj, D);
         keys_ok &= std::isfinite(d);
         s = scale * d;
@@ -230,11 +235,11 @@ void run_head(const Args& a, const Head<E>& h, float scale, float* sc, float* ac
   }
   if (h.excluded != nullptr)
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < h.last; ++j)
+      for (int64_t j = h.start[t]; j < h.end[t]; ++j)
         if (h.excluded[t * h.last + j]) sc[t * S + j] = -kInf;
-  for (int64_t t = 0; t < T; ++t) {  // each row's max and exps
-    float* s = sc + t * S;
-    const int64_t n = h.end[t];
+  for (int64_t t = 0; t < T; ++t) {  // each row's max and exps, over its keys [start, end)
+    float* s = sc + t * S + h.start[t];
+    const int64_t n = std::max<int64_t>(h.end[t] - h.start[t], 0);
     Vec vmax(-kInf);
     int64_t j = 0;
     for (; j + kV <= n; j += kV) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
@@ -268,10 +273,10 @@ void run_head(const Args& a, const Head<E>& h, float scale, float* sc, float* ac
     float* o = acc + t * Dv;
     for (int64_t c0 = 0; c0 < Dv; c0 += 4 * kV) {
       switch (std::min<int64_t>(4, (Dv - c0 + kV - 1) / kV)) {
-        case 1: weighted<1>(sc + t * S, h, h.end[t], c0, Dv, o); break;
-        case 2: weighted<2>(sc + t * S, h, h.end[t], c0, Dv, o); break;
-        case 3: weighted<3>(sc + t * S, h, h.end[t], c0, Dv, o); break;
-        default: weighted<4>(sc + t * S, h, h.end[t], c0, Dv, o);
+        case 1: weighted<1>(sc + t * S, h, h.start[t], h.end[t], c0, Dv, o); break;
+        case 2: weighted<2>(sc + t * S, h, h.start[t], h.end[t], c0, Dv, o); break;
+        case 3: weighted<3>(sc + t * S, h, h.start[t], h.end[t], c0, Dv, o); break;
+        default: weighted<4>(sc + t * S, h, h.start[t], h.end[t], c0, Dv, o);
       }
     }
     Vec chk(0.0f);
@@ -297,7 +302,7 @@ void attend(const Args& a) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work);
   at::parallel_for(0, BH, grain, [&](int64_t begin, int64_t end_bh) {
     std::vector<float> qz(T * D), sc(T * S), acc(T * Dv), m(T), sum(T);
-    std::vector<int64_t> end(T);
+    std::vector<int64_t> start(T), end(T);
     std::vector<uint8_t> row_bad(T), has_key(T);
     std::vector<float> kz, vz;  // zeroed copies of a head's keys and values (a head with a NaN/inf)
     std::vector<uint8_t> k_bad, v_bad, excluded;
@@ -306,17 +311,22 @@ void attend(const Args& a) {
       Head<E> h;
       h.keep = a.keep == nullptr ? nullptr : a.keep + b * a.keep_sb;
       h.excluded = nullptr;
-      h.last = 0;
-      int64_t first = 0;  // the first key the mask keeps (S: none)
-      if (h.keep != nullptr)
-        while (first < S && !h.keep[first]) ++first;
+      h.begin = S, h.last = 0;
       for (int64_t t = 0; t < T; ++t) {
-        end[t] = a.causal ? std::min<int64_t>(S, t + 1) : S;
-        h.last = std::max(h.last, end[t]);
-        has_key[t] = first < end[t];
+        if (a.lo != nullptr) {  // the rows' ranges, clamped to [0, S] (an empty one: lo >= hi)
+          start[t] = std::clamp<int64_t>(a.lo[b * a.range_sb + t], 0, S);
+          end[t] = std::max(start[t], std::clamp<int64_t>(a.hi[b * a.range_sb + t], 0, S));
+        } else {
+          start[t] = 0;
+          end[t] = a.causal ? std::min<int64_t>(S, t + 1) : S;
+        }
+        has_key[t] = 0;  // a key in [start, end) that the mask keeps
+        for (int64_t j = start[t]; j < end[t] && !has_key[t]; ++j) has_key[t] = h.keep == nullptr || h.keep[j];
+        if (start[t] < end[t]) h.begin = std::min(h.begin, start[t]), h.last = std::max(h.last, end[t]);
         row_bad[t] = zeroed(q + b * a.qs[0] + hq * a.qs[1] + t * a.qs[2], D, qz.data() + t * D);
       }
-      h.q = qz.data(), h.end = end.data();
+      if (h.begin > h.last) h.begin = h.last;
+      h.q = qz.data(), h.start = start.data(), h.end = end.data();
       h.k = k + b * a.ks[0] + hk * a.ks[1], h.k_row = a.ks[2];
       h.v = v + b * a.vs[0] + hk * a.vs[1], h.v_row = a.vs[2];
       bool ok = true;
@@ -327,13 +337,13 @@ void attend(const Args& a) {
         // from copies with the bad entries zeroed, by the same arithmetic, those keys excluded.
         kz.resize(h.last * D), vz.resize(h.last * Dv);
         k_bad.assign(h.last, 0), v_bad.assign(h.last, 0), excluded.assign(T * h.last, 0);
-        for (int64_t j = 0; j < h.last; ++j) {
+        for (int64_t j = h.begin; j < h.last; ++j) {
           if (h.keep != nullptr && !h.keep[j]) continue;
           k_bad[j] = zeroed(h.k + j * h.k_row, D, kz.data() + j * D);
           v_bad[j] = zeroed(h.v + j * h.v_row, Dv, vz.data() + j * Dv);
         }
         for (int64_t t = 0; t < T; ++t)
-          for (int64_t j = 0; j < end[t] && !row_bad[t]; ++j) {
+          for (int64_t j = start[t]; j < end[t] && !row_bad[t]; ++j) {
             if (h.keep != nullptr && !h.keep[j]) continue;
             if (v_bad[j]) {
               row_bad[t] = 1;
@@ -345,7 +355,8 @@ void attend(const Args& a) {
                 row_bad[t] = 1;
             }
           }
-        Head<float> z{h.q, kz.data(), D, vz.data(), Dv, h.keep, h.end, excluded.data(), h.last};
+        Head<float> z{h.q,   kz.data(), D,      vz.data(),       Dv,     h.keep,
+                      h.start, h.end,   excluded.data(), h.begin, h.last};
         run_head(a, z, scale, sc.data(), acc.data(), m.data(), sum.data(), &ok);
       }
       for (int64_t t = 0; t < T; ++t) {
@@ -374,7 +385,8 @@ const char* qkv_few_rows_error() { return last_error; }
 //  0 q, 1 k, 2 v, 3 out, 4 lse (B * H * T float32 contiguous, or 0), 5 keep (or 0),
 //  6 B, 7 H, 8 G, 9 T, 10 S, 11 D, 12 Dv,
 //  13-15 q's (batch, head, row) strides, 16-18 k's, 19-21 v's, 22-24 out's, 25 keep's batch stride,
-//  26 causal, 27 scale, 28 dtype (0 float32, 1 bfloat16: q, k, v and out alike).
+//  26 causal, 27 scale, 28 dtype (0 float32, 1 bfloat16: q, k, v and out alike), 29 lo and 30 hi
+//  ((B or 1, T) int64 rows' key ranges, or 0: none), 31 their batch stride.
 // 0 on success, 1 on an error (qkv_few_rows_error says which); out is then undefined.
 int qkv_few_rows(const int64_t* p) {
   try {
@@ -390,6 +402,9 @@ int qkv_few_rows(const int64_t* p) {
     a.keep_sb = p[25], a.causal = p[26];
     std::memcpy(&a.scale, p + 27, sizeof(double));
     a.dtype = p[28];
+    a.lo = reinterpret_cast<const int64_t*>(p[29]);
+    a.hi = reinterpret_cast<const int64_t*>(p[30]);
+    a.range_sb = p[31];
     if (a.T < 1 || a.S < 1 || a.D < 1 || a.Dv < 1 || a.G < 1 || a.H % a.G != 0) {
       std::snprintf(last_error, sizeof(last_error), "bad sizes: H=%lld G=%lld T=%lld S=%lld D=%lld Dv=%lld",
                     (long long)a.H, (long long)a.G, (long long)a.T, (long long)a.S, (long long)a.D,

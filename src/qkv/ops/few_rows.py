@@ -11,14 +11,15 @@ then run it by their lane (``functional._Lane``, :class:`Runner`).
 
 What it computes (the plain math in float32, sums in a fixed order; bfloat16 inputs widened
 exactly as they are read and the output rounded once, the nearest bfloat16 to the float32
-result, where torch's bfloat16 kernels round the weights before the values): row ``t``
-attends the keys ``j < S`` (``j <= t`` with ``is_causal``, torch's top-left alignment) that a
-bool key mask ``(B?, 1, 1, S)`` keeps; a row with no key outputs 0 and lse ``-inf``. The
+result, where torch's bfloat16 kernels round the weights before the values): row ``t`` attends
+the keys ``j < S`` (``j <= t`` with ``is_causal``, torch's top-left alignment; a range ``[lo_t,
+hi_t)`` under a mask_mod of ranges: a causal mask of either alignment, a window, key lengths)
+that a bool key mask ``(B?, 1, 1, S)`` keeps; a row with no key outputs 0 and lse ``-inf``. The
 NaN/inf contract of ``ops/nonfinite.py`` by the plain math's rows, as its fused row passes keep
-it: hidden keys are never read; a row that attends a key whose value holds a NaN/inf, or
-whose score is NaN or ``+inf``, or whose query holds one, is NaN, as is a row whose every
-score is ``-inf``; a key whose score is ``-inf`` weighs 0 (``few_rows.cpp`` says how,
-without a pass before the call).
+it: hidden keys are never read; a row that attends a key whose value holds a NaN/inf, or whose
+score is NaN or ``+inf``, or whose query holds one, is NaN, as is a row whose every score is
+``-inf``; a key whose score is ``-inf`` weighs 0 (``few_rows.cpp`` says how, without a pass
+before the call).
 
 ``QKV_FEW_ROWS=off`` turns it off (the tiled passes and torch's kernel then run these calls, as
 where the library cannot be built): tests run the same calls both ways.
@@ -36,12 +37,14 @@ import math
 import os
 import struct
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from . import key_counts
 from ._native_build import build_declared
 from .base import tracing
 from .call import AttentionCall
@@ -53,7 +56,7 @@ SWITCH = "QKV_FEW_ROWS"  # "off": not used (tests run the other ways on the same
 # Query rows a call may have: every row of a head is held at once, and past a few rows the
 # tiled passes' GEMMs are the faster way (the bfloat16 kernel's few-row way stops at 4 too)
 MAX_ROWS = 4
-_ARGS = struct.Struct("29q")
+_ARGS = struct.Struct("32q")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
 _DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
 # scales past this could overflow float32 scores; those calls keep the guard's overflow check
@@ -80,10 +83,11 @@ def available() -> bool:
 def usable(call: AttentionCall) -> bool:
     """Whether :func:`attend` takes ``call``: float32 or bfloat16 (q, k and v alike) on the
     CPU, eager, no gradient wanted,
-    1 to :data:`MAX_ROWS` query rows and at least one key, no score_mod, mask_mod, sinks or
-    dropout, no mask or a bool key mask (one row of keys per batch element, shared by every
-    head and row: a padded batch's decoding step), a scale that cannot overflow the scores,
-    and the kernel :func:`available`."""
+    1 to :data:`MAX_ROWS` query rows and at least one key, no score_mod, sinks or dropout, no
+    mask or a bool key mask (one row of keys per batch element, shared by every head and row:
+    a padded batch's decoding step), a mask_mod whose rows attend ranges of keys (a causal mask
+    of either alignment, windows, key lengths: :func:`_row_ranges`), a scale that cannot
+    overflow the scores, and the kernel :func:`available`."""
     q = call.query
     if (
         call.dtype not in _DTYPES
@@ -95,7 +99,6 @@ def usable(call: AttentionCall) -> bool:
         or call.S < 1
         or call.D < 1
         or call.Dv < 1
-        or call.mask_mod is not None
         or call.score_mod is not None
         or call.sinks is not None
         or call.dropout_p > 0
@@ -106,7 +109,34 @@ def usable(call: AttentionCall) -> bool:
         return False
     if call.attn_mask is not None and _keep(call) is None:
         return False
+    if call.mask_mod is not None and _row_ranges(call) is None:
+        return False
     return available()
+
+
+def _row_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
+    """The rows' key ranges ``[lo_t, hi_t)`` of the call's mask_mod and ``is_causal``
+    (``key_counts.ranges``: causal masks of either alignment, windows, key lengths, and their
+    ``and``), or None where they are not ranges of the call's batch (documents, other
+    functions). Asked twice per call (the plan, the run): the last call's answer is kept.
+
+    Shape:
+        -> lo, hi ``(B or 1, T)`` int64, contiguous.
+    """
+    last = _last_ranges[0]
+    if last is not None and last[0]() is call:
+        return last[1]
+    found = None
+    r = key_counts.ranges(call, attn_mask=False)
+    if r is not None and r[2] is None:
+        lo, hi = torch.broadcast_tensors(r[0], r[1])  # (B?, 1, T)
+        if lo.shape[0] in (1, call.BH[0]):
+            found = lo[:, 0].contiguous(), hi[:, 0].contiguous()  # (B?, T)
+    _last_ranges[0] = (weakref.ref(call), found)
+    return found
+
+
+_last_ranges: list[tuple | None] = [None]  # (weakref to the call, its ranges)
 
 
 def _keep(call: AttentionCall) -> Tensor | None:
@@ -134,7 +164,9 @@ def attend(call: AttentionCall, *, lse: bool = True) -> tuple[Tensor, Tensor | N
     out = _empty_out(B, H, call.T, call.Dv, call.dtype)  # (B, H, T, Dv)
     rows = torch.empty(B, H, call.T, dtype=torch.float32) if lse else None
     keep = _keep(call) if call.attn_mask is not None else None
-    args = _args(q, k, v, out, rows, keep, call.is_causal, call.scale)
+    ranges = _row_ranges(call) if call.mask_mod is not None else None
+    causal = call.is_causal and ranges is None  # (the ranges hold it)
+    args = _args(q, k, v, out, rows, keep, causal, call.scale, ranges)
     assert args is not None  # (usable: the layouts _four gives are taken)
     _run(args)
     out = out if out.shape == call.out_shape else out.reshape(call.out_shape)
@@ -186,13 +218,14 @@ def _args(
     keep: Tensor | None,
     causal: bool,
     scale: float,
+    ranges: tuple[Tensor, Tensor] | None = None,
 ) -> list[int] | None:
     """The kernel's packed arguments (``few_rows.cpp``), or None for layouts it does not take.
 
     Shape:
         q ``(B, H, T, D)``, k ``(B?, G, S, D)``, v ``(B?, G, S, Dv)``, out ``(B, H, T, Dv)``,
         lse ``(B, H, T)`` contiguous, keep ``(B?, S)`` or ``(B?, 1, 1, S)`` (a bool key
-        mask: the same memory), unit last stride.
+        mask: the same memory), unit last stride; ranges ``(B?, T)`` int64 contiguous each.
     """
     if not _takes(q, k, v) or out.stride(-1) != 1 or q.dtype not in _DTYPES:
         return None
@@ -230,6 +263,9 @@ def _args(
         int(causal),
         _DOUBLE_BITS.unpack(_DOUBLE.pack(scale))[0],
         _DTYPES[q.dtype],
+        0 if ranges is None else ranges[0].data_ptr(),
+        0 if ranges is None else ranges[1].data_ptr(),
+        0 if ranges is None or ranges[0].shape[0] == 1 else T,
     ]
 
 
