@@ -81,6 +81,21 @@ def available() -> bool:
 
 
 def usable(call: AttentionCall) -> bool:
+    """:func:`_usable_now`, kept for the last call asked about while the switch holds: the plan
+    asks it (``keeps_nonfinite_contract``) and the tiled backend again for the same call."""
+    switch = os.environ.get(SWITCH)
+    last = _last_usable[0]  # (one read: another thread may replace it)
+    if last is not None and last[0]() is call and last[1] == switch:
+        return last[2]
+    answer = _usable_now(call)
+    _last_usable[0] = (weakref.ref(call), switch, answer)
+    return answer
+
+
+_last_usable: list[tuple | None] = [None]  # (weakref to the call, the switch, the answer)
+
+
+def _usable_now(call: AttentionCall) -> bool:
     """Whether :func:`attend` takes ``call``: float32 or bfloat16 (q, k and v alike) on the
     CPU, eager, no gradient wanted,
     1 to :data:`MAX_ROWS` query rows and at least one key, no score_mod, sinks or dropout, no

@@ -148,7 +148,7 @@ class TiledBackend:
         return (
             not tracing()
             and not _nothing_to_tile(call)
-            and (bf16_fusable(call) or few_rows.usable(call))
+            and (few_rows.usable(call) or bf16_fusable(call))
         )
 
 
