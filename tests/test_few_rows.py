@@ -111,7 +111,7 @@ SHAPES = [  # B, H, G, T, S, D, Dv
 ]
 
 
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -401,18 +401,19 @@ def test_each_thread_packs_its_own_arguments():
     assert mine[0] == q.data_ptr() and theirs[0][0] == q2.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "keymask"])
-def test_bfloat16_is_the_float32_result_rounded_once(masked):
-    """bfloat16 inputs are widened exactly as they are read and the arithmetic is float32's:
-    the output is the float32 kernel's on the widened inputs, rounded once, to the bit."""
-    q, k, v = _inputs(2, 4, 2, 3, 77, 40, 24, seed=21, dtype=torch.bfloat16, strided=True)
+def test_half_is_the_float32_result_rounded_once(masked, dtype):
+    """Half inputs are widened exactly as they are read and the arithmetic is float32's: the
+    output is the float32 kernel's on the widened inputs, rounded once, to the bit."""
+    q, k, v = _inputs(2, 4, 2, 3, 77, 40, 24, seed=21, dtype=dtype, strided=True)
     keep = None
     if masked:
         keep = torch.rand(2, 1, 1, 77, generator=torch.Generator().manual_seed(2)) > 0.3
     half, lse = few_rows.attend(_call(q, k, v, keep, causal=True))
     wide, wide_lse = few_rows.attend(_call(q.float(), k.float(), v.float(), keep, causal=True))
-    assert half.dtype == torch.bfloat16
-    assert torch.equal(half, wide.bfloat16())
+    assert half.dtype == dtype
+    assert torch.equal(half, wide.to(dtype))
     assert torch.equal(lse, wide_lse)
 
 

@@ -1,7 +1,7 @@
-// Attention of a few query rows (a decoding step) in float32, of float32 or bfloat16 inputs, whole in one
-// call: scores, softmax, the weighted values and qkv's NaN/inf contract, per head, in registers and the
-// cache. bfloat16 entries are widened exactly as they are read, the arithmetic is float32's, and the
-// output is rounded to bfloat16 once: the nearest bfloat16 to the float32 result.
+// Attention of a few query rows (a decoding step) in float32, of float32, bfloat16 or float16 inputs, whole
+// in one call: scores, softmax, the weighted values and qkv's NaN/inf contract, per head, in registers and
+// the cache. Half entries are widened exactly as they are read, the arithmetic is float32's, and the output
+// is rounded to the half dtype once: the nearest half value to the float32 result.
 //
 // Built by qkv/ops/few_rows.py through torch.utils.cpp_extension at first use (ops/_native_build.py) and
 // called through ctypes with its arguments packed in one int64 array. At T=1, S=128, 8 heads of 64 torch's
@@ -23,7 +23,7 @@
 // the -inf keys excluded per row: the rows that meet none get the same bits as without the bad entries.
 //
 // Sums run in a fixed order (dimension chunks of one vector, keys in order): results do not depend on the
-// thread count. Supports float32 or bfloat16 q, k, v, out (one dtype) with unit last stride, H a multiple of G (grouped heads read
+// thread count. Supports float32, bfloat16 or float16 q, k, v, out (one dtype) with unit last stride, H a multiple of G (grouped heads read
 // key/value head h / (H / G)), 1 <= T (the caller keeps it small: every row of a head is held at once),
 // S >= 1, D >= 1, Dv >= 1.
 #if defined(__AVX512F__) && !defined(CPU_CAPABILITY_AVX512)
@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -63,12 +64,13 @@ struct Args {
   int64_t keep_sb;         // the keep mask's batch stride (0: one row for all)
   int64_t causal;          // 1: row t attends keys j <= t (torch's top-left causal)
   double scale;
-  int64_t dtype;           // 0: float32, 1: bfloat16
+  int64_t dtype;           // 0: float32, 1: bfloat16, 2: float16
   const int64_t *lo, *hi;  // (B or 1, T): row t attends keys [lo, hi) (then causal is 0); null: none
   int64_t range_sb;        // their batch stride (0: one row of ranges for all)
 };
 
 using bf16 = c10::BFloat16;
+using f16 = c10::Half;
 
 // Loads of kV elements (or the first n, the rest 0) as float32: bfloat16 widened exactly (its bits are a
 // float32's top half).
@@ -88,6 +90,22 @@ inline Vec load(const bf16* p) {
 #endif
 }
 inline Vec load(const bf16* p, int64_t n) {
+  float x[kV] = {};
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(p[i]);
+  return Vec::loadu(x);
+}
+inline Vec load(const f16* p) {  // (float16 widened exactly by F16C's conversion)
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float x[kV];
+  for (int64_t i = 0; i < kV; ++i) x[i] = static_cast<float>(p[i]);
+  return Vec::loadu(x);
+#endif
+}
+inline Vec load(const f16* p, int64_t n) {
   float x[kV] = {};
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(p[i]);
   return Vec::loadu(x);
@@ -385,7 +403,7 @@ const char* qkv_few_rows_error() { return last_error; }
 //  0 q, 1 k, 2 v, 3 out, 4 lse (B * H * T float32 contiguous, or 0), 5 keep (or 0),
 //  6 B, 7 H, 8 G, 9 T, 10 S, 11 D, 12 Dv,
 //  13-15 q's (batch, head, row) strides, 16-18 k's, 19-21 v's, 22-24 out's, 25 keep's batch stride,
-//  26 causal, 27 scale, 28 dtype (0 float32, 1 bfloat16: q, k, v and out alike), 29 lo and 30 hi
+//  26 causal, 27 scale, 28 dtype (0 float32, 1 bfloat16, 2 float16: q, k, v and out alike), 29 lo and 30 hi
 //  ((B or 1, T) int64 rows' key ranges, or 0: none), 31 their batch stride.
 // 0 on success, 1 on an error (qkv_few_rows_error says which); out is then undefined.
 int qkv_few_rows(const int64_t* p) {
@@ -411,15 +429,17 @@ int qkv_few_rows(const int64_t* p) {
                     (long long)a.Dv);
       return 1;
     }
-    if (a.dtype != 0 && a.dtype != 1) {
+    if (a.dtype < 0 || a.dtype > 2) {
       std::snprintf(last_error, sizeof(last_error), "bad dtype code %lld", (long long)a.dtype);
       return 1;
     }
     if (a.B * a.H == 0) return 0;
     if (a.dtype == 0)
       attend<float>(a);
-    else
+    else if (a.dtype == 1)
       attend<bf16>(a);
+    else
+      attend<f16>(a);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());

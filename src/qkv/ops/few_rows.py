@@ -1,5 +1,5 @@
-"""Attention of a few query rows in one C++ call (``few_rows.cpp``): a decoding step, float32
-or bfloat16.
+"""Attention of a few query rows in one C++ call (``few_rows.cpp``): a decoding step, float32,
+bfloat16 or float16.
 
 At T=1, S=128, 8 heads of 64 (one thread, AMD Zen 4) torch's CPU flash kernel took 31-45 µs for
 some 0.1 M multiply-adds; qkv's call of it, with the NaN/inf contract's pass after, 44-76 µs.
@@ -9,9 +9,9 @@ tiled backend runs it for the calls :func:`usable` takes, and ``auto`` takes til
 where its whole calls are measured faster than torch's (``autotune``); a decoding loop's calls
 then run it by their lane (``functional._Lane``, :class:`Runner`).
 
-What it computes (the plain math in float32, sums in a fixed order; bfloat16 inputs widened
-exactly as they are read and the output rounded once, the nearest bfloat16 to the float32
-result, where torch's bfloat16 kernels round the weights before the values): row ``t`` attends
+What it computes (the plain math in float32, sums in a fixed order; half inputs widened
+exactly as they are read and the output rounded once, the nearest half value to the float32
+result, where torch's half kernels round the weights before the values): row ``t`` attends
 the keys ``j < S`` (``j <= t`` with ``is_causal``, torch's top-left alignment; a range ``[lo_t,
 hi_t)`` under a mask_mod of ranges: a causal mask of either alignment, a window, key lengths)
 that a bool key mask ``(B?, 1, 1, S)`` keeps; a row with no key outputs 0 and lse ``-inf``. The
@@ -57,7 +57,7 @@ SWITCH = "QKV_FEW_ROWS"  # "off": not used (tests run the other ways on the same
 # tiled passes' GEMMs are the faster way (the bfloat16 kernel's few-row way stops at 4 too)
 MAX_ROWS = 4
 _ARGS = struct.Struct("32q")
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's dtype codes
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernel's dtype codes
 _DOUBLE, _DOUBLE_BITS = struct.Struct("d"), struct.Struct("q")  # a double passed as its bits
 # scales past this could overflow float32 scores; those calls keep the guard's overflow check
 _SCALE_BOUND = math.sqrt(torch.finfo(torch.float32).max)
@@ -96,7 +96,7 @@ _last_usable: list[tuple | None] = [None]  # (weakref to the call, the switch, t
 
 
 def _usable_now(call: AttentionCall) -> bool:
-    """Whether :func:`attend` takes ``call``: float32 or bfloat16 (q, k and v alike) on the
+    """Whether :func:`attend` takes ``call``: float32, bfloat16 or float16 (q, k and v alike) on the
     CPU, eager, no gradient wanted,
     1 to :data:`MAX_ROWS` query rows and at least one key, no score_mod, sinks or dropout, no
     mask or a bool key mask (one row of keys per batch element, shared by every head and row:
