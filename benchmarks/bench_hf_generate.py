@@ -6,7 +6,8 @@ whole model around it (projections, MLP, norms, sampling), so it says what qkv's
 is worth in a generation loop. The model is built from a config with random weights (no
 download): ``--layers`` layers of ``--hidden`` channels, ``--heads`` heads (``--kv-heads``
 key/value heads), a prompt of ``--prompt`` tokens, ``--new`` tokens generated, batch
-``--batch`` (with ``--pad``, the first row's prompt left-padded by a quarter: a key mask).
+``--batch`` (with ``--pad``, the first row's prompt left-padded by a quarter: a key mask);
+``--window N`` builds a Mistral whose layers attend a sliding window of N keys instead.
 Rounds alternate the two implementations; the ratio is the median over rounds of qkv's time
 over sdpa's in the same round. The generated tokens are checked equal (float32) first.
 
@@ -25,9 +26,12 @@ import torch
 
 
 def build(args, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-    config = LlamaConfig(
+    make, extra = (LlamaConfig, LlamaForCausalLM), {}
+    if args.window:  # a sliding window over the cache: Mistral's
+        make, extra = (MistralConfig, MistralForCausalLM), {"sliding_window": args.window}
+    config = make[0](
         vocab_size=1000,
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 2,
@@ -35,9 +39,10 @@ def build(args, dtype):
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.prompt + args.new + 8,
+        **extra,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(dtype).eval()
+    model = make[1](config).to(dtype).eval()
     return model
 
 
@@ -52,6 +57,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--pad", action="store_true")
+    p.add_argument("--window", type=int, default=0, help="a Mistral with this sliding window")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
@@ -63,7 +69,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(
         f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
-        f"{torch.get_num_threads()} thread(s); Llama {args.layers} layers x {args.hidden}, "
+        f"{torch.get_num_threads()} thread(s); "
+        f"{f'Mistral (window {args.window})' if args.window else 'Llama'} "
+        f"{args.layers} layers x {args.hidden}, "
         f"{args.heads} heads ({args.kv_heads} kv), prompt {args.prompt}, {args.new} new, "
         f"batch {args.batch}{' padded' if args.pad else ''}"
     )

@@ -492,3 +492,33 @@ def test_masks_that_are_not_ranges_are_left_to_the_other_ways():
     assert not few_rows.usable(_call(q, k, v, mask_mod=doc))
     assert not few_rows.usable(_call(q, k, v, mask_mod=lambda b, h, i, j: (i + j) % 2 == 0))
     assert few_rows.usable(_call(q, k, v, mask_mod=qkv.masks.sliding_window(2)))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["window", "window-and-causal"])
+@pytest.mark.parametrize("moving", [False, True], ids=["aligned", "offset-per-call"])
+def test_a_window_keeps_a_lane_as_the_cache_grows(moving, causal):
+    """Calls with one sliding window (a decoding step over a windowed cache) keep the
+    kernel's lane too, the rows' ranges made per call: each call's bits are the kernel's on
+    that call, whether the window is aligned by the sizes (bottom-right) or carries an offset
+    of its own that moves with the cache (transformers' windows, made anew each step)."""
+    pytest.importorskip("transformers")
+    from qkv.integrations.transformers.masks import _FixedWindow
+
+    functional._LANES.clear()
+    q, k, v = _inputs(2, 4, 2, 2, 100, 16, 16, seed=8)
+    keep = torch.ones(2, 1, 1, 100, dtype=torch.bool)
+    keep[0, ..., 90:93] = False
+    with torch.no_grad():
+        for S in (70, 71, 72, 90, 100):
+            if moving:  # a query at position S - 2 + i sees keys [pos - 6, pos]
+                mod = _FixedWindow(6, 0, S - 2)
+            else:
+                mod = qkv.masks.sliding_window(6, align="bottom_right")
+            ks, vs, m = k[:, :, :S], v[:, :, :S], keep[..., :S]
+            out = _attend(q, ks, vs, attn_mask=m, mask_mod=mod, is_causal=causal, enable_gqa=True)
+            call = _call(q, ks, vs, m, mask_mod=mod, causal=causal)
+            assert torch.equal(out, few_rows.attend(call)[0])
+    lanes = [lane for lane in functional._LANES.values() if lane.ok]
+    assert lanes and all(lane.rows is not None for lane in lanes)
+    assert few_rows.window_kind(mod) is not None
+    assert few_rows.window_kind(qkv.masks.document(torch.zeros(1, 2, dtype=torch.int64))) is None

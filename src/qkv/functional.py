@@ -130,10 +130,11 @@ def scaled_dot_product_attention(
     mods = (mask_mod, score_mod, sinks)
     if record is None and amp is None:  # (almost every call: no context to enter)
         lane = None
-        if not return_trace and mods == _NO_MODS:
-            lane = _lane_key(query, key, value, args, backend)  # None: not a lane's call
+        if not return_trace and (mods == _NO_MODS or _window_only(mods)):
+            window = None if mask_mod is None else few_rows.window_kind(mask_mod)
+            lane = _lane_key(query, key, value, args, backend, window)  # None: no lane's call
             if lane is not None:
-                out = _run_lane(lane, query, key, value, attn_mask)
+                out = _run_lane(lane, query, key, value, attn_mask, mask_mod)
                 if out is not None:
                     return out
         return _attend(query, key, value, args, return_trace, mods, backend, lane)
@@ -340,12 +341,20 @@ class _Lane:
         )
 
 
+def _window_only(mods: tuple) -> bool:
+    """Whether a call's mods are one sliding window or causal mask (``few_rows.window_kind``)
+    and nothing else: such a call may have a lane (the few-rows kernel's, its rows' ranges
+    made per call)."""
+    mask_mod, score_mod, sinks = mods
+    return score_mod is None and sinks is None and few_rows.window_kind(mask_mod) is not None
+
+
 _LANES: dict[tuple, _Lane] = {}  # by kind, and by exact kind (two tuples of other lengths)
 _LANES_MAX = 1024  # kinds and exact kinds kept (a growing cache makes one exact kind a step)
 _NO_MODS = (None, None, None)
 
 
-def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
+def _lane_key(query, key, value, args: tuple, backend, window: tuple | None = None) -> tuple | None:
     """The exact kind of a call that may have a lane (its shapes, dtypes and flags as they
     are), or None: plain CPU tensors, nothing wanting a gradient, outside tracing, flags of
     their own types, no dropout, at least one key, no mask or a bool key mask with contiguous
@@ -390,13 +399,13 @@ def _lane_key(query, key, value, args: tuple, backend) -> tuple | None:
         ):
             return None
     dtypes = (query.dtype, key.dtype, value.dtype)
-    return (qs, ks, vs, dtypes, is_causal, scale, enable_gqa, backend, mask)
+    return (qs, ks, vs, dtypes, is_causal, scale, enable_gqa, backend, mask, window)
 
 
 def _kind(exact: tuple) -> tuple:
     """The kind a lane is kept under, of a call's exact kind (:func:`_lane_key`): its key
     count by power-of-two bucket (and the mask's shape without it)."""
-    qs, ks, vs, dtypes, is_causal, scale, enable_gqa, backend, mask = exact
+    qs, ks, vs, dtypes, is_causal, scale, enable_gqa, backend, mask, window = exact
     S = ks[-2]
     return (
         qs,
@@ -412,11 +421,12 @@ def _kind(exact: tuple) -> tuple:
         enable_gqa,
         backend,
         None if mask is None else mask[:-1],
+        window,
     )
 
 
 def _run_lane(
-    exact: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None
+    exact: tuple, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, mask_mod=None
 ) -> Tensor | None:
     """The call by its kind's lane; None when it has none (yet), or its check cannot take
     this output (then the steps above run it). ``exact``: the call's exact kind, under which
@@ -432,7 +442,9 @@ def _run_lane(
     if not lane.ok:
         return None
     if lane.rows is not None:  # (None where the runner does not take these tensors: the steps)
-        return lane.rows(query, key, value, mask, lane.causal, lane.scale)
+        return lane.rows(query, key, value, mask, lane.causal, lane.scale, mask_mod)
+    if mask_mod is not None:  # (a window's kind keeps only the few-rows kernel's lane)
+        return None
     if mask is not None:
         if lane.lse:
             out, lse = lane.attend_lse(query, key, value, mask)  # (B, H, T, Dv), (B, H, T)

@@ -49,7 +49,7 @@ from ._native_build import build_declared
 from .base import tracing
 from .call import AttentionCall
 
-__all__ = ["MAX_ROWS", "SWITCH", "Runner", "attend", "available", "usable"]
+__all__ = ["MAX_ROWS", "SWITCH", "Runner", "attend", "available", "usable", "window_kind"]
 
 SOURCE = Path(__file__).with_name("few_rows.cpp")
 SWITCH = "QKV_FEW_ROWS"  # "off": not used (tests run the other ways on the same calls)
@@ -291,12 +291,41 @@ def _run(args: list[int]) -> None:
         raise RuntimeError(f"the few-rows kernel failed: {lib.qkv_few_rows_error().decode()}")
 
 
+def window_kind(mask_mod) -> tuple | None:
+    """What a lane keeps of a mask_mod that is one sliding window or causal mask
+    (``key_counts.is_window``): ``(its class, left, right, align)``; its rows' ranges are
+    made per call (:func:`window_ranges`), so a decoding loop whose window moves with the
+    cache (transformers' windows carry the cache's offset) keeps one lane. None for others."""
+    if mask_mod is None or not key_counts.is_window(mask_mod):
+        return None
+    return (type(mask_mod), mask_mod.left, mask_mod.right, mask_mod.align)
+
+
+def window_ranges(mask_mod, T: int, S: int, causal: bool) -> list[int]:
+    """The rows' key ranges of a window (:func:`window_kind`) for a call of T rows and S keys,
+    and ``is_causal`` (top-left): ``[lo_0, .., lo_{T-1}, hi_0, .., hi_{T-1}]`` clamped to
+    ``[0, S]`` with ``lo <= hi``, the sets ``key_counts.ranges`` gives.
+    """
+    off = mask_mod.bind(1, 1, T, S)._off()  # (bound as the call binds it: its alignment)
+    left, right = mask_mod.left, mask_mod.right
+    lo, hi = [], []
+    for t in range(T):
+        a = 0 if left is None else min(max(t + off - left, 0), S)
+        b = S if right is None else min(max(t + off + right + 1, 0), S)
+        if causal:
+            b = min(b, t + 1)
+        lo.append(a)
+        hi.append(max(a, b))
+    return lo + hi
+
+
 class _RunnerState(threading.local):
     """One thread's packed arguments (see ``nonfinite_rows._PackedState``)."""
 
     layout: tuple | None = None
     args: Any = None
     fn: Any = None  # the library's function, its own handle
+    ranges: Any = None  # the rows' key ranges of a window's calls (lo then hi, int64)
 
 
 class Runner:
@@ -319,8 +348,12 @@ class Runner:
         keep: Tensor | None,
         causal: bool,
         scale: float,
+        window=None,
     ) -> Tensor | None:
-        """Shape: query ``(B, H, T, D)``, key ``(B?, G, S, D)``, value ``(B?, G, S, Dv)``,
+        """``window``: the call's mask_mod, one of :func:`window_kind`'s (its ranges made
+        here), or None.
+
+        Shape: query ``(B, H, T, D)``, key ``(B?, G, S, D)``, value ``(B?, G, S, Dv)``,
         keep ``(B?, 1, 1, S)`` bool or None -> ``(B, H, T, Dv)``."""
         qs, ks, vs = query.shape, key.shape, value.shape
         if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or os.environ.get(SWITCH) == "off":
@@ -347,6 +380,7 @@ class Runner:
             None if keep is None else (keep.shape[:3], keep.stride(-1)),
             causal,
             scale,
+            window is None,
         )
         state = self._state
         args = state.args
@@ -360,6 +394,12 @@ class Runner:
             args = (ctypes.c_int64 * len(packed))(*packed)
             fn = lib["qkv_few_rows"]  # its own handle, taking the array as it is
             fn.restype = ctypes.c_int
+            state.ranges = None
+            if window is not None:  # (the ranges hold the causal rows: no flag)
+                state.ranges = ranges = (ctypes.c_int64 * (2 * T))()
+                args[26], args[31] = 0, 0
+                args[29] = ctypes.addressof(ranges)
+                args[30] = args[29] + 8 * T
             state.args, state.fn, state.layout = args, fn, layout
         elif ks[2] != vs[2] or (keep is not None and keep.shape[3] != ks[2]):
             return None  # (what the layout does not fix: the call's own checks ran before)
@@ -371,6 +411,8 @@ class Runner:
         args[20], args[21] = vst[1], vst[2]
         if keep is not None:
             args[5], args[25] = keep.data_ptr(), 0 if keep.shape[0] == 1 else keep.stride(0)
+        if window is not None:
+            state.ranges[:] = window_ranges(window, T, ks[2], causal)
         if state.fn(args) != 0:
             lib = _build()[0]
             assert lib is not None

@@ -32,6 +32,7 @@ __all__ = [
     "counts",
     "covers_every_key",
     "document_ranges",
+    "is_window",
     "key_counts",
     "ranges",
     "sees_own_position",
@@ -134,6 +135,11 @@ def sees_own_position(call: AttentionCall) -> bool:
 
 def _causal() -> _Window:
     return _Window(None, 0, "top_left", "causal", 0)
+
+
+def is_window(mod) -> bool:
+    """Whether ``mod`` is one sliding window or causal mask (:func:`_is_window`)."""
+    return _is_window(mod)
 
 
 def _is_window(mod) -> bool:
