@@ -96,13 +96,13 @@ _last_usable: list[tuple | None] = [None]  # (weakref to the call, the switch, t
 
 
 def _usable_now(call: AttentionCall) -> bool:
-    """Whether :func:`attend` takes ``call``: float32, bfloat16 or float16 (q, k and v alike) on the
-    CPU, eager, no gradient wanted,
-    1 to :data:`MAX_ROWS` query rows and at least one key, no score_mod, sinks or dropout, no
-    mask or a bool key mask (one row of keys per batch element, shared by every head and row:
-    a padded batch's decoding step), a mask_mod whose rows attend ranges of keys (a causal mask
-    of either alignment, windows, key lengths: :func:`_row_ranges`), a scale that cannot
-    overflow the scores, and the kernel :func:`available`."""
+    """Whether :func:`attend` takes ``call``: float32, bfloat16 or float16 (q, k and v alike)
+    on the CPU, eager, no gradient wanted, 1 to :data:`MAX_ROWS` query rows and at least one
+    key, no score_mod, sinks or dropout; no mask or a bool key mask (one row of keys per batch
+    element, shared by every head and row: a padded batch's decoding step); no mask_mod or one
+    whose rows attend ranges of keys (a causal mask of either alignment, windows, key lengths:
+    :func:`_row_ranges`); a scale that cannot overflow the scores; and the kernel
+    :func:`available`."""
     q = call.query
     if (
         call.dtype not in _DTYPES
