@@ -15,8 +15,11 @@ import dataclasses
 import itertools
 import math
 import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,7 +39,7 @@ from ..masks import (
 )
 from .cpu_isa import half_grad_bucket, half_grad_route
 
-__all__ = ["AttentionCall"]
+__all__ = ["AttentionCall", "LastCall"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -354,6 +357,28 @@ class AttentionCall:
             key.repeat_interleave(groups, dim=-3),  # (*batch, H, S, D)
             value.repeat_interleave(groups, dim=-3),  # (*batch, H, S, Dv)
         )
+
+
+class LastCall:
+    """A value derived from a call, kept for the last call object asked about while a state
+    (what else decides the value: switches read from the environment) holds. A call's plan
+    and its backend ask the same questions of the same call (the kernel it takes, its key
+    ranges): the second asking is a lookup. Another thread may replace the kept value; each
+    asking reads it once."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None  # (weakref to the call, the state, the value)
+
+    def get(self, call: AttentionCall, state, make: Callable[[AttentionCall], Any]) -> Any:
+        """``make(call)``, or the value kept for this call under this state."""
+        last = self._last
+        if last is not None and last[0]() is call and last[1] == state:
+            return last[2]
+        value = make(call)
+        self._last = (weakref.ref(call), state, value)
+        return value
 
 
 def _check_mods(mask_mod, score_mod, batch: tuple, T: int, S: int):

@@ -89,11 +89,6 @@ inline Vec load(const bf16* p) {
   return Vec::loadu(x);
 #endif
 }
-inline Vec load(const bf16* p, int64_t n) {
-  float x[kV] = {};
-  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(p[i]);
-  return Vec::loadu(x);
-}
 inline Vec load(const f16* p) {  // (float16 widened exactly by F16C's conversion)
 #if defined(CPU_CAPABILITY_AVX512)
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -105,7 +100,9 @@ inline Vec load(const f16* p) {  // (float16 widened exactly by F16C's conversio
   return Vec::loadu(x);
 #endif
 }
-inline Vec load(const f16* p, int64_t n) {
+// The first n (< kV) half entries, widened, the rest 0 (a row's last, partial vector).
+template <typename Half>
+inline Vec load(const Half* p, int64_t n) {
   float x[kV] = {};
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(p[i]);
   return Vec::loadu(x);

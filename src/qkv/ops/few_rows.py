@@ -37,7 +37,6 @@ import math
 import os
 import struct
 import threading
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from torch import Tensor
 from . import key_counts
 from ._native_build import build_declared
 from .base import tracing
-from .call import AttentionCall
+from .call import AttentionCall, LastCall
 
 __all__ = ["MAX_ROWS", "SWITCH", "Runner", "attend", "available", "usable", "window_kind"]
 
@@ -83,16 +82,10 @@ def available() -> bool:
 def usable(call: AttentionCall) -> bool:
     """:func:`_usable_now`, kept for the last call asked about while the switch holds: the plan
     asks it (``keeps_nonfinite_contract``) and the tiled backend again for the same call."""
-    switch = os.environ.get(SWITCH)
-    last = _last_usable[0]  # (one read: another thread may replace it)
-    if last is not None and last[0]() is call and last[1] == switch:
-        return last[2]
-    answer = _usable_now(call)
-    _last_usable[0] = (weakref.ref(call), switch, answer)
-    return answer
+    return _last_usable.get(call, os.environ.get(SWITCH), _usable_now)
 
 
-_last_usable: list[tuple | None] = [None]  # (weakref to the call, the switch, the answer)
+_last_usable = LastCall()
 
 
 def _usable_now(call: AttentionCall) -> bool:
@@ -138,20 +131,20 @@ def _row_ranges(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
     Shape:
         -> lo, hi ``(B or 1, T)`` int64, contiguous.
     """
-    last = _last_ranges[0]
-    if last is not None and last[0]() is call:
-        return last[1]
-    found = None
+    return _last_ranges.get(call, None, _row_ranges_now)
+
+
+_last_ranges = LastCall()
+
+
+def _row_ranges_now(call: AttentionCall) -> tuple[Tensor, Tensor] | None:
     r = key_counts.ranges(call, attn_mask=False)
-    if r is not None and r[2] is None:
-        lo, hi = torch.broadcast_tensors(r[0], r[1])  # (B?, 1, T)
-        if lo.shape[0] in (1, call.BH[0]):
-            found = lo[:, 0].contiguous(), hi[:, 0].contiguous()  # (B?, T)
-    _last_ranges[0] = (weakref.ref(call), found)
-    return found
-
-
-_last_ranges: list[tuple | None] = [None]  # (weakref to the call, its ranges)
+    if r is None or r[2] is not None:
+        return None
+    lo, hi = torch.broadcast_tensors(r[0], r[1])  # (B?, 1, T)
+    if lo.shape[0] not in (1, call.BH[0]):
+        return None
+    return lo[:, 0].contiguous(), hi[:, 0].contiguous()  # (B?, T)
 
 
 def _keep(call: AttentionCall) -> Tensor | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,7 +33,7 @@ from ..masks import apply_mask_, causal_bool, evaluate_mask, evaluate_score, ind
 from . import bf16_scores, cpu_isa, key_counts, softmax_rows
 from ._memory import empty_large
 from .base import BackendResult, tracing
-from .call import AttentionCall
+from .call import AttentionCall, LastCall
 
 __all__ = [
     "ReferenceBackend",
@@ -305,16 +304,10 @@ def _fusable(call: AttentionCall) -> tuple | None:
     backend asks again for the same call object (17 of a decoding step's ~130 us)."""
     env = os.environ
     routes = (env.get("QKV_BF16_GEMM"), env.get("QKV_CPU_HALF_GEMM"), env.get("QKV_AUTOTUNE"))
-    state = (*routes, tracing())
-    last = _last_fusable[0]  # (one read: another thread may replace it)
-    if last is not None and last[0]() is call and last[1] == state:
-        return last[2]
-    ranges = _fusable_now(call)
-    _last_fusable[0] = (weakref.ref(call), state, ranges)
-    return ranges
+    return _last_fusable.get(call, (*routes, tracing()), _fusable_now)
 
 
-_last_fusable: list[tuple | None] = [None]  # (weakref to the call, state, its ranges)
+_last_fusable = LastCall()
 
 
 def _fusable_now(call: AttentionCall) -> tuple | None:
