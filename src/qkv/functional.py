@@ -130,8 +130,8 @@ def scaled_dot_product_attention(
     mods = (mask_mod, score_mod, sinks)
     if record is None and amp is None:  # (almost every call: no context to enter)
         lane = None
-        if not return_trace and (mods == _NO_MODS or _window_only(mods)):
-            window = None if mask_mod is None else few_rows.window_kind(mask_mod)
+        window = None if mods == _NO_MODS else _window_only(mods)
+        if not return_trace and (window is not None or mods == _NO_MODS):
             lane = _lane_key(query, key, value, args, backend, window)  # None: no lane's call
             if lane is not None:
                 out = _run_lane(lane, query, key, value, attn_mask, mask_mod)
@@ -341,12 +341,12 @@ class _Lane:
         )
 
 
-def _window_only(mods: tuple) -> bool:
-    """Whether a call's mods are one sliding window or causal mask (``few_rows.window_kind``)
-    and nothing else: such a call may have a lane (the few-rows kernel's, its rows' ranges
-    made per call)."""
+def _window_only(mods: tuple) -> tuple | None:
+    """The window's kind (``few_rows.window_kind``) where a call's mods are one sliding window
+    or causal mask and nothing else, else None: such a call may have a lane (the few-rows
+    kernel's, its rows' ranges made per call)."""
     mask_mod, score_mod, sinks = mods
-    return score_mod is None and sinks is None and few_rows.window_kind(mask_mod) is not None
+    return few_rows.window_kind(mask_mod) if score_mod is None and sinks is None else None
 
 
 _LANES: dict[tuple, _Lane] = {}  # by kind, and by exact kind (two tuples of other lengths)
