@@ -12,12 +12,6 @@ fixture of conftest.py), so that every route runs on every machine:
   ``float32`` widens them first. It reaches the modules' projections
   (``ops.cpu_isa.linear``); the measurement itself is tested with a fake clock
   (test_cpu_isa.py).
-* ``QKV_CPU_HALF_GRAD`` (``qkv.ops.cpu_isa.half_grad_route``, measured once per process and
-  size class, kept on disk; with ``QKV_AUTOTUNE`` off the same flags' rule): a bfloat16 CPU
-  call that wants a gradient computes in bfloat16 by torch's kernels (``native``) or in
-  float32, rounded once (``float32``; ``AttentionCall.work_dtype``). Forced with the half GEMM
-  route of the same name in ``ROUTES``; test_half_grad_route.py runs both and measures with
-  a fake clock.
 * torch's CPU flash kernel (``qkv.ops._aten.flash_cpu_available``, a property of the torch
   build): the tiled backend's ``flash`` inner kernel and the torch backend's lse for traces.
   Hidden, they take their plain twins: the ``matmul`` inner kernel, and the lse derived by
@@ -78,8 +72,8 @@ ROUTES = {
 MACHINE_PROBES = {
     "ops/nonfinite.py": "QKV_CPU_HOST_READS: the host-read route, forced both ways "
     "(force_host_reads)",
-    "ops/cpu_isa.py": "QKV_CPU_HALF_GEMM, QKV_CPU_HALF_GRAD, the CPU's flags and capability: "
-    "the half GEMM route and the bfloat16 gradient route (both forced by force_route)",
+    "ops/cpu_isa.py": "QKV_CPU_HALF_GEMM, the CPU's flags and capability: the half GEMM route "
+    "(forced by force_route)",
     "ops/_aten.py": "flash_cpu_available: the torch build's CPU flash kernel",
     "ops/tiled/plan.py": "flash_cpu_available: hidden in the -noflash routes",
     "ops/torch_sdpa.py": "flash_cpu_available: hidden in the -noflash routes",
@@ -112,10 +106,9 @@ MACHINE_PROBES = {
 
 def force_route(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Force the route ``name`` of ``ROUTES`` for the rest of the test (undone after it): the
-    half GEMMs' and the bfloat16 gradient calls' (one name for both)."""
+    half GEMMs' and whether torch's CPU flash kernel is used."""
     half_gemm, flash = ROUTES[name]
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", half_gemm)
-    monkeypatch.setenv("QKV_CPU_HALF_GRAD", half_gemm)
     if not flash:
         for module in (tiled_plan, torch_sdpa):
             monkeypatch.setattr(module, "flash_cpu_available", lambda: False)

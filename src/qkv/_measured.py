@@ -2,7 +2,7 @@
 
 qkv makes its speed choices by timing on the machine at hand (issue 38): ``auto``'s backend
 (``qkv.autotune``) and the CPU kernels' routes (``qkv.ops.cpu_isa``: native or float32 half
-GEMMs, bfloat16 gradients in bfloat16 or float32: :class:`MeasuredRoute`). Each kind of
+GEMMs: :class:`MeasuredRoute`). Each kind of
 choice is measured once, kept in memory for the process, and kept on disk for the next
 process on the same machine. This module is the part they share, below
 both (``ops`` may not import ``autotune``): the switch, the timer, the machine's name and the

@@ -81,8 +81,8 @@ def tune_grid(
 def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict]:
     """Measure each CPU route choice and keep it (in this process and on disk, where later
     processes read it); yield one row per choice: ``{choice, route, times, reason}``, with
-    ``forced`` naming what the switch ``switch`` (``QKV_CPU_HALF_GEMM``,
-    ``QKV_CPU_HALF_GRAD``, ``QKV_BF16_GEMM``) holds this process to, if set."""
+    ``forced`` naming what the switch ``switch`` (``QKV_CPU_HALF_GEMM``, ``QKV_BF16_GEMM``)
+    holds this process to, if set."""
     for dtype in (torch.bfloat16, torch.float16):
         choice = cpu_isa.half_gemm_choice(dtype, fresh=True)
         name = str(dtype).removeprefix("torch.")
@@ -91,16 +91,6 @@ def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict
         held = cpu_isa.half_gemm_choice(dtype, measure=False)
         if held.source == "forced":
             row.update(forced=held.route, switch=cpu_isa.HALF_GEMM_SWITCH)
-        if progress is not None:
-            progress(row)
-        yield row
-    for bucket in cpu_isa.HALF_GRAD_BUCKETS:
-        grad = cpu_isa.HALF_GRAD.choice(bucket, fresh=True)
-        row = dict(choice=f"bfloat16 gradient ({bucket})", route=grad.route)
-        row.update(times=grad.times, reason=grad.reason())
-        forced = cpu_isa.HALF_GRAD.forced()
-        if forced is not None:
-            row.update(forced=forced, switch=cpu_isa.HALF_GRAD_SWITCH)
         if progress is not None:
             progress(row)
         yield row

@@ -1,6 +1,5 @@
 """``qkv tune``: measure ``auto``'s choice of backend and the CPU routes' choices (native or
-float32 half GEMMs, bfloat16 gradients in bfloat16 or float32, the bfloat16 kernel's GEMM) on
-this machine ahead of time."""
+float32 half GEMMs, the bfloat16 kernel's GEMM) on this machine ahead of time."""
 
 from __future__ import annotations
 

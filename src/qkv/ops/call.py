@@ -37,33 +37,45 @@ from ..masks import (
     index_grid,
     merge_causal,
 )
-from .cpu_isa import half_grad_bucket, half_grad_route
 
 __all__ = ["AttentionCall", "LastCall"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# A bfloat16 CPU call that returns few numbers (an output, or with a gradient also the
-# gradients of q, k and v, of at most ``EXACT_HALF_OUTPUTS`` elements: the smallest of them
-# counts) and costs at most ``EXACT_HALF_WORK`` multiply-adds (``B * H * T * S * (D + Dv)``)
-# computes in float32 and is rounded once, whichever kernel runs it. Its results are then the
-# bfloat16 values nearest the exact ones (float32's own error is ~1e-7), never farther from
-# them than any bfloat16 answer, the plain math's in bfloat16 included: the tolerance policy
-# holds by construction. torch's bfloat16 kernels round the weights to bfloat16 before they
-# meet the values, and the policy's maximum over a handful of numbers shows it: torch's
-# kernel with a bool attn_mask, T=1, S=64, one head, 2000 draws each, missed the policy on 71
-# at D=2, 23 at D=4, 2 at D=8, 1 at D=16 and none at D=32, 64, or 2 heads of 16; with a
-# gradient, torch's bfloat16 backward missed it on 19 of 200 dq (4 numbers) at T=1, S=2,
-# D=4, and on 13 of 200 dv (3 numbers) at T=40, S=1, D=3. Drawn at random, calls of 32
-# numbers and more did not miss it; the long property profile found calls of 18, 18, 24
-# and 32 numbers that did (tiled's flash chunks, torch's kernel, a gradient of v), so the
-# bound is 64: a decoding step of real sizes (heads x head dim >= 128) is far beyond it. The
-# work bound keeps the widening's copies of k and v (at most as many elements as the
-# kernel's multiply-adds) below a millisecond. qkv's fused bfloat16 kernel (``bf16_scores``,
-# exact to the policy: its weights are not rounded) does not read this and still takes the
-# calls it can; a call widened keeps no decoding lane (``functional._keep_lane``).
+# A bfloat16 CPU call without gradient that returns few numbers (an output of at most
+# ``EXACT_HALF_OUTPUTS`` elements) and costs at most ``EXACT_HALF_WORK`` multiply-adds
+# (``B*H*T*S*(D+Dv)``) computes in float32 and is rounded once, whichever kernel runs it. Its
+# results are then the bfloat16 values nearest the exact ones (float32's own error is ~1e-7),
+# never farther from them than any bfloat16 answer, the plain math's in bfloat16 included: the
+# tolerance policy holds by construction. torch's bfloat16 kernels round the weights to bfloat16
+# before they meet the values, and the policy's maximum over a handful of numbers shows it:
+# torch's kernel with a bool attn_mask, T=1, S=64, one head, 2000 draws each, missed the policy on
+# 71 at D=2, 23 at D=4, 2 at D=8, 1 at D=16 and none at D=32, 64, or 2 heads of 16; with a
+# gradient, torch's bfloat16 backward missed it on 19 of 200 dq (4 numbers) at T=1, S=2, D=4, and
+# on 13 of 200 dv (3 numbers) at T=40, S=1, D=3 (now every bfloat16 call wanting a gradient is
+# widened: "bfloat16 gradients" below). Drawn at random, outputs of 32 numbers and more did not
+# miss it; the long property profile found calls of 18, 18, 24 and 32 numbers that did (tiled's
+# flash chunks, torch's kernel), so the bound is 64: a decoding step of real sizes (heads x head
+# dim >= 128) is far beyond it. The work bound keeps the widening's copies of k and v (at most as
+# many elements as the kernel's multiply-adds) below a millisecond. qkv's fused bfloat16 kernel
+# (``bf16_scores``, exact to the policy: its weights are not rounded) does not read this and still
+# takes the calls it can; a call widened keeps no decoding lane (``functional._keep_lane``).
 EXACT_HALF_OUTPUTS = 64
 EXACT_HALF_WORK = 1 << 20
+
+# bfloat16 gradients: a bfloat16 CPU call that wants a gradient computes in float32 (q, k and v
+# widened, the output rounded once, the gradients rounded once on the way back), at every size.
+# torch's bfloat16 CPU backward is outside the tolerance policy, and more so the longer the rows:
+# against the float64 golden, its dk/dv error was up to 2.6x plain bfloat16 math's at T=S=128, 3.6x
+# at 512 and 4.4x at 2048 (causal, D=64, 8-20 draws; the policy allows 3x), the median 2.5x at 2048;
+# at the sizes the property tests draw it missed too (19 of 200 dq at T=1, S=2, D=4; grad v at
+# T=S=40, D=16, scale 0). Its forward is within it (at most 1.07x). The float32 backward is within
+# it at every size measured (at most 0.91x), with a bfloat16 forward beside it too, but the backward
+# is most of the cost: on the Zen 4 (AVX-512-BF16, 2 threads) forward and backward cost 1.22x,
+# 1.36x, 1.28x the bfloat16 kernels' at T=512, 1024, 2048, and less than them up to T=256; without
+# AVX-512-BF16 float32 is 3-5x faster (``benchmarks/bench_bf16_backward.py``). Until 2026-11-28 this
+# was a route measured per size class, bfloat16 where faster (``QKV_CPU_HALF_GRAD``); correctness
+# comes first.
 
 
 @dataclass(frozen=True)
@@ -201,22 +213,18 @@ class AttentionCall:
         """The dtype the CPU kernels compute in: float32 for float16 inputs (torch's float16
         CPU kernel is slow and inexact, see ``torch_sdpa.py``), for half inputs with a
         float32 ``attn_mask`` (the mask keeps its precision through the softmax, as plain math
-        promotes it), and for bfloat16 inputs of a call that wants a gradient where the
-        measured route says so (``cpu_isa.half_grad_route``: per size class, float32 where it
-        is faster here); for a bfloat16 call with few numbers to return (see
-        ``EXACT_HALF_OUTPUTS``); otherwise the inputs' dtype."""
+        promotes it), for bfloat16 inputs of a call that wants a gradient (see "bfloat16
+        gradients" at the top of this module), and for a bfloat16 call with few numbers to
+        return (see ``EXACT_HALF_OUTPUTS``); otherwise the inputs' dtype."""
         if not self.query.is_cpu or self.dtype not in (torch.float16, torch.bfloat16):
             return self.dtype
         float32_mask = self.attn_mask is not None and self.attn_mask.dtype == torch.float32
-        if self.dtype == torch.float16 or float32_mask or self._few_outputs():
+        if self.dtype == torch.float16 or float32_mask or self.wants_grad:
             return torch.float32
-        if self.wants_grad and half_grad_route(half_grad_bucket(self._span())) == "float32":
-            return torch.float32
-        return self.dtype
+        return torch.float32 if self._few_outputs() else self.dtype
 
     def _few_outputs(self) -> bool:
-        """Whether the call returns at most ``EXACT_HALF_OUTPUTS`` numbers in one of its
-        results (the output; with a gradient also those of q, k and v) at a cost of at most
+        """Whether the call returns at most ``EXACT_HALF_OUTPUTS`` numbers at a cost of at most
         ``EXACT_HALF_WORK`` multiply-adds: computed in float32 then (see there)."""
         # (sizes traced as symbols count only where the bound holds for every size they may
         # take: asking would guard on them, and torch.export refused a dynamic T)
@@ -224,20 +232,7 @@ class AttentionCall:
         T, S, D, Dv = self.T, self.S, self.D, self.Dv
         if not statically_known_true(B * H * T * S * (D + Dv) <= EXACT_HALF_WORK):
             return False
-        if statically_known_true(B * H * T * Dv <= EXACT_HALF_OUTPUTS):  # the output's
-            return True
-        return self.wants_grad and any(
-            statically_known_true(t.numel() <= EXACT_HALF_OUTPUTS)
-            for t in (self.query, self.key, self.value)
-        )
-
-    def _span(self) -> int:
-        """The keys a query row may see at most: S, or a sliding window's width where the
-        call's mask_mod is one (the half-gradient route's size class goes by it)."""
-        mod = self.mask_mod
-        if isinstance(mod, _Window) and mod.left is not None and mod.right is not None:
-            return min(self.S, mod.left + mod.right + 1)
-        return self.S
+        return statically_known_true(B * H * T * Dv <= EXACT_HALF_OUTPUTS)
 
     @property
     def wants_grad(self) -> bool:

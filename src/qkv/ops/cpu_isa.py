@@ -25,10 +25,9 @@ the tolerance policy (issue 37: the suite forces both), so the choice changes sp
   times, from disk, from the flags); :func:`explain_half_gemm` says it in a line and runs
   nothing.
 
-The same holds for bfloat16 attention that wants a gradient (:data:`HALF_GRAD`,
-``QKV_CPU_HALF_GRAD``): in bfloat16 by torch's kernels, or widened to float32 and rounded
-once, per size class (rows that see up to 256 keys, and longer), read by
-``AttentionCall.work_dtype``. Both routes are ``qkv._measured.MeasuredRoute`` objects.
+The route is a ``qkv._measured.MeasuredRoute``. bfloat16 attention that wants a gradient
+has no such choice: it is computed in float32 and rounded once (``AttentionCall.work_dtype``
+says why).
 """
 
 from __future__ import annotations
@@ -48,17 +47,12 @@ __all__ = [
     "HALF_GEMM",
     "HALF_GEMM_ROUTES",
     "HALF_GEMM_SWITCH",
-    "HALF_GRAD",
-    "HALF_GRAD_SWITCH",
     "RouteChoice",
     "cpu_features",
     "explain_half_gemm",
-    "explain_half_grad",
     "forget",
     "half_gemm_choice",
     "half_gemm_route",
-    "half_grad_bucket",
-    "half_grad_route",
     "linear",
     "native_bf16",
     "widens_half",
@@ -151,10 +145,9 @@ def explain_half_gemm(dtype: torch.dtype = torch.bfloat16) -> str:
 
 
 def forget() -> None:
-    """Drop this process's routes, the half GEMMs' and the bfloat16 gradients' (the next call
-    of each is measured again, or read from disk; the disk is read again)."""
+    """Drop this process's half GEMM routes (the next call of each dtype is measured again, or
+    read from disk; the disk is read again)."""
     HALF_GEMM.forget()
-    HALF_GRAD.forget()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -239,85 +232,3 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         wide_bias = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
     return F.linear(x, weight, bias)
-
-
-# --- bfloat16 attention that wants a gradient: in its own dtype or in float32 -------------------
-
-HALF_GRAD_SWITCH = "QKV_CPU_HALF_GRAD"  # forces the route: "native" or "float32"
-HALF_GRAD_BUCKETS = ("short", "long")
-_SHORT_KEYS = 256  # keys a query row may see, up to which a call is "short"
-# the representative call of each bucket: (heads, T = S); D=64, forward and backward
-_GRAD_CASES = {"short": (4, 128), "long": (1, 1024)}
-_GRAD_ROUNDS, _GRAD_BUDGET_S = 3, 0.02
-
-
-def half_grad_bucket(keys: int) -> str:
-    """The size class of a call whose query rows see up to ``keys`` keys (S, or a sliding
-    window's width): ``"short"`` up to 256, ``"long"`` beyond. torch's bfloat16 kernels win
-    only on long rows on the CPUs that have them (see :data:`HALF_GRAD`); a window of 128 at
-    T=1024 ran 0.82x as fast in bfloat16 as in float32 through the tiled backend (Zen 4)."""
-    return "short" if keys <= _SHORT_KEYS else "long"
-
-
-def half_grad_route(bucket: str) -> str:
-    """``"float32"``: a bfloat16 CPU call that wants a gradient computes its attention in
-    float32 (q, k and v widened, the output rounded once, the gradients rounded once on the
-    way back); ``"native"``: in bfloat16, by torch's kernels. Per size class
-    (:func:`half_grad_bucket`), measured once per process or read from disk; forced by
-    ``QKV_CPU_HALF_GRAD``; with ``QKV_AUTOTUNE=off`` the flags' rule (native where torch may
-    use AVX-512-BF16 or AMX). Read by ``AttentionCall.work_dtype``."""
-    return HALF_GRAD.route(bucket)
-
-
-vars(half_grad_route)["_dynamo_marked_constant"] = True  # (as half_gemm_route: a constant)
-
-
-def explain_half_grad(bucket: str) -> str:
-    """Which route bfloat16 attention wanting a gradient takes in ``bucket`` and why, in a
-    line; runs nothing."""
-    choice = HALF_GRAD.choice(bucket, measure=False)
-    return f"bfloat16 attention gradient ({bucket}) -> {choice.reason()}"
-
-
-def _grad_runners(bucket: str) -> dict[str, Callable[[], object]]:
-    """The bucket's representative call, forward and backward, by each route (the flags'
-    route first: it wins a tie). Drawn from a generator of its own."""
-    heads, L = _GRAD_CASES[bucket]
-    g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (
-        torch.randn(1, heads, L, 64, generator=g).to(torch.bfloat16) for _ in range(4)
-    )  # (1, heads, L, 64)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
-
-    def run(wide: bool) -> Callable[[], object]:
-        def step():
-            with torch.enable_grad():
-                inputs = [t.float() for t in leaves] if wide else leaves
-                out = F.scaled_dot_product_attention(*inputs)
-                return torch.autograd.grad(out.to(torch.bfloat16), leaves, grad)
-
-        return step
-
-    runners = {"native": run(False), "float32": run(True)}
-    first = _flag_route()
-    return {first: runners[first]} | {n: r for n, r in runners.items() if n != first}
-
-
-def _time_grad_routes(bucket: str) -> dict[str, float]:
-    """Seconds per representative call of each route (:func:`_time_one_thread`)."""
-    return _time_one_thread(lambda: _grad_runners(bucket), _GRAD_ROUNDS, _GRAD_BUDGET_S)
-
-
-# Measured on the 2-core AMD Zen 4 (AVX-512-BF16; torch 2.13, one thread), forward and backward
-# of torch's SDPA, float32 route / native: T = S = 32 0.40, 128 0.52, 256 0.84, 512 1.12, 1024
-# 1.16, 2048 1.27; held to AVX2 (no bfloat16 instructions) 0.20-0.34 at every length. The float32
-# route's output and gradients are float32's rounded once, within the tolerance policy always;
-# torch's bfloat16 backward was outside it on 12 of 100 draws at T=1, S=2, D=4.
-HALF_GRAD = _measured.MeasuredRoute(
-    "half_grad/bfloat16",
-    HALF_GEMM_ROUTES,
-    HALF_GRAD_SWITCH,
-    _flag_route,
-    _flags_words,
-    _time_grad_routes,
-)
