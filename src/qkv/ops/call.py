@@ -302,9 +302,11 @@ class AttentionCall:
             return mask.expand(batch + mask.shape[-2:]).reshape(-1, batch[-1], *mask.shape[-2:])
         return mask
 
-    def mask(self) -> Tensor | None:
+    def mask(self, dtype: torch.dtype | None = None) -> Tensor | None:
         """The dense mask to apply: ``attn_mask`` merged with the causal mask when both are
         set, and with ``mask_mod`` evaluated densely (O(T * S): for the plain backends).
+        ``dtype``: a float ``attn_mask`` is cast to it first, so that the merge, and the sum of
+        its gradient back to its own shape, happen in that dtype.
 
         With ``is_causal`` alone this returns None (backends use their causal fast path).
 
@@ -312,6 +314,8 @@ class AttentionCall:
             broadcastable to ``(*batch, T, S)``.
         """
         mask = self.attn_mask
+        if mask is not None and dtype is not None and mask.is_floating_point():
+            mask = mask.to(dtype)
         if self.mask_mod is not None:
             structured = self.dense_mask_mod()  # (*batch or 1s, T, S)
             if self.is_causal:

@@ -111,7 +111,10 @@ class TorchBackend:
             mask, row_ok, factor = _structured_for_kernel(call)  # causal merged in
             is_causal = False
         else:
-            mask = call.mask()
+            # a half float mask that wants a gradient is widened before it is merged: the
+            # gradient's sum back to its shape (a scalar's over every pair) is then float32's
+            # (in bfloat16 a scalar mask's gradient was 5x the policy's bound, T=13, S=3)
+            mask = call.mask(dtype=_mask_work_dtype(call))
             is_causal = call.is_causal and mask is None  # merged into mask otherwise
             mask, row_ok, factor = _guard_for_kernel(
                 mask, remember=mask is call.attn_mask, dtype=call.work_dtype
@@ -350,6 +353,20 @@ def _guarded(mask: Tensor) -> tuple[Tensor, Tensor]:
     low = torch.zeros(row_ok.shape, dtype=mask.dtype, device=mask.device)
     low = low.masked_fill_(row_ok, float("-inf")).unsqueeze(-1)  # (..., T, 1): 0 on empty rows
     return torch.maximum(mask, low), row_ok  # an empty row's -inf become 0; others as they are
+
+
+def _mask_work_dtype(call: AttentionCall) -> torch.dtype | None:
+    """float32 for a half float ``attn_mask`` that wants a gradient where the kernel computes
+    in float32 (``_upcast``); else None (the mask as it is: merged exactly in its dtype)."""
+    mask = call.attn_mask
+    if (
+        mask is None
+        or not mask.requires_grad
+        or mask.dtype not in (torch.float16, torch.bfloat16)
+        or not _upcast(call)
+    ):
+        return None
+    return call.work_dtype
 
 
 def _upcast(call: AttentionCall) -> bool:
