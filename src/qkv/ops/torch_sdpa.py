@@ -17,6 +17,9 @@ What it adds on top of torch:
     float16 CPU kernel measured ~7x slower for forward+backward (T=2048, D=64) and its dV error
     up to 3.4x that of plain float16 math, outside the tolerance policy; through float32 the
     error stays within it (benchmarks/RESULTS.md).
+  * A half float ``attn_mask`` that wants a gradient, where the kernel computes in float32,
+    is widened before its merge with ``is_causal``: its gradient is summed back to its shape
+    in float32 (``_mask_work_dtype``).
   * On CUDA, plain and causal half calls try cuDNN's attention first (``_kernel_order``):
     measured faster than flash, which torch's own order picks at some lengths.
   * The log-sum-exp for traces: on CPU, torch's flash kernel returns it with the output
