@@ -1,6 +1,7 @@
 """Modules: SelfAttention in the seeds' terms, MultiHeadAttention equal to torch's module,
 GQA equal to repeated K/V heads, traces consistent with outputs, AdditiveAttention."""
 
+import copy
 import itertools
 
 import pytest
@@ -426,6 +427,47 @@ def test_a_decoding_step_takes_its_short_way_to_the_general_ways_bits(dtype, pad
     assert mha._decode_step(steps[0].double(), mha.new_cache(2, 16)) is None
     with pytest.raises(ValueError, match="key_mask must have shape"):
         mha(steps[0], key_mask=torch.ones(2, 2, dtype=torch.bool), cache=mha.new_cache(2, 16))
+
+
+@pytest.mark.parametrize("name", ["in_proj_weight", "in_proj_bias"])
+@pytest.mark.parametrize("G", [4, 2])
+def test_parametrized_and_functional_call_weights_reach_every_way(G, name):
+    """A fused in-projection weight or bias that is no parameter of the module (a
+    parametrization: weight norm, ``torch.nn.utils.parametrize``) is read as the module's
+    attribute: the short ways read ``_parameters`` directly, which raised KeyError for such a
+    weight, in a forward and in a decoding step (and would have dropped such a bias).
+    ``torch.func.functional_call``'s weights are the ones used."""
+    from torch.func import functional_call
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(16, 4, num_kv_heads=G, dtype=torch.float64).eval()
+    doubled = copy.deepcopy(mha)
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+        doubled.in_proj_bias.copy_(mha.in_proj_bias)
+        getattr(doubled, name).mul_(2)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    want = doubled(x, is_causal=True)
+    assert not torch.allclose(want, mha(x, is_causal=True))
+
+    class Twice(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    parametrize.register_parametrization(mha, name, Twice())
+    torch.testing.assert_close(mha(x, is_causal=True), want, rtol=0, atol=1e-12)
+    cache = mha.new_cache(2, 8)
+    with torch.no_grad():
+        steps = torch.cat([mha(x[:, i : i + 1], cache=cache) for i in range(5)], 1)
+    torch.testing.assert_close(steps, want, rtol=0, atol=1e-12)
+
+    plain = copy.deepcopy(doubled)
+    halves = {name: p / 2 for name, p in plain.named_parameters()}
+    with torch.no_grad():
+        for p in doubled.parameters():
+            p.div_(2)
+    torch.testing.assert_close(functional_call(plain, halves, (x,)), doubled(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("where", ["own", "own-pre", "global", "global-pre"])

@@ -560,25 +560,32 @@ class MultiHeadAttention(nn.Module):
     def _project(self, query: Tensor, key: Tensor, value: Tensor):
         """Project and split into heads: one fused matmul for self-attention."""
         H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if G == H and self.fused and query is key is value:  # (a decoding step's way first)
+        if self.fused and query is key is value:  # (a decoding step's way first)
             B, T, _ = query.shape
-            p = self._parameters  # (read without nn.Module.__getattr__'s calls)
-            w, bias = p["in_proj_weight"], p.get("in_proj_bias")
-            qkv = linear(query, w, bias)  # type: ignore[arg-type]  # (B, T, 3 * H * D)
-            # the three heads' views in three ops rather than seven
-            q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
-            return q, k, v  # (B, H, T, D) each
+            # (read without nn.Module.__getattr__'s calls; a parametrized weight or bias
+            # (weight norm, torch.nn.utils.parametrize) is no parameter: read as attributes)
+            p = self._parameters
+            w = p.get("in_proj_weight")
+            if w is None or "in_proj_bias" not in p:
+                w, bias = self.in_proj_weight, self.in_proj_bias
+            else:
+                bias = p["in_proj_bias"]
+            qkv = linear(query, w, bias)  # (B, T, (H + 2G) * D)
+            # the three heads' views in three ops rather than seven (Tensor.split's Python
+            # wrapper alone cost a grouped decoding step 3% of its time)
+            if G == H:
+                q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+            else:
+                heads = qkv.view(B, T, H + 2 * G, D).transpose(1, 2)  # (B, H + 2G, T, D)
+                q, k, v = heads.split_with_sizes([H, G, G], 1)
+            return q, k, v  # (B, H, T, D), (B, G, T, D) x2
         B, T, S = query.shape[0], query.shape[1], key.shape[1]
         sizes = [H * D, G * D, G * D]
-        if self.fused and query is key is value:
-            qkv = linear(query, self.in_proj_weight, self.in_proj_bias)  # (B, T, (H + 2G) * D)
-            q, k, v = qkv.split(sizes, -1)
-        else:
-            biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
-            w_q, w_k, w_v = self._proj_weights()
-            q, k, v = (
-                linear(x, w, b) for x, w, b in zip((query, key, value), (w_q, w_k, w_v), biases)
-            )  # (B, L, heads * D)
+        biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
+        w_q, w_k, w_v = self._proj_weights()
+        q, k, v = (
+            linear(x, w, b) for x, w, b in zip((query, key, value), (w_q, w_k, w_v), biases)
+        )  # (B, L, heads * D)
         return (
             q.reshape(B, T, H, D).transpose(1, 2),  # (B, H, T, D)
             k.reshape(B, S, G, D).transpose(1, 2),  # (B, G, S, D)
