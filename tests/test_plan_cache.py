@@ -116,3 +116,65 @@ def test_the_cache_is_bounded():
     for w in range(tiled.PLAN_CACHE_SIZE + 5):
         qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=M.sliding_window(w))
     assert len(tiled._plan_cache) == tiled.PLAN_CACHE_SIZE
+
+
+def test_chunk_masks_of_a_kept_plan_are_built_once(monkeypatch):
+    """A window's first tiles and its diagonal group take their chunk masks (and the rows
+    without a key) from the kept plan at the next call: none is built again, in the forward
+    or the backward, and the answer is the fresh plan's. A score_mod's masks are built at
+    every call, and past ``KEPT_MASK_ELEMENTS`` a plan keeps no more of them."""
+    from qkv.ops.tiled import plan as tiled_plan
+
+    built = []
+    chunk_mask = tiled_plan._Plan.chunk_mask
+
+    def counting(self, *args):
+        built.append(args)
+        return chunk_mask(self, *args)
+
+    monkeypatch.setattr(tiled_plan._Plan, "chunk_mask", counting)
+    q, k, v = (t.requires_grad_() for t in _qkv(T=300, S=300))
+    mm = M.sliding_window(100)
+    first = 0
+    for _call in range(2):
+        built.clear()
+        out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        ref = qkv.scaled_dot_product_attention(q, k, v, backend="reference", mask_mod=mm)
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=0, atol=1e-10)
+        first = first or len(built)
+    assert first >= 3 and built == []  # (single tiles and the group's mask, then none)
+    with torch.no_grad():
+        for _ in range(2):
+            built.clear()
+            qkv.scaled_dot_product_attention(
+                q, k, v, backend="tiled", mask_mod=mm, score_mod=M.alibi(1)
+            )
+        assert len(built) >= 3  # masks holding a score_mod's bias: built at every call
+        monkeypatch.setattr(tiled_plan, "KEPT_MASK_ELEMENTS", 0)
+        tiled.clear_plan_cache()
+        for _ in range(2):
+            built.clear()
+            qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm)
+        assert len(built) == first - 1  # only the group's mask kept (the tiles' over budget)
+
+
+def test_masks_kept_under_inference_mode_serve_a_call_with_a_gradient():
+    """Masks kept by a call under ``inference_mode`` are inference tensors; a later call
+    with the same plan that wants gradients reads them in its forward and backward."""
+    q, k, v = _qkv(T=300, S=300)
+    mm = M.sliding_window(100)
+    with torch.inference_mode():
+        first = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = qkv.scaled_dot_product_attention(q, k, v, backend="reference", mask_mod=mm)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    torch.testing.assert_close(first, ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-10)

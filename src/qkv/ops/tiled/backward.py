@@ -158,7 +158,7 @@ def _score_slope(plan: _Plan, raw: Tensor, where) -> Tensor | None:
 
 def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):
     t0, t1, k0, k1, masked = where
-    mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))
+    mask, _ = plan.kernel_mask(t0, t1, k0, k1, masked, _mask_dtype(q))
     dq, dk, dv = flash_backward(
         dout,
         q,

@@ -125,7 +125,8 @@ def _group_flash_chunk(
     Shape:
         -> out ``(B*H, n, tq, Dv)``, lse ``(B*H, n, tq)``.
     """
-    mask = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
+    dtype = _mask_dtype(q)
+    mask = _group_mask(plan, u, a, b, masked, dtype)
     o, lse = flash_forward(
         _stacked(q, u, 0, u.tq),
         _stacked(k, u, a, b),
@@ -135,7 +136,10 @@ def _group_flash_chunk(
     )
     if masked:
         assert mask is not None  # a masked chunk has a mask
-        lse = lse.masked_fill(torch.isneginf(mask).all(-1), float("-inf"))  # rows with no key
+        key = ("dead", u.tq, a, b, dtype)  # its rows with no key, kept beside it
+        if key not in plan.group_masks:
+            plan.group_masks[key] = torch.isneginf(mask).all(-1)
+        lse = lse.masked_fill(plan.group_masks[key], float("-inf"))
     return o, lse
 
 
@@ -159,11 +163,10 @@ def merge_by_lse(o_a: Tensor, l_a: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Te
 def _flash_chunk(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, where: tuple):
     """One chunk through torch's CPU flash kernel; rows with no key in the chunk get lse -inf."""
     t0, t1, k0, k1, masked = where
-    mask = plan.chunk_mask(t0, t1, k0, k1, masked, _mask_dtype(q))  # (B?, H?, tq, kc) or None
+    # (B?, H?, tq, kc) or None; (B?, H?, tq): rows with no key, where the kernel reports lse 0
+    mask, dead = plan.kernel_mask(t0, t1, k0, k1, masked, _mask_dtype(q))
     o, lse = flash_forward(q, k, v, attn_mask=mask, scale=plan.scale)  # (B, H, tq, Dv), (B, H, tq)
-    if masked or plan.bias is not None:
-        assert mask is not None  # a masked chunk, or a bias, makes one
-        dead = torch.isneginf(mask).all(-1)  # (B?, H?, tq): the kernel reports lse 0 there
+    if dead is not None:
         lse = lse.masked_fill(dead, float("-inf"))
     return o, lse
 

@@ -52,6 +52,9 @@ MIN_FULL_RUN = 8  # full blocks worth a chunk of their own (no mask) rather than
 # 238/257/285 and 152/156/195: 2^22 within 8% of the best of the three in each case, and no
 # one budget best across cases (which a measured constant per machine would need).
 CHUNK_ELEMENTS = 1 << 22
+# Chunk masks of single tiles kept per plan (``_Plan.kernel_mask``): 1 MiB in float32, so the
+# plan cache's 64 plans hold at most 64 MiB of them; a window's first tiles take ~40k.
+KEPT_MASK_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,38 @@ class _Plan:
     inner: str
     units: list[_Unit]
     device: torch.device
-    group_masks: dict = field(default_factory=dict)  # (tq, a, b, dtype) -> kernel-layout mask
+    # diagonal groups: (tq, a, b, masked, dtype) -> kernel-layout mask, ("dead", ...) -> its rows
+    # with no key; single tiles: ("tile", ...) -> (mask, dead) (see kernel_mask)
+    group_masks: dict = field(default_factory=dict)
+
+    def kernel_mask(
+        self, t0: int, t1: int, k0: int, k1: int, masked: bool, dtype
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """:meth:`chunk_mask` and its rows with no key (None where no row can lack one: an
+        unmasked chunk without a bias), as the flash kernel's chunk takes them. Remembered with
+        the plan's units (``group_masks``, shared by the calls with the same mask structure
+        and sizes) when they come from the mask_mod alone, up to ``KEPT_MASK_ELEMENTS`` per
+        plan: a window's first tiles built their masks anew at every call (an eighth of a
+        float32 window(256) call at T=1024 went to the masks and their dead rows).
+
+        Shape:
+            ``(B?, H?, tq, kc)`` or None; ``(B?, H?, tq)`` bool or None.
+        """
+        key = ("tile", t0, t1, k0, k1, masked, dtype)
+        kept = self.group_masks.get(key)
+        if kept is not None:
+            return kept
+        mask = self.chunk_mask(t0, t1, k0, k1, masked, dtype)
+        dead = None
+        if masked or self.bias is not None:
+            assert mask is not None  # a masked chunk, or a bias, makes one
+            dead = torch.isneginf(mask).all(-1)  # the kernel reports lse 0 on such rows
+        if mask is not None and self.bias is None and self.score_mod is None:
+            held = self.group_masks.get(("tile elements",), 0) + mask.numel()
+            if held <= KEPT_MASK_ELEMENTS:
+                self.group_masks[("tile elements",)] = held
+                self.group_masks[key] = (mask, dead)
+        return mask, dead
 
     def chunk_mask(self, t0: int, t1: int, k0: int, k1: int, masked: bool, dtype) -> Tensor | None:
         """The chunk's additive float mask for the flash kernel (-inf = may not attend).
