@@ -178,3 +178,20 @@ def test_masks_kept_under_inference_mode_serve_a_call_with_a_gradient():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("first", ["mask_mod", "bias", "score_mod"])
+def test_a_float_mask_or_score_mod_never_reads_masks_kept_without_one(first):
+    """A call with a float attn_mask (or a score_mod) and one without share their plan's units
+    when the mask_mod is the same and not shift-invariant (no diagonal groups); the chunk
+    masks kept by the one without hold no bias, and the other must not read them (it gave
+    1.3 off, float64, before it checked), in either order."""
+    T = 300
+    q, k, v = _qkv(T=T, S=T)
+    mm = M.and_masks(M.sliding_window(100), M.key_lengths(torch.tensor([250])))
+    bias = torch.randn(1, 1, T, T, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    calls = {"mask_mod": {}, "bias": dict(attn_mask=bias), "score_mod": dict(score_mod=M.alibi(2))}
+    order = [first] + [name for name in calls if name != first]
+    with torch.no_grad():
+        for name in order + order:
+            _check(q, k, v, mask_mod=mm, **calls[name])

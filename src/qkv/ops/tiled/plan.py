@@ -109,8 +109,11 @@ class _Plan:
         Shape:
             ``(B?, H?, tq, kc)`` or None; ``(B?, H?, tq)`` bool or None.
         """
+        # (a call with a float attn_mask or a score_mod may share its plan's units, and so
+        # this dict, with one without: its masks are its own, neither read nor kept here)
+        keep = self.bias is None and self.score_mod is None
         key = ("tile", t0, t1, k0, k1, masked, dtype)
-        kept = self.group_masks.get(key)
+        kept = self.group_masks.get(key) if keep else None
         if kept is not None:
             return kept
         mask = self.chunk_mask(t0, t1, k0, k1, masked, dtype)
@@ -118,7 +121,7 @@ class _Plan:
         if masked or self.bias is not None:
             assert mask is not None  # a masked chunk, or a bias, makes one
             dead = torch.isneginf(mask).all(-1)  # the kernel reports lse 0 on such rows
-        if mask is not None and self.bias is None and self.score_mod is None:
+        if keep and mask is not None:
             held = self.group_masks.get(("tile elements",), 0) + mask.numel()
             if held <= KEPT_MASK_ELEMENTS:
                 self.group_masks[("tile elements",)] = held
