@@ -195,3 +195,51 @@ def test_a_float_mask_or_score_mod_never_reads_masks_kept_without_one(first):
     with torch.no_grad():
         for name in order + order:
             _check(q, k, v, mask_mod=mm, **calls[name])
+
+
+@pytest.mark.parametrize(
+    "name", ["window", "window-and-lengths", "lengths", "causal", "bottom-right", "document"]
+)
+def test_calls_sharing_a_plan_with_other_extras_each_give_their_own_answer(name):
+    """One mask structure and sizes, called in turn with nothing else, a float attn_mask, a
+    bool attn_mask, score_mods, sinks, a gradient and in float32: whatever the kept plan
+    holds from the calls before, each answer is the reference's (a bias once read the masks
+    an earlier call without one had kept)."""
+    T, S, B, H = 130, 130, 2, 2
+    g = torch.Generator().manual_seed(7)
+    mm = {
+        "window": M.sliding_window(30, 5),
+        "window-and-lengths": M.and_masks(M.sliding_window(90), M.key_lengths(torch.tensor([93]))),
+        "lengths": M.key_lengths(torch.tensor([77, 120])),
+        "causal": M.causal(),
+        "bottom-right": M.causal(align="bottom_right"),
+        "document": M.document(torch.randint(0, 4, (B, T), generator=g).sort(-1).values),
+    }[name]
+    q, k, v = (torch.randn(B, H, n, 8, generator=g, dtype=torch.float64) for n in (T, S, S))
+    extras = {
+        "none": {},
+        "bias": dict(attn_mask=torch.randn(1, 1, T, S, generator=g, dtype=torch.float64)),
+        "bool": dict(attn_mask=torch.rand(B, 1, T, S, generator=g) > 0.2),
+        "alibi": dict(score_mod=M.alibi(torch.rand(H, generator=g, dtype=torch.float64))),
+        "softcap": dict(score_mod=M.softcap(2.0)),
+        "sinks": dict(sinks=torch.randn(H, generator=g, dtype=torch.float64)),
+    }
+    for extra in ["none", "bias", "bool", "none", "alibi", "softcap", "sinks", "bias", "none"]:
+        with torch.no_grad():
+            _check(q, k, v, mask_mod=mm, **extras[extra])
+            if extra in ("none", "bool"):  # float32 beside float64: a plan of the same sizes
+                ref = qkv.scaled_dot_product_attention(
+                    q, k, v, backend="reference", mask_mod=mm, **extras[extra]
+                )
+                out = qkv.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), backend="tiled", mask_mod=mm, **extras[extra]
+                )
+                torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+    q.requires_grad_()
+    out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mm, **extras["bias"])
+    ref = qkv.scaled_dot_product_attention(
+        q, k, v, backend="reference", mask_mod=mm, **extras["bias"]
+    )
+    (g_out,), (g_ref,) = (torch.autograd.grad(o.square().sum(), (q,)) for o in (out, ref))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g_out, g_ref, rtol=0, atol=1e-10)
