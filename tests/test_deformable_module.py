@@ -181,3 +181,40 @@ def test_key_mask_is_the_opposite_polarity_of_key_padding_mask():
 def test_bad_head_count_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"embed_dims=30 .* divisible by num_heads=8"):
         qkv.nn.MultiScaleDeformableAttention(30, 8)
+
+
+@pytest.mark.parametrize("way", ["modules", "apply", "own-params-only", "init_weights"])
+def test_a_module_built_on_meta_gets_mmcvs_initialisation(way):
+    """Built on the meta device and materialised with ``to_empty``, the module is initialised
+    as mmcv's whichever way torch's idioms call ``reset_parameters``: every module parent
+    first (``modules()``), children first (``apply``), or only those holding parameters of
+    their own (FSDP's way, which skips this module): the projections initialise themselves.
+    Before, those ways gave ``nn.Linear``'s initialisation (or left memory as it was)."""
+    with torch.device("meta"):
+        module = qkv.nn.MultiScaleDeformableAttention(16, 4, 3, 2, batch_first=True)
+    module.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in module.parameters():
+            p.fill_(float("nan"))  # what to_empty leaves is garbage
+    if way == "modules":
+        for m in module.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    elif way == "apply":
+        module.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    elif way == "own-params-only":
+        for m in module.modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                m.reset_parameters()
+    else:
+        module.init_weights()
+    want = qkv.nn.MultiScaleDeformableAttention(16, 4, 3, 2, batch_first=True).state_dict()
+    got = module.state_dict()
+    for name in ("sampling_offsets.weight", "sampling_offsets.bias", "attention_weights.weight"):
+        assert torch.equal(got[name], want[name]), name
+    for name in ("attention_weights.bias", "value_proj.bias", "output_proj.bias"):
+        assert torch.equal(got[name], torch.zeros_like(want[name])), name
+    for name in ("value_proj.weight", "output_proj.weight"):  # Xavier-uniform's range
+        w = got[name]
+        bound = (6.0 / (w.shape[0] + w.shape[1])) ** 0.5
+        assert torch.isfinite(w).all() and w.abs().max() <= bound and w.std() > bound / 3, name

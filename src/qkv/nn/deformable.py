@@ -104,11 +104,12 @@ class MultiScaleDeformableAttention(nn.Module):
         self.norm_cfg, self.init_cfg = norm_cfg, init_cfg
         self.dropout = nn.Dropout(dropout)
         kw = dict(device=device, dtype=dtype)
-        samples = num_heads * num_levels * num_points
-        self.sampling_offsets = nn.Linear(embed_dims, samples * 2, **kw)
-        self.attention_weights = nn.Linear(embed_dims, samples, **kw)
-        self.value_proj = nn.Linear(embed_dims, value_dims, **kw)
-        self.output_proj = nn.Linear(value_dims, embed_dims, **kw)
+        self.sampling_offsets = _SamplingOffsets(
+            embed_dims, num_heads, num_levels, num_points, **kw
+        )
+        self.attention_weights = _Zeroed(embed_dims, num_heads * num_levels * num_points, **kw)
+        self.value_proj = _Xavier(embed_dims, value_dims, **kw)
+        self.output_proj = _Xavier(value_dims, embed_dims, **kw)
         self.init_weights()
 
     @torch.no_grad()
@@ -116,20 +117,21 @@ class MultiScaleDeformableAttention(nn.Module):
         """mmcv's initialisation: no offset weights, and offset biases that put head m's
         points on a ray at angle ``2 pi m / M`` (scaled so its larger coordinate is 1), point
         p at ``p + 1`` times it, on every level; zero weights (uniform after the softmax);
-        Xavier-uniform projections with zero biases."""
-        M, L, P = self.num_heads, self.num_levels, self.num_points
-        nn.init.zeros_(self.sampling_offsets.weight)
-        thetas = torch.arange(M, dtype=torch.float32) * (2.0 * math.pi / M)
-        grid = torch.stack([thetas.cos(), thetas.sin()], -1)  # (M, 2)
-        grid = grid / grid.abs().max(-1, keepdim=True)[0]
-        grid = grid.view(M, 1, 1, 2).repeat(1, L, P, 1)  # (M, L, P, 2)
-        grid = grid * torch.arange(1, P + 1, dtype=torch.float32).view(1, 1, P, 1)
-        self.sampling_offsets.bias.copy_(grid.view(-1))
-        nn.init.zeros_(self.attention_weights.weight)
-        nn.init.zeros_(self.attention_weights.bias)
-        for proj in (self.value_proj, self.output_proj):
-            nn.init.xavier_uniform_(proj.weight)
-            nn.init.zeros_(proj.bias)
+        Xavier-uniform projections with zero biases.
+
+        Each projection is a ``nn.Linear`` whose own ``reset_parameters`` is its part of this,
+        so torch's ways of initialising a module built on the meta device
+        (``to_empty`` then ``reset_parameters`` of each module, in any order, as FSDP
+        does) give mmcv's initialisation too, not ``nn.Linear``'s."""
+        for proj in (
+            self.sampling_offsets,
+            self.attention_weights,
+            self.value_proj,
+            self.output_proj,
+        ):
+            proj.reset_parameters()  # (in mmcv's order: its random draws in the same order)
+
+    reset_parameters = init_weights
 
     def forward(
         self,
@@ -204,6 +206,66 @@ class MultiScaleDeformableAttention(nn.Module):
             wh = torch.stack([shapes[:, 1], shapes[:, 0]], -1).to(offsets)  # (L, 2) as (W, H)
             return ref + offsets / wh[None, None, None, :, None, :]
         return ref[..., :2] + offsets / self.num_points * ref[..., 2:] * 0.5
+
+
+class _MmcvLinear(nn.Linear):
+    """A projection whose ``reset_parameters`` is its part of mmcv's initialisation
+    (``_initialise``). While it is built, ``nn.Linear``'s own runs instead, drawing from the
+    random stream as mmcv's modules do at construction: ``init_weights`` then draws what
+    mmcv's draws, so a seed gives mmcv's numbers."""
+
+    def __init__(self, in_features: int, out_features: int, **kw) -> None:
+        self.built = False  # (read by reset_parameters, which nn.Linear's __init__ calls)
+        super().__init__(in_features, out_features, **kw)
+        self.built = True
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if not self.built:
+            return super().reset_parameters()
+        self._initialise()
+
+    def _initialise(self) -> None:
+        raise NotImplementedError
+
+    def _get_name(self) -> str:
+        return "Linear"  # (printed as mmcv's module prints: an nn.Linear)
+
+
+class _SamplingOffsets(_MmcvLinear):
+    """``sampling_offsets`` (C -> M * L * P * 2): no weights, and the biases of head m's points
+    on a ray at angle ``2 pi m / M`` (see ``init_weights``)."""
+
+    def __init__(self, embed_dims: int, heads: int, levels: int, points: int, **kw) -> None:
+        self.rays = (heads, levels, points)
+        super().__init__(embed_dims, heads * levels * points * 2, **kw)
+
+    def _initialise(self) -> None:
+        M, L, P = self.rays
+        nn.init.zeros_(self.weight)
+        b = self.bias  # (M * L * P * 2,)
+        thetas = torch.arange(M, dtype=torch.float32, device=b.device) * (2.0 * math.pi / M)
+        grid = torch.stack([thetas.cos(), thetas.sin()], -1)  # (M, 2)
+        grid = grid / grid.abs().max(-1, keepdim=True)[0]
+        grid = grid.view(M, 1, 1, 2).repeat(1, L, P, 1)  # (M, L, P, 2)
+        grid = grid * torch.arange(1, P + 1, dtype=torch.float32, device=b.device).view(1, 1, P, 1)
+        b.copy_(grid.view(-1))
+
+
+class _Zeroed(_MmcvLinear):
+    """``attention_weights``: zero weights and biases (uniform after the softmax)."""
+
+    def _initialise(self) -> None:
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+
+class _Xavier(_MmcvLinear):
+    """``value_proj`` and ``output_proj``: Xavier-uniform weights, zero biases."""
+
+    def _initialise(self) -> None:
+        nn.init.xavier_uniform_(self.weight)
+        nn.init.zeros_(self.bias)
 
 
 def _padding(key_padding_mask: Tensor | None, key_mask: Tensor | None, B: int, S: int):
