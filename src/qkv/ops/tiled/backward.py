@@ -125,7 +125,7 @@ def _group_flash_backward(
     """Gradients of one chunk of every tile of a diagonal group, added into dq, dk, dv
     ``(B, H, L, E)``. Overlapping key windows are added in strips of ``tq`` keys, each strip a
     non-overlapping view."""
-    mask = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
+    mask, _ = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
     lse_u = _stacked(lse.unsqueeze(-1), u, 0, u.tq).squeeze(-1).contiguous()  # (B*H, n, tq)
     g_q, g_k, g_v = flash_backward(
         _stacked(dout, u, 0, u.tq),

@@ -99,12 +99,15 @@ def _stacked(x: Tensor, u: _Unit, a: int, b: int) -> Tensor:
     )
 
 
-def _group_mask(plan: _Plan, u: _Unit, a: int, b: int, masked: bool, dtype) -> Tensor | None:
+def _group_mask(
+    plan: _Plan, u: _Unit, a: int, b: int, masked: bool, dtype
+) -> tuple[Tensor | None, Tensor | None]:
     """The chunk mask shared by every tile of a diagonal group, laid out for the kernel's
-    ``(B*H, n)`` batch dims; computed once per plan (forward and backward share it).
+    ``(B*H, n)`` batch dims, and its rows with no key (None unless masked); computed once per
+    plan (forward and backward share them), as ``_Plan.kernel_mask`` keeps a single tile's.
 
     Shape:
-        ``(B*H or 1, 1, tq, b - a)`` or None.
+        ``(B*H or 1, 1, tq, b - a)`` or None; ``(B*H or 1, 1, tq)`` bool or None.
     """
     key = (u.tq, a, b, masked, dtype)
     if key not in plan.group_masks:
@@ -113,7 +116,8 @@ def _group_mask(plan: _Plan, u: _Unit, a: int, b: int, masked: bool, dtype) -> T
         )  # (B?, H?, tq, kc)
         if m is not None and m.shape[:2] != (1, 1):
             m = m.expand(plan.B, plan.H, *m.shape[2:]).reshape(plan.B * plan.H, 1, *m.shape[2:])
-        plan.group_masks[key] = m
+        dead = torch.isneginf(m).all(-1) if masked and m is not None else None
+        plan.group_masks[key] = (m, dead)
     return plan.group_masks[key]
 
 
@@ -125,8 +129,7 @@ def _group_flash_chunk(
     Shape:
         -> out ``(B*H, n, tq, Dv)``, lse ``(B*H, n, tq)``.
     """
-    dtype = _mask_dtype(q)
-    mask = _group_mask(plan, u, a, b, masked, dtype)
+    mask, dead = _group_mask(plan, u, a, b, masked, _mask_dtype(q))
     o, lse = flash_forward(
         _stacked(q, u, 0, u.tq),
         _stacked(k, u, a, b),
@@ -134,12 +137,8 @@ def _group_flash_chunk(
         attn_mask=mask,
         scale=plan.scale,
     )
-    if masked:
-        assert mask is not None  # a masked chunk has a mask
-        key = ("dead", u.tq, a, b, dtype)  # its rows with no key, kept beside it
-        if key not in plan.group_masks:
-            plan.group_masks[key] = torch.isneginf(mask).all(-1)
-        lse = lse.masked_fill(plan.group_masks[key], float("-inf"))
+    if dead is not None:  # a masked chunk's rows with no key: the kernel reports lse 0 there
+        lse = lse.masked_fill(dead, float("-inf"))
     return o, lse
 
 

@@ -92,8 +92,8 @@ class _Plan:
     inner: str
     units: list[_Unit]
     device: torch.device
-    # diagonal groups: (tq, a, b, masked, dtype) -> kernel-layout mask, ("dead", ...) -> its rows
-    # with no key; single tiles: ("tile", ...) -> (mask, dead) (see kernel_mask)
+    # (mask, its rows with no key) of diagonal groups by (tq, a, b, masked, dtype), in the
+    # kernel's layout (forward._group_mask), and of single tiles by ("tile", ...) (kernel_mask)
     group_masks: dict = field(default_factory=dict)
 
     def kernel_mask(
