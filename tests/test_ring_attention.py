@@ -182,7 +182,20 @@ def _run_cases(rank, R, names):
             },
             bytes_sent=log.bytes("send", "forward"),
         )
+    results["second derivative"] = _second_derivative_refused(ring_attention)
     return results
+
+
+def _second_derivative_refused(ring_attention) -> str:
+    """What asking the ring for a second derivative says (its passes build no graph)."""
+    q, k, v = (torch.randn(1, 2, 6, D, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    out = ring_attention(q, k, v, is_causal=True, timeout=60)
+    try:  # a gradient penalty: without the refusal, its term was silently left out
+        (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        torch.autograd.grad(out.sum() + dq.square().sum(), k)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +293,13 @@ def test_trace_gives_this_ranks_rows_of_the_whole_weights(ran, R):
             mine["lse"], _take(ref["lse"].unsqueeze(-1), runs[r]).squeeze(-1)
         )
         assert mine["probs"].shape[-1] == case["T"]  # every key, from every rank
+
+
+def test_a_second_derivative_is_refused_not_silently_wrong(ran):
+    for R in (2, 3):
+        for rank in range(R):
+            said = ran[R][rank]["second derivative"]
+            assert "ring_attention has no second derivative" in said, said
 
 
 def test_window_sends_only_the_window_to_the_next_rank(ran):

@@ -146,6 +146,18 @@ def test_gqa_sums_each_groups_key_and_value_gradients():
         _check(q, k, v, dout, torch.float32, name, enable_gqa=True, **kw)
 
 
+def test_a_second_derivative_is_refused_not_silently_left_out():
+    """A gradient penalty through the kernels: once_differentiable let its term vanish from a
+    sum that reaches the inputs another way; the backward now refuses a graph by name."""
+    q, k, v, _ = _inputs(1, 2, 2, 17, 17, 32)
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    with interpreter():
+        out = qkv.scaled_dot_product_attention(q, k, v, backend="triton", is_causal=True)
+        with pytest.raises(RuntimeError, match="triton backend has no second derivative"):
+            (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+            torch.autograd.grad(out.sum() + dq.square().sum(), k)
+
+
 def test_head_dims_64_59_and_value_dim_unlike_query_dim():
     """D = 64 fills its block; D = 59 and Dv = 40 are padded to 64 inside the kernel."""
     for D, Dv in ((64, 64), (59, 59), (32, 40)):

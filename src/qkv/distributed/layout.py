@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..ops.base import refuse_second_derivative
 from .comm import wait as _wait
 
 __all__ = ["LAYOUTS", "assemble", "group_info", "segments", "shard", "unshard"]
@@ -160,6 +161,7 @@ class _Unshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        refuse_second_derivative("unshard", "its all-reduce builds no graph")
         grad = grad.contiguous()
         _wait(
             lambda: dist.all_reduce(grad, group=ctx.group, async_op=True),

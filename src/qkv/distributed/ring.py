@@ -49,6 +49,7 @@ from ..masks import (
     score_mod_gradient_inputs,
 )
 from ..ops import AttentionCall
+from ..ops.base import refuse_second_derivative
 from ..ops.call import _check_scale
 from ..ops.tiled import merge_by_lse, piece_backward, piece_forward
 from ..trace import AttentionTrace
@@ -504,6 +505,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse):
+        refuse_second_derivative(
+            "ring_attention",
+            "its passes build no graph; take it on one process (qkv's tiled"
+            " or reference backend has one)",
+        )
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv, dts = ctx.ring.backward(q, k, v, out, lse, dout.contiguous(), ctx.n_score)
         return (None, dq, dk, dv, *dts)

@@ -12,7 +12,26 @@ from torch import Tensor
 from .._measured import cannot_time, tracing
 from .call import AttentionCall
 
-__all__ = ["Backend", "BackendResult", "BackendUnsupportedError", "cannot_time", "tracing"]
+__all__ = [
+    "Backend",
+    "BackendResult",
+    "BackendUnsupportedError",
+    "cannot_time",
+    "refuse_second_derivative",
+    "tracing",
+]
+
+
+def refuse_second_derivative(what: str, instead: str) -> None:
+    """Raise in an autograd Function's backward asked for a graph (``create_graph=True``)
+    that it cannot build. ``once_differentiable`` is not enough: its gradients hang from a
+    node that raises only when reached, and a gradient penalty's sum that reaches the inputs
+    another way (``out.sum() + dq.square().sum()``) never reaches it, so the penalty's part
+    was silently left out."""
+    if torch.is_grad_enabled():  # a backward runs with grad mode on only for create_graph
+        raise RuntimeError(
+            f"{what} has no second derivative (a backward with create_graph=True): {instead}"
+        )
 
 
 @dataclass(slots=True)  # (not frozen: made on every call, a quarter of the cost)

@@ -72,7 +72,7 @@ from .. import bf16_scores, few_rows
 from ..base import BackendResult, tracing
 from ..call import AttentionCall
 from ..reference import ReferenceBackend, bf16_fusable, inference_ranges
-from .backward import _backward, _sink_grad
+from .backward import _backward, _dense_backward, _sink_grad
 from .forward import _acc, _forward, _with_sinks, merge_by_lse
 from .plan import BLOCK_K, BLOCK_Q, _Plan, _plan, _refuse_flash
 
@@ -278,13 +278,16 @@ class _TiledAttention(torch.autograd.Function):
             out, lse = _with_sinks(out, lse, sinks.detach())
         ctx.plan, ctx.bias_grad = plan, bias is not None and bias.requires_grad
         ctx.has_sinks = sinks is not None
-        ctx.save_for_backward(q, k, v, out, lse, sinks, *grad_tensors)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, bias, *grad_tensors)
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor):
-        q, k, v, out, lse, sinks, *grad_tensors = ctx.saved_tensors
+        q, k, v, out, lse, sinks, bias, *grad_tensors = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: gradients that are differentiable
+            inputs = (q, k, v, bias, sinks, *grad_tensors)
+            return (None, *_dense_backward(ctx.plan, inputs, ctx.needs_input_grad[1:], dout))
         # With sinks, out and lse are the whole softmax's (the sink a key with no value), and
         # FlashAttention's backward from them is exactly the sink-augmented attention's.
         dq, dk, dv, dbias, dts = _backward(

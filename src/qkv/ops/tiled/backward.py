@@ -7,6 +7,11 @@ exactly the per-chunk decomposition. ``matmul`` writes dV, dS, dQ and dK out, pu
 through a score_mod by autograd (gradients for the tensors it reads too) and summing it into a
 float attn_mask's gradient. The sinks' gradient is closed-form (``_sink_grad``).
 
+A backward asked for a graph of its own (``create_graph=True``: a gradient penalty, a
+Hessian-vector product) is no FlashAttention pass: ``_dense_backward`` recomputes the attention
+in plain differentiable math and takes its gradients by autograd, whose graph then reaches
+q, k, v and every other input. O(T * S) memory, as the reference's.
+
 Shape alphabet: B batch, H query heads, T query length, S key length, D head dim, Dv value
 head dim; a tile has ``tq`` queries, a diagonal group ``n`` tiles and a chunk ``kc`` keys.
 """
@@ -20,7 +25,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from ...masks import index_grid
+from ...masks import apply_mask_, evaluate_mask, evaluate_score, index_grid
 from .._aten import flash_backward
 from .forward import (
     _acc,
@@ -48,6 +53,48 @@ def _sink_grad(sinks: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> Tensor:
     p_sink = torch.exp(sinks.to(acc) - lse_safe)  # (B, H, T)
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (B, H, T): rowsum(dO * O)
     return -(p_sink * delta).to(sinks.dtype)
+
+
+def _dense_backward(
+    plan: _Plan, inputs: tuple[Tensor | None, ...], needs: tuple[bool, ...], dout: Tensor
+) -> list[Tensor | None]:
+    """The gradients of ``inputs`` (q, k, v, bias, sinks and the score_mod's tensors, as the
+    Function takes them) from plain math with a graph (for ``create_graph=True``): the
+    attention recomputed densely, the plan's masks and score_mod evaluated on the whole
+    ``(B, H, T, S)`` grid, rows with no key 0 as the kernels give them. ``needs`` says which
+    inputs want a gradient; the others get None.
+
+    Shape:
+        q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)``, bias ``(B?, H?, T, S)``,
+        sinks ``(B, H, T)``, dout ``(B, H, T, Dv)`` -> a gradient per input, its shape.
+    """
+    from ..reference import masked_softmax  # (reference imports nothing of tiled)
+
+    q, k, v, bias, sinks = inputs[:5]
+    assert q is not None and k is not None and v is not None
+    acc = _acc(q.dtype)
+    with torch.enable_grad():
+        scores = (q.to(acc) * plan.scale) @ k.to(acc).transpose(-2, -1)  # (B, H, T, S)
+        if bias is not None:
+            scores = scores + bias.to(acc)
+        grid = index_grid(plan.B, plan.H, plan.T, plan.S, device=q.device)
+        if plan.score_mod is not None:
+            scores = evaluate_score(plan.score_mod, scores, *grid)
+        if plan.mask_mod is not None:
+            scores = apply_mask_(scores.clone(), evaluate_mask(plan.mask_mod, *grid))
+        if sinks is not None:  # the head's sink: one more key, with no value
+            scores = torch.cat([scores, sinks.to(acc).unsqueeze(-1)], dim=-1)  # (B, H, T, S+1)
+        probs, _ = masked_softmax(scores)
+        if sinks is not None:
+            probs = probs[..., :-1]  # (B, H, T, S)
+        out = (probs @ v.to(acc)).to(q.dtype)  # (B, H, T, Dv)
+    wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
+    found = iter(
+        torch.autograd.grad(out, wanted, dout, create_graph=True, allow_unused=True)
+        if wanted
+        else ()
+    )
+    return [next(found) if need and t is not None else None for t, need in zip(inputs, needs)]
 
 
 def _backward(

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..base import refuse_second_derivative
 from .plan import _pad, _Plan
 
 
@@ -257,8 +258,10 @@ class _TritonAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout: Tensor, _dlse: Tensor):
+        refuse_second_derivative(
+            "the triton backend", "backend='tiled' or 'reference' has one (plain math)"
+        )
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(ctx.plan, q, k, v, out, lse, dout)
         return None, dq, dk, dv
