@@ -83,6 +83,8 @@ class Plan:
 def choose(call: AttentionCall, backend: str = "auto") -> Plan:
     """The plan for ``call``: the backend that runs it (:func:`select`), and for a wanted
     trace under ``auto``, how the trace is made."""
+    if backend == "auto" and call.has_tangents():
+        backend = "reference"  # forward-mode AD: only the plain math has its rules
     if call.return_trace and backend == "auto":
         if tracing():
             backend = "reference"  # the plain math gives the whole trace in the graph (the

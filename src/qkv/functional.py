@@ -20,6 +20,7 @@ from .ops import deformable as _deformable
 from .ops import linear as _linear
 from .ops._aten import flash_forward, sdpa
 from .ops.base import tracing
+from .ops.call import forward_ad_on
 from .ops.deformable.inputs import as_spatial_shapes
 from .ops.tiled import TiledBackend
 from .trace import AttentionTrace, DeformableTrace
@@ -372,6 +373,7 @@ def _lane_key(query, key, value, args: tuple, backend, window: tuple | None = No
         or (scale is not None and type(scale) is not float)
         or type(backend) is not str
         or tracing()
+        or forward_ad_on()  # (a dual tensor's tangent: the lane's C++ passes have no rule)
     ):
         return None
     if torch.is_grad_enabled() and (
@@ -623,6 +625,7 @@ class KeptLane:
             or _ANY_AUTOCAST is None
             or _ANY_AUTOCAST()
             or tracing()
+            or forward_ad_on()
             or lane.state != dispatch.kept_plans_state()
         ):
             return None

@@ -22,6 +22,7 @@ from numbers import Real
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -76,6 +77,12 @@ EXACT_HALF_WORK = 1 << 20
 # AVX-512-BF16 float32 is 3-5x faster (``benchmarks/bench_bf16_backward.py``). Until 2026-11-28 this
 # was a route measured per size class, bfloat16 where faster (``QKV_CPU_HALF_GRAD``); correctness
 # comes first.
+
+
+def forward_ad_on() -> bool:
+    """Whether a ``torch.autograd.forward_ad.dual_level`` is open (one read of a module
+    global): only then may a tensor carry a tangent."""
+    return getattr(fwAD, "_current_level", 0) >= 0
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,17 @@ class AttentionCall:
             return torch.float32
         return torch.float32 if self._few_outputs() else self.dtype
 
+    def has_tangents(self) -> bool:
+        """Whether a tensor the call reads carries a forward-mode AD tangent (a dual tensor of
+        ``torch.autograd.forward_ad``): the fused kernels (torch's, tiled's autograd Function,
+        the C++ passes) have no forward-mode rule; the reference's plain math has one."""
+        if not forward_ad_on():
+            return False
+        mods = (self.mask_mod, self.score_mod)
+        held = [t for mod in mods if mod is not None for t in mod.tensors()]
+        tensors = (self.query, self.key, self.value, self.attn_mask, self.sinks, *held)
+        return any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
     def _few_outputs(self) -> bool:
         """Whether the call returns at most ``EXACT_HALF_OUTPUTS`` numbers at a cost of at most
         ``EXACT_HALF_WORK`` multiply-adds: computed in float32 then (see there)."""
@@ -237,8 +255,11 @@ class AttentionCall:
     @property
     def wants_grad(self) -> bool:
         """Whether a gradient is wanted of a tensor the call reads: q, k, v, a float mask,
-        sinks, or one a mask_mod or score_mod holds (a learned bias). What the backend's
-        choice, the kernel's dtype and the NaN/inf contract's way depend on."""
+        sinks, or one a mask_mod or score_mod holds (a learned bias); or a forward-mode
+        derivative (:meth:`has_tangents`). What the backend's choice, the kernel's dtype and
+        the NaN/inf contract's way depend on: a derivative takes the ways of tensor ops."""
+        if forward_ad_on() and self.has_tangents():  # (forward AD works under no_grad too)
+            return True
         if not torch.is_grad_enabled():
             return False
         if any(

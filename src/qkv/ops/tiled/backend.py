@@ -111,7 +111,7 @@ class TiledBackend:
         return tiled_op.usable(call)
 
     def run(self, call: AttentionCall) -> BackendResult:
-        if _nothing_to_tile(call):
+        if _nothing_to_tile(call) or call.has_tangents():  # (forward-mode AD: plain math)
             return ReferenceBackend().run(call)
         if tracing():
             from . import op as tiled_op
@@ -148,6 +148,7 @@ class TiledBackend:
         return (
             not tracing()
             and not _nothing_to_tile(call)
+            and not call.has_tangents()
             and (few_rows.usable(call) or bf16_fusable(call))
         )
 
