@@ -14,6 +14,7 @@ LAYER = {
     "_lru": 0,
     "_measured": 0,
     "_progress": 0,
+    "_nested": 1,  # nested (jagged) inputs as packed sequences: masks only
     "masks": 0,
     "trace": 0,
     "testing": 0,

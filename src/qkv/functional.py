@@ -7,6 +7,7 @@ D head dim of query/key, Dv head dim of value.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention as _F_sdpa
 
 from . import autotune, dispatch, recording
+from ._nested import any_nested, attend_nested
 from .autotune import bucket
 from .ops import AttentionCall, TorchBackend, few_rows, nonfinite, nonfinite_rows, torch_sdpa
 from .ops import deformable as _deformable
@@ -180,6 +182,22 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
     keeps the steps of this call when they make a lane (:func:`_keep_lane`)."""
     attn_mask, dropout_p, is_causal, scale, enable_gqa = args
     mask_mod, score_mod, sinks = mods
+    if any_nested(query, key, value):  # jagged: packed sequences (see qkv._nested)
+        return attend_nested(
+            functools.partial(scaled_dot_product_attention, backend=backend),
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            return_trace,
+            mask_mod,
+            score_mod,
+            sinks,
+        )
     call = AttentionCall.build(  # check: ValueError/TypeError naming the numbers and fix
         query,
         key,
@@ -366,6 +384,9 @@ def _lane_key(query, key, value, args: tuple, backend, window: tuple | None = No
         or type(key) is not Tensor
         or type(value) is not Tensor
         or not (query.is_cpu and key.is_cpu and value.is_cpu)
+        or query.is_nested  # (a strided nested tensor is a Tensor without sizes)
+        or key.is_nested
+        or value.is_nested
         or type(dropout_p) is not float
         or dropout_p != 0.0
         or type(is_causal) is not bool

@@ -286,6 +286,21 @@ class MultiHeadAttention(nn.Module):
         Returns the output, or ``(output, MultiHeadTrace)`` with per-head weights
         ``(B, H, T, S)`` and per-head outputs before W^O ``(B, H, T, D)``.
         """
+        if query.is_nested:  # a batch of sequences of different lengths, jagged
+            return self._nested_forward(
+                query,
+                query if key is None else key,
+                query if value is None else value,
+                is_causal,
+                dict(
+                    attn_mask=attn_mask,
+                    key_mask=key_mask,
+                    return_trace=return_trace or None,
+                    mask_mod=mask_mod,
+                    score_mod=score_mod,
+                    cache=cache,
+                ),
+            )
         if (  # a decoding step of one batched self-attention input: its own short way
             cache is not None
             and key is None
@@ -535,6 +550,49 @@ class MultiHeadAttention(nn.Module):
             device=device or ref.device,
             dtype=dtype or ref.dtype,
         )
+
+    def _nested_forward(
+        self, query: Tensor, key: Tensor, value: Tensor, is_causal: bool, others: dict
+    ) -> Tensor:
+        """:meth:`forward` of nested (jagged) inputs ``(B, j, C)``: the projections on the
+        nested tensors, their heads ``(B, H, j, D)`` attended as packed sequences
+        (``qkv._nested``), W^O on the merged heads. ``is_causal`` is causal within each
+        sequence; the other options (``others``) are refused by name.
+
+        Shape:
+            query ``(B, j, C)``, key ``(B, k, kdim)``, value ``(B, k, vdim)`` jagged ->
+            ``(B, j, C)`` jagged like ``query``.
+        """
+        if type(self) is not MultiHeadAttention or self.context_group is not None:
+            where = " over a context group" if self.context_group is not None else ""
+            raise ValueError(
+                f"{type(self).__name__}{where} takes no nested (jagged) inputs: pad the batch "
+                f"and pass key_mask"
+            )
+        given = [name for name, v in others.items() if v is not None]
+        if given:
+            raise ValueError(
+                f"nested (jagged) inputs take is_causal only, not {', '.join(given)}: pad the "
+                f"batch (key_mask) or pack it yourself (masks.document) for those"
+            )
+        H, G, D = self.num_heads, self.num_kv_heads, self.head_dim
+        sizes = [H * D, G * D, G * D]
+        biases = [None] * 3 if self.in_proj_bias is None else self.in_proj_bias.split(sizes)
+        q, k, v = (
+            nn.functional.linear(x, w, b).unflatten(-1, (n, D)).transpose(1, 2)  # (B, n, j, D)
+            for x, w, b, n in zip((query, key, value), self._proj_weights(), biases, (H, G, G))
+        )
+        out = scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            enable_gqa=G != H,
+            backend=self.backend,
+        )  # (B, H, j, D)
+        assert isinstance(out, Tensor)  # (no trace asked for)
+        return self.out_proj(out.transpose(1, 2).flatten(-2))  # (B, j, C)
 
     def _proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         if self.fused:
