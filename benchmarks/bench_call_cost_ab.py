@@ -14,11 +14,11 @@ with a bool key mask, float32 and bfloat16),
 ``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
 against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gqa`` (the same
 with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``long`` (T=1024:
-plain and causal, float32 and bfloat16), ``structured`` (T=1024: ``sliding_window(256)``
-and documents, float32 and bfloat16, against compiled FlexAttention), ``train`` (inputs
-requiring a gradient: the forward alone and with the backward, B=8, T=S=128 and B=1, T=1,
-S=128). All but ``train`` without gradient; ``--threads`` sets torch's threads (1 by
-default; 0 keeps torch's own).
+plain and causal, float32 and bfloat16), ``structured`` (T=1024: ``sliding_window(256)``,
+documents and causal documents, float32 and bfloat16, against compiled FlexAttention),
+``train`` (inputs requiring a gradient: the forward alone and with the backward, B=8,
+T=S=128 and B=1, T=1, S=128). All but ``train`` without gradient; ``--threads`` sets
+torch's threads (1 by default; 0 keeps torch's own).
 
 Usage:
     PYTHONPATH=src python benchmarks/bench_call_cost_ab.py --rev 9723628 [--cases short step long]
@@ -192,9 +192,9 @@ def long_cases(base, rounds: int) -> None:
 
 
 def structured_cases(base, rounds: int) -> None:
-    """T=1024 (B=1, H=8, D=64) with ``sliding_window(256)`` and with documents, float32 and
-    bfloat16, against compiled FlexAttention with the same block mask (built once, untimed):
-    issue 38's peer for these masks. A case's "torch" column is Flex's."""
+    """T=1024 (B=1, H=8, D=64) with ``sliding_window(256)``, documents and causal documents,
+    float32 and bfloat16, against compiled FlexAttention with the same block mask (built once,
+    untimed): issue 38's peer for these masks. A case's "torch" column is Flex's."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from qkv.bench import document_ids
@@ -210,12 +210,23 @@ def structured_cases(base, rounds: int) -> None:
     def document(b, h, qi, ki):
         return ids[qi] == ids[ki]
 
+    def causal_document(b, h, qi, ki):
+        return (ids[qi] == ids[ki]) & (ki <= qi)
+
     flex = torch.compile(flex_attention, dynamic=False)
     for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
         t = tuple(x.to(dtype) for x in inputs)
         for case, fmask, mods in (
             ("window", window, (qkv.masks.sliding_window(W), base.masks.sliding_window(W))),
             ("document", document, (qkv.masks.document(ids[None]), base.masks.document(ids[None]))),
+            (
+                "causal document",
+                causal_document,
+                tuple(
+                    m.masks.and_masks(m.masks.document(ids[None]), m.masks.causal())
+                    for m in (qkv, base)
+                ),
+            ),
         ):
             block_mask = create_block_mask(fmask, None, None, T, T, device="cpu")
             fns = {

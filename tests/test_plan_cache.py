@@ -10,7 +10,7 @@ import torch
 
 import qkv
 from qkv import masks as M
-from qkv.ops import tiled
+from qkv.ops import AttentionCall, tiled
 
 
 @pytest.fixture(autouse=True)
@@ -197,8 +197,64 @@ def test_a_float_mask_or_score_mod_never_reads_masks_kept_without_one(first):
             _check(q, k, v, mask_mod=mm, **calls[name])
 
 
+def _units_of(T, B=1, **kw):
+    q = torch.zeros(B, 2, T, 8)
+    call = AttentionCall.build(q, q, q, **kw)
+    return tiled.plan._plan(call, B, 2, None, 64, 64, torch.float32).units
+
+
+def test_causal_documents_run_as_one_causal_kernel_call_each():
+    """Packed documents with causal attention within each: one unit per document that the
+    flash kernel runs with its own is_causal (tiles of 64 rows masked at the diagonal took
+    float32 longer than the documents without causal), forward and backward as the
+    reference; other shapes of the mask keep their tiles."""
+    lengths = [150, 1, 230, 119]
+    T = sum(lengths)
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    starts = [0, 150, 151, 381]
+    for kw in (
+        dict(mask_mod=M.document(ids), is_causal=True),
+        dict(mask_mod=M.and_masks(M.causal("bottom_right"), M.document(ids[None]))),
+    ):
+        units = _units_of(T, **kw)
+        assert [(u.t0, u.tq, u.causal) for u in units] == [
+            (a, n, True) for a, n in zip(starts, lengths)
+        ]
+        q, k, v = (t.requires_grad_() for t in _qkv(T=T, S=T))
+        for backend in ("tiled", "reference"):
+            out = qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+            if backend == "tiled":
+                got = (out, *grads)
+        for a, b in zip(got, (out, *grads)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    # what keeps its tiles: an id in two runs, documents of fewer than 64 rows on average,
+    # ids per batch element, a float mask or a score_mod (their chunks need the mask)
+    split = ids.clone()
+    split[400:] = 0
+    short = torch.arange(T) // 40
+    kinds = [
+        dict(mask_mod=M.document(split), is_causal=True),
+        dict(mask_mod=M.document(short), is_causal=True),
+        dict(mask_mod=M.document(torch.stack([ids, ids.flip(0)])), is_causal=True, B=2),
+        dict(mask_mod=M.document(ids), is_causal=True, attn_mask=torch.zeros(T, T)),
+        dict(mask_mod=M.document(ids), is_causal=True, score_mod=M.alibi(2)),
+    ]
+    for kw in kinds:
+        assert not any(u.causal for u in _units_of(T, **kw))
+
+
 @pytest.mark.parametrize(
-    "name", ["window", "window-and-lengths", "lengths", "causal", "bottom-right", "document"]
+    "name",
+    [
+        "window",
+        "window-and-lengths",
+        "lengths",
+        "causal",
+        "bottom-right",
+        "document",
+        "causal-documents",
+    ],
 )
 def test_calls_sharing_a_plan_with_other_extras_each_give_their_own_answer(name):
     """One mask structure and sizes, called in turn with nothing else, a float attn_mask, a
@@ -214,6 +270,7 @@ def test_calls_sharing_a_plan_with_other_extras_each_give_their_own_answer(name)
         "causal": M.causal(),
         "bottom-right": M.causal(align="bottom_right"),
         "document": M.document(torch.randint(0, 4, (B, T), generator=g).sort(-1).values),
+        "causal-documents": M.and_masks(M.document(torch.arange(T) // 65), M.causal()),
     }[name]
     q, k, v = (torch.randn(B, H, n, 8, generator=g, dtype=torch.float64) for n in (T, S, S))
     extras = {

@@ -133,7 +133,9 @@ def _backward(
                 lse_safe[:, :, rows],
                 dout[:, :, rows],
             )
-            if plan.inner == "flash":
+            if u.causal:  # a document's own causal attention (plan._causal_documents)
+                g = _causal_flash_backward(plan, *args)
+            elif plan.inner == "flash":
                 g = _flash_chunk_backward(plan, *args, where)
             else:
                 g = _matmul_chunk_backward(plan, *args, where, grad_tensors, dbias, wide)
@@ -201,6 +203,13 @@ def _score_slope(plan: _Plan, raw: Tensor, where) -> Tensor | None:
         plan.B, plan.H, t1 - t0, k1 - k0, q_start=t0, kv_start=k0, device=raw.device
     )
     return plan.score_mod.derivative(raw, b, h, qi, ki)
+
+
+def _causal_flash_backward(plan: _Plan, q, k, v, out, lse, dout):
+    """The gradients of a causal unit (``_Unit.causal``): the flash kernel's own causal
+    backward on the document's rows and keys."""
+    lse = lse.float() if q.dtype != torch.float64 else lse
+    return flash_backward(dout, q, k, v, out, lse, scale=plan.scale, is_causal=True)
 
 
 def _flash_chunk_backward(plan: _Plan, q, k, v, out, lse, dout, where):

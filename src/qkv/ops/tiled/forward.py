@@ -56,7 +56,11 @@ def _forward(
         merged: tuple[Tensor, Tensor] | None = None  # the unit's output and lse so far
         t0, t1 = u.t0, u.t0 + u.tq
         for a, b, masked in u.chunks:
-            if u.n == 1:
+            if u.causal:  # a document's own causal attention (plan._causal_documents)
+                o_c, l_c = flash_forward(
+                    q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], scale=plan.scale, is_causal=True
+                )  # (B, H, tq, Dv), (B, H, tq)
+            elif u.n == 1:
                 o_c, l_c = chunk_fn(
                     plan,
                     q[:, :, t0:t1],
