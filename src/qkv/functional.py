@@ -180,38 +180,13 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
     NaN/inf contract around it (ops/nonfinite.py): inputs zeroed before or the output checked
     after, rows set after. ``lane``: the exact kind of call (:func:`_lane_key`) whose kind
     keeps the steps of this call when they make a lane (:func:`_keep_lane`)."""
-    attn_mask, dropout_p, is_causal, scale, enable_gqa = args
-    mask_mod, score_mod, sinks = mods
+    parts = (query, key, value, *args, return_trace, *mods)  # AttentionCall.build's order
     if any_nested(query, key, value):  # jagged: packed sequences (see qkv._nested)
         return attend_nested(
-            functools.partial(scaled_dot_product_attention, backend=backend),
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            return_trace,
-            mask_mod,
-            score_mod,
-            sinks,
+            functools.partial(scaled_dot_product_attention, backend=backend), *parts
         )
-    call = AttentionCall.build(  # check: ValueError/TypeError naming the numbers and fix
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        return_trace,
-        mask_mod,
-        score_mod,
-        sinks,
-    )
+    # check: ValueError/TypeError naming the numbers and fix
+    call = AttentionCall.build(*parts)
     runs = nonfinite.without_hidden_keys(call)  # inference: the keys no row sees dropped
     plan = dispatch.choose(runs, backend)  # plan: the backend, and how a trace is made
     guard = nonfinite.prepare(runs, plan.keeps_nonfinite_contract)  # bad inputs zeroed
