@@ -133,6 +133,16 @@ BAD = {
         r"is_causal must be True or False, got 'yes'",
         dict(is_causal="yes"),
     ),
+    "sparse-query": (
+        TypeError,
+        r"query is a torch.sparse_coo tensor; attention takes dense tensors: .*to_dense\(\)",
+        dict(q=torch.randn(2, 4, 5, 8).to_sparse()),
+    ),
+    "sparse-mask": (  # (it failed inside torch: "Cannot access storage of SparseTensorImpl")
+        TypeError,
+        r"attn_mask is a torch.sparse_coo tensor; .* use attn_mask.to_dense\(\)",
+        dict(attn_mask=(torch.rand(5, 6) > 0.5).to_sparse()),
+    ),
     "unknown-backend": (
         ValueError,
         (
@@ -210,3 +220,7 @@ def test_checks_still_refuse_after_a_structure_is_remembered():
         AttentionCall.build(q, k, v, torch.ones(4, 5, dtype=torch.bool), 0.0, True, None)
     with pytest.raises(ValueError, match="scale must be finite"):
         AttentionCall.build(q, k, v, mask, 0.0, True, float("nan"))
+    with pytest.raises(TypeError, match=r"key is a torch\.sparse_coo tensor"):  # same shape
+        AttentionCall.build(q, k.to_sparse(), v, mask, 0.0, True, None)
+    with pytest.raises(TypeError, match=r"attn_mask is a torch\.sparse_coo tensor"):
+        AttentionCall.build(q, k, v, mask.to_sparse(), 0.0, True, None)

@@ -434,6 +434,10 @@ def _structure(
         or type(key) is not Tensor
         or type(value) is not Tensor
         or (attn_mask is not None and type(attn_mask) is not Tensor)
+        or query.layout is not torch.strided  # (a sparse tensor: the checks refuse it; its
+        or key.layout is not torch.strided  # shape and dtype alone matched a dense call's)
+        or value.layout is not torch.strided
+        or (attn_mask is not None and attn_mask.layout is not torch.strided)
         or type(dropout_p) is not float
         or type(is_causal) is not bool
         or type(enable_gqa) is not bool
@@ -484,11 +488,21 @@ def _is_top_left_causal(mask_mod) -> bool:
     return isinstance(mask_mod, _Window) and mask_mod.name == "causal" and mask_mod.offset == 0
 
 
+def _check_layout(name: str, t: Tensor) -> None:
+    """A dense (strided) tensor, or a TypeError naming the layout and the fix (a sparse
+    tensor failed inside torch with "Cannot access storage of SparseTensorImpl")."""
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{name} is a {t.layout} tensor; attention takes dense tensors: use {name}.to_dense()"
+        )
+
+
 def _check_tensors(query: Tensor, key: Tensor, value: Tensor) -> None:
     named = {"query": query, "key": key, "value": value}
     for name, t in named.items():
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _check_layout(name, t)
         if t.dim() < 2:
             raise ValueError(
                 f"{name} must have at least 2 dims (..., L, E), got shape {tuple(t.shape)}; "
@@ -610,6 +624,7 @@ def _check_mask(attn_mask: Tensor | None, query: Tensor, scores_shape: tuple) ->
         return None
     if not isinstance(attn_mask, Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    _check_layout("attn_mask", attn_mask)
     if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"attn_mask has dtype {attn_mask.dtype}; use a bool mask (True = may attend), "
