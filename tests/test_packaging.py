@@ -10,6 +10,8 @@ and a source that is missing all the same gives the tensor ops' way (the same ma
 from __future__ import annotations
 
 import fnmatch
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,3 +71,44 @@ def test_a_kernel_source_the_install_left_out_gives_the_tensor_ops_way(monkeypat
     finally:
         monkeypatch.undo()
         nonfinite_rows._build.cache_clear()  # the library again for the tests after this one
+
+
+_BUILD_AND_CALL = """
+import ctypes, sys
+from pathlib import Path
+from qkv.ops import _native_build
+lib, why = _native_build.build(Path(sys.argv[1]), "qkv_test_stale_lock")
+assert lib is not None, why
+lib.answer.restype = ctypes.c_int
+print(lib.answer())
+"""
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path):
+    """torch's build directory lock is a file only its maker removes: a build killed midway
+    (Ctrl-C, a time limit) left it, and every later process waited on it forever (a fresh
+    clone's test run hung). A build over such a lock file goes through, in a subprocess
+    bounded in time; a second process loads the cached library."""
+    source = tmp_path / "answer.cpp"
+    source.write_text('extern "C" int answer() { return 42; }\n')
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+
+    def run():
+        done = subprocess.run(
+            [sys.executable, "-c", _BUILD_AND_CALL, str(source)],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-1]
+
+    assert run() == "42"  # built once
+    locks = list((tmp_path / "ext").rglob("qkv-build.lock"))
+    assert len(locks) == 1
+    stale = locks[0].parent / "lock"  # what a build killed midway leaves
+    stale.write_text("")
+    assert run() == "42"  # not a wait without end
+    assert not stale.exists()

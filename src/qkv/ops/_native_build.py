@@ -61,7 +61,8 @@ def build(source: Path, prefix: str) -> tuple[ctypes.CDLL | None, str]:
     try:
         from torch.utils import cpp_extension
 
-        path = cpp_extension.load(
+        path = _load_past_stale_lock(
+            cpp_extension,
             name=f"{prefix}_{capability}_{key}",
             sources=[str(source)],
             extra_cflags=cflags,
@@ -72,6 +73,31 @@ def build(source: Path, prefix: str) -> tuple[ctypes.CDLL | None, str]:
         return ctypes.CDLL(str(path)), ""
     except Exception as exc:  # a failed build of any kind: the caller takes its torch path
         return None, f"the C++ kernel did not build: {type(exc).__name__}: {str(exc)[-300:]}"
+
+
+def _load_past_stale_lock(cpp_extension, name: str, **kwargs):
+    """``cpp_extension.load`` under an OS lock of qkv's own, clearing a lock file torch left.
+
+    torch guards a build directory with a lock *file* (``FileBaton``) that only the process
+    that made it removes: a build killed midway (Ctrl-C at a first call, a job's time limit,
+    the OOM killer) leaves it, and every later process waited on it forever (a fresh clone's
+    test run hung on the deformable kernel). Here ``flock`` on a file of qkv's own, which the
+    OS releases when its holder dies, serialises qkv's builds of the library; whoever holds it
+    knows that no other qkv build of it is running, so torch's lock file, if there, is stale
+    and removed. Where ``flock`` or torch's build directory is not to be had, plain ``load``.
+    """
+    try:
+        import fcntl
+
+        directory = cpp_extension._get_build_directory(name, False)
+    except Exception:  # (no fcntl: Windows; or torch's private helper changed)
+        return cpp_extension.load(name=name, **kwargs)
+    with open(os.path.join(directory, "qkv-build.lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits only on a live build; released at exit
+        stale = os.path.join(directory, "lock")
+        if os.path.exists(stale):
+            os.remove(stale)
+        return cpp_extension.load(name=name, build_directory=directory, **kwargs)
 
 
 def build_declared(
