@@ -170,3 +170,23 @@ def test_single_head_module_and_the_modules_that_refuse():
         qkv.MultiHeadAttention(16, 4)(x, key_mask=torch.ones(4, 9, dtype=torch.bool))
     with pytest.raises(ValueError, match="LinearMultiHeadAttention takes no nested"):
         qkv.nn.LinearMultiHeadAttention(16, 4)(x)
+
+
+def test_a_capture_records_the_packed_call():
+    """qkv.capture of a model fed nested inputs records the packed call (it failed: the
+    capture asked the call for a trace, which nested inputs refuse)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(qkv.MultiHeadAttention(16, 4))
+    parts = [torch.randn(L, 16) for L in LENGTHS]
+    x = torch.nested.nested_tensor(parts, layout=torch.jagged)
+    with torch.no_grad(), qkv.capture(model) as cap:
+        y = model(x)
+    for got, p in zip(y.unbind(), parts):
+        torch.testing.assert_close(got, model(p[None])[0])
+    (record,) = cap.records  # one call, the packed one
+    probs = record.probs  # (1, H, total, total)
+    total = sum(LENGTHS)
+    assert probs.shape == (1, 4, total, total)
+    ids = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
+    across = ids[:, None] != ids[None, :]
+    assert probs[..., across].abs().max() == 0 and probs.sum(-1).sub(1).abs().max() < 1e-5

@@ -141,6 +141,9 @@ def scaled_dot_product_attention(
                 if out is not None:
                     return out
         return _attend(query, key, value, args, return_trace, mods, backend, lane)
+    if record is not None and any_nested(query, key, value):
+        record = None  # nested inputs return no trace: the capture records the packed call
+        # they make (qkv._nested), its sequences end to end, weights 0 between them
     query, key, value = (_amp_cast(t, amp) for t in (query, key, value))
     with _autocast_off(query, amp), _recording_paused(record):
         trace_wanted = True if record is not None else return_trace
