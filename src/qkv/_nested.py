@@ -28,52 +28,6 @@ __all__ = ["any_nested", "attend_nested"]
 _TAKES = "is_causal, scale, dropout_p, enable_gqa and sinks of one logit per head (H,)"
 
 
-def any_nested(*tensors) -> bool:
-    """Whether any of ``tensors`` is a nested tensor (a cheap attribute read each)."""
-    return any(getattr(t, "is_nested", False) for t in tensors)
-
-
-def _packed(t, name: str) -> tuple[Tensor, Tensor]:
-    """The sequences of a jagged ``(B, H, j, D)`` tensor packed end to end, and its offsets.
-
-    Shape:
-        -> ``(1, H, total, D)``, offsets ``(B + 1,)``.
-    """
-    if not getattr(t, "is_nested", False):
-        raise ValueError(
-            f"{name} is a dense tensor while another input is nested: pass query, key and "
-            f"value all nested (jagged) or all dense"
-        )
-    if t.layout != torch.jagged:
-        raise ValueError(
-            f"{name} is a nested tensor of layout {t.layout}; qkv takes the jagged layout, as "
-            f"torch's SDPA does: torch.nested.nested_tensor(..., layout=torch.jagged)"
-        )
-    if t.dim() != 4 or t._ragged_idx != 2:
-        raise ValueError(
-            f"{name} is a nested tensor of shape {tuple(t.shape)} whose ragged dim is "
-            f"{t._ragged_idx}; attention takes (B, H, j, D), the ragged dim second to last, as "
-            f"torch's SDPA does: x.transpose(1, 2) of a (B, j, H, D) nested tensor"
-        )
-    if t.lengths() is not None:
-        raise ValueError(
-            f"{name} is a nested tensor with holes (lengths set besides offsets, from a narrow "
-            f"or a slice); make it whole first, e.g. with .contiguous()"
-        )
-    return t.values().unsqueeze(0), t.offsets()  # (H, total, D) is values' own layout here
-
-
-def _sequence_ids(offsets: Tensor, total: int) -> Tensor:
-    """Which sequence each packed position belongs to; no read on the host.
-
-    Shape:
-        offsets ``(B + 1,)`` -> ``(total,)`` int64.
-    """
-    B = offsets.numel() - 1
-    seq = torch.arange(B, device=offsets.device)
-    return torch.repeat_interleave(seq, offsets.diff(), output_size=total)
-
-
 def attend_nested(
     attend: Callable[..., Any],
     query,
@@ -151,3 +105,49 @@ def attend_nested(
     values = out[0].transpose(0, 1)  # (total, H, Dv): the jagged layout's values
     nested = torch.nested.nested_tensor_from_jagged(values, offsets=q_offsets)
     return nested.transpose(1, 2)  # (B, H, j, Dv)
+
+
+def any_nested(*tensors) -> bool:
+    """Whether any of ``tensors`` is a nested tensor (a cheap attribute read each)."""
+    return any(getattr(t, "is_nested", False) for t in tensors)
+
+
+def _packed(t, name: str) -> tuple[Tensor, Tensor]:
+    """The sequences of a jagged ``(B, H, j, D)`` tensor packed end to end, and its offsets.
+
+    Shape:
+        -> ``(1, H, total, D)``, offsets ``(B + 1,)``.
+    """
+    if not getattr(t, "is_nested", False):
+        raise ValueError(
+            f"{name} is a dense tensor while another input is nested: pass query, key and "
+            f"value all nested (jagged) or all dense"
+        )
+    if t.layout != torch.jagged:
+        raise ValueError(
+            f"{name} is a nested tensor of layout {t.layout}; qkv takes the jagged layout, as "
+            f"torch's SDPA does: torch.nested.nested_tensor(..., layout=torch.jagged)"
+        )
+    if t.dim() != 4 or t._ragged_idx != 2:
+        raise ValueError(
+            f"{name} is a nested tensor of shape {tuple(t.shape)} whose ragged dim is "
+            f"{t._ragged_idx}; attention takes (B, H, j, D), the ragged dim second to last, as "
+            f"torch's SDPA does: x.transpose(1, 2) of a (B, j, H, D) nested tensor"
+        )
+    if t.lengths() is not None:
+        raise ValueError(
+            f"{name} is a nested tensor with holes (lengths set besides offsets, from a narrow "
+            f"or a slice); make it whole first, e.g. with .contiguous()"
+        )
+    return t.values().unsqueeze(0), t.offsets()  # (H, total, D) is values' own layout here
+
+
+def _sequence_ids(offsets: Tensor, total: int) -> Tensor:
+    """Which sequence each packed position belongs to; no read on the host.
+
+    Shape:
+        offsets ``(B + 1,)`` -> ``(total,)`` int64.
+    """
+    B = offsets.numel() - 1
+    seq = torch.arange(B, device=offsets.device)
+    return torch.repeat_interleave(seq, offsets.diff(), output_size=total)
