@@ -16,6 +16,8 @@ against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gq
 with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``long`` (T=1024:
 plain and causal, float32 and bfloat16), ``structured`` (T=1024: ``sliding_window(256)``,
 documents and causal documents, float32 and bfloat16, against compiled FlexAttention),
+``padded`` (B=4, T=1024, keys per element 1024/750/450/150: causal, a window or nothing with
+key lengths, causal with a bool key mask; against compiled FlexAttention),
 ``train`` (inputs requiring a gradient: the forward alone and with the backward, B=8,
 T=S=128 and B=1, T=1, S=128). All but ``train`` without gradient; ``--threads`` sets
 torch's threads (1 by default; 0 keeps torch's own).
@@ -237,6 +239,68 @@ def structured_cases(base, rounds: int) -> None:
             compare(f"T=1024, {case}, {dname} (against compiled Flex)", fns, rounds, 1)
 
 
+def padded_cases(base, rounds: int) -> None:
+    """A padded batch (B=4, H=8, T=1024, D=64, keys 1024/750/450/150 per element), float32 and
+    bfloat16, against compiled FlexAttention with the same block mask (built once, untimed):
+    causal with ``key_lengths``, ``sliding_window(256)`` with ``key_lengths``, ``key_lengths``
+    alone (an encoder's batch), and causal with a bool key mask ``(B, 1, 1, S)`` (what the
+    transformers integration passes for padding). A case's "torch" column is Flex's."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    Bp, T, W = 4, 1024, 256
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(Bp, H, T, D, generator=g) for _ in range(3)]
+    lens = torch.tensor([1024, 750, 450, 150])
+    keep = (torch.arange(T) < lens[:, None])[:, None, None, :]  # (B, 1, 1, S)
+
+    def causal_lengths(b, h, qi, ki):
+        return (ki <= qi) & (ki < lens[b])
+
+    def window_lengths(b, h, qi, ki):
+        return (ki <= qi) & (ki >= qi - W) & (ki < lens[b])
+
+    def lengths(b, h, qi, ki):
+        return ki < lens[b]
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        t = tuple(x.to(dtype) for x in inputs)
+        for case, fmask, kws in (
+            (
+                "causal + key lengths",
+                causal_lengths,
+                tuple(
+                    dict(is_causal=True, mask_mod=m.masks.key_lengths(lens)) for m in (qkv, base)
+                ),
+            ),
+            (
+                "window + key lengths",
+                window_lengths,
+                tuple(
+                    dict(
+                        mask_mod=m.masks.and_masks(
+                            m.masks.sliding_window(W), m.masks.key_lengths(lens)
+                        )
+                    )
+                    for m in (qkv, base)
+                ),
+            ),
+            (
+                "key lengths",
+                lengths,
+                tuple(dict(mask_mod=m.masks.key_lengths(lens)) for m in (qkv, base)),
+            ),
+            ("causal + bool key mask", causal_lengths, (dict(attn_mask=keep, is_causal=True),) * 2),
+        ):
+            block_mask = create_block_mask(fmask, Bp, None, T, T, device="cpu")
+            fns = {
+                "torch": lambda t=t, bm=block_mask: flex(*t, block_mask=bm),
+                "before": lambda t=t, kw=kws[1]: base.scaled_dot_product_attention(*t, **kw),
+                "after": lambda t=t, kw=kws[0]: qkv.scaled_dot_product_attention(*t, **kw),
+            }
+            compare(f"B=4, T=1024, {case}, {dname} (against compiled Flex)", fns, rounds, 1)
+
+
 def train_cases(base, rounds: int) -> None:
     """Calls that want a gradient (inputs requiring it, grad mode on): the forward alone and
     the forward and backward, at a training batch's size (B=8, H=8, T=S=128, D=64, float32
@@ -286,6 +350,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # compiled Flex recompiles per block mask and dtype: past dynamo's default limit of 8 (the
+    # padded and structured cases together) it ran eagerly, 10x slower, and flattered qkv
+    torch._dynamo.config.recompile_limit = 64
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         base = import_base(args.rev, Path(tmp))
         print(
@@ -301,6 +368,7 @@ def main(argv=None) -> int:
                 "step-gqa": lambda base, rounds: step_case(base, rounds, G=2),
                 "long": long_cases,
                 "structured": structured_cases,
+                "padded": padded_cases,
                 "train": train_cases,
             }
             cases[case](base, args.rounds)

@@ -120,7 +120,10 @@ class MaskSpec:
     """A dense ``attn_mask``: ``kind`` "bool" (True = may attend) or "float" (added; ``-inf``
     where not kept), of broadcast shape ``shape``, keeping each entry with probability
     ``p_keep``; rows ``dead_rows`` (of the mask's own T dim) keep nothing. ``dtype`` is the
-    float mask's dtype ("same" = the inputs'). ``grad``: a float mask that requires grad."""
+    float mask's dtype ("same" = the inputs'). ``grad``: a float mask that requires grad.
+    ``padding`` "right" or "left": each row keeps one range of keys instead, of a random
+    length, at the start or the end (a padded batch's key mask: the tiled backend runs each
+    batch element on its own keys)."""
 
     kind: str = "bool"
     shape: str = "TS"
@@ -129,11 +132,16 @@ class MaskSpec:
     dtype: str = "same"
     grad: bool = False
     seed: int = 0
+    padding: str = ""
 
     def make(self, B: int, H: int, T: int, S: int, dtype: torch.dtype) -> Tensor:
         shape = mask_shape(self.shape, B, H, T, S)
         g = _gen(self.seed + 1)
         keep = torch.rand(shape, generator=g, dtype=torch.float64) < self.p_keep
+        if self.padding and shape:
+            n = torch.randint(0, shape[-1] + 1, shape[:-1] + (1,), generator=g)
+            j = torch.arange(shape[-1])
+            keep = j < n if self.padding == "right" else j >= shape[-1] - n
         if self.dead_rows and len(shape) >= 2 and shape[-2] == T:
             rows = [r for r in self.dead_rows if r < T]
             keep[..., rows, :] = False
@@ -528,7 +536,9 @@ def mask_specs(draw, B: int, H: int, T: int, S: int, dtype: str) -> MaskSpec:
     if kind == "float" and dtype != "float32":
         mdtype = draw(st.sampled_from(["same", "float32"]))
     grad = kind == "float" and draw(st.booleans())
-    return MaskSpec(kind, shape, p_keep, tuple(dead), mdtype, grad, draw(st.integers(0, 2**16)))
+    seed = draw(st.integers(0, 2**16))
+    padding = draw(st.sampled_from(["", "", "right", "left"]))
+    return MaskSpec(kind, shape, p_keep, tuple(dead), mdtype, grad, seed, padding)
 
 
 @st.composite
@@ -687,6 +697,38 @@ def learned_bias_cases(draw) -> Case:
         base.mask_mod,
         base.score_mod,
         base.seed,
+    )
+
+
+@st.composite
+def padded_cases(draw, **kw) -> Case:
+    """:func:`cases` made a padded batch: B of 2 to 4, each element's keys one range (key
+    lengths per element, or a bool ``(B, 1, 1, S)`` key mask padded right or left), with
+    causal, a window or nothing besides, and ALiBi or no score_mod; the rest of the call as
+    drawn. The tiled backend runs each element on its own keys there (``_batch_pieces``),
+    which :func:`cases` draws a few times in a run."""
+    base = draw(cases(**kw))
+    B = draw(st.sampled_from([2, 3, 4]))
+    T, S = base.T or 1, base.S or 1
+    align = draw(st.sampled_from(["top_left", "bottom_right"]))
+    mods: list[ModSpec] = []
+    shape = draw(st.sampled_from(["none", "causal", "window"]))
+    if shape == "causal":
+        mods.append(Causal(align))
+    elif shape == "window":
+        mods.append(Window(draw(st.integers(0, 6)), draw(st.integers(0, 3)), align))
+    mask = None
+    if draw(st.booleans()):
+        lengths = tuple(draw(st.integers(0, S + 1)) for _ in range(B))
+        mods.append(KeyLengths(lengths))
+    if not mods or draw(st.booleans()):
+        padding = draw(st.sampled_from(["right", "left"]))
+        mask = MaskSpec("bool", "B11S", 1.0, (), "same", False, base.seed, padding)
+    mod = None if not mods else mods[0] if len(mods) == 1 else Combine("and", tuple(mods))
+    score = Alibi(draw(st.booleans()), base.seed) if draw(st.booleans()) else None
+    is_causal = not mods and draw(st.booleans())
+    return replace(
+        base, B=B, T=T, S=S, mask=mask, mask_mod=mod, score_mod=score, is_causal=is_causal
     )
 
 

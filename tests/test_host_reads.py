@@ -126,6 +126,8 @@ KINDS = [
     "window",
     "document",
     "key_lengths",
+    "padded_causal",
+    "left_padded_window",
     "neighborhood",
     "sinks",
     "trace",
@@ -152,6 +154,11 @@ def _structure(kind: str) -> dict:
         return {"mask_mod": masks.document(ids.expand(B, T))}
     if kind == "key_lengths":
         return {"mask_mod": masks.key_lengths(torch.tensor([50, 97]))}
+    if kind == "padded_causal":  # each element on its own keys (tiled: plan._batch_pieces)
+        return {"mask_mod": masks.key_lengths(torch.tensor([50, 97])), "is_causal": True}
+    if kind == "left_padded_window":  # a bool key mask (B, 1, 1, S), as transformers pads
+        keep = torch.arange(S) >= torch.tensor([[0], [30]])  # (B, S)
+        return {"attn_mask": keep[:, None, None, :], "mask_mod": masks.sliding_window(16)}
     if kind == "neighborhood":  # T = 97 tokens in a 1D grid, in a shuffled order of its own
         order = torch.randperm(T, generator=g)
         return {"mask_mod": masks.neighborhood(9, T, dilation=2, layout=order)}

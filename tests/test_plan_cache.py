@@ -56,9 +56,13 @@ def test_document_ids_changed_in_place_get_a_new_plan():
 
 def test_key_lengths_of_other_values_get_their_own_plan():
     q, k, v = _qkv(B=2)
+    _check(q, k, v, mask_mod=M.key_lengths(torch.tensor([50, 50])))
+    _check(q, k, v, mask_mod=M.key_lengths(torch.tensor([120, 120])))
+    assert len(tiled._plan_cache) == 2
+    # lengths that differ: each batch element attends its own keys, one plan per length
     _check(q, k, v, mask_mod=M.key_lengths(torch.tensor([50, 200])))
     _check(q, k, v, mask_mod=M.key_lengths(torch.tensor([120, 7])))
-    assert len(tiled._plan_cache) == 2
+    assert len(tiled._plan_cache) == 6
 
 
 @pytest.mark.parametrize("name", ["function", "subclass", "dense"])

@@ -258,7 +258,11 @@ def test_empty_blocks_are_skipped_and_full_blocks_unmasked():
         (0, 1, ((0, 128, True),)),
         (128, T // 128 - 1, ((-128, 128, True),)),
     ]
-    _, pairs, masked = _visited(AttentionCall.build(q, k, v, is_causal=True))
+    plan, _, _ = _visited(AttentionCall.build(q, k, v, is_causal=True))
+    assert [(u.t0, u.tq, u.causal) for u in plan.units] == [(0, T, True)]  # flash's own causal
+    # with a float mask (which flash's is_causal does not take beside it): tiles
+    bias = torch.zeros(1, T, 1)
+    _, pairs, masked = _visited(AttentionCall.build(q, k, v, is_causal=True, attn_mask=bias))
     assert pairs == 128 * sum(min(T, (i + 1) * 128) for i in range(T // 128))  # lower triangle
     # only the diagonal blocks carry a mask, with full runs shorter than MIN_FULL_RUN blocks
     short = sum(min(2 * i, MIN_FULL_RUN - 1) * 64 for i in range(T // 128) if 2 * i < MIN_FULL_RUN)

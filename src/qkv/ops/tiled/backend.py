@@ -74,7 +74,7 @@ from ..call import AttentionCall
 from ..reference import ReferenceBackend, bf16_fusable, inference_ranges
 from .backward import _backward, _dense_backward, _sink_grad
 from .forward import _acc, _forward, _with_sinks, merge_by_lse
-from .plan import BLOCK_K, BLOCK_Q, _Plan, _plan, _refuse_flash
+from .plan import BLOCK_K, BLOCK_Q, _batch_pieces, _Piece, _Plan, _plan, _refuse_flash
 
 # names read from here before planning had a file of its own (tests, docs): a monkeypatch
 # goes to plan.py, the module that reads them
@@ -175,15 +175,64 @@ def tiled_attention(
     B, H = call.BH
     if bias is not None and bias.requires_grad:
         inner = _refuse_flash(inner, "a float attn_mask that requires grad")
-    plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)
     # tensors the score_mod reads that want gradients (ValueError if hidden)
     grads: tuple[Tensor, ...] = ()
-    if plan.score_mod is not None:
-        grads = score_mod_gradient_inputs(plan.score_mod, dtype=_acc(q.dtype), device=q.device)
+    if call.score_mod is not None:
+        grads = score_mod_gradient_inputs(call.score_mod, dtype=_acc(q.dtype), device=q.device)
     sinks = sinks_by_row(call)  # (B, H, T) or None
-    out, lse = _TiledAttention.apply(plan, q, k, v, bias, sinks, *grads)  # (B, H, T, Dv), (B, H, T)
-    out = out.to(call.dtype).reshape(call.out_shape)
+    pieces = _batch_pieces(call, B, H, inner, block_q, block_k, q.dtype)
+    if pieces is not None:  # a padded batch: each element on its own keys
+        out, lse = _padded_batch(pieces, q, k, v, sinks, grads)
+    else:
+        plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)
+        out, lse = _TiledAttention.apply(plan, q, k, v, bias, sinks, *grads)
+    out = out.to(call.dtype).reshape(call.out_shape)  # (B, H, T, Dv), lse (B, H, T)
     return out, lse.reshape(call.batch + (call.T,))
+
+
+def _padded_batch(
+    pieces: list[_Piece],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sinks: Tensor | None,
+    grads: tuple[Tensor, ...],
+) -> tuple[Tensor, Tensor]:
+    """Each piece of a padded batch (``plan._batch_pieces``) attends its own keys; the
+    outputs and log-sum-exps are put back in batch order. Autograd takes the gradients back
+    through the slices (padding keys get 0).
+
+    Shape:
+        q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)``, sinks ``(B, H, T)``
+        -> out ``(B, H, T, Dv)``, lse ``(B, H, T)``.
+    """
+    outs, lses = [], []
+    order: list[int] = []  # the batch elements in the pieces' order
+    for p in pieces:
+        if isinstance(p.index, slice):
+            take = lambda t, s=p.index: t[s]  # noqa: E731 (a view)
+            order += range(p.index.start, p.index.stop)
+        else:
+            idx = torch.tensor(p.index, device=q.device)
+            take = lambda t, i=idx: t.index_select(0, i)  # noqa: E731
+            order += p.index
+        keys = slice(p.k0, p.k1)
+        out, lse = _TiledAttention.apply(
+            p.plan,
+            take(q),
+            take(k)[:, :, keys],
+            take(v)[:, :, keys],
+            None,
+            None if sinks is None else take(sinks),
+            *grads,
+        )
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs), torch.cat(lses)
+    if order != list(range(len(order))):
+        back = torch.tensor(order, device=q.device).argsort()
+        out, lse = out.index_select(0, back), lse.index_select(0, back)
+    return out, lse
 
 
 def work_inputs(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
