@@ -255,6 +255,19 @@ class KeyLengths(ModSpec):
 
 
 @dataclass(frozen=True)
+class PrefixLM(KeyLengths):
+    """``prefix_lm(lengths)``: the first keys seen by every row, the rest top-left causal."""
+
+    def build(self, ctx):
+        n = self.values(ctx)
+        return qkv.masks.prefix_lm(n if isinstance(n, int) else torch.tensor(n, dtype=torch.long))
+
+    def dense(self, ctx):
+        causal = causal_allowed(ctx.B, ctx.H, ctx.T, ctx.S, offset=0)
+        return causal | super().dense(ctx)
+
+
+@dataclass(frozen=True)
 class Neighborhood(ModSpec):
     """NATTEN's neighborhood on a token grid of ``shape`` (T = S = prod(shape)), per-dim
     ``kernel``, ``dilation`` and ``causal``; ``tile``: tokens laid out tile by tile (None:
@@ -543,7 +556,7 @@ def mask_specs(draw, B: int, H: int, T: int, S: int, dtype: str) -> MaskSpec:
 
 @st.composite
 def leaf_mods(draw, T: int, S: int) -> ModSpec:
-    kinds = ["causal", "window", "document", "key_lengths", "fn"]
+    kinds = ["causal", "window", "document", "key_lengths", "prefix_lm", "fn"]
     which = draw(st.sampled_from(kinds + (["neighborhood"] if T == S > 0 else [])))
     if which == "neighborhood":
         return draw(neighborhoods(T))
@@ -560,10 +573,10 @@ def leaf_mods(draw, T: int, S: int) -> ModSpec:
             draw(st.booleans()) and T == S,
             draw(st.integers(0, 2**16)),
         )
-    if which == "key_lengths":
+    if which in ("key_lengths", "prefix_lm"):
         one = st.integers(0, S + 1)
         n = draw(one | st.tuples(one, one, one))
-        return KeyLengths(n)
+        return KeyLengths(n) if which == "key_lengths" else PrefixLM(n)
     return MaskFn(draw(st.sampled_from(sorted(MASK_FUNCTIONS))))
 
 

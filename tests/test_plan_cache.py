@@ -248,6 +248,35 @@ def test_causal_documents_run_as_one_causal_kernel_call_each():
         assert not any(u.causal for u in _units_of(T, **kw))
 
 
+@pytest.mark.parametrize("prefix", [0, 1, 70, 199, 200, 250])
+def test_a_prefix_lm_is_the_prefix_in_full_then_the_kernels_own_causal(prefix):
+    """``prefix_lm(P)``: the prefix's rows see its keys in full; each later row sees the
+    prefix (a chunk without mask) and, past it, causal keys (the flash kernel's is_causal), so
+    no tile is masked at the diagonal; forward, gradients and sinks as the reference's."""
+    T = 200
+    for mod in (M.prefix_lm(prefix), M.prefix_lm(torch.tensor([prefix]))):
+        units = [(u.t0, u.tq, u.chunks, u.causal) for u in _units_of(T, mask_mod=mod)]
+        if prefix >= T:  # every key is the prefix's
+            assert units == [(0, T, ((0, T, False),), False)]
+        else:
+            before = ((-prefix, 0, False),) if prefix else ()
+            first = [(0, prefix, ((0, prefix, False),), False)] if prefix else []
+            assert units == [*first, (prefix, T - prefix, (*before, (0, T - prefix, False)), True)]
+        sinks = torch.tensor([0.5, -3.0], dtype=torch.float64, requires_grad=True)
+        q, k, v = (t.requires_grad_() for t in _qkv(T=T, S=T))
+        runs = []
+        for backend in ("tiled", "reference"):
+            out = qkv.scaled_dot_product_attention(
+                q, k, v, backend=backend, mask_mod=mod, sinks=sinks
+            )
+            runs.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, sinks))))
+        for a, b in zip(*runs):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    # a prefix per batch element keeps its tiles
+    per_batch = M.prefix_lm(torch.tensor([prefix, 3]))
+    assert not any(u.causal for u in _units_of(T, mask_mod=per_batch, B=2))
+
+
 @pytest.mark.parametrize(
     "name",
     [

@@ -133,7 +133,7 @@ def _backward(
                 lse_safe[:, :, rows],
                 dout[:, :, rows],
             )
-            if u.causal:  # a document's own causal attention (plan._causal_documents)
+            if u.causal and (a, b) == (0, u.tq):  # the kernel's own causal (_Unit.causal)
                 g = _causal_flash_backward(plan, *args)
             elif plan.inner == "flash":
                 g = _flash_chunk_backward(plan, *args, where)

@@ -56,7 +56,7 @@ def _forward(
         merged: tuple[Tensor, Tensor] | None = None  # the unit's output and lse so far
         t0, t1 = u.t0, u.t0 + u.tq
         for a, b, masked in u.chunks:
-            if u.causal:  # a document's own causal attention (plan._causal_documents)
+            if u.causal and (a, b) == (0, u.tq):  # the kernel's own causal (_Unit.causal)
                 o_c, l_c = flash_forward(
                     q[:, :, t0:t1], k[:, :, t0:t1], v[:, :, t0:t1], scale=plan.scale, is_causal=True
                 )  # (B, H, tq, Dv), (B, H, tq)
