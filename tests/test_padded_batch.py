@@ -17,6 +17,13 @@ from qkv.ops.tiled import plan as P
 B, H, T, S, D = 4, 2, 150, 150, 8
 
 
+@pytest.fixture(autouse=True)
+def _cut_every_padded_batch(monkeypatch):
+    """These batches are small: cutting them costs more than it saves (``_worth_cutting``),
+    and the tests are about the cut calls. Pieces cost nothing here but in the test of that."""
+    monkeypatch.setattr(P, "PIECE_SCORES", 0)
+
+
 def _qkv(T=T, S=S, G=H, seed=0, grad=False):
     g = torch.Generator().manual_seed(seed)
     return tuple(
@@ -38,15 +45,21 @@ LEFT = (torch.arange(S) >= S - LENGTHS[:, None])[:, None, None, :]
 
 def test_padded_batches_are_cut_by_each_elements_keys():
     q, k, v = _qkv()
-    # elements with the same keys share a piece (a tuple where they are not consecutive); an
-    # element with no key gets one key that none may attend
-    want = [(slice(0, 1), 0, 150), ((1, 3), 0, 90), (slice(2, 3), 0, 1)]
+    # consecutive elements with the same keys share a piece; an element with no key gets one
+    # key that none may attend
+    want = [(slice(0, 1), 0, 150), (slice(1, 2), 0, 90), (slice(2, 3), 0, 1), (slice(3, 4), 0, 90)]
     assert _pieces(q, k, v, mask_mod=M.key_lengths(LENGTHS)) == want
     assert _pieces(q, k, v, attn_mask=RIGHT, is_causal=True) == want
     assert _pieces(q, k, v, attn_mask=LEFT, mask_mod=M.sliding_window(9)) == [
         (slice(0, 1), 0, 150),
-        ((1, 3), 60, 150),
+        (slice(1, 2), 60, 150),
         (slice(2, 3), 0, 1),
+        (slice(3, 4), 60, 150),
+    ]
+    assert _pieces(q, k, v, mask_mod=M.key_lengths(torch.tensor([150, 90, 90, 0]))) == [
+        (slice(0, 1), 0, 150),
+        (slice(1, 3), 0, 90),
+        (slice(3, 4), 0, 1),
     ]
     # key lengths and a key mask together: their intersection
     both = dict(attn_mask=LEFT, mask_mod=M.key_lengths(torch.tensor([100, 100, 150, 150])))
@@ -154,3 +167,27 @@ def test_a_causal_piece_is_one_call_of_the_kernels_own_causal():
     assert pieces is not None
     units = {(p.k0, p.k1): [(u.t0, u.tq, u.causal) for u in p.plan.units] for p in pieces}
     assert units == {(0, 150): [(0, T, True)], (0, 90): [(0, T, True)], (0, 1): []}
+
+
+def test_a_batch_is_cut_only_where_its_pieces_save_more_than_they_cost(monkeypatch):
+    """Each piece costs ``PIECE_SCORES`` scores beside its work; a batch is cut where the
+    scores its pieces leave out (padding keys, times rows and heads, under its windows) are
+    more than that."""
+    monkeypatch.setattr(P, "PIECE_SCORES", 1000)
+    runs = [((0, 100), [0]), ((0, 60), [1, 2])]  # two pieces; the union is [0, 100)
+    # no window: 2 elements x 40 keys x T rows x H heads saved
+    assert P._worth_cutting(runs, [], T=12, H=2) == (2 * 40 * 12 * 2 > 2000)  # 1920: no
+    assert P._worth_cutting(runs, [], T=13, H=2)  # 2080: yes
+    # causal (top-left): row q sees keys 0..q, so rows below 60 lose nothing to the padding
+    causal = P._Window(None, 0, "top_left", "causal", 0)
+    saved = 2 * 2 * sum(max(0, q - 59) for q in range(100))  # 2 elements x 2 heads x 820
+    assert saved == 3280
+    monkeypatch.setattr(P, "PIECE_SCORES", 1639)
+    assert P._worth_cutting(runs, [causal], T=100, H=2)
+    monkeypatch.setattr(P, "PIECE_SCORES", 1640)  # two pieces cost as much as they save
+    assert not P._worth_cutting(runs, [causal], T=100, H=2)
+    # a window of 10 keys back from each row: only the rows that reach past key 60 save
+    band = P._Window(10, 0, "top_left", "window", 0)
+    monkeypatch.setattr(P, "PIECE_SCORES", 0)
+    assert P._worth_cutting(runs, [band], T=100, H=2)
+    assert not P._worth_cutting(runs, [band], T=60, H=2)  # rows 0..59 never reach key 60

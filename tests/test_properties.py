@@ -396,7 +396,9 @@ def test_padded_batches_match_float64_reference(backend, case, data):
     causal, a window, ALiBi, sinks), which the tiled backend runs element by element on each
     one's own keys: output and gradients within the tolerance policy."""
     tiles = draw_tiles(data, case) if backend == "tiled-small" else None
-    check_call(case, backend, tiles, sinks=data.draw(st.booleans(), label="sinks"))
+    with pytest.MonkeyPatch.context() as mp:  # cut however small the batch (_worth_cutting)
+        mp.setattr("qkv.ops.tiled.plan.PIECE_SCORES", 0)
+        check_call(case, backend, tiles, sinks=data.draw(st.booleans(), label="sinks"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

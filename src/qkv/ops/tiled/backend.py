@@ -198,40 +198,24 @@ def _padded_batch(
     sinks: Tensor | None,
     grads: tuple[Tensor, ...],
 ) -> tuple[Tensor, Tensor]:
-    """Each piece of a padded batch (``plan._batch_pieces``) attends its own keys; the
-    outputs and log-sum-exps are put back in batch order. Autograd takes the gradients back
-    through the slices (padding keys get 0).
+    """Each piece of a padded batch (``plan._batch_pieces``: consecutive elements) attends
+    its own keys; the outputs and log-sum-exps are joined in batch order. Autograd takes the
+    gradients back through the slices (padding keys get 0).
 
     Shape:
         q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)``, sinks ``(B, H, T)``
         -> out ``(B, H, T, Dv)``, lse ``(B, H, T)``.
     """
     outs, lses = [], []
-    order: list[int] = []  # the batch elements in the pieces' order
     for p in pieces:
-        if isinstance(p.index, slice):
-            take = lambda t, s=p.index: t[s]  # noqa: E731 (a view)
-            order += range(p.index.start, p.index.stop)
-        else:
-            idx = torch.tensor(p.index, device=q.device)
-            take = lambda t, i=idx: t.index_select(0, i)  # noqa: E731
-            order += p.index
         keys = slice(p.k0, p.k1)
+        rows = None if sinks is None else sinks[p.index]
         out, lse = _TiledAttention.apply(
-            p.plan,
-            take(q),
-            take(k)[:, :, keys],
-            take(v)[:, :, keys],
-            None,
-            None if sinks is None else take(sinks),
-            *grads,
+            p.plan, q[p.index], k[p.index, :, keys], v[p.index, :, keys], None, rows, *grads
         )
         outs.append(out)
         lses.append(lse)
     out, lse = torch.cat(outs), torch.cat(lses)
-    if order != list(range(len(order))):
-        back = torch.tensor(order, device=q.device).argsort()
-        out, lse = out.index_select(0, back), lse.index_select(0, back)
     return out, lse
 
 
