@@ -412,3 +412,28 @@ def test_bf16_calls_on_the_native_route_read_nothing_on_the_host(monkeypatch, ki
 
     count_reads(make(0))
     assert count_reads(make(1)) == []
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize("backend", ["auto", "tiled"])
+def test_nested_inputs_with_the_offsets_of_the_last_call_read_nothing(is_causal, backend):
+    """A model fed nested (jagged) inputs passes the same offsets to every layer: from the
+    second call on, the packing (sequence ids, the offsets compared) reads nothing."""
+    offsets = torch.tensor([0, 40, 41, 97, 160])
+
+    def make(seed: int) -> Callable[[], None]:
+        g = torch.Generator().manual_seed(seed)
+        q, k, v = (
+            torch.nested.nested_tensor_from_jagged(
+                torch.randn(160, H, D, generator=g), offsets=offsets
+            ).transpose(1, 2)
+            for _ in range(3)
+        )  # (B, H, j, D)
+
+        def call() -> None:
+            qkv.scaled_dot_product_attention(q, k, v, is_causal=is_causal, backend=backend)
+
+        return call
+
+    count_reads(make(0))
+    assert count_reads(make(1)) == []

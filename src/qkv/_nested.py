@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._identity import IdentityCache
 from .masks import and_masks, causal, document
 
 __all__ = ["any_nested", "attend_nested"]
@@ -78,11 +79,9 @@ def attend_nested(
             f"query holds {q_offsets.numel() - 1} sequences, key {kv_offsets.numel() - 1}: "
             f"nested inputs pair the i-th query sequence with the i-th key sequence"
         )
-    if v_offsets is not kv_offsets and not torch.equal(v_offsets, kv_offsets):
+    if not _equal(v_offsets, kv_offsets):
         raise ValueError("key and value are nested tensors of different sequence lengths")
-    same = kv_offsets is q_offsets or (
-        q.shape[2] == k.shape[2] and torch.equal(kv_offsets, q_offsets)
-    )
+    same = q.shape[2] == k.shape[2] and _equal(kv_offsets, q_offsets)
     q_ids = _sequence_ids(q_offsets, q.shape[2])
     mask = document(q_ids) if same else document(q_ids, _sequence_ids(kv_offsets, k.shape[2]))
     if is_causal:
@@ -143,11 +142,27 @@ def _packed(t, name: str) -> tuple[Tensor, Tensor]:
 
 
 def _sequence_ids(offsets: Tensor, total: int) -> Tensor:
-    """Which sequence each packed position belongs to; no read on the host.
+    """Which sequence each packed position belongs to; no read on the host. The same tensor
+    for the same offsets (unchanged): the document mask made of it is then planned once, and
+    a model's next layer reads nothing on the host (``_offsets_seen``).
 
     Shape:
         offsets ``(B + 1,)`` -> ``(total,)`` int64.
     """
-    B = offsets.numel() - 1
-    seq = torch.arange(B, device=offsets.device)
-    return torch.repeat_interleave(seq, offsets.diff(), output_size=total)
+
+    def make() -> Tensor:
+        seq = torch.arange(offsets.numel() - 1, device=offsets.device)
+        return torch.repeat_interleave(seq, offsets.diff(), output_size=total)
+
+    return _offsets_seen.get((offsets,), ("ids", total), make)
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    """Whether two offsets are the same sequence lengths: read on the host once for the pair
+    (``_offsets_seen``); the same tensor, not at all."""
+    return a is b or _offsets_seen.get((a, b), "equal", lambda: torch.equal(a, b))
+
+
+# What was derived from nested inputs' offsets, by the offsets' identity and version: the
+# layers of a model fed nested inputs share them (a projection keeps its input's offsets)
+_offsets_seen = IdentityCache(64)
