@@ -37,7 +37,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -132,7 +131,7 @@ def _route() -> tuple[int, str]:
     if lib is None:
         return 0, why
     runs, why = _runs(lib)
-    forced = os.environ.get(GEMM_SWITCH, "auto")
+    forced = _measured.env(GEMM_SWITCH) or "auto"
     if forced == "auto":
         if len(runs) > 1:
             return GEMMS[_auto_gemm(runs)], ""
@@ -168,7 +167,7 @@ _GEMM_ROUNDS, _GEMM_BUDGET_S = 5, 0.01  # rounds of one timed call each, stoppin
 def forced_gemm() -> str | None:
     """The GEMM ``QKV_BF16_GEMM`` holds this process to (``amx``, ``avx512_bf16``), or None
     where it is unset or ``auto``."""
-    forced = os.environ.get(GEMM_SWITCH, "auto")
+    forced = _measured.env(GEMM_SWITCH) or "auto"
     return None if forced == "auto" else forced
 
 

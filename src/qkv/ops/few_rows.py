@@ -34,7 +34,6 @@ import ctypes
 import functools
 import logging
 import math
-import os
 import struct
 import threading
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._measured import env
 from . import key_counts
 from ._native_build import build_declared
 from .base import tracing
@@ -76,13 +76,13 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
 def available() -> bool:
     """Whether the kernel runs here and is not switched off (``QKV_FEW_ROWS=off``); builds it
     at the first ask (seconds once, then a cached load of milliseconds)."""
-    return os.environ.get(SWITCH, "on") != "off" and _build()[0] is not None
+    return env(SWITCH) != "off" and _build()[0] is not None
 
 
 def usable(call: AttentionCall) -> bool:
     """:func:`_usable_now`, kept for the last call asked about while the switch holds: the plan
     asks it (``keeps_nonfinite_contract``) and the tiled backend again for the same call."""
-    return _last_usable.get(call, os.environ.get(SWITCH), _usable_now)
+    return _last_usable.get(call, env(SWITCH), _usable_now)
 
 
 _last_usable = LastCall()
@@ -349,7 +349,7 @@ class Runner:
         Shape: query ``(B, H, T, D)``, key ``(B?, G, S, D)``, value ``(B?, G, S, Dv)``,
         keep ``(B?, 1, 1, S)`` bool or None -> ``(B, H, T, Dv)``."""
         qs, ks, vs = query.shape, key.shape, value.shape
-        if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or os.environ.get(SWITCH) == "off":
+        if len(qs) != 4 or len(ks) != 4 or len(vs) != 4 or env(SWITCH) == "off":
             return None  # (the switch read per call: a kept lane follows it too)
         B, H, T, _ = qs
         dtype = query.dtype
