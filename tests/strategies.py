@@ -717,9 +717,10 @@ def learned_bias_cases(draw) -> Case:
 def padded_cases(draw, **kw) -> Case:
     """:func:`cases` made a padded batch: B of 2 to 4, each element's keys one range (key
     lengths per element, or a bool ``(B, 1, 1, S)`` key mask padded right or left), with
-    causal, a window or nothing besides, and ALiBi or no score_mod; the rest of the call as
-    drawn. The tiled backend runs each element on its own keys there (``_batch_pieces``),
-    which :func:`cases` draws a few times in a run."""
+    causal, a window or nothing besides, sometimes documents (per element or shared), and
+    ALiBi or no score_mod; the rest of the call as drawn. The tiled backend runs each
+    element on its own keys there (``batch_pieces``), which :func:`cases` draws a few times
+    in a run."""
     base = draw(cases(**kw))
     B = draw(st.sampled_from([2, 3, 4]))
     T, S = base.T or 1, base.S or 1
@@ -734,6 +735,13 @@ def padded_cases(draw, **kw) -> Case:
     if draw(st.booleans()):
         lengths = tuple(draw(st.integers(0, S + 1)) for _ in range(B))
         mods.append(KeyLengths(lengths))
+    if draw(st.integers(0, 2)) == 2:  # packed rows: documents per element (or shared)
+        n_docs, ordered, per_batch = (
+            draw(st.integers(1, 4)),
+            draw(st.booleans()),
+            draw(st.booleans()),
+        )
+        mods.append(Document(n_docs, ordered, per_batch, T == S and draw(st.booleans()), base.seed))
     if not mods or draw(st.booleans()):
         padding = draw(st.sampled_from(["right", "left"]))
         mask = MaskSpec("bool", "B11S", 1.0, (), "same", False, base.seed, padding)

@@ -285,7 +285,7 @@ def test_the_second_call_of_a_structure_reads_nothing_on_the_host(path, monkeypa
     """The first call of a structure may plan and remember; the second, on new q, k, v (and a
     new input to the module), reads no tensor value on the host, forward and backward."""
     if "padded" in path:  # each element on its own keys, however small (plan._worth_cutting)
-        monkeypatch.setattr("qkv.ops.tiled.plan.PIECE_SCORES", 0)
+        monkeypatch.setattr("qkv.ops.tiled.batch.PIECE_SCORES", 0)
     make = all_paths()[path]()
     count_reads(make(0))
     assert count_reads(make(1)) == []

@@ -1,5 +1,5 @@
 """Padded batches on the tiled backend: each batch element attends its own keys
-(``qkv.ops.tiled.plan._batch_pieces``), so a window keeps its diagonal groups and no chunk is
+(``qkv.ops.tiled.batch.batch_pieces``), so a window keeps its diagonal groups and no chunk is
 masked for padding that only some elements have. Which calls are cut and how, and that the
 answers are the reference's (float64), gradients, sinks, traces and NaN in padding included.
 """
@@ -12,6 +12,7 @@ import torch
 import qkv
 from qkv import masks as M
 from qkv.ops import AttentionCall
+from qkv.ops.tiled import batch as Bt
 from qkv.ops.tiled import plan as P
 
 B, H, T, S, D = 4, 2, 150, 150, 8
@@ -21,7 +22,7 @@ B, H, T, S, D = 4, 2, 150, 150, 8
 def _cut_every_padded_batch(monkeypatch):
     """These batches are small: cutting them costs more than it saves (``_worth_cutting``),
     and the tests are about the cut calls. Pieces cost nothing here but in the test of that."""
-    monkeypatch.setattr(P, "PIECE_SCORES", 0)
+    monkeypatch.setattr(Bt, "PIECE_SCORES", 0)
 
 
 def _qkv(T=T, S=S, G=H, seed=0, grad=False):
@@ -34,11 +35,15 @@ def _qkv(T=T, S=S, G=H, seed=0, grad=False):
 
 def _pieces(q, k, v, **kw):
     call = AttentionCall.build(q, k, v, **kw)
-    pieces = P._batch_pieces(call, *call.BH, None, P.BLOCK_Q, P.BLOCK_K, q.dtype)
+    pieces = Bt.batch_pieces(call, *call.BH, None, P.BLOCK_Q, P.BLOCK_K, q.dtype)
     return None if pieces is None else [(p.index, p.k0, p.k1) for p in pieces]
 
 
 LENGTHS = torch.tensor([150, 90, 0, 90])
+# packed rows with documents of their own: 3, 2, 2 (as the row before) and 1 documents
+DOCS = torch.stack(
+    [torch.arange(S) // 50, torch.arange(S) // 100, torch.arange(S) // 100, torch.zeros(S)]
+).long()
 RIGHT = (torch.arange(S) < LENGTHS[:, None])[:, None, None, :]  # (B, 1, 1, S)
 LEFT = (torch.arange(S) >= S - LENGTHS[:, None])[:, None, None, :]
 
@@ -55,6 +60,12 @@ def test_padded_batches_are_cut_by_each_elements_keys():
         (slice(1, 2), 60, 150),
         (slice(2, 3), 0, 1),
         (slice(3, 4), 60, 150),
+    ]
+    # documents per element: rows 1 and 2 have the same, one piece
+    assert _pieces(q, k, v, mask_mod=M.document(DOCS)) == [
+        (slice(0, 1), 0, 150),
+        (slice(1, 3), 0, 150),
+        (slice(3, 4), 0, 150),
     ]
     assert _pieces(q, k, v, mask_mod=M.key_lengths(torch.tensor([150, 90, 90, 0]))) == [
         (slice(0, 1), 0, 150),
@@ -81,7 +92,8 @@ def test_padded_batches_are_cut_by_each_elements_keys():
         dict(attn_mask=RIGHT & (torch.arange(S) % 7 != 3)),  # holes in the keys
         dict(attn_mask=RIGHT.double().log()),  # a float mask
         dict(mask_mod=M.or_masks(M.key_lengths(LENGTHS), M.causal())),
-        dict(mask_mod=M.and_masks(M.key_lengths(LENGTHS), M.document(torch.arange(S) // 50))),
+        dict(mask_mod=M.and_masks(M.document(torch.arange(S) // 50), M.document(DOCS))),
+        dict(mask_mod=M.document(DOCS[:1].expand(B, S))),  # ids per element, all the same
         dict(mask_mod=M.key_lengths(LENGTHS), score_mod=M.softcap(5.0)),
         dict(mask_mod=M.and_masks(M.key_lengths(LENGTHS), lambda b, h, q, k: k != q)),
     ],
@@ -106,14 +118,27 @@ CASES = {
     ),
     "alibi": dict(attn_mask=LEFT, score_mod=M.alibi(M.alibi_slopes(H)), is_causal=True),
     "sinks": dict(mask_mod=M.key_lengths(LENGTHS), is_causal=True, sinks=torch.tensor([0.5, -1])),
+    # (documents: queries' ids of their own length, the first of the keys')
+    "documents per element": lambda T: dict(mask_mod=M.document(DOCS[:, :T], DOCS)),
+    "causal documents per element": lambda T: dict(
+        mask_mod=M.document(DOCS[:, :T], DOCS), is_causal=True
+    ),
+    "padded documents": lambda T: dict(
+        attn_mask=LEFT, mask_mod=M.document(torch.arange(T) // 40, torch.arange(S) // 40)
+    ),
+    "padded documents per element": lambda T: dict(
+        mask_mod=M.and_masks(
+            M.document(DOCS[:, :T], DOCS), M.key_lengths(LENGTHS), M.sliding_window(30)
+        )
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("shape", ["self", "cross", "gqa"])
 def test_padded_batches_give_the_references_answer(name, shape):
-    kw = dict(CASES[name])
     Tq, G = (61, H) if shape == "cross" else (T, 1 if shape == "gqa" else H)
+    kw = CASES[name](Tq) if callable(CASES[name]) else dict(CASES[name])
     if "sinks" in kw:
         kw["sinks"] = kw["sinks"].double().requires_grad_()
     runs = {}
@@ -163,31 +188,44 @@ def test_a_causal_piece_is_one_call_of_the_kernels_own_causal():
     call = AttentionCall.build(q, k, v, **CASES["causal"])
     if P._pick_inner(call, q.dtype) != "flash":
         pytest.skip("torch's CPU flash kernel is not available here")
-    pieces = P._batch_pieces(call, *call.BH, None, P.BLOCK_Q, P.BLOCK_K, q.dtype)
+    pieces = Bt.batch_pieces(call, *call.BH, None, P.BLOCK_Q, P.BLOCK_K, q.dtype)
     assert pieces is not None
     units = {(p.k0, p.k1): [(u.t0, u.tq, u.causal) for u in p.plan.units] for p in pieces}
     assert units == {(0, 150): [(0, T, True)], (0, 90): [(0, T, True)], (0, 1): []}
+    # causal documents per element: one causal call per document of each element's own
+    call = AttentionCall.build(q, k, v, mask_mod=M.document(DOCS), is_causal=True)
+    pieces = Bt.batch_pieces(call, *call.BH, None, P.BLOCK_Q, P.BLOCK_K, q.dtype)
+    assert pieces is not None
+    units = [[(u.t0, u.tq, u.causal) for u in p.plan.units] for p in pieces]
+    assert not any(c for _, _, c in units[0])  # documents of 50 rows: under 64, tiles
+    assert units[1:] == [[(0, 100, True), (100, 50, True)], [(0, T, True)]]
 
 
 def test_a_batch_is_cut_only_where_its_pieces_save_more_than_they_cost(monkeypatch):
     """Each piece costs ``PIECE_SCORES`` scores beside its work; a batch is cut where the
     scores its pieces leave out (padding keys, times rows and heads, under its windows) are
     more than that."""
-    monkeypatch.setattr(P, "PIECE_SCORES", 1000)
-    runs = [((0, 100), [0]), ((0, 60), [1, 2])]  # two pieces; the union is [0, 100)
+
+    def worth(T, windows=(), H=2):  # keys 100, 60, 60: two pieces; the union is [0, 100)
+        lengths = [M.key_lengths(torch.tensor([100, 60, 60]))]
+        layout = Bt._layout(lengths, None, None, 3, T, 100)
+        assert layout is not None and len(layout.runs) == 2
+        return Bt._worth_cutting(layout, list(windows), H)
+
+    monkeypatch.setattr(Bt, "PIECE_SCORES", 1000)
     # no window: 2 elements x 40 keys x T rows x H heads saved
-    assert P._worth_cutting(runs, [], T=12, H=2) == (2 * 40 * 12 * 2 > 2000)  # 1920: no
-    assert P._worth_cutting(runs, [], T=13, H=2)  # 2080: yes
+    assert not worth(T=12)  # 1920 <= 2 x 1000
+    assert worth(T=13)  # 2080
     # causal (top-left): row q sees keys 0..q, so rows below 60 lose nothing to the padding
-    causal = P._Window(None, 0, "top_left", "causal", 0)
+    causal = M.causal().bind(3, 2, 100, 100)
     saved = 2 * 2 * sum(max(0, q - 59) for q in range(100))  # 2 elements x 2 heads x 820
     assert saved == 3280
-    monkeypatch.setattr(P, "PIECE_SCORES", 1639)
-    assert P._worth_cutting(runs, [causal], T=100, H=2)
-    monkeypatch.setattr(P, "PIECE_SCORES", 1640)  # two pieces cost as much as they save
-    assert not P._worth_cutting(runs, [causal], T=100, H=2)
+    monkeypatch.setattr(Bt, "PIECE_SCORES", 1639)
+    assert worth(100, [causal])
+    monkeypatch.setattr(Bt, "PIECE_SCORES", 1640)  # two pieces cost as much as they save
+    assert not worth(100, [causal])
     # a window of 10 keys back from each row: only the rows that reach past key 60 save
-    band = P._Window(10, 0, "top_left", "window", 0)
-    monkeypatch.setattr(P, "PIECE_SCORES", 0)
-    assert P._worth_cutting(runs, [band], T=100, H=2)
-    assert not P._worth_cutting(runs, [band], T=60, H=2)  # rows 0..59 never reach key 60
+    band = M.sliding_window(10).bind(3, 2, 100, 100)
+    monkeypatch.setattr(Bt, "PIECE_SCORES", 0)
+    assert worth(100, [band])
+    assert not worth(60, [band])  # rows 0..59 never reach key 60

@@ -55,7 +55,7 @@ def test_document_ids_changed_in_place_get_a_new_plan():
 
 
 def test_key_lengths_of_other_values_get_their_own_plan(monkeypatch):
-    monkeypatch.setattr(tiled.plan, "PIECE_SCORES", 0)  # cut however small the batch
+    monkeypatch.setattr(tiled.batch, "PIECE_SCORES", 0)  # cut however small the batch
     q, k, v = _qkv(B=2)
     _check(q, k, v, mask_mod=M.key_lengths(torch.tensor([50, 50])))
     _check(q, k, v, mask_mod=M.key_lengths(torch.tensor([120, 120])))

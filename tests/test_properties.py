@@ -397,7 +397,7 @@ def test_padded_batches_match_float64_reference(backend, case, data):
     one's own keys: output and gradients within the tolerance policy."""
     tiles = draw_tiles(data, case) if backend == "tiled-small" else None
     with pytest.MonkeyPatch.context() as mp:  # cut however small the batch (_worth_cutting)
-        mp.setattr("qkv.ops.tiled.plan.PIECE_SCORES", 0)
+        mp.setattr("qkv.ops.tiled.batch.PIECE_SCORES", 0)
         check_call(case, backend, tiles, sinks=data.draw(st.booleans(), label="sinks"))
 
 

@@ -73,15 +73,16 @@ from ..base import BackendResult, tracing
 from ..call import AttentionCall
 from ..reference import ReferenceBackend, bf16_fusable, inference_ranges
 from .backward import _backward, _dense_backward, _sink_grad
+from .batch import _Piece, batch_pieces
+from .batch import clear_plan_cache as clear_plan_cache
 from .forward import _acc, _forward, _with_sinks, merge_by_lse
-from .plan import BLOCK_K, BLOCK_Q, _batch_pieces, _Piece, _Plan, _plan, _refuse_flash
+from .plan import BLOCK_K, BLOCK_Q, _Plan, _plan, _refuse_flash
 
 # names read from here before planning had a file of its own (tests, docs): a monkeypatch
 # goes to plan.py, the module that reads them
 from .plan import MIN_FULL_RUN as MIN_FULL_RUN
 from .plan import PLAN_CACHE_SIZE as PLAN_CACHE_SIZE
 from .plan import _plan_cache as _plan_cache
-from .plan import clear_plan_cache as clear_plan_cache
 
 __all__ = [
     "TiledBackend",
@@ -180,8 +181,8 @@ def tiled_attention(
     if call.score_mod is not None:
         grads = score_mod_gradient_inputs(call.score_mod, dtype=_acc(q.dtype), device=q.device)
     sinks = sinks_by_row(call)  # (B, H, T) or None
-    pieces = _batch_pieces(call, B, H, inner, block_q, block_k, q.dtype)
-    if pieces is not None:  # a padded batch: each element on its own keys
+    pieces = batch_pieces(call, B, H, inner, block_q, block_k, q.dtype)
+    if pieces is not None:  # elements attending other keys: each run on its own
         out, lse = _padded_batch(pieces, q, k, v, sinks, grads)
     else:
         plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)
@@ -198,7 +199,7 @@ def _padded_batch(
     sinks: Tensor | None,
     grads: tuple[Tensor, ...],
 ) -> tuple[Tensor, Tensor]:
-    """Each piece of a padded batch (``plan._batch_pieces``: consecutive elements) attends
+    """Each piece of a batch (``batch.batch_pieces``: consecutive elements) attends
     its own keys; the outputs and log-sum-exps are joined in batch order. Autograd takes the
     gradients back through the slices (padding keys get 0).
 

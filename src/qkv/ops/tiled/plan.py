@@ -23,14 +23,12 @@ import torch
 from torch import Tensor
 
 from ..._identity import IdentityCache
-from ..._lru import LRU
 from ...masks import (
     EMPTY,
     FULL,
     Grid,
     MaskMod,
     ScoreMod,
-    _Alibi,
     _Combined,
     _Document,
     _KeysBefore,
@@ -40,7 +38,6 @@ from ...masks import (
     causal,
     evaluate_mask,
     index_grid,
-    offset_score,
     shift_invariant,
     structure_key,
 )
@@ -214,180 +211,6 @@ def _inner(call: AttentionCall, inner: str | None, dtype: torch.dtype) -> str:
     return inner or best
 
 
-@dataclass
-class _Piece:
-    """Consecutive batch elements of a padded batch (``index`` into the 4-D view's B) whose
-    keys are the same range ``[k0, k1)``, the rest padding, and the plan of their attention
-    on those keys alone (``k1 == k0 + 1`` with a mask that allows none where they have no
-    key)."""
-
-    index: slice
-    k0: int
-    k1: int
-    plan: _Plan
-
-
-def _batch_pieces(
-    call: AttentionCall, B: int, H: int, inner: str | None, bq: int, bk: int, dtype: torch.dtype
-) -> list[_Piece] | None:
-    """A padded batch cut into pieces that each attend their own keys: None unless the mask is
-    padding by batch element (``key_lengths``, or a bool ``attn_mask`` of one range of keys
-    per element, ``(B, 1, 1, S)``, right or left padding) with windows (causal,
-    sliding_window) and at most ALiBi besides, and the elements' keys differ.
-
-    One plan shares its units across the batch, so every chunk that some element's padding
-    cuts is masked for all, and a window with padding is no longer shift-invariant (it lost
-    its diagonal groups). On its own keys each element's window is a window again (offset by
-    the range's start) and needs no padding mask: float32 at B=4, T=2048 with key lengths
-    2048/1500/900/300, causal took 1.54x compiled Flex's time shared and 0.77x cut, a
-    window(256) 1.28x and 0.75x (Zen 4, 2 threads)."""
-    mask, score_mod = call.attn_mask, call.score_mod
-    if B == 1:
-        return None
-    if (mask is not None and mask.dtype != torch.bool) or (
-        score_mod is not None and type(score_mod) is not _Alibi
-    ):
-        return None
-    parts = _and_parts(call.mask_mod)
-    if parts is None:
-        return None
-    windows = [m for m in parts if type(m) is _Window]
-    lengths = [m for m in parts if type(m) is _KeysBefore]
-    if len(windows) + len(lengths) != len(parts):
-        return None
-    if call.is_causal:
-        windows.append(_Window(None, 0, "top_left", "causal", 0))  # causal(), bound
-    dense = None if mask is None else call.mask_4d(mask)  # (B?, H?, T?, S?)
-    if dense is not None and (dense.shape[1] != 1 or dense.shape[2] != 1):
-        return None  # a mask per head or per query row: not padding
-    tensors = tuple(m.n for m in lengths if isinstance(m.n, Tensor))
-    if dense is not None:
-        tensors += (dense,)
-    ranges = _key_ranges_cache.get(
-        tensors, (B, call.S), lambda: _key_ranges(lengths, dense, B, call.S)
-    )
-    if ranges is None or len(set(ranges)) == 1:
-        return None  # a row with holes in its keys; or one range for all (the plan has it)
-    best = _inner(call, inner, dtype)
-    runs: list[tuple[tuple[int, int], list[int]]] = []  # consecutive elements of one range
-    for b, r in enumerate(ranges):
-        if runs and runs[-1][0] == r:
-            runs[-1][1].append(b)
-        else:
-            runs.append((r, [b]))
-    if not _worth_cutting(runs, windows, call.T, H):
-        return None
-    pieces = []
-    for (a, b), index in runs:
-        k0, k1 = (a, b) if a < b else (0, 1)  # no key at all: one key that none may attend
-        mods: list[MaskMod] = [
-            _Window(w.left, w.right, w.align, w.name, w._off() - k0) for w in windows
-        ]
-        if a == b:  # (rows of 0, lse -inf)
-            mods = [_KeysBefore(0, "key_lengths")]
-        n = len(index)
-        piece_mask = None if not mods else mods[0] if len(mods) == 1 else and_masks(*mods)
-        piece_score = None if score_mod is None else offset_score(score_mod, 0, k0)
-        plan = _plan_for(
-            n,
-            H,
-            call.T,
-            k1 - k0,
-            call.scale,
-            piece_mask,
-            piece_score,
-            best,
-            call.device,
-            True,
-            bq,
-            bk,
-        )
-        pieces.append(_Piece(slice(index[0], index[0] + n), k0, k1, plan))
-    return pieces
-
-
-# What a piece of a padded batch costs beside its scores (its kernel calls, its slices, the
-# join), counted in scores (query-key pairs x heads): on the Zen 4 (2 threads, float32) a piece
-# cost 90-180 µs more than its work, and torch's flash kernel computes ~0.5 G scores a second.
-# Cut into 8-32 pieces of T=64-128 rows, batches took 1.2-1.6x the shared plan's time; cut
-# where each piece saves more than this, 0.6-0.95x.
-PIECE_SCORES = 1 << 16
-
-
-def _worth_cutting(
-    runs: list[tuple[tuple[int, int], list[int]]], windows: list[_Window], T: int, H: int
-) -> bool:
-    """Whether cutting a padded batch into ``runs`` (each a key range and its elements) saves
-    more scores than its pieces cost (``PIECE_SCORES`` each). Without cutting, each element
-    visits the keys its windows allow within the union of every element's range; cut, within
-    its own. Remembered by the ranges, windows and sizes (it costs a pass over T per range)."""
-    shape = tuple((w.left, w.right, w._off()) for w in windows)
-    ranges = tuple((r, len(index)) for r, index in runs)
-    key = (ranges, shape, T, H, PIECE_SCORES)
-    return _cut_choices.get(key, lambda: _saves(ranges, shape, T, H, PIECE_SCORES))
-
-
-def _saves(ranges: tuple, shape: tuple, T: int, H: int, cost: int) -> bool:
-    q = torch.arange(T, dtype=torch.long)  # (T,) on the CPU: sizes, not the call's tensors
-
-    def pairs(k0: int, k1: int) -> int:
-        lo, hi = torch.full_like(q, k0), torch.full_like(q, k1 - 1)  # (T,) each row's keys
-        for left, right, off in shape:
-            if left is not None:
-                lo = torch.maximum(lo, q + off - left)
-            if right is not None:
-                hi = torch.minimum(hi, q + off + right)
-        return int((hi - lo + 1).clamp_(min=0).sum())
-
-    union = pairs(min(r[0] for r, _ in ranges), max(r[1] for r, _ in ranges))
-    saved = H * sum(n * (union - pairs(*r)) for r, n in ranges)
-    return saved > cost * len(ranges)
-
-
-_cut_choices = LRU(256)
-
-
-def _and_parts(mod: MaskMod | None) -> list[MaskMod] | None:
-    """The masks that ``mod`` is the ``and_masks`` of (nested ones flattened), or ``[mod]``."""
-    if mod is None:
-        return []
-    if type(mod) is not _Combined:
-        return [mod]
-    if mod.op != "and":
-        return None
-    parts: list[MaskMod] = []
-    for m in mod.mods:
-        inner = _and_parts(m)
-        if inner is None:
-            return None
-        parts += inner
-    return parts
-
-
-def _key_ranges(
-    lengths: list[_KeysBefore], dense: Tensor | None, B: int, S: int
-) -> tuple[tuple[int, int], ...] | None:
-    """Each batch element's keys ``[k0, k1)`` (``(0, 0)`` for none) under key lengths and a
-    bool key mask ``(B?, 1, 1, S)``; None when some element's keys are not consecutive.
-    Reads the tensors on the host (remembered by their identity: ``_key_ranges_cache``)."""
-    lo, hi = [0] * B, [S] * B
-    for m in lengths:
-        n = m.n
-        ns = [n] * B if isinstance(n, int) else n.reshape(-1).tolist()
-        ns = ns * B if len(ns) == 1 else ns
-        hi = [min(h, int(x)) for h, x in zip(hi, ns)]
-    if dense is not None:
-        rows = dense[:, 0, 0, :].expand(B, S).cpu()  # (B, S)
-        count = rows.sum(-1)
-        first = rows.to(torch.int8).argmax(-1)
-        last = S - 1 - rows.flip(-1).to(torch.int8).argmax(-1)
-        if not ((count == last - first + 1) | (count == 0)).all():
-            return None
-        for b, (c, f, e) in enumerate(zip(count.tolist(), first.tolist(), last.tolist())):
-            lo[b], hi[b] = (max(lo[b], f), min(hi[b], e + 1)) if c else (0, 0)
-    return tuple((a, b) if a < b else (0, 0) for a, b in zip(lo, hi))
-
-
 def _plan_for(
     B: int,
     H: int,
@@ -490,11 +313,6 @@ _plan_cache = PlanCache(PLAN_CACHE_SIZE)
 _dense_plans = IdentityCache(PLAN_CACHE_SIZE)
 
 
-# Key ranges of padded batches, by the identity of the tensors they were read from (lengths, a
-# bool key mask): a model passes the same padding to every layer, read on the host once.
-_key_ranges_cache = IdentityCache(PLAN_CACHE_SIZE)
-
-
 def _dense_structure(mod) -> tuple[tuple, tuple[Tensor, ...]] | None:
     """A key like ``structure_key``'s for masks holding dense masks (``_DenseMask``, alone or
     in ``and_masks``/``or_masks`` with qkv's own masks), with the dense masks' tensors apart:
@@ -520,8 +338,6 @@ def clear_plan_cache() -> None:
     """Forget every remembered block plan (they are rebuilt on the next call)."""
     _plan_cache.clear()
     _dense_plans.clear()
-    _key_ranges_cache.clear()
-    _cut_choices.clear()
 
 
 def _refuse_flash(inner: str | None, why: str) -> str:
