@@ -1,6 +1,7 @@
 """Structured masks beyond windows and documents against compiled FlexAttention, one process,
 medians of interleaved rounds, forward without gradient: a padded batch under causal and under
-a sliding window (key lengths per batch element), a prefix LM, and windows within documents.
+a sliding window (key lengths per batch element), a prefix LM, windows within documents, and
+packed rows with documents of their own (ids per batch element), without and with causal.
 
     PYTHONPATH=src python benchmarks/bench_more_masks.py [--rounds 5] [--threads 2]
 """
@@ -29,6 +30,17 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     lens = torch.tensor([2048, 1500, 900, 300])
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([600, 500, 448, 500]))
+    # packed rows, each with documents of its own: 3, 5, 7 and 4 documents
+    bounds = [
+        [0, 700, 1300, T],
+        [0, 300, 800, 1100, 1700, T],
+        [0, 300, 600, 900, 1200, 1500, 1800, T],
+        [0, 512, 1024, 1536, T],
+    ]
+    rows = [
+        torch.repeat_interleave(torch.arange(len(b) - 1), torch.tensor(b).diff()) for b in bounds
+    ]
+    ids_b = torch.stack(rows)  # (B, T)
     flex = torch.compile(flex_attention, dynamic=False)
     cases = {
         "causal + key lengths": (
@@ -45,6 +57,16 @@ def main() -> None:
             lambda b, h, q, k: (ids[q] == ids[k]) & (k <= q) & (k >= q - 128),
             dict(mask_mod=masks.and_masks(masks.document(ids), masks.sliding_window(128))),
             None,
+        ),
+        "documents per element": (
+            lambda b, h, q, k: ids_b[b, q] == ids_b[b, k],
+            dict(mask_mod=masks.document(ids_b)),
+            B,
+        ),
+        "causal documents per element": (
+            lambda b, h, q, k: (ids_b[b, q] == ids_b[b, k]) & (k <= q),
+            dict(mask_mod=masks.document(ids_b), is_causal=True),
+            B,
         ),
         "window(256) + key lengths": (
             lambda b, h, q, k: (k <= q) & (k >= q - 256) & (k < lens[b]),
