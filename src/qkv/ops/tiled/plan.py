@@ -435,16 +435,25 @@ def _is_causal_top_left(mod: MaskMod | None) -> bool:
     return type(mod) is _Window and mod.left is None and mod.right == 0 and mod._off() == 0
 
 
+def _beside_causal(mod: MaskMod | None, op: str, kind: type, T: int, S: int):
+    """The part of type ``kind`` of a bound ``op`` ("and", "or") of two masks whose other
+    part is top-left causal, with ``T == S``; None for any other mask."""
+    if T != S or type(mod) is not _Combined or mod.op != op or len(mod.mods) != 2:
+        return None
+    part = next((m for m in mod.mods if type(m) is kind), None)
+    if part is None or not any(_is_causal_top_left(m) for m in mod.mods):
+        return None
+    return part
+
+
 def _causal_prefix(mod: MaskMod | None, T: int, S: int) -> int | None:
     """``P`` of a bound ``prefix_lm(P)`` (one prefix for the batch) with ``T == S`` and
     ``0 <= P < T``: the rows of the prefix see its keys ``[0, P)``, and each later row sees
     keys ``0..q``: the prefix in full and, past it, the flash kernel's own causal. Tiles
     found it per 64 rows, each a chunk masked at the diagonal (float32 at T=2048: 1.07x
     compiled Flex's time, 1.20x held to AVX2, on a Zen 4). None otherwise."""
-    if T != S or type(mod) is not _Combined or mod.op != "or" or len(mod.mods) != 2:
-        return None
-    keys = next((m for m in mod.mods if type(m) is _KeysBefore), None)
-    if keys is None or not any(_is_causal_top_left(m) for m in mod.mods):
+    keys = _beside_causal(mod, "or", _KeysBefore, T, S)
+    if keys is None:
         return None
     n = keys.n
     if isinstance(n, Tensor):
@@ -461,10 +470,8 @@ def _causal_documents(mod: MaskMod | None, T: int, S: int) -> list[tuple[int, in
     document is then the flash kernel's own causal attention on its rows and keys; tiles
     found it per 64 rows, each a chunk masked at the diagonal (float32 causal documents at
     T=4096 took longer than without causal, 85 ms against 69, on a Zen 4). None otherwise."""
-    if T != S or type(mod) is not _Combined or mod.op != "and" or len(mod.mods) != 2:
-        return None
-    doc = next((m for m in mod.mods if type(m) is _Document), None)
-    if doc is None or not any(_is_causal_top_left(m) for m in mod.mods):
+    doc = _beside_causal(mod, "and", _Document, T, S)
+    if doc is None:
         return None
     ids = doc.q_ids
     if ids.shape[0] != 1 or not (doc.kv_ids is ids or torch.equal(doc.kv_ids, ids)):
