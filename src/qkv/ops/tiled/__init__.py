@@ -4,6 +4,8 @@ Read top-down:
 
 * ``backend.py``: :class:`TiledBackend` (what it takes, how a call runs) and the pieces ring
   attention reuses (``piece_forward``, ``piece_backward``, ``merge_by_lse``);
+* ``batch.py``: batches whose elements attend other keys (padding, documents per element)
+  cut into runs of elements, each planned on its own keys;
 * ``plan.py``: which (tile, block) pairs a mask leaves empty, partial or full, the units they
   are joined into, and the plans remembered across calls;
 * ``forward.py`` and ``backward.py``: the block loops;

@@ -45,11 +45,13 @@ rounded to half, and the weights meet the values unrounded), and the softmax, th
 all gradient accumulation are float32 on both kernels; on CPU, float16 inputs and half inputs
 with a float32 attn_mask run in float32 (``AttentionCall.work_dtype``).
 
-The package's files, one job each, importing one way (backend -> backward -> forward ->
-plan):
+The package's files, one job each, importing one way (backend -> batch, backward ->
+forward -> plan):
   * ``backend.py`` (this file): the backend and its ``supports`` reason, the entry points
     (:func:`tiled_attention`; :func:`piece_forward` and :func:`piece_backward` for a ring's
     pieces) and the autograd Function that joins the two passes, sinks included;
+  * ``batch.py``: a batch whose elements attend other keys (padding, documents per
+    element) cut into runs of elements, each with a plan of its own keys;
   * ``plan.py``: block planning, from the masks to the units to compute, and the cache
     of plans;
   * ``forward.py``: the pass over the units, each inner kernel's chunk, the merge by
