@@ -185,7 +185,7 @@ def tiled_attention(
     sinks = sinks_by_row(call)  # (B, H, T) or None
     pieces = batch_pieces(call, B, H, inner, block_q, block_k, q.dtype)
     if pieces is not None:  # elements attending other keys: each run on its own
-        out, lse = _padded_batch(pieces, q, k, v, sinks, grads)
+        out, lse = _in_pieces(pieces, q, k, v, sinks, grads)
     else:
         plan = _plan(call, B, H, inner, block_q, block_k, q.dtype)
         out, lse = _TiledAttention.apply(plan, q, k, v, bias, sinks, *grads)
@@ -193,7 +193,7 @@ def tiled_attention(
     return out, lse.reshape(call.batch + (call.T,))
 
 
-def _padded_batch(
+def _in_pieces(
     pieces: list[_Piece],
     q: Tensor,
     k: Tensor,
