@@ -119,7 +119,7 @@ def batch_pieces(
             _Window(w.left, w.right, w.align, w.name, w._off() - k0) for w in windows
         ]
         if doc is not None:
-            mods.append(_doc_piece(doc, b0, k0, k1, call.T, call.S))
+            mods.append(_doc_piece(doc, b0, k0, k1, call.S))
         if empty:  # (rows of 0, lse -inf)
             mods = [_KeysBefore(0, "key_lengths")]
         piece_mask = None if not mods else mods[0] if len(mods) == 1 else and_masks(*mods)
@@ -249,7 +249,7 @@ def _doc_tensors(doc: _Document) -> tuple[Tensor, ...]:
     return (doc.q_ids,) if doc.kv_ids is doc.q_ids else (doc.q_ids, doc.kv_ids)
 
 
-def _doc_piece(doc: _Document, b0: int, k0: int, k1: int, T: int, S: int) -> _Document:
+def _doc_piece(doc: _Document, b0: int, k0: int, k1: int, S: int) -> _Document:
     """``doc`` for the elements from ``b0`` on (one element's ids: a run's are the same) on
     keys ``[k0, k1)``; self-attention's ids stay one tensor where the keys are all of them
     (causal documents are then one kernel call each: ``plan._causal_documents``)."""
