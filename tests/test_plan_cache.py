@@ -273,6 +273,11 @@ def test_a_prefix_lm_is_the_prefix_in_full_then_the_kernels_own_causal(prefix):
             runs.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v, sinks))))
         for a, b in zip(*runs):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    # a negative prefix in a tensor (an int one is refused) is none: causal alone
+    negative = M.prefix_lm(torch.tensor([-5]))
+    assert [(u.t0, u.tq, u.causal) for u in _units_of(T, mask_mod=negative)] == [(0, T, True)]
+    q, k, v = _qkv(T=T, S=T)
+    _check(q, k, v, mask_mod=negative)
     # a prefix per batch element keeps its tiles
     per_batch = M.prefix_lm(torch.tensor([prefix, 3]))
     assert not any(u.causal for u in _units_of(T, mask_mod=per_batch, B=2))

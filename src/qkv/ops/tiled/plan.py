@@ -459,7 +459,7 @@ def _causal_prefix(mod: MaskMod | None, T: int, S: int) -> int | None:
     if isinstance(n, Tensor):
         if n.numel() != 1:
             return None  # a prefix per batch element
-        n = int(n.reshape(()).item())  # planning reads it on the host once per plan
+        n = max(int(n.reshape(()).item()), 0)  # (read once per plan; below 0: no prefix)
     return n if n < T else None  # (a prefix of every key: no causal part)
 
 
