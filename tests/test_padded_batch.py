@@ -1,7 +1,8 @@
-"""Padded batches on the tiled backend: each batch element attends its own keys
-(``qkv.ops.tiled.batch.batch_pieces``), so a window keeps its diagonal groups and no chunk is
-masked for padding that only some elements have. Which calls are cut and how, and that the
-answers are the reference's (float64), gradients, sinks, traces and NaN in padding included.
+"""Padded batches and packed rows with documents of their own on the tiled backend: each run
+of batch elements attends its own keys (``qkv.ops.tiled.batch.batch_pieces``), so a window
+keeps its diagonal groups and no chunk is masked for padding or boundaries that only some
+elements have. Which calls are cut and how, when cutting pays, and that the answers are the
+reference's (float64), gradients, sinks, traces and NaN in padding included.
 """
 
 from __future__ import annotations
