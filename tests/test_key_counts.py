@@ -9,7 +9,7 @@ import torch
 
 from qkv import masks
 from qkv.ops import AttentionCall
-from qkv.ops.key_counts import covers_every_key, key_counts, sees_own_position
+from qkv.ops.key_counts import covers_every_key, key_counts, ranges, sees_own_position
 from qkv.ops.nonfinite import allowed
 
 B, H, D = 2, 3, 4
@@ -69,6 +69,16 @@ def _case(name: str, T: int, S: int, g: torch.Generator) -> dict:
         return {"mask_mod": masks.or_masks(masks.sliding_window(1), masks.key_lengths(2))}
     if name == "plain-function":
         return {"mask_mod": lambda b, h, q, kv: (q + kv + h) % 3 != 0}
+    if name == "prefix-lm":
+        return {"mask_mod": masks.prefix_lm(3)}
+    if name == "prefix-lm-tensor-and-window":  # a prefix per element (one below 0), and a band
+        prefix = masks.prefix_lm(torch.tensor([-2, S // 2 + 1]))
+        return {"mask_mod": masks.and_masks(prefix, masks.sliding_window(4))}
+    if name == "or-from-key-zero":  # bottom-right causal, or lengths per element, or 2 keys
+        either = masks.or_masks(
+            masks.causal("bottom_right"), masks.key_lengths(torch.tensor([1, 0]))
+        )
+        return {"mask_mod": masks.or_masks(either, masks.key_lengths(2)), "is_causal": True}
     raise ValueError(name)
 
 
@@ -91,6 +101,9 @@ CASES = [
     "bool-mask-and-causal",
     "or-masks",
     "plain-function",
+    "prefix-lm",
+    "prefix-lm-tensor-and-window",
+    "or-from-key-zero",
 ]
 
 
@@ -128,3 +141,30 @@ def test_a_document_ids_change_in_place_is_seen():
     assert key_counts(call, marked)[0][0, 0].tolist() == [1, 1, 0, 0, 0, 0, 0, 0]
     ids[:, 4:] = 0  # rows 4..7 join document 0
     assert key_counts(call, marked)[0][0, 0].tolist() == [1, 1, 0, 0, 1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "T, S", [pytest.param(T, S, id=f"T{T}-S{S}") for T, S in ((1, 1), (7, 7), (5, 11), (13, 6))]
+)
+@pytest.mark.parametrize(
+    "case", ["prefix-lm", "prefix-lm-tensor-and-window", "or-from-key-zero", "or-masks"]
+)
+def test_or_masks_of_ranges_from_key_zero_are_ranges(case, T, S):
+    """``prefix_lm`` (causal or the prefix's keys) and other ``or_masks`` whose parts all start
+    at key 0 give each row one range ``[lo, hi)``, which is what the kernels of ranges take
+    (the bfloat16 kernel, the few-rows kernel, the output's pass of the NaN/inf contract); an
+    ``or`` of a band and lengths is no range, and says so (None)."""
+    g = torch.Generator().manual_seed(T * 100 + S)
+    q = torch.randn(B, H, T, D, generator=g)
+    call = AttentionCall.build(
+        q, q[:, :, :1].expand(B, H, S, D), q[:, :, :1].expand(B, H, S, D), **_case(case, T, S, g)
+    )
+    got = ranges(call)
+    if case == "or-masks":
+        assert got is None
+        return
+    assert got is not None and got[2] is None
+    lo, hi = (t.expand(B, 1, T) for t in got[:2])
+    keys = torch.arange(S)
+    as_grid = (keys >= lo.unsqueeze(-1)) & (keys < hi.unsqueeze(-1))  # (B, 1, T, S)
+    assert torch.equal(as_grid.expand(B, H, T, S), allowed(call).expand(B, H, T, S))

@@ -146,3 +146,78 @@ def test_a_learned_mask_beside_a_mask_mod(dtype):
     )
     assert want[0].abs().max() > 1e-3  # (a key's bias moves the output)
     torch.testing.assert_close(got[0], want[0])
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 9, T, T + 5])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_a_prefix_lm_is_the_kernels_causal_and_the_prefix_again(monkeypatch, prefix, gqa):
+    """``prefix_lm(P)`` with an int P on square attention runs as two calls of torch's kernel,
+    no dense mask made: every row causal, then the prefix's rows over the prefix's keys
+    alone. Output, lse (a trace's weights) and gradients equal the reference's (float64)."""
+
+    def no_dense(call):
+        raise AssertionError("a prefix LM made its dense mask")
+
+    kernel_calls = []
+    original = torch_sdpa._kernel
+
+    def counted(call, q, k, v, mask, is_causal, *rest):
+        kernel_calls.append((q.shape[-2], k.shape[-2], mask, is_causal))
+        return original(call, q, k, v, mask, is_causal, *rest)
+
+    monkeypatch.setattr(torch_sdpa, "_kernel", counted)
+    q, k, v = _inputs(1)
+    if gqa:
+        k, v = (t.detach()[:, :1].requires_grad_() for t in (k, v))
+    mod = masks.prefix_lm(prefix)
+    kw = dict(mask_mod=mod, enable_gqa=gqa, return_trace=True)
+    want, want_trace = qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw)
+    monkeypatch.setattr(AttentionCall, "dense_mask_mod", no_dense)
+    out, trace = qkv.scaled_dot_product_attention(q, k, v, backend="torch", **kw)
+    P = min(prefix, T)
+    assert kernel_calls == [(T, T, None, True)] + ([(P, P, None, False)] if P else [])
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(trace.probs, want_trace.probs)
+    weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(2))
+    got_grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "grad"])
+def test_a_prefix_lm_on_torch_keeps_the_nan_contract(dtype, grad):
+    """A NaN key at position 12 of a prefix LM of 5 (T=23): rows 0-11 never see it and stay
+    the reference's, rows 12 on see it and are NaN, as the reference's; an inf value at key 2,
+    which every row sees, makes every row NaN in the other batch element."""
+    q, k, v = (t.detach().to(dtype) for t in _inputs(3))
+    k[0, :, 12, 0] = float("nan")
+    v[1, :, 2, 3] = float("inf")
+    q, k, v = (t.requires_grad_(grad) for t in (q, k, v))
+    kw = dict(mask_mod=masks.prefix_lm(5))
+    with torch.set_grad_enabled(grad):
+        out = qkv.scaled_dot_product_attention(q, k, v, backend="torch", **kw)
+        want = qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw)
+    assert out[0, :, :12].isfinite().all() and out[0, :, 12:].isnan().all()
+    assert out[1].isnan().all() and want[1].isnan().all()
+    golden = qkv.scaled_dot_product_attention(
+        *(t.detach().double() for t in (q, k, v)), backend="reference", **kw
+    )
+    base = (want[0, :, :12].double() - golden[0, :, :12]).abs().max()
+    assert (out[0, :, :12].double() - golden[0, :, :12]).abs().max() <= 2 * base + 1e-5
+
+
+def test_a_long_prefix_lm_needs_no_dense_mask():
+    """Beyond ``DENSE_MAX`` pairs torch still takes an int prefix LM (it makes no dense mask);
+    a prefix per batch element, or a prefix LM of T != S, it declines as other masks."""
+    n = 4096
+    q = k = v = torch.empty(1, 1, n, 8, device="meta")
+    torch_backend = dispatch.get_backend("torch")
+    assert (
+        torch_backend.supports(AttentionCall.build(q, k, v, mask_mod=masks.prefix_lm(64))) is None
+    )
+    per_element = AttentionCall.build(q, k, v, mask_mod=masks.prefix_lm(torch.tensor([64])))
+    assert "T * S" in torch_backend.supports(per_element)
+    tall = AttentionCall.build(q, k[:, :, :-1], v[:, :, :-1], mask_mod=masks.prefix_lm(64))
+    assert "T * S" in torch_backend.supports(tall)

@@ -4,16 +4,17 @@
 and whether it may attend a key that holds NaN/inf; eagerly and under tracing alike, without
 reading a value on the host (each read is a device sync on CUDA). Three ways, by the masks:
 
-* **ranges**: causal, sliding windows and key lengths (and ``and_masks`` of them) let row ``i``
-  attend the keys ``[lo_i, hi_i)``; counts are differences of one cumulative sum over the
+* **ranges**: causal, sliding windows and key lengths (and ``and_masks`` of them, and
+  ``or_masks`` of those that start at key 0, as ``prefix_lm``) let row ``i`` attend the keys
+  ``[lo_i, hi_i)``; counts are differences of one cumulative sum over the
   keys: O(T + S).
 * **documents** (``and`` ranges): the keys sorted by id, once per ids tensor (remembered by
   identity, ``qkv._identity``), hold a row's keys of its own id within its range
   consecutively: one cumulative sum in that order and two binary searches a row,
   O((T + S) log S).
-* **anything else** (a dense ``attn_mask``, ``or_masks``, plain functions): the allowed pairs as
-  a 0/1 matrix times the keys' 0/1 columns, a block of rows at a time: O(T S). The matrix of
-  an ``attn_mask`` alone is remembered by the mask's identity.
+* **anything else** (a dense ``attn_mask``, other ``or_masks``, plain functions): the allowed
+  pairs as a 0/1 matrix times the keys' 0/1 columns, a block of rows at a time: O(T S). The
+  matrix of an ``attn_mask`` alone is remembered by the mask's identity.
 
 Shape alphabet: B batch, H heads, T query length, S key length (``(B, H) = call.BH``).
 """
@@ -177,6 +178,7 @@ def _ranges(call: AttentionCall, attn_mask: bool = True):
         mods.append(_causal())
     static: list[tuple] = []  # windows and integer lengths: ranges made once
     lengths: list[Tensor] = []  # lengths per batch element
+    unions: list[tuple[tuple, list[Tensor]]] = []  # or_masks of ranges from key 0
     doc = None
     for mod in mods:
         if _is_window(mod):
@@ -188,13 +190,60 @@ def _ranges(call: AttentionCall, attn_mask: bool = True):
                 lengths.append(mod.n)
         elif type(mod) is _Document and doc is None:
             doc = mod
+        elif (reach := _from_first_key(mod)) is not None:
+            unions.append(reach)
         else:
             return None
-    key = (tuple(static), call.T, call.S, str(call.device))
-    lo, hi = _static_ranges.get(key, lambda: _window_ranges(static, call.T, call.S, call.device))
+    T, S, dev = call.T, call.S, call.device
+    key = (tuple(static), T, S, str(dev))
+    lo, hi = _static_ranges.get(key, lambda: _window_ranges(static, T, S, dev))
     for n in lengths:  # per batch element: (B?, 1, 1)
-        hi = torch.minimum(hi, n.to(call.device).view(-1, 1, 1).clamp(0, call.S))
+        hi = torch.minimum(hi, n.to(dev).view(-1, 1, 1).clamp(0, S))
+    for parts, tensors in unions:  # each a range from key 0: its farthest end
+        key = ("reach", parts, T, S, str(dev))  # (not a windows' key: those hold (lo, hi))
+        reach_hi = _static_ranges.get(key, lambda p=parts: _reach(p, T, S, dev))  # (1, 1, T)
+        for n in tensors:
+            reach_hi = torch.maximum(reach_hi, n.to(dev).view(-1, 1, 1).clamp(0, S))
+        hi = torch.minimum(hi, reach_hi)
     return lo, hi, doc
+
+
+def _from_first_key(mod) -> tuple[tuple, list[Tensor]] | None:
+    """An ``or_masks`` whose every part lets a row attend keys from key 0 on (windows with no
+    left bound, causal of either alignment, key lengths: ``prefix_lm`` is causal or the
+    prefix's keys): their union is the range from key 0 to the farthest part's end. As
+    ``(parts, lengths)``: the windows' and integer lengths' parts (made once, as
+    :func:`_window_ranges`' are) and the lengths per batch element. None for other masks."""
+    if type(mod) is not _Combined or mod.op != "or" or not mod.mods:
+        return None
+    parts: list[tuple] = []
+    tensors: list[Tensor] = []
+    for part in mod.mods:
+        if _is_window(part) and part.left is None:
+            parts.append(("window", None, part.right, part._off()))
+        elif type(part) is _KeysBefore and isinstance(part.n, int):
+            parts.append(("keys", part.n))
+        elif type(part) is _KeysBefore:
+            tensors.append(part.n)
+        elif (inner := _from_first_key(part)) is not None:
+            parts.extend(inner[0])
+            tensors.extend(inner[1])
+        else:
+            return None
+    return tuple(parts), tensors
+
+
+def _reach(parts: tuple, T: int, S: int, device) -> Tensor:
+    """The farthest end of ranges that all start at key 0 (see :func:`_from_first_key`); 0
+    where there is no part (lengths per batch element alone).
+
+    Shape:
+        -> ``(1, 1, T)`` int64 in ``[0, S]``.
+    """
+    hi = torch.zeros((1, 1, T), dtype=torch.int64, device=device)
+    for part in parts:
+        hi = torch.maximum(hi, _window_ranges([part], T, S, device)[1])
+    return hi
 
 
 _static_ranges = PlanCache(64)  # a model has a few mask shapes (never changed in place)

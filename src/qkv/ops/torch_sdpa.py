@@ -37,11 +37,12 @@ import torch
 from torch import Tensor
 
 from .._identity import IdentityCache
-from ..masks import _Window, merge_causal, structure_key
+from ..masks import _Combined, _KeysBefore, _Window, merge_causal, structure_key
 from . import nonfinite
 from ._aten import _no_pairs, flash_cpu_available, flash_forward, sdpa
 from .base import BackendResult, tracing
 from .call import AttentionCall
+from .key_counts import is_window
 from .plan_cache import PlanCache
 
 __all__ = ["TorchBackend"]
@@ -71,7 +72,7 @@ class TorchBackend:
                 "(T, S) tensor, and autograd would sum its gradient back to the mask's shape in "
                 "half precision (the tiled backend sums it in float32)"
             )
-        if call.mask_mod is not None and not _dense_fits(call):
+        if call.mask_mod is not None and not _dense_fits(call) and _prefix_rows(call) is None:
             return (
                 f"torch's SDPA takes a structured mask only as a dense tensor, made here for at "
                 f"most {DENSE_MAX} (T, S) pairs and {DENSE_MAX * 4} (B, T, S); this call has "
@@ -109,6 +110,9 @@ class TorchBackend:
                 enable_gqa=call.enable_gqa,
             )  # (*batch, T, Dv)
             return BackendResult(out=out)
+        prefix = _prefix_rows(call)
+        if prefix is not None:  # prefix_lm: causal for every row, the prefix's rows again
+            return _prefix_lm(call, prefix)
         mask: Tensor | None
         if call.mask_mod is not None and call.attn_mask is None:
             mask, row_ok, factor = _structured_for_kernel(call)  # causal merged in
@@ -122,46 +126,112 @@ class TorchBackend:
             mask, row_ok, factor = _guard_for_kernel(
                 mask, remember=mask is call.attn_mask, dtype=call.work_dtype
             )
-        if _upcast(call):
-            q, k, v = q.float(), k.float(), v.float()
-            mask = mask.float() if mask is not None and mask.is_floating_point() else mask
-        if not call.return_trace and _with_lse(call, mask, is_causal):  # (as above)
-            additive = None if mask is None else _as_additive(mask, q.dtype)
-            out, lse = flash_forward(
-                q, k, v, is_causal=is_causal, scale=call.scale, attn_mask=additive
-            )  # (B, H, T, Dv), (B, H, T)
-        elif call.return_trace and _fits_flash_cpu(call, mask, q.dtype):
-            k, v = _shared_heads(q, k), _shared_heads(q, v)  # (B, H, S, D): GQA's kv per head
-            out, lse = flash_forward(
+        return _kernel(call, q, k, v, mask, is_causal, row_ok, factor)
+
+
+def _kernel(
+    call: AttentionCall,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    is_causal: bool,
+    row_ok: Tensor | None = None,
+    factor: Tensor | None = None,
+) -> BackendResult:
+    """torch's kernel on ``q``, ``k`` and ``v`` (the call's, or rows of them) with the mask
+    as the kernel takes it, the call's other arguments, and its empty rows (``row_ok``,
+    ``factor``: :func:`_guard_for_kernel`'s) set to 0 after."""
+    if _upcast(call):
+        q, k, v = q.float(), k.float(), v.float()
+        mask = mask.float() if mask is not None and mask.is_floating_point() else mask
+    if not call.return_trace and _with_lse(call, mask, is_causal):  # (as above)
+        additive = None if mask is None else _as_additive(mask, q.dtype)
+        out, lse = flash_forward(
+            q, k, v, is_causal=is_causal, scale=call.scale, attn_mask=additive
+        )  # (B, H, T, Dv), (B, H, T)
+    elif call.return_trace and _fits_flash_cpu(call, mask, q.dtype):
+        k, v = _shared_heads(q, k), _shared_heads(q, v)  # (B, H, S, D): GQA's kv per head
+        out, lse = flash_forward(
+            q,
+            k,
+            v,
+            is_causal=is_causal,
+            scale=call.scale,
+            attn_mask=None if mask is None else _as_additive(mask, q.dtype),
+        )  # (B, H, T, Dv), (B, H, T)
+    else:
+        with _kernel_order(call, mask):
+            out = sdpa(
                 q,
                 k,
                 v,
+                attn_mask=mask,
+                dropout_p=call.dropout_p,
                 is_causal=is_causal,
                 scale=call.scale,
-                attn_mask=None if mask is None else _as_additive(mask, q.dtype),
-            )  # (B, H, T, Dv), (B, H, T)
-        else:
-            with _kernel_order(call, mask):
-                out = sdpa(
-                    q,
-                    k,
-                    v,
-                    attn_mask=mask,
-                    dropout_p=call.dropout_p,
-                    is_causal=is_causal,
-                    scale=call.scale,
-                    enable_gqa=call.enable_gqa,
-                )  # (*batch, T, Dv)
-            lse = None
-        if out.dtype != call.dtype:
-            out = out.to(call.dtype)
-        if row_ok is not None:  # rows with no key -> exactly 0 (a finite row: the guard's)
-            if factor is None or factor.dtype != out.dtype:
-                factor = row_ok.unsqueeze(-1).to(out.dtype)  # (..., T, 1)
-            out = out * factor if out.requires_grad else out.mul_(factor)  # (a fresh output)
-            if lse is not None:  # the kernel saw the guard's full row there
-                lse = lse.masked_fill(~row_ok, float("-inf"))
-        return BackendResult(out=out, lse=lse)
+                enable_gqa=call.enable_gqa,
+            )  # (*batch, T, Dv)
+        lse = None
+    if out.dtype != call.dtype:
+        out = out.to(call.dtype)
+    if row_ok is not None:  # rows with no key -> exactly 0 (a finite row: the guard's)
+        if factor is None or factor.dtype != out.dtype:
+            factor = row_ok.unsqueeze(-1).to(out.dtype)  # (..., T, 1)
+        out = out * factor if out.requires_grad else out.mul_(factor)  # (a fresh output)
+        if lse is not None:  # the kernel saw the guard's full row there
+            lse = lse.masked_fill(~row_ok, float("-inf"))
+    return BackendResult(out=out, lse=lse)
+
+
+def _prefix_rows(call: AttentionCall) -> int | None:
+    """P where ``call``'s mask is ``prefix_lm(P)`` with an int P (top-left causal, or the
+    first P keys) and nothing else, on square attention (T == S) without dropout (whose draws
+    are per (T, S) pair of one kernel call); else None. Such a call needs no dense mask: row
+    ``i >= P`` sees the keys ``[0, i]``, top-left causal's own, and a row of the prefix sees
+    the first P keys, all of them (:func:`_prefix_lm`)."""
+    mod = call.mask_mod
+    if (
+        type(mod) is not _Combined
+        or mod.op != "or"
+        or len(mod.mods) != 2
+        or call.attn_mask is not None
+        or call.is_causal
+        or call.T != call.S
+        or call.dropout_p > 0
+    ):
+        return None
+    causal = [m for m in mod.mods if is_window(m)]
+    keys = [m for m in mod.mods if type(m) is _KeysBefore and isinstance(m.n, int)]
+    if len(causal) != 1 or len(keys) != 1:
+        return None
+    w = causal[0]
+    if w.left is not None or w.right != 0 or w._off() != 0:
+        return None
+    return min(max(keys[0].n, 0), call.T)
+
+
+def _prefix_lm(call: AttentionCall, prefix: int) -> BackendResult:
+    """A prefix LM by torch's kernel without a dense mask: every row causal (the kernel's own
+    ``is_causal``), then the prefix's rows again over the prefix's keys alone (no mask); its
+    rows of the first call are dropped. Measured on the AMX Xeon (bfloat16, B=4, H=8,
+    T=2048, P=256): 43 ms, against 64-74 ms by the tiled backend and 60-72 by compiled Flex.
+
+    Shape:
+        -> out ``(*batch, T, Dv)``, lse ``(*batch, T)`` or None.
+    """
+    q, k, v = call.query, call.key, call.value
+    every = _kernel(call, q, k, v, None, True)
+    if prefix == 0:
+        return every
+    head = _kernel(
+        call, q[..., :prefix, :], k[..., :prefix, :], v[..., :prefix, :], None, False
+    )  # (*batch, P, Dv)
+    out = torch.cat([head.out, every.out[..., prefix:, :]], dim=-2)  # (*batch, T, Dv)
+    lse = None
+    if head.lse is not None and every.lse is not None:
+        lse = torch.cat([head.lse, every.lse[..., prefix:]], dim=-1)  # (*batch, T)
+    return BackendResult(out=out, lse=lse)
 
 
 def _kernel_order(call: AttentionCall, mask: Tensor | None) -> contextlib.AbstractContextManager:
