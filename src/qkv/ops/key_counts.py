@@ -21,6 +21,8 @@ Shape alphabet: B batch, H heads, T query length, S key length (``(B, H) = call.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -200,8 +202,10 @@ def _ranges(call: AttentionCall, attn_mask: bool = True):
     for n in lengths:  # per batch element: (B?, 1, 1)
         hi = torch.minimum(hi, n.to(dev).view(-1, 1, 1).clamp(0, S))
     for parts, tensors in unions:  # each a range from key 0: its farthest end
-        key = ("reach", parts, T, S, str(dev))  # (not a windows' key: those hold (lo, hi))
-        reach_hi = _static_ranges.get(key, lambda p=parts: _reach(p, T, S, dev))  # (1, 1, T)
+        reach_key = ("reach", parts, T, S, str(dev))  # (not a windows' key: (lo, hi) there)
+        reach_hi: Tensor = _static_ranges.get(
+            reach_key, functools.partial(_reach, parts, T, S, dev)
+        )  # (1, 1, T)
         for n in tensors:
             reach_hi = torch.maximum(reach_hi, n.to(dev).view(-1, 1, 1).clamp(0, S))
         hi = torch.minimum(hi, reach_hi)
@@ -223,7 +227,7 @@ def _from_first_key(mod) -> tuple[tuple, list[Tensor]] | None:
             parts.append(("window", None, part.right, part._off()))
         elif type(part) is _KeysBefore and isinstance(part.n, int):
             parts.append(("keys", part.n))
-        elif type(part) is _KeysBefore:
+        elif type(part) is _KeysBefore and isinstance(part.n, Tensor):
             tensors.append(part.n)
         elif (inner := _from_first_key(part)) is not None:
             parts.extend(inner[0])

@@ -202,13 +202,13 @@ def _prefix_rows(call: AttentionCall) -> int | None:
     ):
         return None
     causal = [m for m in mod.mods if is_window(m)]
-    keys = [m for m in mod.mods if type(m) is _KeysBefore and isinstance(m.n, int)]
+    keys = [m.n for m in mod.mods if type(m) is _KeysBefore and isinstance(m.n, int)]
     if len(causal) != 1 or len(keys) != 1:
         return None
     w = causal[0]
     if w.left is not None or w.right != 0 or w._off() != 0:
         return None
-    return min(max(keys[0].n, 0), call.T)
+    return min(max(int(keys[0]), 0), call.T)
 
 
 def _prefix_lm(call: AttentionCall, prefix: int) -> BackendResult:
