@@ -243,6 +243,40 @@ def test_kinds_are_kept_apart_and_other_calls_keep_their_backend(fakes):
     assert "not measured" in dispatch.explain(plain)
 
 
+def test_combined_masks_of_other_parts_are_other_kinds(fakes, monkeypatch):
+    """A prefix LM (an ``or``) and a window within documents (an ``and``) are both
+    ``_Combined``; a choice measured for one does not decide the other (measured: torch's
+    kernel runs the first 1.4x faster than the tiled loop on an AMX Xeon, the tiled loop the
+    second 4-8x faster than torch). Windows of other widths' buckets are other kinds too."""
+    from qkv import masks
+
+    slow, fast = fakes
+    ids = torch.zeros(33, dtype=torch.long)
+    prefix = masks.prefix_lm(4)
+    within = masks.and_masks(masks.document(ids), masks.sliding_window(4))
+    kinds = {
+        autotune.call_kind(AttentionCall.build(*_qkv(), mask_mod=m))
+        for m in (
+            prefix,
+            within,
+            masks.or_masks(masks.causal(), masks.key_lengths(4)),  # a prefix LM's parts
+            masks.and_masks(masks.document(ids), masks.sliding_window(100)),
+            masks.sliding_window(4),
+            masks.sliding_window(100),
+            masks.sliding_window(4, 4),
+        )
+    }
+    assert len(kinds) == 6  # the two prefix LMs share one kind; the rest differ
+    q, k, v = _qkv()
+    qkv.scaled_dot_product_attention(q, k, v, mask_mod=prefix)
+    assert dispatch.explain(AttentionCall.build(q, k, v, mask_mod=prefix)).startswith("fast")
+    fast.cost = 3.0  # slower than slow now: the window within documents is measured afresh
+    runs = slow.runs
+    qkv.scaled_dot_product_attention(q, k, v, mask_mod=within)
+    assert slow.runs > runs
+    assert dispatch.explain(AttentionCall.build(q, k, v, mask_mod=within)).startswith("slow")
+
+
 def test_a_backend_that_compiles_is_measured_by_tune_only(fakes):
     _, fast = fakes
     fast.prefers = False  # as flex off CUDA: its first call compiles
