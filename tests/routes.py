@@ -94,6 +94,9 @@ MACHINE_PROBES = {
     "ops/deformable/op.py": "QKV_DEFORMABLE_KERNEL (auto, cpp, torch, triton): "
     "tests/test_deformable.py runs cpp and torch by name, tests/test_deformable_triton.py "
     "triton under the CPU interpreter",
+    "ops/tiled/route.py": "QKV_BF16_RANGES (kernel, plan): the tiled backend's way for "
+    "bfloat16 inference of ranges of keys, measured per kind where QKV_AUTOTUNE is on; "
+    "tests/test_bf16_ranges_route.py runs each way forced, and the measurement with a fake clock",
     "ops/few_rows.py": "QKV_FEW_ROWS (off turns it off) and whether its C++ builds: the "
     "float32 few-row kernel of the tiled backend, forced both ways (force_few_rows)",
     "ops/_native_build.py": "the CPU capability: the C++ kernels' ISA flags and build names "

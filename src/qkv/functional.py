@@ -25,6 +25,7 @@ from .ops.base import tracing
 from .ops.call import forward_ad_on
 from .ops.deformable.inputs import as_spatial_shapes
 from .ops.tiled import TiledBackend
+from .ops.tiled import route as tiled_route
 from .trace import AttentionTrace, DeformableTrace
 
 __all__ = ["deformable_attention", "linear_attention", "scaled_dot_product_attention"]
@@ -176,6 +177,7 @@ def _whole_call(call: AttentionCall, backend: str):
 
 
 autotune.time_whole_calls(_whole_call)
+tiled_route.time_whole_calls(_whole_call)
 
 
 def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: str, lane=None):

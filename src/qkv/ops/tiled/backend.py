@@ -74,6 +74,7 @@ from .. import bf16_scores, few_rows
 from ..base import BackendResult, tracing
 from ..call import AttentionCall
 from ..reference import ReferenceBackend, bf16_fusable, inference_ranges
+from . import route
 from .backward import _backward, _dense_backward, _sink_grad
 from .batch import _Piece, batch_pieces
 from .batch import clear_plan_cache as clear_plan_cache
@@ -131,16 +132,8 @@ class TiledBackend:
         if few_rows.usable(call):  # float32 inference of a few query rows: one C++ call
             rows_out, rows_lse = few_rows.attend(call)
             return BackendResult(out=rows_out, lse=rows_lse)
-        ranges = inference_ranges(call)
-        if ranges is not None:  # bfloat16 inference with ranges of keys: the fused kernel
-            q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
-            lo, hi, ids = ranges
-            out, _, lse = bf16_scores.attend_kernel(
-                q, k, v, call.scale, lo, hi, weights=False, ids=ids
-            )
-            return BackendResult(
-                out=out.reshape(call.out_shape), lse=lse.reshape(call.batch + (call.T,))
-            )
+        if _kernel_runs(call):  # bfloat16 inference with ranges of keys: the fused kernel
+            return _by_kernel(call)
         out, lse = tiled_attention(call)
         return BackendResult(out=out, lse=lse)
 
@@ -152,8 +145,31 @@ class TiledBackend:
             not tracing()
             and not _nothing_to_tile(call)
             and not call.has_tangents()
-            and (few_rows.usable(call) or bf16_fusable(call))
+            and (few_rows.usable(call) or _kernel_runs(call))
         )
+
+
+def _kernel_runs(call: AttentionCall) -> bool:
+    """Whether the fused bfloat16 kernel runs this call: one it can take (inference with
+    ranges of keys, :func:`qkv.ops.reference.bf16_fusable`) whose kind measured it faster
+    than the plan, or forced (``route.py``)."""
+    return bf16_fusable(call) and route.kernel_runs(call, _held)
+
+
+def _held(call: AttentionCall, way: str) -> object:
+    """The backend's run of ``call`` by ``way`` (``"kernel"`` or ``"plan"``): what is timed
+    where no whole call is set."""
+    return _by_kernel(call) if way == "kernel" else tiled_attention(call)
+
+
+def _by_kernel(call: AttentionCall) -> BackendResult:
+    """``call`` by the fused bfloat16 kernel (``ops/bf16_scores.py``) over its rows' ranges."""
+    ranges = inference_ranges(call)
+    assert ranges is not None  # (bf16_fusable)
+    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    lo, hi, ids = ranges
+    out, _, lse = bf16_scores.attend_kernel(q, k, v, call.scale, lo, hi, weights=False, ids=ids)
+    return BackendResult(out=out.reshape(call.out_shape), lse=lse.reshape(call.batch + (call.T,)))
 
 
 def _nothing_to_tile(call: AttentionCall) -> bool:

@@ -1,0 +1,190 @@
+"""bfloat16 inference of ranges of keys takes the fused kernel or the tiled plan, by measurement
+(``qkv.ops.tiled.route``; issue 38): each way forced by ``QKV_BF16_RANGES`` meets the tolerance
+policy against the float64 reference and keeps the NaN/inf contract; the measurement, with a
+fake clock, takes the faster way, keeps it and reads it back from disk; measuring off, the
+kernel. The kernel way needs a CPU where the kernel runs (``bf16_scores.available`` and the
+native half route): elsewhere those cases are skipped, and the plan way is what runs anyway.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qkv
+from qkv import autotune, masks
+from qkv.ops import AttentionCall, bf16_scores, reference
+from qkv.ops.tiled import backend as tiled_backend
+from qkv.ops.tiled import route
+
+B, H, T, D = 3, 2, 70, 16
+LENGTHS = torch.tensor([70, 41, 9])
+IDS = torch.tensor([[0] * 30 + [1] * 40, [0] * 10 + [1] * 25 + [2] * 35, [5] * 70])
+
+
+def _mods() -> dict:
+    return {
+        "causal+lengths": dict(is_causal=True, mask_mod=masks.key_lengths(LENGTHS)),
+        "window+lengths": dict(
+            mask_mod=masks.and_masks(masks.sliding_window(12), masks.key_lengths(LENGTHS))
+        ),
+        "documents per element": dict(mask_mod=masks.document(IDS)),
+        "causal documents": dict(mask_mod=masks.document(IDS), is_causal=True),
+        "prefix_lm": dict(mask_mod=masks.prefix_lm(20)),
+        "window within documents": dict(
+            mask_mod=masks.and_masks(masks.document(IDS[1]), masks.sliding_window(8))
+        ),
+    }
+
+
+def _inputs(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, D, generator=g).to(torch.bfloat16) for _ in range(3)]
+
+
+def _kernel_here(kw: dict) -> bool:
+    return reference.bf16_fusable(AttentionCall.build(*_inputs(), **kw))
+
+
+@pytest.fixture
+def ways(monkeypatch):
+    """Count the kernel's calls and the plan's (``tiled_attention``) from here on."""
+    seen = {"kernel": 0, "plan": 0}
+    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
+
+    def counted_kernel(*args, **kwargs):
+        seen["kernel"] += 1
+        return kernel(*args, **kwargs)
+
+    def counted_plan(*args, **kwargs):
+        seen["plan"] += 1
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(bf16_scores, "attend_kernel", counted_kernel)
+    monkeypatch.setattr(tiled_backend, "tiled_attention", counted_plan)
+    return seen
+
+
+@pytest.mark.parametrize("name", list(_mods()))
+@pytest.mark.parametrize("way", ["kernel", "plan"])
+def test_each_way_meets_the_tolerance_policy(monkeypatch, ways, way, name):
+    kw = _mods()[name]
+    if way == "kernel" and not _kernel_here(kw):
+        pytest.skip("the fused bfloat16 kernel does not run on this CPU")
+    monkeypatch.setenv(route.SWITCH, way)
+    q, k, v = _inputs()
+    with torch.no_grad():
+        out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+        base = qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw)
+    golden = qkv.scaled_dot_product_attention(
+        *(t.double() for t in (q, k, v)), backend="reference", **kw
+    )
+    assert ways[way] >= 1 and ways["kernel" if way == "plan" else "plan"] == 0
+    err = (out.double() - golden).abs().max()
+    assert err <= 2 * (base.double() - golden).abs().max() + 1e-5, (way, name, err)
+
+
+@pytest.mark.parametrize("way", ["kernel", "plan"])
+def test_each_way_keeps_the_nan_contract(monkeypatch, way):
+    """A NaN key at 50 of element 0 under causal with key lengths: rows 50 on are NaN, and
+    rows 0-49 stay within the tolerance policy of the clean inputs' float64 reference, as do
+    the other elements, whose padding key 30 of element 2 (beyond its 9 keys) holds inf.
+    (The kernel's rows are the clean call's to the bit; the plan's guarded run may round
+    them otherwise, within the policy.)"""
+    kw = _mods()["causal+lengths"]
+    if way == "kernel" and not _kernel_here(kw):
+        pytest.skip("the fused bfloat16 kernel does not run on this CPU")
+    monkeypatch.setenv(route.SWITCH, way)
+    q, k, v = _inputs(1)
+    clean = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+    base = qkv.scaled_dot_product_attention(q, k, v, backend="reference", **kw).double()
+    golden = qkv.scaled_dot_product_attention(
+        *(t.double() for t in (q, k, v)), backend="reference", **kw
+    )
+    k[0, :, 50, 3] = float("nan")
+    v[2, :, 30, 0] = float("inf")
+    out = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw).double()
+    assert out[0, :, 50:].isnan().all()
+    unhit = torch.ones(B, H, T, 1, dtype=torch.bool)
+    unhit[0, :, 50:] = False
+    bound = 2 * (base - golden).abs().masked_select(unhit).max() + 1e-5
+    assert (out - golden).abs().masked_select(unhit).max() <= bound
+    if way == "kernel":
+        assert torch.equal(out.masked_select(unhit), clean.double().masked_select(unhit))
+
+
+def test_a_switch_of_another_value_is_refused(monkeypatch):
+    monkeypatch.setenv(route.SWITCH, "fastest")
+    with pytest.raises(ValueError, match="QKV_BF16_RANGES must be 'kernel' or 'plan'"):
+        qkv.scaled_dot_product_attention(*_inputs(), backend="tiled", **_mods()["prefix_lm"])
+
+
+class _Clock:
+    now = 0.0
+
+
+@pytest.mark.parametrize("faster", ["kernel", "plan"])
+def test_the_way_measured_faster_is_taken_kept_and_read_back(monkeypatch, tmp_path, faster):
+    """With a fake clock on which the ``faster`` way costs 1 and the other 3: the first call of
+    a kind measures both and takes the faster; later calls of the kind run it alone; a fresh
+    process (``autotune.forget``) reads it from disk without measuring; another kind is
+    measured afresh."""
+    kw = _mods()["causal+lengths"]
+    if not _kernel_here(kw):
+        pytest.skip("the fused bfloat16 kernel does not run on this CPU: one way only")
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(route.SWITCH, raising=False)
+    monkeypatch.setattr(route, "_clock", lambda: _Clock.now)
+    autotune.forget()
+    costs = {faster: 1.0, ("plan" if faster == "kernel" else "kernel"): 3.0}
+    runs = {"kernel": 0, "plan": 0}
+    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
+
+    def timed_kernel(*args, **kwargs):
+        runs["kernel"] += 1
+        _Clock.now += costs["kernel"]
+        return kernel(*args, **kwargs)
+
+    def timed_plan(*args, **kwargs):
+        runs["plan"] += 1
+        _Clock.now += costs["plan"]
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(bf16_scores, "attend_kernel", timed_kernel)
+    monkeypatch.setattr(tiled_backend, "tiled_attention", timed_plan)
+    q, k, v = _inputs()
+    call = AttentionCall.build(q, k, v, **kw)
+    try:
+        with torch.no_grad():
+            first = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+            assert runs["kernel"] >= 3 and runs["plan"] >= 3  # an untimed run, two timed
+            choice = route.RANGES.choice(autotune.call_kind(call), measure=False)
+            assert choice.route == faster and choice.source == "measured"
+            assert choice.times[faster] == 1.0
+            before = dict(runs)
+            again = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+            other = "plan" if faster == "kernel" else "kernel"
+            assert runs[faster] == before[faster] + 1 and runs[other] == before[other]
+            assert torch.equal(first, again)
+            autotune.forget()  # as a new process: the disk's verdict, nothing measured
+            qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+            assert runs[other] == before[other]
+            disk = route.RANGES.choice(autotune.call_kind(call), measure=False)
+            assert (disk.route, disk.source) == (faster, "disk")
+            prefix = _mods()["prefix_lm"]  # another kind: measured
+            qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **prefix)
+            assert runs[other] > before[other]
+    finally:
+        autotune.forget()
+
+
+def test_measuring_off_takes_the_kernel(monkeypatch, ways):
+    kw = _mods()["documents per element"]
+    if not _kernel_here(kw):
+        pytest.skip("the fused bfloat16 kernel does not run on this CPU")
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    monkeypatch.delenv(route.SWITCH, raising=False)
+    with torch.no_grad():
+        qkv.scaled_dot_product_attention(*_inputs(), backend="tiled", **kw)
+    assert ways == {"kernel": 1, "plan": 0}
