@@ -96,29 +96,23 @@ inline bool zero(const typename B::word* x, int64_t count) {
   return count > 0 && any == 0;
 }
 
-// Whether a row of [first, last) of x (E elements each, stride s) is all zero.
+// Whether a row of [first, last) of x (E elements each, stride s) holds a non-finite element, or
+// (with zeros) is all zero: each row read once for both.
 template <typename B>
-inline bool any_zero(const typename B::word* x, const Rows& n, const Strides& s, int64_t E,
-                     int64_t first, int64_t last) {
-  const typename B::word* p = x + offset(first, n, s);
+inline bool any_row_wrong(const typename B::word* x, const Rows& n, const Strides& s, int64_t E,
+                          int64_t first, int64_t last, bool zeros) {
+  using W = typename B::word;
+  constexpr W magnitude = static_cast<W>(~(W(1) << (sizeof(W) * 8 - 1)));
+  const W* p = x + offset(first, n, s);
   for (int64_t r = first; r < last; ++r, p += s.s2) {
-    if (zero<B>(p, E)) return true;
+    W bad = 0, any = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      bad |= static_cast<W>((p[e] & B::exp) == B::exp);
+      any |= static_cast<W>(p[e] & magnitude);
+    }
+    if (bad != 0 || (zeros && E > 0 && any == 0)) return true;
   }
   return false;
-}
-
-// Whether rows n (E contiguous elements each, strides s) fill one block of n.count() * E
-// elements from the first row's start, in some order of the dims (no gap, no broadcast dim).
-inline bool dense(const Rows& n, const Strides& s, int64_t E) {
-  std::pair<int64_t, int64_t> dims[3] = {{s.s0, n.n0}, {s.s1, n.n1}, {s.s2, n.n2}};
-  std::sort(dims, dims + 3);
-  int64_t want = E;  // the stride the next dim must have
-  for (const auto& [stride, size] : dims) {
-    if (size == 1) continue;  // any stride
-    if (stride != want) return false;
-    want *= size;
-  }
-  return true;
 }
 
 // Whether rows [first, last) of x (E elements each, stride s) hold a non-finite element; one
@@ -458,14 +452,12 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
   using W = typename B::word;
   W* out = static_cast<W*>(out_);
   const W* q = static_cast<const W*>(q_);
-  // out's rows are read for a non-finite element with check_out, and with rows computed again;
-  // a dense out (one block of memory in any order of dims, as torch's flash kernel writes its
-  // (B, T, H, Dv)) is swept once here rather than row by row in each run: clean, no run reads it
+  // out's rows are read for a non-finite element with check_out, and with rows computed again
+  // (and for an all-zero row too: one read a row for both, in the parallel runs)
   const bool again = rc.k != nullptr && q != nullptr;  // rows computed again
   const bool ranged = kr.lo != nullptr;  // each row's keys a range [lo, hi)
   const bool zeros = again && kr.keys == nullptr;  // ... where all zero too (no bad key flagged)
   const bool read_out = check_out || again;
-  const bool out_clean = read_out && dense(n, o, Dv) && !nonfinite<B>(out, n.count() * Dv);
   const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> before;  // bad keys before each key position, for one run's (b, h)
@@ -486,9 +478,8 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
       if (flags == nullptr && has_key == nullptr &&
           (!ranged || ((kr.keys == nullptr || before[kr.S] == 0.0f) &&
                        !any_empty(kr, n, first, last)))) {
-        const bool bad = (read_out && !out_clean && any_nonfinite<B>(out, n, o, Dv, first, last)) ||
-                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last)) ||
-                         (zeros && any_zero<B>(out, n, o, Dv, first, last));
+        const bool bad = (read_out && any_row_wrong<B>(out, n, o, Dv, first, last, zeros)) ||
+                         (q != nullptr && any_nonfinite<B>(q, n, qs, D, first, last));
         if (!bad && !head_bad && (lse == nullptr || !any_lse_bad(rc, n, first, last))) return;
       }
       W* y = out + offset(first, n, o);
