@@ -136,8 +136,10 @@ def step_case(base, rounds: int, G: int = H) -> None:
         steps[name] = (mha, cache)
     x = torch.randn(B, 1, C)
     mha = steps["after"][0]
-    w_in, b_in = mha.in_proj_weight, mha.in_proj_bias  # (C + 2GD, C), (C + 2GD,)
-    w_out, b_out = mha.out_proj.weight, mha.out_proj.bias
+    # torch's step has weights of its own, as each version's module has (sharing the "after"
+    # module's, the step run right after it may find them in cache)
+    w_in, b_in = (t.detach().clone() for t in (mha.in_proj_weight, mha.in_proj_bias))
+    w_out, b_out = (t.detach().clone() for t in (mha.out_proj.weight, mha.out_proj.bias))
     keys, values = torch.zeros(B, G, CAP, D), torch.zeros(B, G, CAP, D)
 
     def by_hand():
