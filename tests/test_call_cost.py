@@ -632,6 +632,8 @@ _LANE_CASES = {
     "B2-H3-T1-S37-causal": ((2, 3, 1, DL), (2, 3, 37, DL), dict(is_causal=True)),
     "B2-H3-T4-S37-causal": ((2, 3, 4, DL), (2, 3, 37, DL), dict(is_causal=True)),
     "B2-H3-T5-S5-causal": ((2, 3, 5, DL), (2, 3, 5, DL), dict(is_causal=True)),
+    "B2-H3-T9-S5-causal": ((2, 3, 9, DL), (2, 3, 5, DL), dict(is_causal=True)),
+    "H3-T7-S7-causal": ((3, 7, DL), (3, 7, DL), dict(is_causal=True)),
     "B2-H4-G2-T1-S19-gqa": ((2, 4, 1, DL), (2, 2, 19, DL), dict(enable_gqa=True)),
     "B1-kv-broadcast-T2-S9": ((3, 2, 2, DL), (1, 2, 9, DL), {}),
     "H3-T1-S9-unbatched": ((3, 1, DL), (3, 9, DL), {}),
@@ -663,8 +665,9 @@ _HIDDEN_BAD = ["nan-hidden-key", "inf-hidden-value"]  # (cases with a mask: a ke
 )
 def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, dtype):
     """A call of a kind met before takes its lane where one is kept (not float16, which the CPU
-    computes in float32, causal calls whose rows hide keys from each other, or without the
-    fused check: the full steps then), and gives the same
+    computes in float32, causal calls of 2 to S - 1 rows, run on their first T keys with rows
+    hiding keys from each other, or without the fused check: the full steps then; causal
+    calls of T >= S check their rows' ranges of keys), and gives the same
     bits as the full steps, NaN rows included, and the float64 math's values where every input
     is finite."""
     monkeypatch.setenv("QKV_AUTOTUNE", "off")
@@ -701,8 +704,8 @@ def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, route, case, bad, 
         steps = _Steps(monkeypatch)
         first = qkv.scaled_dot_product_attention(q, k, v, **kw)
         second = qkv.scaled_dot_product_attention(q, k, v, **kw)
-    # causal with T > 1: rows hide keys from each other, the zeroed copies' way (no lane)
-    hides = kw.get("is_causal", False) and qs[-2] > 1
+    # causal with 1 < T < S: narrowed to T keys, rows hide keys from each other (no lane)
+    hides = kw.get("is_causal", False) and 1 < qs[-2] < ks[-2]
     laned = route == "fused" and dtype != torch.float16 and not hides
     assert steps.count == (1 if laned else 2)
     assert _same_bits(first, full) and _same_bits(second, full)

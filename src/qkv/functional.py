@@ -236,9 +236,11 @@ class _Lane:
         "lse",
         "narrow",
         "ok",
+        "ranged",
         "rows",
         "scale",
         "scale_arg",
+        "spans",
         "state",
         "visible",
     )
@@ -276,6 +278,10 @@ class _Lane:
         # a kind that the tiled backend runs by the few-rows kernel (which keeps the contract
         # itself): the kernel alone, its arguments packed once (``few_rows.Runner``)
         self.rows: few_rows.Runner | None = None
+        # top-left causal with a query a key or more (T >= S), checked by its rows' ranges of
+        # keys (``nonfinite``'s "ranges_in_place"); each (T, S)'s ranges made once
+        self.ranged = False
+        self.spans: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
         """torch's kernel, as the steps above call it (``ops/_aten.sdpa``); its log-sum-exp
@@ -338,6 +344,37 @@ class _Lane:
         return fast(
             query, key, value, is_causal=self.causal, attn_mask=additive, scale=self.scale_arg
         )
+
+    def check_ranges(
+        self, out: Tensor, query: Tensor, key: Tensor, value: Tensor, lse: Tensor | None
+    ) -> bool:
+        """A ranged lane's output's pass (``nonfinite_rows.restore_rows`` over each row's
+        causal keys ``[0, min(i + 1, S))``, as the steps' guard runs it); False where the
+        fused passes cannot take these tensors (then the steps run the call).
+
+        Shape:
+            out ``(*batch, T, Dv)``, query ``(*batch, T, D)``, key ``(*kbatch, S, D)``, lse
+            ``(*batch, T)`` float32 or None.
+        """
+        if not nonfinite_rows.takes(query, key, value):
+            return False
+        T, S = query.shape[-2], key.shape[-2]
+        spans = self.spans.get((T, S))
+        if spans is None:
+            if len(self.spans) >= 64:
+                self.spans.clear()
+            hi = (torch.arange(T) + 1).clamp(max=S).view(1, 1, T)  # (1, 1, T)
+            spans = self.spans[(T, S)] = (torch.zeros_like(hi), hi)
+        if lse is not None and lse.shape != out.shape[:-1]:
+            lse = None  # (not the kernel's rows: the keys are scanned instead)
+        nonfinite_rows.restore_rows(
+            out,
+            query=query,
+            ranges=(None, *spans),
+            recompute=(key, value, self.scale, self.group),
+            lse=lse,
+        )
+        return True
 
 
 def _window_only(mods: tuple) -> tuple | None:
@@ -467,7 +504,10 @@ def _run_lane(
         out, lse = lane.attend_lse(query, key, value, None, strides)  # (B, H, T, Dv), (B, H, T)
     else:
         out, lse = lane.attend(query, key, value, None), None  # (*batch, T, Dv)
-    if lane.check(out, query, (query, key, value), lane.scale, lane.group, exact, lse, strides):
+    if lane.ranged:
+        if lane.check_ranges(out, query, key, value, lse):
+            return out
+    elif lane.check(out, query, (query, key, value), lane.scale, lane.group, exact, lse, strides):
         return out
     if nonfinite_rows.available():  # the check cannot take this layout: the steps above from
         lane.ok = False  # now on, for every exact kind of its kind (without the library:
@@ -489,7 +529,10 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
         return  # (none kept while foreign backends are registered; a kind found to have none
         # keeps that: a lane whose check cannot take its layout would run the kernel twice)
     narrow = call.is_causal and call.T < call.S
-    if call.attn_mask is None:
+    ranged = call.is_causal and not narrow and call.attn_mask is None
+    if ranged:  # top-left causal, T >= S: the rows' ranges of keys checked
+        steps = guard.check == "ranges_in_place" and guard.call is call
+    elif call.attn_mask is None:
         steps = guard.check == "output" and guard.call.key.shape[-2] == (
             call.T if narrow else call.S
         )
@@ -529,6 +572,10 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
     )
     if rows:
         lane.rows, lane.narrow = few_rows.Runner(), False  # (the kernel takes the causal rows)
+    else:
+        lane.ranged = ranged
+        if ranged and guard.spans is not None:  # the steps' ranges: none made on the lane
+            lane.spans[(call.T, call.S)] = guard.spans
     _keep(kind, lane)
 
 
