@@ -128,6 +128,7 @@ KINDS = [
     "key_lengths",
     "padded_causal",
     "left_padded_window",
+    "prefix_lm",
     "neighborhood",
     "sinks",
     "trace",
@@ -159,6 +160,8 @@ def _structure(kind: str) -> dict:
     if kind == "left_padded_window":  # a bool key mask (B, 1, 1, S), as transformers pads
         keep = torch.arange(S) >= torch.tensor([[0], [30]])  # (B, S)
         return {"attn_mask": keep[:, None, None, :], "mask_mod": masks.sliding_window(16)}
+    if kind == "prefix_lm":  # torch: its causal kernel and the prefix again, no dense mask
+        return {"mask_mod": masks.prefix_lm(20)}
     if kind == "neighborhood":  # T = 97 tokens in a 1D grid, in a shuffled order of its own
         order = torch.randperm(T, generator=g)
         return {"mask_mod": masks.neighborhood(9, T, dilation=2, layout=order)}
@@ -387,14 +390,19 @@ def test_the_cpu_reads_only_when_asked(monkeypatch):
         nonfinite.host_reads_free(cpu)
 
 
-@pytest.mark.parametrize("kind", ["plain", "causal", "window", "document", "key_lengths"])
+@pytest.mark.parametrize(
+    "kind", ["plain", "causal", "window", "document", "key_lengths", "padded_causal", "prefix_lm"]
+)
 @pytest.mark.parametrize("trace", [False, True], ids=["tiled", "trace"])
-def test_bf16_calls_on_the_native_route_read_nothing_on_the_host(monkeypatch, kind, trace):
+@pytest.mark.parametrize("way", ["kernel", "plan"])
+def test_bf16_calls_on_the_native_route_read_nothing_on_the_host(monkeypatch, kind, trace, way):
     """bfloat16 inference through the tiled backend and bfloat16 traces on the native half
     route: on an AMX CPU the fused kernel runs them (ops/bf16_scores.py; elsewhere the other
-    ways), from rows' key ranges and document spans made in tensor ops: the second call of a
-    structure reads nothing."""
+    ways), from rows' key ranges and document spans made in tensor ops, or the plan where it
+    was measured faster (``QKV_BF16_RANGES`` forces each way): the second call of a structure
+    reads nothing."""
     monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    monkeypatch.setenv("QKV_BF16_RANGES", way)
     structure = _structure(kind)
 
     def make(seed: int) -> Callable[[], None]:
