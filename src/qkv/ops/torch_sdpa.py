@@ -6,7 +6,9 @@ once per mask and sizes, guarded and additive, and kept): torch's kernel visits 
 so the static order leaves structured masks to the backends that skip blocks
 (``in_static_order``), and only ``auto``'s measurement, or a caller who names ``torch``, takes
 it there (bfloat16 documents at T=1024 ran in 0.75x the tiled loop's time on an AMX Xeon, a
-window of 256 in 1.75x; benchmarks/RESULTS.md). Not ``score_mod`` or sinks.
+window of 256 in 1.75x; benchmarks/RESULTS.md). A prefix LM with one prefix length (T == S)
+needs no dense mask at any length: torch's causal kernel, then the prefix's rows again
+(:func:`_prefix_lm`). Not ``score_mod`` or sinks.
 What it adds on top of torch:
   * ``attn_mask`` together with ``is_causal=True`` (torch refuses the pair): the masks are
     merged into one, a key must pass both.
