@@ -29,11 +29,30 @@ from ..kinds import call_kind
 __all__ = ["RANGES", "SWITCH", "kernel_runs", "time_whole_calls"]
 
 SWITCH = "QKV_BF16_RANGES"
+
+
+def kernel_runs(call: AttentionCall, run: Callable[[AttentionCall, str], object]) -> bool:
+    """Whether the fused kernel runs ``call`` (a call the kernel can take), else the plan.
+    ``run(call, way)``: the tiled backend's run of ``call`` held to ``way`` (timed where no
+    whole call is set). The hot path after a kind's first call: an environment read, the
+    kind's key and a dict lookup."""
+    held = getattr(_HERE, "route", None)
+    if held is not None:  # a timed call of this kind's measurement
+        return held == "kernel"
+    _CALL.now = (call, run)  # (what a measurement times: read only when the kind is new)
+    try:
+        return RANGES.route(call_kind(call)) == "kernel"
+    finally:
+        _CALL.now = None
+
+
+# --- the measurement ------------------------------------------------------------------------
+
 _ROUNDS, _BUDGET_S = 5, 0.05  # timed runs of each way: 2 to 5, within about 50 ms
 _clock = _measured.clock  # (tests replace it with a fake clock)
 
 _HERE = threading.local()  # .route: the way this thread's timed call is held to
-_CALL = threading.local()  # .runners: the ways of the call being decided (measure's input)
+_CALL = threading.local()  # .now: (call, run) of the call being decided (measure's input)
 
 # ``qkv.functional``'s whole call of one backend (``whole(call, name)``), set by that module when
 # it loads (it sits above this one): what is timed. None (this module alone): the backend's run.
@@ -46,28 +65,8 @@ def time_whole_calls(whole: Callable[[AttentionCall, str], object]) -> None:
 
 
 def _measure(key: str) -> dict[str, float]:
-    runners: dict[str, Callable[[], object]] = _CALL.runners
-    return _measured.time_each(runners, rounds=_ROUNDS, budget_s=_BUDGET_S, clock=_clock)
-
-
-RANGES = _measured.MeasuredRoute(
-    "bf16_ranges",
-    ("kernel", "plan"),
-    SWITCH,
-    static=lambda: "kernel",
-    rule=lambda route: "the fused kernel, the way without a measurement",
-    measure=_measure,
-)
-
-
-def kernel_runs(call: AttentionCall, run: Callable[[AttentionCall, str], object]) -> bool:
-    """Whether the fused kernel runs ``call`` (a call the kernel can take), else the plan.
-    ``run(call, way)``: the tiled backend's run of ``call`` held to ``way`` (timed where no
-    whole call is set). The hot path after a kind's first call: an environment read, the
-    kind's key and a dict lookup."""
-    held = getattr(_HERE, "route", None)
-    if held is not None:  # a timed call of this kind's measurement
-        return held == "kernel"
+    """Seconds per call of each way on the call being decided (:func:`kernel_runs`'s)."""
+    call, run = _CALL.now
     whole = _WHOLE_CALL[0]
 
     def way(name: str) -> Callable[[], object]:
@@ -80,8 +79,15 @@ def kernel_runs(call: AttentionCall, run: Callable[[AttentionCall, str], object]
 
         return timed
 
-    _CALL.runners = {"kernel": way("kernel"), "plan": way("plan")}
-    try:
-        return RANGES.route(call_kind(call)) == "kernel"
-    finally:
-        _CALL.runners = None
+    runners = {"kernel": way("kernel"), "plan": way("plan")}
+    return _measured.time_each(runners, rounds=_ROUNDS, budget_s=_BUDGET_S, clock=_clock)
+
+
+RANGES = _measured.MeasuredRoute(
+    "bf16_ranges",
+    ("kernel", "plan"),
+    SWITCH,
+    static=lambda: "kernel",
+    rule=lambda route: "the fused kernel, the way without a measurement",
+    measure=_measure,
+)
