@@ -114,9 +114,16 @@ def test_each_way_keeps_the_nan_contract(monkeypatch, way):
 
 
 def test_a_switch_of_another_value_is_refused(monkeypatch):
+    """Read where a call could take the kernel: a call there raises; elsewhere the switch
+    decides nothing (the plan is the one way) and the route still refuses the value."""
     monkeypatch.setenv(route.SWITCH, "fastest")
-    with pytest.raises(ValueError, match="QKV_BF16_RANGES must be 'kernel' or 'plan'"):
-        qkv.scaled_dot_product_attention(*_inputs(), backend="tiled", **_mods()["prefix_lm"])
+    match = "QKV_BF16_RANGES must be 'kernel' or 'plan'"
+    with pytest.raises(ValueError, match=match):
+        route.RANGES.forced()
+    kw = _mods()["prefix_lm"]
+    if _kernel_here(kw):
+        with pytest.raises(ValueError, match=match):
+            qkv.scaled_dot_product_attention(*_inputs(), backend="tiled", **kw)
 
 
 class _Clock:
