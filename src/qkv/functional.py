@@ -24,6 +24,7 @@ from .ops._aten import flash_forward, sdpa
 from .ops.base import tracing
 from .ops.call import forward_ad_on
 from .ops.deformable.inputs import as_spatial_shapes
+from .ops.key_counts import causal_ranges
 from .ops.tiled import TiledBackend
 from .ops.tiled import route as tiled_route
 from .trace import AttentionTrace, DeformableTrace
@@ -240,7 +241,6 @@ class _Lane:
         "rows",
         "scale",
         "scale_arg",
-        "spans",
         "state",
         "visible",
     )
@@ -279,9 +279,8 @@ class _Lane:
         # itself): the kernel alone, its arguments packed once (``few_rows.Runner``)
         self.rows: few_rows.Runner | None = None
         # top-left causal with a query a key or more (T >= S), checked by its rows' ranges of
-        # keys (``nonfinite``'s "ranges_in_place"); each (T, S)'s ranges made once
+        # keys (``nonfinite``'s "ranges_in_place"; the ranges the steps made, kept there)
         self.ranged = False
-        self.spans: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
     def attend(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
         """torch's kernel, as the steps above call it (``ops/_aten.sdpa``); its log-sum-exp
@@ -358,13 +357,7 @@ class _Lane:
         """
         if not nonfinite_rows.takes(query, key, value):
             return False
-        T, S = query.shape[-2], key.shape[-2]
-        spans = self.spans.get((T, S))
-        if spans is None:
-            if len(self.spans) >= 64:
-                self.spans.clear()
-            hi = (torch.arange(T) + 1).clamp(max=S).view(1, 1, T)  # (1, 1, T)
-            spans = self.spans[(T, S)] = (torch.zeros_like(hi), hi)
+        spans = causal_ranges(query.shape[-2], key.shape[-2], query.device)  # (1, 1, T) x2
         if lse is not None and lse.shape != out.shape[:-1]:
             lse = None  # (not the kernel's rows: the keys are scanned instead)
         nonfinite_rows.restore_rows(
@@ -574,8 +567,6 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
         lane.rows, lane.narrow = few_rows.Runner(), False  # (the kernel takes the causal rows)
     else:
         lane.ranged = ranged
-        if ranged and guard.spans is not None:  # the steps' ranges: none made on the lane
-            lane.spans[(call.T, call.S)] = guard.spans
     _keep(kind, lane)
 
 

@@ -32,6 +32,7 @@ from .call import AttentionCall
 from .plan_cache import PlanCache
 
 __all__ = [
+    "causal_ranges",
     "counts",
     "covers_every_key",
     "document_ranges",
@@ -258,6 +259,18 @@ def ranges(call: AttentionCall, attn_mask: bool = True):
     (``ops/bf16_scores.py``); None when the masks are not of that form. ``attn_mask=False``:
     of the masks but the tensor (which the caller takes itself)."""
     return _ranges(call, attn_mask)
+
+
+def causal_ranges(T: int, S: int, device) -> tuple[Tensor, Tensor]:
+    """The ranges of top-left causal attention, row ``i`` keys ``[0, min(i + 1, S))``: the
+    ones :func:`ranges` makes for ``is_causal`` alone and keeps (the same tensors).
+
+    Shape:
+        -> lo, hi ``(1, 1, T)`` int64.
+    """
+    static = [("window", None, 0, 0)]  # (_causal()'s part)
+    key = (tuple(static), T, S, str(device))
+    return _static_ranges.get(key, lambda: _window_ranges(static, T, S, device))
 
 
 def document_ranges(
