@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qkv
-from qkv import autotune, masks
+from qkv import autotune, dispatch, masks
 from qkv.ops import AttentionCall, bf16_scores, reference
 from qkv.ops.tiled import backend as tiled_backend
 from qkv.ops.tiled import route
@@ -195,3 +195,112 @@ def test_measuring_off_takes_the_kernel(monkeypatch, ways):
     with torch.no_grad():
         qkv.scaled_dot_product_attention(*_inputs(), backend="tiled", **kw)
     assert ways == {"kernel": 1, "plan": 0}
+
+
+def test_explain_names_the_way_and_why(monkeypatch):
+    """``dispatch.explain`` and ``dispatch.way`` name the tiled backend's way for a bfloat16
+    call of ranges and why (forced, or the kernel with measuring off); no way for a float32
+    call, one that wants a gradient, or where the kernel does not run (one way only)."""
+    kw = _mods()["window+lengths"]
+    q, k, v = _inputs()
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    monkeypatch.delenv(route.SWITCH, raising=False)
+    with torch.no_grad():
+        call = AttentionCall.build(q, k, v, **kw)
+        wide = AttentionCall.build(q.float(), k.float(), v.float(), **kw)
+        assert dispatch.way(wide, "tiled") is None
+        assert "'s way" not in dispatch.explain(wide)
+        if not _kernel_here(kw):
+            assert dispatch.way(call, "tiled") is None
+            return
+        off = dispatch.way(call, "tiled")
+        assert off == (
+            "bf16 ranges -> kernel: the fused kernel, the way without a measurement; "
+            "measuring is off, QKV_AUTOTUNE=off"
+        )
+        assert dispatch.explain(call).endswith(f"; tiled's way: {off}")
+        monkeypatch.setenv(route.SWITCH, "plan")
+        forced = "bf16 ranges -> plan: forced by QKV_BF16_RANGES=plan"
+        assert dispatch.way(call, "tiled") == forced
+        assert dispatch.explain(call).endswith(f"; tiled's way: {forced}")
+    grad = AttentionCall.build(q.requires_grad_(), k, v, **kw)
+    assert dispatch.way(grad, "tiled") is None  # (a gradient: the plan, the one way)
+
+
+def test_tune_measures_the_way_again(monkeypatch, tmp_path):
+    """A kind measured with the kernel faster is measured afresh by ``dispatch.tune`` (what
+    ``qkv tune`` runs) once the plan has become faster: the plan is kept, in this process and
+    on disk, and the next call runs it; ``explain`` says so."""
+    kw = _mods()["documents per element"]
+    if not _kernel_here(kw):
+        pytest.skip("the fused bfloat16 kernel does not run on this CPU: one way only")
+    monkeypatch.setenv("QKV_AUTOTUNE", "on")
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(route.SWITCH, raising=False)
+    monkeypatch.setattr(route, "_clock", lambda: _Clock.now)
+    tiled = dispatch.get_backend("tiled")
+    monkeypatch.setattr(dispatch, "_measurable", lambda call: [tiled])  # (its way alone)
+    autotune.forget()
+    costs = {"kernel": 1.0, "plan": 3.0}
+    runs = {"kernel": 0, "plan": 0}
+    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
+
+    def timed(way, fn):
+        def run(*args, **kwargs):
+            runs[way] += 1
+            _Clock.now += costs[way]
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(bf16_scores, "attend_kernel", timed("kernel", kernel))
+    monkeypatch.setattr(tiled_backend, "tiled_attention", timed("plan", plan))
+    q, k, v = _inputs()
+    call = AttentionCall.build(q, k, v, **kw)
+    try:
+        with torch.no_grad():
+            qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+            assert route.choice(call).route == "kernel"
+            costs.update(kernel=5.0, plan=2.0)
+            assert dispatch.tune(call) is None  # (one backend: no choice of backend)
+            now = route.choice(call)
+            assert (now.route, now.source, now.times) == ("plan", "measured", costs)
+            assert "tiled's way: bf16 ranges -> plan: faster measured" in dispatch.explain(call)
+            before = dict(runs)
+            qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+            assert runs == {"kernel": before["kernel"], "plan": before["plan"] + 1}
+            autotune.forget()  # as a new process: the disk holds the fresh verdict
+            assert (route.choice(call).route, route.choice(call).source) == ("plan", "disk")
+    finally:
+        autotune.forget()
+
+
+def test_tune_rows_name_the_way(monkeypatch, capsys):
+    """``qkv tune``'s rows carry the way of the backend they keep (printed after the times):
+    a bfloat16 window's on a CPU where the kernel runs, none for float32."""
+    from qkv.bench.tune import tune_grid
+    from qkv.cli.tune import _print_row
+
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    monkeypatch.setenv(route.SWITCH, "plan")
+    kept = autotune.Choice("tiled", "measured", {"tiled": 1e-3, "torch": 2e-3})
+    monkeypatch.setattr(dispatch, "tune", lambda call: kept)  # (nothing timed here)
+    rows = list(
+        tune_grid(
+            dtypes=("float32", "bfloat16"),
+            lengths=(64,),
+            cases=("window",),
+            H=2,
+            D=16,
+            progress=_print_row,
+        )
+    )
+    assert [r["backend"] for r in rows] == ["tiled", "tiled"] and rows[0]["way"] is None
+    window = dict(mask_mod=masks.sliding_window(256))
+    if not reference.bf16_fusable(AttentionCall.build(*_inputs(), **window)):
+        assert rows[1]["way"] is None
+        return
+    assert rows[1]["way"] == "bf16 ranges -> plan: forced by QKV_BF16_RANGES=plan"
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1].endswith("(tiled 1 ms, torch 2 ms); its way: " + rows[1]["way"])
+    assert printed[0].endswith("(tiled 1 ms, torch 2 ms)")

@@ -58,6 +58,7 @@ __all__ = [
     "select",
     "tune",
     "unregister_backend",
+    "way",
 ]
 
 
@@ -308,19 +309,44 @@ def explain(call: AttentionCall) -> str:
     if kept is not None:
         backend = _REGISTRY.get(kept.backend)
         if backend is not None and backend.supports(call) is None:
-            return kept.reason()
+            return _with_way(kept.reason(), backend, call)
     static = _static_choice(call)
     why = "measuring is off (QKV_AUTOTUNE=off)" if not autotune.enabled() else "not measured"
-    return f"{static.name}: the first backend of the static order that takes it ({why})"
+    return _with_way(
+        f"{static.name}: the first backend of the static order that takes it ({why})",
+        static,
+        call,
+    )
+
+
+def way(call: AttentionCall, backend: str) -> str | None:
+    """How the backend named ``backend`` runs ``call`` where a measured route of its own
+    decides it (the tiled backend's bfloat16 ranges: the fused kernel or the plan), and why;
+    None where it has one way. Runs nothing."""
+    words = getattr(get_backend(backend), "way", None)
+    return None if words is None else words(nonfinite.without_hidden_keys(call))
+
+
+def _with_way(reason: str, backend: Backend, call: AttentionCall) -> str:
+    """``reason`` and, where a measured route of the backend decides the call, its way."""
+    words = getattr(backend, "way", None)
+    how = None if words is None else words(call)
+    return reason if how is None else f"{reason}; {backend.name}'s way: {how}"
 
 
 def tune(call: AttentionCall) -> autotune.Choice | None:
     """Measure every backend that can take ``call`` (those that compile on first use too),
     keep the fastest for calls of its kind (in this process and on disk), and return it; None
-    when fewer than two can take it. What ``qkv tune`` runs; on the call its kernel runs, as
-    :func:`explain`."""
+    when fewer than two can take it. A backend's own measured ways (``tune_way``: the tiled
+    backend's bfloat16 ranges) are measured afresh first. What ``qkv tune`` runs; on the call
+    its kernel runs, as :func:`explain`."""
     call = nonfinite.without_hidden_keys(call)
-    return autotune.measured_choice(call, _measurable(call), lambda b: False, fresh=True)
+    able = _measurable(call)
+    for backend in able:  # first each backend's own ways, so that each is timed at its best
+        tune_way = getattr(backend, "tune_way", None)
+        if tune_way is not None:
+            tune_way(call)
+    return autotune.measured_choice(call, able, lambda b: False, fresh=True)
 
 
 def _measurable(call: AttentionCall) -> list[Backend]:

@@ -50,7 +50,8 @@ def tune_grid(
     progress: Callable[[dict], None] | None = None,
 ) -> Iterator[dict]:
     """Measure each configuration and keep its fastest backend; yield one row per
-    configuration: ``{case, dtype, T, backend, times}`` (seconds per call), or with
+    configuration: ``{case, dtype, T, backend, times, way}`` (seconds per call; ``way``: how
+    the backend runs it where a measured route of its own decides, else None), or with
     ``reason`` when fewer than two backends can take it."""
     dev = torch.device(device)
     for dtype_name in dtypes:
@@ -68,11 +69,14 @@ def tune_grid(
                 row: dict = dict(case=case, dtype=dtype_name, T=T, device=device)
                 with torch.set_grad_enabled(grad):
                     choice = dispatch.tune(call)
+                able = [n for n, r in dispatch.check_backends(call).items() if r is None]
                 if choice is None:
-                    able = [n for n, r in dispatch.check_backends(call).items() if r is None]
                     row.update(backend=None, reason=f"only {', '.join(able)} can take it")
                 else:
                     row.update(backend=choice.backend, times=choice.times)
+                runs = able[0] if choice is None and len(able) == 1 else row["backend"]
+                with torch.set_grad_enabled(grad):  # (its way, measured by dispatch.tune)
+                    row["way"] = None if runs is None else dispatch.way(call, runs)
                 if progress is not None:
                     progress(row)
                 yield row

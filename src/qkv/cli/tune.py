@@ -69,11 +69,12 @@ def _print_route(row: dict) -> None:
 
 def _print_row(row: dict) -> None:
     head = f"{row['case']:9s} {row['dtype']:9s} T={row['T']:<6d}"
+    way = "" if row.get("way") is None else f"; its way: {row['way']}"
     if row["backend"] is None:
-        print(f"{head} -> {row['reason']}", flush=True)
+        print(f"{head} -> {row['reason']}{way}", flush=True)
         return
     times = ", ".join(
         f"{n} {t * 1e3:.3g} ms" for n, t in sorted(row["times"].items(), key=lambda x: x[1])
     )
-    print(f"{head} -> {row['backend']:6s} ({times})", flush=True)
+    print(f"{head} -> {row['backend']:6s} ({times}){way}", flush=True)
     sys.stdout.flush()

@@ -137,6 +137,22 @@ class TiledBackend:
         out, lse = tiled_attention(call)
         return BackendResult(out=out, lse=lse)
 
+    def way(self, call: AttentionCall) -> str | None:
+        """How this backend runs ``call`` where a measured route decides it, and why, in
+        words; runs nothing (``dispatch.explain``). bfloat16 inference with ranges of keys:
+        the fused kernel or the plan (``route.py``). None for other calls (one way)."""
+        if not _routed(call):
+            return None
+        return f"{route.RANGES.name.replace('_', ' ')} -> {route.choice(call).reason()}"
+
+    def tune_way(self, call: AttentionCall) -> str | None:
+        """Measure the way :meth:`way` names afresh and keep it (``qkv tune``); the same words
+        after it, or None where no measured route decides ``call``."""
+        if not _routed(call):
+            return None
+        route.tune(call, _held)
+        return self.way(call)
+
     def keeps_nonfinite_contract(self, call: AttentionCall) -> bool:
         """Whether an eager call keeps the NaN/inf contract itself: the bfloat16 kernel of
         range masks does (see :func:`qkv.ops.reference.bf16_fusable`), and the float32 kernel
@@ -147,6 +163,19 @@ class TiledBackend:
             and not call.has_tangents()
             and (few_rows.usable(call) or _kernel_runs(call))
         )
+
+
+def _routed(call: AttentionCall) -> bool:
+    """Whether :meth:`TiledBackend.run` would decide ``call``'s way by the measured route:
+    an eager call with something to tile that the few-rows kernel does not take and the fused
+    kernel can (else the way is fixed)."""
+    return (
+        not tracing()
+        and not _nothing_to_tile(call)
+        and not call.has_tangents()
+        and not few_rows.usable(call)
+        and bf16_fusable(call)
+    )
 
 
 def _kernel_runs(call: AttentionCall) -> bool:

@@ -26,7 +26,7 @@ from ... import _measured
 from ..call import AttentionCall
 from ..kinds import call_kind
 
-__all__ = ["RANGES", "SWITCH", "kernel_runs", "time_whole_calls"]
+__all__ = ["RANGES", "SWITCH", "choice", "kernel_runs", "time_whole_calls", "tune"]
 
 SWITCH = "QKV_BF16_RANGES"
 
@@ -42,6 +42,23 @@ def kernel_runs(call: AttentionCall, run: Callable[[AttentionCall, str], object]
     _CALL.now = (call, run)  # (what a measurement times: read only when the kind is new)
     try:
         return RANGES.route(call_kind(call)) == "kernel"
+    finally:
+        _CALL.now = None
+
+
+def choice(call: AttentionCall) -> _measured.Choice:
+    """The way ``call``'s kind takes and why (forced, measured with the times, read from disk,
+    or the kernel without a measurement); runs nothing. What ``dispatch.explain`` shows."""
+    return RANGES.choice(call_kind(call), measure=False)
+
+
+def tune(call: AttentionCall, run: Callable[[AttentionCall, str], object]) -> _measured.Choice:
+    """Measure both ways on ``call`` afresh, whatever is kept (``qkv tune``), and keep the
+    faster for its kind, in this process and on disk (a forcing switch still holds this
+    process's calls). ``run`` as in :func:`kernel_runs`."""
+    _CALL.now = (call, run)
+    try:
+        return RANGES.choice(call_kind(call), fresh=True)
     finally:
         _CALL.now = None
 
