@@ -235,6 +235,23 @@ def test_off_gives_the_static_order(fakes, monkeypatch):
         qkv.scaled_dot_product_attention(*_qkv())
 
 
+def test_explain_takes_the_call_s_tensors_and_arguments(fakes, monkeypatch):
+    """``explain(q, k, v, **kwargs)`` answers as for the call built of them (the kind measured
+    for a causal call, not for a plain one); wrong arguments raise naming the two forms."""
+    q, k, v = _qkv()
+    qkv.scaled_dot_product_attention(q, k, v, is_causal=True)  # the causal kind measured
+    causal = dispatch.explain(q, k, v, is_causal=True)
+    assert causal == dispatch.explain(AttentionCall.build(q, k, v, is_causal=True))
+    assert causal.startswith("fast: fastest measured")
+    assert "not measured" in dispatch.explain(q, k, v)  # (the plain kind: not measured yet)
+    with pytest.raises(TypeError, match="query, key and value tensors"):
+        dispatch.explain(q, k)
+    with pytest.raises(TypeError, match="no further arguments"):
+        dispatch.explain(AttentionCall.build(q, k, v), is_causal=True)
+    with pytest.raises(ValueError):  # (the call's own checks)
+        dispatch.explain(q, k[..., :3], v)
+
+
 def test_kinds_are_kept_apart_and_other_calls_keep_their_backend(fakes):
     qkv.scaled_dot_product_attention(*_qkv())
     call = AttentionCall.build(*_qkv(), is_causal=True)

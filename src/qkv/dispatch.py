@@ -299,11 +299,25 @@ def _traceable(backend: Backend, call: AttentionCall) -> bool:
     return answer(call) if callable(answer) else bool(answer)
 
 
-def explain(call: AttentionCall) -> str:
+def explain(
+    call: AttentionCall | Tensor, key: Tensor | None = None, value: Tensor | None = None, **kwargs
+) -> str:
     """Which backend ``auto`` takes for ``call``, and why: measured on this machine (with the
-    times), read from the disk cache, or the static order (measuring off or not done yet).
-    Runs nothing. Asked of the call its kernel runs (``nonfinite.without_hidden_keys``), as
-    ``qkv.scaled_dot_product_attention`` chooses."""
+    times), read from the disk cache, or the static order (measuring off or not done yet);
+    and where a measured route of that backend decides how it runs the call, that way and
+    why. Runs nothing. Asked of the call its kernel runs (``nonfinite.without_hidden_keys``),
+    as ``qkv.scaled_dot_product_attention`` chooses.
+
+    ``call``: an :class:`~qkv.ops.AttentionCall`, or the query, with ``key``, ``value`` and
+    the keyword arguments of ``qkv.scaled_dot_product_attention`` (``attn_mask``,
+    ``is_causal``, ``mask_mod``, ``scale``, ...) to make one; asked under the caller's grad
+    mode, as the call would run."""
+    if not isinstance(call, AttentionCall):
+        if key is None or value is None:
+            raise TypeError("explain: pass an AttentionCall, or query, key and value tensors")
+        call = AttentionCall.build(call, key, value, **kwargs)
+    elif key is not None or value is not None or kwargs:
+        raise TypeError("explain: an AttentionCall takes no further arguments")
     call = nonfinite.without_hidden_keys(call)
     kept = autotune.stored_choice(call) if autotune.enabled() and not tracing() else None
     if kept is not None:
