@@ -108,7 +108,13 @@ def test_imports_point_down():
 
 
 def test_import_scanner_sees_relative_imports():
-    assert _qkv_imports(SRC / "dispatch.py") == {"autotune", "lazy_trace", "ops", "trace"}
+    assert _qkv_imports(SRC / "dispatch.py") == {
+        "_measured",
+        "autotune",
+        "lazy_trace",
+        "ops",
+        "trace",
+    }
     assert _qkv_imports(SRC / "trace.py") == set()  # its _repr_html_'s viz is a display hook
     assert _qkv_imports(SRC / "ops" / "reference.py") == {"_identity", "masks", "ops"}
 

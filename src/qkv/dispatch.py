@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import autotune, lazy_trace
+from ._measured import env
 from .ops import (
     AttentionCall,
     Backend,
@@ -35,6 +36,7 @@ from .ops import (
     ReferenceBackend,
     TiledBackend,
     TorchBackend,
+    few_rows,
     nonfinite,
 )
 from .ops.base import tracing
@@ -402,17 +404,19 @@ def unregister_backend(name: str) -> Backend:
 
 def kept_plans_state() -> tuple | None:
     """What a plan kept beyond one call structure depends on besides the call: the measuring
-    switch, the generation of ``autotune``'s kept choices and the registry (which one, and its
-    generation); None while a backend that is not qkv's own is registered (its ``supports`` may
-    turn on exact sizes, while ``auto``'s kept choices are per power-of-two size bucket). A
-    caller that keeps a plan compares this with the value it kept it under."""
+    switch, the generation of ``autotune``'s kept choices, the registry (which one, and its
+    generation) and the few-rows kernel's switch (a lane kept while it was off is not the
+    kernel's, nor one found to have none then); None while a backend that is not qkv's own is
+    registered (its ``supports`` may turn on exact sizes, while ``auto``'s kept choices are per
+    power-of-two size bucket). A caller that keeps a plan compares this with the value it kept
+    it under."""
     mark = (id(_REGISTRY), id(_ORDER), _REGISTRY_GENERATION[0])
     if _BUILTIN[0] != mark:  # (the registry changed, or a test put another in its place)
         own = (FlexBackend, TritonBackend, TorchBackend, TiledBackend, ReferenceBackend)
         _BUILTIN[:] = [mark, all(type(b) in own for b in _REGISTRY.values())]
     if not _BUILTIN[1]:
         return None
-    return (autotune.enabled(), autotune.generation(), mark)
+    return (autotune.enabled(), autotune.generation(), mark, env(few_rows.SWITCH))
 
 
 _REGISTRY_GENERATION = [0]  # bumped on each change of the registry

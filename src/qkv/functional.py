@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -600,12 +601,13 @@ class KeptLane:
     only. A NaN/inf a step meets is the lane's check's to handle, as in ``_run_lane``.
     """
 
-    __slots__ = ("hi", "lane", "lo", "mark")
+    __slots__ = ("held", "hi", "lane", "lo", "mark")
 
     def __init__(self) -> None:
         self.lane: _Lane | None = None
         self.mark: tuple | None = None
         self.lo = self.hi = 0
+        self.held: Any = None  # the caller's own plan made with this lane (dropped by keep)
 
     def __deepcopy__(self, memo) -> KeptLane:  # (a copied module finds its own lane: the
         return KeptLane()  # library's handles inside a lane are not to be copied)
@@ -625,12 +627,15 @@ class KeptLane:
         """Keep the lane that the call just made the usual way found or made (none: nothing
         is kept, and :meth:`run` declines until a later :meth:`keep` finds one). The mark
         is the caller's: it fixes ``enable_gqa`` with the shapes."""
-        self.lane = None
+        self.lane = self.held = None
         exact = _lane_key(query, key, value, (None, 0.0, False, None, enable_gqa), backend)
         if exact is None:
             return
-        lane = _LANES.get(exact) or _LANES.get(_kind(exact))
-        if lane is None or not lane.ok or lane.narrow or lane.state != dispatch.kept_plans_state():
+        state = dispatch.kept_plans_state()
+        lane = _LANES.get(exact)
+        if lane is None or lane.state != state:  # (as _run_lane: an exact kind's lane kept
+            lane = _LANES.get(_kind(exact))  # under another state yields to its kind's)
+        if lane is None or not lane.ok or lane.narrow or lane.state != state:
             return
         S = key.shape[-2]
         self.hi = bucket(S)  # the keys' counts of this kind: (hi / 2, hi]

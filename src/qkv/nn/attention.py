@@ -18,6 +18,8 @@ from ..functional import KeptLane, scaled_dot_product_attention
 from ..ops.cpu_isa import linear
 from ..trace import MultiHeadTrace
 from ._inputs import ContextCall, ContextGroupAttribute, ModuleInputs, module_inputs, shard_lengths
+from ._step import has_hooks as _has_hooks
+from ._step import make_plan
 from .cache import KVCache
 
 __all__ = ["MultiHeadAttention", "SelfAttention"]
@@ -372,6 +374,12 @@ class MultiHeadAttention(nn.Module):
         Shape:
             query ``(B, T, C)`` -> ``(B, T, C)``.
         """
+        kept = self.__dict__.get("_kept_lane")  # (None in a module pickled before it was kept)
+        plan = None if kept is None else kept.held  # (a one-token step's plan: nn/_step.py)
+        if plan is not None:
+            planned = plan.run(self, query, cache)
+            if planned is not None:
+                return planned
         w = self._parameters.get("in_proj_weight")  # (None unless fused; read as the module's
         if (  # attribute, a parameter costs a call of nn.Module.__getattr__)
             w is None
@@ -387,7 +395,6 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(query, query, query)  # (B, H, T, D), (B, G, T, D) x2
         keys, values, key_mask = cache.append(k, v)  # (B, G, P, D): all positions so far
         gqa = self.num_kv_heads != self.num_heads
-        kept = self.__dict__.get("_kept_lane")  # (None in a module pickled before it was kept)
         if T != 1 or key_mask is not None or (self.training and self.dropout):
             kept = None  # (a kept lane's call is of one token, without mask or dropout)
         mark = () if kept is None else (query.shape, query.dtype, keys.dtype, self.backend)
@@ -407,6 +414,7 @@ class MultiHeadAttention(nn.Module):
         )  # (B, H, T, D)
         if kept is not None:
             kept.keep(mark, q, keys, values, self.backend, gqa)
+            kept.held = make_plan(self, query, q, cache, kept)  # (the next steps' plan, or None)
         return self._output(heads.transpose(1, 2).reshape(B, T, C))
 
     def _attend(
@@ -758,27 +766,6 @@ def _check_config(embed_dim: int, num_heads: int, G: int, dropout: float) -> Non
         )
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-
-
-def _has_hooks(m: nn.Module) -> bool:
-    """Whether calling ``m`` would run more than its forward: hooks of its own or global ones,
-    or a compiled call (``m.compile()``). (Read attribute by attribute: it is asked on every
-    call of the module.)"""
-    g = _MODULE
-    return bool(
-        m._forward_hooks
-        or m._forward_pre_hooks
-        or m._backward_hooks
-        or m._backward_pre_hooks
-        or g._global_forward_hooks
-        or g._global_forward_pre_hooks
-        or g._global_backward_hooks
-        or g._global_backward_pre_hooks
-        or getattr(m, "_compiled_call_impl", None) is not None
-    )
-
-
-_MODULE = torch.nn.modules.module  # (where torch keeps the global hooks)
 
 
 def _check_layout(layout: str) -> str:

@@ -48,7 +48,17 @@ from ._native_build import build_declared
 from .base import tracing
 from .call import AttentionCall, LastCall
 
-__all__ = ["MAX_ROWS", "SWITCH", "Runner", "attend", "available", "usable", "window_kind"]
+__all__ = [
+    "MAX_ROWS",
+    "SWITCH",
+    "Packed",
+    "Runner",
+    "attend",
+    "available",
+    "pack",
+    "usable",
+    "window_kind",
+]
 
 SOURCE = Path(__file__).with_name("few_rows.cpp")
 SWITCH = "QKV_FEW_ROWS"  # "off": not used (tests run the other ways on the same calls)
@@ -310,6 +320,48 @@ def window_ranges(mask_mod, T: int, S: int, causal: bool) -> list[int]:
         lo.append(a)
         hi.append(max(a, b))
     return lo + hi
+
+
+class Packed:
+    """One kernel call without mask packed for good (:func:`pack`): a decoding loop's call over
+    the first S rows of fixed key and value memory (a KV cache's buffers), whose query and
+    output keep their layouts. A call writes the query's and output's pointers and the key
+    count alone (the caller has checked that the rest holds: its plan's)."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, args: Any, fn: Any) -> None:
+        self.args, self.fn = args, fn
+
+    def __call__(self, query: Tensor, out: Tensor, S: int) -> None:
+        """Attend ``query`` over the first ``S`` key and value rows into ``out``.
+
+        Shape: query ``(B, H, T, D)``, out ``(B, H, T, Dv)``, as packed (their memory
+        anywhere, their strides the packed ones)."""
+        args = self.args
+        args[0], args[3], args[10] = query.data_ptr(), out.data_ptr(), S
+        if self.fn(args) != 0:
+            lib = _build()[0]
+            assert lib is not None
+            raise RuntimeError(f"the few-rows kernel failed: {lib.qkv_few_rows_error().decode()}")
+
+
+def pack(
+    query: Tensor, key: Tensor, value: Tensor, out: Tensor, causal: bool, scale: float
+) -> Packed | None:
+    """The kernel's call of ``query`` over ``key`` and ``value`` into ``out``, without mask,
+    packed for :class:`Packed`'s calls (the tensors' strides and the key and value pointers
+    kept); None where the kernel does not run here or does not take these layouts.
+
+    Shape: query ``(B, H, T, D)``, key ``(B?, G, S, D)``, value ``(B?, G, S, Dv)``, out
+    ``(B, H, T, Dv)``."""
+    lib = _build()[0] if env(SWITCH) != "off" else None
+    packed = None if lib is None else _args(query, key, value, out, None, None, causal, scale)
+    if lib is None or packed is None:
+        return None
+    fn = lib["qkv_few_rows"]  # its own handle, taking the array as it is
+    fn.restype = ctypes.c_int
+    return Packed((ctypes.c_int64 * len(packed))(*packed), fn)
 
 
 class _RunnerState(threading.local):

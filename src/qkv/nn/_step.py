@@ -1,0 +1,220 @@
+"""A decoding step of one token of ``MultiHeadAttention`` by a plan kept after its first such
+step (issue 38): the in-projection, the new key and value rows copied into the cache, the
+few-rows kernel's call packed once (``few_rows.Packed``: only the query's and output's
+pointers and the key count are written per step) and the out-projection, with the checks that
+fix them made as identity and flag reads.
+
+Why: the module's way of a step (its checks, ``_project``, ``KVCache.append``, the kept lane's
+``run`` and the runner's packing, ``_output``) was 1.19-1.21x torch's step by hand at C=512,
+one thread, on the AMX Xeon, though each of its parts alone cost little more than torch's.
+The step's projections stream megabytes of weights, so every step meets its Python objects
+cold in the caches, and the module's way touched many (``benchmarks/RESULTS.md``, seventeenth
+session). The same ops by a plan: 1.03-1.04x.
+
+What a step checks, each time, so that it is the module's way to the bit or declined (None:
+the module's way runs, and makes a plan again where it can):
+
+- the call: a plain CPU tensor ``(B, 1, C)`` of the plan's shape and dtype, no gradient mode,
+  no recording, autocast, tracing or forward-mode AD, the dispatcher's state (the few-rows
+  switch's among it) as when the plan was made, and the key count in the lane's bucket (a new
+  bucket is measured again);
+- the module: the same fused in-projection weight and bias (a replaced or parametrized one is
+  another), of the plan's dtype on the CPU, the same backend, no dropout in training, no
+  context group, a plain ``nn.Linear`` out-projection without hooks;
+- the cache: the same ``KVCache`` buffers (a reset of a cache with gradients makes new ones),
+  no key mask, room for the token;
+- the thread that made the plan (a module stepped from two threads keeps one plan, the
+  maker's).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor, nn
+
+from .. import dispatch, recording
+from ..functional import KeptLane
+from ..ops import few_rows
+from ..ops.base import tracing
+from ..ops.call import forward_ad_on
+from ..ops.cpu_isa import linear
+from .cache import KVCache
+
+__all__ = ["StepPlan", "has_hooks", "make_plan"]
+
+_MISSING = object()  # (a parameter dict without the entry: a parametrized or removed one)
+
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # (a private name)
+
+
+class StepPlan:
+    """What a one-token decoding step of one module over one cache runs (see the module's
+    notes); made by :func:`make_plan`, kept in the module's ``KeptLane`` (dropped when the
+    lane is kept again, and on copies of the module)."""
+
+    __slots__ = (
+        "backend",
+        "bias",
+        "bias_entry",
+        "cls",
+        "dtype",
+        "heads",
+        "kept",
+        "keys",
+        "packed",
+        "shape",
+        "state",
+        "thread",
+        "values",
+        "weight",
+    )
+
+    def __init__(
+        self,
+        module: nn.Module,
+        query: Tensor,
+        cache: KVCache,
+        kept: KeptLane,
+        heads: tuple[int, int, int],
+        packed: few_rows.Packed,
+    ) -> None:
+        lane = kept.lane
+        assert lane is not None  # (make_plan)
+        p = module._parameters
+        self.cls, self.backend = type(module), module.backend
+        weight = p["in_proj_weight"]
+        assert weight is not None  # (make_plan)
+        self.weight: Tensor = weight
+        # the bias the parameters hold, or _MISSING for a module without (its attribute None)
+        self.bias_entry = p.get("in_proj_bias", _MISSING)
+        self.bias = None if self.bias_entry is _MISSING else self.bias_entry
+        self.shape, self.dtype, self.heads = query.shape, query.dtype, heads
+        self.keys, self.values, self.kept, self.state = cache._k, cache._v, kept, lane.state
+        self.packed, self.thread = packed, threading.get_ident()
+
+    def run(self, module: nn.Module, query: Tensor, cache: KVCache) -> Tensor | None:
+        """``module(query, cache=cache)`` by the plan, to the bits of the module's way, or None
+        where one of its checks fails (nothing is run then, the cache is untouched).
+
+        Shape: query ``(B, 1, C)`` -> ``(B, 1, C)``."""
+        kept = self.kept
+        lane = kept.lane
+        p = module._parameters
+        w = p.get("in_proj_weight")
+        if (
+            type(query) is not Tensor
+            or query.shape != self.shape
+            or query.dtype != self.dtype
+            or not query.is_cpu
+            or type(module) is not self.cls
+            or w is not self.weight
+            or p.get("in_proj_bias", _MISSING) is not self.bias_entry
+            or self.weight.dtype != self.dtype
+            or not self.weight.is_cpu
+            or cache._k is not self.keys
+            or cache._v is not self.values
+            or cache._padded
+            or lane is None
+            or not lane.ok
+            or self.thread != threading.get_ident()
+        ):
+            return None
+        S = cache.position + 1
+        if (
+            cache.capacity < S
+            or not kept.lo < S <= kept.hi
+            or module.backend != self.backend
+            or module.context_group is not None
+            or (module.training and module.dropout)
+            or torch.is_grad_enabled()
+            or recording._STARTED[0]
+            or _ANY_AUTOCAST is None
+            or _ANY_AUTOCAST()
+            or tracing()
+            or forward_ad_on()
+            or lane.state != dispatch.kept_plans_state()
+        ):
+            return None
+        out_proj = module._modules["out_proj"]
+        if type(out_proj) is not nn.Linear or has_hooks(out_proj):
+            return None
+        B = self.shape[0]
+        H, G, D = self.heads
+        qkv = linear(query, self.weight, self.bias)  # (B, 1, (H + 2G) * D): q's heads, k's, v's
+        heads = qkv.view(B, 1, H + 2 * G, D).transpose(1, 2)  # (B, H + 2G, 1, D)
+        position = S - 1
+        self.keys.narrow(2, position, 1).copy_(heads.narrow(1, H, G))  # (B, G, 1, D)
+        self.values.narrow(2, position, 1).copy_(heads.narrow(1, H + G, G))
+        cache.position = S
+        out = torch.empty(
+            (B, 1, H * D), dtype=self.dtype
+        )  # the kernel's (B, H, 1, D) as (B, 1, H, D)
+        self.packed(heads, out, S)  # (the query: the first H heads, at the same pointer)
+        o = out_proj._parameters
+        return linear(out, o["weight"], o["bias"])  # (B, 1, C)
+
+
+def make_plan(
+    module: nn.Module, query: Tensor, q: Tensor, cache: KVCache, kept: KeptLane
+) -> StepPlan | None:
+    """A plan of ``module``'s one-token steps over ``cache``, made right after a step by the
+    module's way whose attention call kept a lane of the few-rows kernel (``kept``), or None
+    where its steps cannot have one (that step's ``q``, a view of its in-projection, fixes the
+    query's layout). Made without gradient, for the thread that asks."""
+    lane = kept.lane
+    p = module._parameters
+    w = p.get("in_proj_weight")
+    if (
+        lane is None
+        or lane.rows is None  # (torch's kernel measured faster: its lane is the module's way)
+        or type(cache) is not KVCache
+        or cache._padded
+        or torch.is_grad_enabled()
+        or type(query) is not Tensor
+        or not query.is_cpu
+        or query.dim() != 3
+        or query.shape[1] != 1
+        or w is None
+        or ("in_proj_bias" not in p and module.__dict__.get("in_proj_bias", _MISSING) is not None)
+        or (type(w) is not nn.Parameter and type(w) is not Tensor)
+        or type(q) is not Tensor
+    ):
+        return None
+    B, H, T, D = q.shape
+    G: int = module.num_kv_heads  # type: ignore[assignment]
+    # the step's query: the first H heads of its in-projection, as the module's way made q
+    E = (H + 2 * G) * D
+    if T != 1 or query.shape[2] != H * D or q.stride() != (E, D, E, 1):
+        return None
+    S = cache.position
+    keys, values = cache._k, cache._v
+    out = torch.empty((B, 1, H * D), dtype=query.dtype).view(B, 1, H, D).transpose(1, 2)
+    packed = few_rows.pack(
+        q, keys.narrow(2, 0, S), values.narrow(2, 0, S), out, lane.causal, lane.scale
+    )
+    if packed is None or keys.shape[-1] != D or values.shape[-1] != D:
+        return None
+    return StepPlan(module, query, cache, kept, (H, G, D), packed)
+
+
+def has_hooks(m: nn.Module) -> bool:
+    """Whether calling ``m`` would run more than its forward: hooks of its own or global ones,
+    or a compiled call (``m.compile()``). (Read attribute by attribute: it is asked on every
+    call of the module.)"""
+    g = _MODULE
+    return bool(
+        m._forward_hooks
+        or m._forward_pre_hooks
+        or m._backward_hooks
+        or m._backward_pre_hooks
+        or g._global_forward_hooks
+        or g._global_forward_pre_hooks
+        or g._global_backward_hooks
+        or g._global_backward_pre_hooks
+        or getattr(m, "_compiled_call_impl", None) is not None
+    )
+
+
+_MODULE = torch.nn.modules.module  # (where torch keeps the global hooks)
