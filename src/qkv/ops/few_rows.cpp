@@ -197,6 +197,9 @@ void weighted(const float* w, const Head<E>& h, int64_t a0, int64_t n, int64_t c
     if (h.keep != nullptr && !h.keep[j]) continue;
     const E* vj = h.v + j * h.v_row + c0;
     const Vec wj(w[j]);
+    // (unrolled, so that the sums stay in registers: left rolled for half inputs, GCC kept them on the
+    // stack, a store and a load per multiply-add: the bfloat16 step took 13.7 us against float32's 9.8)
+#pragma GCC unroll 4
     for (int i = 0; i < NV; ++i) {
       const Vec x = whole || i < NV - 1 ? load(vj + i * kV) : load(vj + i * kV, count[i]);
       sum[i] = at::vec::fmadd(wj, x, sum[i]);
