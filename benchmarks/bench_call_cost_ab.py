@@ -13,7 +13,8 @@ Cases: ``short`` (T=1, S=128, B=1, H=8, D=64: plain, causal, a bool key mask (B,
 with a bool key mask, float32 and bfloat16),
 ``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
 against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gqa`` (the same
-with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``long`` (T=1024:
+with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``step-bf16`` (the MHA
+step in bfloat16, module and torch's weights alike), ``long`` (T=1024:
 plain and causal, float32 and bfloat16), ``structured`` (T=1024: ``sliding_window(256)``,
 documents and causal documents, float32 and bfloat16, against compiled FlexAttention),
 ``padded`` (B=4, T=1024, keys per element 1024/750/450/150: causal, a window or nothing with
@@ -125,22 +126,23 @@ def short_cases(base, rounds: int, dtype: torch.dtype = torch.float32) -> None:
         compare(f"T=1, S=128, {case}{name}", fns, rounds, 200)
 
 
-def step_case(base, rounds: int, G: int = H) -> None:
-    """The decode step of ``MultiHeadAttention`` with G key/value heads."""
+def step_case(base, rounds: int, G: int = H, dtype: torch.dtype = torch.float32) -> None:
+    """The decode step of ``MultiHeadAttention`` with G key/value heads, in ``dtype``."""
     steps = {}
     for name, lib in (("before", base), ("after", qkv)):
         torch.manual_seed(0)
-        mha = lib.MultiHeadAttention(C, H, num_kv_heads=G).eval()
+        mha = lib.MultiHeadAttention(C, H, num_kv_heads=G).eval().to(dtype)
         cache = mha.new_cache(B, CAP)
-        mha(torch.randn(B, POS, C, generator=torch.Generator().manual_seed(1)), cache=cache)
+        prompt = torch.randn(B, POS, C, generator=torch.Generator().manual_seed(1)).to(dtype)
+        mha(prompt, cache=cache)
         steps[name] = (mha, cache)
-    x = torch.randn(B, 1, C)
+    x = torch.randn(B, 1, C).to(dtype)
     mha = steps["after"][0]
     # torch's step has weights of its own, as each version's module has (sharing the "after"
     # module's, the step run right after it may find them in cache)
     w_in, b_in = (t.detach().clone() for t in (mha.in_proj_weight, mha.in_proj_bias))
     w_out, b_out = (t.detach().clone() for t in (mha.out_proj.weight, mha.out_proj.bias))
-    keys, values = torch.zeros(B, G, CAP, D), torch.zeros(B, G, CAP, D)
+    keys, values = torch.zeros(B, G, CAP, D, dtype=dtype), torch.zeros(B, G, CAP, D, dtype=dtype)
 
     def by_hand():
         p = POS
@@ -169,8 +171,9 @@ def step_case(base, rounds: int, G: int = H) -> None:
 
         return run
 
+    name = "MHA decode step" if G == H else f"GQA decode step (G={G})"
     compare(
-        "MHA decode step" if G == H else f"GQA decode step (G={G})",
+        name if dtype == torch.float32 else f"{name}, {str(dtype).removeprefix('torch.')}",
         {
             "torch": by_hand if G == H else by_hand_gqa,
             "before": step("before"),
@@ -368,6 +371,7 @@ def main(argv=None) -> int:
                 "long-cache": long_cache_cases,
                 "step": step_case,
                 "step-gqa": lambda base, rounds: step_case(base, rounds, G=2),
+                "step-bf16": lambda base, rounds: step_case(base, rounds, dtype=torch.bfloat16),
                 "long": long_cases,
                 "structured": structured_cases,
                 "padded": padded_cases,

@@ -271,3 +271,10 @@ def test_a_key_mask_step_then_plain_steps_follow_the_module_s_way(planned):
         cache.reset(), twin_cache.reset()
         _steps(mha, twin, cache, twin_cache, 9)  # (1 to 9 keys: the buckets' firsts the way)
     assert planned[0] == before + 9 - 5
+
+
+def test_inference_mode_steps_plan_too(planned):
+    mha, twin, cache, twin_cache = _pair()
+    with torch.inference_mode():
+        _steps(mha, twin, cache, twin_cache, 4)
+    assert planned[0] == 3

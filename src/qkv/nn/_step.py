@@ -58,6 +58,7 @@ class StepPlan:
         "backend",
         "bias",
         "bias_entry",
+        "capacity",
         "cls",
         "dtype",
         "heads",
@@ -92,6 +93,7 @@ class StepPlan:
         self.bias = None if self.bias_entry is _MISSING else self.bias_entry
         self.shape, self.dtype, self.heads = query.shape, query.dtype, heads
         self.keys, self.values, self.kept, self.state = cache._k, cache._v, kept, lane.state
+        self.capacity = min(self.keys.shape[2], self.values.shape[2])  # (the buffers' own rows)
         self.packed, self.thread = packed, threading.get_ident()
 
     def run(self, module: nn.Module, query: Tensor, cache: KVCache) -> Tensor | None:
@@ -123,7 +125,7 @@ class StepPlan:
             return None
         S = cache.position + 1
         if (
-            cache.capacity < S
+            self.capacity < S  # (full: the module's way raises)
             or not kept.lo < S <= kept.hi
             or module.backend != self.backend
             or module.context_group is not None

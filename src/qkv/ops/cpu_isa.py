@@ -151,7 +151,11 @@ def forget() -> None:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _NAMES.get(dtype)  # (asked on every half linear: no string made)
+    return str(dtype).removeprefix("torch.") if name is None else name
+
+
+_NAMES = {d: n for n, d in _DTYPES.items()}
 
 
 def _flag_route() -> str:
