@@ -236,7 +236,7 @@ def test_copies_and_pickles_of_a_module_plan_their_own(planned):
         with torch.no_grad():
             made(torch.randn(2, 3, C), cache=made_cache)
             made(torch.randn(2, 1, C), cache=made_cache)
-        assert made._kept_lane.held is not None and made._kept_lane.held.keys is made_cache._k
+        assert made._kept_lane.held is not None and made._kept_lane.held.keys() is made_cache._k
 
 
 def test_the_kernel_switched_off_and_on_again_plans_again(planned, monkeypatch):
@@ -278,3 +278,26 @@ def test_inference_mode_steps_plan_too(planned):
     with torch.inference_mode():
         _steps(mha, twin, cache, twin_cache, 4)
     assert planned[0] == 3
+
+
+def test_a_dropped_cache_is_freed_though_a_plan_was_made_over_it(planned):
+    """The plan holds the cache's buffers weakly: dropping the cache frees them, and a step
+    over a new cache runs the module's way (then plans again)."""
+    import gc
+    import weakref
+
+    mha, twin, cache, twin_cache = _pair()
+    with torch.no_grad():
+        _steps(mha, twin, cache, twin_cache, 3)
+    assert mha._kept_lane.held is not None
+    gone = weakref.ref(cache._k)
+    del cache
+    gc.collect()
+    assert gone() is None
+    fresh, twin_fresh = mha.new_cache(2, 24), twin.new_cache(2, 24)
+    with torch.no_grad():
+        _steps(mha, twin, fresh, twin_fresh, 3)
+        old = weakref.ref(mha.in_proj_weight)  # (a replaced weight is freed too)
+        mha.in_proj_weight = torch.nn.Parameter(mha.in_proj_weight.detach().clone())
+    gc.collect()
+    assert old() is None and mha._kept_lane.held is not None

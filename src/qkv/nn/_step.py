@@ -30,6 +30,7 @@ the module's way runs, and makes a plan again where it can):
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -52,7 +53,9 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # (a privat
 class StepPlan:
     """What a one-token decoding step of one module over one cache runs (see the module's
     notes); made by :func:`make_plan`, kept in the module's ``KeptLane`` (dropped when the
-    lane is kept again, and on copies of the module)."""
+    lane is kept again, and on copies of the module). The cache's buffers are held weakly: a
+    cache the caller drops is freed (a model's whole KV cache, kept alive by its layers' plans
+    until the next sequence's first step, would double the memory of the next prefill)."""
 
     __slots__ = (
         "backend",
@@ -62,7 +65,6 @@ class StepPlan:
         "cls",
         "dtype",
         "heads",
-        "kept",
         "keys",
         "packed",
         "shape",
@@ -77,32 +79,34 @@ class StepPlan:
         module: nn.Module,
         query: Tensor,
         cache: KVCache,
-        kept: KeptLane,
+        lane,
         heads: tuple[int, int, int],
         packed: few_rows.Packed,
     ) -> None:
-        lane = kept.lane
-        assert lane is not None  # (make_plan)
         p = module._parameters
         self.cls, self.backend = type(module), module.backend
         weight = p["in_proj_weight"]
         assert weight is not None  # (make_plan)
-        self.weight: Tensor = weight
+        self.weight = weakref.ref(weight)  # (weakly too: a replaced weight is freed)
         # the bias the parameters hold, or _MISSING for a module without (its attribute None)
         self.bias_entry = p.get("in_proj_bias", _MISSING)
         self.bias = None if self.bias_entry is _MISSING else self.bias_entry
         self.shape, self.dtype, self.heads = query.shape, query.dtype, heads
-        self.keys, self.values, self.kept, self.state = cache._k, cache._v, kept, lane.state
-        self.capacity = min(self.keys.shape[2], self.values.shape[2])  # (the buffers' own rows)
+        self.keys, self.values = weakref.ref(cache._k), weakref.ref(cache._v)
+        self.capacity = min(cache._k.shape[2], cache._v.shape[2])  # (the buffers' own rows)
+        self.state = lane.state
         self.packed, self.thread = packed, threading.get_ident()
 
-    def run(self, module: nn.Module, query: Tensor, cache: KVCache) -> Tensor | None:
+    def run(
+        self, module: nn.Module, kept: KeptLane, query: Tensor, cache: KVCache
+    ) -> Tensor | None:
         """``module(query, cache=cache)`` by the plan, to the bits of the module's way, or None
-        where one of its checks fails (nothing is run then, the cache is untouched).
+        where one of its checks fails (nothing is run then, the cache is untouched). ``kept``:
+        the module's lane, which holds the plan.
 
         Shape: query ``(B, 1, C)`` -> ``(B, 1, C)``."""
-        kept = self.kept
         lane = kept.lane
+        keys, values = cache._k, cache._v
         p = module._parameters
         w = p.get("in_proj_weight")
         if (
@@ -111,12 +115,13 @@ class StepPlan:
             or query.dtype != self.dtype
             or not query.is_cpu
             or type(module) is not self.cls
-            or w is not self.weight
+            or w is None
+            or w is not self.weight()
             or p.get("in_proj_bias", _MISSING) is not self.bias_entry
-            or self.weight.dtype != self.dtype
-            or not self.weight.is_cpu
-            or cache._k is not self.keys
-            or cache._v is not self.values
+            or w.dtype != self.dtype
+            or not w.is_cpu
+            or keys is not self.keys()
+            or values is not self.values()
             or cache._padded
             or lane is None
             or not lane.ok
@@ -144,11 +149,11 @@ class StepPlan:
             return None
         B = self.shape[0]
         H, G, D = self.heads
-        qkv = linear(query, self.weight, self.bias)  # (B, 1, (H + 2G) * D): q's heads, k's, v's
+        qkv = linear(query, w, self.bias)  # (B, 1, (H + 2G) * D): q's heads, k's, v's
         heads = qkv.view(B, 1, H + 2 * G, D).transpose(1, 2)  # (B, H + 2G, 1, D)
         position = S - 1
-        self.keys.narrow(2, position, 1).copy_(heads.narrow(1, H, G))  # (B, G, 1, D)
-        self.values.narrow(2, position, 1).copy_(heads.narrow(1, H + G, G))
+        keys.narrow(2, position, 1).copy_(heads.narrow(1, H, G))  # (B, G, 1, D)
+        values.narrow(2, position, 1).copy_(heads.narrow(1, H + G, G))
         cache.position = S
         out = torch.empty(
             (B, 1, H * D), dtype=self.dtype
@@ -198,7 +203,7 @@ def make_plan(
     )
     if packed is None or keys.shape[-1] != D or values.shape[-1] != D:
         return None
-    return StepPlan(module, query, cache, kept, (H, G, D), packed)
+    return StepPlan(module, query, cache, lane, (H, G, D), packed)
 
 
 def has_hooks(m: nn.Module) -> bool:

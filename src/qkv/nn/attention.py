@@ -377,7 +377,7 @@ class MultiHeadAttention(nn.Module):
         kept = self.__dict__.get("_kept_lane")  # (None in a module pickled before it was kept)
         plan = None if kept is None else kept.held  # (a one-token step's plan: nn/_step.py)
         if plan is not None:
-            planned = plan.run(self, query, cache)
+            planned = plan.run(self, kept, query, cache)
             if planned is not None:
                 return planned
         w = self._parameters.get("in_proj_weight")  # (None unless fused; read as the module's
