@@ -179,6 +179,7 @@ def make_plan(
         or type(cache) is not KVCache
         or cache._padded
         or torch.is_grad_enabled()
+        or tracing()  # (compiled or exported: the graph is the module's way)
         or type(query) is not Tensor
         or not query.is_cpu
         or query.dim() != 3
