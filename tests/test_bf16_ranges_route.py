@@ -130,13 +130,11 @@ class _Clock:
     now = 0.0
 
 
-@pytest.mark.parametrize("faster", ["kernel", "plan"])
-def test_the_way_measured_faster_is_taken_kept_and_read_back(monkeypatch, tmp_path, faster):
-    """With a fake clock on which the ``faster`` way costs 1 and the other 3: the first call of
-    a kind measures both and takes the faster; later calls of the kind run it alone; a fresh
-    process (``autotune.forget``) reads it from disk without measuring; another kind is
-    measured afresh."""
-    kw = _mods()["causal+lengths"]
+def _measuring_on_a_fake_clock(monkeypatch, tmp_path, name: str) -> dict:
+    """Measuring on, kept in ``tmp_path``, no way forced, the route timed on :class:`_Clock`,
+    nothing kept from before; the keyword arguments of mask ``name`` (skipped where the kernel
+    does not run: one way only)."""
+    kw = _mods()[name]
     if not _kernel_here(kw):
         pytest.skip("the fused bfloat16 kernel does not run on this CPU: one way only")
     monkeypatch.setenv("QKV_AUTOTUNE", "on")
@@ -144,6 +142,16 @@ def test_the_way_measured_faster_is_taken_kept_and_read_back(monkeypatch, tmp_pa
     monkeypatch.delenv(route.SWITCH, raising=False)
     monkeypatch.setattr(route, "_clock", lambda: _Clock.now)
     autotune.forget()
+    return kw
+
+
+@pytest.mark.parametrize("faster", ["kernel", "plan"])
+def test_the_way_measured_faster_is_taken_kept_and_read_back(monkeypatch, tmp_path, faster):
+    """With a fake clock on which the ``faster`` way costs 1 and the other 3: the first call of
+    a kind measures both and takes the faster; later calls of the kind run it alone; a fresh
+    process (``autotune.forget``) reads it from disk without measuring; another kind is
+    measured afresh."""
+    kw = _measuring_on_a_fake_clock(monkeypatch, tmp_path, "causal+lengths")
     costs = {faster: 1.0, ("plan" if faster == "kernel" else "kernel"): 3.0}
     runs = {"kernel": 0, "plan": 0}
     kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
@@ -231,16 +239,9 @@ def test_tune_measures_the_way_again(monkeypatch, tmp_path):
     """A kind measured with the kernel faster is measured afresh by ``dispatch.tune`` (what
     ``qkv tune`` runs) once the plan has become faster: the plan is kept, in this process and
     on disk, and the next call runs it; ``explain`` says so."""
-    kw = _mods()["documents per element"]
-    if not _kernel_here(kw):
-        pytest.skip("the fused bfloat16 kernel does not run on this CPU: one way only")
-    monkeypatch.setenv("QKV_AUTOTUNE", "on")
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(route.SWITCH, raising=False)
-    monkeypatch.setattr(route, "_clock", lambda: _Clock.now)
+    kw = _measuring_on_a_fake_clock(monkeypatch, tmp_path, "documents per element")
     tiled = dispatch.get_backend("tiled")
     monkeypatch.setattr(dispatch, "_measurable", lambda call: [tiled])  # (its way alone)
-    autotune.forget()
     costs = {"kernel": 1.0, "plan": 3.0}
     runs = {"kernel": 0, "plan": 0}
     kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention

@@ -665,12 +665,7 @@ class KeptLane:
                 torch.is_grad_enabled()
                 and (query.requires_grad or key.requires_grad or value.requires_grad)
             )
-            or recording._STARTED[0]  # (a recorder started: the usual way asks if it wants)
-            or _ANY_AUTOCAST is None
-            or _ANY_AUTOCAST()
-            or tracing()
-            or forward_ad_on()
-            or lane.state != dispatch.kept_plans_state()
+            or not lane_context(lane.state)
         ):
             return None
         if lane.rows is not None:
@@ -686,6 +681,20 @@ class KeptLane:
         if nonfinite_rows.available():  # (as in ``_run_lane``)
             lane.ok = False
         return None
+
+
+def lane_context(state: tuple | None) -> bool:
+    """Whether a call kept under the dispatcher's ``state`` may run by what was kept, here and
+    now: no recorder started (the usual way asks it whether it wants the call), no autocast,
+    tracing or forward-mode AD, and the dispatcher's state still ``state``."""
+    return not (
+        recording._STARTED[0]
+        or _ANY_AUTOCAST is None
+        or _ANY_AUTOCAST()
+        or tracing()
+        or forward_ad_on()
+        or state != dispatch.kept_plans_state()
+    )
 
 
 _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # (a private name)

@@ -35,19 +35,15 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from .. import dispatch, recording
-from ..functional import KeptLane
+from ..functional import KeptLane, lane_context
 from ..ops import few_rows
 from ..ops.base import tracing
-from ..ops.call import forward_ad_on
 from ..ops.cpu_isa import linear
 from .cache import KVCache
 
 __all__ = ["StepPlan", "has_hooks", "make_plan"]
 
 _MISSING = object()  # (a parameter dict without the entry: a parametrized or removed one)
-
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # (a private name)
 
 
 class StepPlan:
@@ -136,12 +132,7 @@ class StepPlan:
             or module.context_group is not None
             or (module.training and module.dropout)
             or torch.is_grad_enabled()
-            or recording._STARTED[0]
-            or _ANY_AUTOCAST is None
-            or _ANY_AUTOCAST()
-            or tracing()
-            or forward_ad_on()
-            or lane.state != dispatch.kept_plans_state()
+            or not lane_context(lane.state)
         ):
             return None
         out_proj = module._modules["out_proj"]
