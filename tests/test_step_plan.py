@@ -301,3 +301,16 @@ def test_a_dropped_cache_is_freed_though_a_plan_was_made_over_it(planned):
         mha.in_proj_weight = torch.nn.Parameter(mha.in_proj_weight.detach().clone())
     gc.collect()
     assert old() is None and mha._kept_lane.held is not None
+
+
+def test_a_planned_step_reads_nothing_on_the_host(planned):
+    """Counted as ``test_host_reads`` counts (the ops that move a value to the host)."""
+    from test_host_reads import count_reads
+
+    mha, twin, cache, twin_cache = _pair()
+    with torch.no_grad():
+        _steps(mha, twin, cache, twin_cache, 2)
+        before = planned[0]
+        x = torch.randn(2, 1, C)
+        assert count_reads(lambda: mha(x, cache=cache)) == []
+    assert planned[0] == before + 1
