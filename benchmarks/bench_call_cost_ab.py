@@ -14,7 +14,9 @@ with a bool key mask, float32 and bfloat16),
 ``step`` (a KV-cache decode step of ``MultiHeadAttention``, C=512, 8 heads, position 128,
 against the same step by hand in torch, as in ``bench_call_cost.py``), ``step-gqa`` (the same
 with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``step-bf16`` (the MHA
-step in bfloat16, module and torch's weights alike), ``long`` (T=1024:
+step in bfloat16, module and torch's weights alike), ``step-padded`` (the MHA step over a
+cache whose prompt had 8 positions of padding, torch's SDPA by hand with their mask),
+``long`` (T=1024:
 plain and causal, float32 and bfloat16), ``structured`` (T=1024: ``sliding_window(256)``,
 documents and causal documents, float32 and bfloat16, against compiled FlexAttention),
 ``padded`` (B=4, T=1024, keys per element 1024/750/450/150: causal, a window or nothing with
@@ -126,16 +128,23 @@ def short_cases(base, rounds: int, dtype: torch.dtype = torch.float32) -> None:
         compare(f"T=1, S=128, {case}{name}", fns, rounds, 200)
 
 
-def step_case(base, rounds: int, G: int = H, dtype: torch.dtype = torch.float32) -> None:
-    """The decode step of ``MultiHeadAttention`` with G key/value heads, in ``dtype``."""
+def step_case(
+    base, rounds: int, G: int = H, dtype: torch.dtype = torch.float32, padded: bool = False
+) -> None:
+    """The decode step of ``MultiHeadAttention`` with G key/value heads, in ``dtype``;
+    ``padded``: the prompt's first 8 positions are padding (a key mask: the cache is padded,
+    torch's step by hand passes the same keys' mask)."""
     steps = {}
+    real = torch.arange(POS) >= 8 if padded else torch.ones(POS, dtype=torch.bool)  # (POS,)
     for name, lib in (("before", base), ("after", qkv)):
         torch.manual_seed(0)
         mha = lib.MultiHeadAttention(C, H, num_kv_heads=G).eval().to(dtype)
         cache = mha.new_cache(B, CAP)
         prompt = torch.randn(B, POS, C, generator=torch.Generator().manual_seed(1)).to(dtype)
-        mha(prompt, cache=cache)
+        mha(prompt, cache=cache, key_mask=real.expand(B, POS) if padded else None)
         steps[name] = (mha, cache)
+    keep = torch.ones(B, 1, 1, CAP, dtype=torch.bool)  # (B, 1, 1, CAP): torch's mask by hand
+    keep[..., :POS] = real
     x = torch.randn(B, 1, C).to(dtype)
     mha = steps["after"][0]
     # torch's step has weights of its own, as each version's module has (sharing the "after"
@@ -148,7 +157,10 @@ def step_case(base, rounds: int, G: int = H, dtype: torch.dtype = torch.float32)
         p = POS
         t = F.linear(x, w_in, b_in).view(B, 1, 3, H, D).permute(2, 0, 3, 1, 4)  # (3, B, H, 1, D)
         keys[:, :, p : p + 1], values[:, :, p : p + 1] = t[1], t[2]
-        out = F.scaled_dot_product_attention(t[0], keys[:, :, : p + 1], values[:, :, : p + 1])
+        mask = keep[..., : p + 1] if padded else None
+        out = F.scaled_dot_product_attention(
+            t[0], keys[:, :, : p + 1], values[:, :, : p + 1], attn_mask=mask
+        )
         return F.linear(out.transpose(1, 2).reshape(B, 1, C), w_out, b_out)  # (B, 1, C)
 
     def by_hand_gqa():
@@ -172,6 +184,7 @@ def step_case(base, rounds: int, G: int = H, dtype: torch.dtype = torch.float32)
         return run
 
     name = "MHA decode step" if G == H else f"GQA decode step (G={G})"
+    name += ", padded cache" if padded else ""
     compare(
         name if dtype == torch.float32 else f"{name}, {str(dtype).removeprefix('torch.')}",
         {
@@ -372,6 +385,7 @@ def main(argv=None) -> int:
                 "step": step_case,
                 "step-gqa": lambda base, rounds: step_case(base, rounds, G=2),
                 "step-bf16": lambda base, rounds: step_case(base, rounds, dtype=torch.bfloat16),
+                "step-padded": lambda base, rounds: step_case(base, rounds, padded=True),
                 "long": long_cases,
                 "structured": structured_cases,
                 "padded": padded_cases,

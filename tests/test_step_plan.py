@@ -43,19 +43,24 @@ def planned(monkeypatch):
     return runs
 
 
-def _pair(G=H, B=2, dtype=torch.float32, capacity=24, prompt=8, bias=True):
+def _pair(G=H, B=2, dtype=torch.float32, capacity=24, prompt=8, bias=True, padded=False):
     """A module decoding with the plan and its twin without, each with a cache holding the
-    same prompt of ``prompt`` positions."""
+    same prompt of ``prompt`` positions (``padded``: the last element's first 3 are padding,
+    marked by a key mask: the cache is padded from then on)."""
     torch.manual_seed(0)
     mha = qkv.MultiHeadAttention(C, H, num_kv_heads=G, backend="tiled", bias=bias).eval()
     mha = mha.to(dtype)
     twin = copy.deepcopy(mha)
     x = torch.randn(B, prompt, C, generator=torch.Generator().manual_seed(1)).to(dtype)
+    real = None
+    if padded:
+        real = torch.ones(B, prompt, dtype=torch.bool)
+        real[-1, :3] = False
     caches = []
     with torch.no_grad():
         for m in (mha, twin):
             cache = m.new_cache(B, capacity)
-            m(x, cache=cache)
+            m(x, cache=cache, key_mask=real)
             caches.append(cache)
     return mha, twin, caches[0], caches[1]
 
@@ -83,8 +88,10 @@ def _steps(mha, twin, cache, twin_cache, n, B=2, seed=2, dtype=torch.float32):
 @pytest.mark.parametrize("G", [H, 2, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 3])
-def test_planned_steps_give_the_bits_of_the_module_s_way(planned, G, dtype, B):
-    mha, twin, cache, twin_cache = _pair(G=G, B=B, dtype=dtype)
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+def test_planned_steps_give_the_bits_of_the_module_s_way(planned, G, dtype, B, padded):
+    mha, twin, cache, twin_cache = _pair(G=G, B=B, dtype=dtype, padded=padded)
+    assert cache._padded == padded
     with torch.no_grad():
         _steps(mha, twin, cache, twin_cache, 8, B=B, dtype=dtype)
     assert planned[0] == 7  # (the first step by the module's way makes the plan)
@@ -256,9 +263,10 @@ def test_the_kernel_switched_off_and_on_again_plans_again(planned, monkeypatch):
     assert planned[0] == 4
 
 
-def test_a_key_mask_step_then_plain_steps_follow_the_module_s_way(planned):
-    """A step with ``key_mask`` marks the cache padded: the plan declines every later step of
-    that cache (their mask is the cache's), until a reset."""
+def test_a_key_mask_step_then_plain_steps_plan_over_the_padded_cache(planned):
+    """A step with ``key_mask`` runs the module's way and marks the cache padded: the next
+    step runs the module's way too (a plan of the padded cache made: the kernel reads its
+    mask in place), the ones after by it; a reset makes the cache plain again."""
     mha, twin, cache, twin_cache = _pair()
     real = torch.tensor([[True], [False]])  # (B, 1): element 1's new token is padding
     x = torch.randn(2, 1, C)
@@ -266,11 +274,12 @@ def test_a_key_mask_step_then_plain_steps_follow_the_module_s_way(planned):
         _steps(mha, twin, cache, twin_cache, 2)
         before = planned[0]
         _same(mha(x, cache=cache, key_mask=real), twin(x, cache=twin_cache, key_mask=real))
+        assert planned[0] == before and cache._padded
         _steps(mha, twin, cache, twin_cache, 3)
-        assert planned[0] == before
+        assert planned[0] == before + 2
         cache.reset(), twin_cache.reset()
         _steps(mha, twin, cache, twin_cache, 9)  # (1 to 9 keys: the buckets' firsts the way)
-    assert planned[0] == before + 9 - 5
+    assert planned[0] == before + 2 + 9 - 5
 
 
 def test_inference_mode_steps_plan_too(planned):
@@ -314,3 +323,15 @@ def test_a_planned_step_reads_nothing_on_the_host(planned):
         x = torch.randn(2, 1, C)
         assert count_reads(lambda: mha(x, cache=cache)) == []
     assert planned[0] == before + 1
+
+
+def test_nan_in_a_padded_cache_s_hidden_keys_changes_nothing(planned):
+    mha, twin, cache, twin_cache = _pair(padded=True)
+    with torch.no_grad():
+        _steps(mha, twin, cache, twin_cache, 2)
+        for c in (cache, twin_cache):  # (element 1's first 3 positions are padding)
+            c._k[1, :, :3], c._v[1, :, :3] = float("nan"), float("inf")
+        before = planned[0]
+        _steps(mha, twin, cache, twin_cache, 3)
+        out = mha(torch.randn(2, 1, C), cache=cache)
+    assert planned[0] == before + 4 and out.isfinite().all()

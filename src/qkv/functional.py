@@ -623,12 +623,15 @@ class KeptLane:
         value: Tensor,
         backend: str,
         enable_gqa: bool = False,
+        mask: Tensor | None = None,
     ) -> None:
         """Keep the lane that the call just made the usual way found or made (none: nothing
         is kept, and :meth:`run` declines until a later :meth:`keep` finds one). The mark
-        is the caller's: it fixes ``enable_gqa`` with the shapes."""
+        is the caller's: it fixes ``enable_gqa`` with the shapes. ``mask``: the call's bool
+        key mask ``(B, 1, 1, S)`` if it had one (its lane is then kept for the caller's own
+        plan: :meth:`run` takes calls without mask, and the mark tells them apart)."""
         self.lane = self.held = None
-        exact = _lane_key(query, key, value, (None, 0.0, False, None, enable_gqa), backend)
+        exact = _lane_key(query, key, value, (mask, 0.0, False, None, enable_gqa), backend)
         if exact is None:
             return
         state = dispatch.kept_plans_state()

@@ -22,7 +22,8 @@ the module's way runs, and makes a plan again where it can):
   another), of the plan's dtype on the CPU, the same backend, no dropout in training, no
   context group, a plain ``nn.Linear`` out-projection without hooks;
 - the cache: the same ``KVCache`` buffers (a reset of a cache with gradients makes new ones),
-  no key mask, room for the token;
+  padded (a key mask given since its reset: the kernel reads it in place) as it was, room
+  for the token;
 - the thread that made the plan (a module stepped from two threads keeps one plan, the
   maker's).
 """
@@ -62,6 +63,7 @@ class StepPlan:
         "dtype",
         "heads",
         "keys",
+        "mask",
         "packed",
         "shape",
         "state",
@@ -89,6 +91,8 @@ class StepPlan:
         self.bias = None if self.bias_entry is _MISSING else self.bias_entry
         self.shape, self.dtype, self.heads = query.shape, query.dtype, heads
         self.keys, self.values = weakref.ref(cache._k), weakref.ref(cache._v)
+        # a padded cache's key mask (the kernel reads it in place), or None for one without
+        self.mask = weakref.ref(cache._mask) if cache._padded else None
         self.capacity = min(cache._k.shape[2], cache._v.shape[2])  # (the buffers' own rows)
         self.state = lane.state
         self.packed, self.thread = packed, threading.get_ident()
@@ -118,7 +122,7 @@ class StepPlan:
             or not w.is_cpu
             or keys is not self.keys()
             or values is not self.values()
-            or cache._padded
+            or (cache._mask if cache._padded else None) is not (self.mask and self.mask())
             or lane is None
             or not lane.ok
             or self.thread != threading.get_ident()
@@ -168,7 +172,6 @@ def make_plan(
         lane is None
         or lane.rows is None  # (torch's kernel measured faster: its lane is the module's way)
         or type(cache) is not KVCache
-        or cache._padded
         or torch.is_grad_enabled()
         or tracing()  # (compiled or exported: the graph is the module's way)
         or type(query) is not Tensor
@@ -189,9 +192,10 @@ def make_plan(
         return None
     S = cache.position
     keys, values = cache._k, cache._v
+    keep = cache._mask[:, None, None, :S] if cache._padded else None  # (B, 1, 1, S)
     out = torch.empty((B, 1, H * D), dtype=query.dtype).view(B, 1, H, D).transpose(1, 2)
     packed = few_rows.pack(
-        q, keys.narrow(2, 0, S), values.narrow(2, 0, S), out, lane.causal, lane.scale
+        q, keys.narrow(2, 0, S), values.narrow(2, 0, S), out, lane.causal, lane.scale, keep
     )
     if packed is None or keys.shape[-1] != D or values.shape[-1] != D:
         return None

@@ -395,25 +395,27 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(query, query, query)  # (B, H, T, D), (B, G, T, D) x2
         keys, values, key_mask = cache.append(k, v)  # (B, G, P, D): all positions so far
         gqa = self.num_kv_heads != self.num_heads
-        if T != 1 or key_mask is not None or (self.training and self.dropout):
-            kept = None  # (a kept lane's call is of one token, without mask or dropout)
-        mark = () if kept is None else (query.shape, query.dtype, keys.dtype, self.backend)
-        if kept is not None:
+        if T != 1 or (self.training and self.dropout):
+            kept = None  # (a kept lane's call is of one token, without dropout)
+        padded = key_mask is not None  # (a padded cache: kept for the plan only, see below)
+        mark = () if kept is None else (query.shape, query.dtype, keys.dtype, self.backend, padded)
+        if kept is not None and not padded:
             fast = kept.run(mark, q, keys, values)  # (B, H, 1, D), or None: the usual way
             if fast is not None:
                 return self._output(fast.transpose(1, 2).reshape(B, T, C))
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # (B, 1, 1, P)
         heads: Tensor = scaled_dot_product_attention(  # type: ignore[assignment]
             q,
             keys,
             values,
-            attn_mask=None if key_mask is None else key_mask[:, None, None, :],  # (B, 1, 1, P)
+            attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=gqa,
             backend=self.backend,
             mask_mod=_decoding_mask(None, T, keys.shape[-2]),
         )  # (B, H, T, D)
         if kept is not None:
-            kept.keep(mark, q, keys, values, self.backend, gqa)
+            kept.keep(mark, q, keys, values, self.backend, gqa, mask)
             kept.held = make_plan(self, query, q, cache, kept)  # (the next steps' plan, or None)
         return self._output(heads.transpose(1, 2).reshape(B, T, C))
 

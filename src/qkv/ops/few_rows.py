@@ -347,16 +347,23 @@ class Packed:
 
 
 def pack(
-    query: Tensor, key: Tensor, value: Tensor, out: Tensor, causal: bool, scale: float
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    causal: bool,
+    scale: float,
+    keep: Tensor | None = None,
 ) -> Packed | None:
-    """The kernel's call of ``query`` over ``key`` and ``value`` into ``out``, without mask,
-    packed for :class:`Packed`'s calls (the tensors' strides and the key and value pointers
-    kept); None where the kernel does not run here or does not take these layouts.
+    """The kernel's call of ``query`` over ``key`` and ``value`` into ``out``, with the bool
+    key mask ``keep`` if any, packed for :class:`Packed`'s calls (the tensors' strides and the
+    key, value and mask pointers kept: a KV cache's buffers); None where the kernel does not
+    run here or does not take these layouts.
 
     Shape: query ``(B, H, T, D)``, key ``(B?, G, S, D)``, value ``(B?, G, S, Dv)``, out
-    ``(B, H, T, Dv)``."""
+    ``(B, H, T, Dv)``, keep ``(B?, 1, 1, S)``."""
     lib = _build()[0] if env(SWITCH) != "off" else None
-    packed = None if lib is None else _args(query, key, value, out, None, None, causal, scale)
+    packed = None if lib is None else _args(query, key, value, out, None, keep, causal, scale)
     if lib is None or packed is None:
         return None
     fn = lib["qkv_few_rows"]  # its own handle, taking the array as it is
