@@ -122,6 +122,7 @@ class StepPlan:
             or not w.is_cpu
             or keys is not self.keys()
             or values is not self.values()
+            # padded as when planned, and then over the same mask buffer (the kernel's pointer)
             or (cache._mask if cache._padded else None) is not (self.mask and self.mask())
             or lane is None
             or not lane.ok
