@@ -7,11 +7,16 @@
 #      Flex, SDPA-cuDNN and SDPA-flash, within a time budget;
 #   3. benchmarks/gpu_deformable.py: multi-scale deformable attention's Triton kernels against
 #      the grid_sample fallback at BEVFormer's sizes (issue 40), within a budget of its own
-#      (QKV_GPU_DEFORM_S, default 60 s; 0 skips it).
+#      (QKV_GPU_DEFORM_S, default 60 s; 0 skips it);
+#   4. benchmarks/gpu_profile.py: where a call's time goes (host time per call, the kernels it
+#      launches) beside cuDNN and flash, within QKV_GPU_PROFILE_S (default 60 s; 0 skips it).
+#
+# QKV_GPU_BENCH_S=0 skips step 2. Each test stops after QKV_GPU_TEST_TIMEOUT seconds (default
+# 60; pytest-timeout), so one hung test cannot take the whole budget and says where it hung.
 #
 # Writes into OUTDIR (first argument; default benchmarks/results): gpu_api.json, gpu_api.md,
-# gpu_deformable.json, gpu_deformable.md, tests_cuda.log, tests_core.log, failures.log,
-# environment.txt. Uses the python that holds
+# gpu_deformable.json, gpu_deformable.md, gpu_profile.json, gpu_profile.md, tests_cuda.log,
+# tests_core.log, failures.log, environment.txt. Uses the python that holds
 # torch (PYTHON, default: .venv's if there is one, else python3) with this checkout's src/ first.
 #
 #   bash benchmarks/gpu_check.sh "$OUT"        # on the GPU machine
@@ -31,6 +36,9 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 TEST_BUDGET=${QKV_GPU_TEST_S:-170}   # seconds for the tests (both runs at once)
 BENCH_BUDGET=${QKV_GPU_BENCH_S:-200} # seconds after which the benchmark takes no new row
 DEFORM_BUDGET=${QKV_GPU_DEFORM_S:-60} # the same for the deformable benchmark; 0: not run
+PROFILE_BUDGET=${QKV_GPU_PROFILE_S:-60} # seconds for gpu_profile.py; 0: not run
+PER_TEST=()
+"$PYTHON" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout "${QKV_GPU_TEST_TIMEOUT:-60}")
 CORE_TESTS=(tests/test_tiled.py tests/test_mask_contract.py tests/test_trust_kernels.py
             tests/test_masks.py tests/test_vs_torch.py tests/test_sinks.py tests/test_gradients.py
             tests/test_dispatch.py)
@@ -73,27 +81,33 @@ if [ "$DRY" = 1 ]; then
     "$PYTHON" benchmarks/gpu_deformable.py --dry-run --out "$OUTDIR/gpu_deformable.json" \
         > "$OUTDIR/gpu_deformable.md" || status=1
     cat "$OUTDIR/gpu_deformable.md"
+    "$PYTHON" benchmarks/gpu_profile.py --dry-run --out "$OUTDIR/gpu_profile.json" \
+        > "$OUTDIR/gpu_profile.md" || status=1
+    head -n 12 "$OUTDIR/gpu_profile.md"
     exit $status
 fi
 
 echo "== tests (at most ${TEST_BUDGET}s)"
 t0=$(date +%s)
 QKV_TEST_FAILLOG="$FAILLOG" timeout "$TEST_BUDGET" "$PYTHON" -m pytest -q -n 6 -p no:randomly \
-    -p no:cacheprovider --durations=10 tests/test_cuda.py > "$OUTDIR/tests_cuda.log" 2>&1 &
+    -p no:cacheprovider --durations=10 "${PER_TEST[@]}" tests/test_cuda.py > "$OUTDIR/tests_cuda.log" 2>&1 &
 cuda_pid=$!
 QKV_TEST_DEVICE=cuda QKV_TEST_FAILLOG="$FAILLOG" timeout "$TEST_BUDGET" "$PYTHON" -m pytest -q \
-    -n 8 -p no:randomly -p no:cacheprovider --durations=10 "${CORE_TESTS[@]}" > "$OUTDIR/tests_core.log" 2>&1 &
+    -n 8 -p no:randomly -p no:cacheprovider --durations=10 "${PER_TEST[@]}" "${CORE_TESTS[@]}" > "$OUTDIR/tests_core.log" 2>&1 &
 core_pid=$!
 wait $cuda_pid; echo "tests/test_cuda.py exit $? ($(tail -n 1 "$OUTDIR/tests_cuda.log"))"
 wait $core_pid; echo "core files on cuda exit $? ($(tail -n 1 "$OUTDIR/tests_core.log"))"
 echo "tests took $(( $(date +%s) - t0 ))s; failures: $(grep -c '^tests/' "$FAILLOG")"
 grep '^tests/' "$FAILLOG" | cut -c1-160 | head -n 30
 
-echo "== benchmark (no new row after ${BENCH_BUDGET}s)"
-timeout $(( BENCH_BUDGET + 120 )) "$PYTHON" benchmarks/gpu_api.py --budget-s "$BENCH_BUDGET" \
-    --out "$OUTDIR/gpu_api.json" > "$OUTDIR/gpu_api.md"
-status=$?
-cat "$OUTDIR/gpu_api.md"
+status=0
+if [ "$BENCH_BUDGET" != 0 ]; then
+    echo "== benchmark (no new row after ${BENCH_BUDGET}s)"
+    timeout $(( BENCH_BUDGET + 120 )) "$PYTHON" benchmarks/gpu_api.py --budget-s "$BENCH_BUDGET" \
+        --out "$OUTDIR/gpu_api.json" > "$OUTDIR/gpu_api.md"
+    status=$?
+    cat "$OUTDIR/gpu_api.md"
+fi
 
 if [ "$DEFORM_BUDGET" != 0 ]; then
     # one configuration (dtype, queries) takes about 5-20 s, the first one compiling the kernels
@@ -102,5 +116,11 @@ if [ "$DEFORM_BUDGET" != 0 ]; then
         --budget-s "$DEFORM_BUDGET" --out "$OUTDIR/gpu_deformable.json" \
         > "$OUTDIR/gpu_deformable.md" || status=1
     cat "$OUTDIR/gpu_deformable.md"
+fi
+if [ "$PROFILE_BUDGET" != 0 ]; then
+    echo "== where a call's time goes (at most ${PROFILE_BUDGET}s)"
+    timeout "$PROFILE_BUDGET" "$PYTHON" benchmarks/gpu_profile.py \
+        --out "$OUTDIR/gpu_profile.json" > "$OUTDIR/gpu_profile.md" || status=1
+    cat "$OUTDIR/gpu_profile.md"
 fi
 exit $status

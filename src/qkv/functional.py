@@ -136,8 +136,10 @@ def scaled_dot_product_attention(
     mods = (mask_mod, score_mod, sinks)
     if record is None and amp is None:  # (almost every call: no context to enter)
         lane = None
-        window = None if mods == _NO_MODS else _window_only(mods)
-        if not return_trace and (window is not None or mods == _NO_MODS):
+        plain = mask_mod is None and score_mod is None and sinks is None  # (by identity:
+        # a tensor's == None raises under a torch function mode, torch.device("cuda") too)
+        window = None if plain else _window_only(mods)
+        if not return_trace and (window is not None or plain):
             lane = _lane_key(query, key, value, args, backend, window)  # None: no lane's call
             if lane is not None:
                 out = _run_lane(lane, query, key, value, attn_mask, mask_mod)
@@ -267,8 +269,8 @@ class _Lane:
         # a bool key mask's additive form for that kernel, as torch makes it: 0 where visible
         self.visible = self.hidden = None
         if lse:
-            self.visible = torch.zeros((), dtype=dtype)
-            self.hidden = torch.full((), float("-inf"), dtype=dtype)
+            self.visible = torch.zeros((), dtype=dtype, device="cpu")  # (lanes are CPU's)
+            self.hidden = torch.full((), float("-inf"), dtype=dtype, device="cpu")
         self.causal, self.gqa, self.narrow = causal, gqa, narrow
         self.group = group  # query heads per key head (the kind's shapes fix it)
         # torch's own default scale (the same double) is passed as None: a scale given costs
@@ -381,7 +383,6 @@ def _window_only(mods: tuple) -> tuple | None:
 
 _LANES: dict[tuple, _Lane] = {}  # by kind, and by exact kind (two tuples of other lengths)
 _LANES_MAX = 1024  # kinds and exact kinds kept (a growing cache makes one exact kind a step)
-_NO_MODS = (None, None, None)
 
 
 def _lane_key(query, key, value, args: tuple, backend, window: tuple | None = None) -> tuple | None:

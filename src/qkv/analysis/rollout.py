@@ -156,7 +156,7 @@ def flow(
     reach = aug[0]
     for A in aug[1:]:
         reach = A @ reach  # (B, H', T, T): > 0 where some path joins input i to output j
-    out = torch.zeros(B, Hc, len(pos), T, dtype=torch.float64)
+    out = torch.zeros(B, Hc, len(pos), T, dtype=torch.float64, device=aug.device)
     for b in range(B):
         for h in range(Hc):
             solve = max_flow(aug[:, b, h])
@@ -303,7 +303,7 @@ def _capture_records(cap: Captured, layers, call: int) -> list[CapturedAttention
                 f"rollout chains self-attention over one sequence; leave it out "
                 f"with layers=[...]"
             )
-        if len(rec.rows) != T or not torch.equal(rec.rows, torch.arange(T)):
+        if len(rec.rows) != T or not torch.equal(rec.rows, torch.arange(T, device=rec.rows.device)):
             raise ValueError(
                 f"layer {layer} kept {len(rec.rows)} of its {T} query rows: rollout "
                 f"needs every row of every layer; capture with rows=None (heads= "
@@ -341,8 +341,8 @@ def _augmented(
             f"heads='per_head' chains head h of every layer, but the layers have "
             f"{[A.shape[1] for A in maps]} heads; use heads='mean'"
         )
-    real = _real(key_mask, B, T, source)  # (B, T)
-    eye = torch.eye(T, dtype=torch.float64)  # (T, T)
+    real = _real(key_mask, B, T, source, maps[0].device)  # (B, T)
+    eye = torch.eye(T, dtype=torch.float64, device=maps[0].device)  # (T, T)
     out = []
     for weights in maps:
         A = weights.double()  # (B, H, T, T)
@@ -357,9 +357,9 @@ def _augmented(
     return torch.stack(out), real
 
 
-def _real(key_mask: Tensor | None, B: int, T: int, source) -> Tensor:
+def _real(key_mask: Tensor | None, B: int, T: int, source, device) -> Tensor:
     if key_mask is None:
-        return torch.ones(B, T, dtype=torch.bool)
+        return torch.ones(B, T, dtype=torch.bool, device=device)
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool:
         raise TypeError(
             f"key_mask must be a bool tensor (B, T), True = a real token; got "

@@ -261,7 +261,7 @@ def head_scores(
                 f"are about positions in one sequence)"
             )
             continue
-        real = _real_rows(key_mask, rec, B, T)  # (nb, nr)
+        real = _real_rows(key_mask, rec, B, T).to(rec.probs.device)  # (nb, nr)
         per_score, used = _record_scores(
             rec.probs.double(), rec.rows, real, window, period, start, repeats
         )  # (nh, K), {name: rows}
@@ -325,7 +325,7 @@ def _record_scores(
         ``(nh, K)``, ``{score: (rows used,)}``.
     """
     S = p.shape[-1]
-    k = torch.arange(S)  # (S,)
+    k = torch.arange(S, device=p.device)  # (S,)
     gather = lambda idx: p.gather(-1, idx.clamp(0, S - 1).expand(*p.shape[:-1], 1))[..., 0]  # noqa: E731
     q1 = q.view(-1, 1)  # (nr, 1)
     per_row = {  # (nb, nh, nr) each, and which rows it applies to (nr,)

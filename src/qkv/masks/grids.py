@@ -450,7 +450,7 @@ def _check_layout(layout, shape: tuple[int, ...]) -> Tensor | None:
             f"{tuple(getattr(layout, 'shape', ()))}"
         )
     layout = layout.long()
-    if not torch.equal(layout.sort().values.cpu(), torch.arange(N)):
+    if not torch.equal(layout.sort().values.cpu(), torch.arange(N, device="cpu")):
         raise ValueError(
             f"neighborhood: layout must hold each of the grid's {N} tokens once (a "
             f"permutation of 0..{N - 1}); some are missing or repeated"

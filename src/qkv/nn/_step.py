@@ -152,7 +152,7 @@ class StepPlan:
         values.narrow(2, position, 1).copy_(heads.narrow(1, H + G, G))
         cache.position = S
         out = torch.empty(
-            (B, 1, H * D), dtype=self.dtype
+            (B, 1, H * D), dtype=self.dtype, device="cpu"
         )  # the kernel's (B, H, 1, D) as (B, 1, H, D)
         self.packed(heads, out, S)  # (the query: the first H heads, at the same pointer)
         o = out_proj._parameters
@@ -194,7 +194,9 @@ def make_plan(
     S = cache.position
     keys, values = cache._k, cache._v
     keep = cache._mask[:, None, None, :S] if cache._padded else None  # (B, 1, 1, S)
-    out = torch.empty((B, 1, H * D), dtype=query.dtype).view(B, 1, H, D).transpose(1, 2)
+    out = (
+        torch.empty((B, 1, H * D), dtype=query.dtype, device="cpu").view(B, 1, H, D).transpose(1, 2)
+    )
     packed = few_rows.pack(
         q, keys.narrow(2, 0, S), values.narrow(2, 0, S), out, lane.causal, lane.scale, keep
     )

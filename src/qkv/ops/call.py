@@ -223,9 +223,14 @@ class AttentionCall:
         promotes it), for bfloat16 inputs of a call that wants a gradient (see "bfloat16
         gradients" at the top of this module), and for a bfloat16 call with few numbers to
         return (see ``EXACT_HALF_OUTPUTS``); otherwise the inputs' dtype."""
-        if not self.query.is_cpu or self.dtype not in (torch.float16, torch.bfloat16):
+        if self.dtype not in (torch.float16, torch.bfloat16):
             return self.dtype
-        float32_mask = self.attn_mask is not None and self.attn_mask.dtype == torch.float32
+        mask = self.attn_mask
+        if not self.query.is_cpu:  # a float mask of another dtype: torch's CUDA kernels gave
+            # NaN and wrong rows for bfloat16 inputs with a float32 mask (torch 2.11, H200)
+            other = mask is not None and mask.is_floating_point() and mask.dtype != self.dtype
+            return torch.float32 if other else self.dtype
+        float32_mask = mask is not None and mask.dtype == torch.float32
         if self.dtype == torch.float16 or float32_mask or self.wants_grad:
             return torch.float32
         return torch.float32 if self._few_outputs() else self.dtype

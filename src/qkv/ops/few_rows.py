@@ -180,7 +180,7 @@ def attend(call: AttentionCall, *, lse: bool = True) -> tuple[Tensor, Tensor | N
     B, H = call.BH
     q, k, v = _four(call)  # (B, H, T, D), (B?, G, S, D), (B?, G, S, Dv)
     out = _empty_out(B, H, call.T, call.Dv, call.dtype)  # (B, H, T, Dv)
-    rows = torch.empty(B, H, call.T, dtype=torch.float32) if lse else None
+    rows = torch.empty(B, H, call.T, dtype=torch.float32, device="cpu") if lse else None
     keep = _keep(call) if call.attn_mask is not None else None
     ranges = _row_ranges(call) if call.mask_mod is not None else None
     causal = call.is_causal and ranges is None  # (the ranges hold it)
@@ -194,7 +194,9 @@ def attend(call: AttentionCall, *, lse: bool = True) -> tuple[Tensor, Tensor | N
 def _empty_out(B: int, H: int, T: int, Dv: int, dtype: torch.dtype) -> Tensor:
     """An output ``(B, H, T, Dv)`` as a view of ``(B, T, H, Dv)`` memory (a module's merge of
     the heads is then a view), made in one op."""
-    return torch.empty_strided((B, H, T, Dv), (T * H * Dv, Dv, H * Dv, 1), dtype=dtype)
+    return torch.empty_strided(
+        (B, H, T, Dv), (T * H * Dv, Dv, H * Dv, 1), dtype=dtype, device="cpu"
+    )
 
 
 def _four(call: AttentionCall) -> tuple[Tensor, Tensor, Tensor]:

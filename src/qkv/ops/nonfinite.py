@@ -266,7 +266,7 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
     ):
         # one pass each: the zeroed copies of k and v and their bad rows; q is checked in the
         # output's pass after the kernel (nonfinite_rows.restore_rows), so it needs no copy
-        keys = torch.zeros(call.key.shape[:-1], dtype=torch.float32)  # (*kbatch, S)
+        keys = torch.zeros(call.key.shape[:-1], dtype=torch.float32, device=call.key.device)
         k = nonfinite_rows.copy_rows(call.key, zero_nonfinite=True, flags=keys)
         v = nonfinite_rows.copy_rows(call.value, zero_nonfinite=True, flags=keys)
         zeroed = _with_inputs(call, call.query, k, v, (call.key, call.value) + call.sources)
@@ -576,7 +576,7 @@ def _restore_eager(
         rows = _as_bh(_bad_rows(call.query), call, call.T, queries=True)  # (B, H, T)
         if not own:
             has_key = (n_keys > 0).expand(hits.shape).reshape(call.batch + (call.T, 1))
-            out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype))
+            out = torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))
     hits = hits + (rows if own else rows * (n_keys > 0))  # (B, H, T)
     if out.requires_grad and _native(out.detach()):  # one pass: NaN rows set in a copy
         return _with_output(result, _NanRows.apply(out, _as_batch(hits, call)))
@@ -851,8 +851,8 @@ class _ZeroNonfiniteRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor):
-        rows = torch.zeros(q.shape[:-1], dtype=torch.float32)
-        keys = torch.zeros(k.shape[:-1], dtype=torch.float32)
+        rows = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+        keys = torch.zeros(k.shape[:-1], dtype=torch.float32, device=k.device)
         q0 = nonfinite_rows.copy_rows(q, zero_nonfinite=True, flags=rows)
         k0 = nonfinite_rows.copy_rows(k, zero_nonfinite=True, flags=keys)
         v0 = nonfinite_rows.copy_rows(v, zero_nonfinite=True, flags=keys)

@@ -131,7 +131,7 @@ def copy_rows(
     assert lib is not None
     shape = src.shape
     lead = shape[:-1]
-    dst = torch.empty(shape, dtype=src.dtype)
+    dst = torch.empty(shape, dtype=src.dtype, device=src.device)
     assert flags is None or (flags.dtype == torch.float32 and flags.is_contiguous())
     assert flags is None or flags.shape == lead
     failed = lib.qkv_rows_copy(

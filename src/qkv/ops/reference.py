@@ -366,7 +366,9 @@ def _key_mask_ids(call: AttentionCall) -> _KeyMaskIds | None:
 
     def make() -> _KeyMaskIds:
         hidden = (~m[:, 0, 0]).to(torch.int64)  # (Bm, S)
-        return _KeyMaskIds(torch.zeros(m.shape[0], call.T, dtype=torch.int64), hidden)
+        return _KeyMaskIds(
+            torch.zeros(m.shape[0], call.T, dtype=torch.int64, device=m.device), hidden
+        )
 
     # a decoding loop passes its mask to every layer: made once per mask (unchanged) and shape
     return _key_mask_memo.get((mask,), (tuple(m.shape), call.T), make)

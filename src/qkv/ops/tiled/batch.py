@@ -172,9 +172,10 @@ def _layout(
 ) -> _Layout | None:
     """The batch's :class:`_Layout` (None when some element's keys are not consecutive):
     reads the key lengths, the key mask and per-element document ids on the host."""
-    k0, k1 = torch.zeros(B, dtype=torch.long), torch.full((B,), S, dtype=torch.long)
+    cpu = torch.device("cpu")  # (host bookkeeping: never the default device)
+    k0, k1 = torch.zeros(B, dtype=torch.long, device=cpu), torch.full((B,), S, device=cpu)
     for m in lengths:
-        n = torch.as_tensor(m.n).reshape(-1).to("cpu", torch.long)
+        n = torch.as_tensor(m.n, device=cpu).reshape(-1).long()
         k1 = torch.minimum(k1, n.expand(B))
     if dense is not None:
         rows = dense[:, 0, 0, :].expand(B, S).to("cpu")  # (B, S)
@@ -189,7 +190,7 @@ def _layout(
     k0, k1 = torch.where(some, k0, 0), torch.where(some, k1, 0)
     lo = k0[:, None].expand(B, T).clone()  # (B, T): each row's keys, from the padding
     hi = (k1 - 1)[:, None].expand(B, T).clone()
-    same = torch.ones(B, dtype=torch.bool)  # element b attends the documents of b - 1
+    same = torch.ones(B, dtype=torch.bool, device=cpu)  # element b attends the documents of b - 1
     if doc is not None:
         q_ids = doc.q_ids.expand(B, T).to("cpu")
         kv_ids = doc.kv_ids.expand(B, S).to("cpu")
@@ -215,9 +216,9 @@ def _document_spans(q_ids: Tensor, kv_ids: Tensor) -> tuple[Tensor, Tensor]:
     _, idx = both.unique(return_inverse=True)  # ids as 0..n-1
     n = int(idx.max()) + 1
     q_idx, kv_idx = idx[:, : q_ids.shape[1]], idx[:, q_ids.shape[1] :]
-    pos = torch.arange(S).expand(B, S)
-    first = torch.full((B, n), S, dtype=torch.long).scatter_reduce(1, kv_idx, pos, "amin")
-    last = torch.full((B, n), -1, dtype=torch.long).scatter_reduce(1, kv_idx, pos, "amax")
+    pos = torch.arange(S, device="cpu").expand(B, S)
+    first = torch.full((B, n), S, device="cpu").scatter_reduce(1, kv_idx, pos, "amin")
+    last = torch.full((B, n), -1, device="cpu").scatter_reduce(1, kv_idx, pos, "amax")
     return first.gather(1, q_idx), last.gather(1, q_idx)
 
 
@@ -229,7 +230,7 @@ def _worth_cutting(layout: _Layout, windows: list[_Window], H: int) -> bool:
     key = (shape, H, PIECE_SCORES)
     if key not in layout.worth:
         lo, hi = layout.lo, layout.hi  # (B, T)
-        q = torch.arange(lo.shape[1])
+        q = torch.arange(lo.shape[1], device="cpu")
         for left, right, off in shape:
             if left is not None:
                 lo = torch.maximum(lo, q + off - left)

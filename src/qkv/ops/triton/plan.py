@@ -84,7 +84,7 @@ def _kernel_mask(call: AttentionCall) -> _Mask | str:
                 mask.kv_len = min(n, mask.kv_len)
             else:
                 mask.kv_len = torch.minimum(
-                    torch.as_tensor(mask.kv_len).cpu(), torch.as_tensor(n).cpu()
+                    torch.as_tensor(mask.kv_len, device="cpu"), torch.as_tensor(n, device="cpu")
                 )  # (B,) or (1,)
         elif isinstance(m, _Document) and mask.docs is None:
             mask.docs = (m.q_ids, m.kv_ids)
@@ -215,7 +215,7 @@ def _mask_tensors(plan: _Plan) -> _Extras:
     dev, extras = plan.device, _Extras()
     n = plan.mask.kv_len
     if n is not None:
-        n = torch.as_tensor(n).reshape(-1).to(dev).clamp(max=plan.S)
+        n = torch.as_tensor(n, device=dev).reshape(-1).clamp(max=plan.S)
         extras["kv_len"] = n.expand(plan.B).to(torch.int32).contiguous()  # (B,)
     if plan.mask.docs is not None:
         q_ids, kv_ids = (t.to(dev, torch.int32).contiguous() for t in plan.mask.docs)
