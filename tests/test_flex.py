@@ -214,3 +214,87 @@ def test_refusals_say_why_and_auto_leaves_flex_to_cuda():
     call = AttentionCall.build(q, q, q, mask_mod=M.sliding_window(3))
     assert dispatch.check_backends(call)["flex"] is None
     assert dispatch.select(call).name != "flex"
+
+
+def _no_build(*args, **kwargs):
+    """What compiled Flex raised on an H200 for GQA at odd lengths (torch 2.11): inductor's
+    error, not the call's."""
+    from torch._inductor.exc import InductorError
+
+    raise InductorError(RuntimeError("No valid triton configs"), None)
+
+
+def test_a_kernel_torch_cannot_build_is_declined_and_auto_goes_on(monkeypatch):
+    """When inductor fails to build Flex for a kind of call, the flex backend says so (named:
+    BackendFailedError with the compiler's words), declines that kind from then on with the
+    reason, and ``auto`` (here made to prefer flex on the CPU, as it does on CUDA) runs the
+    same call by the next backend with a warning, the output the tiled backend's."""
+    from qkv.ops.base import BackendFailedError
+    from qkv.ops.flex import FlexBackend
+
+    monkeypatch.setattr(flex_ops, "_failed", {})
+    monkeypatch.setattr(flex_ops, "_built_kinds", set())
+    builds = []
+    monkeypatch.setattr(
+        flex_ops, "_compiled", lambda: lambda *a, **k: builds.append(1) or _no_build()
+    )
+    q, k, v = _inputs(2, 4, 2, 97, 113, 64, seed=4)
+    q, k, v = (t.float() for t in (q, k, v))
+    kw = dict(mask_mod=M.sliding_window(40), enable_gqa=True)
+    with pytest.raises(BackendFailedError, match=r"could not be built.*No valid triton configs"):
+        qkv.scaled_dot_product_attention(q, k, v, backend="flex", **kw)
+    with pytest.raises(BackendUnsupportedError, match=r"backend 'flex' cannot take.*could not be"):
+        qkv.scaled_dot_product_attention(q, k, v, backend="flex", **kw)
+    assert len(builds) == 1  # the second call was declined before any build
+    other = dict(mask_mod=M.sliding_window(40), enable_gqa=True)
+    monkeypatch.setattr(flex_ops, "_failed", {})  # (the kind forgotten: auto tries flex anew)
+    monkeypatch.setattr(FlexBackend, "auto_prefers", lambda self, call: True)
+    try:
+        dispatch._selected.clear()
+        call = AttentionCall.build(q, k, v, **other)
+        assert dispatch.select(call).name == "flex"
+        with pytest.warns(
+            RuntimeWarning, match=r"could not be built.*auto runs such calls by tiled"
+        ):
+            got = qkv.scaled_dot_product_attention(q, k, v, **other)
+        assert len(builds) == 2
+        want = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **other)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert "could not be built" in dispatch.check_backends(call)["flex"]
+        again = qkv.scaled_dot_product_attention(q, k, v, **other)  # no warning, no build
+        torch.testing.assert_close(again, want, rtol=0, atol=0)
+        assert len(builds) == 2
+    finally:
+        dispatch._selected.clear()  # (choices made while auto preferred flex here)
+
+
+def test_a_backward_torch_cannot_build_is_found_before_the_call_runs(monkeypatch):
+    """The backward compiles at its first use, after a forward that could not go elsewhere:
+    the first call of a kind that wants a gradient runs a trial backward first (on detached
+    copies), and a failure there is the kind's failure. The real call's inputs get no grad."""
+    from qkv.ops.base import BackendFailedError
+
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q):
+            return q * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            _no_build()
+
+    monkeypatch.setattr(flex_ops, "_failed", {})
+    monkeypatch.setattr(flex_ops, "_built_kinds", set())
+    monkeypatch.setattr(
+        flex_ops, "flex_attention_call", lambda call: (Fails.apply(call.query), None)
+    )
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    call = AttentionCall.build(q, q.detach(), q.detach(), mask_mod=M.sliding_window(3))
+    with pytest.raises(BackendFailedError, match="No valid triton configs"):
+        flex_ops._built(call)
+    assert q.grad is None and list(flex_ops._failed.values()) == [
+        flex_ops._failed[flex_ops._kind(call)]
+    ]
+    fine = AttentionCall.build(q.detach(), q.detach(), q.detach(), mask_mod=M.sliding_window(3))
+    out, _ = flex_ops._built(fine)  # inference: no trial, the call itself
+    torch.testing.assert_close(out, q.detach() * 2)

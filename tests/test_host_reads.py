@@ -295,6 +295,8 @@ def test_the_count_finds_every_kind_of_read():
         "cpu": operator.methodcaller("cpu"),
         "to-cpu": lambda: x.to("cpu"),
     }
+    if x.device.type != "cpu":
+        del reads["numpy"]  # (a CUDA tensor has no numpy(): TypeError)
     for name, fn in reads.items():
         call = functools.partial(fn, x) if isinstance(fn, operator.methodcaller) else fn
         assert len(count_reads(call)) == 1, name

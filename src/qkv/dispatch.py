@@ -39,7 +39,7 @@ from .ops import (
     few_rows,
     nonfinite,
 )
-from .ops.base import tracing
+from .ops.base import BackendFailedError, tracing
 from .ops.flex import FlexBackend
 from .ops.reference import attention_with_weights
 from .ops.reference import keeps_nonfinite_contract as one_pass_keeps_contract
@@ -137,7 +137,11 @@ def run_with_lse(
     if plan.backend is None:
         out, probs, lse = attention_with_weights(call, lazy_lse=True)
         return (out, lazy_trace.trace_of_weights(call, probs, lse)), None
-    result = plan.backend.run(call)
+    try:
+        result = plan.backend.run(call)
+    except BackendFailedError:
+        _selected.clear()  # (it declines calls of this kind now: choose again)
+        raise
     kernel_lse = result.lse if type(plan.backend) is TorchBackend else None
     if not isinstance(kernel_lse, Tensor):
         kernel_lse = None  # (a lazy one: not a kernel's)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .ops import AttentionCall, TorchBackend, few_rows, nonfinite, nonfinite_row
 from .ops import deformable as _deformable
 from .ops import linear as _linear
 from .ops._aten import flash_forward, sdpa
-from .ops.base import tracing
+from .ops.base import BackendFailedError, tracing
 from .ops.call import forward_ad_on
 from .ops.deformable.inputs import as_spatial_shapes
 from .ops.key_counts import causal_ranges
@@ -199,7 +200,17 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
     runs = nonfinite.without_hidden_keys(call)  # inference: the keys no row sees dropped
     plan = dispatch.choose(runs, backend)  # plan: the backend, and how a trace is made
     guard = nonfinite.prepare(runs, plan.keeps_nonfinite_contract)  # bad inputs zeroed
-    result, lse = dispatch.run_with_lse(guard.call, plan)  # out (*batch, T, Dv), or (out, trace)
+    try:
+        result, lse = dispatch.run_with_lse(guard.call, plan)  # out (*batch, T, Dv), or (out,
+        # trace)
+    except BackendFailedError as e:  # its compiler failed for this kind of call (ops/flex.py)
+        if backend != "auto":
+            raise
+        plan = dispatch.choose(runs, backend)  # the failed backend declines the kind now
+        by = "the one-pass trace" if plan.backend is None else plan.backend.name
+        warnings.warn(f"qkv: {e}; auto runs such calls by {by}", RuntimeWarning, stacklevel=3)
+        guard = nonfinite.prepare(runs, plan.keeps_nonfinite_contract)
+        result, lse = dispatch.run_with_lse(guard.call, plan)
     if not guard.holds(result):  # an optimistic run met NaN/inf: the full way
         guard = nonfinite.prepare(runs, plan.keeps_nonfinite_contract, optimistic=False)
         result, lse = dispatch.run_with_lse(guard.call, plan)

@@ -78,6 +78,12 @@ class BackendUnsupportedError(ValueError):
     """A backend named by the caller cannot take the call; the message says why."""
 
 
+class BackendFailedError(BackendUnsupportedError):
+    """A backend that takes the call could not build its kernel for it on this machine (its
+    compiler failed); it declines calls of that kind from then on, and ``auto`` runs this one
+    by the next backend."""
+
+
 def compiling_plainly() -> bool:
     """Under torch.compile, not torch.export, and outside torch.func transforms: where custom
     ops and tensor subclasses trace (export's fake tensors and functorch's do not take them)."""

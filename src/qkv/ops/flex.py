@@ -31,6 +31,7 @@ D head dim; nq/nk query/key blocks of 128.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shutil
 import sysconfig
@@ -41,7 +42,7 @@ from torch import Tensor
 from ..masks import MaskMod, ScoreMod, and_masks, causal
 from ..masks.blocks import EMPTY, FULL, Grid, block_states
 from ..masks.vocabulary import _Combined, _Function, _ScoreFunction
-from .base import BackendResult, compiling_plainly, tracing
+from .base import BackendFailedError, BackendResult, compiling_plainly, tracing
 from .call import AttentionCall
 from .plan_cache import PlanCache
 
@@ -74,8 +75,66 @@ class FlexBackend:
         return call.device.type == "cuda"
 
     def run(self, call: AttentionCall) -> BackendResult:
-        out, lse = flex_attention_call(call)
+        if tracing():  # (compiled with the caller's graph: its compiler's errors are its own)
+            out, lse = flex_attention_call(call)
+        else:
+            out, lse = _built(call)
         return BackendResult(out=out, lse=lse)
+
+
+# Calls whose kernels torch could not build on this machine, by kind -> why. On an H200 (torch
+# 2.11) inductor failed to build Flex for GQA at odd lengths (B=2, H=4, G=2, T=97, S=113, D=64,
+# with gradients): every mask in float32, every structured mask in half ("InductorError" in
+# select_algorithm, 2026-11-28). A kind seen failing is declined with the reason after that,
+# so ``auto`` takes the next backend, and ``explain`` says why.
+_failed: dict[tuple, str] = {}
+_built_kinds: set[tuple] = set()  # kinds whose forward (and backward, wanted) built
+
+
+def _kind(call: AttentionCall) -> tuple:
+    """What a compiled Flex kernel is built for: device, dtype, shapes, gradient, and the
+    mask's and score's types (their code; not the tensors they hold)."""
+    mods = tuple(type(m).__name__ for m in (call.mask_mod, call.score_mod))
+    shapes = tuple(tuple(t.shape) for t in (call.query, call.key, call.value))
+    return (call.device.type, call.dtype, shapes, call.wants_grad, call.is_causal, mods)
+
+
+def _built(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    """:func:`flex_attention_call`, after making sure its kernels build for calls of this
+    kind: the first call of a kind that wants a gradient runs a trial forward and backward on
+    detached copies (the backward compiles at its first use, past the point where a failure
+    could still go to another backend). A compiler failure marks the kind (``_failed``) and
+    raises :class:`BackendFailedError`."""
+    kind = _kind(call)
+    if kind not in _built_kinds:
+        from torch._dynamo.exc import TorchDynamoException
+
+        try:
+            if call.wants_grad:
+                _trial_backward(call)
+            result = flex_attention_call(call)
+        except TorchDynamoException as e:  # inductor's and dynamo's errors, not the call's
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            why = _failed[kind] = (
+                f"compiled FlexAttention could not be built for calls of this kind on this "
+                f"machine ({type(e).__name__}: {first})"
+            )
+            raise BackendFailedError(why) from e
+        _built_kinds.add(kind)
+        return result
+    return flex_attention_call(call)
+
+
+def _trial_backward(call: AttentionCall) -> None:
+    """One forward and backward on detached copies of the call's inputs (what wants a
+    gradient wants it here too), so that both kernels are compiled."""
+    q, k, v = (
+        t.detach().requires_grad_(t.requires_grad) for t in (call.query, call.key, call.value)
+    )
+    out, _ = flex_attention_call(dataclasses.replace(call, query=q, key=k, value=v))
+    wrt = [t for t in (q, k, v) if t.requires_grad]
+    if wrt:
+        torch.autograd.grad(out, wrt, torch.ones_like(out))
 
 
 def _why_not(call: AttentionCall) -> str | None:
@@ -120,6 +179,10 @@ def _why_not(call: AttentionCall) -> str | None:
         )
     if call.T == 0 or call.S == 0:
         return "the flex backend takes no empty sizes (T or S of 0: tiled and reference do)"
+    if _failed and not tracing():
+        failed = _failed.get(_kind(call))
+        if failed is not None:
+            return failed
     return flex_available(device)
 
 
