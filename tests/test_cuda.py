@@ -138,6 +138,36 @@ def test_head_dim_128_long_and_one_query(backend, name):
     _check(backend, name, torch.bfloat16, B=2, H=2, G=1, T=1, S=300, D=128, seed=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize(
+    "bad", ["k+inf", "k-inf", "k-inf-all", "k-nan", "k-nan-all", "v+inf", "v-nan"]
+)
+def test_plain_half_rows_checked_by_the_kernels_lse_are_the_plain_maths(
+    monkeypatch, bad, backend, dtype
+):
+    """A half call without mask runs cuDNN's or flash's kernel with its log-sum-exp, and its
+    rows are checked by it (``nonfinite._restore_output_by_lse``): NaN exactly where the
+    plain math (float64) is, the math's rows elsewhere; a ``-inf`` key among finite ones
+    weighs 0, and a row whose every key is ``-inf`` is NaN (0 / 0), which leans on the
+    kernel's lse of such a row."""
+    import test_nonfinite_plain_math as P
+
+    from qkv.ops import nonfinite
+
+    seen = []
+    by_lse = nonfinite._restore_output_by_lse
+    monkeypatch.setattr(
+        nonfinite, "_restore_output_by_lse", lambda out, lse: seen.append(1) or by_lse(out, lse)
+    )
+    (q, k, v), _, sees, bad_keys = P._case("none", bad, dtype)
+    want = P._plain(q, k, v, sees)
+    with torch.no_grad():
+        got = qkv.scaled_dot_product_attention(*(t.to(CUDA) for t in (q, k, v)), backend=backend)
+    assert seen == [1], "the call did not take the kernel's lse"
+    P._check(got.cpu(), want, sees, bad_keys, dtype, exact=True)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ["reference"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_rows_with_no_key_are_zero_and_masked_nan_keys_change_nothing(backend, dtype):

@@ -35,6 +35,7 @@ TOL = {
     torch.float64: {},
     torch.float32: {"atol": 1e-5, "rtol": 1e-4},
     torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},  # (tests/test_cuda.py's)
 }
 # where the bad entries go: (tensor, value, which visible keys: "one" or "all")
 BAD = {
@@ -182,3 +183,30 @@ def test_a_decoding_step_over_a_cache_of_bad_keys_is_the_plain_maths(monkeypatch
             with torch.no_grad():
                 got = qkv.scaled_dot_product_attention(q, k, v, enable_gqa=way == "gqa")
             _check(got, want, sees, torch.ones(S, dtype=torch.bool), dtype, exact=True)
+
+
+def test_the_lse_check_sets_nan_exactly_on_rows_whose_output_or_lse_is_not_finite():
+    """``nonfinite._restore_output_by_lse`` (CUDA's check of a call without mask, see
+    tests/test_cuda.py): NaN on a row whose output or lse is NaN or infinite, every other
+    row's bits as they were, a large finite row too; an expanded output is not written."""
+    from qkv.ops import nonfinite
+
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 3, 5, 8, generator=g).to(torch.bfloat16)
+    lse = torch.randn(2, 3, 5, generator=g)
+    bad = torch.zeros(2, 3, 5, dtype=torch.bool)
+    for idx, value in (((0, 1, 2), math.inf), ((1, 0, 0), math.nan), ((1, 2, 4), -math.inf)):
+        lse[idx] = value
+        bad[idx] = True
+    out[0, 0, 3, 5], out[1, 1, 1, 0] = math.inf, math.nan
+    bad[0, 0, 3] = bad[1, 1, 1] = True
+    out[0, 2, 0] = 3.0e38  # finite, near bfloat16's largest: its row stays
+    before = out.clone()
+    got = nonfinite._restore_output_by_lse(out, lse)
+    assert torch.equal(got.isnan().all(-1), bad)
+    assert torch.equal(got[~bad], before[~bad])
+    shared = before[:, :1].expand(2, 3, 5, 8)  # (one row through three heads: not its own)
+    again = nonfinite._restore_output_by_lse(shared, lse)
+    assert torch.equal(before[:, :1], shared[:, :1])  # (head 0's rows: unwritten)
+    want = ~torch.isfinite(shared).all(-1) | ~torch.isfinite(lse)  # (B, H, T)
+    assert int(want.sum()) == 6 and torch.equal(again.isnan().all(-1), want)

@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["flash_backward", "flash_cpu_available", "flash_forward", "sdpa"]
+__all__ = [
+    "cuda_forward",
+    "flash_backward",
+    "flash_cpu_available",
+    "flash_forward",
+    "sdpa",
+]
 
 _fwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _bwd = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -105,6 +111,31 @@ def flash_forward(
     q, k, v = (_unit_stride(t) for t in (q, k, v))
     q, scale = _fold_scale(q, scale)
     return _fwd(q, k, v, is_causal=is_causal, attn_mask=_mask4(attn_mask), scale=scale)
+
+
+def cuda_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, choice: int):
+    """torch's CUDA kernel ``choice`` (``torch._fused_sdp_choice``'s answer for the same call:
+    cuDNN's or flash's) without a mask, as ``F.scaled_dot_product_attention`` calls it, and
+    the log-sum-exp of each row it computes and F drops.
+
+    Shape:
+        q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)`` -> out ``(B, H, T, Dv)``,
+        lse ``(B, H, T)`` float32.
+    """
+    q, scale = _fold_scale(q, scale)
+    if choice == _CUDNN:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, False, False, scale=scale
+        )[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, False, False, scale=scale
+        )[:2]
+    return out, lse.reshape(q.shape[:-1])  # (cuDNN's may carry a trailing 1)
+
+
+_CUDNN = torch.nn.attention.SDPBackend.CUDNN_ATTENTION.value
+CUDA_LSE_KERNELS = (_CUDNN, torch.nn.attention.SDPBackend.FLASH_ATTENTION.value)
 
 
 def _no_pairs(q: Tensor, k: Tensor) -> bool:

@@ -209,7 +209,11 @@ class Guard:
                 _recomputable(call)
                 and nonfinite_rows.check_rows(out, call.query, inputs, call.scale, group, lse)
             ):
-                result = _with_output(result, _restore_output(call, out))
+                if lse is not None and out.is_cuda and _recomputable(call):
+                    restored = _restore_output_by_lse(out, lse)
+                else:
+                    restored = _restore_output(call, out)
+                result = _with_output(result, restored)
         elif self.check == "keys":
             assert self.has_key is not None and self.keep is not None
             out = _restore_keys(self.call, _output(result), self.has_key, self.keep)
@@ -718,6 +722,37 @@ def _restore_output(call: AttentionCall, out: Tensor) -> Tensor:
     rows = out @ _column(out)  # (*batch, T, 1): finite exactly where the row is
     rows.add_(q @ _column(q))  # + the query rows' (each below a quarter of the largest float)
     rows = rows + _key_hits(call, None).neg_().sqrt_().unsqueeze(-1).to(rows.dtype)
+    if _own(out):
+        return out.add_(rows, alpha=0)  # + 0 * rows: 0, or NaN where anything was bad
+    return out.add(rows, alpha=0)
+
+
+def _restore_output_by_lse(out: Tensor, lse: Tensor) -> Tensor:
+    """``out`` of a call whose every row may attend every key, by torch's CUDA kernel (cuDNN's
+    or flash's) with its log-sum-exp ``lse``: NaN on each row whose output or lse is not
+    finite, and the kernel's row elsewhere. Three ops, none over q or k (the tensor ops' way,
+    :func:`_restore_output`, scans both and counts bad keys: 14 ops).
+
+    It leans on the kernel's lse of a row whose scores are all ``-inf``: flash's is ``+inf``
+    (``sum == 0``), cuDNN's NaN or an infinity (``-inf - -inf``). torch's CPU flash kernel
+    gives such a row 0 and an lse of 0, so the CPU keeps its fused pass (``nonfinite_rows``,
+    which computes all-zero rows again) or the tensor ops. tests/test_cuda.py holds the rule
+    to the plain math on the GPU.
+
+    Exact against the plain math, for plain softmax rows: a row's scores are not finite in
+    the kernel exactly where they are not in the math (a NaN or infinite entry of q or k
+    gives NaN or an infinity whatever the precision; finite inputs whose scores overflow are
+    the overflow refusal's, ``scale_may_overflow``); the math's row is NaN where a score is
+    NaN or ``+inf``, or all of them are ``-inf`` (0 / 0), which is where the lse is not
+    finite (NaN, or an infinity); a ``-inf`` score among finite ones weighs 0 in both. With
+    finite scores, a NaN/inf value reaches the output as in the math (``0 * inf`` is NaN in
+    a kernel's product too).
+
+    Shape:
+        out ``(*batch, T, Dv)``, lse ``(*batch, T)`` -> the same.
+    """
+    rows = out @ _column(out)  # (*batch, T, 1): finite exactly where the row is
+    rows.add_(lse.reshape(rows.shape), alpha=0)  # + 0 * lse: NaN where the lse is not finite
     if _own(out):
         return out.add_(rows, alpha=0)  # + 0 * rows: 0, or NaN where anything was bad
     return out.add(rows, alpha=0)
