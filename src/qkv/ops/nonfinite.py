@@ -90,7 +90,7 @@ from torch import Tensor
 from .._identity import IdentityCache
 from .._measured import env
 from ..masks import evaluate_mask, index_grid
-from . import nonfinite_rows
+from . import nonfinite_rows, nonfinite_triton
 from .base import compiling_plainly, tracing
 from .call import AttentionCall
 from .key_counts import counts, covers_every_key, ranges, sees_own_position
@@ -275,6 +275,14 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
         v = nonfinite_rows.copy_rows(call.value, zero_nonfinite=True, flags=keys)
         zeroed = _with_inputs(call, call.query, k, v, (call.key, call.value) + call.sources)
         return Guard(zeroed, "eager", _Bad(_as_bh(keys, call, call.S), None))
+    if (
+        inference
+        and call.key.shape[:-1] == call.value.shape[:-1]
+        and nonfinite_triton.takes(call.query, call.key, call.value)
+    ):
+        by_kernel = _prepare_by_triton(call)
+        if by_kernel is not None:
+            return by_kernel
     if grad and _native_grad(call):
         # the gradient's way by the fused passes: one pass per input makes its zeroed copy
         # and its bad rows (the tensor ops' way below took 2.4 ms around a 4.8 ms kernel,
@@ -291,6 +299,26 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
     # is set to NaN after the kernel whatever it holds, and q needs no copy
     queries = grad or call.return_trace or not sees_own_position(call)
     return Guard(_zeroed_call(call, grad, queries), "eager", bad)
+
+
+def _prepare_by_triton(call: AttentionCall) -> Guard | None:
+    """The tensor ops' guard below for a call without gradient or trace on CUDA, made by one
+    Triton launch per tensor (``nonfinite_triton``) in place of their 11: the same zeroed
+    copies of k and v (and of q where a bad query row may reach other rows' output), the same
+    bad rows. None where triton failed to build or run the kernel (it says why once, and the
+    tensor ops take this call and the next ones)."""
+    q, k, v = call.query, call.key, call.value
+    rows = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # (*qbatch, T)
+    keys = torch.empty(k.shape[:-1], dtype=torch.float32, device=k.device)  # (*kbatch, S)
+    try:
+        q0 = nonfinite_triton.copy_rows(q, rows, copy=not sees_own_position(call))
+        k0 = nonfinite_triton.copy_rows(k, keys)
+        v0 = nonfinite_triton.copy_rows(v, keys, accumulate=True)
+    except Exception as e:  # triton's compiler or launcher, on a machine it does not know
+        nonfinite_triton.refuse(e)
+        return None
+    bad = _Bad(_as_bh(keys, call, call.S), _as_bh(rows, call, call.T, queries=True))
+    return Guard(_with_inputs(call, q0, k0, v0, (q, k, v) + call.sources), "eager", bad)
 
 
 def _native_grad(call: AttentionCall) -> bool:

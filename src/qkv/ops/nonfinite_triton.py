@@ -1,0 +1,133 @@
+"""The NaN/inf contract's first pass on a GPU, as one Triton kernel per tensor.
+
+Before a masked call's kernel, the contract (``ops/nonfinite.py``) needs copies of k and v
+with every NaN/inf replaced by 0 (a hidden key's NaN value would reach the rows that may not
+see it as ``0 * NaN``), and which rows of q, k and v held one. On the CPU one fused C++ pass
+per tensor does this (``nonfinite_rows.copy_rows``); on CUDA the tensor ops took 11 launches
+(two matrix-vector products and their ``nan_to_num``, two ``nan_to_num`` copies, ...), and
+on an H200 each launch cost 10-40 µs of the host's time, which the device waited on
+(benchmarks/RESULTS.md, "Eighteenth session"). Here: one launch per tensor, q's without a
+copy, k's and v's flags into one buffer.
+
+:func:`copy_rows` mirrors ``nonfinite_rows.copy_rows``: the same copies (``nan_to_num(t, 0, 0,
+0)``'s values, bit for bit) and the same flags (1.0 on a row that held a NaN/inf).
+
+Without a GPU the kernel runs under triton's interpreter inside
+``qkv.ops.triton.interpreter()`` (tests/test_nonfinite_triton.py), as the triton backend's do.
+
+Shape alphabet: L rows, E entries a row.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .base import tracing
+
+__all__ = ["copy_rows", "refuse", "takes"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_E = 1024  # a row's entries the kernel holds at once
+
+
+def takes(*tensors: Tensor | None) -> bool:
+    """Whether :func:`copy_rows` takes these tensors: CUDA (or the CPU under triton's
+    interpreter), triton at hand, contiguous, of a float dtype, rows of at most ``MAX_E``
+    entries, no gradient wanted, outside tracing."""
+    from .triton.backend import interpreting, triton_available
+
+    if tracing() or _REFUSED:
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if t.device.type != "cuda" and not (t.device.type == "cpu" and interpreting()):
+            return False  # (asked first: a CPU call never imports triton here)
+        if (
+            t.dtype not in _DTYPES
+            or not t.is_contiguous()
+            or t.dim() < 2
+            or t.numel() == 0
+            or t.shape[-1] > MAX_E
+            or (t.requires_grad and torch.is_grad_enabled())
+        ):
+            return False
+    return triton_available() is None
+
+
+def copy_rows(src: Tensor, flags: Tensor, *, copy: bool = True, accumulate: bool = False):
+    """``src`` with each NaN/inf replaced by 0 (a new tensor; ``src`` itself when not
+    ``copy``), and ``flags`` set to 1.0 on each row of ``src`` that held one, 0.0 on the
+    others (``accumulate``: kept at 1.0 where it was already: k's flags, then v's).
+
+    Shape:
+        src ``(*lead, L, E)`` contiguous; flags ``(*lead, L)`` float32 contiguous -> like src.
+    """
+    from .triton.backend import interpreting
+
+    assert flags.dtype == torch.float32 and flags.is_contiguous()
+    assert flags.shape == src.shape[:-1] and flags.device == src.device
+    E = src.shape[-1]
+    rows = src.numel() // E
+    dst = torch.empty_like(src) if copy else src
+    block_e = max(16, 1 << (E - 1).bit_length())
+    block_r = max(1, min(64, 4096 // block_e))
+    grid = (-(-rows // block_r),)
+    kernels = _kernels(src.device.type == "cpu" and interpreting())
+    kernels.zero_rows[grid](
+        src,
+        dst,
+        flags,
+        rows,
+        E,
+        BLOCK_R=block_r,
+        BLOCK_E=block_e,
+        COPY=copy,
+        ACCUM=accumulate,
+        WIDE=src.dtype == torch.float64,
+    )
+    return dst
+
+
+def refuse(error: Exception) -> None:
+    """Stop using the kernel in this process after it failed (``error``), saying so once: the
+    tensor ops give the same copies and flags."""
+    if not _REFUSED:
+        warnings.warn(
+            f"qkv: the NaN/inf contract's triton kernel failed ({type(error).__name__}: "
+            f"{error}); the tensor ops keep the contract from now on (the same results, more "
+            "launches)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    _REFUSED.append(f"{type(error).__name__}: {error}")
+
+
+_REFUSED: list[str] = []  # why the kernel failed, once it did
+
+
+@functools.cache
+def _kernels(interpret: bool):
+    """The kernel module (``_nonfinite_kernels.py``): compiled for the GPU, or (``interpret``)
+    a copy decorated while triton's interpreter was on (as ``ops/triton/launch._kernels``)."""
+    path = Path(__file__).with_name("_nonfinite_kernels.py")
+    name = f"{__package__}._nonfinite_kernels" + ("_interpreted" if interpret else "")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"qkv: cannot load the contract's triton kernels from {path}")
+    module = importlib.util.module_from_spec(spec)
+    if not interpret:
+        spec.loader.exec_module(module)
+        return module
+    from triton import knobs
+
+    with knobs.runtime.scope():  # restores knobs and the environment variable on exit
+        knobs.runtime.interpret = True
+        spec.loader.exec_module(module)
+    return module
