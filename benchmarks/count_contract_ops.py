@@ -1,11 +1,13 @@
 """How many ops a call launches on a device without qkv's fused C++ passes (CUDA's way), counted
-on the CPU: the NaN/inf contract's tensor ops, and with ``--triton`` its first pass by the
-Triton kernel (``ops/nonfinite_triton.py``, under triton's interpreter here).
+on the CPU: the NaN/inf contract's tensor ops, and with ``--triton`` its Triton kernels
+(``ops/nonfinite_triton.py``, under triton's interpreter here).
 
 On an H200 each launch cost 10-40 µs of the host's time and the device waited on it
 (benchmarks/RESULTS.md, "Eighteenth session"), so the count is what this script reports: the
 aten ops of one call (its third: plans and layouts made), views and allocations aside, and
-the Triton launches.
+the Triton launches (``nan_rows`` counted as two: its ``cumsum`` and its kernel).
+Its first pass by the Triton kernel (``copy_rows``) and, for rows that see ranges of keys,
+the rows set after (``nan_rows``).
 
 Usage:
     python benchmarks/count_contract_ops.py [--triton] [--kinds plain causal window]
@@ -53,22 +55,26 @@ class _Ops(TorchDispatchMode):
 def count(kind: str, triton: bool) -> tuple[list[str], int]:
     """The aten ops and the Triton launches of one bfloat16 inference call of ``kind``."""
     paused, launches = [False], [0]
-    by_kernel = nonfinite_triton.copy_rows
 
-    def counted(*args, **kwargs):
-        launches[0] += 1
-        paused[0] = True  # (the interpreter's own tensor ops are not launches)
-        try:
-            return by_kernel(*args, **kwargs)
-        finally:
-            paused[0] = False
+    def counted(kernel, n):
+        def run(*args, **kwargs):
+            launches[0] += n
+            paused[0] = True  # (the interpreter's own tensor ops are not launches)
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                paused[0] = False
+
+        return run
 
     q, k, v = (torch.randn(2, 4, 256, 64, dtype=torch.bfloat16) for _ in range(3))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(nonfinite, "host_reads_free", lambda device: False)  # as on CUDA
         mp.setattr(nonfinite_rows, "_build", lambda: (None, "CUDA has none"))
         mp.setattr(torch_sdpa, "flash_cpu_available", lambda: False)
-        mp.setattr(nonfinite_triton, "copy_rows", counted)
+        mp.setattr(nonfinite_triton, "copy_rows", counted(nonfinite_triton.copy_rows, 1))
+        # nan_rows: its cumsum and its kernel
+        mp.setattr(nonfinite_triton, "nan_rows", counted(nonfinite_triton.nan_rows, 2))
         ctx = interpreter() if triton else contextlib.nullcontext()
         with torch.no_grad(), ctx:
             for _ in range(2):

@@ -82,29 +82,55 @@ CASES = {
     "window": dict(mask_mod=qkv.masks.sliding_window(6)),
     "document": dict(mask_mod=qkv.masks.document(torch.tensor([[0] * 9 + [1] * 12 + [2] * 9]))),
     "key-lengths": dict(mask_mod=qkv.masks.key_lengths(torch.tensor([30, 11]))),
+    "no-keys": dict(mask_mod=qkv.masks.key_lengths(torch.tensor([0, 17]))),  # batch 0 none
+    "window-both": dict(mask_mod=qkv.masks.sliding_window(4, 3)),
+    "bottom-right": dict(mask_mod=qkv.masks.causal("bottom_right")),
+    "window-lengths": dict(  # rows past batch 1's 11 keys: empty ranges (lo > its length)
+        mask_mod=qkv.masks.and_masks(
+            qkv.masks.sliding_window(4), qkv.masks.key_lengths(torch.tensor([30, 11]))
+        )
+    ),
 }
+RANGES = (
+    "causal",
+    "window",
+    "key-lengths",
+    "no-keys",
+    "window-both",
+    "bottom-right",
+    "window-lengths",
+)
 
 
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_call_guarded_by_triton_is_the_tensor_ops_call(monkeypatch, case, dtype):
+def test_a_call_guarded_by_triton_is_the_tensor_ops_call(monkeypatch, case, dtype, gqa):
     """The GPU's way (no host reads, no fused C++ passes), masked inference with NaN/inf in
-    q, k and v: the guard by the kernel holds the tensor ops' copies and flags, and the whole
-    call's output is the same bits."""
+    q, k and v: the guard by the kernel holds the tensor ops' copies and flags; rows that see
+    ranges of keys are set by the second kernel; the whole call's output is the same bits."""
     force_host_reads(monkeypatch, free=False)
     force_native_rows(monkeypatch, on=False)
-    B, H, T, D = 2, 2, 30, 16
-    q, k, v = (_spoiled((B, H, T, D), dtype, seed) for seed in range(3))
-    kw = CASES[case]
+    B, H, T, S, D = 2, 4, 30, 30, 16
+    if case == "bottom-right":
+        T = 21  # T < S: bottom-right differs from top-left
+    G = 2 if gqa else H
+    q = _spoiled((B, H, T, D), dtype, 0)
+    k, v = (_spoiled((B, G, S, D), dtype, seed) for seed in (1, 2))
+    kw = {**CASES[case], **(dict(enable_gqa=True) if gqa else {})}
     backend = "torch"  # (its kernel keeps no contract of its own; the masks made dense)
     call = AttentionCall.build(q, k, v, **kw)
-    made = []
-    by_kernel = nonfinite._prepare_by_triton
+    made, set_rows = [], []
+    by_kernel, rows_by_kernel = nonfinite._prepare_by_triton, nonfinite._nan_rows_by_triton
     monkeypatch.setattr(nonfinite, "_prepare_by_triton", lambda c: made.append(1) or by_kernel(c))
+    monkeypatch.setattr(
+        nonfinite, "_nan_rows_by_triton", lambda *a: set_rows.append(1) or rows_by_kernel(*a)
+    )
     with torch.no_grad(), interpreter():
         guard = nonfinite.prepare(call)
         got = qkv.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
     assert made == [1, 1], "the calls did not take the kernel's way"
+    assert set_rows == ([1] if case in RANGES else []), "rows set by the other way"
     monkeypatch.setattr(nonfinite_triton, "takes", lambda *t: False)
     with torch.no_grad():
         want_guard = nonfinite.prepare(call)

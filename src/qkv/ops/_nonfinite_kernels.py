@@ -54,3 +54,55 @@ def zero_rows(
     if ACCUM:
         bad = tl.maximum(bad, tl.load(flags + rows, mask=live, other=0.0))
     tl.store(flags + rows, bad, mask=live)
+
+
+@triton.jit
+def nan_rows(
+    out,
+    cum,
+    lo,
+    hi,
+    rows,
+    H,
+    T,
+    S,
+    Dv,
+    so_b,
+    so_h,
+    so_t,
+    sl_b,
+    sl_t,
+    sh_b,
+    sh_t,
+    sr_b,
+    sr_h,
+    sr_t,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    OWN: tl.constexpr,
+):
+    """NaN on each row ``t`` of ``out[b, h]`` whose keys ``[lo, hi)`` hold a bad key (``cum``:
+    the bad keys' running count, ``(B*H, S)``), or whose query row is bad (``rows``) where it
+    may attend some key (``OWN``: every row may); the other rows are not written. Program
+    ``(b * H + h, block of T)``."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    live = t < T
+    first = tl.load(lo + b * sl_b + t * sl_t, mask=live, other=0)
+    end = tl.maximum(tl.load(hi + b * sh_b + t * sh_t, mask=live, other=0), first)
+    base = cum + bh.to(tl.int64) * S
+    hits = tl.load(base + end - 1, mask=live & (end > 0), other=0.0) - tl.load(
+        base + first - 1, mask=live & (first > 0), other=0.0
+    )
+    bad_row = tl.load(rows + b * sr_b + h * sr_h + t * sr_t, mask=live, other=0.0)
+    if OWN:  # noqa: SIM108 (a static branch, as triton compiles it)
+        hits = hits + bad_row
+    else:
+        hits = hits + tl.where(end > first, bad_row, 0.0)
+    cols = tl.arange(0, BLOCK_D)
+    at = out + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h
+    at = at + t.to(tl.int64)[:, None] * so_t + cols[None, :]
+    nan = tl.full((BLOCK_T, BLOCK_D), float("nan"), out.dtype.element_ty)
+    tl.store(at, nan, mask=(live & (hits > 0))[:, None] & (cols[None, :] < Dv))

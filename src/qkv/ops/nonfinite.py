@@ -596,6 +596,12 @@ def _restore_eager(
                 out, query=call.query, ranges=(keys.contiguous(), spans[0], spans[1])
             )
             return _with_output(result, out)
+    if rows is not None and len(call.batch) == 2 and nonfinite_triton.takes_output(out):
+        spans = ranges(call)  # causal, windows, key lengths (no documents): one launch
+        if spans is not None and spans[2] is None:
+            done = _nan_rows_by_triton(call, out, keys, rows, spans[0], spans[1])
+            if done is not None:
+                return _with_output(result, done)
     hits, n_keys = counts(call, keys)  # (B, H, T): bad keys each row may attend; its keys
     own = sees_own_position(call)  # (then every row has a key)
     if rows is None and _native(out, call.query) and len(call.batch) <= 2:
@@ -619,6 +625,21 @@ def _restore_eager(
     elif not _own(out):
         return _with_output(result, out + nan)
     return _with_output(result, out.add_(nan))
+
+
+def _nan_rows_by_triton(
+    call: AttentionCall, out: Tensor, keys: Tensor, rows: Tensor, lo: Tensor, hi: Tensor
+) -> Tensor | None:
+    """:func:`_restore_eager`'s rows set by the Triton kernel (``nonfinite_triton.nan_rows``)
+    for rows that see ranges of keys, into ``out`` or a copy of it; None where triton failed
+    (it says why once; the tensor ops go on)."""
+    if not _own(out):
+        out = out.clone()
+    try:
+        return nonfinite_triton.nan_rows(out, keys, lo, hi, rows, sees_own_position(call))
+    except Exception as e:  # triton's compiler or launcher, on a machine it does not know
+        nonfinite_triton.refuse(e)
+        return None
 
 
 def _as_batch(flags: Tensor, call: AttentionCall) -> Tensor:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .base import tracing
 
-__all__ = ["copy_rows", "refuse", "takes"]
+__all__ = ["copy_rows", "nan_rows", "refuse", "takes", "takes_output"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_E = 1024  # a row's entries the kernel holds at once
@@ -93,6 +93,73 @@ def copy_rows(src: Tensor, flags: Tensor, *, copy: bool = True, accumulate: bool
         WIDE=src.dtype == torch.float64,
     )
     return dst
+
+
+def takes_output(out: Tensor) -> bool:
+    """Whether :func:`nan_rows` writes into ``out``: CUDA (or the interpreter's CPU), its rows
+    contiguous, of a float dtype, at most ``MAX_E`` values a row, no gradient wanted."""
+    from .triton.backend import interpreting
+
+    on = out.device.type == "cuda" or (out.device.type == "cpu" and interpreting())
+    return (
+        on
+        and not tracing()
+        and not _REFUSED
+        and not out.requires_grad
+        and out.dtype in _DTYPES
+        and out.dim() == 4
+        and out.stride(-1) == 1
+        and 0 < out.shape[-1] <= MAX_E
+        and out.numel() > 0
+    )
+
+
+def nan_rows(out: Tensor, keys: Tensor, lo: Tensor, hi: Tensor, rows: Tensor, own: bool):
+    """NaN, in place, on each row of ``out`` whose keys ``[lo, hi)`` hold a key flagged in
+    ``keys``, or whose query row is flagged in ``rows`` where the row has a key (``own``:
+    every row has one): ``nonfinite._restore_eager``'s tensor ops (``key_counts.counts``'
+    running count, gathers and sums, ``sqrt(-hits)`` added) in a ``cumsum`` and one launch.
+
+    Shape:
+        out ``(B, H, T, Dv)`` rows contiguous; keys ``(B, H, S)`` and rows ``(B, H, T)``
+        float32 of 0.0 and 1.0; lo, hi ``(B?, 1, T)`` int64 -> out.
+    """
+    from .triton.backend import interpreting
+
+    B, H, T, Dv = out.shape
+    S = keys.shape[-1]
+    cum = keys.cumsum(-1).contiguous()  # (B, H, S): bad keys up to each key, inclusive
+    lo, hi = (r.expand(r.shape[0], 1, T) for r in (lo, hi))  # (each its own batch: 1 or B)
+    assert lo.shape[0] in (1, B) and hi.shape[0] in (1, B)
+    block_d = max(16, 1 << (Dv - 1).bit_length())
+    block_t = max(1, min(128, 4096 // block_d))
+    grid = (B * H, -(-T // block_t))
+    kernels = _kernels(out.device.type == "cpu" and interpreting())
+    kernels.nan_rows[grid](
+        out,
+        cum,
+        lo,
+        hi,
+        rows,
+        H,
+        T,
+        S,
+        Dv,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        lo.stride(0) if lo.shape[0] > 1 else 0,
+        lo.stride(-1),
+        hi.stride(0) if hi.shape[0] > 1 else 0,
+        hi.stride(-1),
+        rows.stride(0),
+        rows.stride(1),
+        rows.stride(2),
+        BLOCK_T=block_t,
+        BLOCK_D=block_d,
+        OWN=own,
+    )
+    return out
 
 
 def refuse(error: Exception) -> None:
