@@ -167,3 +167,35 @@ def test_a_kernel_triton_cannot_run_leaves_the_contract_to_the_tensor_ops(monkey
             again = qkv.scaled_dot_product_attention(q, k, v, is_causal=True, backend="torch")
     for out in (got, again):
         torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "document"])
+def test_a_gradient_call_guarded_by_triton_is_the_tensor_ops_call(monkeypatch, case):
+    """With a gradient wanted, the zeroed copies and bad rows by the kernel (its gradient
+    passed through, ``_ZeroNonfiniteRows``): the output and the gradients of q, k and v are
+    the tensor ops' way's, bits and NaN alike."""
+    force_host_reads(monkeypatch, free=False)
+    force_native_rows(monkeypatch, on=False)
+    q, k, v = (_spoiled((2, 2, 30, 16), torch.float32, seed) for seed in range(3))
+    kw = CASES[case]
+    made = []
+    apply = nonfinite._ZeroNonfiniteRows.apply
+    monkeypatch.setattr(
+        nonfinite._ZeroNonfiniteRows, "apply", lambda *a: made.append(a[-1]) or apply(*a)
+    )
+
+    def run():
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = qkv.scaled_dot_product_attention(*ins, backend="torch", **kw)
+        out.nan_to_num().square().sum().backward()
+        return [out.detach()] + [t.grad for t in ins]
+
+    with interpreter():
+        got = run()
+    assert made == [True], "the call did not take the kernel's way"
+    monkeypatch.setattr(nonfinite_triton, "takes", lambda *t: False)
+    want = run()
+    assert made == [True], "(the tensor ops' way takes no such copies)"
+    assert got[0].isnan().any() and not got[0].isnan().all()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

@@ -287,10 +287,19 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
         # the gradient's way by the fused passes: one pass per input makes its zeroed copy
         # and its bad rows (the tensor ops' way below took 2.4 ms around a 4.8 ms kernel,
         # B=8, H=8, T=S=128, D=64, float32, one thread)
-        q, k, v, rows, keys = _ZeroNonfiniteRows.apply(call.query, call.key, call.value)
+        q, k, v, rows, keys = _ZeroNonfiniteRows.apply(call.query, call.key, call.value, False)
         bad = _Bad(_as_bh(keys, call, call.S), _as_bh(rows, call, call.T, queries=True))
         sources = (call.query, call.key, call.value) + call.sources
         return Guard(_with_inputs(call, q, k, v, sources), "eager", bad)
+    if grad and _triton_grad(call):  # the same by the Triton kernel on CUDA: 3 launches, not 12
+        try:
+            q, k, v, rows, keys = _ZeroNonfiniteRows.apply(call.query, call.key, call.value, True)
+        except Exception as e:  # triton's compiler or launcher, on a machine it does not know
+            nonfinite_triton.refuse(e)
+        else:
+            bad = _Bad(_as_bh(keys, call, call.S), _as_bh(rows, call, call.T, queries=True))
+            sources = (call.query, call.key, call.value) + call.sources
+            return Guard(_with_inputs(call, q, k, v, sources), "eager", bad)
     with torch.no_grad():
         rows = _bad_rows(call.query)  # (*qbatch, T): 1.0 on a bad row, else 0.0
         keys = _bad_rows(call.key, call.value)  # (*kbatch, S)
@@ -319,6 +328,15 @@ def _prepare_by_triton(call: AttentionCall) -> Guard | None:
         return None
     bad = _Bad(_as_bh(keys, call, call.S), _as_bh(rows, call, call.T, queries=True))
     return Guard(_with_inputs(call, q0, k0, v0, (q, k, v) + call.sources), "eager", bad)
+
+
+def _triton_grad(call: AttentionCall) -> bool:
+    """Whether ``nonfinite_triton``'s kernel takes a gradient call's q, k and v (read without
+    their graph, as :func:`_native_grad`'s passes), k and v of one row shape."""
+    q, k, v = call.query, call.key, call.value
+    return k.shape[:-1] == v.shape[:-1] and nonfinite_triton.takes(
+        q.detach(), k.detach(), v.detach()
+    )
 
 
 def _native_grad(call: AttentionCall) -> bool:
@@ -923,9 +941,10 @@ class _ZeroNonfinite(torch.autograd.Function):
 
 
 class _ZeroNonfiniteRows(torch.autograd.Function):
-    """:class:`_ZeroNonfinite` by the fused passes (``nonfinite_rows.copy_rows``): the zeroed
-    copies of q, k and v and which of their rows held a NaN/inf, one pass per input; the
-    gradient passed through as there.
+    """:class:`_ZeroNonfinite` by the fused passes (``nonfinite_rows.copy_rows``, or with
+    ``by_triton`` CUDA's kernel, ``nonfinite_triton.copy_rows``): the zeroed copies of q, k
+    and v and which of their rows held a NaN/inf, one pass per input; the gradient passed
+    through as there.
 
     Shape:
         q ``(*qbatch, T, D)``, k ``(*kbatch, S, D)``, v ``(*kbatch, S, Dv)`` -> the zeroed
@@ -934,22 +953,27 @@ class _ZeroNonfiniteRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor):
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, by_triton: bool):
         rows = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
         keys = torch.zeros(k.shape[:-1], dtype=torch.float32, device=k.device)
-        q0 = nonfinite_rows.copy_rows(q, zero_nonfinite=True, flags=rows)
-        k0 = nonfinite_rows.copy_rows(k, zero_nonfinite=True, flags=keys)
-        v0 = nonfinite_rows.copy_rows(v, zero_nonfinite=True, flags=keys)
+        if by_triton:
+            q0 = nonfinite_triton.copy_rows(q, rows)
+            k0 = nonfinite_triton.copy_rows(k, keys, accumulate=True)
+            v0 = nonfinite_triton.copy_rows(v, keys, accumulate=True)
+        else:
+            q0 = nonfinite_rows.copy_rows(q, zero_nonfinite=True, flags=rows)
+            k0 = nonfinite_rows.copy_rows(k, zero_nonfinite=True, flags=keys)
+            v0 = nonfinite_rows.copy_rows(v, zero_nonfinite=True, flags=keys)
         ctx.mark_non_differentiable(rows, keys)
         return q0, k0, v0, rows, keys
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor, _rows, _keys):
-        return dq, dk, dv
+        return dq, dk, dv, None
 
     @staticmethod
-    def jvp(ctx, dq: Tensor, dk: Tensor, dv: Tensor):  # forward-mode AD: passed through alike
-        return dq, dk, dv, None, None
+    def jvp(ctx, dq: Tensor, dk: Tensor, dv: Tensor, _by_triton):  # forward-mode AD: passed
+        return dq, dk, dv, None, None  # through alike
 
 
 class _NanRows(torch.autograd.Function):
