@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import BACKENDS, make_mask, rand
+from torch.nn.attention import SDPBackend
 
 import qkv
 
@@ -124,3 +125,34 @@ def test_empty_keys_and_queries():
             q[:, :, :0], v[:, :, :0].new_zeros(2, 3, 4, 8), rand(2, 3, 4, 4), backend=backend
         )
         assert out.shape == (2, 3, 0, 4)
+
+
+def test_cudnn_takes_no_masked_call_that_wants_a_gradient():
+    """torch's kernel order on CUDA (``torch_sdpa._kernel_order``, asked with a stand-in for a
+    CUDA call: the CPU cannot make one): cuDNN's backward with a mask gives NaN in dq where T %
+    128 == 64 and a row's log-sum-exp is below -88.7 (pytorch/pytorch#196678), so a masked
+    call that wants a gradient runs without it; a plain half call tries cuDNN first; a masked
+    inference call keeps torch's order. tests/test_cuda.py holds the first to the plain math
+    on the GPU."""
+    import types
+
+    from qkv.ops import torch_sdpa
+
+    def cuda_call(grad, dtype=torch.bfloat16):
+        return types.SimpleNamespace(
+            device=torch.device("cuda"), dtype=dtype, dropout_p=0.0, wants_grad=grad
+        )
+
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    order = torch._C._get_sdp_priority_order()
+    for dtype in (torch.bfloat16, torch.float32):
+        with torch_sdpa._kernel_order(cuda_call(True, dtype), mask):
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
+            assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # (restored)
+    with torch_sdpa._kernel_order(cuda_call(False), mask):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch._C._get_sdp_priority_order() == order
+    with torch_sdpa._kernel_order(cuda_call(True), None):
+        assert torch._C._get_sdp_priority_order()[0] == SDPBackend.CUDNN_ATTENTION.value
+    assert torch._C._get_sdp_priority_order() == order

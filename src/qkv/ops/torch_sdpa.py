@@ -254,17 +254,21 @@ def _kernel_order(call: AttentionCall, mask: Tensor | None) -> contextlib.Abstra
     forward and forward+backward at T = 1k-16k, yet torch's own order ran flash at T = 1k
     (0.43 ms against cuDNN's 0.23; benchmarks/RESULTS.md, "The public API on an H100 ...").
     Where cuDNN cannot take a call, torch goes on down the list (flash, efficient, math).
-    Dense masks keep torch's order: not measured. Not while tracing: the compiler chooses.
+    Dense masks keep torch's order, but for a call that wants a gradient, which never goes
+    to cuDNN: its backward with a mask gives NaN in dq where T % 128 == 64 and a row's
+    log-sum-exp is below -88.7 (torch 2.11+, H100/H200; pytorch/pytorch#196678; efficient
+    and math are right there). Not while tracing: the compiler chooses.
     """
-    if (
-        call.device.type != "cuda"
-        or call.dtype not in (torch.float16, torch.bfloat16)
-        or mask is not None
-        or call.dropout_p > 0
-        or tracing()
-    ):
+    if call.device.type != "cuda" or tracing():
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if mask is not None and call.wants_grad:
+        return sdpa_kernel(
+            [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        )
+    if call.dtype not in (torch.float16, torch.bfloat16) or mask is not None or call.dropout_p > 0:
+        return contextlib.nullcontext()
 
     order = [
         SDPBackend.CUDNN_ATTENTION,
