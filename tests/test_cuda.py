@@ -139,6 +139,30 @@ def test_head_dim_128_long_and_one_query(backend, name):
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("T, S", [(1, 128), (1, 97), (64, 192)])
+def test_a_plain_gradient_with_every_score_near_minus_128(backend, T, S):
+    """NVIDIA/cudnn-frontend#1072: cuDNN 9.26's backward gave NaN dk and dv for one query over
+    128 keys whose scores are all about -128 (finite inputs, no mask; its inputs). qkv's plain
+    calls that want a gradient try cuDNN first (``_kernel_order``): dq, dk, dv finite and
+    within the policy of the float64 math, whichever cuDNN the machine has."""
+    import math
+
+    D = 64
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q = torch.randn(2, 2, T, D, generator=g, dtype=torch.float64) * 0.1
+    k = torch.randn(2, 2, S, D, generator=g, dtype=torch.float64) * 0.1
+    v = torch.randn(2, 2, S, D, generator=g, dtype=torch.float64)
+    q[..., 0], k[..., 0] = 1.0, -128 * math.sqrt(D)
+    dout = torch.randn(2, 2, T, D, generator=g, dtype=torch.float64)
+    got = _run(backend, q, k, v, dout, torch.bfloat16, CUDA, {})
+    golden = _run("reference", q, k, v, dout, torch.float64, "cpu", {})
+    baseline = _run("reference", q, k, v, dout, torch.bfloat16, CUDA, {})
+    for a, b, c, what in zip(got[1], golden[1], baseline[1], ("dq", "dk", "dv")):
+        assert torch.isfinite(a).all(), f"{backend}: {what} not finite"
+        assert_tolerance(a.cpu(), b, c.cpu(), factor=GRAD_FACTOR, name=f"{backend} {what}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_a_masked_gradient_where_cudnns_backward_gave_nan(backend):
     """pytorch/pytorch#196678 (torch 2.11+, H100/H200): cuDNN's backward with a mask gave NaN
     in dq where T % 128 == 64 and every row's log-sum-exp is below -88.7 (its inputs, T =
