@@ -283,19 +283,20 @@ def prepare(call: AttentionCall, kept: bool = False, optimistic: bool = True) ->
         by_kernel = _prepare_by_triton(call)
         if by_kernel is not None:
             return by_kernel
-    if grad and _native_grad(call):
-        # the gradient's way by the fused passes: one pass per input makes its zeroed copy
-        # and its bad rows (the tensor ops' way below took 2.4 ms around a 4.8 ms kernel,
-        # B=8, H=8, T=S=128, D=64, float32, one thread)
-        q, k, v, rows, keys = _ZeroNonfiniteRows.apply(call.query, call.key, call.value, False)
-        bad = _Bad(_as_bh(keys, call, call.S), _as_bh(rows, call, call.T, queries=True))
-        sources = (call.query, call.key, call.value) + call.sources
-        return Guard(_with_inputs(call, q, k, v, sources), "eager", bad)
-    if grad and _triton_grad(call):  # the same by the Triton kernel on CUDA: 3 launches, not 12
+    # the gradient's way by the fused passes: one pass per input makes its zeroed copy and its
+    # bad rows (the tensor ops' way below took 2.4 ms around a 4.8 ms kernel, B=8, H=8,
+    # T=S=128, D=64, float32, one thread); on CUDA by the Triton kernel (3 launches, not 12)
+    native = grad and _native_grad(call)
+    by_triton = grad and not native and _triton_grad(call)
+    if native or by_triton:
         try:
-            q, k, v, rows, keys = _ZeroNonfiniteRows.apply(call.query, call.key, call.value, True)
-        except Exception as e:  # triton's compiler or launcher, on a machine it does not know
-            nonfinite_triton.refuse(e)
+            q, k, v, rows, keys = _ZeroNonfiniteRows.apply(
+                call.query, call.key, call.value, by_triton
+            )
+        except Exception as e:
+            if not by_triton:
+                raise
+            nonfinite_triton.refuse(e)  # triton's compiler or launcher: the tensor ops below
         else:
             bad = _Bad(_as_bh(keys, call, call.S), _as_bh(rows, call, call.T, queries=True))
             sources = (call.query, call.key, call.value) + call.sources
