@@ -9,9 +9,10 @@
 #      the grid_sample fallback at BEVFormer's sizes (issue 40), within a budget of its own
 #      (QKV_GPU_DEFORM_S, default 60 s; 0 skips it);
 #   4. benchmarks/gpu_profile.py: where a call's time goes (host time per call, the kernels it
-#      launches) beside cuDNN and flash, within QKV_GPU_PROFILE_S (default 60 s; 0 skips it).
+#      launches) beside cuDNN and flash, within QKV_GPU_PROFILE_S (default 90 s; 0 skips it).
 #
-# QKV_GPU_BENCH_S=0 skips step 2. Each test stops after QKV_GPU_TEST_TIMEOUT seconds (default
+# QKV_GPU_BENCH_S=0 skips step 2. QKV_GPU_PACK=1 packs every file written into OUTDIR/gpu_check.tgz
+# at the end, and leaves only it there (a lent machine returns at most 8 files; this writes 10). Each test stops after QKV_GPU_TEST_TIMEOUT seconds (default
 # 60; pytest-timeout), so one hung test cannot take the whole budget and says where it hung.
 #
 # Writes into OUTDIR (first argument; default benchmarks/results): gpu_api.json, gpu_api.md,
@@ -36,7 +37,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 TEST_BUDGET=${QKV_GPU_TEST_S:-170}   # seconds for the tests (both runs at once)
 BENCH_BUDGET=${QKV_GPU_BENCH_S:-200} # seconds after which the benchmark takes no new row
 DEFORM_BUDGET=${QKV_GPU_DEFORM_S:-60} # the same for the deformable benchmark; 0: not run
-PROFILE_BUDGET=${QKV_GPU_PROFILE_S:-60} # seconds for gpu_profile.py; 0: not run
+PROFILE_BUDGET=${QKV_GPU_PROFILE_S:-90} # seconds for gpu_profile.py; 0: not run
 PER_TEST=()
 "$PYTHON" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout "${QKV_GPU_TEST_TIMEOUT:-60}")
 CORE_TESTS=(tests/test_tiled.py tests/test_mask_contract.py tests/test_trust_kernels.py
@@ -122,5 +123,10 @@ if [ "$PROFILE_BUDGET" != 0 ]; then
     timeout "$PROFILE_BUDGET" "$PYTHON" benchmarks/gpu_profile.py \
         --out "$OUTDIR/gpu_profile.json" > "$OUTDIR/gpu_profile.md" || status=1
     cat "$OUTDIR/gpu_profile.md"
+fi
+if [ "${QKV_GPU_PACK:-0}" = 1 ]; then
+    files=$(cd "$OUTDIR" && ls -A | grep -v '^gpu_check.tgz$')
+    (cd "$OUTDIR" && tar czf gpu_check.tgz $files && rm -f $files)
+    echo "packed into $OUTDIR/gpu_check.tgz: $(echo $files)"
 fi
 exit $status
