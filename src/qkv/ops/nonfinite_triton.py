@@ -1,4 +1,6 @@
-"""The NaN/inf contract's first pass on a GPU, as one Triton kernel per tensor.
+"""The NaN/inf contract's passes on a GPU as Triton kernels: the first, before a masked call's
+kernel, one launch per tensor (:func:`copy_rows`); and after it, for rows that see ranges of
+keys, the rows set NaN in one launch (:func:`nan_rows`).
 
 Before a masked call's kernel, the contract (``ops/nonfinite.py``) needs copies of k and v
 with every NaN/inf replaced by 0 (a hidden key's NaN value would reach the rows that may not
@@ -12,7 +14,11 @@ copy, k's and v's flags into one buffer.
 :func:`copy_rows` mirrors ``nonfinite_rows.copy_rows``: the same copies (``nan_to_num(t, 0, 0,
 0)``'s values, bit for bit) and the same flags (1.0 on a row that held a NaN/inf).
 
-Without a GPU the kernel runs under triton's interpreter inside
+:func:`nan_rows` does what ``nonfinite._restore_eager``'s tensor ops do for causal masks,
+windows and key lengths (a running count of bad keys, two gathers and sums, ``sqrt(-hits)``
+added: 12 launches) in a ``cumsum`` and one launch.
+
+Without a GPU the kernels run under triton's interpreter inside
 ``qkv.ops.triton.interpreter()`` (tests/test_nonfinite_triton.py), as the triton backend's do.
 
 Shape alphabet: L rows, E entries a row.
