@@ -486,6 +486,73 @@ def test_fused_kernel_keeps_the_nonfinite_contract_as_the_guard_does(
     assert torch.equal(rows, expected)
 
 
+def test_fused_kernel_memory_kept_between_calls_carries_nothing_over(bf16_gemm):
+    """A thread keeps a call's scratch memory for its next call (``Scratch`` in the .cpp): a
+    call whose keys hold NaN, then the same shape with clean keys, must give the clean call's
+    own bits (no NaN row from the first call's flags of bad keys), as it does in a process
+    where it runs first; the same for a shorter call after a longer one."""
+    kernel_or_skip()
+    q, k, v = _fused_inputs(3, 70, 130, 16, 24, seed=21)
+    clean = _fused_kernel_in_a_fresh_process(q, k, v)
+    dirty = k.clone()
+    dirty[:, ::7, 3] = float("nan")  # every head has bad keys: every row would be NaN
+    out_dirty = bf16_scores.weights_kernel(q, dirty, v, 0.25, causal=False)[0]
+    assert out_dirty.isnan().all()
+    for _ in range(2):
+        out, probs, lse = bf16_scores.weights_kernel(q, k, v, 0.25, causal=False)
+        assert torch.equal(out, clean[0]) and torch.equal(probs, clean[1])
+        assert torch.equal(lse, clean[2])
+    # a longer call first (more memory kept), then the short one again: the same bits
+    bf16_scores.weights_kernel(*_fused_inputs(3, 300, 900, 16, 24, seed=22), 0.25, causal=True)
+    assert torch.equal(bf16_scores.weights_kernel(q, k, v, 0.25, causal=False)[0], clean[0])
+
+
+_FRESH_SCRIPT = """
+import sys, torch
+from qkv.ops import bf16_scores
+q, k, v = torch.load(sys.argv[1])
+torch.save(bf16_scores.weights_kernel(q, k, v, 0.25, causal=False), sys.argv[2])
+"""
+
+
+def _fused_kernel_in_a_fresh_process(q, k, v):
+    """:func:`bf16_scores.weights_kernel` of (q, k, v) at scale 0.25, in a process of its own
+    (its first call there: no memory kept from another call)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        inputs, result = os.path.join(tmp, "in.pt"), os.path.join(tmp, "out.pt")
+        torch.save((q, k, v), inputs)
+        subprocess.run(
+            [sys.executable, "-c", _FRESH_SCRIPT, inputs, result],
+            check=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            timeout=300,
+        )
+        return torch.load(result)
+
+
+def test_fused_kernel_above_the_kept_memory_gives_the_bits_of_smaller_calls(bf16_gemm):
+    """A call whose packed keys and values pass what a thread keeps (64 MiB: here 16 heads
+    of 16384 keys, D=Dv=64, 64 MiB + 64 KiB) allocates its own and frees it: its heads give
+    the bits of the same heads called four at a time (under the kept size), and it leaves
+    nothing that changes the next call."""
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(23)
+    N, T, S, D = 16, 5, 16384 + 64, 64
+    q = torch.randn(N, T, D, generator=g).bfloat16()
+    k = torch.randn(N, S, D, generator=g).bfloat16()
+    v = torch.randn(N, S, D, generator=g).bfloat16()
+    out, probs, lse = bf16_scores.weights_kernel(q, k, v, 0.125, causal=False)
+    for h in range(0, N, 4):
+        part = bf16_scores.weights_kernel(
+            q[h : h + 4], k[h : h + 4], v[h : h + 4], 0.125, causal=False
+        )
+        assert torch.equal(out[h : h + 4], part[0]) and torch.equal(probs[h : h + 4], part[1])
+        assert torch.equal(lse[h : h + 4], part[2])
+    assert out.isfinite().all() and probs.sum() > 0
+
+
 def test_fused_kernel_reads_strided_heads_and_writes_heads_merged(bf16_gemm):
     """A module's heads ((B, T, H, D) memory seen as (B, H, T, D)) and a value with a last
     stride of 2 give the bits of contiguous inputs; the output is (B, T, H, Dv) memory."""

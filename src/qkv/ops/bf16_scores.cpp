@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <utility>
 #include <cstdio>
@@ -185,6 +186,60 @@ void gemm_b(Gemm gemm, int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldb
 void gemm_done(Gemm gemm) {
   if (gemm == kAmx) cpublas::brgemm_release(true);
 }
+
+// Memory a call needs for its duration, kept by the thread for its next call. A fresh allocation of
+// the packed keys and values (1 MiB each at 8 heads of 64, T=1024) went back to the system at every
+// call's end, so the next call's was mapped and faulted in again: 11% of a window's call (one thread,
+// perf: page faults, unmapping). A thread keeps up to kKeepBytes of it per Tag (a call's buffers and
+// its tasks' are apart: the thread that makes the call runs tasks too); a larger need is allocated for
+// the call and freed after. The memory is not cleared: `zeroed` clears what a caller asks.
+constexpr size_t kKeepBytes = size_t{64} << 20;
+constexpr size_t kAlign = 64;
+
+template <typename Tag>
+class Scratch {
+ public:
+  // room for buffers of the given byte sizes, each aligned to kAlign
+  explicit Scratch(std::initializer_list<size_t> sizes) {
+    size_t total = 0;
+    for (size_t n : sizes) offsets_.push_back(total), total += (n + kAlign - 1) / kAlign * kAlign;
+    static thread_local Kept kept;
+    if (total > kKeepBytes) {
+      own_.reset(allocate(total));
+      base_ = own_.get();
+    } else {
+      if (kept.bytes < total) kept.memory.reset(allocate(total)), kept.bytes = total;
+      base_ = kept.memory.get();
+    }
+  }
+  template <typename T>
+  T* at(size_t i) const { return reinterpret_cast<T*>(base_ + offsets_[i]); }
+  template <typename T>
+  T* zeroed(size_t i, size_t n) const {
+    T* p = at<T>(i);
+    std::memset(static_cast<void*>(p), 0, n * sizeof(T));
+    return p;
+  }
+
+ private:
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
+  struct Kept {
+    std::unique_ptr<char, Free> memory;
+    size_t bytes = 0;
+  };
+  static char* allocate(size_t bytes) {
+    void* p = std::aligned_alloc(kAlign, std::max<size_t>(bytes, kAlign));
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<char*>(p);
+  }
+  std::vector<size_t> offsets_;
+  std::unique_ptr<char, Free> own_;
+  char* base_ = nullptr;
+};
+struct CallTag {};
+struct TaskTag {};
 
 // Rows of a (B, H, L, E) tensor with unit last stride and any other strides, heads flattened
 // as bh = b * H + h: row(bh, l) points at its E entries.
@@ -614,10 +669,12 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
             int64_t Dv, int64_t Sp, int64_t Dvp, int64_t rows, float scale) {
   const int64_t nT = (T + rows - 1) / rows;
   at::parallel_for(0, BH * nT, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sc(rows * Sp), acc(rows * Dvp);
-    std::vector<bf16> hi(rows * Sp), lo(rows * Sp), qz(rows * D);
-    std::vector<uint8_t> row_bad(rows);
-    std::vector<float> norm(rows);  // each row's factor after the GEMMs (softmax_row)
+    const Scratch<TaskTag> mem({rows * Sp * sizeof(float), rows * Dvp * sizeof(float), rows * Sp * sizeof(bf16),
+                                rows * Sp * sizeof(bf16), rows * D * sizeof(bf16), rows * sizeof(uint8_t),
+                                rows * sizeof(float)});
+    float *const sc = mem.at<float>(0), *const acc = mem.at<float>(1), *const norm = mem.at<float>(6);
+    bf16 *const hi = mem.at<bf16>(2), *const lo = mem.at<bf16>(3), *const qz = mem.at<bf16>(4);
+    uint8_t* const row_bad = mem.at<uint8_t>(5);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nT, i = task % nT;
       const int64_t t0 = i * rows, mb = std::min(rows, T - t0);
@@ -633,13 +690,13 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
       // the block's query rows with NaN/inf entries as 0 (the contract's zeroed inputs)
       for (int64_t r = 0; r < mb; ++r) {
         const bf16* src = q.row(bh, t0 + r);
-        std::copy(src, src + D, qz.begin() + r * D);
+        std::copy(src, src + D, qz + r * D);
         row_bad[r] = !finite_row(src, D);
-        if (row_bad[r]) zero_nonfinite(qz.data() + r * D, D);
+        if (row_bad[r]) zero_nonfinite(qz + r * D, D);
       }
       for (int64_t n0 = kb0; n0 < kb1; n0 += kN)
-        gemm_b(gemm, mb, kN, D, D, kN, Sp, false, qz.data(), pk + (bh * (Sp / kN) + n0 / kN) * D * kN,
-               sc.data() + (n0 - kb0));
+        gemm_b(gemm, mb, kN, D, D, kN, Sp, false, qz, pk + (bh * (Sp / kN) + n0 / kN) * D * kN,
+               sc + (n0 - kb0));
       for (int64_t r = 0; r < mb; ++r) {
         const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
         bf16* prow = probs == nullptr ? nullptr : probs + (bh * T + t0 + r) * S;
@@ -649,27 +706,27 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
         }
         float row_scale = scale;
         if (a < b && ranges.compare(bh, t0 + r)) {  // documents: other ids' keys -inf, scaled here
-          float* srow = sc.data() + r * Sp + (a - kb0);
+          float* srow = sc + r * Sp + (a - kb0);
           const int64_t id = ranges.q_id(bh, t0 + r), *kid = ranges.kv_row(bh) + a;
           const float ninf = -std::numeric_limits<float>::infinity();
           for (int64_t c = 0; c < b - a; ++c) srow[c] = kid[c] == id ? srow[c] * scale : ninf;
           row_scale = 1.0f;
         }
-        lse[bh * T + t0 + r] = softmax_row(sc.data() + r * Sp, a - kb0, b - kb0, row_scale, K,
+        lse[bh * T + t0 + r] = softmax_row(sc + r * Sp, a - kb0, b - kb0, row_scale, K,
                                            prow == nullptr ? nullptr : prow + a,
-                                           hi.data() + r * Sp, lo.data() + r * Sp, &norm[r]);
+                                           hi + r * Sp, lo + r * Sp, &norm[r]);
       }
       if (K > 0)
         for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
           const int64_t w = value_block(Dvp, c0);
           const bf16* bv = pv + bh * Sp * Dvp + c0 * Sp + kb0 * w;  // VNNI rows from key kb0
-          gemm_b(gemm, mb, w, K, Sp, w, Dvp, false, hi.data(), bv, acc.data() + c0);
-          gemm_b(gemm, mb, w, K, Sp, w, Dvp, true, lo.data(), bv, acc.data() + c0);
+          gemm_b(gemm, mb, w, K, Sp, w, Dvp, false, hi, bv, acc + c0);
+          gemm_b(gemm, mb, w, K, Sp, w, Dvp, true, lo, bv, acc + c0);
         }
       const int32_t* before = bad_before + bh * (S + 1);
       for (int64_t r = 0; r < mb; ++r) {
         bf16* dst = out.row(bh, t0 + r);
-        const float* src = acc.data() + r * Dvp;
+        const float* src = acc + r * Dvp;
         const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
         if (a >= b || lse[bh * T + t0 + r] == -std::numeric_limits<float>::infinity()) {
           // a row that may attend to nothing: exactly 0, never NaN
@@ -864,9 +921,10 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
   try {
     const Gemm g = checked(gemm);
     const int64_t nS = (S + kN - 1) / kN;
-    std::unique_ptr<bf16[]> packed(new bf16[BH * nS * D * kN]);
-    pack_keys(g, InRows{k, 1, S * D, 0, D}, packed.get(), BH, S, D);
-    scores(g, q, packed.get(), out, BH, T, S, D, out_bh, out_t, scale);
+    const Scratch<CallTag> mem({static_cast<size_t>(BH * nS * D * kN) * sizeof(bf16)});
+    bf16* const packed = mem.at<bf16>(0);
+    pack_keys(g, InRows{k, 1, S * D, 0, D}, packed, BH, S, D);
+    scores(g, q, packed, out, BH, T, S, D, out_bh, out_t, scale);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());
@@ -912,18 +970,20 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
       return 0;
     }
 #endif
-    std::unique_ptr<bf16[]> pk(new bf16[BH * Sp * D]), pv(new bf16[BH * Sp * Dvp]);
-    std::vector<uint8_t> bad(BH * S, 0);  // keys whose key or value holds NaN/inf
-    pack_keys(g, kr, pk.get(), BH, S, D, bad.data());
-    pack_values(g, vr, pv.get(), BH, S, Dv, Sp, Dvp, bad.data());
-    std::vector<int32_t> bad_before(BH * (S + 1));
+    const Scratch<CallTag> mem({static_cast<size_t>(BH * Sp * D) * sizeof(bf16),
+                               static_cast<size_t>(BH * Sp * Dvp) * sizeof(bf16), static_cast<size_t>(BH * S),
+                               static_cast<size_t>(BH * (S + 1)) * sizeof(int32_t)});
+    bf16 *const pk = mem.at<bf16>(0), *const pv = mem.at<bf16>(1);
+    uint8_t* const bad = mem.zeroed<uint8_t>(2, BH * S);  // keys whose key or value holds NaN/inf
+    pack_keys(g, kr, pk, BH, S, D, bad);
+    pack_values(g, vr, pv, BH, S, Dv, Sp, Dvp, bad);
+    int32_t* const bad_before = mem.at<int32_t>(3);
     for (int64_t bh = 0; bh < BH; ++bh) {
-      int32_t* before = bad_before.data() + bh * (S + 1);
+      int32_t* before = bad_before + bh * (S + 1);
       before[0] = 0;
       for (int64_t j = 0; j < S; ++j) before[j + 1] = before[j] + bad[bh * S + j];
     }
-    attend(g, qr, pk.get(), pv.get(), bad.data(), bad_before.data(), ranges, probs, outr, lse,
-           BH, T, S, D, Dv, Sp, Dvp, rows, scale);
+    attend(g, qr, pk, pv, bad, bad_before, ranges, probs, outr, lse, BH, T, S, D, Dv, Sp, Dvp, rows, scale);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());
