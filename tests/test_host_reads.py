@@ -477,3 +477,150 @@ def test_nested_inputs_with_the_offsets_of_the_last_call_read_nothing(is_causal,
 
     count_reads(make(0))
     assert count_reads(make(1)) == []
+
+
+# --- multi-scale deformable attention ---------------------------------------------------------
+
+_LEVELS = [(4, 5), (2, 3)]  # (H, W) per level: S = 26
+
+
+def _deformable_kernels() -> list[str]:
+    """The kernels of ``qkv.deformable_attention`` this device runs: the torch ops everywhere,
+    the C++ loop on the CPU, the Triton kernels on CUDA (on the CPU under triton's interpreter,
+    where triton imports)."""
+    import importlib.util
+
+    kernels = ["torch", "cpp" if TEST_DEVICE == "cpu" else "triton"]
+    if TEST_DEVICE == "cpu" and importlib.util.find_spec("triton") is not None:
+        kernels.append("triton")
+    return kernels
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("starts", ["given", "derived"])
+@pytest.mark.parametrize("shapes_as", ["tensor", "list"])
+@pytest.mark.parametrize("kernel", _deformable_kernels())
+def test_deformable_calls_read_the_levels_once(kernel, shapes_as, starts, grad):
+    """``deformable_attention`` checks that the levels cover the value (a read of
+    ``spatial_shapes`` and ``level_start_index``) and copies them to the kernel's device: once
+    per tensor. The second call with the same level tensors (or the same list of pairs), on new
+    values, locations and weights, reads nothing on the host, forward and backward."""
+    import contextlib
+
+    from qkv.ops.deformable import deformable_attention
+    from qkv.ops.triton import interpreter
+
+    dev = torch.device(TEST_DEVICE)
+    shapes = torch.tensor(_LEVELS, device=dev) if shapes_as == "tensor" else list(_LEVELS)
+    level_start = torch.tensor([0, 20], device=dev) if starts == "given" else None
+    interpreted = kernel == "triton" and dev.type == "cpu"
+
+    def make(seed: int) -> Callable[[], None]:
+        g = torch.Generator().manual_seed(seed)
+        value = torch.randn(2, 26, 2, 8, generator=g).to(dev).requires_grad_(grad)
+        loc = torch.rand(2, 5, 2, 2, 3, 2, generator=g).to(dev).requires_grad_(grad)
+        attn = torch.rand(2, 5, 2, 2, 3, generator=g).softmax(-1).to(dev).requires_grad_(grad)
+
+        def call() -> None:
+            with interpreter() if interpreted else contextlib.nullcontext():
+                out = deformable_attention(
+                    value, shapes, loc, attn, level_start_index=level_start, kernel=kernel
+                )
+                if grad:
+                    out.sum().backward()
+
+        return call
+
+    first = count_reads(make(0))  # (a list of pairs an earlier test gave is remembered)
+    assert first != [] or shapes_as == "list"
+    assert count_reads(make(1)) == []
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
+@pytest.mark.parametrize("shapes_as", ["tensor", "list"])
+def test_the_deformable_module_reads_nothing_on_its_second_call(shapes_as, mode):
+    """``MultiScaleDeformableAttention`` with a trace (BEVFormer's layers pass one
+    ``spatial_shapes`` to every layer and step): the second call reads nothing on the host,
+    its locations' divisor and its trace's level sizes included."""
+    import contextlib
+
+    dev = torch.device(TEST_DEVICE)
+    torch.manual_seed(0)
+    module = qkv.nn.MultiScaleDeformableAttention(
+        32, num_heads=4, num_levels=2, num_points=2, batch_first=True
+    ).to(dev)
+    shapes = torch.tensor(_LEVELS, device=dev) if shapes_as == "tensor" else list(_LEVELS)
+
+    def make(seed: int) -> Callable[[], None]:
+        g = torch.Generator().manual_seed(seed)
+        query, value = torch.randn(2, 6, 32, generator=g), torch.randn(2, 26, 32, generator=g)
+        ref = torch.rand(2, 6, 2, 2, generator=g)
+        query, value, ref = query.to(dev), value.to(dev), ref.to(dev)
+
+        def call() -> None:
+            context = {
+                "grad": contextlib.nullcontext(),
+                "no_grad": torch.no_grad(),
+                "inference_mode": torch.inference_mode(),
+            }[mode]
+            with context:
+                out, trace = module(
+                    query, value=value, reference_points=ref, spatial_shapes=shapes,
+                    return_trace=True,
+                )  # fmt: skip
+            assert trace.locations.shape == (2, 6, 4, 2, 2, 2)
+            if mode == "grad":
+                out.sum().backward()
+
+        return call
+
+    count_reads(make(0))
+    assert count_reads(make(1)) == []
+
+
+def test_deformable_levels_changed_in_place_are_checked_again():
+    """What was read of a level tensor is keyed by its version: written in place so that the
+    levels no longer cover the value, the next call raises, as a first call would; a list of
+    pairs gives one tensor per value, and a fresh one once that tensor was written."""
+    from qkv.ops.deformable import deformable_attention
+    from qkv.ops.deformable.inputs import as_spatial_shapes
+
+    g = torch.Generator().manual_seed(0)
+    value = torch.randn(1, 26, 2, 8, generator=g)
+    loc, attn = torch.rand(1, 5, 2, 2, 3, 2, generator=g), torch.rand(1, 5, 2, 2, 3, generator=g)
+    shapes = torch.tensor(_LEVELS)
+    first = deformable_attention(value, shapes, loc, attn)
+    shapes[1, 1] = 4  # 4x5 + 2x4 = 28 rows, value has 26
+    with pytest.raises(ValueError, match=r"sum\(H\*W\) = 28 rows, but value has S = 26"):
+        deformable_attention(value, shapes, loc, attn)
+    shapes[1, 1] = 3
+    assert torch.equal(deformable_attention(value, shapes, loc, attn), first)
+    starts = torch.tensor([0, 20])
+    deformable_attention(value, shapes, loc, attn, level_start_index=starts)
+    starts[1] = 19
+    with pytest.raises(ValueError, match=r"level_start_index \[0, 19\] disagrees"):
+        deformable_attention(value, shapes, loc, attn, level_start_index=starts)
+    pairs = as_spatial_shapes([(4, 5), (2, 3)])
+    assert as_spatial_shapes([(4, 5), (2, 3)]) is pairs
+    assert torch.equal(pairs, torch.tensor(_LEVELS))
+    pairs[0, 0] = 7  # a caller wrote into the remembered tensor (through a trace, say)
+    again = as_spatial_shapes([(4, 5), (2, 3)])
+    assert again is not pairs and torch.equal(again, torch.tensor(_LEVELS))
+
+
+def test_deformable_levels_remembered_under_inference_mode_serve_a_gradient_call():
+    """The level tensors remembered in a first call under ``torch.inference_mode`` (the
+    locations' divisor, the derived starts) are normal tensors: a later call of the same
+    module with gradients saves them for backward, and its gradients are finite."""
+    torch.manual_seed(0)
+    module = qkv.nn.MultiScaleDeformableAttention(
+        32, num_heads=4, num_levels=2, num_points=2, batch_first=True
+    ).eval()  # (no dropout: the two calls' outputs compared)
+    shapes = torch.tensor(_LEVELS)
+    query, value, ref = torch.randn(2, 6, 32), torch.randn(2, 26, 32), torch.rand(2, 6, 2, 2)
+    with torch.inference_mode():
+        expected = module(query, value=value, reference_points=ref, spatial_shapes=shapes)
+    out = module(query, value=value, reference_points=ref, spatial_shapes=shapes)
+    out.sum().backward()
+    assert torch.equal(out.detach(), expected)
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in module.parameters())

@@ -355,7 +355,9 @@ class DeformableTrace:
             spatial_shapes ``(L, 2)``; sampling_locations ``(B, Lq, M, L, P, 2)``;
             attention_weights ``(B, Lq, M, L, P)``; reference_points ``(B, Lq, L, 2 or 4)``.
         """
-        shapes = spatial_shapes.detach().to("cpu", torch.int64)
+        shapes = spatial_shapes.detach()
+        if shapes.device.type != "cpu" or shapes.dtype != torch.int64:  # (a device's: a read)
+            shapes = shapes.to("cpu", torch.int64)
         locations = _to_pixels(sampling_locations.detach(), shapes[:, None, :])
         ref = None
         if reference_points is not None:

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .. import recording
 from ..functional import deformable_attention
-from ..ops.deformable.inputs import as_spatial_shapes
+from ..ops.deformable.inputs import as_spatial_shapes, levels_on, widths_heights
 from ..trace import DeformableTrace
 
 __all__ = ["MultiScaleDeformableAttention"]
@@ -187,7 +187,8 @@ class MultiScaleDeformableAttention(nn.Module):
         out = self.dropout(out) + identity
         if record is None and not return_trace:
             return out
-        trace = DeformableTrace.from_normalized(shapes, loc, weights, reference_points)
+        host_shapes = levels_on(shapes, torch.device("cpu"))  # (a device's: read once)
+        trace = DeformableTrace.from_normalized(host_shapes, loc, weights, reference_points)
         if record is not None:
             record(trace)
         return (out, trace) if return_trace else out
@@ -203,7 +204,7 @@ class MultiScaleDeformableAttention(nn.Module):
             )
         ref = reference_points[:, :, None, :, None, :]  # (B, Lq, 1, L, 1, 2 or 4)
         if last == 2:
-            wh = torch.stack([shapes[:, 1], shapes[:, 0]], -1).to(offsets)  # (L, 2) as (W, H)
+            wh = widths_heights(shapes, offsets)  # (L, 2) as (W, H)
             return ref + offsets / wh[None, None, None, :, None, :]
         return ref[..., :2] + offsets / self.num_points * ref[..., 2:] * 0.5
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from .gather import deformable_forward_gather
-from .inputs import KERNELS, as_spatial_shapes, check_inputs, check_levels, level_starts
+from .inputs import KERNELS, as_spatial_shapes, check_inputs, check_levels, level_starts_of
 from .naive import deformable_attention_naive
 from .op import ENV, kernel_from_env, pick_kernel
 
@@ -65,7 +65,7 @@ def deformable_attention(
             value, spatial_shapes, sampling_locations, attention_weights
         )
     if level_start_index is None:
-        level_start_index = level_starts(spatial_shapes)
+        level_start_index = level_starts_of(spatial_shapes)
     if torch._C._are_functorch_transforms_active():
         return _transformed(
             value, spatial_shapes, level_start_index, sampling_locations, attention_weights

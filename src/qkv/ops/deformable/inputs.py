@@ -4,7 +4,12 @@ Two halves: :func:`check_inputs` reads only what a graph holds at trace time (ra
 dtypes, devices), so it runs under ``torch.compile`` and ``torch.export`` too; :func:`check_levels`
 reads the values of ``spatial_shapes`` and ``level_start_index`` (do the levels cover ``S``
 exactly?), so it runs inside the custom op, on the real tensors, in eager and compiled calls
-alike (on the CPU, where those two small tensors normally live, that read is free).
+alike. On the CPU, where those two small tensors normally live, that read is free; on CUDA it
+is a device sync, and so is copying a CPU tensor to the device for the kernel. Both are done
+once per tensor (:func:`check_levels_once`, :func:`levels_on`: remembered by the tensor's
+identity and version, ``qkv._identity``), and a list of (H, W) pairs is one tensor per value
+(:func:`as_spatial_shapes`): a model that passes the same shapes to every layer and every
+step reads nothing on the host after its first call.
 
 Shape alphabet: B batch, S flattened value length, M heads, D head dim, Lq queries, L levels,
 P points.
@@ -12,10 +17,13 @@ P points.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from ..._identity import IdentityCache
+from ..._lru import LRU
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -23,7 +31,11 @@ __all__ = [
     "as_spatial_shapes",
     "check_inputs",
     "check_levels",
+    "check_levels_once",
     "level_starts",
+    "level_starts_of",
+    "levels_on",
+    "widths_heights",
 ]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -40,9 +52,12 @@ def as_spatial_shapes(spatial_shapes: Tensor | Sequence[Sequence[int]]) -> Tenso
     if isinstance(spatial_shapes, Tensor):
         return spatial_shapes
     if isinstance(spatial_shapes, Sequence) and not isinstance(spatial_shapes, str):
-        return torch.as_tensor([tuple(pair) for pair in spatial_shapes], dtype=torch.int64).view(
-            -1, 2
-        )
+        pairs = tuple(tuple(pair) for pair in spatial_shapes)
+        if torch.compiler.is_compiling() or not all(  # (floats, 0-d tensors)
+            type(x) is int for pair in pairs for x in pair
+        ):
+            return torch.as_tensor(pairs, dtype=torch.int64).view(-1, 2)
+        return _pairs.get(pairs, lambda: _pairs_tensor(pairs), valid=_unchanged)[0]
     raise TypeError(
         f"spatial_shapes must be an int64 tensor (L, 2) of (H, W) per level, or a list of "
         f"(H, W) pairs; got {type(spatial_shapes).__name__}"
@@ -120,6 +135,84 @@ def check_inputs(
     _check_index("spatial_shapes", spatial_shapes, (L, 2), "(L, 2) as (H, W) per level", value)
     if level_start_index is not None:
         _check_index("level_start_index", level_start_index, (L,), "(L,)", value)
+
+
+# the same pairs, one tensor: what is remembered of it below is found again by the next call
+_pairs = LRU(16)
+
+
+def _pairs_tensor(pairs: tuple) -> tuple[Tensor, int]:
+    """The int64 CPU tensor ``(L, 2)`` of ``pairs`` and its version: a normal tensor even
+    inside ``torch.inference_mode`` (an inference tensor could not be remembered by identity)."""
+    with torch.inference_mode(False):
+        t = torch.as_tensor(pairs, dtype=torch.int64).view(-1, 2)
+    return t, t._version
+
+
+def _unchanged(entry: tuple[Tensor, int]) -> bool:
+    """Whether the tensor remembered for some pairs still holds them (nobody wrote into it,
+    through a trace that holds it, say)."""
+    return entry[0]._version == entry[1]
+
+
+def _normal(make: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    """``make`` run outside ``torch.inference_mode``: a tensor remembered while it was on
+    must serve later calls with gradients (an inference tensor cannot be saved for backward)
+    and be remembered itself by identity (an inference tensor cannot)."""
+
+    def made() -> Tensor:
+        with torch.inference_mode(False):
+            return make()
+
+    return made
+
+
+_starts = IdentityCache(16)
+_checked = IdentityCache(16)
+_copies = IdentityCache(16)
+
+
+def level_starts_of(spatial_shapes: Tensor) -> Tensor:
+    """:func:`level_starts`, one tensor per ``spatial_shapes`` (unchanged since): the next
+    call's check of it then finds it remembered."""
+    if torch.compiler.is_compiling():  # (a graph holds the ops; nothing is remembered)
+        return level_starts(spatial_shapes)
+    return _starts.get((spatial_shapes,), None, _normal(lambda: level_starts(spatial_shapes)))
+
+
+def check_levels_once(spatial_shapes: Tensor, level_start_index: Tensor, S: int) -> None:
+    """:func:`check_levels`, read once per pair of tensors (unchanged since) and ``S``: a
+    call with the tensors of an earlier call that passed reads nothing on the host."""
+
+    def check() -> bool:
+        check_levels(spatial_shapes, level_start_index, S)
+        return True  # (a failed check raises, and nothing is remembered)
+
+    _checked.get((spatial_shapes, level_start_index), S, check)
+
+
+def levels_on(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` as a contiguous int64 tensor on ``device``: a copy from another device made once
+    per tensor (unchanged since), as a copy from the host's pageable memory waits for the
+    device."""
+    if (t.device == device and t.dtype == torch.int64) or torch.compiler.is_compiling():
+        return t.to(device, torch.int64).contiguous()
+    return _copies.get((t,), device, _normal(lambda: t.to(device, torch.int64).contiguous()))
+
+
+_sizes = IdentityCache(16)
+
+
+def widths_heights(spatial_shapes: Tensor, like: Tensor) -> Tensor:
+    """Each level's ``(W, H)`` ``(L, 2)`` in ``like``'s dtype and device (what normalised
+    locations are divided by), made once per tensor (unchanged since) and kind of ``like``."""
+
+    def make() -> Tensor:
+        return torch.stack([spatial_shapes[:, 1], spatial_shapes[:, 0]], -1).to(like)
+
+    if torch.compiler.is_compiling():
+        return make()
+    return _sizes.get((spatial_shapes,), (like.dtype, like.device), _normal(make))
 
 
 def level_starts(spatial_shapes: Tensor) -> Tensor:

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import native, triton_launch
 from .gather import deformable_backward_gather, deformable_forward_gather
-from .inputs import KERNELS, check_levels
+from .inputs import KERNELS, check_levels_once, levels_on
 
 __all__ = ["ENV", "kernel_from_env", "pick_kernel"]
 
@@ -78,8 +78,7 @@ def pick_kernel(kernel: str, device: torch.device) -> str:
 def _prepared(value, shapes, starts, loc, attn, kernel):
     """Contiguous tensors, and the level tensors as int64 where the kernel reads them."""
     where = torch.device("cpu") if kernel == "cpp" else value.device
-    shapes = shapes.to(where, torch.int64).contiguous()
-    starts = starts.to(where, torch.int64).contiguous()
+    shapes, starts = levels_on(shapes, where), levels_on(starts, where)
     return value.contiguous(), shapes, starts, loc.contiguous(), attn.contiguous()
 
 
@@ -93,7 +92,7 @@ def _deformable_attention(
     kernel: str,
 ) -> Tensor:
     """Output ``(B, Lq, M * D)`` in value's dtype."""
-    check_levels(spatial_shapes, level_start_index, value.shape[1])
+    check_levels_once(spatial_shapes, level_start_index, value.shape[1])
     B, _, M, D = value.shape
     Lq = sampling_locations.shape[1]
     if value.numel() == 0 or attention_weights.numel() == 0:
