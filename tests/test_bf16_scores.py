@@ -553,6 +553,73 @@ def test_fused_kernel_above_the_kept_memory_gives_the_bits_of_smaller_calls(bf16
     assert out.isfinite().all() and probs.sum() > 0
 
 
+@pytest.mark.parametrize("T", [3, 70], ids=["T3", "T70"])  # (T <= 4: the few-rows path on kDot)
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
+def test_fused_kernel_reads_gqa_heads_as_the_repeated_heads(bf16_gemm, T, weights):
+    """Keys and values of Hk = 2 heads for 8 query heads (GQA), read where they lie (a strided
+    (B, S, Hk, D) layout) and packed once per key head: the bits of the same call with each
+    head repeated 4 times, NaN rows from a bad key in one head included; a key head count
+    that does not divide the query heads is refused with the shapes."""
+    kernel_or_skip()
+    g = torch.Generator().manual_seed(31)
+    q = torch.randn(2, 8, T, 16, generator=g).bfloat16()
+    k = torch.randn(2, 90, 2, 16, generator=g).bfloat16().transpose(1, 2)  # (2, 2, 90, 16)
+    v = torch.randn(2, 90, 2, 24, generator=g).bfloat16().transpose(1, 2)
+    k[1, 1, 1, 3] = float("nan")  # key 1 of key head 1: query heads 4-7 of element 1
+    lo = torch.zeros(1, T, dtype=torch.int64)
+    hi = torch.arange(2, T + 2).clamp(max=90)[None]  # (1, T): causal, every row sees key 1
+    grouped = bf16_scores.attend_kernel(q, k, v, 0.3, lo, hi, weights=weights)
+    repeated = bf16_scores.attend_kernel(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), 0.3, lo, hi, weights=weights
+    )
+    for a, b in zip(grouped, repeated):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    rows = grouped[0].isnan().all(-1)  # (2, 8, T)
+    assert rows[1, 4:].all() and not rows[0].any() and not rows[1, :4].any()
+    with pytest.raises(ValueError, match=r"Hk dividing H.*k \(2, 3, 90, 16\)"):
+        k3 = torch.randn(2, 3, 90, 16).bfloat16()
+        bf16_scores.attend_kernel(q, k3, k3, 0.3, lo, hi, weights=weights)
+
+
+def test_gqa_bfloat16_calls_give_the_kernel_their_key_heads(monkeypatch):
+    """A bfloat16 GQA call whose rows attend ranges (a window, with a trace and without)
+    reaches the fused kernel with its key and value heads as given (no repeated copy), and
+    meets the tolerance policy against float64 math."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    kernel_or_skip()
+    seen = []
+    kernel = bf16_scores.attend_kernel
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return kernel(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(bf16_scores, "attend_kernel", spy)
+    g = torch.Generator().manual_seed(32)
+    q = torch.randn(2, 8, 100, 16, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 100, 16, generator=g).bfloat16() for _ in range(2))
+    window = qkv.masks.sliding_window(20)
+    keep = torch.arange(100)[:, None] - torch.arange(100)[None] <= 20
+    keep &= torch.arange(100)[:, None] >= torch.arange(100)[None]  # (100, 100)
+    kr, vr = k.repeat_interleave(4, 1).double(), v.repeat_interleave(4, 1).double()
+    scores = (q.double() @ kr.transpose(-2, -1)) * 0.25
+    gold = scores.masked_fill(~keep, float("-inf")).softmax(-1) @ vr
+    base_scores = (q @ k.repeat_interleave(4, 1).transpose(-2, -1)).float() * 0.25
+    base = base_scores.masked_fill(~keep, float("-inf")).softmax(
+        -1
+    ).bfloat16() @ v.repeat_interleave(4, 1)
+    for trace in (False, True):
+        with torch.no_grad():
+            result = qkv.scaled_dot_product_attention(
+                q, k, v, mask_mod=window, enable_gqa=True, backend="tiled", return_trace=trace
+            )
+        out = result[0] if trace else result
+        assert seen and seen[-1] == (8, 2, 2), seen
+        assert_tolerance(out, gold, base.double(), factor=OUTPUT_FACTOR, name=f"trace={trace}")
+
+
 def test_fused_kernel_reads_strided_heads_and_writes_heads_merged(bf16_gemm):
     """A module's heads ((B, T, H, D) memory seen as (B, H, T, D)) and a value with a last
     stride of 2 give the bits of contiguous inputs; the output is (B, T, H, Dv) memory."""

@@ -241,13 +241,14 @@ class Scratch {
 struct CallTag {};
 struct TaskTag {};
 
-// Rows of a (B, H, L, E) tensor with unit last stride and any other strides, heads flattened
-// as bh = b * H + h: row(bh, l) points at its E entries.
+// Rows of a (B, H / group, L, E) tensor with unit last stride and any other strides, heads flattened
+// as bh = b * H + h: row(bh, l) points at its E entries, of head h / group (GQA: the key and value
+// heads a group of `group` query heads shares, read where they lie; 1 else).
 template <typename P>
 struct Rows {
   P* p;
-  int64_t H, sB, sH, sL;
-  P* row(int64_t bh, int64_t l) const { return p + (bh / H) * sB + (bh % H) * sH + l * sL; }
+  int64_t H, sB, sH, sL, group = 1;
+  P* row(int64_t bh, int64_t l) const { return p + (bh / H) * sB + ((bh % H) / group) * sH + l * sL; }
 };
 using InRows = Rows<const bf16>;
 using OutRows = Rows<bf16>;
@@ -663,10 +664,13 @@ bool bad_in_range(const uint8_t* bad, const int32_t* before, int64_t a, int64_t 
   return false;
 }
 
+// pk, pv, bad_flags and bad_before are per key head: Hk of them per batch element, each shared by
+// H / Hk query heads (GQA; Hk = H else).
 void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* bad_flags,
             const int32_t* bad_before, Ranges ranges,
-            bf16* probs, OutRows out, float* lse, int64_t BH, int64_t T, int64_t S, int64_t D,
+            bf16* probs, OutRows out, float* lse, int64_t BH, int64_t Hk, int64_t T, int64_t S, int64_t D,
             int64_t Dv, int64_t Sp, int64_t Dvp, int64_t rows, float scale) {
+  const int64_t H = ranges.H, group = H / Hk;
   const int64_t nT = (T + rows - 1) / rows;
   at::parallel_for(0, BH * nT, 1, [&](int64_t begin, int64_t end) {
     const Scratch<TaskTag> mem({rows * Sp * sizeof(float), rows * Dvp * sizeof(float), rows * Sp * sizeof(bf16),
@@ -677,6 +681,7 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
     uint8_t* const row_bad = mem.at<uint8_t>(5);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nT, i = task % nT;
+      const int64_t kvh = (bh / H) * Hk + (bh % H) / group;  // its key and value head
       const int64_t t0 = i * rows, mb = std::min(rows, T - t0);
       // the keys some row of this block sees, in whole blocks of kN: [kb0, kb1)
       int64_t first = S, last = 0;
@@ -695,7 +700,7 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
         if (row_bad[r]) zero_nonfinite(qz + r * D, D);
       }
       for (int64_t n0 = kb0; n0 < kb1; n0 += kN)
-        gemm_b(gemm, mb, kN, D, D, kN, Sp, false, qz, pk + (bh * (Sp / kN) + n0 / kN) * D * kN,
+        gemm_b(gemm, mb, kN, D, D, kN, Sp, false, qz, pk + (kvh * (Sp / kN) + n0 / kN) * D * kN,
                sc + (n0 - kb0));
       for (int64_t r = 0; r < mb; ++r) {
         const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
@@ -719,11 +724,11 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
       if (K > 0)
         for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
           const int64_t w = value_block(Dvp, c0);
-          const bf16* bv = pv + bh * Sp * Dvp + c0 * Sp + kb0 * w;  // VNNI rows from key kb0
+          const bf16* bv = pv + kvh * Sp * Dvp + c0 * Sp + kb0 * w;  // VNNI rows from key kb0
           gemm_b(gemm, mb, w, K, Sp, w, Dvp, false, hi, bv, acc + c0);
           gemm_b(gemm, mb, w, K, Sp, w, Dvp, true, lo, bv, acc + c0);
         }
-      const int32_t* before = bad_before + bh * (S + 1);
+      const int32_t* before = bad_before + kvh * (S + 1);
       for (int64_t r = 0; r < mb; ++r) {
         bf16* dst = out.row(bh, t0 + r);
         const float* src = acc + r * Dvp;
@@ -731,7 +736,7 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
         if (a >= b || lse[bh * T + t0 + r] == -std::numeric_limits<float>::infinity()) {
           // a row that may attend to nothing: exactly 0, never NaN
           std::fill(dst, dst + Dv, bf16(0.0f));
-        } else if (row_bad[r] || bad_in_range(bad_flags + bh * S, before, a, b, ranges, bh, t0 + r)) {
+        } else if (row_bad[r] || bad_in_range(bad_flags + kvh * S, before, a, b, ranges, bh, t0 + r)) {
           // NaN on a bad query row and on a row that may attend a bad key (plain math's NaN rows)
           std::fill(dst, dst + Dv, bf16(std::numeric_limits<float>::quiet_NaN()));
         } else {
@@ -933,8 +938,9 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
 }
 
 // bfloat16 attention whose query row t may attend the keys [lo_t, hi_t) (0 <= lo, hi <= S; lo >= hi: no
-// key), in one fused pass: q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv) and out (B, H, T, Dv) with unit
-// last stride and the (batch, head, row) strides given, BH = B * H, D even, S >= 1; lo and hi (B or 1, T)
+// key), in one fused pass: q (B, H, T, D), k (B, Hk, S, D), v (B, Hk, S, Dv) and out (B, H, T, Dv) with
+// unit last stride and the (batch, head, row) strides given, BH = B * H, Hk dividing H (GQA: query head h
+// reads key and value head h / (H / Hk), each packed once), D even, S >= 1; lo and hi (B or 1, T)
 // int64 with batch stride range_sB; q_ids (B or 1, T) and kv_ids (B or 1, S) int64 document ids (null:
 // none) with batch strides q_ids_sB and kv_ids_sB: a row attends only keys of its own id in its range,
 // compared where mixed (bool (B or 1, T) like q_ids, or null: everywhere) says its range holds other ids;
@@ -949,10 +955,14 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
                     const int64_t* q_ids, const int64_t* kv_ids, const uint8_t* mixed,
                     int64_t q_ids_sB, int64_t kv_ids_sB,
                     bf16* probs, bf16* out, float* lse, const int64_t* strides, int64_t range_sB,
-                    int64_t H, int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv, float scale,
-                    int64_t rows, int64_t gemm) {
+                    int64_t H, int64_t Hk, int64_t BH, int64_t T, int64_t S, int64_t D, int64_t Dv,
+                    float scale, int64_t rows, int64_t gemm) {
   try {
     const Gemm g = checked(gemm);
+    if (Hk < 1 || H % Hk != 0)
+      throw std::invalid_argument("key heads " + std::to_string(Hk) + " do not divide query heads " +
+                                  std::to_string(H));
+    const int64_t group = H / Hk, BHk = BH / H * Hk;
     const int64_t Sp = round_up(S, kN), Dvp = round_up(Dv, 16);
     // rows per task: a float32 score tile and two bfloat16 tiles of rows x Sp stay near the cache
     // (rows > 0: as given, for benchmarks of the choice)
@@ -960,8 +970,10 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
     if (rows <= 0) rows = std::clamp<int64_t>((int64_t{1} << 18) / Sp / 16 * 16, 16, kM);
     rows = std::min(rows, std::max<int64_t>(T, 1));  // a short call's tiles hold its rows only
     // strides: (batch, head, row) of q, k, v and out, in that order
-    const InRows qr{q, H, strides[0], strides[1], strides[2]}, kr{k, H, strides[3], strides[4], strides[5]};
-    const InRows vr{v, H, strides[6], strides[7], strides[8]};
+    // k and v by query head (attend_few), and by key head (packed once per key head)
+    const InRows qr{q, H, strides[0], strides[1], strides[2]};
+    const InRows kr{k, H, strides[3], strides[4], strides[5], group}, vr{v, H, strides[6], strides[7], strides[8], group};
+    const InRows kh{k, Hk, strides[3], strides[4], strides[5]}, vh{v, Hk, strides[6], strides[7], strides[8]};
     const OutRows outr{out, H, strides[9], strides[10], strides[11]};
     const Ranges ranges{lo, hi, H, range_sB, q_ids, kv_ids, q_ids_sB, kv_ids_sB, mixed};
 #if defined(CPU_CAPABILITY_AVX512)
@@ -970,20 +982,20 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
       return 0;
     }
 #endif
-    const Scratch<CallTag> mem({static_cast<size_t>(BH * Sp * D) * sizeof(bf16),
-                               static_cast<size_t>(BH * Sp * Dvp) * sizeof(bf16), static_cast<size_t>(BH * S),
-                               static_cast<size_t>(BH * (S + 1)) * sizeof(int32_t)});
+    const Scratch<CallTag> mem({static_cast<size_t>(BHk * Sp * D) * sizeof(bf16),
+                               static_cast<size_t>(BHk * Sp * Dvp) * sizeof(bf16), static_cast<size_t>(BHk * S),
+                               static_cast<size_t>(BHk * (S + 1)) * sizeof(int32_t)});
     bf16 *const pk = mem.at<bf16>(0), *const pv = mem.at<bf16>(1);
-    uint8_t* const bad = mem.zeroed<uint8_t>(2, BH * S);  // keys whose key or value holds NaN/inf
-    pack_keys(g, kr, pk, BH, S, D, bad);
-    pack_values(g, vr, pv, BH, S, Dv, Sp, Dvp, bad);
+    uint8_t* const bad = mem.zeroed<uint8_t>(2, BHk * S);  // keys whose key or value holds NaN/inf
+    pack_keys(g, kh, pk, BHk, S, D, bad);
+    pack_values(g, vh, pv, BHk, S, Dv, Sp, Dvp, bad);
     int32_t* const bad_before = mem.at<int32_t>(3);
-    for (int64_t bh = 0; bh < BH; ++bh) {
+    for (int64_t bh = 0; bh < BHk; ++bh) {
       int32_t* before = bad_before + bh * (S + 1);
       before[0] = 0;
       for (int64_t j = 0; j < S; ++j) before[j + 1] = before[j] + bad[bh * S + j];
     }
-    attend(g, qr, pk, pv, bad, bad_before, ranges, probs, outr, lse, BH, T, S, D, Dv, Sp, Dvp, rows, scale);
+    attend(g, qr, pk, pv, bad, bad_before, ranges, probs, outr, lse, BH, Hk, T, S, D, Dv, Sp, Dvp, rows, scale);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());

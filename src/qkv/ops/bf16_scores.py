@@ -92,7 +92,7 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     lib.qkv_bf16_scores.argtypes = [ptr] * 3 + [i64] * 6 + [ctypes.c_float, i64]
     lib.qkv_bf16_scores.restype = ctypes.c_int
     args: list[type] = []
-    for kind, n in ((ptr, 8), (i64, 2), (ptr, 4), (i64, 7), (ctypes.c_float, 1), (i64, 2)):
+    for kind, n in ((ptr, 8), (i64, 2), (ptr, 4), (i64, 8), (ctypes.c_float, 1), (i64, 2)):
         args += [kind] * n
     lib.qkv_bf16_attend.argtypes = args
     lib.qkv_bf16_attend.restype = ctypes.c_int
@@ -407,11 +407,13 @@ def attend_kernel(
     q, k and v are read through their strides (a module's heads need no copy; only a last
     dim that is not contiguous is copied, and an odd D is padded with a zero column). The
     output of 4-d inputs is a (B, H, T, Dv) view of (B, T, H, Dv) memory: a module's merge of
-    the heads is then a view. ``rows``: query rows per task (0: the kernel's choice, a float32
-    score tile of about 1 MiB, 16-64 rows; benchmarks try others).
+    the heads is then a view. k and v may have fewer heads Hk than q, Hk dividing H (GQA:
+    query head h attends key and value head ``h // (H // Hk)``, read and packed once, not
+    repeated). ``rows``: query rows per task (0: the kernel's choice, a float32 score tile of
+    about 1 MiB, 16-64 rows; benchmarks try others).
 
     Shape:
-        q ``(B, H, T, D)`` (or ``(N, T, D)``), k ``(B, H, S, D)``, v ``(B, H, S, Dv)``
+        q ``(B, H, T, D)`` (or ``(N, T, D)``), k ``(B, Hk, S, D)``, v ``(B, Hk, S, Dv)``
         bfloat16, S >= 1; lo, hi ``(B or 1, T)`` int64 in ``[0, S]`` -> out ``(B, H, T, Dv)``,
         probs ``(B, H, T, S)`` bfloat16 or None, lse ``(B, H, T)`` float32 (without B for 3-d
         inputs); ids ``(B or 1, T)`` and ``(B or 1, S)`` integers, and ``(B or 1, T)`` bool.
@@ -428,10 +430,11 @@ def attend_kernel(
         raise TypeError(
             f"attend_kernel: q, k and v must be bfloat16, got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if k.shape != (B, H, S, D) or v.shape != (B, H, S, Dv) or S == 0:
+    Hk = k.shape[1] if k.dim() == 4 else 0
+    if k.shape != (B, Hk, S, D) or v.shape != (B, Hk, S, Dv) or S == 0 or (H % Hk if Hk else H):
         raise ValueError(
-            f"attend_kernel: want q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv) with S >= 1;"
-            f" got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"attend_kernel: want q (B, H, T, D), k (B, Hk, S, D), v (B, Hk, S, Dv) with S >= 1"
+            f" and Hk dividing H; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if lo.shape != hi.shape or lo.dim() != 2 or lo.shape[1] != T or lo.shape[0] not in (1, B):
         raise ValueError(
@@ -478,6 +481,7 @@ def attend_kernel(
         (ctypes.c_int64 * 12)(*strides),
         T if lo.shape[0] > 1 else 0,
         H,
+        Hk,
         B * H,
         T,
         S,

@@ -294,28 +294,36 @@ class AttentionCall:
             return 1, 1
         return math.prod(self.batch[:-1]), self.batch[-1]
 
-    def as_4d(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def as_4d(
+        self, dtype: torch.dtype | None = None, *, grouped: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """query, key, value as ``(B, H, L, E)``: GQA heads repeated, leading dims broadcast
         and folded into B (views where possible); cast to ``dtype`` first, where given, so
         that the gradient of a key or value shared by heads or broadcast over the batch is
         summed in ``dtype`` and rounded once (cast after, bfloat16 summed per-head gradients
-        already rounded: 3.05x the policy's error on a shared key's).
+        already rounded: 3.05x the policy's error on a shared key's). ``grouped``: key and
+        value keep their Hk GQA heads, not repeated (for a kernel that reads head
+        ``h // (H // Hk)`` for query head h).
 
         Shape:
-            ``(B, H, T, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)`` with ``(B, H) = self.BH``.
+            ``(B, H, T, D)``, ``(B, H, S, D)``, ``(B, H, S, Dv)`` with ``(B, H) = self.BH``;
+            key and value ``(B, Hk, S, *)`` when ``grouped`` (Hk = H without GQA).
         """
         B, H = self.BH
         query, key, value = self.query, self.key, self.value
         if dtype is not None and dtype != query.dtype:
             query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-        key, value = self._heads_expanded(key, value)
+        Hk = key.shape[-3] if grouped and self.enable_gqa else H
+        if not grouped:
+            key, value = self._heads_expanded(key, value)
 
-        def four(t: Tensor) -> Tensor:
-            if t.shape[:-2] == (B, H):  # already so (a module's heads): no op to dispatch
+        def four(t: Tensor, heads: int) -> Tensor:
+            if t.shape[:-2] == (B, heads):  # already so (a module's heads): no op to dispatch
                 return t
-            return t.expand(self.batch + t.shape[-2:]).reshape(B, H, *t.shape[-2:])
+            lead = self.batch[:-1] + (heads,)
+            return t.expand(lead + t.shape[-2:]).reshape(B, heads, *t.shape[-2:])
 
-        return four(query), four(key), four(value)
+        return four(query, H), four(key, Hk), four(value, Hk)
 
     def mask_4d(self, mask: Tensor) -> Tensor:
         """A mask broadcastable to ``(*batch, T, S)`` as ``(B?, H?, T?, S?)``, 1 where it

@@ -179,7 +179,6 @@ def attention_with_weights(
         raise ValueError("attention_with_weights has no dropout")
     B, H = call.BH
     T, S, dev = call.T, call.S, call.device
-    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
     half = call.dtype in (torch.float16, torch.bfloat16)
     acc = torch.float32 if half else call.dtype  # scores and softmax
     # Half inputs: both products in float32, on every device and CPU route (issue 37). torch's
@@ -197,7 +196,8 @@ def attention_with_weights(
     bf16_kernel = _bf16_scores_here(call)
     fused = fused_ranges(call) if bf16_kernel else None
     if fused is not None:  # rows attend ranges of keys: the whole pass in the kernel
-        return _bf16_fused(call, q, k, v, *fused)
+        return _bf16_fused(call, *call.as_4d(grouped=True), *fused)  # (GQA: heads not repeated)
+    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
     budget = _BLOCK_ELEMENTS // 8 if half else _BLOCK_ELEMENTS  # a float32 work buffer besides
     rows = max(1, min(T, budget // max(S, 1)))  # rows of a block
     heads = max(1, min(H, budget // max(T * S, 1))) if rows == T else 1  # heads of a block
@@ -427,8 +427,8 @@ def _bf16_fused(
     bfloat16 and the guard's zeroed copies of q, k and v.
 
     Shape:
-        q ``(B, H, T, D)``, k ``(B, H, S, D)``, v ``(B, H, S, Dv)``, lo, hi ``(B?, T)``, ids as
-        :func:`fused_ranges` -> as :func:`attention_with_weights`.
+        q ``(B, H, T, D)``, k ``(B, Hk, S, D)``, v ``(B, Hk, S, Dv)`` (Hk: GQA heads), lo,
+        hi ``(B?, T)``, ids as :func:`fused_ranges` -> as :func:`attention_with_weights`.
     """
     out, probs, lse = bf16_scores.attend_kernel(q, k, v, call.scale, lo, hi, weights=True, ids=ids)
     assert probs is not None

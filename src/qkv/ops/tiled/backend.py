@@ -195,7 +195,7 @@ def _by_kernel(call: AttentionCall) -> BackendResult:
     """``call`` by the fused bfloat16 kernel (``ops/bf16_scores.py``) over its rows' ranges."""
     ranges = inference_ranges(call)
     assert ranges is not None  # (bf16_fusable)
-    q, k, v = call.as_4d()  # (B, H, T, D), (B, H, S, D), (B, H, S, Dv)
+    q, k, v = call.as_4d(grouped=True)  # (B, H, T, D), (B, Hk, S, D), (B, Hk, S, Dv)
     lo, hi, ids = ranges
     out, _, lse = bf16_scores.attend_kernel(q, k, v, call.scale, lo, hi, weights=False, ids=ids)
     return BackendResult(out=out.reshape(call.out_shape), lse=lse.reshape(call.batch + (call.T,)))
