@@ -140,7 +140,8 @@ def test_candidates_are_timed_in_turn_run_by_run(fakes, monkeypatch):
     _backend_of_a_call()
     timed = [n for n in names if n != "auto"]
     a, b = timed[:2]
-    assert a != b and timed == [a, b] * 4 and autotune._MIN_RUNS == 3
+    # fast, after slow in the static order, wins the first round: a second round confirms it
+    assert a != b and timed == [a, b] * 4 + [a, b] * 4 and autotune._MIN_RUNS == 3
 
 
 def test_a_call_with_dropout_is_timed_by_its_backends_run(fakes, monkeypatch):
@@ -392,3 +393,31 @@ def test_the_environment_read_on_every_call_follows_every_change(monkeypatch):
     assert not _measured.enabled()
     monkeypatch.setenv("QKV_AUTOTUNE", "on")
     assert _measured.enabled()
+
+
+def test_a_choice_against_the_static_order_is_timed_again(fakes, monkeypatch, tmp_path):
+    """A backend later in the static order that wins one round is timed again against the
+    static order's first (a burst of load on a shared machine can fall on one backend's few
+    runs): where the second round shows the first as fast, the first is kept; where it
+    confirms the win, the later backend is taken. Each keeps its fastest run of both."""
+    slow, fast = fakes
+    runs = {"n": 0}
+    real = Fake.run
+
+    def bursty(self, call):  # slow's runs in the first round cost 3, later ones 0.9
+        if self is slow:
+            runs["n"] += 1
+            self.cost = 3.0 if runs["n"] <= 4 else 0.9
+        return real(self, call)
+
+    monkeypatch.setattr(Fake, "run", bursty)
+    assert _backend_of_a_call() == "slow"
+    q, k, v = _qkv()
+    why = dispatch.explain(AttentionCall.build(q.requires_grad_(), k, v))
+    assert why.startswith("slow: fastest measured") and "slow 900 ms" in why, why
+    assert runs["n"] > 4  # (timed in the second round)
+    autotune.forget()
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "again"))  # (nothing kept on disk)
+    runs["n"] = -(10**6)  # slow costs 3 in every round: fast's win is confirmed
+    assert _backend_of_a_call() == "fast"
+    assert slow.runs > 0 and fast.runs > 0

@@ -81,6 +81,10 @@ _RUNS, _MIN_RUNS, _BUDGET_S = 15, 3, 0.02
 # what is known (at T=1024, fp32, torch's kernel and the tiled loop were timed 28.1 and 27.7
 # ms and the tiled loop taken, then ran 24.3 ms against torch's 22.2 in the benchmark).
 _MARGIN = 0.05
+# A choice against the static order is timed again (the two backends, a second round, each
+# backend's fastest run of both kept) before it is taken and kept on disk: at T=1024, fp32,
+# plain, on the loaded AMX Xeon, one round took the tiled loop over torch's kernel, which
+# then ran 12.64 ms against the loop's 13.23 in the benchmark's rounds (nineteenth session).
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,13 @@ def measured_choice(
         times = _time_backends(timed, call)
         if not times:
             return None
-        best = _within_margin(times, [b.name for b in timed])
+        order = [b.name for b in timed]
+        best = _within_margin(times, order)
+        first = next(n for n in order if n in times)
+        if best != first:  # against the static order: confirmed by a second round of both
+            again = _time_backends([b for b in timed if b.name in (first, best)], call)
+            times.update({n: min(times[n], t) for n, t in again.items()})
+            best = _within_margin(times, order)
         choice = Choice(best, "measured", times)
         _measured.store(kind, {"backend": choice.backend, "times": choice.times})
     with _lock:
