@@ -14,10 +14,10 @@
 // Does not support: float16, other dtypes, CPUs with neither AMX nor AVX512-BF16 (qkv_bf16_gemm_usable()
 // says 0 for both, and the caller keeps its float32 GEMM).
 //
-// Layout: k is packed per head in blocks of 64 keys (kN): each block transposed to (D, 64), zero rows past
-// S, and packed into the VNNI layout the GEMMs read (oneDNN packs only N in 16..64). Then every (head,
-// block of kM query rows) is one task: for each key block one GEMM call (M rows, N=64, K=D) into a
-// thread-local tile, scaled and copied into out. Each output element is summed by one GEMM call over D in
+// Layout: k is packed per head as one (D, Sp) matrix in the VNNI layout the GEMMs read (Sp: S rounded up
+// to 64 keys, kN; zero keys past S; each pair of a key's entries moved once from its row). Then every
+// (head, block of kM query rows) is one task: for each block of 64 keys one GEMM call (M rows, N=64, K=D)
+// into a thread-local tile, scaled and copied into out. Each output element is summed by one GEMM call over D in
 // a fixed order, so results do not depend on the thread count.
 //
 // qkv_bf16_attend: bfloat16 attention whose rows attend ranges of keys (plain, causal, sliding windows,
@@ -268,31 +268,41 @@ void zero_nonfinite(bf16* x, int64_t n) {
     if (!std::isfinite(static_cast<float>(x[i]))) x[i] = bf16(0.0f);
 }
 
-// kDot's packing of a block of keys straight from their rows (rows of D entries, D even, row stride sL):
-// the word of entries (2i, 2i+1) of key n is word (i, n) of the (D / 2, kN) VNNI block, whose keys past nb
-// are zeros. `scratch` (D entries) takes a row whose NaN/inf entries are zeroed first (where `zero`).
-void pack_keys_dot(const bf16* src, int64_t sL, int64_t nb, int64_t D, bool zero, bf16* scratch, bf16* dst) {
-  const int64_t words = D / 2;
+// A block of kN keys packed straight from their rows (rows of D entries, D even, row stride sL) into a
+// head's keys in VNNI pairs, (D / 2, ld) words: the word of entries (2i, 2i+1) of key n is word (i, n)
+// from dst (dst: the block's first column), keys past nb zeros. `scratch` (kN x D entries) takes the rows
+// whose NaN/inf entries are zeroed first (where `zero`). No transpose: each word is moved once.
+void pack_keys_block(const bf16* src, int64_t sL, int64_t nb, int64_t D, int64_t ld, bool zero, bf16* scratch,
+                     bf16* dst) {
+  const bf16* rows[kN];
   for (int64_t n = 0; n < kN; ++n) {
     const bf16* row = n < nb ? src + n * sL : nullptr;
     if (row != nullptr && zero && !finite_row(row, D)) {
-      std::copy(row, row + D, scratch);
-      zero_nonfinite(scratch, D);
-      row = scratch;
+      std::copy(row, row + D, scratch + n * D);
+      zero_nonfinite(scratch + n * D, D);
+      row = scratch + n * D;
     }
-    for (int64_t i = 0; i < words; ++i) {
+    rows[n] = row;
+  }
+  for (int64_t i = 0; i < D / 2; ++i) {  // each row of words written in order (ld apart: a head's keys)
+    bf16* out = dst + 2 * i * ld;
+    for (int64_t n = 0; n < kN; ++n) {
       uint32_t w = 0;
-      if (row != nullptr) std::memcpy(&w, row + 2 * i, sizeof(w));
-      std::memcpy(dst + 2 * (i * kN + n), &w, sizeof(w));
+      if (rows[n] != nullptr) std::memcpy(&w, rows[n] + 2 * i, sizeof(w));
+      std::memcpy(out + 2 * n, &w, sizeof(w));
     }
   }
 }
 
-// bad (optional, BH x S): set to 1 for a key holding NaN/inf, whose such entries are packed as 0.
-void pack_keys(Gemm gemm, InRows k, bf16* packed, int64_t BH, int64_t S, int64_t D, uint8_t* bad = nullptr) {
-  const int64_t nS = (S + kN - 1) / kN;
+// Each head's keys as one (D, Sp) matrix in VNNI pairs (Sp = S rounded up to kN, zero keys past S), from
+// packed + bh * D * Sp: a row block's scores of all the keys it sees are then one GEMM call (N = the
+// keys, ldb = Sp; per block of kN keys, the calls and their wrapper's lookups were 3-6% of a call, the
+// same bits). bad (optional, BH x S): set to 1 for a key holding NaN/inf, whose such entries are packed
+// as 0.
+void pack_keys(InRows k, bf16* packed, int64_t BH, int64_t S, int64_t D, uint8_t* bad = nullptr) {
+  const int64_t nS = (S + kN - 1) / kN, Sp = nS * kN;
   at::parallel_for(0, BH * nS, 1, [&](int64_t begin, int64_t end) {
-    std::vector<bf16> kt(D * kN);  // one block of keys transposed: (D, kN)
+    std::vector<bf16> scratch(kN * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / nS, j = task % nS;
       const int64_t n0 = j * kN, nb = std::min(kN, S - n0);
@@ -301,17 +311,7 @@ void pack_keys(Gemm gemm, InRows k, bf16* packed, int64_t BH, int64_t S, int64_t
       if (bad != nullptr)
         for (int64_t n = 0; n < nb; ++n)
           if (!finite_row(src + n * k.sL, D)) bad[bh * S + n0 + n] = 1, clean = false;
-      if (gemm == kDot) {  // no transpose: words moved once (a decoding step packs all its keys)
-        pack_keys_dot(src, k.sL, nb, D, !clean, kt.data(), packed + (bh * nS + j) * D * kN);
-        continue;
-      }
-      for (int64_t d = 0; d < D; ++d) {
-        bf16* row = kt.data() + d * kN;
-        for (int64_t n = 0; n < nb; ++n) row[n] = src[n * k.sL + d];
-        for (int64_t n = nb; n < kN; ++n) row[n] = bf16(0.0f);
-        if (!clean) zero_nonfinite(row, nb);
-      }
-      pack_b(gemm, D, kN, kN, kN, kt.data(), packed + (bh * nS + j) * D * kN);
+      pack_keys_block(src, k.sL, nb, D, Sp, !clean, scratch.data(), packed + bh * D * Sp + 2 * n0);
     }
   });
 }
@@ -328,15 +328,15 @@ void scores(Gemm gemm, const bf16* q, const bf16* packed, float* out, int64_t BH
       for (int64_t j = 0; j < nS; ++j) {
         const int64_t n0 = j * kN, nb = std::min(kN, S - n0);
         float* dst = out + bh * out_bh + t0 * out_t + n0;
-        const bf16* b = packed + (bh * nS + j) * D * kN;
+        const bf16* b = packed + bh * D * nS * kN + 2 * n0;  // (pack_keys' layout)
         if (nb == kN) {  // a whole block straight into out, scaled there while in cache
-          gemm_b(gemm, mb, kN, D, D, kN, out_t, false, a, b, dst);
+          gemm_b(gemm, mb, kN, D, D, nS * kN, out_t, false, a, b, dst);
           for (int64_t r = 0; r < mb; ++r) {
             float* row = dst + r * out_t;
             for (int64_t n = 0; n < kN; ++n) row[n] *= scale;
           }
         } else {  // the last, partial block of keys: through the tile
-          gemm_b(gemm, mb, kN, D, D, kN, kN, false, a, b, tile.data());
+          gemm_b(gemm, mb, kN, D, D, nS * kN, kN, false, a, b, tile.data());
           for (int64_t r = 0; r < mb; ++r) {
             const float* src = tile.data() + r * kN;
             for (int64_t n = 0; n < nb; ++n) dst[r * out_t + n] = src[n] * scale;
@@ -699,9 +699,8 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
         row_bad[r] = !finite_row(src, D);
         if (row_bad[r]) zero_nonfinite(qz + r * D, D);
       }
-      for (int64_t n0 = kb0; n0 < kb1; n0 += kN)
-        gemm_b(gemm, mb, kN, D, D, kN, Sp, false, qz, pk + (kvh * (Sp / kN) + n0 / kN) * D * kN,
-               sc + (n0 - kb0));
+      if (K > 0)  // the scores of every key the block sees, one call (pack_keys' layout)
+        gemm_b(gemm, mb, K, D, D, Sp, Sp, false, qz, pk + kvh * D * Sp + 2 * kb0, sc);
       for (int64_t r = 0; r < mb; ++r) {
         const int64_t a = ranges.at(ranges.lo, bh, t0 + r), b = ranges.at(ranges.hi, bh, t0 + r);
         bf16* prow = probs == nullptr ? nullptr : probs + (bh * T + t0 + r) * S;
@@ -928,7 +927,7 @@ int qkv_bf16_scores(const bf16* q, const bf16* k, float* out, int64_t BH, int64_
     const int64_t nS = (S + kN - 1) / kN;
     const Scratch<CallTag> mem({static_cast<size_t>(BH * nS * D * kN) * sizeof(bf16)});
     bf16* const packed = mem.at<bf16>(0);
-    pack_keys(g, InRows{k, 1, S * D, 0, D}, packed, BH, S, D);
+    pack_keys(InRows{k, 1, S * D, 0, D}, packed, BH, S, D);
     scores(g, q, packed, out, BH, T, S, D, out_bh, out_t, scale);
     return 0;
   } catch (const std::exception& e) {
@@ -987,7 +986,7 @@ int qkv_bf16_attend(const bf16* q, const bf16* k, const bf16* v, const int64_t* 
                                static_cast<size_t>(BHk * (S + 1)) * sizeof(int32_t)});
     bf16 *const pk = mem.at<bf16>(0), *const pv = mem.at<bf16>(1);
     uint8_t* const bad = mem.zeroed<uint8_t>(2, BHk * S);  // keys whose key or value holds NaN/inf
-    pack_keys(g, kh, pk, BHk, S, D, bad);
+    pack_keys(kh, pk, BHk, S, D, bad);
     pack_values(g, vh, pv, BHk, S, Dv, Sp, Dvp, bad);
     int32_t* const bad_before = mem.at<int32_t>(3);
     for (int64_t bh = 0; bh < BHk; ++bh) {
