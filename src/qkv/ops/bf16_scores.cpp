@@ -409,21 +409,21 @@ inline __m512 from_bf16(__m256i h) {
 }
 #endif
 
-// The largest and the smallest of x[0, n), n >= 1; NaN if any is NaN.
-std::pair<float, float> reduce_extremes(const float* x, int64_t n) {
+// The largest (Top) or the smallest of x[0, n), n >= 1; NaN if any is NaN. A row's softmax needs one:
+// the largest scaled score is the largest raw one, or the smallest for a negative scale.
+template <bool Top>
+float reduce_extreme(const float* x, int64_t n) {
   const float inf = std::numeric_limits<float>::infinity();
-  Vec hi(-inf), lo(inf);
+  Vec e(Top ? -inf : inf);
   int64_t i = 0;
   for (; i + kV <= n; i += kV) {
     const Vec xi = Vec::loadu(x + i);
-    hi = at::vec::maximum(hi, xi);
-    lo = at::vec::minimum(lo, xi);
+    e = Top ? at::vec::maximum(e, xi) : at::vec::minimum(e, xi);
   }
-  const auto up = [](float a, float b) { return (std::isnan(b) || b > a) ? b : a; };
-  const auto down = [](float a, float b) { return (std::isnan(b) || b < a) ? b : a; };
-  float top = lanes(hi, -inf, up), bottom = lanes(lo, inf, down);
-  for (; i < n; ++i) top = up(top, x[i]), bottom = down(bottom, x[i]);
-  return {top, bottom};
+  const auto pick = [](float a, float b) { return (std::isnan(b) || (Top ? b > a : b < a)) ? b : a; };
+  float r = lanes(e, Top ? -inf : inf, pick);
+  for (; i < n; ++i) r = pick(r, x[i]);
+  return r;
 }
 
 // p[0, n) -> hi = bf16(p) (into hi, and probs unless null) and lo = bf16(p - hi), both rounded to
@@ -569,7 +569,7 @@ __attribute__((target("avx512bf16"))) float exp_split_bf16(const float* s, int64
 // the weights of softmax(scale * s[a, b)) into hi/lo[0, K) (zeros outside [a, b)) and, unless null,
 // probs (the row's S weights, from key kb0 + a; zeros elsewhere, written by the caller); returns the lse
 // (-inf for a row with no key, a < b false). s is overwritten. scale * s - max(scale * s) is one fused
-// multiply-add per score, the max taken from the raw extremes (the smallest raw score is the largest
+// multiply-add per score, the max taken from a raw extreme (the smallest raw score is the largest
 // scaled one for a negative scale). Without probs, hi/lo hold the exps unnormalised instead (split as
 // they are made) and *norm = 1 / their sum, the factor of the row's output after the GEMMs (1 with
 // probs).
@@ -585,8 +585,8 @@ float softmax_row(float* s, int64_t a, int64_t b, float scale, int64_t K, bf16* 
   }
   s += a, hi += a, lo += a;
   const int64_t n = b - a;
-  const auto [top, bottom] = reduce_extremes(s, n);
-  const float m = scale >= 0.0f ? scale * top : scale * bottom;  // max of the scaled scores
+  // the largest of the scaled scores
+  const float m = scale >= 0.0f ? scale * reduce_extreme<true>(s, n) : scale * reduce_extreme<false>(s, n);
   if (m == -std::numeric_limits<float>::infinity()) {  // every key masked (documents): no key
     std::fill(hi - a, hi - a + K, bf16(0.0f));
     std::fill(lo - a, lo - a + K, bf16(0.0f));
@@ -740,7 +740,14 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
           std::fill(dst, dst + Dv, bf16(std::numeric_limits<float>::quiet_NaN()));
         } else {
           const float f = norm[r];  // 1 where the weights were normalised before the GEMMs
-          for (int64_t c = 0; c < Dv; ++c) dst[c] = bf16(src[c] * f);
+          int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+          const __m512 vf = _mm512_set1_ps(f);  // (to_bf16: c10's rounding, bit for bit)
+          for (; c + 16 <= Dv; c += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                                to_bf16(_mm512_mul_ps(_mm512_loadu_ps(src + c), vf)));
+#endif
+          for (; c < Dv; ++c) dst[c] = bf16(src[c] * f);
         }
       }
     }
