@@ -507,6 +507,24 @@ def test_fused_kernel_memory_kept_between_calls_carries_nothing_over(bf16_gemm):
     assert torch.equal(bf16_scores.weights_kernel(q, k, v, 0.25, causal=False)[0], clean[0])
 
 
+def test_fused_kernel_rows_above_a_tasks_kept_memory_meet_the_policy(bf16_gemm):
+    """A task's score rows over what a thread of the pool keeps (16 MiB: 16 rows of 140,000
+    keys take 17 MiB) are allocated for the call and freed: the output and weights of such a
+    call meet the policy against float64 math, and a small call after it too."""
+    kernel_or_skip()
+    q, k, v = _fused_inputs(1, 16, 140_000, 16, 16, seed=24)
+    out, probs, lse = bf16_scores.weights_kernel(q, k, v, 0.25, causal=False)
+    gold, base = _golden_and_baseline(q, k, v, 0.25, False)
+    assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out")
+    assert float(((probs.double() - gold[1]).abs() - gold[1] * 2**-8).max()) <= 1e-30
+    size = max(1.0, float(gold[2].abs().max()))
+    assert max_error(lse, torch.logsumexp(gold[2], dim=-1)) <= ATOL * size
+    q, k, v = _fused_inputs(2, 40, 200, 16, 16, seed=25)
+    gold, base = _golden_and_baseline(q, k, v, 0.25, True)
+    out = bf16_scores.weights_kernel(q, k, v, 0.25, causal=True)[0]
+    assert_tolerance(out, gold[0], base[0], factor=OUTPUT_FACTOR, name="out after")
+
+
 _FRESH_SCRIPT = """
 import sys, torch
 from qkv.ops import bf16_scores

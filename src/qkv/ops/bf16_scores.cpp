@@ -190,10 +190,12 @@ void gemm_done(Gemm gemm) {
 // Memory a call needs for its duration, kept by the thread for its next call. A fresh allocation of
 // the packed keys and values (1 MiB each at 8 heads of 64, T=1024) went back to the system at every
 // call's end, so the next call's was mapped and faulted in again: 11% of a window's call (one thread,
-// perf: page faults, unmapping). A thread keeps up to kKeepBytes of it per Tag (a call's buffers and
-// its tasks' are apart: the thread that makes the call runs tasks too); a larger need is allocated for
-// the call and freed after. The memory is not cleared: `zeroed` clears what a caller asks.
-constexpr size_t kKeepBytes = size_t{64} << 20;
+// perf: page faults, unmapping). A thread keeps up to Tag::kKeep bytes of it per Tag (a call's buffers
+// and its tasks' are apart: the thread that makes the call runs tasks too). The thread that makes the
+// call keeps 64 MiB (the packed keys and values of 8 heads of 64 take 32 MiB at 16k keys); each thread
+// that runs tasks keeps 16 MiB (every thread of the pool keeps its own; a task's score rows stay under
+// 8 MiB up to 64k keys). A larger need is allocated for the call and freed after. The memory is not
+// cleared: `zeroed` clears what a caller asks.
 constexpr size_t kAlign = 64;
 
 template <typename Tag>
@@ -204,7 +206,7 @@ class Scratch {
     size_t total = 0;
     for (size_t n : sizes) offsets_.push_back(total), total += (n + kAlign - 1) / kAlign * kAlign;
     static thread_local Kept kept;
-    if (total > kKeepBytes) {
+    if (total > Tag::kKeep) {
       own_.reset(allocate(total));
       base_ = own_.get();
     } else {
@@ -238,8 +240,12 @@ class Scratch {
   std::unique_ptr<char, Free> own_;
   char* base_ = nullptr;
 };
-struct CallTag {};
-struct TaskTag {};
+struct CallTag {
+  static constexpr size_t kKeep = size_t{64} << 20;
+};
+struct TaskTag {
+  static constexpr size_t kKeep = size_t{16} << 20;
+};
 
 // Rows of a (B, H / group, L, E) tensor with unit last stride and any other strides, heads flattened
 // as bh = b * H + h: row(bh, l) points at its E entries, of head h / group (GQA: the key and value
