@@ -8,6 +8,9 @@ key), ``window`` (the 257 keys up to each row: ``sliding_window(256)``) and ``we
 (default) times each call by ``time.thread_time`` at one thread, which the other processes of
 a shared machine do not inflate; ``--threads 0 --timer wall`` times torch's threads by the
 wall clock. The ratio is the median over rounds of new / old, the order alternating each round.
+Both builds are called through the working tree's ``attend_kernel``: the revision's C entry
+point must take the same arguments (29d468f added the key heads: compare earlier revisions
+with the working tree of their time).
 
     PYTHONPATH=src python benchmarks/bench_bf16_kernel_ab.py --rev f5c886a [--lengths 1024 4096]
 """
