@@ -143,9 +143,8 @@ _pairs = LRU(16)
 
 def _pairs_tensor(pairs: tuple) -> tuple[Tensor, int]:
     """The int64 CPU tensor ``(L, 2)`` of ``pairs`` and its version: a normal tensor even
-    inside ``torch.inference_mode`` (an inference tensor could not be remembered by identity)."""
-    with torch.inference_mode(False):
-        t = torch.as_tensor(pairs, dtype=torch.int64).view(-1, 2)
+    inside ``torch.inference_mode`` (:func:`_normal`)."""
+    t = _normal(lambda: torch.as_tensor(pairs, dtype=torch.int64).view(-1, 2))()
     return t, t._version
 
 
