@@ -27,7 +27,7 @@ from .ops.base import BackendFailedError, tracing
 from .ops.call import forward_ad_on
 from .ops.deformable.inputs import as_spatial_shapes
 from .ops.key_counts import causal_ranges
-from .ops.tiled import TiledBackend
+from .ops.tiled import KernelLane, TiledBackend, kernel_lane
 from .ops.tiled import route as tiled_route
 from .trace import AttentionTrace, DeformableTrace
 
@@ -215,7 +215,7 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
         guard = nonfinite.prepare(runs, plan.keeps_nonfinite_contract, optimistic=False)
         result, lse = dispatch.run_with_lse(guard.call, plan)
     if lane is not None:
-        _keep_lane(_kind(lane), call, plan, guard)
+        _keep_lane(lane, call, plan, guard, mods[0])
     return guard.restore(result, lse)  # contract: NaN rows, overflowing scores refused
 
 
@@ -290,8 +290,9 @@ class _Lane:
         self.check = nonfinite_rows.RowsCheck()
         self.keys = nonfinite_rows.KeymaskRows()
         # a kind that the tiled backend runs by the few-rows kernel (which keeps the contract
-        # itself): the kernel alone, its arguments packed once (``few_rows.Runner``)
-        self.rows: few_rows.Runner | None = None
+        # itself): the kernel alone, its arguments packed once (``few_rows.Runner``); or by
+        # the fused bfloat16 kernel, a window's rows' ranges kept (``tiled.KernelLane``)
+        self.rows: few_rows.Runner | KernelLane | None = None
         # top-left causal with a query a key or more (T >= S), checked by its rows' ranges of
         # keys (``nonfinite``'s "ranges_in_place"; the ranges the steps made, kept there)
         self.ranged = False
@@ -527,13 +528,23 @@ def _keep(key: tuple, lane: _Lane) -> None:
     _LANES[key] = lane
 
 
-def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> None:
-    """Keep the lane of ``call``'s kind, or that it has none (the steps it took, see above)."""
+def _keep_lane(
+    exact: tuple, call: AttentionCall, plan: dispatch.Plan, guard, mask_mod=None
+) -> None:
+    """Keep the lane of ``call``'s kind, or that it has none (the steps it took, see above).
+    ``exact``: the call's exact kind (:func:`_lane_key`); ``mask_mod``: the one the caller
+    passed (the call may hold it as its ``is_causal``)."""
+    kind = _kind(exact)
     state = dispatch.kept_plans_state()
     kept = _LANES.get(kind)
-    if state is None or (kept is not None and kept.state == state and not kept.ok):
-        return  # (none kept while foreign backends are registered; a kind found to have none
-        # keeps that: a lane whose check cannot take its layout would run the kernel twice)
+    if (
+        state is None
+        or tiled_route.measuring()
+        or (kept is not None and kept.state == state and not kept.ok)
+    ):
+        return  # (none kept while foreign backends are registered, nor of the calls that time
+        # a kind's ways (each held to one); a kind found to have none keeps that: a lane whose
+        # check cannot take its layout would run the kernel twice)
     narrow = call.is_causal and call.T < call.S
     ranged = call.is_causal and not narrow and call.attn_mask is None
     if ranged:  # top-left causal, T >= S: the rows' ranges of keys checked
@@ -550,13 +561,18 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
             and call.attn_mask.dtype == torch.bool
         )
     rows = _rows_lane(call, plan)
-    ok = rows or (
-        steps
-        and type(plan.backend) is TorchBackend
-        and not plan.keeps_nonfinite_contract
-        and call.mask_mod is None
-        and call.work_dtype == call.dtype
-        and not nonfinite.scale_may_overflow(call)
+    kernel = None if rows else _kernel_lane(call, plan, mask_mod)
+    ok = (
+        rows
+        or kernel is not None
+        or (
+            steps
+            and type(plan.backend) is TorchBackend
+            and not plan.keeps_nonfinite_contract
+            and call.mask_mod is None
+            and call.work_dtype == call.dtype
+            and not nonfinite.scale_may_overflow(call)
+        )
     )
     group = call.query.shape[-3] // call.key.shape[-3] if call.enable_gqa else 1
     lse = (  # (the usual way's own choice; a kind with a row, see attend_lse)
@@ -573,14 +589,18 @@ def _keep_lane(kind: tuple, call: AttentionCall, plan: dispatch.Plan, guard) -> 
         narrow,
         call.D,
         group,
-        lse and not rows,
+        lse and not rows and kernel is None,
         call.dtype,
     )
     if rows:
         lane.rows, lane.narrow = few_rows.Runner(), False  # (the kernel takes the causal rows)
+    elif kernel is not None:
+        lane.rows, lane.narrow = kernel, False  # (a window's ranges hold the causal rows)
     else:
         lane.ranged = ranged
     _keep(kind, lane)
+    if kernel is not None:  # (its key count's own: kept under the exact kind too, where the
+        _keep(exact, lane)  # kind's lane of another count may have been kept before)
 
 
 def _rows_lane(call: AttentionCall, plan: dispatch.Plan) -> bool:
@@ -595,6 +615,14 @@ def _rows_lane(call: AttentionCall, plan: dispatch.Plan) -> bool:
         and (mask is None or mask.dim() == 4)
         and few_rows.usable(call)
     )
+
+
+def _kernel_lane(call: AttentionCall, plan: dispatch.Plan, mask_mod) -> KernelLane | None:
+    """The fused bfloat16 kernel's lane of ``call``'s kind (``tiled.kernel_lane``) where the
+    tiled backend ran it by that kernel, else None."""
+    if type(plan.backend) is not TiledBackend or not plan.keeps_nonfinite_contract:
+        return None
+    return kernel_lane(call, mask_mod)
 
 
 class KeptLane:

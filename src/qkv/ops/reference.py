@@ -451,9 +451,15 @@ def _bf16_scores_here(call: AttentionCall) -> bool:
         and call.device.type == "cpu"
         and call.query.shape[-1] > 0
         and not tracing()
-        and cpu_isa.half_gemm_route(torch.bfloat16) == "native"
-        and bf16_scores.available()
+        and bf16_kernel_here()
     )
+
+
+def bf16_kernel_here() -> bool:
+    """What :func:`_bf16_scores_here` asks of this process rather than of a call: bfloat16
+    on the native half route, and the kernel runs here (environment reads and dict lookups
+    after the first ask; a lane asks it again on each call it takes)."""
+    return cpu_isa.half_gemm_route(torch.bfloat16) == "native" and bf16_scores.available()
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:

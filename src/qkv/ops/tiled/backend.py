@@ -73,7 +73,8 @@ from ...masks import score_mod_gradient_inputs
 from .. import bf16_scores, few_rows
 from ..base import BackendResult, tracing
 from ..call import AttentionCall
-from ..reference import ReferenceBackend, bf16_fusable, inference_ranges
+from ..kinds import call_kind
+from ..reference import ReferenceBackend, bf16_fusable, bf16_kernel_here, inference_ranges
 from . import route
 from .backward import _backward, _dense_backward, _sink_grad
 from .batch import _Piece, batch_pieces
@@ -88,8 +89,10 @@ from .plan import PLAN_CACHE_SIZE as PLAN_CACHE_SIZE
 from .plan import _plan_cache as _plan_cache
 
 __all__ = [
+    "KernelLane",
     "TiledBackend",
     "clear_plan_cache",
+    "kernel_lane",
     "merge_by_lse",
     "piece_backward",
     "piece_forward",
@@ -199,6 +202,79 @@ def _by_kernel(call: AttentionCall) -> BackendResult:
     lo, hi, ids = ranges
     out, _, lse = bf16_scores.attend_kernel(q, k, v, call.scale, lo, hi, weights=False, ids=ids)
     return BackendResult(out=out.reshape(call.out_shape), lse=lse.reshape(call.batch + (call.T,)))
+
+
+class KernelLane:
+    """The lane (``functional._Lane.rows``) of a kind of call that :meth:`TiledBackend.run`
+    ran by the fused bfloat16 kernel: one sliding window or causal mask_mod
+    (``few_rows.window_kind``), 4-dim inputs of one batch, no ``attn_mask``, no gradient.
+    A later call of the kind runs the kernel on the rows' key ranges the first call made,
+    without the steps around it (the call checked and built, the plan chosen, the guard
+    prepared: ~0.13 ms of Python a call, 4-8% of a window call at T = 1024). Its choices
+    are asked again on each call (the kernel on the native route here, and its kind's
+    measured way, ``route.py``), and its ranges are for its key count and window offset
+    only; a call they do not fit returns None (the caller takes the steps, which keep a new
+    lane). The kernel keeps the NaN/inf contract itself, as in the steps."""
+
+    __slots__ = ("S", "hi", "kind", "lo", "off")
+
+    def __init__(self, kind: str, S: int, off: int, lo: Tensor, hi: Tensor) -> None:
+        self.kind, self.S, self.off, self.lo, self.hi = kind, S, off, lo, hi
+
+    def __call__(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        keep: Tensor | None,
+        causal: bool,
+        scale: float,
+        window=None,
+    ) -> Tensor | None:
+        """``window``: the call's mask_mod (of the lane's window kind: its ``functional``
+        kind fixes the shapes but the key count, the dtypes and the flags).
+
+        Shape: query ``(B, H, T, D)``, key ``(B, Hk, S, D)``, value ``(B, Hk, S, Dv)`` ->
+        ``(B, H, T, Dv)``."""
+        S = self.S
+        if keep is not None or window is None or key.shape[-2] != S or route.measuring():
+            return None
+        if window.bind(1, 1, query.shape[-2], S)._off() != self.off:
+            return None  # (a window that moves with a cache: other ranges)
+        if not bf16_kernel_here() or route.RANGES.route(self.kind) != "kernel":
+            return None
+        out, _, _ = bf16_scores.attend_kernel(
+            query, key, value, scale, self.lo, self.hi, weights=False
+        )
+        return out
+
+
+def kernel_lane(call: AttentionCall, mask_mod) -> KernelLane | None:
+    """The lane of ``call``'s kind (see :class:`KernelLane`) where :meth:`TiledBackend.run`
+    runs ``call`` by the fused kernel and the lane takes such calls, else None; asked after
+    the call ran (its choices are made then), never while a kind's ways are timed (the
+    caller's to see to). ``mask_mod``: the caller's (a causal one is the call's
+    ``is_causal``)."""
+    mod, q, k, v = mask_mod, call.query, call.key, call.value
+    if (
+        few_rows.window_kind(mod) is None
+        or call.attn_mask is not None
+        or not q.dim() == k.dim() == v.dim() == 4
+        or not q.shape[0] == k.shape[0] == v.shape[0]
+        or (not call.enable_gqa and k.shape[1] != q.shape[1])
+        or tracing()
+        or _nothing_to_tile(call)
+        or call.has_tangents()
+        or few_rows.usable(call)
+        or not _kernel_runs(call)
+    ):
+        return None
+    ranges = inference_ranges(call)
+    if ranges is None or ranges[2] is not None:
+        return None
+    lo, hi = (r.to(torch.int64).clamp(0, call.S).contiguous() for r in ranges[:2])  # (1?, T)
+    off = mod.bind(1, 1, call.T, call.S)._off()
+    return KernelLane(call_kind(call), call.S, off, lo, hi)
 
 
 def _nothing_to_tile(call: AttentionCall) -> bool:

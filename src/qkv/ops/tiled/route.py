@@ -26,7 +26,7 @@ from ... import _measured
 from ..call import AttentionCall
 from ..kinds import call_kind
 
-__all__ = ["RANGES", "SWITCH", "choice", "kernel_runs", "time_whole_calls", "tune"]
+__all__ = ["RANGES", "SWITCH", "choice", "kernel_runs", "measuring", "time_whole_calls", "tune"]
 
 SWITCH = "QKV_BF16_RANGES"
 
@@ -44,6 +44,12 @@ def kernel_runs(call: AttentionCall, run: Callable[[AttentionCall, str], object]
         return RANGES.route(call_kind(call)) == "kernel"
     finally:
         _CALL.now = None
+
+
+def measuring() -> bool:
+    """Whether this thread is timing a way of a kind's first call (:func:`kernel_runs` held to
+    one way): the calls made meanwhile are the measurement's, and nothing is kept of them."""
+    return getattr(_HERE, "route", None) is not None
 
 
 def choice(call: AttentionCall) -> _measured.Choice:
