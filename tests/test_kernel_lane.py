@@ -1,9 +1,10 @@
 """The fused bfloat16 kernel's lane (``ops/tiled/backend.KernelLane``; issue 38): a bfloat16
-call with one sliding window or causal mask_mod that the tiled backend ran by the fused kernel
-keeps its kind's lane, and later calls of the kind run the kernel on the kept key ranges
-without the steps around it. Each such call gives the bits of the full steps, NaN/inf rows
-included; the lane follows the switches and the measured way, takes only its key count and
-window offset, and keeps nothing of the calls that time a kind's ways.
+call with one sliding window, causal or document mask_mod that the tiled backend ran by the
+fused kernel keeps its kind's lane, and later calls of the kind run the kernel on the kept key
+ranges (and ids) without the steps around it. Each such call gives the bits of the full steps,
+NaN/inf rows included; the lane follows the switches and the measured way, takes only its key
+count and window offset or its document ids as they were, and keeps nothing of the calls that
+time a kind's ways.
 
 Where the kernel does not run (no AVX512-BF16 or AMX, or a float32 half route), no lane is
 kept and every call takes the steps: the tests say so rather than skip.
@@ -82,6 +83,10 @@ def _same_bits(a, b) -> bool:
     )
 
 
+# packed documents per batch element (75 positions; calls take the first 70 or 40)
+_IDS = torch.tensor([[0] * 30 + [1] * 25 + [2] * 20, [4] * 12 + [5] * 40 + [6] * 23])
+_APART = torch.tensor([0] * 20 + [1] * 20 + [0] * 30)  # id 0 in two runs: rows compare ids
+
 # name: (B, H, Hk, T, S, keyword arguments, heads laid out as a module's (B, L, H, D))
 _CASES = {
     "window": (2, 3, 3, 70, 70, dict(mask_mod=masks.sliding_window(12)), False),
@@ -106,6 +111,34 @@ _CASES = {
     "causal mask_mod, scale": (1, 2, 2, 66, 66, dict(mask_mod=masks.causal(), scale=-0.3), False),
     "gqa 4/2": (2, 4, 2, 70, 70, dict(mask_mod=masks.sliding_window(20), enable_gqa=True), False),
     "a module's heads": (2, 3, 3, 70, 70, dict(mask_mod=masks.sliding_window(7, 7)), True),
+    "documents per element": (
+        2,
+        3,
+        3,
+        70,
+        70,
+        dict(mask_mod=masks.document(_IDS[:, :70])),
+        False,
+    ),
+    "shared documents, causal": (
+        2,
+        2,
+        2,
+        70,
+        70,
+        dict(mask_mod=masks.document(_IDS[1, :70]), is_causal=True),
+        False,
+    ),
+    "documents of runs apart": (1, 2, 2, 70, 70, dict(mask_mod=masks.document(_APART)), False),
+    "cross documents, gqa": (
+        1,
+        4,
+        2,
+        40,
+        75,
+        dict(mask_mod=masks.document(_IDS[1, 35:], _IDS[1]), enable_gqa=True),
+        False,
+    ),
 }
 _BAD = ["finite", "nan-key", "inf-value", "nan-query"]
 
@@ -136,7 +169,7 @@ def _laned() -> bool:
 
 @pytest.mark.parametrize("bad", _BAD)
 @pytest.mark.parametrize("case", list(_CASES))
-def test_a_window_lane_gives_the_bits_of_the_full_steps(monkeypatch, case, bad):
+def test_a_lane_gives_the_bits_of_the_full_steps(monkeypatch, case, bad):
     """The second call of a kind takes the lane where the kernel runs here (one call by the
     steps, else two) and gives the steps' bits and strides, NaN rows included; the finite
     calls meet the tolerance policy against the float64 reference."""
@@ -238,6 +271,42 @@ def test_a_window_fixed_at_another_offset_takes_the_steps(monkeypatch):
     assert _same_bits(outs[0], _full_steps(q, k, v, mask_mod=near)) and _same_bits(*outs[:2])
     assert _same_bits(outs[2], _full_steps(q, k, v, mask_mod=far)) and _same_bits(*outs[2:])
     assert not _same_bits(outs[0], outs[2])
+
+
+def test_a_documents_lane_takes_its_ids_as_they_were(monkeypatch):
+    """A documents' lane is its ids': a new mask of the same ids tensor takes the lane; ids
+    changed in place, other ids of equal values, int32 ids (copied by ``document`` at each
+    call) and ids made under ``inference_mode`` (no version counter) take the steps. Every
+    call gives the full steps' bits for its ids."""
+    if not _laned():
+        pytest.skip("the fused bfloat16 kernel does not run on this CPU: no lane")
+    q, k, v, _ = _inputs("documents per element")
+    ids = _IDS[:, :70].clone()
+    with torch.inference_mode():
+        frozen = _IDS[:, :70].clone()
+
+    def call(i: torch.Tensor) -> torch.Tensor:
+        return qkv.scaled_dot_product_attention(
+            q, k, v, backend="tiled", mask_mod=masks.document(i)
+        )
+
+    with torch.no_grad():
+        steps = _Steps(monkeypatch)
+        first, again = call(ids), call(ids)
+        assert steps.count == 1 and _same_bits(again, first)
+        assert _same_bits(first, _full_steps(q, k, v, mask_mod=masks.document(ids)))
+        ids[1, 30:] = 9  # changed in place: the steps, then its lane
+        moved, moved_again = call(ids), call(ids)
+        assert steps.count == 2 and _same_bits(moved, moved_again)
+        assert _same_bits(moved, _full_steps(q, k, v, mask_mod=masks.document(ids)))
+        assert not _same_bits(moved, first)
+        twin = ids.clone()  # equal values, other memory: the steps
+        assert _same_bits(call(twin), moved) and steps.count == 3
+        small = ids.int()  # copied at each call: the steps each time
+        assert _same_bits(call(small), moved) and _same_bits(call(small), moved)
+        assert steps.count == 5
+        assert _same_bits(call(frozen), call(frozen)) and steps.count == 7
+        assert _same_bits(call(frozen), first)
 
 
 def test_no_lane_for_a_gradient_a_trace_or_a_mask(monkeypatch):

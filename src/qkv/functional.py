@@ -19,6 +19,7 @@ from torch.nn.functional import scaled_dot_product_attention as _F_sdpa
 from . import autotune, dispatch, recording
 from ._nested import any_nested, attend_nested
 from .autotune import bucket
+from .masks import _Document
 from .ops import AttentionCall, TorchBackend, few_rows, nonfinite, nonfinite_rows, torch_sdpa
 from .ops import deformable as _deformable
 from .ops import linear as _linear
@@ -139,7 +140,7 @@ def scaled_dot_product_attention(
         lane = None
         plain = mask_mod is None and score_mod is None and sinks is None  # (by identity:
         # a tensor's == None raises under a torch function mode, torch.device("cuda") too)
-        window = None if plain else _window_only(mods)
+        window = None if plain else _lane_mask(mods)
         if not return_trace and (window is not None or plain):
             lane = _lane_key(query, key, value, args, backend, window)  # None: no lane's call
             if lane is not None:
@@ -385,12 +386,21 @@ class _Lane:
         return True
 
 
-def _window_only(mods: tuple) -> tuple | None:
-    """The window's kind (``few_rows.window_kind``) where a call's mods are one sliding window
-    or causal mask and nothing else, else None: such a call may have a lane (the few-rows
-    kernel's, its rows' ranges made per call)."""
+def _lane_mask(mods: tuple) -> tuple | None:
+    """The kind of a call's mask_mod where its mods are that alone and it may have a lane, else
+    None: one sliding window or causal mask (``few_rows.window_kind``: the few-rows kernel's
+    lane, its rows' ranges made per call, or the fused bfloat16 kernel's), or one document
+    mask (:data:`_DOCUMENT`: the fused kernel's lane, which checks the ids are the ones it
+    kept)."""
     mask_mod, score_mod, sinks = mods
-    return few_rows.window_kind(mask_mod) if score_mod is None and sinks is None else None
+    if score_mod is not None or sinks is not None:
+        return None
+    if type(mask_mod) is _Document:
+        return _DOCUMENT
+    return few_rows.window_kind(mask_mod)
+
+
+_DOCUMENT = ("document",)  # the lane kind of every document mask (its ids: the lane's to check)
 
 
 _LANES: dict[tuple, _Lane] = {}  # by kind, and by exact kind (two tuples of other lengths)

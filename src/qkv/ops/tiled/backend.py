@@ -69,7 +69,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...masks import score_mod_gradient_inputs
+from ..._identity import identity_key
+from ...masks import _Document, score_mod_gradient_inputs
 from .. import bf16_scores, few_rows
 from ..base import BackendResult, tracing
 from ..call import AttentionCall
@@ -207,19 +208,31 @@ def _by_kernel(call: AttentionCall) -> BackendResult:
 class KernelLane:
     """The lane (``functional._Lane.rows``) of a kind of call that :meth:`TiledBackend.run`
     ran by the fused bfloat16 kernel: one sliding window or causal mask_mod
-    (``few_rows.window_kind``), 4-dim inputs of one batch, no ``attn_mask``, no gradient.
-    A later call of the kind runs the kernel on the rows' key ranges the first call made,
-    without the steps around it (the call checked and built, the plan chosen, the guard
-    prepared: ~0.13 ms of Python a call, 4-8% of a window call at T = 1024). Its choices
-    are asked again on each call (the kernel on the native route here, and its kind's
-    measured way, ``route.py``), and its ranges are for its key count and window offset
-    only; a call they do not fit returns None (the caller takes the steps, which keep a new
-    lane). The kernel keeps the NaN/inf contract itself, as in the steps."""
+    (``few_rows.window_kind``) or one document mask, 4-dim inputs of one batch, no
+    ``attn_mask``, no gradient. A later call of the kind runs the kernel on the rows' key
+    ranges (and ids) the first call made, without the steps around it (the call checked and
+    built, the plan chosen, the guard prepared: 0.2-0.35 ms of Python a call, 6-8% of a
+    window call at T = 1024). Its choices are asked again on each call (the kernel on the
+    native route here, and its kind's measured way, ``route.py``), and its ranges are for
+    its key count and window offset, or its document ids as they were (the same memory,
+    unchanged since: ``_identity.identity_key``; the lane holds them), only; a call they do
+    not fit returns None (the caller takes the steps, which keep a new lane). The kernel
+    keeps the NaN/inf contract itself, as in the steps."""
 
-    __slots__ = ("S", "hi", "kind", "lo", "off")
+    __slots__ = ("S", "docs", "hi", "ids", "kind", "lo", "off")
 
-    def __init__(self, kind: str, S: int, off: int, lo: Tensor, hi: Tensor) -> None:
+    def __init__(
+        self,
+        kind: str,
+        S: int,
+        off: int | None,
+        lo: Tensor,
+        hi: Tensor,
+        ids: tuple | None = None,
+        docs: tuple | None = None,
+    ) -> None:
         self.kind, self.S, self.off, self.lo, self.hi = kind, S, off, lo, hi
+        self.ids, self.docs = ids, docs  # the kernel's ids, and the mask's ids' identity keys
 
     def __call__(
         self,
@@ -229,24 +242,31 @@ class KernelLane:
         keep: Tensor | None,
         causal: bool,
         scale: float,
-        window=None,
+        mask_mod=None,
     ) -> Tensor | None:
-        """``window``: the call's mask_mod (of the lane's window kind: its ``functional``
-        kind fixes the shapes but the key count, the dtypes and the flags).
+        """``mask_mod``: the call's (of the lane's kind: its ``functional`` kind fixes the
+        shapes but the key count, the dtypes and the flags).
 
         Shape: query ``(B, H, T, D)``, key ``(B, Hk, S, D)``, value ``(B, Hk, S, Dv)`` ->
         ``(B, H, T, Dv)``."""
         S = self.S
-        if keep is not None or window is None or key.shape[-2] != S or route.measuring():
+        if keep is not None or mask_mod is None or key.shape[-2] != S or route.measuring():
             return None
-        if window.bind(1, 1, query.shape[-2], S)._off() != self.off:
+        if self.docs is not None:  # the same ids, unchanged
+            if type(mask_mod) is not _Document or _id_keys(mask_mod) != self.docs:
+                return None
+        elif mask_mod.bind(1, 1, query.shape[-2], S)._off() != self.off:
             return None  # (a window that moves with a cache: other ranges)
         if not bf16_kernel_here() or route.RANGES.route(self.kind) != "kernel":
             return None
         out, _, _ = bf16_scores.attend_kernel(
-            query, key, value, scale, self.lo, self.hi, weights=False
+            query, key, value, scale, self.lo, self.hi, weights=False, ids=self.ids
         )
         return out
+
+
+def _id_keys(doc: _Document) -> tuple:
+    return identity_key(doc.q_ids), identity_key(doc.kv_ids)
 
 
 def kernel_lane(call: AttentionCall, mask_mod) -> KernelLane | None:
@@ -256,8 +276,9 @@ def kernel_lane(call: AttentionCall, mask_mod) -> KernelLane | None:
     caller's to see to). ``mask_mod``: the caller's (a causal one is the call's
     ``is_causal``)."""
     mod, q, k, v = mask_mod, call.query, call.key, call.value
+    doc = type(mod) is _Document
     if (
-        few_rows.window_kind(mod) is None
+        (not doc and few_rows.window_kind(mod) is None)
         or call.attn_mask is not None
         or not q.dim() == k.dim() == v.dim() == 4
         or not q.shape[0] == k.shape[0] == v.shape[0]
@@ -270,11 +291,16 @@ def kernel_lane(call: AttentionCall, mask_mod) -> KernelLane | None:
     ):
         return None
     ranges = inference_ranges(call)
-    if ranges is None or ranges[2] is not None:
+    if ranges is None or (ranges[2] is not None) != doc:
         return None
-    lo, hi = (r.to(torch.int64).clamp(0, call.S).contiguous() for r in ranges[:2])  # (1?, T)
-    off = mod.bind(1, 1, call.T, call.S)._off()
-    return KernelLane(call_kind(call), call.S, off, lo, hi)
+    lo, hi = (r.to(torch.int64).clamp(0, call.S).contiguous() for r in ranges[:2])  # (B?, T)
+    if not doc:
+        off = mod.bind(1, 1, call.T, call.S)._off()
+        return KernelLane(call_kind(call), call.S, off, lo, hi)
+    docs = _id_keys(mod)
+    if None in docs:  # (inference tensors, and others whose changes cannot be seen)
+        return None
+    return KernelLane(call_kind(call), call.S, None, lo, hi, ranges[2], docs)
 
 
 def _nothing_to_tile(call: AttentionCall) -> bool:
