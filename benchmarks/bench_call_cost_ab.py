@@ -17,8 +17,9 @@ with 2 key/value heads, torch's SDPA by hand with ``enable_gqa``), ``step-bf16``
 step in bfloat16, module and torch's weights alike), ``step-padded`` (the MHA step over a
 cache whose prompt had 8 positions of padding, torch's SDPA by hand with their mask),
 ``long`` (T=1024:
-plain and causal, float32 and bfloat16), ``structured`` (T=1024: ``sliding_window(256)``,
-documents and causal documents, float32 and bfloat16, against compiled FlexAttention),
+plain and causal, float32 and bfloat16), ``structured`` (T=1024; ``structured-256`` at
+T=256: ``sliding_window(256)``, documents and causal documents, float32 and bfloat16, against
+compiled FlexAttention),
 ``padded`` (B=4, T=1024, keys per element 1024/750/450/150: causal, a window or nothing with
 key lengths, causal with a bool key mask; against compiled FlexAttention),
 ``train`` (inputs requiring a gradient: the forward alone and with the backward, B=8,
@@ -211,15 +212,16 @@ def long_cases(base, rounds: int) -> None:
             compare(f"T=1024, {case}, {dname}", fns, rounds, 1)
 
 
-def structured_cases(base, rounds: int) -> None:
+def structured_cases(base, rounds: int, T: int = 1024) -> None:
     """T=1024 (B=1, H=8, D=64) with ``sliding_window(256)``, documents and causal documents,
     float32 and bfloat16, against compiled FlexAttention with the same block mask (built once,
-    untimed): issue 38's peer for these masks. A case's "torch" column is Flex's."""
+    untimed): issue 38's peer for these masks. A case's "torch" column is Flex's. ``T``:
+    another length (``structured-256``: where a call's Python is a larger share)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from qkv.bench import document_ids
 
-    T, W = 1024, 256
+    W = 256
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(B, H, T, D, generator=g) for _ in range(3)]
     ids = document_ids(T)[0]  # (T,)
@@ -254,7 +256,7 @@ def structured_cases(base, rounds: int) -> None:
                 "before": lambda t=t, m=mods[1]: base.scaled_dot_product_attention(*t, mask_mod=m),
                 "after": lambda t=t, m=mods[0]: qkv.scaled_dot_product_attention(*t, mask_mod=m),
             }
-            compare(f"T=1024, {case}, {dname} (against compiled Flex)", fns, rounds, 1)
+            compare(f"T={T}, {case}, {dname} (against compiled Flex)", fns, rounds, 1)
 
 
 def padded_cases(base, rounds: int) -> None:
@@ -388,6 +390,7 @@ def main(argv=None) -> int:
                 "step-padded": lambda base, rounds: step_case(base, rounds, padded=True),
                 "long": long_cases,
                 "structured": structured_cases,
+                "structured-256": lambda base, rounds: structured_cases(base, rounds, T=256),
                 "padded": padded_cases,
                 "train": train_cases,
             }

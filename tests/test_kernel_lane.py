@@ -130,6 +130,29 @@ _CASES = {
         False,
     ),
     "documents of runs apart": (1, 2, 2, 70, 70, dict(mask_mod=masks.document(_APART)), False),
+    "causal documents (and_masks)": (
+        2,
+        3,
+        3,
+        70,
+        70,
+        dict(mask_mod=masks.and_masks(masks.document(_IDS[:, :70]), masks.causal())),
+        False,
+    ),
+    "a band within bottom-right documents": (
+        1,
+        2,
+        2,
+        40,
+        75,
+        dict(
+            mask_mod=masks.and_masks(
+                masks.sliding_window(6, 3, align="bottom_right"),
+                masks.document(_IDS[1, 35:], _IDS[1]),
+            )
+        ),
+        False,
+    ),
     "cross documents, gqa": (
         1,
         4,
@@ -311,12 +334,14 @@ def test_a_documents_lane_takes_its_ids_as_they_were(monkeypatch):
 
 def test_no_lane_for_a_gradient_a_trace_or_a_mask(monkeypatch):
     """Calls the lane does not take run the steps each time: a query that wants a gradient, a
-    trace, a window with a bool attn_mask (and a window combined with key lengths, no window
-    kind at all)."""
+    trace, a window with a bool attn_mask, and masks of no lane's kind (a window and key
+    lengths, two windows, two documents)."""
     q, k, v, kw = _inputs("window")
     keep = torch.ones(2, 1, 1, 70, dtype=torch.bool)
     keep[1, ..., 60:] = False
     both = masks.and_masks(masks.sliding_window(12), masks.key_lengths(50))
+    windows = masks.and_masks(masks.sliding_window(12), masks.sliding_window(3, 3))
+    docs = masks.and_masks(masks.document(_IDS[:, :70]), masks.document(_IDS[:, 5:]))
     steps = _Steps(monkeypatch)
     for _ in range(2):
         qkv.scaled_dot_product_attention(q.requires_grad_(), k, v, backend="tiled", **kw)
@@ -325,8 +350,9 @@ def test_no_lane_for_a_gradient_a_trace_or_a_mask(monkeypatch):
         for _ in range(2):
             qkv.scaled_dot_product_attention(q, k, v, backend="tiled", return_trace=True, **kw)
             qkv.scaled_dot_product_attention(q, k, v, keep, backend="tiled", **kw)
-            qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=both)
-    assert steps.count == 8
+            for mod in (both, windows, docs):
+                qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=mod)
+    assert steps.count == 12
 
 
 class _Clock:

@@ -19,8 +19,16 @@ from torch.nn.functional import scaled_dot_product_attention as _F_sdpa
 from . import autotune, dispatch, recording
 from ._nested import any_nested, attend_nested
 from .autotune import bucket
-from .masks import _Document
-from .ops import AttentionCall, TorchBackend, few_rows, nonfinite, nonfinite_rows, torch_sdpa
+from .masks import _Combined, _Document
+from .ops import (
+    AttentionCall,
+    TorchBackend,
+    few_rows,
+    key_counts,
+    nonfinite,
+    nonfinite_rows,
+    torch_sdpa,
+)
 from .ops import deformable as _deformable
 from .ops import linear as _linear
 from .ops._aten import flash_forward, sdpa
@@ -390,14 +398,20 @@ def _lane_mask(mods: tuple) -> tuple | None:
     """The kind of a call's mask_mod where its mods are that alone and it may have a lane, else
     None: one sliding window or causal mask (``few_rows.window_kind``: the few-rows kernel's
     lane, its rows' ranges made per call, or the fused bfloat16 kernel's), or one document
-    mask (:data:`_DOCUMENT`: the fused kernel's lane, which checks the ids are the ones it
-    kept)."""
+    mask alone or ``and`` windows (:data:`_DOCUMENT` first: the fused kernel's lane, which
+    checks the ids are the ones it kept; the few-rows kernel takes no documents)."""
     mask_mod, score_mod, sinks = mods
     if score_mod is not None or sinks is not None:
         return None
     if type(mask_mod) is _Document:
         return _DOCUMENT
-    return few_rows.window_kind(mask_mod)
+    if type(mask_mod) is not _Combined:
+        return few_rows.window_kind(mask_mod)
+    parts = key_counts.and_parts(mask_mod)
+    kinds = [_DOCUMENT if type(p) is _Document else few_rows.window_kind(p) for p in parts]
+    if None in kinds or kinds.count(_DOCUMENT) != 1:
+        return None
+    return (*_DOCUMENT, *kinds)
 
 
 _DOCUMENT = ("document",)  # the lane kind of every document mask (its ids: the lane's to check)

@@ -32,6 +32,7 @@ from .call import AttentionCall
 from .plan_cache import PlanCache
 
 __all__ = [
+    "and_parts",
     "causal_ranges",
     "counts",
     "covers_every_key",
@@ -152,6 +153,11 @@ def _is_window(mod) -> bool:
     return (
         isinstance(mod, _Window) and kind.__call__ is _Window.__call__ and kind._off is _Window._off
     )
+
+
+def and_parts(mod) -> list:
+    """The masks that must all allow a pair for ``mod`` to: ``and_masks`` opened up."""
+    return _flat_and([mod])
 
 
 def _flat_and(mods: list) -> list:

@@ -71,7 +71,7 @@ from torch import Tensor
 
 from ..._identity import identity_key
 from ...masks import _Document, score_mod_gradient_inputs
-from .. import bf16_scores, few_rows
+from .. import bf16_scores, few_rows, key_counts
 from ..base import BackendResult, tracing
 from ..call import AttentionCall
 from ..kinds import call_kind
@@ -208,31 +208,24 @@ def _by_kernel(call: AttentionCall) -> BackendResult:
 class KernelLane:
     """The lane (``functional._Lane.rows``) of a kind of call that :meth:`TiledBackend.run`
     ran by the fused bfloat16 kernel: one sliding window or causal mask_mod
-    (``few_rows.window_kind``) or one document mask, 4-dim inputs of one batch, no
-    ``attn_mask``, no gradient. A later call of the kind runs the kernel on the rows' key
-    ranges (and ids) the first call made, without the steps around it (the call checked and
-    built, the plan chosen, the guard prepared: 0.2-0.35 ms of Python a call, 6-8% of a
-    window call at T = 1024). Its choices are asked again on each call (the kernel on the
-    native route here, and its kind's measured way, ``route.py``), and its ranges are for
-    its key count and window offset, or its document ids as they were (the same memory,
-    unchanged since: ``_identity.identity_key``; the lane holds them), only; a call they do
-    not fit returns None (the caller takes the steps, which keep a new lane). The kernel
+    (``few_rows.window_kind``), or one document mask alone or ``and`` such windows; 4-dim
+    inputs of one batch, no ``attn_mask``, no gradient. A later call of the kind runs the
+    kernel on the rows' key ranges (and ids) the first call made, without the steps around it
+    (the call checked and built, the plan chosen, the guard prepared: 0.2-0.5 ms of Python
+    a call, 6-8% of a window call at T = 1024, a third at T = 256). Its choices are asked
+    again on each call (the kernel on the native route here, and its kind's measured way,
+    ``route.py``), and its ranges are for its key count, its windows' offsets and its
+    document ids as they were (the same memory, unchanged since:
+    ``_identity.identity_key``; the lane holds them), only (:func:`_fitted`); a call they
+    do not fit returns None (the caller takes the steps, which keep a new lane). The kernel
     keeps the NaN/inf contract itself, as in the steps."""
 
-    __slots__ = ("S", "docs", "hi", "ids", "kind", "lo", "off")
+    __slots__ = ("S", "fit", "hi", "ids", "kind", "lo")
 
     def __init__(
-        self,
-        kind: str,
-        S: int,
-        off: int | None,
-        lo: Tensor,
-        hi: Tensor,
-        ids: tuple | None = None,
-        docs: tuple | None = None,
+        self, kind: str, S: int, fit: tuple, lo: Tensor, hi: Tensor, ids: tuple | None
     ) -> None:
-        self.kind, self.S, self.off, self.lo, self.hi = kind, S, off, lo, hi
-        self.ids, self.docs = ids, docs  # the kernel's ids, and the mask's ids' identity keys
+        self.kind, self.S, self.fit, self.lo, self.hi, self.ids = kind, S, fit, lo, hi, ids
 
     def __call__(
         self,
@@ -252,11 +245,8 @@ class KernelLane:
         S = self.S
         if keep is not None or mask_mod is None or key.shape[-2] != S or route.measuring():
             return None
-        if self.docs is not None:  # the same ids, unchanged
-            if type(mask_mod) is not _Document or _id_keys(mask_mod) != self.docs:
-                return None
-        elif mask_mod.bind(1, 1, query.shape[-2], S)._off() != self.off:
-            return None  # (a window that moves with a cache: other ranges)
+        if _fitted(mask_mod, query.shape[-2], S) != self.fit:
+            return None  # (a window that moves with a cache, other ids, ids changed)
         if not bf16_kernel_here() or route.RANGES.route(self.kind) != "kernel":
             return None
         out, _, _ = bf16_scores.attend_kernel(
@@ -265,8 +255,20 @@ class KernelLane:
         return out
 
 
-def _id_keys(doc: _Document) -> tuple:
-    return identity_key(doc.q_ids), identity_key(doc.kv_ids)
+def _fitted(mod, T: int, S: int) -> tuple | None:
+    """What a lane's rows' key ranges depend on beyond its kind, for a call of T rows and S
+    keys with mask_mod ``mod`` (a window, a document, or their ``and``): each window's offset
+    (its alignment bound to the sizes, or the one it carries) and the document ids' identity
+    keys (None where one cannot be keyed); None for other masks."""
+    offs, docs = [], []
+    for part in key_counts.and_parts(mod):
+        if type(part) is _Document:
+            docs.append((identity_key(part.q_ids), identity_key(part.kv_ids)))
+        elif key_counts.is_window(part):
+            offs.append(part.bind(1, 1, T, S)._off())
+        else:
+            return None
+    return tuple(offs), tuple(docs)
 
 
 def kernel_lane(call: AttentionCall, mask_mod) -> KernelLane | None:
@@ -275,10 +277,13 @@ def kernel_lane(call: AttentionCall, mask_mod) -> KernelLane | None:
     the call ran (its choices are made then), never while a kind's ways are timed (the
     caller's to see to). ``mask_mod``: the caller's (a causal one is the call's
     ``is_causal``)."""
-    mod, q, k, v = mask_mod, call.query, call.key, call.value
-    doc = type(mod) is _Document
+    q, k, v = call.query, call.key, call.value
+    fit = None if mask_mod is None else _fitted(mask_mod, call.T, call.S)
     if (
-        (not doc and few_rows.window_kind(mod) is None)
+        fit is None
+        or len(fit[1]) > 1
+        or any(None in keys for keys in fit[1])  # (inference tensors, and others whose
+        # changes cannot be seen)
         or call.attn_mask is not None
         or not q.dim() == k.dim() == v.dim() == 4
         or not q.shape[0] == k.shape[0] == v.shape[0]
@@ -291,16 +296,10 @@ def kernel_lane(call: AttentionCall, mask_mod) -> KernelLane | None:
     ):
         return None
     ranges = inference_ranges(call)
-    if ranges is None or (ranges[2] is not None) != doc:
+    if ranges is None or (ranges[2] is not None) != bool(fit[1]):
         return None
     lo, hi = (r.to(torch.int64).clamp(0, call.S).contiguous() for r in ranges[:2])  # (B?, T)
-    if not doc:
-        off = mod.bind(1, 1, call.T, call.S)._off()
-        return KernelLane(call_kind(call), call.S, off, lo, hi)
-    docs = _id_keys(mod)
-    if None in docs:  # (inference tensors, and others whose changes cannot be seen)
-        return None
-    return KernelLane(call_kind(call), call.S, None, lo, hi, ranges[2], docs)
+    return KernelLane(call_kind(call), call.S, fit, lo, hi, ranges[2])
 
 
 def _nothing_to_tile(call: AttentionCall) -> bool:
