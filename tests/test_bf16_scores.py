@@ -571,6 +571,27 @@ def test_fused_kernel_above_the_kept_memory_gives_the_bits_of_smaller_calls(bf16
     assert out.isfinite().all() and probs.sum() > 0
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+def test_fused_kernel_weights_streamed_past_the_caches_give_the_bits_of_smaller_calls(
+    bf16_gemm, causal
+):
+    """Returned weights above 4 MiB are stored past the caches where a row's start is 32-byte
+    aligned (here 4 heads of 740 x 740: 4.2 MiB; a row of 1480 bytes, so the rows' starts
+    take every alignment of 8 bytes): they, the output and the lse are the bits of the same
+    heads called two at a time (2.1 MiB, stored as before), each row of weights summing to 1."""
+    kernel_or_skip()
+    q, k, v = _fused_inputs(4, 740, 740, 32, 40, seed=31)
+    out, probs, lse = bf16_scores.weights_kernel(q, k, v, 0.2, causal=causal)
+    for h in (0, 2):
+        part = bf16_scores.weights_kernel(
+            q[h : h + 2], k[h : h + 2], v[h : h + 2], 0.2, causal=causal
+        )
+        assert torch.equal(out[h : h + 2], part[0]) and torch.equal(probs[h : h + 2], part[1])
+        assert torch.equal(lse[h : h + 2], part[2])
+    sums = probs.double().sum(-1)
+    assert (sums - 1).abs().max() < 0.02 and probs.isfinite().all()
+
+
 @pytest.mark.parametrize("T", [3, 70], ids=["T3", "T70"])  # (T <= 4: the few-rows path on kDot)
 @pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
 def test_fused_kernel_reads_gqa_heads_as_the_repeated_heads(bf16_gemm, T, weights):

@@ -63,6 +63,7 @@ namespace {
 namespace cpublas = at::native::cpublas;
 using bf16 = c10::BFloat16;
 
+constexpr int64_t kStreamBytes = int64_t{4} << 20;  // returned weights streamed past the caches above
 constexpr int64_t kN = 64;  // keys per packed block: oneDNN's pack takes N in {16, 32, 48, 64}
 constexpr int64_t kM = 64;  // query rows per task
 
@@ -459,15 +460,23 @@ void split_generic(const float* e, float inv, int64_t n, bf16* probs, bf16* hi, 
 #if defined(CPU_CAPABILITY_AVX512)
 // The same by AVX512-BF16's conversion (one instruction for 16, rounding to nearest even as above;
 // tests/test_bf16_weights.py checks both ways bit for bit), where the CPU has it.
+// `stream`: the weights go past the caches (non-temporal stores, no read of their lines first)
+// where probs + c is 32-byte aligned: for returned weights larger than the caches, which the call
+// never reads again (the caller fences before it returns).
 __attribute__((target("avx512bf16"))) void split_bf16(const float* e, float inv, int64_t n,
-                                                      bf16* probs, bf16* hi, bf16* lo) {
+                                                      bf16* probs, bf16* hi, bf16* lo,
+                                                      bool stream = false) {
   const __m512 vinv = _mm512_set1_ps(inv);
   int64_t c = 0;
+  stream = stream && probs != nullptr && (reinterpret_cast<uintptr_t>(probs) & 31) == 0;
   for (; c + 16 <= n; c += 16) {
     const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(e + c), vinv);
     const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c), h);
-    if (probs != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), h);
+    if (stream)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(probs + c), h);
+    else if (probs != nullptr)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + c), h);
     const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, from_bf16(h)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c), l);
   }
@@ -580,7 +589,7 @@ __attribute__((target("avx512bf16"))) float exp_split_bf16(const float* s, int64
 // they are made) and *norm = 1 / their sum, the factor of the row's output after the GEMMs (1 with
 // probs).
 float softmax_row(float* s, int64_t a, int64_t b, float scale, int64_t K, bf16* probs, bf16* hi,
-                  bf16* lo, float* norm) {
+                  bf16* lo, float* norm, bool stream = false) {
   *norm = 1.0f;
   std::fill(hi, hi + std::max<int64_t>(a, 0), bf16(0.0f));
   std::fill(lo, lo + std::max<int64_t>(a, 0), bf16(0.0f));
@@ -631,7 +640,7 @@ float softmax_row(float* s, int64_t a, int64_t b, float scale, int64_t K, bf16* 
   if (!std::isfinite(m)) sum = std::numeric_limits<float>::quiet_NaN();
 #if defined(CPU_CAPABILITY_AVX512)
   if (has_bf16_convert())
-    split_bf16(s, 1.0f / sum, n, probs, hi, lo);
+    split_bf16(s, 1.0f / sum, n, probs, hi, lo, stream);
   else
 #endif
     split_generic(s, 1.0f / sum, n, probs, hi, lo);
@@ -678,6 +687,8 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
             int64_t Dv, int64_t Sp, int64_t Dvp, int64_t rows, float scale) {
   const int64_t H = ranges.H, group = H / Hk;
   const int64_t nT = (T + rows - 1) / rows;
+  // returned weights of more than kStreamBytes: stored past the caches (split_bf16)
+  const bool stream = probs != nullptr && BH * T * S * static_cast<int64_t>(sizeof(bf16)) > kStreamBytes;
   at::parallel_for(0, BH * nT, 1, [&](int64_t begin, int64_t end) {
     const Scratch<TaskTag> mem({rows * Sp * sizeof(float), rows * Dvp * sizeof(float), rows * Sp * sizeof(bf16),
                                 rows * Sp * sizeof(bf16), rows * D * sizeof(bf16), rows * sizeof(uint8_t),
@@ -724,7 +735,7 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
         }
         lse[bh * T + t0 + r] = softmax_row(sc + r * Sp, a - kb0, b - kb0, row_scale, K,
                                            prow == nullptr ? nullptr : prow + a,
-                                           hi + r * Sp, lo + r * Sp, &norm[r]);
+                                           hi + r * Sp, lo + r * Sp, &norm[r], stream);
       }
       if (K > 0)
         for (int64_t c0 = 0; c0 < Dvp; c0 += 64) {
@@ -757,6 +768,9 @@ void attend(Gemm gemm, InRows q, const bf16* pk, const bf16* pv, const uint8_t* 
         }
       }
     }
+#if defined(CPU_CAPABILITY_AVX512)
+    if (stream) _mm_sfence();  // this thread's streamed weights visible before the call returns
+#endif
     gemm_done(gemm);
   });
 }
