@@ -421,12 +421,22 @@ inline __m512 from_bf16(__m256i h) {
 template <bool Top>
 float reduce_extreme(const float* x, int64_t n) {
   const float inf = std::numeric_limits<float>::infinity();
+  const auto pick_vec = [](const Vec& a, const Vec& b) {
+    return Top ? at::vec::maximum(a, b) : at::vec::minimum(a, b);
+  };
   Vec e(Top ? -inf : inf);
   int64_t i = 0;
-  for (; i + kV <= n; i += kV) {
-    const Vec xi = Vec::loadu(x + i);
-    e = Top ? at::vec::maximum(e, xi) : at::vec::minimum(e, xi);
+  if (n >= 4 * kV) {  // four chains: one waits on its last compare (4-5 cycles), not on all
+    Vec e1(e), e2(e), e3(e);
+    for (; i + 4 * kV <= n; i += 4 * kV) {
+      e = pick_vec(e, Vec::loadu(x + i));
+      e1 = pick_vec(e1, Vec::loadu(x + i + kV));
+      e2 = pick_vec(e2, Vec::loadu(x + i + 2 * kV));
+      e3 = pick_vec(e3, Vec::loadu(x + i + 3 * kV));
+    }
+    e = pick_vec(pick_vec(e, e1), pick_vec(e2, e3));  // (the extreme of all: the same value)
   }
+  for (; i + kV <= n; i += kV) e = pick_vec(e, Vec::loadu(x + i));
   const auto pick = [](float a, float b) { return (std::isnan(b) || (Top ? b > a : b < a)) ? b : a; };
   float r = lanes(e, Top ? -inf : inf, pick);
   for (; i < n; ++i) r = pick(r, x[i]);
