@@ -90,3 +90,62 @@ def cpu_route(request, monkeypatch):
     fixture runs on every route, whatever this machine would pick."""
     force_route(monkeypatch, request.param)
     return request.param
+
+
+@pytest.fixture
+def ways(monkeypatch):
+    """Count the fused bfloat16 kernel's calls (``bf16_scores.attend_kernel``) and the tiled
+    plan's (``tiled_attention``) from here on: which way the tiled backend took."""
+    from qkv.ops import bf16_scores
+    from qkv.ops.tiled import backend as tiled_backend
+
+    seen = {"kernel": 0, "plan": 0}
+    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
+
+    def counted_kernel(*args, **kwargs):
+        seen["kernel"] += 1
+        return kernel(*args, **kwargs)
+
+    def counted_plan(*args, **kwargs):
+        seen["plan"] += 1
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(bf16_scores, "attend_kernel", counted_kernel)
+    monkeypatch.setattr(tiled_backend, "tiled_attention", counted_plan)
+    return seen
+
+
+class TimedWays:
+    """The fused kernel's calls and the plan's counted (``runs``) and each charged
+    ``costs[way]`` seconds on a fake clock (``now``) that the route's measurement reads."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.costs = {"kernel": 1.0, "plan": 3.0}
+        self.runs = {"kernel": 0, "plan": 0}
+
+
+@pytest.fixture
+def timed_ways(monkeypatch) -> TimedWays:
+    """The tiled backend's two ways on a fake clock (:class:`TimedWays`): the measurement of a
+    kind's way (``qkv.ops.tiled.route``) takes the way whose ``costs`` are lower."""
+    from qkv.ops import bf16_scores
+    from qkv.ops.tiled import backend as tiled_backend
+    from qkv.ops.tiled import route
+
+    ways = TimedWays()
+
+    def timed(way, fn):
+        def run(*args, **kwargs):
+            ways.runs[way] += 1
+            ways.now += ways.costs[way]
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(route, "_clock", lambda: ways.now)
+    monkeypatch.setattr(bf16_scores, "attend_kernel", timed("kernel", bf16_scores.attend_kernel))
+    monkeypatch.setattr(
+        tiled_backend, "tiled_attention", timed("plan", tiled_backend.tiled_attention)
+    )
+    return ways

@@ -13,8 +13,7 @@ import torch
 
 import qkv
 from qkv import autotune, dispatch, masks
-from qkv.ops import AttentionCall, bf16_scores, reference
-from qkv.ops.tiled import backend as tiled_backend
+from qkv.ops import AttentionCall, reference
 from qkv.ops.tiled import route
 
 B, H, T, D = 3, 2, 70, 16
@@ -44,25 +43,6 @@ def _inputs(seed: int = 0) -> list[torch.Tensor]:
 
 def _kernel_here(kw: dict) -> bool:
     return reference.bf16_fusable(AttentionCall.build(*_inputs(), **kw))
-
-
-@pytest.fixture
-def ways(monkeypatch):
-    """Count the kernel's calls and the plan's (``tiled_attention``) from here on."""
-    seen = {"kernel": 0, "plan": 0}
-    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
-
-    def counted_kernel(*args, **kwargs):
-        seen["kernel"] += 1
-        return kernel(*args, **kwargs)
-
-    def counted_plan(*args, **kwargs):
-        seen["plan"] += 1
-        return plan(*args, **kwargs)
-
-    monkeypatch.setattr(bf16_scores, "attend_kernel", counted_kernel)
-    monkeypatch.setattr(tiled_backend, "tiled_attention", counted_plan)
-    return seen
 
 
 @pytest.mark.parametrize("name", list(_mods()))
@@ -126,48 +106,31 @@ def test_a_switch_of_another_value_is_refused(monkeypatch):
             qkv.scaled_dot_product_attention(*_inputs(), backend="tiled", **kw)
 
 
-class _Clock:
-    now = 0.0
-
-
-def _measuring_on_a_fake_clock(monkeypatch, tmp_path, name: str) -> dict:
-    """Measuring on, kept in ``tmp_path``, no way forced, the route timed on :class:`_Clock`,
-    nothing kept from before; the keyword arguments of mask ``name`` (skipped where the kernel
-    does not run: one way only)."""
+def _measuring_on(monkeypatch, tmp_path, name: str) -> dict:
+    """Measuring on, kept in ``tmp_path``, no way forced, nothing kept from before; the
+    keyword arguments of mask ``name`` (skipped where the kernel does not run: one way
+    only). The ways' fake clock is the ``timed_ways`` fixture's."""
     kw = _mods()[name]
     if not _kernel_here(kw):
         pytest.skip("the fused bfloat16 kernel does not run on this CPU: one way only")
     monkeypatch.setenv("QKV_AUTOTUNE", "on")
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(route.SWITCH, raising=False)
-    monkeypatch.setattr(route, "_clock", lambda: _Clock.now)
     autotune.forget()
     return kw
 
 
 @pytest.mark.parametrize("faster", ["kernel", "plan"])
-def test_the_way_measured_faster_is_taken_kept_and_read_back(monkeypatch, tmp_path, faster):
+def test_the_way_measured_faster_is_taken_kept_and_read_back(
+    monkeypatch, tmp_path, timed_ways, faster
+):
     """With a fake clock on which the ``faster`` way costs 1 and the other 3: the first call of
     a kind measures both and takes the faster; later calls of the kind run it alone; a fresh
     process (``autotune.forget``) reads it from disk without measuring; another kind is
     measured afresh."""
-    kw = _measuring_on_a_fake_clock(monkeypatch, tmp_path, "causal+lengths")
-    costs = {faster: 1.0, ("plan" if faster == "kernel" else "kernel"): 3.0}
-    runs = {"kernel": 0, "plan": 0}
-    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
-
-    def timed_kernel(*args, **kwargs):
-        runs["kernel"] += 1
-        _Clock.now += costs["kernel"]
-        return kernel(*args, **kwargs)
-
-    def timed_plan(*args, **kwargs):
-        runs["plan"] += 1
-        _Clock.now += costs["plan"]
-        return plan(*args, **kwargs)
-
-    monkeypatch.setattr(bf16_scores, "attend_kernel", timed_kernel)
-    monkeypatch.setattr(tiled_backend, "tiled_attention", timed_plan)
+    kw = _measuring_on(monkeypatch, tmp_path, "causal+lengths")
+    costs, runs = timed_ways.costs, timed_ways.runs
+    costs.update({faster: 1.0, ("plan" if faster == "kernel" else "kernel"): 3.0})
     q, k, v = _inputs()
     call = AttentionCall.build(q, k, v, **kw)
     try:
@@ -235,27 +198,14 @@ def test_explain_names_the_way_and_why(monkeypatch):
     assert dispatch.way(grad, "tiled") is None  # (a gradient: the plan, the one way)
 
 
-def test_tune_measures_the_way_again(monkeypatch, tmp_path):
+def test_tune_measures_the_way_again(monkeypatch, tmp_path, timed_ways):
     """A kind measured with the kernel faster is measured afresh by ``dispatch.tune`` (what
     ``qkv tune`` runs) once the plan has become faster: the plan is kept, in this process and
     on disk, and the next call runs it; ``explain`` says so."""
-    kw = _measuring_on_a_fake_clock(monkeypatch, tmp_path, "documents per element")
+    kw = _measuring_on(monkeypatch, tmp_path, "documents per element")
     tiled = dispatch.get_backend("tiled")
     monkeypatch.setattr(dispatch, "_measurable", lambda call: [tiled])  # (its way alone)
-    costs = {"kernel": 1.0, "plan": 3.0}
-    runs = {"kernel": 0, "plan": 0}
-    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
-
-    def timed(way, fn):
-        def run(*args, **kwargs):
-            runs[way] += 1
-            _Clock.now += costs[way]
-            return fn(*args, **kwargs)
-
-        return run
-
-    monkeypatch.setattr(bf16_scores, "attend_kernel", timed("kernel", kernel))
-    monkeypatch.setattr(tiled_backend, "tiled_attention", timed("plan", plan))
+    costs, runs = timed_ways.costs, timed_ways.runs
     q, k, v = _inputs()
     call = AttentionCall.build(q, k, v, **kw)
     try:

@@ -17,7 +17,7 @@ import torch
 
 import qkv
 from qkv import autotune, dispatch, masks
-from qkv.ops import AttentionCall, bf16_scores, reference
+from qkv.ops import AttentionCall, reference
 from qkv.ops.tiled import backend as tiled_backend
 from qkv.ops.tiled import route
 
@@ -37,25 +37,6 @@ class _Steps:
             return full(*args, **kwargs)
 
         monkeypatch.setattr(qkv.functional, "_attend", counted)
-
-
-@pytest.fixture
-def ways(monkeypatch):
-    """Count the fused kernel's calls and the plan's (``tiled_attention``) from here on."""
-    seen = {"kernel": 0, "plan": 0}
-    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
-
-    def counted_kernel(*args, **kwargs):
-        seen["kernel"] += 1
-        return kernel(*args, **kwargs)
-
-    def counted_plan(*args, **kwargs):
-        seen["plan"] += 1
-        return plan(*args, **kwargs)
-
-    monkeypatch.setattr(bf16_scores, "attend_kernel", counted_kernel)
-    monkeypatch.setattr(tiled_backend, "tiled_attention", counted_plan)
-    return seen
 
 
 _ATTEND = qkv.functional._attend  # (the steps, not counted by _Steps)
@@ -355,12 +336,10 @@ def test_no_lane_for_a_gradient_a_trace_or_a_mask(monkeypatch):
     assert steps.count == 12
 
 
-class _Clock:
-    now = 0.0
-
-
 @pytest.mark.parametrize("faster", ["kernel", "plan"])
-def test_timing_a_kinds_ways_keeps_no_lane_and_times_each(monkeypatch, tmp_path, faster):
+def test_timing_a_kinds_ways_keeps_no_lane_and_times_each(
+    monkeypatch, tmp_path, timed_ways, faster
+):
     """Measuring on, with a fake clock on which ``faster`` costs 1 and the other way 3: the
     first call times both ways, each run its own way (none by a lane kept meanwhile), and takes
     the faster. Later calls run it: the kernel by its lane, or the plan by the steps. A kind
@@ -370,24 +349,11 @@ def test_timing_a_kinds_ways_keeps_no_lane_and_times_each(monkeypatch, tmp_path,
     monkeypatch.setenv("QKV_AUTOTUNE", "on")
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(route.SWITCH, raising=False)
-    monkeypatch.setattr(route, "_clock", lambda: _Clock.now)
     tiled = dispatch.get_backend("tiled")
     monkeypatch.setattr(dispatch, "_measurable", lambda call: [tiled])  # (its ways alone)
     autotune.forget()
-    costs = {faster: 1.0, ("plan" if faster == "kernel" else "kernel"): 3.0}
-    runs = {"kernel": 0, "plan": 0}
-    kernel, plan = bf16_scores.attend_kernel, tiled_backend.tiled_attention
-
-    def timed(way, fn):
-        def run(*args, **kwargs):
-            runs[way] += 1
-            _Clock.now += costs[way]
-            return fn(*args, **kwargs)
-
-        return run
-
-    monkeypatch.setattr(bf16_scores, "attend_kernel", timed("kernel", kernel))
-    monkeypatch.setattr(tiled_backend, "tiled_attention", timed("plan", plan))
+    costs, runs = timed_ways.costs, timed_ways.runs
+    costs.update({faster: 1.0, ("plan" if faster == "kernel" else "kernel"): 3.0})
     q, k, v, kw = _inputs("window")
     kw["scale"] = D**-0.5  # (as the timed calls pass it: the same kind as theirs)
     call = AttentionCall.build(q, k, v, **kw)
