@@ -313,6 +313,25 @@ def test_a_documents_lane_takes_its_ids_as_they_were(monkeypatch):
         assert _same_bits(call(frozen), first)
 
 
+@pytest.mark.parametrize("case", ["window", "documents per element"])
+def test_a_lane_kept_under_inference_mode_serves_calls_outside_it(monkeypatch, case):
+    """A lane kept by a call under ``inference_mode`` (its ranges then inference tensors)
+    takes the kind's later calls under ``no_grad`` and in plain mode without a gradient, and
+    the other way round, each to the steps' bits."""
+    q, k, v, kw = _inputs(case)
+    full = _full_steps(q, k, v, **kw)
+    steps = _Steps(monkeypatch)
+    with torch.inference_mode():
+        first = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+    with torch.no_grad():
+        second = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+    third = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+    with torch.inference_mode():
+        fourth = qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw)
+    assert steps.count == (1 if _laned() else 4)
+    assert all(_same_bits(o, full) for o in (first, second, third, fourth))
+
+
 def test_no_lane_for_a_gradient_a_trace_or_a_mask(monkeypatch):
     """Calls the lane does not take run the steps each time: a query that wants a gradient, a
     trace, a window with a bool attn_mask, and masks of no lane's kind (a window and key
