@@ -313,6 +313,40 @@ def test_a_documents_lane_takes_its_ids_as_they_were(monkeypatch):
         assert _same_bits(call(frozen), first)
 
 
+def test_a_documents_lane_keeps_its_ids_alive(monkeypatch):
+    """The lane holds the ids tensors whose identity it checks, even where the call's mask is
+    a copy of the caller's (a ``bind`` that copies, as a mask may): freed, their memory could
+    be given to other ids of the same shape and version, which the lane would take for them
+    (``_identity``). The caller's ids live as long as the lane; a call of other ids takes the
+    steps and gives their bits."""
+    import weakref
+
+    from qkv.masks.vocabulary import _Document
+
+    if not _laned():
+        pytest.skip("the fused bfloat16 kernel does not run on this CPU: no lane")
+
+    def copying_bind(self, B, H, T, S):
+        return _Document(self.q_ids.clone(), self.kv_ids.clone())
+
+    monkeypatch.setattr(_Document, "bind", copying_bind)
+    q, k, v, _ = _inputs("documents per element")
+    ids = _IDS[:, :70].clone()
+    alive = weakref.ref(ids)
+    with torch.no_grad():
+        steps = _Steps(monkeypatch)
+        for _ in range(2):
+            qkv.scaled_dot_product_attention(q, k, v, backend="tiled", mask_mod=masks.document(ids))
+        del ids
+        assert steps.count == 1 and alive() is not None
+        other = torch.zeros(2, 70, dtype=torch.int64)  # one document per element
+        out = qkv.scaled_dot_product_attention(
+            q, k, v, backend="tiled", mask_mod=masks.document(other)
+        )
+    assert steps.count == 2
+    assert _same_bits(out, _full_steps(q, k, v, mask_mod=masks.document(other)))
+
+
 @pytest.mark.parametrize("case", ["window", "documents per element"])
 def test_a_lane_kept_under_inference_mode_serves_calls_outside_it(monkeypatch, case):
     """A lane kept by a call under ``inference_mode`` (its ranges then inference tensors)

@@ -220,12 +220,23 @@ class KernelLane:
     do not fit returns None (the caller takes the steps, which keep a new lane). The kernel
     keeps the NaN/inf contract itself, as in the steps."""
 
-    __slots__ = ("S", "fit", "hi", "ids", "kind", "lo")
+    __slots__ = ("S", "fit", "held", "hi", "ids", "kind", "lo")
 
     def __init__(
-        self, kind: str, S: int, fit: tuple, lo: Tensor, hi: Tensor, ids: tuple | None
+        self,
+        kind: str,
+        S: int,
+        fit: tuple,
+        lo: Tensor,
+        hi: Tensor,
+        ids: tuple | None,
+        held: tuple = (),
     ) -> None:
         self.kind, self.S, self.fit, self.lo, self.hi, self.ids = kind, S, fit, lo, hi, ids
+        # the document ids whose identity keys ``fit`` holds, kept alive: while they live, no
+        # other tensor can have been given their memory (``_identity``), so a key that matches
+        # is the same values
+        self.held = held
 
     def __call__(
         self,
@@ -299,7 +310,13 @@ def kernel_lane(call: AttentionCall, mask_mod) -> KernelLane | None:
     if ranges is None or (ranges[2] is not None) != bool(fit[1]):
         return None
     lo, hi = (r.to(torch.int64).clamp(0, call.S).contiguous() for r in ranges[:2])  # (B?, T)
-    return KernelLane(call_kind(call), call.S, fit, lo, hi, ranges[2])
+    held = tuple(
+        t
+        for part in key_counts.and_parts(mask_mod)
+        if type(part) is _Document
+        for t in (part.q_ids, part.kv_ids)
+    )
+    return KernelLane(call_kind(call), call.S, fit, lo, hi, ranges[2], held)
 
 
 def _nothing_to_tile(call: AttentionCall) -> bool:
