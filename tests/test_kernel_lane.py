@@ -277,6 +277,25 @@ def test_a_window_fixed_at_another_offset_takes_the_steps(monkeypatch):
     assert not _same_bits(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("layout", ["strided last dim", "keys broadcast over the batch"])
+def test_a_lane_takes_strided_and_broadcast_inputs_to_the_steps_bits(monkeypatch, layout):
+    """Queries whose last dim has a step of 2 (copied by the kernel's wrapper, in the lane as
+    in the steps), and keys and values expanded over the batch (a stride of 0): the lane's
+    calls give the steps' bits."""
+    q, k, v, kw = _inputs("documents per element")
+    if layout == "strided last dim":
+        q = torch.stack([q, torch.zeros_like(q)], -1).flatten(-2)[..., ::2]  # (B, H, T, D)
+        assert q.stride(-1) == 2
+    else:
+        k, v = k[:1].expand_as(k), v[:1].expand_as(v)  # (B, H, S, D), batch stride 0
+    with torch.no_grad():
+        full = _full_steps(q, k, v, **kw)
+        steps = _Steps(monkeypatch)
+        outs = [qkv.scaled_dot_product_attention(q, k, v, backend="tiled", **kw) for _ in "ab"]
+    assert steps.count == (1 if _laned() else 2)
+    assert all(_same_bits(o, full) for o in outs)
+
+
 def test_a_documents_lane_takes_its_ids_as_they_were(monkeypatch):
     """A documents' lane is its ids': a new mask of the same ids tensor takes the lane; ids
     changed in place, other ids of equal values, int32 ids (copied by ``document`` at each
