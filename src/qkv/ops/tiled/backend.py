@@ -31,7 +31,9 @@ The units of a call are cached by mask structure and sizes (``masks.structure_ke
 Eager inference of some calls skips the tiles for a C++ kernel that keeps the NaN/inf contract
 itself: up to four query rows in float32 or bfloat16 without mask or with a bool key mask
 (``ops/few_rows.py``: a decoding step), and bfloat16 rows that attend ranges of keys
-(``ops/bf16_scores.py``).
+(``ops/bf16_scores.py``). A kind of call that took the bfloat16 kernel keeps a lane
+(:class:`KernelLane`, kept by ``functional``'s lanes): its later calls run the kernel on the
+key ranges the first made, without the steps around it.
 
 Two inner kernels compute a chunk:
   * ``flash``: torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
