@@ -365,6 +365,9 @@ def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
     out[0, 0, 3, 1], out[1, 2, 9, 0] = math.inf, math.nan
     query = torch.randn(1, 3, 17, 5, generator=g).to(dtype)  # broadcast over the batch
     query[0, 1, 2, 4] = math.nan
+    if dtype.itemsize >= 4:  # what a kernel leaves of a bad query: a row of NaN, or of 0 (its
+        out[0, 1, 2], out[1, 1, 2] = math.nan, 0.0  # scores all NaN): the pass reads no query
+    # (a half row may come out finite: the queries are swept, as they would be here for all)
     out[1, 0, 6] = 0.0  # a row of zeros: computed again too (a kernel's row of NaN scores)
     key, value = torch.randn(2, 1, 3, 11, 8, generator=g).to(dtype)  # broadcast over the batch
     key = key[..., :5]  # (1, 3, 11, 5); value (1, 3, 11, 8)
@@ -388,6 +391,99 @@ def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
     assert (out[~has] == 0).all() and out[has & (hits > 0)].isnan().all()
     rest = has & (hits == 0)
     assert torch.equal(out[rest].view(torch.int8), before[rest].view(torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("flags", [{}, {"is_causal": True}, {"scale": -0.5}], ids=str)
+@pytest.mark.parametrize("T", [1, 16])
+def test_a_bad_query_row_is_nan_without_a_sweep_of_the_queries(monkeypatch, route, T, flags, dtype):
+    """The pass after a kernel whose rows see every key reads no query in float32 and float64,
+    or with the kernel's log-sum-exp (half dtypes in 4 dims): a query row with a NaN or an
+    inf makes every score of its row NaN or +-inf, so the kernel's row tells (NaN, or 0, which
+    is computed again). Each bad query row comes out NaN, on the first call and on its lane's,
+    the other rows the float64 math's: an inf entry against keys of both signs (+inf and -inf
+    scores), against a key column of zeros (NaN scores), a -inf entry against positive keys
+    (every score -inf: a kernel's empty row), and a NaN."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+    g = torch.Generator().manual_seed(11)
+    S = 2 * T + 3
+    q = torch.randn(2, 3, T, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 3, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k[1, 0, :, 2] = 0.0  # (inf * 0: NaN scores)
+    k[1, 1, :, 3] = k[1, 1, :, 3].abs() + 0.5  # (-inf * positive: every score -inf)
+    ok = torch.ones(T, S, dtype=torch.bool)
+    if flags.get("is_causal"):
+        ok = ok.tril()
+    scale = flags.get("scale", 1 / math.sqrt(D))
+    probs = torch.softmax(((q @ k.transpose(-2, -1)) * scale).masked_fill(~ok, -math.inf), -1)
+    want = probs @ v
+    bad = torch.zeros(2, 3, T, dtype=torch.bool)
+    r = T - 1
+    q[0, 0, r, 1] = math.inf  # keys of both signs
+    q[1, 0, r, 2] = math.inf  # a column of zeros
+    q[1, 1, r, 3] = -math.inf  # keys all positive there
+    q[0, 2, 0, 4] = math.nan
+    bad[0, 0, r] = bad[1, 0, r] = bad[1, 1, r] = bad[0, 2, 0] = True
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2)
+    with torch.no_grad():
+        for _ in range(2):  # the full steps, then the lane
+            out = qkv.scaled_dot_product_attention(q, k, v, **flags)
+            assert out[bad].isnan().all()
+            torch.testing.assert_close(out[~bad].double(), want[~bad], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Dv", [5, 16, 24, 67])
+@pytest.mark.parametrize("what", ["clean", "inf", "-inf", "nan", "largest finite", "zero row"])
+@pytest.mark.parametrize("at", ["first", "last"])
+def test_the_output_check_finds_one_wrong_element_anywhere_in_a_row(what, at, Dv, dtype):
+    """The check of the output's rows (vectors of 32 bytes and a scalar tail) finds a NaN, an inf
+    of either sign, or a row of zeros at a row's first or last element, in rows of any length,
+    and takes the largest finite value for what it is: only a wrong row changes, computed again
+    by the plain math (a row of -0 too)."""
+    if not nonfinite_rows.available():
+        pytest.skip("the fused row passes did not build here")
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (7, 5, 5))
+    v = torch.randn(1, 2, 5, Dv, generator=g, dtype=torch.float64)
+    want = ((q @ k.transpose(-1, -2)) * 0.5).softmax(-1) @ v  # (1, 2, 7, Dv)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out = want.to(dtype)
+    out[0, 0, 1] = -0.0  # a row of -0, wrong too; the one under test is (0, 1, 4)
+    e = 0 if at == "first" else Dv - 1
+    if what == "zero row":
+        out[0, 1, 4] = 0.0
+    elif what != "clean":
+        value = torch.finfo(dtype).max if what == "largest finite" else float(what)
+        out[0, 1, 4, e] = value
+    before = out.clone()
+    assert nonfinite_rows.check_rows(out, q, (q, k, v), 0.5, 1)
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 2e-2)
+    torch.testing.assert_close(out[0, 0, 1].double(), want[0, 0, 1], rtol=tol, atol=tol)
+    rows = ((out != before) | (out.isnan() != before.isnan())).any(-1)  # (1, 2, 7): changed
+    if what not in ("clean", "largest finite"):  # computed again: the plain math's row
+        torch.testing.assert_close(out[0, 1, 4].double(), want[0, 1, 4], rtol=tol, atol=tol)
+    rows[0, 0, 1] = False
+    expected = torch.zeros_like(rows)
+    expected[0, 1, 4] = what not in ("clean", "largest finite")
+    assert torch.equal(rows, expected)
+
+
+def test_a_half_row_without_the_lse_has_its_queries_swept():
+    """Where a half row may be finite and wrong (a +inf score, without the kernel's lse), the
+    pass still sweeps the queries: a finite output row of a bad query row becomes NaN."""
+    if not nonfinite_rows.available():
+        pytest.skip("the fused row passes did not build here")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 6, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    q[0, 1, 3, 0] = math.inf
+    out = torch.randn(1, 2, 6, D, generator=g).to(torch.bfloat16)  # every row finite
+    before = out.clone()
+    assert nonfinite_rows.check_rows(out, q, (q, k, v), 0.5, 1)
+    assert out[0, 1, 3].isnan().all()
+    out[0, 1, 3] = before[0, 1, 3]
+    assert torch.equal(out.view(torch.int16), before.view(torch.int16))
 
 
 # --- what a decode-size call dispatches --------------------------------------------------------
