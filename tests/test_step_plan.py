@@ -97,6 +97,25 @@ def test_planned_steps_give_the_bits_of_the_module_s_way(planned, G, dtype, B, p
     assert planned[0] == 7  # (the first step by the module's way makes the plan)
 
 
+def test_a_planned_step_counts_its_writes_to_the_cache(planned):
+    """The kernel writes the new key and value rows into the cache's buffers, and their
+    version counters move as the module's way (``copy_``) moves them: a tensor autograd saved
+    from the cache before the step is then found changed at backward, not read stale."""
+    mha, twin, cache, twin_cache = _pair()
+    with torch.no_grad():
+        _steps(mha, twin, cache, twin_cache, 2)
+    w = torch.ones((), requires_grad=True)
+    saved = cache._k.narrow(2, 0, 9) * w  # (mul saves the cache's keys for backward)
+    versions = cache._k._version, cache._v._version
+    before = planned[0]
+    with torch.no_grad():
+        mha(torch.randn(2, 1, C), cache=cache)
+    assert planned[0] == before + 1
+    assert cache._k._version > versions[0] and cache._v._version > versions[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
+
+
 def test_a_module_without_bias_plans_too(planned):
     mha, twin, cache, twin_cache = _pair(bias=False)
     with torch.no_grad():

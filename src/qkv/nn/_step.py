@@ -1,8 +1,9 @@
 """A decoding step of one token of ``MultiHeadAttention`` by a plan kept after its first such
-step (issue 38): the in-projection, the new key and value rows copied into the cache, the
-few-rows kernel's call packed once (``few_rows.Packed``: only the query's and output's
-pointers and the key count are written per step) and the out-projection, with the checks that
-fix them made as identity and flag reads.
+step (issue 38): the in-projection, one call of the few-rows kernel packed once
+(``few_rows.Packed``: only the query's and output's pointers and the key count are written per
+step) that copies the new key and value rows into the cache and attends, into an output
+buffer of the plan's, and the out-projection, with the checks that fix them made as identity
+and flag reads.
 
 Why: the module's way of a step (its checks, ``_project``, ``KVCache.append``, the kept lane's
 ``run`` and the runner's packing, ``_output``) was 1.19-1.21x torch's step by hand at C=512,
@@ -10,6 +11,10 @@ one thread, on the AMX Xeon, though each of its parts alone cost little more tha
 The step's projections stream megabytes of weights, so every step meets its Python objects
 cold in the caches, and the module's way touched many (``benchmarks/RESULTS.md``, seventeenth
 session). By the plan: 1.07-1.10x (grouped heads 1.02x), the same ops written flat 1.03x.
+Its eight torch ops between the projections (the heads' view, the rows' two narrowed copies,
+the output's allocation) still cost 35-50 us of a 250 us step; with the rows copied by the
+kernel and the output kept, 0.94-0.95x (bfloat16 0.99-1.00x, grouped 0.81x; twenty-first
+session).
 
 What a step checks, each time, so that it is the module's way to the bit or declined (None:
 the module's way runs, and makes a plan again where it can):
@@ -35,6 +40,7 @@ import weakref
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import increment_version
 
 from ..functional import KeptLane, lane_context
 from ..ops import few_rows
@@ -64,6 +70,7 @@ class StepPlan:
         "heads",
         "keys",
         "mask",
+        "out",
         "packed",
         "shape",
         "state",
@@ -80,6 +87,7 @@ class StepPlan:
         lane,
         heads: tuple[int, int, int],
         packed: few_rows.Packed,
+        out: Tensor,
     ) -> None:
         p = module._parameters
         self.cls, self.backend = type(module), module.backend
@@ -96,6 +104,9 @@ class StepPlan:
         self.capacity = min(cache._k.shape[2], cache._v.shape[2])  # (the buffers' own rows)
         self.state = lane.state
         self.packed, self.thread = packed, threading.get_ident()
+        # the attention's output (B, 1, H * D), written by each step and read by its
+        # out-projection only (whose result is new memory): one buffer for the plan's thread
+        self.out = out
 
     def run(
         self, module: nn.Module, kept: KeptLane, query: Tensor, cache: KVCache
@@ -143,20 +154,16 @@ class StepPlan:
         out_proj = module._modules["out_proj"]
         if type(out_proj) is not nn.Linear or has_hooks(out_proj):
             return None
-        B = self.shape[0]
-        H, G, D = self.heads
         qkv = linear(query, w, self.bias)  # (B, 1, (H + 2G) * D): q's heads, k's, v's
-        heads = qkv.view(B, 1, H + 2 * G, D).transpose(1, 2)  # (B, H + 2G, 1, D)
-        position = S - 1
-        keys.narrow(2, position, 1).copy_(heads.narrow(1, H, G))  # (B, G, 1, D)
-        values.narrow(2, position, 1).copy_(heads.narrow(1, H + G, G))
+        if not qkv.is_contiguous():  # (F.linear's output is: the plan's strides)
+            return None
+        # the new key and value rows into the cache's row S - 1, then the query's H heads (at
+        # qkv's pointer) over its S rows into the plan's buffer (B, 1, H * D), in one call
+        self.packed(qkv, self.out, S)
+        increment_version((keys, values))  # (written in place, as copy_ would count it)
         cache.position = S
-        out = torch.empty(
-            (B, 1, H * D), dtype=self.dtype, device="cpu"
-        )  # the kernel's (B, H, 1, D) as (B, 1, H, D)
-        self.packed(heads, out, S)  # (the query: the first H heads, at the same pointer)
         o = out_proj._parameters
-        return linear(out, o["weight"], o["bias"])  # (B, 1, C)
+        return linear(self.out, o["weight"], o["bias"])  # (B, 1, C)
 
 
 def make_plan(
@@ -194,15 +201,24 @@ def make_plan(
     S = cache.position
     keys, values = cache._k, cache._v
     keep = cache._mask[:, None, None, :S] if cache._padded else None  # (B, 1, 1, S)
-    out = (
-        torch.empty((B, 1, H * D), dtype=query.dtype, device="cpu").view(B, 1, H, D).transpose(1, 2)
-    )
+    out = torch.empty((B, 1, H * D), dtype=query.dtype, device="cpu")  # the plan's, each step's
+    heads_out = out.view(B, 1, H, D).transpose(1, 2)  # (the kernel's (B, H, 1, D))
+    # the step's new key and value rows: its in-projection's heads H.. and H + G.., each call
+    # copied by the kernel into the cache's row S - 1 before it reads them (B, G rows of D)
+    new_rows = (H * D, (H + G) * D, E, D)
     packed = few_rows.pack(
-        q, keys.narrow(2, 0, S), values.narrow(2, 0, S), out, lane.causal, lane.scale, keep
+        q,
+        keys.narrow(2, 0, S),
+        values.narrow(2, 0, S),
+        heads_out,
+        lane.causal,
+        lane.scale,
+        keep,
+        new_rows,
     )
     if packed is None or keys.shape[-1] != D or values.shape[-1] != D:
         return None
-    return StepPlan(module, query, cache, lane, (H, G, D), packed)
+    return StepPlan(module, query, cache, lane, (H, G, D), packed, out)
 
 
 def has_hooks(m: nn.Module) -> bool:

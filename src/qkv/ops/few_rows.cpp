@@ -393,6 +393,44 @@ void attend(const Args& a) {
   });
 }
 
+// qkv_few_rows's arguments read into a (see there), false (and last_error) for bad sizes or dtype.
+bool read_args(const int64_t* p, Args& a) {
+  a.q = reinterpret_cast<const void*>(p[0]);
+  a.k = reinterpret_cast<const void*>(p[1]);
+  a.v = reinterpret_cast<const void*>(p[2]);
+  a.out = reinterpret_cast<void*>(p[3]);
+  a.lse = reinterpret_cast<float*>(p[4]);
+  a.keep = reinterpret_cast<const uint8_t*>(p[5]);
+  a.B = p[6], a.H = p[7], a.G = p[8], a.T = p[9], a.S = p[10], a.D = p[11], a.Dv = p[12];
+  for (int i = 0; i < 3; ++i) a.qs[i] = p[13 + i], a.ks[i] = p[16 + i], a.vs[i] = p[19 + i], a.os[i] = p[22 + i];
+  a.keep_sb = p[25], a.causal = p[26];
+  std::memcpy(&a.scale, p + 27, sizeof(double));
+  a.dtype = p[28];
+  a.lo = reinterpret_cast<const int64_t*>(p[29]);
+  a.hi = reinterpret_cast<const int64_t*>(p[30]);
+  a.range_sb = p[31];
+  if (a.T < 1 || a.S < 1 || a.D < 1 || a.Dv < 1 || a.G < 1 || a.H % a.G != 0) {
+    std::snprintf(last_error, sizeof(last_error), "bad sizes: H=%lld G=%lld T=%lld S=%lld D=%lld Dv=%lld",
+                  (long long)a.H, (long long)a.G, (long long)a.T, (long long)a.S, (long long)a.D,
+                  (long long)a.Dv);
+    return false;
+  }
+  if (a.dtype < 0 || a.dtype > 2) {
+    std::snprintf(last_error, sizeof(last_error), "bad dtype code %lld", (long long)a.dtype);
+    return false;
+  }
+  return true;
+}
+
+void run(const Args& a) {
+  if (a.dtype == 0)
+    attend<float>(a);
+  else if (a.dtype == 1)
+    attend<bf16>(a);
+  else
+    attend<f16>(a);
+}
+
 }  // namespace
 
 extern "C" {
@@ -409,37 +447,41 @@ const char* qkv_few_rows_error() { return last_error; }
 int qkv_few_rows(const int64_t* p) {
   try {
     Args a;
-    a.q = reinterpret_cast<const void*>(p[0]);
-    a.k = reinterpret_cast<const void*>(p[1]);
-    a.v = reinterpret_cast<const void*>(p[2]);
-    a.out = reinterpret_cast<void*>(p[3]);
-    a.lse = reinterpret_cast<float*>(p[4]);
-    a.keep = reinterpret_cast<const uint8_t*>(p[5]);
-    a.B = p[6], a.H = p[7], a.G = p[8], a.T = p[9], a.S = p[10], a.D = p[11], a.Dv = p[12];
-    for (int i = 0; i < 3; ++i) a.qs[i] = p[13 + i], a.ks[i] = p[16 + i], a.vs[i] = p[19 + i], a.os[i] = p[22 + i];
-    a.keep_sb = p[25], a.causal = p[26];
-    std::memcpy(&a.scale, p + 27, sizeof(double));
-    a.dtype = p[28];
-    a.lo = reinterpret_cast<const int64_t*>(p[29]);
-    a.hi = reinterpret_cast<const int64_t*>(p[30]);
-    a.range_sb = p[31];
-    if (a.T < 1 || a.S < 1 || a.D < 1 || a.Dv < 1 || a.G < 1 || a.H % a.G != 0) {
-      std::snprintf(last_error, sizeof(last_error), "bad sizes: H=%lld G=%lld T=%lld S=%lld D=%lld Dv=%lld",
-                    (long long)a.H, (long long)a.G, (long long)a.T, (long long)a.S, (long long)a.D,
-                    (long long)a.Dv);
-      return 1;
-    }
-    if (a.dtype < 0 || a.dtype > 2) {
-      std::snprintf(last_error, sizeof(last_error), "bad dtype code %lld", (long long)a.dtype);
-      return 1;
+    if (!read_args(p, a)) return 1;
+    if (a.B * a.H == 0) return 0;
+    run(a);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(last_error, sizeof(last_error), "%s", e.what());
+    return 1;
+  }
+}
+
+// A decoding step's call (nn/_step.py): qkv_few_rows's 32 arguments, then the new key and value
+// row of each (batch, key head) copied into row S - 1 of k and v before the call reads them, bit for
+// bit: 32 and 33 their offsets from q, in elements; 34 and 35 their batch and head strides. In a
+// fused in-projection's output (B, 1, (H + 2G) * D), whose first H heads are q, the new keys start
+// H heads past q and the values H + G. 0 on success, 1 on an error (nothing written then).
+int qkv_few_rows_step(const int64_t* p) {
+  try {
+    Args a;
+    if (!read_args(p, a)) return 1;
+    const int64_t size = a.dtype == 0 ? 4 : 2;
+    const char* q = static_cast<const char*>(a.q);
+    char* k = static_cast<char*>(const_cast<void*>(a.k));
+    char* v = static_cast<char*>(const_cast<void*>(a.v));
+    const int64_t row = a.S - 1;
+    for (int64_t b = 0; b < a.B; ++b) {
+      for (int64_t g = 0; g < a.G; ++g) {
+        const int64_t from = b * p[34] + g * p[35];
+        std::memcpy(k + (b * a.ks[0] + g * a.ks[1] + row * a.ks[2]) * size, q + (p[32] + from) * size,
+                    a.D * size);
+        std::memcpy(v + (b * a.vs[0] + g * a.vs[1] + row * a.vs[2]) * size, q + (p[33] + from) * size,
+                    a.Dv * size);
+      }
     }
     if (a.B * a.H == 0) return 0;
-    if (a.dtype == 0)
-      attend<float>(a);
-    else if (a.dtype == 1)
-      attend<bf16>(a);
-    else
-      attend<f16>(a);
+    run(a);
     return 0;
   } catch (const std::exception& e) {
     std::snprintf(last_error, sizeof(last_error), "%s", e.what());

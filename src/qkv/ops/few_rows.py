@@ -76,7 +76,11 @@ _log = logging.getLogger(__name__)
 @functools.cache
 def _build() -> tuple[ctypes.CDLL | None, str]:
     lib, why = build_declared(
-        SOURCE, "qkv_few_rows", {"qkv_few_rows": [ctypes.c_char_p]}, _log, "the tiled passes"
+        SOURCE,
+        "qkv_few_rows",
+        {name: [ctypes.c_char_p] for name in ("qkv_few_rows", "qkv_few_rows_step")},
+        _log,
+        "the tiled passes",
     )
     if lib is not None:
         lib.qkv_few_rows_error.restype = ctypes.c_char_p
@@ -356,11 +360,19 @@ def pack(
     causal: bool,
     scale: float,
     keep: Tensor | None = None,
+    new_rows: tuple[int, int, int, int] | None = None,
 ) -> Packed | None:
     """The kernel's call of ``query`` over ``key`` and ``value`` into ``out``, with the bool
     key mask ``keep`` if any, packed for :class:`Packed`'s calls (the tensors' strides and the
     key, value and mask pointers kept: a KV cache's buffers); None where the kernel does not
     run here or does not take these layouts.
+
+    ``new_rows``: a decoding step's (``nn/_step.py``): each call first copies the new key and
+    value row of each (batch, key head) into row ``S - 1`` of ``key`` and ``value`` (its key
+    count's last), from the query's memory: ``(key offset, value offset, batch stride, head
+    stride)`` in elements from the query's pointer (a fused in-projection's output holds them
+    past the query's heads). ``key`` and ``value`` then have the query's batch (no broadcast
+    batch: the rows of two elements would meet).
 
     Shape: query ``(B, H, T, D)``, key ``(B?, G, S, D)``, value ``(B?, G, S, Dv)``, out
     ``(B, H, T, Dv)``, keep ``(B?, 1, 1, S)``."""
@@ -368,7 +380,13 @@ def pack(
     packed = None if lib is None else _args(query, key, value, out, None, keep, causal, scale)
     if lib is None or packed is None:
         return None
-    fn = lib["qkv_few_rows"]  # its own handle, taking the array as it is
+    name = "qkv_few_rows"
+    if new_rows is not None:
+        B = query.shape[0]
+        if key.shape[0] != B or value.shape[0] != B or query.shape[2] != 1:
+            return None
+        packed, name = packed + list(new_rows), "qkv_few_rows_step"
+    fn = lib[name]  # its own handle, taking the array as it is
     fn.restype = ctypes.c_int
     return Packed((ctypes.c_int64 * len(packed))(*packed), fn)
 
