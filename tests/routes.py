@@ -12,6 +12,10 @@ fixture of conftest.py), so that every route runs on every machine:
   ``float32`` widens them first. It reaches the modules' projections
   (``ops.cpu_isa.linear``); the measurement itself is tested with a fake clock
   (test_cpu_isa.py).
+* ``QKV_CPU_FUSED_BIAS`` (``qkv.ops.cpu_isa.fused_bias_here``: oneDNN's bfloat16 linear with
+  its bias fused, where a probe once per process finds it running with ``F.linear``'s bits):
+  ``off`` adds the bias as ``F.linear`` does. The same bits either way: test_cpu_isa.py runs
+  both, and the probe failing.
 * torch's CPU flash kernel (``qkv.ops._aten.flash_cpu_available``, a property of the torch
   build): the tiled backend's ``flash`` inner kernel and the torch backend's lse for traces.
   Hidden, they take their plain twins: the ``matmul`` inner kernel, and the lse derived by
@@ -73,7 +77,9 @@ MACHINE_PROBES = {
     "ops/nonfinite.py": "QKV_CPU_HOST_READS: the host-read route, forced both ways "
     "(force_host_reads)",
     "ops/cpu_isa.py": "QKV_CPU_HALF_GEMM, the CPU's flags and capability: the half GEMM route "
-    "(forced by force_route)",
+    "(forced by force_route); QKV_CPU_FUSED_BIAS (off) and whether oneDNN's bfloat16 linear "
+    "with its bias fused runs here with F.linear's bits: test_cpu_isa.py runs it on and off "
+    "(same bits) and with the probe failing",
     "ops/_aten.py": "flash_cpu_available: the torch build's CPU flash kernel",
     "ops/tiled/plan.py": "flash_cpu_available: hidden in the -noflash routes",
     "ops/torch_sdpa.py": "flash_cpu_available: hidden in the -noflash routes",

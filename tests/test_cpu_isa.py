@@ -421,3 +421,133 @@ def test_a_bf16_module_compiles_whole(measuring, monkeypatch, autotune):
         monkeypatch.setenv("QKV_CPU_HALF_GEMM", flag_route)
         want = m(x)
     assert torch.equal(got, want)
+
+
+# --- bfloat16 linears with the bias fused (cpu_isa.fused_bias_here) ---------------------------
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Count the calls of the fused op (where it runs here; else skip)."""
+    monkeypatch.setenv("QKV_CPU_HALF_GEMM", "native")
+    monkeypatch.delenv(cpu_isa.FUSED_BIAS_SWITCH, raising=False)
+    if not cpu_isa.fused_bias_here():
+        pytest.skip("oneDNN's bfloat16 linear with a fused bias does not run here")
+    calls = [0]
+    op = cpu_isa._FUSED_BIAS[0]
+
+    def counted(*args):
+        calls[0] += 1
+        return op(*args)
+
+    monkeypatch.setattr(cpu_isa, "_FUSED_BIAS", [counted])
+    return calls
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (1, 7), (3, 33), (2, 130)])
+@pytest.mark.parametrize("sizes", [(512, 1536), (40, 24), (96, 1)])
+def test_a_fused_bias_gives_f_linear_s_bits(fused_calls, monkeypatch, rows, sizes):
+    """Where the fused op runs, a bfloat16 linear with a bias takes it and gives
+    ``F.linear``'s bits, for a decoding step's one row and for odd sizes; switched off
+    (``QKV_CPU_FUSED_BIAS=off``) it takes ``F.linear``, to the same bits."""
+    g = torch.Generator().manual_seed(0)
+    C, N = sizes
+    x = torch.randn(*rows, C, generator=g).to(torch.bfloat16)
+    w = torch.randn(N, C, generator=g).to(torch.bfloat16)
+    b = torch.randn(N, generator=g).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x, w, b)
+    with torch.no_grad():
+        fused = cpu_isa.linear(x, w, b)
+        assert fused_calls[0] == 1 and torch.equal(fused, want)
+        monkeypatch.setenv(cpu_isa.FUSED_BIAS_SWITCH, "off")
+        assert torch.equal(cpu_isa.linear(x, w, b), want) and fused_calls[0] == 1
+
+
+@pytest.mark.parametrize(
+    "case", ["grad", "strided input", "strided weight", "no bias", "float32", "1-d", "fake"]
+)
+def test_what_the_fused_bias_does_not_take_goes_to_f_linear(fused_calls, case):
+    """A gradient wanted, a non-contiguous input or weight, no bias, another dtype, a 1-d input,
+    or a dispatch mode (fake tensors) take ``F.linear``: the gradient flows as before."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 9, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(12, 16, generator=g).to(torch.bfloat16)
+    b = torch.randn(12, generator=g).to(torch.bfloat16)
+    if case == "grad":
+        w.requires_grad_(True)
+    elif case == "strided input":
+        x = torch.randn(2, 18, 16, generator=g).to(torch.bfloat16)[:, ::2]
+    elif case == "strided weight":
+        w = torch.randn(16, 12, generator=g).to(torch.bfloat16).t()
+    elif case == "no bias":
+        b = None
+    elif case == "float32":
+        x, w, b = x.float(), w.float(), b.float()
+    elif case == "1-d":
+        x = x[0, 0]
+    if case == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode() as mode:
+            out = cpu_isa.linear(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b))
+        assert out.shape == (2, 9, 12) and fused_calls[0] == 0
+        return
+    out = cpu_isa.linear(x, w, b)
+    assert fused_calls[0] == 0
+    assert torch.equal(out, torch.nn.functional.linear(x, w, b))
+    if case == "grad":
+        out.float().sum().backward()
+        assert w.grad is not None and w.grad.shape == w.shape
+
+
+def test_the_fused_bias_probe_keeps_f_linear_where_the_op_fails_or_differs(monkeypatch):
+    """The probe made once per process takes the op only where it runs and gives
+    ``F.linear``'s bits: an op that raises (no bfloat16 primitive under this ISA) or gives
+    other bits leaves every linear to ``F.linear``, and ``forget`` probes again."""
+    monkeypatch.delenv(cpu_isa.FUSED_BIAS_SWITCH, raising=False)
+    kept = list(cpu_isa._FUSED_BIAS)
+    monkeypatch.setattr(cpu_isa, "_FUSED_BIAS", [])
+
+    class Ops:
+        def __init__(self, fn):
+            self._linear_pointwise = fn
+
+    def raises(*args):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    def differs(x, w, b, *rest):
+        return torch.nn.functional.linear(x, w, b) + 1
+
+    for fn in (raises, differs):
+        monkeypatch.setattr(torch.ops, "mkldnn", Ops(fn))
+        cpu_isa.forget()
+        assert not cpu_isa.fused_bias_here()
+        x, w, b = (torch.ones(*size).bfloat16() for size in ((2, 3, 4), (5, 4), (5,)))
+        with torch.no_grad():
+            assert torch.equal(cpu_isa.linear(x, w, b), torch.full((2, 3, 5), 5.0).bfloat16())
+    monkeypatch.undo()
+    cpu_isa._FUSED_BIAS[:] = kept
+
+
+@pytest.mark.parametrize("fused", ["on", "off"])
+def test_a_bf16_module_gives_the_same_bits_with_the_bias_fused_or_not(monkeypatch, fused):
+    """The fused bias changes speed only: a bfloat16 ``MultiHeadAttention`` call (its in- and
+    out-projections) and a decoding step give the same bits switched on (where it runs) and
+    off, on this machine's half GEMM route."""
+    torch.manual_seed(0)
+    mha = qkv.MultiHeadAttention(64, 4).eval().to(torch.bfloat16)
+    x = torch.randn(2, 11, 64).to(torch.bfloat16)
+    step = torch.randn(2, 1, 64).to(torch.bfloat16)
+
+    def run():
+        with torch.no_grad():
+            cache = mha.new_cache(2, 16)
+            mha(x, cache=cache)
+            return mha(x), mha(step, cache=cache), mha(step, cache=cache)
+
+    monkeypatch.setenv(cpu_isa.FUSED_BIAS_SWITCH, "off")
+    want = run()
+    if fused == "on":
+        monkeypatch.delenv(cpu_isa.FUSED_BIAS_SWITCH)
+    for a, b in zip(run(), want):
+        assert torch.equal(a, b)

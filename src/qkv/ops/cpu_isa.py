@@ -25,6 +25,16 @@ the tolerance policy (issue 37: the suite forces both), so the choice changes sp
   times, from disk, from the flags); :func:`explain_half_gemm` says it in a line and runs
   nothing.
 
+A bfloat16 :func:`linear` with a bias, taken natively, adds the bias inside oneDNN's GEMM
+(``torch.ops.mkldnn._linear_pointwise``) where that op runs here and gives ``F.linear``'s bits
+on a probe made once per process (:func:`fused_bias_here`): ``F.linear`` (``addmm``) first
+copies the bias into every row of its output and then accumulates into it, a pass over the
+output that cost 6-22% of the projection (8-12% at one row, a decoding step's; 22% at 1024
+rows of C=512 to 3C; AMX Xeon, one thread). The op is oneDNN's own, the same products and
+sums, so the route changes speed only; ``QKV_CPU_FUSED_BIAS=off`` turns it off (the tests
+run both ways). Inputs that want a gradient, tracing and dispatch modes, other devices and
+non-contiguous tensors take ``F.linear``.
+
 The route is a ``qkv._measured.MeasuredRoute``. bfloat16 attention that wants a gradient
 has no such choice: it is computed in float32 and rounded once (``AttentionCall.work_dtype``
 says why).
@@ -41,9 +51,10 @@ from torch import Tensor
 
 from .. import _measured
 from .._measured import clock as _clock
-from .._measured import cpu_features
+from .._measured import cpu_features, env
 
 __all__ = [
+    "FUSED_BIAS_SWITCH",
     "HALF_GEMM",
     "HALF_GEMM_ROUTES",
     "HALF_GEMM_SWITCH",
@@ -51,6 +62,7 @@ __all__ = [
     "cpu_features",
     "explain_half_gemm",
     "forget",
+    "fused_bias_here",
     "half_gemm_choice",
     "half_gemm_route",
     "linear",
@@ -146,8 +158,9 @@ def explain_half_gemm(dtype: torch.dtype = torch.bfloat16) -> str:
 
 def forget() -> None:
     """Drop this process's half GEMM routes (the next call of each dtype is measured again, or
-    read from disk; the disk is read again)."""
+    read from disk; the disk is read again) and its probe of the fused bias."""
     HALF_GEMM.forget()
+    _FUSED_BIAS.clear()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -221,6 +234,65 @@ def widens_half(x: Tensor) -> bool:
     return x.dtype in _HALF and x.device.type == "cpu" and half_gemm_route(x.dtype) == "float32"
 
 
+FUSED_BIAS_SWITCH = "QKV_CPU_FUSED_BIAS"  # "off": bfloat16 linears add their bias as addmm does
+_FUSED_BIAS: list = []  # [the op, or None where it does not run here or gives other bits]
+
+
+def fused_bias_here() -> bool:
+    """Whether bfloat16 linears with a bias take oneDNN's op with the bias fused here (see the
+    module's notes): not switched off, and the op ran on the probe with ``F.linear``'s bits."""
+    return env(FUSED_BIAS_SWITCH) != "off" and _fused_bias_op() is not None
+
+
+def _fused_bias_op():
+    """``torch.ops.mkldnn._linear_pointwise`` where it runs here and gives ``F.linear``'s bits
+    on a probe of a few odd sizes (one row; 2 x 37 rows of 96 to 80), else None; asked once per
+    process (the answer kept in ``_FUSED_BIAS``)."""
+    if _FUSED_BIAS:
+        return _FUSED_BIAS[0]
+    op = None
+    try:
+        candidate = torch.ops.mkldnn._linear_pointwise
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for rows in ((1,), (2, 37)):
+                x = torch.randn(*rows, 96, generator=g).to(torch.bfloat16)
+                w = torch.randn(80, 96, generator=g).to(torch.bfloat16)
+                b = torch.randn(80, generator=g).to(torch.bfloat16)
+                if not torch.equal(candidate(x, w, b, "none", [], ""), F.linear(x, w, b)):
+                    raise ValueError("other bits")
+        op = candidate
+    except Exception:  # (not in this build, no bfloat16 primitive under this ISA, other bits)
+        op = None
+    _FUSED_BIAS[:] = [op]
+    return op
+
+
+def _fuses_bias(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether this linear takes the fused bias: bfloat16 CPU tensors, contiguous, a bias, no
+    gradient wanted, not traced and under no dispatch mode (fake tensors, op counters: they
+    see ``F.linear``, and the probe never runs under one), the route on here."""
+    return (
+        bias is not None
+        and x.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
+        and bias.dtype is torch.bfloat16
+        and x.is_cpu
+        and weight.is_cpu
+        and bias.is_cpu
+        and x.dim() >= 2
+        and not (
+            torch.is_grad_enabled()
+            and (x.requires_grad or weight.requires_grad or bias.requires_grad)
+        )
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and bias.is_contiguous()
+        and not _measured.cannot_time()
+        and fused_bias_here()
+    )
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, by what this CPU does well: half inputs where
     :func:`widens_half` are multiplied in float32 and rounded once to their dtype (float32
@@ -235,4 +307,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if x.dtype in _HALF and weight.dtype == x.dtype and widens_half(x):  # (float32: no call)
         wide_bias = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), wide_bias).to(x.dtype)
+    if x.dtype is torch.bfloat16 and _fuses_bias(x, weight, bias):
+        return _FUSED_BIAS[0](x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
