@@ -431,6 +431,37 @@ void run(const Args& a) {
     attend<f16>(a);
 }
 
+// qkv_few_rows (new_rows: qkv_few_rows_step, see there): the arguments read, the new rows copied, the call
+// run; 0 on success, 1 on an error (last_error says which).
+int call(const int64_t* p, bool new_rows) {
+  try {
+    Args a;
+    if (!read_args(p, a)) return 1;
+    if (new_rows) {  // each (batch, key head)'s new key and value row into row S - 1 of k and v
+      const int64_t size = a.dtype == 0 ? 4 : 2;
+      const char* q = static_cast<const char*>(a.q);
+      char* k = static_cast<char*>(const_cast<void*>(a.k));
+      char* v = static_cast<char*>(const_cast<void*>(a.v));
+      const int64_t row = a.S - 1;
+      for (int64_t b = 0; b < a.B; ++b) {
+        for (int64_t g = 0; g < a.G; ++g) {
+          const int64_t from = b * p[34] + g * p[35];
+          std::memcpy(k + (b * a.ks[0] + g * a.ks[1] + row * a.ks[2]) * size, q + (p[32] + from) * size,
+                      a.D * size);
+          std::memcpy(v + (b * a.vs[0] + g * a.vs[1] + row * a.vs[2]) * size, q + (p[33] + from) * size,
+                      a.Dv * size);
+        }
+      }
+    }
+    if (a.B * a.H == 0) return 0;
+    run(a);
+    return 0;
+  } catch (const std::exception& e) {
+    std::snprintf(last_error, sizeof(last_error), "%s", e.what());
+    return 1;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -444,49 +475,13 @@ const char* qkv_few_rows_error() { return last_error; }
 //  26 causal, 27 scale, 28 dtype (0 float32, 1 bfloat16, 2 float16: q, k, v and out alike), 29 lo and 30 hi
 //  ((B or 1, T) int64 rows' key ranges, or 0: none), 31 their batch stride.
 // 0 on success, 1 on an error (qkv_few_rows_error says which); out is then undefined.
-int qkv_few_rows(const int64_t* p) {
-  try {
-    Args a;
-    if (!read_args(p, a)) return 1;
-    if (a.B * a.H == 0) return 0;
-    run(a);
-    return 0;
-  } catch (const std::exception& e) {
-    std::snprintf(last_error, sizeof(last_error), "%s", e.what());
-    return 1;
-  }
-}
+int qkv_few_rows(const int64_t* p) { return call(p, false); }
 
 // A decoding step's call (nn/_step.py): qkv_few_rows's 32 arguments, then the new key and value
 // row of each (batch, key head) copied into row S - 1 of k and v before the call reads them, bit for
 // bit: 32 and 33 their offsets from q, in elements; 34 and 35 their batch and head strides. In a
 // fused in-projection's output (B, 1, (H + 2G) * D), whose first H heads are q, the new keys start
 // H heads past q and the values H + G. 0 on success, 1 on an error (nothing written then).
-int qkv_few_rows_step(const int64_t* p) {
-  try {
-    Args a;
-    if (!read_args(p, a)) return 1;
-    const int64_t size = a.dtype == 0 ? 4 : 2;
-    const char* q = static_cast<const char*>(a.q);
-    char* k = static_cast<char*>(const_cast<void*>(a.k));
-    char* v = static_cast<char*>(const_cast<void*>(a.v));
-    const int64_t row = a.S - 1;
-    for (int64_t b = 0; b < a.B; ++b) {
-      for (int64_t g = 0; g < a.G; ++g) {
-        const int64_t from = b * p[34] + g * p[35];
-        std::memcpy(k + (b * a.ks[0] + g * a.ks[1] + row * a.ks[2]) * size, q + (p[32] + from) * size,
-                    a.D * size);
-        std::memcpy(v + (b * a.vs[0] + g * a.vs[1] + row * a.vs[2]) * size, q + (p[33] + from) * size,
-                    a.Dv * size);
-      }
-    }
-    if (a.B * a.H == 0) return 0;
-    run(a);
-    return 0;
-  } catch (const std::exception& e) {
-    std::snprintf(last_error, sizeof(last_error), "%s", e.what());
-    return 1;
-  }
-}
+int qkv_few_rows_step(const int64_t* p) { return call(p, true); }
 
 }  // extern "C"
