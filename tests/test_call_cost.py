@@ -365,14 +365,17 @@ def test_fused_passes_equal_their_tensor_ops_bit_for_bit(dtype):
     out[0, 0, 3, 1], out[1, 2, 9, 0] = math.inf, math.nan
     query = torch.randn(1, 3, 17, 5, generator=g).to(dtype)  # broadcast over the batch
     query[0, 1, 2, 4] = math.nan
-    if dtype.itemsize >= 4:  # what a kernel leaves of a bad query: a row of NaN, or of 0 (its
-        out[0, 1, 2], out[1, 1, 2] = math.nan, 0.0  # scores all NaN): the pass reads no query
-    # (a half row may come out finite: the queries are swept, as they would be here for all)
+    torch_kernel = dtype.itemsize >= 4  # what torch's kernel leaves of a bad query: a row of
+    if torch_kernel:  # NaN, or of 0 (its scores all NaN), and the pass reads no query row
+        out[0, 1, 2], out[1, 1, 2] = math.nan, 0.0
+    # (a half row may come out finite: the queries are swept)
     out[1, 0, 6] = 0.0  # a row of zeros: computed again too (a kernel's row of NaN scores)
     key, value = torch.randn(2, 1, 3, 11, 8, generator=g).to(dtype)  # broadcast over the batch
     key = key[..., :5]  # (1, 3, 11, 5); value (1, 3, 11, 8)
     before = out.clone()
-    assert nonfinite_rows.check_rows(out, query, (query, key, value), 0.5, 1)
+    assert nonfinite_rows.check_rows(
+        out, query, (query, key, value), 0.5, 1, torch_kernel=torch_kernel
+    )
     bad_q = ~torch.isfinite(query).all(-1).expand(2, 3, 17)
     again = (~torch.isfinite(before).all(-1) | (before == 0).all(-1)) & ~bad_q  # (2, 3, 17)
     assert again.sum() == 3 and out[bad_q].isnan().all()
@@ -470,20 +473,58 @@ def test_the_output_check_finds_one_wrong_element_anywhere_in_a_row(what, at, Dv
     assert torch.equal(rows, expected)
 
 
-def test_a_half_row_without_the_lse_has_its_queries_swept():
-    """Where a half row may be finite and wrong (a +inf score, without the kernel's lse), the
-    pass still sweeps the queries: a finite output row of a bad query row becomes NaN."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("torch_kernel", [False, True], ids=["other kernel", "torch's kernel"])
+def test_a_row_that_may_not_tell_has_its_queries_swept(dtype, torch_kernel):
+    """Where an output row may be finite and wrong for a bad query row (another kernel's in any
+    dtype; a half row without the kernel's lse: a +inf score), the pass still sweeps the
+    queries: a finite output row of a bad query row becomes NaN. Only torch's kernel in float32
+    and float64 is trusted to leave that row not finite or all zero."""
     if not nonfinite_rows.available():
         pytest.skip("the fused row passes did not build here")
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, 6, D, generator=g).to(torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 6, D, generator=g).to(dtype) for _ in range(3))
     q[0, 1, 3, 0] = math.inf
-    out = torch.randn(1, 2, 6, D, generator=g).to(torch.bfloat16)  # every row finite
+    out = torch.randn(1, 2, 6, D, generator=g).to(dtype)  # every row finite
     before = out.clone()
-    assert nonfinite_rows.check_rows(out, q, (q, k, v), 0.5, 1)
-    assert out[0, 1, 3].isnan().all()
+    assert nonfinite_rows.check_rows(out, q, (q, k, v), 0.5, 1, torch_kernel=torch_kernel)
+    trusted = torch_kernel and dtype.itemsize >= 4
+    assert out[0, 1, 3].isnan().all() != trusted
     out[0, 1, 3] = before[0, 1, 3]
-    assert torch.equal(out.view(torch.int16), before.view(torch.int16))
+    assert torch.equal(out.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_a_registered_kernel_s_finite_row_of_a_bad_query_comes_out_nan(monkeypatch):
+    """A backend that is not torch's may give a bad query row a finite row (here: torch's
+    output with a bad query's row set to 0.5): the contract's check sweeps the queries after it and
+    the row comes out NaN, the others as they were."""
+    monkeypatch.setenv("QKV_AUTOTUNE", "off")
+
+    class Finite:
+        name, priority, traceable = "finite", -1, False
+
+        def supports(self, call: AttentionCall) -> None:
+            return None
+
+        def run(self, call: AttentionCall):
+            result = dispatch.get_backend("torch").run(call)
+            bad = ~call.query.isfinite().all(-1, keepdim=True)  # (B, H, T, 1)
+            out = result.out.nan_to_num(0.5, 0.5, 0.5).masked_fill(bad, 0.5)
+            return type(result)(out=out, lse=None)
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 5, D, generator=g) for _ in range(3))
+    q[0, 0, 2, 1] = math.nan
+    want = qkv.scaled_dot_product_attention(q, k, v, backend="torch")
+    dispatch.register_backend(Finite())
+    try:
+        for _ in range(2):
+            with torch.no_grad():
+                got = qkv.scaled_dot_product_attention(q, k, v, backend="finite")
+            assert got[0, 0, 2].isnan().all()
+            torch.testing.assert_close(got, want, equal_nan=True)
+    finally:
+        dispatch.unregister_backend("finite")
 
 
 # --- what a decode-size call dispatches --------------------------------------------------------

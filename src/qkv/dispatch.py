@@ -82,6 +82,12 @@ class Plan:
     backend: Backend | None
     keeps_nonfinite_contract: bool = False
 
+    @property
+    def torch_kernel(self) -> bool:
+        """Whether torch's SDPA kernel runs the call (qkv's torch backend): the NaN/inf
+        contract's check after it knows how its rows come out (``Guard.restore``)."""
+        return type(self.backend) is TorchBackend
+
 
 def choose(call: AttentionCall, backend: str = "auto") -> Plan:
     """The plan for ``call``: the backend that runs it (:func:`select`), and for a wanted

@@ -225,7 +225,8 @@ def _attend(query, key, value, args: tuple, return_trace, mods: tuple, backend: 
         result, lse = dispatch.run_with_lse(guard.call, plan)
     if lane is not None:
         _keep_lane(lane, call, plan, guard, mods[0])
-    return guard.restore(result, lse)  # contract: NaN rows, overflowing scores refused
+    # contract: NaN rows, overflowing scores refused
+    return guard.restore(result, lse, plan.torch_kernel)
 
 
 # --- the lane: a decoding step's call, its steps kept --------------------------------------

@@ -184,7 +184,9 @@ class Guard:
             return True
         return _all_finite(_output(result), self.call.query, self.call.key)
 
-    def restore(self, result: Result, lse: Tensor | None = None) -> Result:
+    def restore(
+        self, result: Result, lse: Tensor | None = None, torch_kernel: bool = False
+    ) -> Result:
         """The kernel's result under the contract: NaN on every row that may attend to a bad
         key, and on every bad query row that may attend to some key; a ValueError when finite
         inputs gave a non-finite output because the scaled scores overflow (scales that can
@@ -193,6 +195,8 @@ class Guard:
         ``lse``: the log-sum-exp of each row that torch's kernel gave with the output, where
         it did (``dispatch.run_with_lse``): the fused pass then computes again the rows whose
         lse is not finite instead of scanning a half dtype's keys (``nonfinite_rows``).
+        ``torch_kernel``: the result is torch's SDPA kernel's (the torch backend's), whose rows
+        tell of a bad query row in float32 and float64: the fused pass reads no query row.
 
         Shape:
             output ``(*batch, T, Dv)``, lse ``(*batch, T)`` -> the same.
@@ -207,7 +211,9 @@ class Guard:
             # other math, a score_mod's, sinks', dropout's, whose 0 rows may be right)
             if not (
                 _recomputable(call)
-                and nonfinite_rows.check_rows(out, call.query, inputs, call.scale, group, lse)
+                and nonfinite_rows.check_rows(
+                    out, call.query, inputs, call.scale, group, lse, torch_kernel
+                )
             ):
                 if lse is not None and out.is_cuda and _recomputable(call):
                     restored = _restore_output_by_lse(out, lse)

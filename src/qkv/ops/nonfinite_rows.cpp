@@ -502,14 +502,19 @@ void restore(const Rows n, void* out_, const Strides o, int64_t Dv, int check_ou
   const bool again = rc.k != nullptr && q != nullptr;  // rows computed again
   const bool ranged = kr.lo != nullptr;  // each row's keys a range [lo, hi)
   const bool zeros = again && kr.keys == nullptr;  // ... where all zero too (no bad key flagged)
+  // check_out's bit 1: out is torch's kernel's own (the caller knows), whose rows tell of a bad query
+  const bool rows_tell = (check_out & 2) != 0;
+  check_out &= 1;
   const bool read_out = check_out || again;
-  // The query rows are swept in the common case only where a row of out may not tell of them:
-  // with rows computed again (zeros), a non-finite query row makes every score of its row NaN or
-  // +-inf, which leaves in float32 and float64 a row that is not finite or all zero, and given
-  // the kernel's log-sum-exp, one that is not finite (max + log(sum), each term NaN, +-inf, or
-  // a sum of exp(NaN | +-inf) that is 0, inf or NaN); both are read for every row. A half row
-  // may be finite and wrong without the lse (a +inf score, see KeyScan): its queries are swept.
-  const bool sweep_q = q != nullptr && !(zeros && (rc.lse != nullptr || sizeof(W) >= 4));
+  // The query rows are swept in the common case only where a row of out tells of them: with rows
+  // computed again (zeros), a non-finite query row makes every score of its row NaN or +-inf.
+  // Given the kernel's log-sum-exp, that row's lse is not finite (max + log(sum), each term NaN,
+  // +-inf, or a sum of exp(NaN | +-inf) that is 0, inf or NaN); torch's kernels in float32 and
+  // float64 leave a row that is not finite or all zero; both are read for every row. A half row
+  // may be finite and wrong without the lse (a +inf score, see KeyScan), and another kernel's row
+  // is not known to tell: their queries are swept.
+  const bool sweep_q =
+      q != nullptr && !(zeros && (rc.lse != nullptr || (rows_tell && sizeof(W) >= 4)));
   const int64_t grain = 1 + (1 << 15) / (Dv + D > 0 ? Dv + D : 1);
   at::parallel_for(0, n.count(), grain, [&](int64_t begin, int64_t end) {
     std::vector<float> before;  // bad keys before each key position, for one run's (b, h)

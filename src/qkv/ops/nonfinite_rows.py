@@ -486,6 +486,7 @@ def check_rows(
     scale: float,
     group: int,
     lse: Tensor | None = None,
+    torch_kernel: bool = False,
 ) -> bool:
     """``restore_rows(out, query=query, check_out=True, recompute=(key, value, scale, group))``
     with ``inputs`` = ``(query, key, value)``, where this module takes them and ``out`` is the
@@ -494,7 +495,9 @@ def check_rows(
     step: each test is made once, on attributes read once. The keys are read only for the rows
     computed again (not finite, or all zero), never to check the others; in a half dtype
     they are scanned for a NaN/inf unless the kernel's log-sum-exp ``lse`` ``(*batch, T)`` is
-    given (see :class:`RowsCheck`).
+    given (see :class:`RowsCheck`). The query rows are swept for a NaN/inf unless the lse is
+    given or ``torch_kernel`` says ``out`` is torch's kernel's in float32 or float64, whose row of
+    a bad query is itself not finite or all zero (``nonfinite_rows.cpp``, restore).
 
     ``out`` is the kernel's own when no gradient needs it, no dim of it is broadcast (a row
     written through two indices), and its memory is its own, or all of a buffer it is a
@@ -504,7 +507,7 @@ def check_rows(
         out ``(*batch, T, Dv)``; query ``(*qbatch, T, D)``; key, value ``(*kbatch, S, D|Dv)``
         -> out.
     """
-    args = _check_args(out, query, inputs, scale, group, lse)
+    args = _check_args(out, query, inputs, scale, group, lse, torch_kernel)
     lib = _build()[0]
     if args is None or lib is None or not _own_memory(out, inputs):
         return False
@@ -519,7 +522,7 @@ class RowsCheck(_Packed):
     the layout changes; later calls read the tensors' strides, pointers and key count only
     (that ``out``'s memory is its own is asked with a new layout, as in :class:`KeymaskRows`).
     For one kind of call (the same dtypes and devices, no gradient): the caller holds one per
-    kind."""
+    kind. ``out`` is torch's kernel's (``torch_kernel``: the lanes run torch's kernel)."""
 
     __slots__ = ()
 
@@ -553,7 +556,7 @@ class RowsCheck(_Packed):
         state = self._state
         if layout != state.layout:  # (a known layout asks nothing more: no call, no closure)
             pack = lambda: (  # noqa: E731
-                _check_args(out, query, inputs, scale, group, lse)
+                _check_args(out, query, inputs, scale, group, lse, torch_kernel=True)
                 if _own_memory(out, inputs)
                 else None
             )
@@ -597,6 +600,7 @@ def _check_args(
     scale: float,
     group: int,
     lse: Tensor | None = None,
+    torch_kernel: bool = False,
 ) -> list | None:
     """The arguments of ``qkv_rows_restore`` for :func:`check_rows`, or None where this module
     does not take ``out``, ``query`` and the key and value of ``inputs`` (see there):
@@ -630,7 +634,7 @@ def _check_args(
         out.data_ptr(),  # [4]
         *_aligned(lead, strides[:-1]),
         shape[-1],
-        1,
+        3 if torch_kernel else 1,  # [9] check_out, and whether its rows tell of bad queries
         query.data_ptr(),  # [10]
         *_aligned(qlead, qstrides[:-1]),
         qshape[-1],
