@@ -203,15 +203,18 @@ class FakeGemms:
     """``cpu_isa._gemm_runners`` with fake costs: each run of a route advances the fake clock
     by its cost (seconds, per dtype) and counts itself."""
 
-    def __init__(self, costs: dict[torch.dtype, dict[str, float]]):
+    def __init__(self, costs: dict):
         self.costs = {dt: dict(c) for dt, c in costs.items()}  # a test may change its copy
         self.runs = {dt: dict.fromkeys(("native", "float32"), 0) for dt in costs}
 
-    def __call__(self, dtype):
+    def __call__(self, dtype, one_row=False):
+        """(costs keyed ``(dtype, "one row")`` for one row's products, else by dtype)"""
+        key = (dtype, "one row") if one_row and (dtype, "one row") in self.costs else dtype
+
         def runner(route):
             def run():
-                self.runs[dtype][route] += 1
-                Clock.now += self.costs[dtype][route]
+                self.runs[key][route] += 1
+                Clock.now += self.costs[key][route]
 
             return run
 
@@ -267,6 +270,39 @@ def test_the_route_measured_faster_is_taken_for_each_dtype(measuring):
         "half GEMM bfloat16 -> native: faster measured on this machine "
         "(native 1 ms, float32 4 ms; measured)"
     )
+
+
+def test_one_row_products_have_a_route_of_their_own(measuring):
+    """A product of one row (a decoding step's projection) is measured apart: held to AVX2,
+    torch's bfloat16 matrix-vector product beat widening the weight (146 against 374 us),
+    while its GEMM of 8 rows and more lost. Here one row takes native bfloat16 and 8 rows
+    float32, each with the products of its route."""
+    fake = measuring(
+        {
+            BF16: {"native": 9e-3, "float32": 3e-3},
+            (BF16, "one row"): {"native": 1e-3, "float32": 4e-3},
+        }
+    )
+    assert cpu_isa.half_gemm_route(BF16) == "float32"
+    assert cpu_isa.half_gemm_route(BF16, one_row=True) == "native"
+    assert fake.runs[(BF16, "one row")]["native"] >= 3 and fake.runs[BF16]["float32"] >= 3
+    assert cpu_isa.half_gemm_choice(BF16, one_row=True).source == "measured"
+    assert cpu_isa.explain_half_gemm(BF16, one_row=True).startswith(
+        "half GEMM bfloat16/one row -> native: faster measured on this machine"
+    )
+    assert not cpu_isa.widens_half(torch.ones(1, 1, 5, dtype=BF16))
+    assert not cpu_isa.widens_half(torch.ones(5, dtype=BF16))
+    assert cpu_isa.widens_half(torch.ones(1, 8, 5, dtype=BF16))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 5, generator=g).to(BF16)
+    for rows in (1, 8):
+        x = torch.randn(1, rows, 5, generator=g).to(BF16)
+        want = (
+            torch.nn.functional.linear(x, w)
+            if rows == 1
+            else torch.nn.functional.linear(x.float(), w.float()).to(BF16)
+        )
+        assert torch.equal(cpu_isa.linear(x, w), want)
 
 
 def test_a_route_is_measured_once_per_process(measuring):

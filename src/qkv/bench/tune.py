@@ -12,6 +12,7 @@ Shape alphabet: B batch, H heads, T query length (= S), D head dim.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -87,12 +88,12 @@ def tune_routes(progress: Callable[[dict], None] | None = None) -> Iterator[dict
     processes read it); yield one row per choice: ``{choice, route, times, reason}``, with
     ``forced`` naming what the switch ``switch`` (``QKV_CPU_HALF_GEMM``, ``QKV_BF16_GEMM``)
     holds this process to, if set."""
-    for dtype in (torch.bfloat16, torch.float16):
-        choice = cpu_isa.half_gemm_choice(dtype, fresh=True)
-        name = str(dtype).removeprefix("torch.")
+    for dtype, one_row in itertools.product((torch.bfloat16, torch.float16), (False, True)):
+        choice = cpu_isa.half_gemm_choice(dtype, fresh=True, one_row=one_row)
+        name = str(dtype).removeprefix("torch.") + (", one row" if one_row else "")
         row: dict = dict(choice=f"half GEMM {name}", route=choice.route, times=choice.times)
         row["reason"] = choice.reason()
-        held = cpu_isa.half_gemm_choice(dtype, measure=False)
+        held = cpu_isa.half_gemm_choice(dtype, measure=False, one_row=one_row)
         if held.source == "forced":
             row.update(forced=held.route, switch=cpu_isa.HALF_GEMM_SWITCH)
         if progress is not None:

@@ -21,8 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "call (those that compile on first use too, such as flex) and keep the fastest on "
         "disk, where backend='auto' finds it in later processes on this machine "
         "(QKV_AUTOTUNE=off ignores it); first the CPU's route choices (native or float32 "
-        "half GEMMs, per half dtype; the bfloat16 kernel's GEMM), kept the same way. Prints "
-        "one line per choice.",
+        "half GEMMs, per half dtype and for one row; the bfloat16 kernel's GEMM), kept the same "
+        "way. Prints one line per choice.",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])

@@ -113,13 +113,19 @@ HALF_GEMM_SWITCH = "QKV_CPU_HALF_GEMM"  # the environment variable that forces t
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def half_gemm_route(dtype: torch.dtype = torch.bfloat16) -> str:
+def half_gemm_route(dtype: torch.dtype = torch.bfloat16, one_row: bool = False) -> str:
     """``"native"``: half inputs of ``dtype`` are multiplied by torch in their own dtype;
     ``"float32"``: widened to float32 first (same products, float32 sums). Forced by
     ``QKV_CPU_HALF_GEMM``; else measured once per process and dtype (or read from disk), or
     with ``QKV_AUTOTUNE=off`` from the flags (:func:`native_bf16`). The hot path: after the
-    first call, two environment reads and a dict lookup."""
-    return HALF_GEMM.route(_dtype_name(dtype))
+    first call, two environment reads and a dict lookup.
+
+    ``one_row``: for a product of one row (a decoding step's projections), measured apart:
+    widening then converts the whole weight for one row's products, and torch's half
+    matrix-vector product may win where its GEMM loses (held to AVX2 on the AMX Xeon: a
+    bfloat16 row times (1536, 512) took 146 us native against 374 us widened, while 8 rows
+    took 1024 against 611 and 128 rows 15.9 ms against 2.2)."""
+    return HALF_GEMM.route(_ROW_NAMES[dtype] if one_row else _dtype_name(dtype))
 
 
 # What torch.compiler.assume_constant_result sets, without importing torch._dynamo with qkv:
@@ -132,9 +138,14 @@ vars(half_gemm_route)["_dynamo_marked_constant"] = True
 
 
 def half_gemm_choice(
-    dtype: torch.dtype = torch.bfloat16, *, measure: bool = True, fresh: bool = False
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    measure: bool = True,
+    fresh: bool = False,
+    one_row: bool = False,
 ) -> RouteChoice:
-    """The route ``dtype``'s half GEMMs take here, and why (see :class:`RouteChoice`).
+    """The route ``dtype``'s half GEMMs take here, and why (see :class:`RouteChoice`);
+    ``one_row``: those of one row (see :func:`half_gemm_route`).
 
     ``measure=False`` runs nothing: a route not yet known is the flag rule's.
     ``fresh=True`` (``qkv tune``) measures whatever is kept, forced or off, and keeps the
@@ -144,16 +155,18 @@ def half_gemm_choice(
         raise ValueError(
             f"half_gemm_choice: dtype must be torch.bfloat16 or torch.float16, got {dtype}"
         )
-    choice = HALF_GEMM.choice(_dtype_name(dtype), measure=measure, fresh=fresh)
+    key = _ROW_NAMES[dtype] if one_row else _dtype_name(dtype)
+    choice = HALF_GEMM.choice(key, measure=measure, fresh=fresh)
     assert isinstance(choice, RouteChoice)  # (HALF_GEMM makes them)
     return choice
 
 
-def explain_half_gemm(dtype: torch.dtype = torch.bfloat16) -> str:
-    """Which route ``dtype``'s half GEMMs take on this CPU and why, in a line; runs nothing
-    (a route not yet measured shows the flag rule's)."""
-    name = str(dtype).removeprefix("torch.")
-    return f"half GEMM {name} -> {half_gemm_choice(dtype, measure=False).reason()}"
+def explain_half_gemm(dtype: torch.dtype = torch.bfloat16, one_row: bool = False) -> str:
+    """Which route ``dtype``'s half GEMMs (``one_row``: of one row) take on this CPU and why,
+    in a line; runs nothing (a route not yet measured shows the flag rule's)."""
+    name = _ROW_NAMES[dtype] if one_row else str(dtype).removeprefix("torch.")
+    choice = half_gemm_choice(dtype, measure=False, one_row=one_row)
+    return f"half GEMM {name} -> {choice.reason()}"
 
 
 def forget() -> None:
@@ -169,6 +182,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _NAMES = {d: n for n, d in _DTYPES.items()}
+_ROW_NAMES = {d: f"{n}/one row" for d, n in _NAMES.items()}  # the one-row products' keys
 
 
 def _flag_route() -> str:
@@ -180,12 +194,12 @@ def _flags_words(route: str) -> str:
     return f"the CPU flags' rule (torch {has} AVX-512-BF16/AMX to use)"
 
 
-def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+def _gemm_runners(dtype: torch.dtype, one_row: bool = False) -> dict[str, Callable[[], object]]:
     """The representative GEMM by each route, as :func:`linear` forms it (the flag rule's
-    route first: it wins a tie). Drawn from a generator of its own: the global one is left as
-    it was."""
+    route first: it wins a tie); ``one_row``: of one row. Drawn from a generator of its own:
+    the global one is left as it was."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(_ROWS, _IN, generator=g, device="cpu").to(dtype)  # (T, C)
+    x = torch.randn(1 if one_row else _ROWS, _IN, generator=g, device="cpu").to(dtype)  # (T, C)
     w = torch.randn(_OUT, _IN, generator=g, device="cpu").to(dtype)  # (3C, C)
     b = torch.randn(_OUT, generator=g, device="cpu").to(dtype)  # (3C,)
     runners: dict[str, Callable[[], object]] = {
@@ -196,9 +210,12 @@ def _gemm_runners(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     return {first: runners[first]} | {n: r for n, r in runners.items() if n != first}
 
 
-def _time_routes(dtype: torch.dtype) -> dict[str, float]:
-    """Seconds per representative GEMM of each route (:func:`_time_one_thread`)."""
-    return _time_one_thread(lambda: _gemm_runners(dtype), _ROUNDS, _BUDGET_S)
+def _time_routes(key: str) -> dict[str, float]:
+    """Seconds per representative GEMM of each route (:func:`_time_one_thread`), for a key of
+    ``_NAMES`` or ``_ROW_NAMES``."""
+    name, _, rows = key.partition("/")
+    dtype = _DTYPES[name]
+    return _time_one_thread(lambda: _gemm_runners(dtype, bool(rows)), _ROUNDS, _BUDGET_S)
 
 
 def _time_one_thread(
@@ -223,15 +240,20 @@ HALF_GEMM = _measured.MeasuredRoute(
     HALF_GEMM_SWITCH,
     _flag_route,
     _flags_words,
-    lambda name: _time_routes(_DTYPES[name]),
+    _time_routes,
     RouteChoice,
 )
 
 
 def widens_half(x: Tensor) -> bool:
     """Whether ``x``'s products are to be formed in float32: a float16/bfloat16 CPU tensor
-    whose dtype's half GEMMs take the float32 route here (:func:`half_gemm_route`)."""
-    return x.dtype in _HALF and x.device.type == "cpu" and half_gemm_route(x.dtype) == "float32"
+    whose dtype's half GEMMs take the float32 route here (:func:`half_gemm_route`; a tensor of
+    one row ``(*1, in)`` by the one-row products' route)."""
+    return (
+        x.dtype in _HALF
+        and x.device.type == "cpu"
+        and half_gemm_route(x.dtype, x.numel() == x.shape[-1]) == "float32"
+    )
 
 
 FUSED_BIAS_SWITCH = "QKV_CPU_FUSED_BIAS"  # "off": bfloat16 linears add their bias as addmm does
