@@ -500,11 +500,13 @@ def test_a_fused_bias_gives_f_linear_s_bits(fused_calls, monkeypatch, rows, size
 
 
 @pytest.mark.parametrize(
-    "case", ["grad", "strided input", "strided weight", "no bias", "float32", "1-d", "fake"]
+    "case",
+    ["grad", "strided input", "strided weight", "no bias", "float32", "1-d", "fake", "autocast"],
 )
 def test_what_the_fused_bias_does_not_take_goes_to_f_linear(fused_calls, case):
     """A gradient wanted, a non-contiguous input or weight, no bias, another dtype, a 1-d input,
-    or a dispatch mode (fake tensors) take ``F.linear``: the gradient flows as before."""
+    CPU autocast (to float16 ``F.linear`` casts, the op would not), or a dispatch mode (fake
+    tensors) take ``F.linear``: the gradient flows as before."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 9, 16, generator=g).to(torch.bfloat16)
     w = torch.randn(12, 16, generator=g).to(torch.bfloat16)
@@ -527,6 +529,11 @@ def test_what_the_fused_bias_does_not_take_goes_to_f_linear(fused_calls, case):
         with FakeTensorMode() as mode:
             out = cpu_isa.linear(mode.from_tensor(x), mode.from_tensor(w), mode.from_tensor(b))
         assert out.shape == (2, 9, 12) and fused_calls[0] == 0
+        return
+    if case == "autocast":
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            out, want = cpu_isa.linear(x, w, b), torch.nn.functional.linear(x, w, b)
+        assert fused_calls[0] == 0 and out.dtype == torch.float16 and torch.equal(out, want)
         return
     out = cpu_isa.linear(x, w, b)
     assert fused_calls[0] == 0
@@ -563,6 +570,17 @@ def test_the_fused_bias_probe_keeps_f_linear_where_the_op_fails_or_differs(monke
             assert torch.equal(cpu_isa.linear(x, w, b), torch.full((2, 3, 5), 5.0).bfloat16())
     monkeypatch.undo()
     cpu_isa._FUSED_BIAS[:] = kept
+
+
+def test_the_fused_bias_probe_made_under_autocast_finds_what_it_finds_without(monkeypatch):
+    """The probe runs without autocast: made first under CPU autocast to float16 (where
+    ``F.linear`` would cast its products), it finds what it finds outside."""
+    monkeypatch.delenv(cpu_isa.FUSED_BIAS_SWITCH, raising=False)
+    monkeypatch.setattr(cpu_isa, "_FUSED_BIAS", [])
+    outside = cpu_isa.fused_bias_here()
+    cpu_isa._FUSED_BIAS.clear()
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert cpu_isa.fused_bias_here() == outside
 
 
 @pytest.mark.parametrize("fused", ["on", "off"])

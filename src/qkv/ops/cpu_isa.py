@@ -32,8 +32,8 @@ copies the bias into every row of its output and then accumulates into it, a pas
 output that cost 6-22% of the projection (8-12% at one row, a decoding step's; 22% at 1024
 rows of C=512 to 3C; AMX Xeon, one thread). The op is oneDNN's own, the same products and
 sums, so the route changes speed only; ``QKV_CPU_FUSED_BIAS=off`` turns it off (the tests
-run both ways). Inputs that want a gradient, tracing and dispatch modes, other devices and
-non-contiguous tensors take ``F.linear``.
+run both ways). Inputs that want a gradient, CPU autocast, tracing and dispatch modes, other
+devices and non-contiguous tensors take ``F.linear``.
 
 The route is a ``qkv._measured.MeasuredRoute``. bfloat16 attention that wants a gradient
 has no such choice: it is computed in float32 and rounded once (``AttentionCall.work_dtype``
@@ -276,7 +276,7 @@ def _fused_bias_op():
     try:
         candidate = torch.ops.mkldnn._linear_pointwise
         g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
             for rows in ((1,), (2, 37)):
                 x = torch.randn(*rows, 96, generator=g).to(torch.bfloat16)
                 w = torch.randn(80, 96, generator=g).to(torch.bfloat16)
@@ -292,8 +292,9 @@ def _fused_bias_op():
 
 def _fuses_bias(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     """Whether this linear takes the fused bias: bfloat16 CPU tensors, contiguous, a bias, no
-    gradient wanted, not traced and under no dispatch mode (fake tensors, op counters: they
-    see ``F.linear``, and the probe never runs under one), the route on here."""
+    gradient wanted, no CPU autocast (``F.linear`` would cast to its dtype, the op would not),
+    not traced and under no dispatch mode (fake tensors, op counters: they see ``F.linear``,
+    and the probe never runs under one), the route on here."""
     return (
         bias is not None
         and x.dtype is torch.bfloat16
@@ -310,6 +311,7 @@ def _fuses_bias(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
         and x.is_contiguous()
         and weight.is_contiguous()
         and bias.is_contiguous()
+        and not torch.is_autocast_enabled("cpu")
         and not _measured.cannot_time()
         and fused_bias_here()
     )
