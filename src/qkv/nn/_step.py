@@ -67,7 +67,6 @@ class StepPlan:
         "capacity",
         "cls",
         "dtype",
-        "heads",
         "keys",
         "mask",
         "out",
@@ -85,7 +84,6 @@ class StepPlan:
         query: Tensor,
         cache: KVCache,
         lane,
-        heads: tuple[int, int, int],
         packed: few_rows.Packed,
         out: Tensor,
     ) -> None:
@@ -97,7 +95,7 @@ class StepPlan:
         # the bias the parameters hold, or _MISSING for a module without (its attribute None)
         self.bias_entry = p.get("in_proj_bias", _MISSING)
         self.bias = None if self.bias_entry is _MISSING else self.bias_entry
-        self.shape, self.dtype, self.heads = query.shape, query.dtype, heads
+        self.shape, self.dtype = query.shape, query.dtype
         self.keys, self.values = weakref.ref(cache._k), weakref.ref(cache._v)
         # a padded cache's key mask (the kernel reads it in place), or None for one without
         self.mask = weakref.ref(cache._mask) if cache._padded else None
@@ -218,7 +216,7 @@ def make_plan(
     )
     if packed is None or keys.shape[-1] != D or values.shape[-1] != D:
         return None
-    return StepPlan(module, query, cache, lane, (H, G, D), packed, out)
+    return StepPlan(module, query, cache, lane, packed, out)
 
 
 def has_hooks(m: nn.Module) -> bool:
